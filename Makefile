@@ -1,0 +1,31 @@
+# All set-up on a fresh machine is done here: `make demo` and `make test` create .venv
+# (torch 2.13.0 CPU build first, then npukit with its dev extras) when it is missing.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.npukit-installed
+
+.PHONY: install test lint demo bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml setup.py $(wildcard npukit/npu_backend/csrc/*)
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q --no-build-isolation -e '.[dev]'
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check npukit tests benchmarks examples
+
+test: lint
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	PATH="$(abspath $(VENV))/bin:$$PATH" bash examples/demo.sh
+
+bench: $(STAMP)
+	for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf build npukit/npu_backend/*.so demo-out
