@@ -1,0 +1,266 @@
+"""Turn torch.profiler's recorded event tree into an EventTable.
+
+torch's own `with_stack` grouping needs a verbose experimental config and never names module
+paths, so stacks and modules are derived here from the Python tracer events in the tree:
+the stack line of an op is the innermost call made from the user's own code (not torch,
+npukit, the standard library or site-packages), and its module path is the innermost
+nn.Module call, named by attribute path (Net.encoder.0.fc1) through `module_names`.
+Backward ops inherit the stack line and module path of the forward op that created their
+autograd node (matched by sequence number), so "by module" and "by line" cover backward too.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from npukit.profiler.cost import CONV_OPS, op_cost
+from npukit.profiler.table import (
+    KIND_ANNOTATION,
+    KIND_AUTOGRAD,
+    KIND_GC,
+    KIND_OP,
+    PHASE_BACKWARD,
+    PHASE_DATALOADER,
+    PHASE_FORWARD,
+    PHASE_OPTIMIZER,
+    PHASE_OTHER,
+    EventTable,
+    TableBuilder,
+)
+
+GC_ANNOTATION_PREFIX = "Python GC"
+STEP_PREFIX = "ProfilerStep#"
+DATALOADER_PREFIX = "enumerate(DataLoader)#"
+OPTIMIZER_PREFIXES = ("Optimizer.step#", "Optimizer.zero_grad#")
+AUTOGRAD_NODE_PREFIX = "autograd::engine::evaluate_function: "
+
+
+@lru_cache(maxsize=4096)
+def is_user_file(file_name: str) -> bool:
+    """True for the user's own source files (the tracer shortens paths relative to sys.path)."""
+    if not file_name or file_name.startswith("<"):
+        return False
+    path = Path(file_name)
+    candidates = [path] if path.is_absolute() else [Path(entry or ".") / path for entry in sys.path]
+    library_roots = _library_roots()
+    for candidate in candidates:
+        if candidate.is_file():
+            resolved = os.path.realpath(candidate)
+            return not any(resolved.startswith(root) for root in library_roots)
+    # Unresolvable: only torch's and npukit's own trees are known not to be user code.
+    return path.parts[0] not in ("torch", "npukit", "torchgen", "functorch", "typing.py")
+
+
+@lru_cache(maxsize=1)
+def _library_roots() -> tuple[str, ...]:
+    import torch
+
+    paths = sysconfig.get_paths()
+    roots = {
+        os.path.realpath(paths[key]) + os.sep for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in paths
+    }
+    roots.add(os.path.realpath(Path(torch.__file__).parent) + os.sep)
+    roots.add(os.path.realpath(Path(__file__).parents[1]) + os.sep)  # npukit itself
+    return tuple(sorted(roots))
+
+
+def _describe_inputs(inputs) -> tuple[list[tuple[tuple[int, ...], str]], list[str], str, str]:
+    """(tensors as (shape, dtype), devices, shapes text, dtypes text) for an op's inputs."""
+    tensors: list[tuple[tuple[int, ...], str]] = []
+    devices: list[str] = []
+    shape_parts: list[str] = []
+    dtype_parts: list[str] = []
+    for item in inputs:
+        group = item if isinstance(item, list) else [item]
+        metas = [m for m in group if hasattr(m, "sizes")]
+        if not metas:
+            continue
+        texts = []
+        for meta in metas:
+            shape = tuple(meta.sizes)
+            dtype = str(meta.dtype).removeprefix("torch.")
+            tensors.append((shape, dtype))
+            devices.append(str(meta.device))
+            texts.append(str(list(shape)))
+        if isinstance(item, list):
+            shape_parts.append("(" + ", ".join(texts) + ")")
+            dtype_parts.append("(" + ", ".join(sorted({d for _, d in tensors[-len(metas):]})) + ")")
+        else:
+            shape_parts.append(texts[0])
+            dtype_parts.append(tensors[-1][1])
+    return tensors, devices, ", ".join(shape_parts), ", ".join(dtype_parts)
+
+
+def _torch_flop_counts(kineto_results) -> dict[tuple[int, str], float]:
+    """torch's own FLOP counts (with_flops) keyed by (start ns, name); it knows conv2d strides."""
+    counts: dict[tuple[int, str], float] = {}
+    for event in kineto_results.events():
+        flops = event.flops()
+        if flops:
+            try:
+                counts[(event.start_ns(), event.name())] = float(flops)
+            except UnicodeDecodeError:
+                continue
+    return counts
+
+
+def table_from_profiler(prof, module_names: dict[int, str] | None = None, meta: dict | None = None) -> EventTable:
+    """Build the event table of one finished torch.profiler.profile cycle."""
+    from torch._C._profiler import _EventType
+
+    results = prof.profiler.kineto_results
+    roots = results.experimental_event_tree()
+    torch_flops = _torch_flop_counts(results)
+    module_names = module_names or {}
+    builder = TableBuilder()
+    threads: dict[int, int] = {}
+    cost_cache: dict[tuple, tuple[float, float]] = {}
+    forward_by_seq: dict[int, int] = {}  # sequence number -> row of the outermost forward op
+    backward_rows: list[tuple[int, int]] = []  # (row, sequence number of its autograd node)
+    inherited_flops: dict[int, float] = {}  # top-level row -> FLOPs of its costed descendants
+    step_ranges: list[tuple[int, int, int]] = []
+    torch_op, py_call, py_ccall = _EventType.TorchOp, _EventType.PyCall, _EventType.PyCCall
+
+    # Context per pending event: (parent row, stack, module, phase, top row, costed, autograd seq,
+    # torch's FLOP count of the enclosing conv call, which its conv-family children share).
+    pending = [(root, (-1, None, None, PHASE_OTHER, -1, False, -1, 0.0)) for root in reversed(roots)]
+    while pending:
+        event, (parent, stack, module, phase, top_row, costed, node_seq, conv_flops) = pending.pop()
+        tag = event.tag
+        if tag == py_call or tag == py_ccall:
+            fields = event.extra_fields
+            caller = fields.caller
+            if is_user_file(caller.file_name):
+                stack = f"{caller.file_name}:{caller.line_number} in {caller.function_name}"
+            if tag == py_call and fields.module is not None:
+                module = module_names.get(fields.module.self_ptr, fields.module.cls_name)
+                if phase == PHASE_OTHER:
+                    phase = PHASE_FORWARD
+        elif tag == torch_op:
+            fields = event.extra_fields
+            name = event.name
+            scope = str(fields.scope)
+            seq = int(fields.sequence_number)
+            thread = threads.setdefault(event.start_tid, len(threads))
+            start, duration = event.start_time_ns, event.duration_time_ns
+            if name.startswith(AUTOGRAD_NODE_PREFIX) or scope.endswith("BACKWARD_FUNCTION"):
+                kind, phase, node_seq = KIND_AUTOGRAD, PHASE_BACKWARD, seq
+            elif scope.endswith("USER_SCOPE") or name.startswith((STEP_PREFIX, DATALOADER_PREFIX, *OPTIMIZER_PREFIXES)):
+                kind = KIND_GC if name.startswith(GC_ANNOTATION_PREFIX) else KIND_ANNOTATION
+                if name.startswith(STEP_PREFIX):
+                    step_ranges.append((start, start + duration, int(name[len(STEP_PREFIX):] or -1)))
+                elif name.startswith(OPTIMIZER_PREFIXES):
+                    phase = PHASE_OPTIMIZER
+                elif name.startswith(DATALOADER_PREFIX):
+                    phase = PHASE_DATALOADER
+            else:
+                kind = KIND_OP
+            row_args: dict = {}
+            if kind == KIND_OP:
+                tensors, devices, shapes, dtypes = _describe_inputs(fields.inputs)
+                key = (name, shapes, dtypes)
+                cost = cost_cache.get(key)
+                known = torch_flops.get((start, name), 0.0) or (conv_flops if name in CONV_OPS else 0.0)
+                if name in CONV_OPS:
+                    conv_flops = known
+                if cost is None or known:
+                    cost = op_cost(name, tensors, known)
+                    cost_cache[key] = cost
+                is_top = top_row < 0
+                flops = cost[0]
+                row_args = dict(
+                    shapes=shapes, dtypes=dtypes, devices=", ".join(devices), flops=flops, nbytes=cost[1],
+                    top_level=is_top,
+                )
+            row = builder.add(
+                name, start_ns=start, dur_ns=duration, kind=kind, phase=phase, parent=parent,
+                thread=thread, stack=stack, module=module, seq=seq, **row_args,
+            )
+            if kind == KIND_OP:
+                if seq >= 0 and phase != PHASE_BACKWARD:
+                    forward_by_seq.setdefault(seq, row)
+                if is_top:
+                    top_row, costed = row, flops > 0
+                elif flops > 0 and not costed:
+                    inherited_flops[top_row] = inherited_flops.get(top_row, 0.0) + flops
+                    costed = True
+            else:
+                top_row, costed = -1, False
+            if node_seq >= 0 and phase == PHASE_BACKWARD:
+                backward_rows.append((row, node_seq))
+            parent = row
+        context = (parent, stack, module, phase, top_row, costed, node_seq, conv_flops)
+        pending.extend((child, context) for child in reversed(event.children))
+
+    for row, flops in inherited_flops.items():
+        builder.set(row, "flops", flops)
+    for row, seq in backward_rows:
+        forward = forward_by_seq.get(seq)
+        if forward is not None:
+            for column in ("stack_id", "module_id"):
+                if builder.get(forward, column) >= 0:
+                    builder.set(row, column, builder.get(forward, column))
+
+    table = builder.build(meta)
+    _assign_steps(table, step_ranges)
+    _sort_by_start(table)
+    _nest_in_annotations(table)
+    return table
+
+
+def _nest_in_annotations(table: EventTable) -> None:
+    """Parent rows the tree left as roots by time containment on their thread, then inherit phase.
+
+    torch's event tree does not nest ops under record_function ranges (ProfilerStep#,
+    Optimizer.step#, DataLoader), so those links are rebuilt here from start/end times.
+    """
+    end = (table.start_ns + table.dur_ns).tolist()
+    parent = table.parent.tolist()
+    phase = table.phase.tolist()
+    open_by_thread: dict[int, list[int]] = {}
+    for row, thread in enumerate(table.thread.tolist()):
+        stack = open_by_thread.setdefault(thread, [])
+        start = int(table.start_ns[row])
+        while stack and end[stack[-1]] <= start:
+            stack.pop()
+        if parent[row] < 0 and stack:
+            parent[row] = stack[-1]
+        if phase[row] == PHASE_OTHER and parent[row] >= 0:
+            phase[row] = phase[parent[row]]
+        stack.append(row)
+    table.parent[:] = parent
+    table.phase[:] = phase
+
+
+def _assign_steps(table: EventTable, step_ranges: list[tuple[int, int, int]]) -> None:
+    """Step of each row = the ProfilerStep range containing its start (any thread)."""
+    if not step_ranges or not len(table):
+        return
+    step_ranges.sort()
+    starts = np.array([s for s, _, _ in step_ranges], dtype=np.int64)
+    ends = np.array([e for _, e, _ in step_ranges], dtype=np.int64)
+    numbers = np.array([n for _, _, n in step_ranges], dtype=np.int32)
+    slot = np.searchsorted(starts, table.start_ns, side="right") - 1
+    inside = (slot >= 0) & (table.start_ns < ends[np.maximum(slot, 0)])
+    table.step[:] = np.where(inside, numbers[np.maximum(slot, 0)], -1)
+
+
+def _sort_by_start(table: EventTable) -> None:
+    """Order rows by start time, remap parents, and make times relative to the first event."""
+    if not len(table):
+        return
+    order = np.argsort(table.start_ns, kind="stable")  # stable: a parent stays before its children
+    new_index = np.empty_like(order)
+    new_index[order] = np.arange(len(order))
+    for name in EventTable.column_names():
+        setattr(table, name, getattr(table, name)[order])
+    table.parent[:] = np.where(table.parent >= 0, new_index[np.maximum(table.parent, 0)], -1)
+    origin = int(table.start_ns[0])
+    table.meta["origin_ns"] = origin
+    table.start_ns -= origin

@@ -1,0 +1,274 @@
+"""Recording: a context manager around (unmodified) user code that writes a profile per rank.
+
+    with ProfileSession(Path("prof"), steps="1,1,3"):
+        train()          # steps are found from optimizer.step(); no prof.step() needed
+
+writes prof/rank{RANK}/: events.npz (the compact event table), trace_{n}.json (Chrome /
+Perfetto trace per recorded cycle) and meta.json.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+import sys
+import tempfile
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+from npukit.errors import UserError
+from npukit.profiler.extract import GC_ANNOTATION_PREFIX, table_from_profiler
+from npukit.profiler.table import EventTable, write_meta
+
+LARGE_PROFILE_EVENTS = 100_000
+
+
+@dataclass(frozen=True)
+class StepSchedule:
+    wait: int
+    warmup: int
+    active: int
+    repeat: int = 1
+
+    def describe(self) -> str:
+        return f"wait={self.wait}, warmup={self.warmup}, active={self.active}, repeat={self.repeat}"
+
+
+def parse_steps(text: str | None) -> StepSchedule | None:
+    """Parse --profile-steps "wait,warmup,active[,repeat]" (e.g. "1,1,3")."""
+    if text is None or not text.strip():
+        return None
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        numbers = [int(p) for p in parts]
+    except ValueError:
+        numbers = []
+    if len(numbers) not in (3, 4) or any(n < 0 for n in numbers) or numbers[2] < 1:
+        raise UserError(
+            f"--profile-steps {text!r}: expected wait,warmup,active[,repeat] as non-negative integers"
+            " with active >= 1, e.g. 1,1,3"
+        )
+    return StepSchedule(*numbers)
+
+
+def rank_from_env() -> int:
+    value = os.environ.get("RANK", "0")
+    try:
+        return int(value)
+    except ValueError:
+        raise UserError(f"RANK={value!r}: must be an integer") from None
+
+
+class _ModuleNamer:
+    """Names every called nn.Module by attribute path (Net.encoder.0) for the module grouping.
+
+    A global forward pre-hook sees the outermost module first and names its whole subtree.
+    """
+
+    def __init__(self) -> None:
+        self.names: dict[int, str] = {}
+        self._refs: dict[int, weakref.ref] = {}
+        self._handle = None
+
+    def install(self) -> None:
+        from torch.nn.modules.module import register_module_forward_pre_hook
+
+        self._handle = register_module_forward_pre_hook(self._pre_hook)
+
+    def remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _pre_hook(self, module, args) -> None:
+        ref = self._refs.get(id(module))
+        if ref is not None and ref() is module:
+            return
+        for name, sub in module.named_modules(prefix=type(module).__name__):
+            ref = self._refs.get(id(sub))
+            if ref is None or ref() is not sub:
+                self.names[id(sub)] = name
+                self._refs[id(sub)] = weakref.ref(sub)
+
+
+class _GcMarker:
+    """Marks Python garbage-collection pauses as "Python GC gen<N>" ranges in the profile."""
+
+    def __init__(self) -> None:
+        self._open = None
+
+    def install(self) -> None:
+        gc.callbacks.append(self._callback)
+
+    def remove(self) -> None:
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        from torch.autograd.profiler import record_function
+
+        if phase == "start" and self._open is None:
+            self._open = record_function(f"{GC_ANNOTATION_PREFIX} gen{info.get('generation', '?')}")
+            self._open.__enter__()
+        elif phase == "stop" and self._open is not None:
+            marker, self._open = self._open, None
+            marker.__exit__(None, None, None)
+
+
+class ProfileSession:
+    """Profile the code inside `with`; step boundaries come from optimizer.step() unless the
+    user calls `.step()` themselves.
+
+    out_dir: profile root; this process writes out_dir/rank{RANK}/.
+    steps: "wait,warmup,active[,repeat]" schedule, or None to record everything.
+    """
+
+    def __init__(
+        self,
+        out_dir: Path,
+        steps: str | None = None,
+        *,
+        with_stack: bool = True,
+        record_shapes: bool = True,
+        trace: bool = True,
+        rank: int | None = None,
+    ) -> None:
+        self.root = Path(out_dir)
+        self.schedule = parse_steps(steps)
+        self.rank = rank_from_env() if rank is None else rank
+        self.directory = self.root / f"rank{self.rank}"
+        if self.directory.exists() and not self.directory.is_dir():
+            raise UserError(f"--profile {self.root}: {self.directory} exists and is not a directory")
+        self.with_stack = with_stack
+        self.record_shapes = record_shapes
+        self.write_trace = trace
+        self.tables: list[EventTable] = []
+        self.traces: list[str] = []
+        self.steps_taken = 0
+        self._explicit_steps = False
+        self._step_clock = None  # the optimizer whose step() marks step boundaries
+        self._profiler = None
+        self._hooks: list = []
+        self._namer = _ModuleNamer()
+        self._gc = _GcMarker()
+
+    # -- user API ------------------------------------------------------------------------
+    def step(self) -> None:
+        """Mark the end of a training step (turns off automatic steps from optimizer.step())."""
+        self._explicit_steps = True
+        self._advance()
+
+    def __enter__(self) -> ProfileSession:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        self._clear_previous_output()
+        kwargs = {}
+        if self.schedule is not None:
+            s = self.schedule
+            kwargs["schedule"] = schedule(wait=s.wait, warmup=s.warmup, active=s.active, repeat=s.repeat)
+        self._profiler = profile(
+            activities=[ProfilerActivity.CPU],
+            record_shapes=self.record_shapes,
+            with_stack=self.with_stack,
+            with_flops=True,
+            on_trace_ready=self._on_trace_ready,
+            **kwargs,
+        )
+        self._hooks.append(register_optimizer_step_post_hook(self._on_optimizer_step))
+        self._namer.install()
+        self._gc.install()
+        self._profiler.__enter__()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            self._profiler.__exit__(exc_type, exc, tb)
+        finally:
+            for hook in self._hooks:
+                hook.remove()
+            self._hooks.clear()
+            self._namer.remove()
+            self._gc.remove()
+        self._write_table()
+
+    # -- internals -----------------------------------------------------------------------
+    def _clear_previous_output(self) -> None:
+        """Old trace files from an earlier run in the same directory would be misleading."""
+        if self.directory.is_dir():
+            for old in self.directory.glob("trace_*.json"):
+                old.unlink()
+
+    def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
+        if self._explicit_steps:
+            return
+        if self._step_clock is None:
+            self._step_clock = weakref.ref(optimizer)
+        if self._step_clock() is optimizer:  # with several optimizers, one step = the first one's step
+            self._advance()
+
+    def _advance(self) -> None:
+        self.steps_taken += 1
+        self._profiler.step()
+
+    def _on_trace_ready(self, prof) -> None:
+        table = table_from_profiler(prof, self._namer.names)
+        self.tables.append(table)
+        if len(table) > LARGE_PROFILE_EVENTS:
+            print(
+                f"npukit.profiler: {len(table):,} events in one recording; summaries stay fast, but the trace is"
+                " large. Record fewer steps with --profile-steps wait,warmup,active (e.g. 5,1,3).",
+                file=sys.stderr,
+            )
+        if self.write_trace:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            target = self.directory / f"trace_{len(self.tables) - 1}.json"
+            fd, tmp = tempfile.mkstemp(prefix=".trace.", suffix=".json", dir=self.directory)
+            os.close(fd)
+            try:
+                prof.export_chrome_trace(tmp)
+                os.replace(tmp, target)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+            self.traces.append(target.name)
+
+    def _write_table(self) -> None:
+        import torch
+
+        if not self.tables:
+            why = (
+                f"the schedule ({self.schedule.describe()}) never reached an active step: "
+                f"{self.steps_taken} step(s) seen"
+                if self.schedule
+                else "nothing was recorded"
+            )
+            hint = "" if self.steps_taken else " (no optimizer.step() call; use the Python API and call .step())"
+            print(f"npukit.profiler: no profile written to {self.directory}: {why}{hint}", file=sys.stderr)
+            return
+        table = EventTable.concat(self.tables)
+        steps = sorted({int(s) for s in table.step.tolist() if s >= 0})
+        meta = {
+            "schema": 1,
+            "rank": self.rank,
+            "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+            "torch_version": torch.__version__,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": sys.argv,
+            "schedule": None if self.schedule is None else self.schedule.__dict__,
+            "steps": steps,
+            "step_source": "explicit" if self._explicit_steps else "optimizer.step",
+            "events": len(table),
+            "traces": self.traces,
+            "with_stack": self.with_stack,
+        }
+        table.meta = meta
+        table.save(self.directory)
+        write_meta(self.directory, meta)
+
+
+def profile(out_dir: str | os.PathLike, steps: str | None = None, **options) -> ProfileSession:
+    """Python API: `with npukit.profiler.profile("prof", steps="1,1,3") as prof: ... prof.step()`."""
+    return ProfileSession(Path(out_dir), steps, **options)

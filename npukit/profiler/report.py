@@ -1,0 +1,143 @@
+"""Output of the summary, estimate, diff and advice: rich tables for people, CSV/JSON for machines."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from npukit.errors import UserError
+from npukit.profiler.summary import EstimateRow, Summary
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write a whole file or nothing (temp file in the same directory, then rename)."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{path}: is a directory; give a file name")
+    if not path.parent.exists():
+        raise UserError(f"{path}: directory {path.parent} does not exist")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", newline="") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def rows_to_csv(rows: list[dict]) -> str:
+    import io
+
+    buffer = io.StringIO()
+    if rows:
+        writer = csv.DictWriter(buffer, fieldnames=list(rows[0]), lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+    return buffer.getvalue()
+
+
+def _us(value: float) -> str:
+    if value >= 1e6:
+        return f"{value / 1e6:.2f} s"
+    if value >= 1e3:
+        return f"{value / 1e3:.2f} ms"
+    return f"{value:.1f} us"
+
+
+def make_console() -> Console:
+    """A console that stays readable when piped (rich would otherwise wrap at 80 columns)."""
+    console = Console()
+    return console if console.is_terminal else Console(width=160)
+
+
+def _count(value: float) -> str:
+    """1234567 -> 1.23 M (FLOPs and bytes)."""
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.2f} {unit}"
+    return f"{value:.0f}" if value else ""
+
+
+def _compact_dtypes(text: str) -> str:
+    """'float32, float32, int64' -> 'float32 x2, int64'."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    out: list[str] = []
+    count = 0
+    for i, part in enumerate(parts):
+        count += 1
+        if i + 1 == len(parts) or parts[i + 1] != part:
+            out.append(part if count == 1 else f"{part} x{count}")
+            count = 0
+    return ", ".join(out)
+
+
+def print_summary(summary: Summary, console: Console, top: int) -> None:
+    title = (
+        f"Top {min(top, len(summary.rows))} of {len(summary.rows)} by self time, grouped by {summary.group_by}"
+        f" ({summary.op_events:,} op events, {summary.steps} step(s), total self {_us(summary.total_self_us)})"
+    )
+    table = Table(title=title, title_justify="left")
+    first = {"op": "op", "shape": "op", "module": "module", "stack": "user line"}[summary.group_by]
+    table.add_column(first, overflow="fold", max_width=48)
+    for name in ("calls", "self", "%", "total", "avg"):
+        table.add_column(name, justify="right")
+    if summary.group_by in ("module", "stack"):
+        table.add_column("top op", overflow="fold", max_width=28)
+    else:
+        table.add_column("input shapes (most common)", overflow="fold", max_width=40)
+        table.add_column("dtypes", overflow="fold", max_width=24)
+    table.add_column("FLOP", justify="right")
+    if summary.chip:
+        table.add_column(f"est. {summary.chip}", justify="right")
+    for row in summary.rows[:top]:
+        cells = [
+            row["group"], f"{row['calls']:,}", _us(row["self_us"]), f"{row['self_pct']:.1f}",
+            _us(row["total_us"]), _us(row["avg_us"]),
+        ]
+        if summary.group_by in ("module", "stack"):
+            cells.append(row["top_op"])
+        else:
+            shapes = row["shapes"] + (f"  (+{row['distinct_shapes'] - 1} more)" if row["distinct_shapes"] > 1 else "")
+            cells += [shapes, _compact_dtypes(row["dtypes"])]
+        cells.append(_count(row["gflops"] * 1e9))
+        if summary.chip:
+            cells.append(_us(row.get("est_npu_us", 0.0)))
+        table.add_row(*cells)
+    console.print(table)
+    for warning in summary.warnings:
+        console.print(f"[yellow]warning:[/] {warning}")
+
+
+def print_estimates(rows: list[EstimateRow], per_step_us: float, chip_text: str, console: Console, top: int) -> None:
+    table = Table(
+        title=f"Estimated NPU time (roofline estimate, not a measurement): {chip_text}",
+        title_justify="left",
+        caption=f"estimated total per step: {_us(per_step_us)}",
+        caption_justify="left",
+    )
+    for name, justify in (("op", "left"), ("input shapes", "left"), ("dtype", "left"), ("calls", "right"),
+                          ("FLOP", "right"), ("bytes", "right"), ("est. NPU", "right"),
+                          ("bound", "left"), ("measured here", "right")):
+        table.add_column(name, justify=justify, overflow="fold")
+    for row in rows[:top]:
+        table.add_row(
+            row.op, row.shapes, row.dtype, f"{row.calls:,}", _count(row.gflops * 1e9), _count(row.mbytes * 1e6) + "B",
+            _us(row.est_us), row.bound, _us(row.measured_us),
+        )
+    console.print(table)
+
+
+def estimates_to_rows(rows: list[EstimateRow]) -> list[dict]:
+    return [asdict(row) for row in rows]
+
+
+def to_json(payload: dict) -> str:
+    return json.dumps(payload, indent=2)

@@ -1,0 +1,58 @@
+"""Shared fixtures: small recorded profiles (recorded once per test session to stay fast)."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+import npukit.profiler
+from npukit.profiler.table import EventTable
+
+
+class MatmulNet(torch.nn.Module):
+    """One big matmul (the known dominant op) next to a few tiny elementwise ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(384, 384)
+        self.head = torch.nn.Linear(384, 8)
+
+    def forward(self, x):
+        h = torch.mm(x, self.proj.weight)  # the dominant op: [256, 384] x [384, 384]
+        h = torch.relu(self.proj(h))
+        return self.head(h).sum()
+
+
+def train_steps(model, steps: int, batch: int = 256) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(batch, 384)
+    for _ in range(steps):
+        loss = model(x)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+@pytest.fixture(scope="session")
+def matmul_profile(tmp_path_factory):
+    """(profile root, loaded rank-0 table) of 4 MatmulNet training steps, schedule 1,1,2."""
+    torch.manual_seed(0)
+    root = tmp_path_factory.mktemp("matmul_prof")
+    model = MatmulNet()
+    with npukit.profiler.profile(root, steps="1,1,2"):
+        train_steps(model, 4)
+    return root, EventTable.load(root / "rank0")
+
+
+@pytest.fixture
+def npu_device():
+    """The emulated npu device; skips only when npukit.npu_backend cannot be imported."""
+    try:
+        backend = importlib.import_module("npukit.npu_backend")
+    except ImportError as exc:
+        pytest.skip(f"npukit.npu_backend not importable: {exc}")
+    if getattr(backend, "__file__", None) is None:  # a bare directory (namespace package): not built yet
+        pytest.skip("npukit.npu_backend has no __init__.py yet")
+    return torch.device("npu:0")

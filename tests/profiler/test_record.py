@@ -1,0 +1,154 @@
+"""Recording: what a user gets on disk from ProfileSession / npukit.profiler.profile."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import npukit.profiler
+from npukit.errors import UserError
+from npukit.profiler.record import ProfileSession, parse_steps
+from npukit.profiler.summary import summarize
+from npukit.profiler.table import KIND_OP, PHASE_BACKWARD, PHASE_NAMES, EventTable
+
+from .conftest import MatmulNet, train_steps
+
+
+def _names(table: EventTable) -> np.ndarray:
+    return table.lookup(table.name_id)
+
+
+def test_schedule_follows_optimizer_steps_without_prof_step(matmul_profile):
+    root, table = matmul_profile
+    # wait=1, warmup=1, active=2 over 4 optimizer.step() calls: steps 2 and 3 are recorded.
+    assert table.meta["steps"] == [2, 3]
+    assert table.meta["step_source"] == "optimizer.step"
+    ops = table.kind == KIND_OP
+    assert set(np.unique(table.step[ops]).tolist()) <= {2, 3}
+    names = _names(table)
+    # Each recorded step ran the explicit torch.mm once forward.
+    forward_mm = (names == "aten::mm") & (table.phase != PHASE_BACKWARD) & table.top_level
+    assert forward_mm.sum() == 2
+
+
+def test_dominant_matmul_is_named_first(matmul_profile):
+    _, table = matmul_profile
+    summary = summarize(table, "op")
+    assert summary.rows[0]["group"] in ("aten::mm", "aten::addmm")
+    mm = next(row for row in summary.rows if row["group"] == "aten::mm")
+    assert mm["shapes"] in ("[256, 384], [384, 384]", "[384, 256], [256, 384]", "[256, 384], [384, 8]")
+    assert mm["self_pct"] > 10
+
+
+def test_files_written_per_rank_and_trace_is_chrome_json(matmul_profile):
+    root, table = matmul_profile
+    rank_dir = root / "rank0"
+    assert sorted(p.name for p in rank_dir.iterdir()) == ["events.npz", "meta.json", "trace_0.json"]
+    trace = json.loads((rank_dir / "trace_0.json").read_text())
+    names = {event.get("name") for event in trace["traceEvents"]}
+    assert "aten::mm" in names
+    meta = json.loads((rank_dir / "meta.json").read_text())
+    assert meta["events"] == len(table)
+    # The table is plain numpy: it loads with pickling disabled.
+    with np.load(rank_dir / "events.npz", allow_pickle=False) as data:
+        assert len(data["name_id"]) == len(table)
+
+
+def test_module_paths_and_user_lines_cover_forward_and_backward(matmul_profile):
+    _, table = matmul_profile
+    names, modules, stacks = _names(table), table.lookup(table.module_id), table.lookup(table.stack_id)
+    addmm = names == "aten::addmm"
+    assert set(modules[addmm]) == {"MatmulNet.proj", "MatmulNet.head"}
+    # The backward matmuls of proj are attributed to proj's forward line and module.
+    backward_mm = (names == "aten::mm") & (table.phase == PHASE_BACKWARD)
+    assert "MatmulNet.proj" in set(modules[backward_mm])
+    explicit_mm = (names == "aten::mm") & (table.phase != PHASE_BACKWARD) & table.top_level
+    lines = set(stacks[explicit_mm])
+    assert len(lines) == 1
+    (line,) = lines
+    assert line.startswith("tests/profiler/conftest.py:") or "conftest.py:" in line
+    assert line.endswith("in forward")
+    source = (__import__("pathlib").Path(__file__).parent / "conftest.py").read_text().splitlines()
+    assert "torch.mm(x, self.proj.weight)" in source[int(line.split(":")[1].split()[0]) - 1]
+
+
+def test_self_time_is_duration_minus_children(matmul_profile):
+    _, table = matmul_profile
+    self_ns = table.self_ns()
+    assert (self_ns <= table.dur_ns).all()
+    linear = np.flatnonzero(_names(table) == "aten::linear")[0]
+    children = np.flatnonzero(table.parent == linear)
+    assert len(children) >= 1
+    assert self_ns[linear] == max(table.dur_ns[linear] - table.dur_ns[children].sum(), 0)
+
+
+def test_explicit_step_and_rank_from_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "3")
+    x = torch.randn(64, 64)
+    with npukit.profiler.profile(tmp_path, steps="0,0,2", trace=False) as prof:
+        for _ in range(3):
+            torch.mm(x, x)
+            prof.step()
+    table = EventTable.load(tmp_path / "rank3")
+    assert table.meta["step_source"] == "explicit"
+    assert table.meta["steps"] == [0, 1]
+    assert (_names(table) == "aten::mm").sum() == 2
+    assert not list((tmp_path / "rank3").glob("trace_*.json"))
+
+
+def test_schedule_never_active_writes_nothing_and_says_why(tmp_path, capsys):
+    with ProfileSession(tmp_path, steps="5,1,1"):
+        train_steps(MatmulNet(), 2, batch=4)
+    assert not (tmp_path / "rank0" / "events.npz").exists()
+    err = capsys.readouterr().err
+    assert "never reached an active step" in err and "2 step(s)" in err
+
+
+def test_gc_pauses_are_recorded(tmp_path):
+    import gc
+
+    with npukit.profiler.profile(tmp_path, trace=False):
+        torch.randn(8).sum()
+        gc.collect()
+    table = EventTable.load(tmp_path / "rank0")
+    assert any(name.startswith("Python GC gen2") for name in _names(table))
+
+
+@pytest.mark.parametrize("text", ["1,1", "a,b,c", "1,1,0", "-1,0,2", "1,2,3,4,5"])
+def test_bad_step_schedule_is_a_user_error(text):
+    with pytest.raises(UserError, match="--profile-steps"):
+        parse_steps(text)
+
+
+def test_step_schedule_parses_repeat():
+    schedule = parse_steps("2, 1, 3, 2")
+    assert (schedule.wait, schedule.warmup, schedule.active, schedule.repeat) == (2, 1, 3, 2)
+    assert parse_steps(None) is None
+
+
+def test_phase_names_cover_all_phases(matmul_profile):
+    _, table = matmul_profile
+    assert set(np.unique(table.phase).tolist()) <= set(range(len(PHASE_NAMES)))
+    assert {"forward", "backward", "optimizer"} <= {PHASE_NAMES[p] for p in np.unique(table.phase)}
+
+
+def test_profile_on_npu_device(tmp_path, npu_device):
+    model = MatmulNet().to(npu_device)
+    with npukit.profiler.profile(tmp_path, trace=False):
+        train_steps_on(model, npu_device)
+    table = EventTable.load(tmp_path / "rank0")
+    devices = set(table.lookup(table.devices_id))
+    assert any("npu" in d for d in devices)
+
+
+def train_steps_on(model, device) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(16, 384, device=device)
+    for _ in range(2):
+        loss = model(x)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
