@@ -1,0 +1,68 @@
+"""Plain records passed between the analysers, the runner and the report writers."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+# Severity of a flagged item: "error" will break on an NPU host, "warning" changes behaviour or
+# needs a decision, "info" is kept as is and only worth knowing.
+SEVERITIES = ("error", "warning", "info")
+
+
+@dataclass(frozen=True)
+class Edit:
+    """Replace source[start:end] with text. Offsets are str indices into the decoded file."""
+
+    start: int
+    end: int
+    text: str
+    rule: str
+    line: int
+    col: int
+    # The rewrite produces code that needs torch_npu loaded (torch.npu, .npu(), "npu" devices...).
+    needs_torch_npu: bool = True
+
+
+@dataclass(frozen=True)
+class Change:
+    """One applied (or, in dry-run, proposed) rewrite, as shown in change_list.csv."""
+
+    path: str
+    line: int
+    col: int
+    rule: str
+    before: str
+    after: str
+
+
+@dataclass(frozen=True)
+class Finding:
+    """Something not migrated automatically, with where it is, why, and what to do instead."""
+
+    path: str
+    line: int
+    col: int
+    kind: str
+    severity: str
+    code: str
+    reason: str
+    suggestion: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class FileResult:
+    """What happened to one file. new_bytes is None when the file is left byte-identical."""
+
+    path: str
+    kind: str  # python | notebook | shell | config | requirements | cuda-source | other
+    new_bytes: bytes | None = None
+    changes: list[Change] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+    error: str | None = None  # why the file could not be processed (left as it was)
+
+    @property
+    def changed(self) -> bool:
+        return self.new_bytes is not None

@@ -1,0 +1,425 @@
+"""The migration rules as data (target: torch_npu 2.14 on torch 2.13/2.14).
+
+The analysers in pysource.py / textfiles.py read these tables; adding a same-name API, an env var
+or a third-party library is a one-line change here. Qualified names are in "expression space":
+`torch.npu.X` is what rewritten code spells (it exists once torch_npu is imported). Import
+statements use the real module path `torch_npu.npu...` instead (see IMPORT_SPACE), because
+`from torch.npu.amp import x` would load a second copy of torch_npu's submodule.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from npukit.migrate.unsupported_apis import UNSUPPORTED_TORCH_APIS
+
+# --------------------------------------------------------------------------- torch.cuda namespace
+# torch_npu.npu.__all__ (2.14.0) plus the submodules that exist under the same name.
+NPU_SAME_NAME = frozenset(
+    """
+    is_initialized init is_available device_count set_device current_device get_device_name
+    get_device_properties can_device_access_peer device device_of utilization mem_get_info
+    ipc_collect synchronize Stream Event StreamContext stream set_stream current_stream default_stream
+    ExternalStream set_sync_debug_mode get_sync_debug_mode manual_seed manual_seed_all seed seed_all
+    initial_seed get_rng_state set_rng_state get_rng_state_all set_rng_state_all caching_allocator_alloc
+    caching_allocator_delete get_per_process_memory_fraction set_per_process_memory_fraction empty_cache
+    memory_stats memory_stats_as_nested_dict reset_accumulated_memory_stats reset_peak_memory_stats
+    reset_max_memory_allocated reset_max_memory_cached memory_allocated max_memory_allocated
+    memory_reserved max_memory_reserved memory_cached max_memory_cached memory_snapshot memory_summary
+    MemPool use_mem_pool get_allocator_backend change_current_allocator host_memory_stats
+    host_memory_stats_as_nested_dict reset_accumulated_host_memory_stats reset_peak_host_memory_stats
+    is_bf16_supported graph graph_pool_handle is_current_stream_capturing make_graphed_callables
+    current_blas_handle BoolStorage ByteStorage ShortStorage LongStorage IntStorage HalfStorage
+    CharStorage DoubleStorage FloatStorage BoolTensor ByteTensor CharTensor DoubleTensor FloatTensor
+    HalfTensor IntTensor LongTensor ShortTensor BFloat16Tensor BFloat16Storage
+    random memory streams graphs
+    """.split()
+)
+
+# Members of torch.cuda submodules that torch_npu.npu's submodules also have.
+NPU_SUBMODULE_MEMBERS = {
+    "memory": NPU_SAME_NAME | {"_record_memory_history", "_snapshot", "_dump_snapshot"},
+    "random": NPU_SAME_NAME,
+    "streams": NPU_SAME_NAME,
+    "graphs": NPU_SAME_NAME,
+}
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A use that is reported instead of rewritten."""
+
+    kind: str
+    severity: str
+    reason: str
+    suggestion: str
+
+
+# torch.cuda members with a different name on NPU (value: full replacement, expression space).
+CUDA_RENAMED = {
+    "torch.cuda.CUDAGraph": "torch.npu.NPUGraph",
+    "torch.cuda.graphs.CUDAGraph": "torch.npu.graphs.NPUGraph",
+    "torch.cuda.default_generators": "torch_npu.npu.default_generators",
+    "torch.cuda.OutOfMemoryError": "torch.OutOfMemoryError",
+    "torch.cuda.nvtx": "torch.npu.mstx",
+    "torch.cuda.nvtx.range": "torch.npu.mstx.mstx_range",
+    "torch.cuda.nvtx.range_push": "torch.npu.mstx.range_push",
+    "torch.cuda.nvtx.range_pop": "torch.npu.mstx.range_pop",
+    "torch.cuda.nvtx.range_start": "torch.npu.mstx.range_start",
+    "torch.cuda.nvtx.range_end": "torch.npu.mstx.range_end",
+    "torch.cuda.nvtx.mark": "torch.npu.mstx.mark",
+    "torch.backends.cuda.matmul.allow_tf32": "torch.npu.matmul.allow_hf32",
+    "torch.backends.cudnn.allow_tf32": "torch.npu.conv.allow_hf32",
+    "torch.distributed.is_nccl_available": "torch.distributed.is_hccl_available",
+    "torch.distributed.Backend.NCCL": "torch.distributed.Backend.HCCL",
+    "torch.profiler.ProfilerActivity.CUDA": "torch.profiler.ProfilerActivity.NPU",
+    "torch.autograd.profiler.ProfilerActivity.CUDA": "torch.autograd.profiler.ProfilerActivity.NPU",
+}
+
+# Rule name for each renamed entry (the report groups rewrites by rule).
+CUDA_RENAMED_RULE = {
+    "torch.cuda.CUDAGraph": "cuda-graph",
+    "torch.cuda.graphs.CUDAGraph": "cuda-graph",
+    "torch.cuda.default_generators": "cuda-renamed",
+    "torch.cuda.OutOfMemoryError": "cuda-renamed",
+    "torch.backends.cuda.matmul.allow_tf32": "tf32-to-hf32",
+    "torch.backends.cudnn.allow_tf32": "tf32-to-hf32",
+    "torch.distributed.is_nccl_available": "nccl-to-hccl",
+    "torch.distributed.Backend.NCCL": "nccl-to-hccl",
+    "torch.profiler.ProfilerActivity.CUDA": "profiler-activity",
+    "torch.autograd.profiler.ProfilerActivity.CUDA": "profiler-activity",
+}
+
+# A rewrite that still deserves a note in the report (kind, severity, reason, suggestion).
+RENAME_NOTES = {
+    "torch.backends.cuda.matmul.allow_tf32": Flag(
+        "precision", "warning",
+        "rewritten to allow_hf32: HF32 is not TF32 (different mantissa and rounding), results differ",
+        "compare against a golden fp32 run (npu-compare) before trusting accuracy",
+    ),
+    "torch.backends.cudnn.allow_tf32": Flag(
+        "precision", "warning",
+        "rewritten to torch.npu.conv.allow_hf32: HF32 is not TF32, and on NPU conv HF32 defaults to True",
+        "set torch.npu.conv.allow_hf32 = False explicitly if the model needs fp32 convolutions",
+    ),
+    "torch.cuda.DoubleTensor": Flag(
+        "fp64", "warning",
+        "fp64 is limited on NPU (many ops raise 'Unsupport data type: at::ScalarType::Double')",
+        "use float32 unless the computation really needs float64",
+    ),
+}
+
+_NO_NPU = "no torch_npu equivalent"
+CUDA_FLAGGED = {
+    "torch.cuda.nccl": Flag("no-equivalent", "error", f"torch.cuda.nccl: {_NO_NPU}", "use torch.distributed with the hccl backend"),
+    "torch.cuda.comm": Flag("no-equivalent", "error", f"torch.cuda.comm: {_NO_NPU}", "use torch.distributed collectives (hccl)"),
+    "torch.cuda.memory_usage": Flag("no-equivalent", "error", f"torch.cuda.memory_usage: {_NO_NPU}", "torch.npu.utilization() or torch.npu.mem_get_info()"),
+    "torch.cuda.temperature": Flag("no-equivalent", "error", f"torch.cuda.temperature: {_NO_NPU}", "read it with `npu-smi info`"),
+    "torch.cuda.power_draw": Flag("no-equivalent", "error", f"torch.cuda.power_draw: {_NO_NPU}", "read it with `npu-smi info`"),
+    "torch.cuda.clock_rate": Flag("no-equivalent", "error", f"torch.cuda.clock_rate: {_NO_NPU}", "read it with `npu-smi info`"),
+    "torch.cuda.jiterator": Flag("no-equivalent", "error", f"torch.cuda.jiterator (runtime CUDA kernels): {_NO_NPU}", "write the op with torch ops or an Ascend C kernel"),
+    "torch.cuda.tunable": Flag("no-equivalent", "error", f"torch.cuda.tunable (TunableOp): {_NO_NPU}", "remove it; CANN selects kernels itself"),
+    "torch.cuda._sleep": Flag("no-equivalent", "warning", "torch.cuda._sleep is a private CUDA helper", "torch.npu._sleep exists but is private too; prefer time.sleep in tests"),
+    "torch.cuda.get_arch_list": Flag("no-equivalent", "error", f"torch.cuda.get_arch_list: {_NO_NPU}", "gate on torch.npu.is_available() / torch.npu.get_device_name()"),
+    "torch.cuda.get_gencode_flags": Flag("no-equivalent", "error", f"torch.cuda.get_gencode_flags: {_NO_NPU}", "remove it; NPU kernels are not built with nvcc"),
+    "torch.cuda.profiler": Flag("no-equivalent", "error", f"torch.cuda.profiler (cudaProfilerStart): {_NO_NPU}", "use torch_npu.profiler or `npu-run --profile`"),
+    "torch.cuda.cudart": Flag("no-equivalent", "error", f"torch.cuda.cudart: {_NO_NPU}", "remove the CUDA runtime call"),
+    "torch.cuda.list_gpu_processes": Flag("no-equivalent", "warning", f"torch.cuda.list_gpu_processes: {_NO_NPU}", "use `npu-smi info`"),
+    "torch.cuda.is_tf32_supported": Flag("no-equivalent", "warning", "TF32 does not exist on NPU (HF32 is the analogue)", "use torch.npu.matmul.allow_hf32"),
+    "torch.cuda.get_device_capability": Flag(
+        "device-capability", "error",
+        "torch.npu.get_device_capability() returns None (unless TORCH_NPU_DEVICE_CAPABILITY is set), so "
+        "comparisons such as `[0] >= 8` crash",
+        "replace the intent: bf16 -> torch.npu.is_bf16_supported(); flash attention -> NPU fused "
+        "attention is always available",
+    ),
+    "torch.version.cuda": Flag(
+        "version-gate", "warning",
+        "torch.version.cuda is None on an NPU host, so this branch flips silently",
+        "gate on torch.npu.is_available() or a feature check instead",
+    ),
+    "torch.backends.cudnn.version": Flag(
+        "version-gate", "warning",
+        "cuDNN is absent on NPU hosts: the version is None and the gate flips",
+        "gate on torch.npu.is_available() or a feature check instead",
+    ),
+    "torch.backends.cudnn.benchmark": Flag("no-op", "info", "cuDNN flags are harmless no-ops on NPU", "remove it or keep it; for determinism see torch.use_deterministic_algorithms"),
+    "torch.backends.cudnn.deterministic": Flag(
+        "no-op", "info", "cuDNN flags are harmless no-ops on NPU",
+        "for determinism use torch.use_deterministic_algorithms(True) / torch_npu.npu.set_deterministic_level",
+    ),
+    "torch.backends.cudnn.enabled": Flag("no-op", "info", "cuDNN flags are harmless no-ops on NPU", "remove it or keep it"),
+    "torch.backends.cudnn.is_available": Flag("no-op", "info", "cuDNN is never available on NPU hosts", "gate on torch.npu.is_available() instead"),
+    "torch.backends.cuda": Flag(
+        "cuda-backend-flag", "warning",
+        "torch.backends.cuda settings (SDPA kernel choice, linalg library...) do not apply on NPU",
+        "remove the setting; F.scaled_dot_product_attention dispatches to NPU fused attention by itself",
+    ),
+    "torch.set_float32_matmul_precision": Flag(
+        "precision", "warning",
+        "float32 matmul precision on NPU is controlled by HF32, not by this setting",
+        "set torch.npu.matmul.allow_hf32 to choose HF32 (faster) or fp32 (exact)",
+    ),
+    "torch.distributed.ProcessGroupNCCL": Flag(
+        "nccl", "error", "ProcessGroupNCCL does not exist with torch_npu",
+        "torch_npu._C._distributed_c10d.ProcessGroupHCCL, or create groups with backend='hccl'",
+    ),
+    "torch.distributed.distributed_c10d.ProcessGroupNCCL": Flag(
+        "nccl", "error", "ProcessGroupNCCL does not exist with torch_npu",
+        "torch_npu._C._distributed_c10d.ProcessGroupHCCL, or create groups with backend='hccl'",
+    ),
+    "torch.nn.DataParallel": Flag(
+        "data-parallel", "error", "nn.DataParallel is not supported on NPU",
+        "use torch.nn.parallel.DistributedDataParallel under torchrun / npu-run --nproc-per-node",
+    ),
+    "torch.nn.parallel.DataParallel": Flag(
+        "data-parallel", "error", "nn.DataParallel is not supported on NPU",
+        "use torch.nn.parallel.DistributedDataParallel under torchrun / npu-run --nproc-per-node",
+    ),
+    "torch.channels_last": Flag(
+        "channels-last", "warning", "channels_last memory format is not supported by NPU auto-migration",
+        "keep the default contiguous format on NPU",
+    ),
+    "torch.jit.script": Flag(
+        "torchscript", "info", "TorchScript support on NPU is limited (transfer_to_npu turns it into a no-op)",
+        "run eagerly, or use torch.compile(backend='npu')",
+    ),
+    "torch.compile": Flag(
+        "compile", "info", "torch.compile on NPU uses the dynamo backends 'npu'/'npugraph_ex' (torchair); "
+        "inductor needs triton-ascend",
+        "try torch.compile(model, backend='npu'); check accuracy with npu-compare",
+    ),
+    "torch.utils.cpp_extension.CUDAExtension": Flag(
+        "cuda-extension", "error", "CUDA C++ extensions cannot be migrated automatically",
+        "rewrite the kernels in Ascend C / op-plugin and build with torch_npu.utils.cpp_extension.NpuExtension",
+    ),
+    "torch.utils.cpp_extension.CUDA_HOME": Flag(
+        "cuda-extension", "error", "CUDA_HOME is None on NPU hosts",
+        "use the CANN toolkit path (ASCEND_TOOLKIT_HOME) for NPU builds",
+    ),
+    "torch.utils.cpp_extension.load_inline": Flag(
+        "cuda-extension", "error", "JIT-compiled extension: CUDA sources cannot run on NPU",
+        "rewrite the kernels in Ascend C / op-plugin (torch_npu.utils.cpp_extension)",
+    ),
+    "torch.utils.cpp_extension.load": Flag(
+        "cuda-extension", "error", "JIT-compiled extension (unsupported on NPU; .cu sources cannot run)",
+        "rewrite the kernels in Ascend C / op-plugin (torch_npu.utils.cpp_extension)",
+    ),
+    "torch.autograd.profiler.emit_nvtx": Flag(
+        "nvtx", "error", "emit_nvtx is not supported by torch_npu",
+        "use torch_npu.profiler, or mark ranges with torch.npu.mstx",
+    ),
+}
+
+DEVICE_PROPERTY_FIELDS_MISSING = frozenset({"major", "minor", "multi_processor_count"})
+
+# ------------------------------------------------------------------------------ amp upgrade
+# torch.cuda.amp.* is deprecated upstream; rewrite to the device-generic torch.amp.* with "npu".
+AMP_CALLS = frozenset({"autocast", "GradScaler", "custom_fwd", "custom_bwd"})
+# positional parameters of torch.cuda.amp.autocast, which torch.amp.autocast orders differently
+CUDA_AUTOCAST_POSITIONAL = ("enabled", "dtype", "cache_enabled")
+
+# ------------------------------------------------------------------------------ device strings
+DEVICE_KEYWORDS = frozenset({"device", "device_type", "map_location", "pin_memory_device", "device_id"})
+# functions whose first positional argument is a device (expression-space qualified names)
+DEVICE_FIRST_ARG = frozenset(
+    {
+        "torch.device", "torch.set_default_device", "torch.autocast", "torch.amp.autocast",
+        "torch.amp.autocast_mode.autocast", "torch.amp.GradScaler", "torch.is_autocast_enabled",
+        "torch.get_autocast_dtype", "torch.set_autocast_dtype", "torch.get_device_module",
+        "torch.Generator", "torch.distributed.device_mesh.init_device_mesh",
+        "torch.distributed.init_device_mesh", "torch.distributed.device_mesh.DeviceMesh",
+        "torch.distributed.DeviceMesh", "torch.Stream", "torch.Event",
+    }
+)
+# methods whose first positional argument is a device, whatever the receiver
+DEVICE_FIRST_ARG_METHODS = frozenset({"to", "to_empty"})
+# map_location may also be passed positionally as torch.load's second argument
+TORCH_LOAD = "torch.load"
+
+DEVICE_VALUE = re.compile(r"cuda(:\d+)?\Z")
+# template strings whose text is "cuda:" + a placeholder ("cuda:%d", "cuda:{}", "cuda:{rank}")
+DEVICE_TEMPLATE = re.compile(r"cuda(:(\d+|%[ds]|\{[^{}]*\})?)?\Z")
+# backend strings: "nccl" or "cuda:nccl,cpu:gloo"-style device:backend pairs
+BACKEND_VALUE = re.compile(r"(nccl|(cuda|cpu):(nccl|gloo|mpi|ucc)(,(cuda|cpu):(nccl|gloo|mpi|ucc))*)\Z")
+# names of int ordinals (local_rank, args.gpu ...) that .to(x)/device=x turn into "npu:x"
+INT_ORDINAL_NAMES = frozenset(
+    {"rank", "local_rank", "gpu", "gpu_id", "gpu_idx", "gpu_index", "device_id", "device_idx",
+     "device_index", "local_gpu", "dev_id", "rank_id", "local_device_id", "gpu_rank"}
+)
+# call names whose string arguments are log/print text and never device uses
+LOG_CALLS = frozenset(
+    {"print", "debug", "info", "warning", "warn", "error", "exception", "critical", "log", "write", "echo",
+     "secho", "format_exc"}
+)
+
+# ------------------------------------------------------------------------------ env vars
+ENV_RENAMES = {
+    "CUDA_VISIBLE_DEVICES": "ASCEND_RT_VISIBLE_DEVICES",
+    "PYTORCH_CUDA_ALLOC_CONF": "PYTORCH_NPU_ALLOC_CONF",
+    "CUDA_LAUNCH_BLOCKING": "ASCEND_LAUNCH_BLOCKING",
+    "NCCL_SOCKET_IFNAME": "HCCL_SOCKET_IFNAME",
+}
+ENV_RENAME_NOTES = {
+    "CUDA_VISIBLE_DEVICES": Flag(
+        "visible-devices", "warning",
+        "ASCEND_RT_VISIBLE_DEVICES ids must be strictly ascending (device_count() is 0 otherwise) and "
+        "set before the NPU is initialised",
+        "keep the list sorted, e.g. 0,1,2,3, and set it before importing torch_npu",
+    ),
+}
+ENV_FLAGGED = {
+    "CUBLAS_WORKSPACE_CONFIG": Flag(
+        "env-var", "info", "CUBLAS_WORKSPACE_CONFIG has no effect on NPU",
+        "remove it; for determinism use torch.use_deterministic_algorithms(True)",
+    ),
+}
+NCCL_ENV_FLAG = Flag(
+    "env-var", "warning", "NCCL_* variables have no effect on NPU; HCCL_* variables have different knobs",
+    "find the HCCL equivalent in the CANN HCCL environment-variable list (e.g. HCCL_CONNECT_TIMEOUT)",
+)
+ENV_NAME = re.compile(r"\b(CUDA_VISIBLE_DEVICES|PYTORCH_CUDA_ALLOC_CONF|CUDA_LAUNCH_BLOCKING|CUBLAS_WORKSPACE_CONFIG|"
+                      r"(TORCH_)?NCCL_[A-Z0-9_]+)\b")
+
+# ------------------------------------------------------------------------------ third party
+THIRD_PARTY = {
+    "flash_attn": Flag(
+        "flash-attn", "error", "flash_attn is a CUDA-only library",
+        "torch_npu.npu_fusion_attention (different signature: head_num, input_layout, scale, keep_prob, "
+        "atten_mask; returns a tuple) or F.scaled_dot_product_attention",
+    ),
+    "xformers": Flag(
+        "xformers", "error", "xformers kernels are CUDA-only",
+        "F.scaled_dot_product_attention (check the mask/bias semantics)",
+    ),
+    "triton": Flag(
+        "triton", "error", "triton kernels target CUDA",
+        "triton-ascend (triton-lang/triton-ascend) runs triton on NPU, but kernels need review; or use torch ops",
+    ),
+    "bitsandbytes": Flag(
+        "bitsandbytes", "error", "bitsandbytes has only partial Ascend support (NF4)",
+        "check the bitsandbytes Ascend backend for the ops used, or use torch.optim / unquantised weights",
+    ),
+    "apex": Flag(
+        "apex", "error", "NVIDIA apex is CUDA-only",
+        "torch.amp (autocast + GradScaler('npu')), torch.optim.AdamW, nn.LayerNorm, torch DDP; or "
+        "Ascend's apex fork (NpuFusedAdam[W]); with apex amp, wrap DDP after amp.initialize",
+    ),
+    "amp_C": Flag("apex", "error", "amp_C is apex's CUDA extension", "use torch.optim's foreach/fused implementations"),
+    "cupy": Flag("cupy", "error", "cupy runs on CUDA only", "use numpy on the host or torch ops on the NPU"),
+    "pycuda": Flag("pycuda", "error", "pycuda runs on CUDA only", "use torch ops on the NPU"),
+    "numba.cuda": Flag("numba-cuda", "error", "numba.cuda kernels run on CUDA only", "use torch ops or an Ascend C kernel"),
+    "cudf": Flag("cudf", "error", "cudf runs on CUDA only", "use pandas"),
+    "tensorrt": Flag("tensorrt", "error", "TensorRT is NVIDIA-only", "use torch_npu / torchair (torch.compile backend 'npu') or ATC/ACL for inference"),
+    "torch2trt": Flag("tensorrt", "error", "torch2trt is NVIDIA-only", "use torchair (torch.compile backend 'npu')"),
+    "nvidia.dali": Flag("dali", "error", "NVIDIA DALI runs on CUDA only", "use torch DataLoader (pin_memory) or Ascend DVPP"),
+    "pynvml": Flag(
+        "nvml", "error", "NVML does not exist on NPU hosts",
+        "torch.npu.utilization(), torch.npu.mem_get_info(), or `npu-smi info`",
+    ),
+    "py3nvml": Flag("nvml", "error", "NVML does not exist on NPU hosts", "torch.npu.utilization(), torch.npu.mem_get_info(), or `npu-smi info`"),
+    "nvidia_smi": Flag("nvml", "error", "NVML does not exist on NPU hosts", "torch.npu.utilization(), torch.npu.mem_get_info(), or `npu-smi info`"),
+    "GPUtil": Flag("nvml", "error", "GPUtil reads nvidia-smi", "torch.npu.utilization(), torch.npu.mem_get_info(), or `npu-smi info`"),
+}
+# for these, every call site is reported too (for the others the import is enough)
+THIRD_PARTY_CALLS_REPORTED = frozenset({"flash_attn", "xformers", "bitsandbytes", "apex", "cupy", "pycuda", "pynvml"})
+THIRD_PARTY_DECORATORS = frozenset({"triton.jit", "triton.autotune", "triton.heuristics", "numba.cuda.jit"})
+
+NVIDIA_SMI = Flag(
+    "nvidia-smi", "error", "nvidia-smi does not exist on NPU hosts",
+    "`npu-smi info`, torch.npu.utilization(), torch.npu.mem_get_info()",
+)
+
+# ------------------------------------------------------------------------------ requirements
+REQUIREMENT_FLAGS = [
+    (re.compile(r"^(flash[-_]attn)", re.I), THIRD_PARTY["flash_attn"]),
+    (re.compile(r"^xformers", re.I), THIRD_PARTY["xformers"]),
+    (re.compile(r"^bitsandbytes", re.I), THIRD_PARTY["bitsandbytes"]),
+    (re.compile(r"^(apex)\b", re.I), THIRD_PARTY["apex"]),
+    (re.compile(r"^cupy", re.I), THIRD_PARTY["cupy"]),
+    (re.compile(r"^pycuda", re.I), THIRD_PARTY["pycuda"]),
+    (re.compile(r"^(triton)\b", re.I), THIRD_PARTY["triton"]),
+    (re.compile(r"^(tensorrt|torch2trt|torch[-_]tensorrt)", re.I), THIRD_PARTY["tensorrt"]),
+    (re.compile(r"^(pynvml|nvidia-ml-py3?|py3nvml|gpustat|GPUtil)", re.I), THIRD_PARTY["pynvml"]),
+    (re.compile(r"^(cudf|dask-cudf|cuml|cugraph)", re.I), THIRD_PARTY["cudf"]),
+    (re.compile(r"^nvidia-dali", re.I), THIRD_PARTY["nvidia.dali"]),
+    (re.compile(r"^(mamba[-_]ssm|causal[-_]conv1d|deepspeed-kernels|liger[-_]kernel|flashinfer|vllm-flash-attn)", re.I),
+     Flag("cuda-only-package", "error", "this package ships CUDA kernels", "look for an Ascend port or a torch-op fallback")),
+    (re.compile(r"^nvidia-", re.I), Flag("cuda-only-package", "error", "NVIDIA CUDA runtime wheel", "remove it; the CANN toolkit provides the NPU runtime")),
+]
+TORCH_CUDA_WHEEL = re.compile(r"^(torch|torchvision|torchaudio)\s*[=~<>!]=?[^;#\s]*\+cu\d+", re.I)
+CUDA_INDEX_URL = re.compile(r"download\.pytorch\.org/whl/(cu\d+|nightly/cu\d+)")
+
+# ------------------------------------------------------------------------------ unsupported APIs
+# Tensor methods from the unsupported list that are distinctive enough to flag by method name alone
+# (a receiver's type is unknown without type inference; `mode`, `is_shared`... are too common).
+UNSUPPORTED_TENSOR_METHODS = frozenset(
+    name.rsplit(".", 1)[1]
+    for name in UNSUPPORTED_TORCH_APIS
+    if name.startswith("torch.Tensor.")
+) - {"mode", "is_shared", "share_memory_"}
+
+UNSUPPORTED_GENERIC = Flag(
+    "unsupported-api", "warning", "not supported by torch_npu (Ascend's unsupported-API list for torch 2.8)",
+    "find an alternative, or keep this part on CPU",
+)
+UNSUPPORTED_SUGGESTIONS = {
+    "torch.nn.DataParallel": "use DistributedDataParallel",
+    "torch.nn.parallel.data_parallel": "use DistributedDataParallel",
+    "torch.backends.cuda.sdp_kernel": "remove the context manager: NPU SDPA picks its fused kernel itself",
+    "torch.backends.cuda.enable_flash_sdp": "remove it: NPU SDPA picks its fused kernel itself",
+    "torch.backends.cuda.enable_mem_efficient_sdp": "remove it: NPU SDPA picks its fused kernel itself",
+    "torch.backends.cuda.enable_math_sdp": "remove it: NPU SDPA picks its fused kernel itself",
+    "torch.autograd.profiler.emit_nvtx": "use torch_npu.profiler or torch.npu.mstx ranges",
+    "torch.utils.cpp_extension.load": "rewrite CUDA kernels in Ascend C; build with torch_npu.utils.cpp_extension",
+}
+
+# Effort classes for the estimate (per item needing a human; labelled as an estimate in reports).
+EFFORT_MINUTES = {
+    "error": 60,
+    "warning": 15,
+    "info": 0,
+}
+EFFORT_OVERRIDES = {  # kinds that take much longer than the default for their severity
+    "cuda-extension": 8 * 60,
+    "cuda-source": 8 * 60,
+    "triton": 4 * 60,
+    "flash-attn": 2 * 60,
+    "xformers": 2 * 60,
+    "apex": 2 * 60,
+    "numba-cuda": 4 * 60,
+    "cupy": 4 * 60,
+    "pycuda": 4 * 60,
+}
+
+# ------------------------------------------------------------------------------ pre-filter
+# A file that matches none of these has nothing to migrate: it is not parsed at all.
+_UNSUPPORTED_TOKENS = sorted(
+    {name.rsplit(".", 1)[-1] for name in UNSUPPORTED_TORCH_APIS if not name.startswith("torch.Tensor.")}
+    | UNSUPPORTED_TENSOR_METHODS
+)
+_GENERIC_TOKENS = frozenset(
+    """disable enable is_enabled load save export Linear LSTM scatter gather enabled strategy mark narrow
+    compile reset is_available range_push range_pop step module code graph nodes args kwargs next prev type
+    value name get_state set_state add check get set wait dtype events key_averages masked_select
+    model_proto stack_trace all_input_nodes""".split()
+)
+
+
+def _prefilter_pattern() -> re.Pattern[str]:
+    words = [re.escape(t) for t in _UNSUPPORTED_TOKENS if t not in _GENERIC_TOKENS]
+    # generic last components: require their distinctive parent module in the text instead
+    parents = {name.rsplit(".", 2)[-2] for name in UNSUPPORTED_TORCH_APIS
+               if "." in name and name.rsplit(".", 1)[-1] in _GENERIC_TOKENS}
+    words += [re.escape(p) for p in sorted(parents) if p not in {"torch", "Tensor", "nn"}]
+    third = [re.escape(m.split(".")[0]) for m in THIRD_PARTY]
+    fixed = [
+        r"(?i:cuda|nccl|nvidia|nvml|cublas|tf32|nvtx|cudf|cudnn)", r"torch\.load", "fork_rng",
+        "channels_last", r"jit\b", r"torch\.compile", "float32_matmul", "DataParallel", "autocast",
+        "set_default_tensor_type", "GPUtil",
+    ]
+    return re.compile("|".join(fixed + third + words))
+
+
+PREFILTER = _prefilter_pattern()
