@@ -1,0 +1,667 @@
+"""npu-compare: pair golden and target dump entries, measure every tensor, name the first divergence.
+
+Pairing: entries are matched by name; where the two op streams differ (a call inserted or
+removed on one side, so call indices shift) they are aligned as sequences of names without
+call index (Myers' diff), so the ops after the difference still pair with their counterparts.
+
+First divergence: walking the target's execution order, the first op whose output error is
+above the warn limit of its dtype and more than `amplification` times its input error -- or
+whose input error is not explained by the op that produced that input (the change happened in a
+call present on one side only, or outside the dumped ops).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+from npukit.accuracy import naming
+from npukit.accuracy.dumpfile import DumpEntry, RankDump, TensorLeaf, load_dump_dir
+from npukit.accuracy.metrics import PairJob, PairMetrics, compare_pairs
+from npukit.accuracy.tensor_io import is_floating, read_tensor
+from npukit.errors import UserError
+
+PASS, WARN, ERROR = "pass", "warn", "error"
+UNMATCHED = "unmatched"
+
+# Ops whose reduction order differs by backend: reported with ULPs of the target dtype.
+MATMUL_CLASS = frozenset({
+    "linear", "matmul", "mm", "bmm", "addmm", "addbmm", "baddbmm", "mv", "addmv", "dot", "einsum",
+    "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+    "scaled_dot_product_attention", "__matmul__", "__rmatmul__", "tensordot", "bilinear",
+    "Linear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d",
+    "MultiheadAttention", "Bilinear",
+})
+
+
+@dataclass
+class DtypeLimits:
+    pass_rel_l2: float
+    pass_cosine: float
+    warn_rel_l2: float
+
+
+@dataclass
+class Thresholds:
+    """Verdict limits; every field can be overridden with `--set name=value` (e.g. bf16.warn_rel_l2=0.05)."""
+
+    fp32: DtypeLimits = field(default_factory=lambda: DtypeLimits(1e-5, 0.99999, 1e-4))
+    fp16: DtypeLimits = field(default_factory=lambda: DtypeLimits(1e-3, 0.9999, 5e-3))
+    bf16: DtypeLimits = field(default_factory=lambda: DtypeLimits(8e-3, 0.999, 3e-2))
+    error_cosine: float = 0.9
+    error_rel_l2: float = 0.3
+    amplification: float = 10.0
+    # A tensor whose RMS is below this fraction of the largest RMS in its entry is noise-level
+    # (e.g. the gradient of a bias that a LayerNorm cancels): its relative error means nothing.
+    negligible: float = 1e-3
+
+    def limits(self, dtype_class: str) -> DtypeLimits:
+        return getattr(self, dtype_class)
+
+    def with_overrides(self, overrides: list[str] | None, option: str = "--set") -> Thresholds:
+        result = replace(self, fp32=replace(self.fp32), fp16=replace(self.fp16), bf16=replace(self.bf16))
+        for item in overrides or []:
+            key, sep, value = item.partition("=")
+            try:
+                number = float(value)
+            except ValueError:
+                number = None
+            if not sep or number is None:
+                raise UserError(f"{option}: {item!r} is not NAME=NUMBER (e.g. bf16.warn_rel_l2=0.05)")
+            target, _, attr = key.strip().rpartition(".")
+            holder = getattr(result, target, None) if target else result
+            if holder is None or attr not in {f.name for f in fields(holder)} or isinstance(getattr(holder, attr), DtypeLimits):
+                raise UserError(f"{option}: unknown threshold {key.strip()!r}; known: {', '.join(threshold_names())}")
+            setattr(holder, attr, number)
+        return result
+
+
+def threshold_names() -> list[str]:
+    names = [f"{cls}.{f.name}" for cls in ("fp32", "fp16", "bf16") for f in fields(DtypeLimits)]
+    return names + ["error_cosine", "error_rel_l2", "amplification", "negligible"]
+
+
+_PRECISION = {"fp32": 3, "fp16": 2, "bf16": 1}
+
+
+def dtype_class(dtype: str) -> str | None:
+    if dtype in ("torch.float32", "torch.float64"):
+        return "fp32"
+    if dtype == "torch.float16":
+        return "fp16"
+    if is_floating(dtype) or dtype.startswith("torch.float8"):
+        return "bf16"  # bf16 and float8: the loosest limits
+    return None
+
+
+@dataclass
+class Row:
+    """One compared tensor (msprobe: one line of the result table)."""
+
+    pair: str  # "step0/rank0"
+    order: int  # position in execution order (target side, golden for golden-only rows)
+    golden_entry: str | None
+    target_entry: str | None
+    golden: TensorLeaf | None
+    target: TensorLeaf | None
+    role: str  # input / output / param
+    dtype_class: str
+    metrics: PairMetrics | None = None
+    error: float | None = None  # relative L2 error (tensor mode) or its statistics estimate
+    verdict: str = PASS
+    message: str = ""
+    negligible: bool = False
+    stat_diffs: dict | None = None
+
+    @property
+    def name(self) -> str:
+        leaf = self.target or self.golden
+        return leaf.name
+
+
+@dataclass
+class Divergence:
+    pair: str
+    entry: str  # target entry name (or golden name for a call missing in the target)
+    golden_entry: str | None
+    reason: str
+    module_path: str | None
+    stack: list[str]
+    input_error: float
+    output_error: float
+    side: str = "both"  # both | target-only | golden-only
+
+
+@dataclass
+class PairResult:
+    pair: str
+    golden_dir: Path
+    target_dir: Path
+    mode: str  # tensor | statistics | md5
+    rows: list[Row]
+    divergence: Divergence | None
+    unmatched_golden: list[str]
+    unmatched_target: list[str]
+    aligned: bool  # True when sequence alignment was needed
+
+
+@dataclass
+class CompareResult:
+    golden: Path
+    target: Path
+    pairs: list[PairResult]
+    thresholds: Thresholds
+
+    @property
+    def rows(self) -> list[Row]:
+        return [row for pair in self.pairs for row in pair.rows]
+
+    def counts(self) -> dict[str, int]:
+        counts = {PASS: 0, WARN: 0, ERROR: 0, UNMATCHED: 0}
+        for row in self.rows:
+            counts[row.verdict] = counts.get(row.verdict, 0) + 1
+        return counts
+
+
+# ---------------------------------------------------------------------------- alignment
+def align(golden: list[DumpEntry], target: list[DumpEntry], max_edits: int = 4000) -> tuple[list, bool]:
+    """Pairs (golden or None, target or None) in execution order, and whether alignment was needed."""
+    golden_keys = [entry.key for entry in golden]
+    target_keys = [entry.key for entry in target]
+    if golden_keys == target_keys:
+        return list(zip(golden, target)), False
+    matches = _myers_matches(golden_keys, target_keys, max_edits)
+    if matches is None:  # streams too different to align: fall back to exact names
+        by_name = {entry.name: entry for entry in golden}
+        used = set()
+        pairs = []
+        for entry in target:
+            other = by_name.get(entry.name)
+            pairs.append((other, entry))
+            if other is not None:
+                used.add(other.name)
+        pairs += [(entry, None) for entry in golden if entry.name not in used]
+        return pairs, True
+    pairs = []
+    gi = ti = 0
+    for g, t in matches:
+        pairs += [(golden[i], None) for i in range(gi, g)]
+        pairs += [(None, target[j]) for j in range(ti, t)]
+        pairs.append((golden[g], target[t]))
+        gi, ti = g + 1, t + 1
+    pairs += [(golden[i], None) for i in range(gi, len(golden))]
+    pairs += [(None, target[j]) for j in range(ti, len(target))]
+    return pairs, True
+
+
+def _myers_matches(a: list[str], b: list[str], max_edits: int) -> list[tuple[int, int]] | None:
+    """Indices (i, j) with a[i] == b[j] of a shortest edit script (Myers 1986), None if > max_edits."""
+    n, m = len(a), len(b)
+    offset = max_edits + 1
+    v = [0] * (2 * offset + 1)
+    trace = []
+    for d in range(max_edits + 1):
+        trace.append(v[:])
+        for k in range(-d, d + 1, 2):
+            if k == -d or (k != d and v[offset + k - 1] < v[offset + k + 1]):
+                x = v[offset + k + 1]
+            else:
+                x = v[offset + k - 1] + 1
+            y = x - k
+            while x < n and y < m and a[x] == b[y]:
+                x += 1
+                y += 1
+            v[offset + k] = x
+            if x >= n and y >= m:
+                return _backtrack(trace, v, a, b, offset, d)
+    return None
+
+
+def _backtrack(trace, v_final, a, b, offset, d_final) -> list[tuple[int, int]]:
+    matches = []
+    x, y = len(a), len(b)
+    for d in range(d_final, -1, -1):
+        v = trace[d]
+        k = x - y
+        if d == 0:
+            prev_x = prev_y = 0
+        else:
+            if k == -d or (k != d and v[offset + k - 1] < v[offset + k + 1]):
+                prev_k = k + 1
+            else:
+                prev_k = k - 1
+            prev_x = v[offset + prev_k]
+            prev_y = prev_x - prev_k
+        while x > prev_x and y > prev_y:
+            x -= 1
+            y -= 1
+            matches.append((x, y))
+        if d > 0:
+            x, y = prev_x, prev_y
+    matches.reverse()
+    return matches
+
+
+# ---------------------------------------------------------------------------- rows
+def _entry_class(entry: DumpEntry | None) -> str:
+    best = "fp32"
+    if entry is None:
+        return best
+    for leaf in entry.leaves():
+        cls = dtype_class(leaf.dtype)
+        if cls is not None and _PRECISION[cls] < _PRECISION[best]:
+            best = cls
+    return best
+
+
+def _ulp_wanted(entry: DumpEntry) -> bool:
+    base = entry.base.split(".")
+    return bool(MATMUL_CLASS.intersection(base[-1:] + base[1:2]))
+
+
+def _leaf_roles(entry: DumpEntry | None) -> dict[str, tuple[str, TensorLeaf]]:
+    if entry is None:
+        return {}
+    roles = {}
+    for role, leaves in (("input", entry.inputs), ("param", entry.params), ("output", entry.outputs)):
+        for leaf in leaves:
+            roles[leaf.suffix] = (role, leaf)
+    return roles
+
+
+def build_rows(pair_label: str, pairs: list, start_order: int = 0) -> list[Row]:
+    rows = []
+    for order, (golden, target) in enumerate(pairs, start_order):
+        cls = _entry_class(target if target is not None else golden)
+        golden_leaves = _leaf_roles(golden)
+        target_leaves = _leaf_roles(target)
+        for suffix in list(target_leaves) + [s for s in golden_leaves if s not in target_leaves]:
+            role, _ = target_leaves.get(suffix) or golden_leaves[suffix]
+            row = Row(
+                pair=pair_label,
+                order=order,
+                golden_entry=golden.name if golden else None,
+                target_entry=target.name if target else None,
+                golden=golden_leaves.get(suffix, (None, None))[1],
+                target=target_leaves.get(suffix, (None, None))[1],
+                role=role,
+                dtype_class=cls,
+            )
+            if row.golden is None or row.target is None:
+                row.verdict = UNMATCHED
+                row.message = "only in golden" if row.target is None else "only in target"
+            rows.append(row)
+    return rows
+
+
+def _rms(leaf: TensorLeaf | None, metrics_stats: tuple | None = None) -> float:
+    norm = None
+    if metrics_stats is not None:
+        norm = metrics_stats[3]
+    elif leaf is not None and leaf.stats is not None:
+        norm = leaf.stats[3]
+    if norm is None or leaf is None or leaf.numel == 0 or not math.isfinite(norm):
+        return 0.0
+    return norm / math.sqrt(leaf.numel)
+
+
+def measure_rows(rows: list[Row], workers: int | None, progress=None) -> None:
+    """Fill metrics for rows with tensor data on both sides; statistics or md5 otherwise."""
+    jobs, job_rows = [], []
+    for row in rows:
+        if row.verdict == UNMATCHED:
+            continue
+        golden, target = row.golden, row.target
+        if golden.shape != target.shape:
+            row.verdict, row.message, row.error = ERROR, f"shape {list(target.shape)} != golden {list(golden.shape)}", math.inf
+            continue
+        if golden.data_path is not None and target.data_path is not None:
+            # Open both now: a missing, truncated or mislabelled file is reported before any work.
+            read_tensor(golden.data_path, golden.dtype, list(golden.shape))
+            read_tensor(target.data_path, target.dtype, list(target.shape))
+            ulp = target.dtype if row.target_entry and _ulp_wanted_name(row.target_entry) and is_floating(target.dtype) else None
+            jobs.append(PairJob(str(golden.data_path), golden.dtype, str(target.data_path), target.dtype,
+                                golden.numel, ulp))
+            job_rows.append(row)
+    if jobs:
+        for row, metrics in zip(job_rows, compare_pairs(jobs, workers, progress)):
+            row.metrics = metrics
+
+
+def _ulp_wanted_name(entry_name: str) -> bool:
+    base, _, _ = naming.split_entry_name(entry_name)
+    parts = base.split(".")
+    return bool(MATMUL_CLASS.intersection(parts[-1:] + parts[1:2]))
+
+
+def judge_rows(rows: list[Row], thresholds: Thresholds) -> None:
+    """Verdict and scalar error of every measured row; marks noise-level tensors negligible."""
+    scale: dict[tuple[int, str], float] = {}
+    for row in rows:
+        if row.verdict == UNMATCHED:
+            continue
+        golden_rms = _rms(row.golden, row.metrics.golden_stats if row.metrics else None)
+        target_rms = _rms(row.target, row.metrics.target_stats if row.metrics else None)
+        row._rms = max(golden_rms, target_rms)  # type: ignore[attr-defined]
+        key = (row.order, row.pair)
+        scale[key] = max(scale.get(key, 0.0), row._rms)  # type: ignore[attr-defined]
+    for row in rows:
+        if row.verdict == UNMATCHED or row.error == math.inf and row.verdict == ERROR:
+            continue
+        limits = thresholds.limits(row.dtype_class)
+        entry_scale = scale.get((row.order, row.pair), 0.0)
+        row.negligible = entry_scale > 0 and row._rms < thresholds.negligible * entry_scale  # type: ignore[attr-defined]
+        if row.metrics is not None:
+            _judge_tensor(row, limits, thresholds)
+        elif row.golden.md5 is not None and row.target.md5 is not None:
+            same = row.golden.md5 == row.target.md5
+            row.error = 0.0 if same else math.inf
+            row.verdict, row.message = (PASS, "") if same else (WARN, "md5 differs")
+        elif row.golden.stats is not None and row.target.stats is not None:
+            _judge_stats(row, limits, thresholds)
+        else:
+            row.verdict, row.message = PASS, "no data to compare"
+            row.error = None
+
+
+def _judge_tensor(row: Row, limits: DtypeLimits, thresholds: Thresholds) -> None:
+    m = row.metrics
+    floating = is_floating(row.target.dtype) or is_floating(row.golden.dtype)
+    if m.nan_inf_mismatch:
+        row.error = math.inf
+        row.verdict = ERROR
+        row.message = f"{m.nan_inf_mismatch} nan/inf mismatches (target has {m.target_nonfinite} non-finite, golden {m.golden_nonfinite})"
+        return
+    row.error = m.rel_l2
+    if not floating:
+        row.verdict, row.message = (PASS, "") if m.max_abs == 0 else (WARN, "integer values differ")
+        return
+    if row.negligible:
+        row.verdict, row.message = PASS, "negligible magnitude"
+        return
+    if m.rel_l2 <= limits.pass_rel_l2 and m.cosine >= limits.pass_cosine:
+        row.verdict = PASS
+    elif m.cosine < thresholds.error_cosine or m.rel_l2 > thresholds.error_rel_l2:
+        row.verdict = ERROR
+        row.message = f"cosine {m.cosine:.4g}, relative L2 {m.rel_l2:.3g}"
+    else:
+        row.verdict = WARN
+        if m.rel_l2 > limits.warn_rel_l2:
+            row.message = f"relative L2 {m.rel_l2:.3g} above the {row.dtype_class} warn limit {limits.warn_rel_l2:g}"
+
+
+def _judge_stats(row: Row, limits: DtypeLimits, thresholds: Thresholds) -> None:
+    """Statistics-only dumps: an error estimate from max/min/mean/norm (a lower bound of the real one)."""
+    g, t = row.golden.stats, row.target.stats
+    golden_bad = _nonfinite(row.golden)
+    target_bad = _nonfinite(row.target)
+    diffs = {}
+    for label, gv, tv in zip(("Max", "Min", "Mean", "Norm"), g, t):
+        diffs[label] = (tv - gv) if gv is not None and tv is not None else None
+    row.stat_diffs = diffs
+    if golden_bad != target_bad:
+        row.error, row.verdict = math.inf, ERROR
+        row.message = "non-finite values in " + ("target only" if target_bad else "golden only")
+        return
+    if golden_bad:
+        row.error, row.verdict, row.message = 0.0, WARN, "non-finite values on both sides"
+        return
+    if not is_floating(row.target.dtype):
+        same = all(value == 0 for value in diffs.values() if value is not None)
+        row.error = 0.0 if same else math.inf
+        row.verdict, row.message = (PASS, "") if same else (WARN, "integer statistics differ")
+        return
+    magnitude = max((abs(v) for v in (g[0], g[1]) if v is not None), default=0.0)
+    estimates = []
+    if g[3] and diffs["Norm"] is not None:
+        estimates.append(abs(diffs["Norm"]) / g[3])
+    if magnitude > 0:
+        estimates += [abs(diffs[k]) / magnitude for k in ("Max", "Min", "Mean") if diffs[k] is not None]
+    row.error = max(estimates, default=0.0)
+    if row.negligible:
+        row.verdict, row.message = PASS, "negligible magnitude"
+    elif row.error <= limits.pass_rel_l2:
+        row.verdict = PASS
+    elif row.error > thresholds.error_rel_l2:
+        row.verdict, row.message = ERROR, f"statistics differ by {row.error:.3g} (relative)"
+    else:
+        row.verdict = WARN
+        if row.error > limits.warn_rel_l2:
+            row.message = f"statistics differ by {row.error:.3g}, above the {row.dtype_class} warn limit"
+
+
+def _nonfinite(leaf: TensorLeaf) -> bool:
+    if leaf.nan_count or leaf.inf_count:
+        return True
+    return any(value is not None and not math.isfinite(value) for value in leaf.stats[:2])
+
+
+# ---------------------------------------------------------------------------- first divergence
+def find_divergence(pair_label: str, pairs: list, rows: list[Row], golden: RankDump, target: RankDump,
+                    thresholds: Thresholds) -> Divergence | None:
+    rows_by_entry: dict[int, list[Row]] = {}
+    for row in rows:
+        rows_by_entry.setdefault(row.order, []).append(row)
+    leaf_error: dict[str, float] = {}  # target leaf name -> error, for producer lookups
+    golden_leaf_error: dict[str, float] = {}
+    for row in rows:
+        if row.target is not None and row.error is not None:
+            leaf_error[row.target.name] = 0.0 if row.negligible else row.error
+        if row.golden is not None and row.error is not None:
+            golden_leaf_error[row.golden.name] = 0.0 if row.negligible else row.error
+    unmatched_target = {entry.name for g, entry in pairs if g is None and entry is not None}
+    unmatched_golden = {entry.name for entry, t in pairs if t is None and entry is not None}
+    last_unmatched: tuple[DumpEntry | None, DumpEntry | None] = (None, None)
+
+    for order, (golden_entry, target_entry) in enumerate(pairs):
+        if golden_entry is None or target_entry is None:
+            last_unmatched = (golden_entry, target_entry)
+            continue
+        if target_entry.direction == naming.PARAMETERS_GRAD:
+            continue
+        entry_rows = rows_by_entry.get(order, [])
+        warn = thresholds.limits(_entry_class(target_entry)).warn_rel_l2
+
+        def err(row):
+            return 0.0 if row.negligible or row.error is None else row.error
+
+        outputs = [row for row in entry_rows if row.role == "output" and row.error is not None]
+        inputs = [row for row in entry_rows if row.role in ("input", "param") and row.error is not None]
+        if not outputs:
+            continue
+        out_err = max(err(row) for row in outputs)
+        activations = [row for row in inputs if _is_activation(row, target.has_producers)]
+        sources = [row for row in inputs if row not in activations]
+        in_err = max((err(row) for row in activations), default=0.0)
+        source_err = max((err(row) for row in sources), default=0.0)
+
+        # An input whose error its producer does not explain: the change happened in between.
+        for row in activations:
+            if err(row) <= warn:
+                continue
+            cause = _unexplained_input(row, leaf_error, golden_leaf_error, unmatched_target, unmatched_golden, warn)
+            if cause is not None:
+                return _divergence(pair_label, cause, row, golden, target, in_err, out_err)
+            if not target.has_producers and last_unmatched != (None, None) and _first_error_here(rows, order, warn):
+                unmatched_golden_entry, unmatched_target_entry = last_unmatched
+                name = (unmatched_target_entry or unmatched_golden_entry).name
+                side = "target-only" if unmatched_target_entry else "golden-only"
+                return _divergence(pair_label, (name, side), row, golden, target, in_err, out_err)
+
+        if out_err <= warn:
+            continue
+        if out_err > thresholds.amplification * in_err:
+            if in_err > 0 or source_err <= warn:
+                reason = f"{_amplification_text(out_err, in_err)} ({_entry_class(target_entry)} warn limit {warn:g})"
+            else:
+                reason = (f"a weight or input that no dumped op produced differs (error {_fmt(source_err)});"
+                          f" output error {_fmt(out_err)}")
+            return _make_divergence(pair_label, target_entry, golden_entry, reason, target, in_err, out_err)
+        if in_err <= warn and source_err > warn:
+            reason = (f"a weight or input that no dumped op produced differs (error {_fmt(source_err)});"
+                      f" output error {_fmt(out_err)}")
+            return _make_divergence(pair_label, target_entry, golden_entry, reason, target, in_err, out_err)
+    return None
+
+
+def _first_error_here(rows: list[Row], order: int, warn: float) -> bool:
+    """No earlier matched output was above the warn limit: the error appears first at `order`."""
+    return not any(
+        row.order < order and row.role == "output" and row.error is not None and not row.negligible and row.error > warn
+        for row in rows
+    )
+
+
+def _is_activation(row: Row, has_producers: bool) -> bool:
+    if row.role == "param":
+        return False
+    if has_producers:
+        return row.target.producer is not None
+    return True
+
+
+def _unexplained_input(row, leaf_error, golden_leaf_error, unmatched_target, unmatched_golden, warn):
+    """(entry name, side) of the call that changed this input, or None if its producer explains it."""
+    producer = row.target.producer
+    if producer is not None:
+        producer_entry = _entry_of_leaf(producer)
+        if producer_entry in unmatched_target:
+            return producer_entry, "target-only"
+        golden_producer = row.golden.producer if row.golden is not None else None
+        if golden_producer is not None and _entry_of_leaf(golden_producer) in unmatched_golden:
+            return _entry_of_leaf(golden_producer), "golden-only"
+        produced_error = leaf_error.get(producer)
+        if produced_error is not None and produced_error <= warn and row.error > 10 * max(produced_error, 1e-12):
+            return _entry_of_leaf(producer), "between"
+    return None
+
+
+def _entry_of_leaf(leaf_name: str) -> str:
+    for marker in (".input.", ".output.", ".parameters."):
+        index = leaf_name.rfind(marker)
+        if index >= 0:
+            return leaf_name[:index]
+    return leaf_name
+
+
+def _divergence(pair_label, cause, row, golden, target, in_err, out_err) -> Divergence:
+    name, side = cause
+    consumer = row.target_entry
+    if side == "target-only":
+        reason = f"call present only in the target; its output feeds {consumer} (input error {_fmt(row.error)})"
+        dump = target
+    elif side == "golden-only":
+        reason = f"call present only in the golden run (missing in the target); {consumer} input error {_fmt(row.error)}"
+        dump = golden
+    else:
+        reason = (f"{consumer} input error {_fmt(row.error)} is not explained by its producer {name}:"
+                  " the value changed outside the dumped ops")
+        name, dump = consumer, target
+    entry = dump.by_name().get(name)
+    return Divergence(
+        pair=pair_label,
+        entry=name,
+        golden_entry=name if side == "golden-only" else None,
+        reason=reason,
+        module_path=_module_path(entry, dump) if entry else None,
+        stack=_stack(entry, dump) if entry else [],
+        input_error=in_err,
+        output_error=out_err,
+        side=side if side != "between" else "both",
+    )
+
+
+def _make_divergence(pair_label, target_entry, golden_entry, reason, target, in_err, out_err) -> Divergence:
+    return Divergence(
+        pair=pair_label,
+        entry=target_entry.name,
+        golden_entry=golden_entry.name,
+        reason=reason,
+        module_path=_module_path(target_entry, target),
+        stack=_stack(target_entry, target),
+        input_error=in_err,
+        output_error=out_err,
+    )
+
+
+def _forward_name(entry: DumpEntry) -> str:
+    if entry.direction != naming.BACKWARD:
+        return entry.name
+    if entry.name.startswith("Module."):
+        return entry.name.replace(".backward.", ".forward.")
+    return entry.name[: -len("backward")] + "forward"
+
+
+def _module_path(entry: DumpEntry, dump: RankDump) -> str | None:
+    own = naming.module_path_of(entry.name)
+    if own is not None:
+        return own or "(root)"
+    forward = dump.by_name().get(_forward_name(entry), entry)
+    parent = forward.parent
+    if parent is None:
+        return None
+    path = naming.module_path_of(parent)
+    return path or "(root)"
+
+
+def _stack(entry: DumpEntry, dump: RankDump) -> list[str]:
+    if entry.stack:
+        return entry.stack
+    forward = dump.by_name().get(_forward_name(entry))
+    return forward.stack if forward is not None else []
+
+
+def _fmt(value: float) -> str:
+    return "inf" if value == math.inf else f"{value:.3g}"
+
+
+def _amplification_text(out_err: float, in_err: float) -> str:
+    if in_err <= 0:
+        return f"output error {_fmt(out_err)} while its inputs match exactly"
+    return f"output error {_fmt(out_err)} is {out_err / in_err:.3g}x its input error {_fmt(in_err)}"
+
+
+# ---------------------------------------------------------------------------- entry point
+def compare_dirs(golden_dir: Path, target_dir: Path, thresholds: Thresholds | None = None,
+                 workers: int | None = None, progress=None) -> CompareResult:
+    thresholds = thresholds or Thresholds()
+    golden_dumps = load_dump_dir(Path(golden_dir))
+    target_dumps = load_dump_dir(Path(target_dir))
+    labels = [label for label in target_dumps if label in golden_dumps]
+    if not labels:
+        if len(golden_dumps) == 1 and len(target_dumps) == 1:
+            labels_pairs = [(next(iter(golden_dumps)), next(iter(target_dumps)))]
+        else:
+            raise UserError(
+                f"{target_dir}: no step/rank in common with {golden_dir} "
+                f"(golden has {', '.join(golden_dumps) or 'none'}; target has {', '.join(target_dumps) or 'none'})"
+            )
+    else:
+        labels_pairs = [(label, label) for label in labels]
+    results = []
+    all_rows = []
+    prepared = []
+    for golden_label, target_label in labels_pairs:
+        golden, target = golden_dumps[golden_label], target_dumps[target_label]
+        pairs, aligned = align(golden.entries, target.entries)
+        label = target_label or golden_label or "."
+        rows = build_rows(label, pairs)
+        all_rows += rows
+        prepared.append((label, golden, target, pairs, aligned, rows))
+    measure_rows(all_rows, workers, progress)
+    judge_rows(all_rows, thresholds)
+    for label, golden, target, pairs, aligned, rows in prepared:
+        divergence = find_divergence(label, pairs, rows, golden, target, thresholds)
+        results.append(PairResult(
+            pair=label,
+            golden_dir=golden.path,
+            target_dir=target.path,
+            mode=target.task or golden.task,
+            rows=rows,
+            divergence=divergence,
+            unmatched_golden=[g.name for g, t in pairs if t is None],
+            unmatched_target=[t.name for g, t in pairs if g is None],
+            aligned=aligned,
+        ))
+    return CompareResult(Path(golden_dir), Path(target_dir), results, thresholds)

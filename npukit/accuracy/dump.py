@@ -1,0 +1,718 @@
+"""Per-layer dumps of an unmodified training or inference script, in msprobe's dump.json layout.
+
+    with DumpSession(Path("dump"), level="mix", mode="stats"):
+        runpy.run_path("train.py", run_name="__main__")
+
+Levels: `module` hooks every nn.Module (forward inputs/outputs/parameters, backward grads,
+parameter grads); `api` sees every torch / functional / Tensor call through a TorchFunctionMode
+(torch itself is never patched) and its backward through autograd node hooks; `mix` does both.
+
+Steps are found automatically: an optimizer step ends a step; a script without an optimizer ends
+a step each time its first root module starts a new forward. Calling step() yourself switches the
+automatic boundaries off.
+
+Statistics are computed on the tensor's device and fetched once per step; a tensor that is the
+output of one op and the input of the next is measured (and, in tensor mode, written) only once.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import linecache
+import os
+import sys
+import weakref
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from npukit.accuracy import naming
+from npukit.accuracy.tensor_io import tensor_to_numpy, write_tensor
+from npukit.errors import UserError
+
+LEVELS = ("module", "api", "mix")
+MODES = ("stats", "tensor", "md5")
+_TASK_NAMES = {"stats": "statistics", "tensor": "tensor", "md5": "md5"}
+_LEVEL_NAMES = {"module": "L0", "api": "L1", "mix": "mix"}  # msprobe's names for the levels
+TENSOR_DATA_DIR = "dump_tensor_data"
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # npukit/
+_MAX_STACK_FRAMES = 30
+
+
+def parse_steps(spec: str | None, option: str = "--dump-steps") -> frozenset[int] | None:
+    """`"0,2-4"` -> {0, 2, 3, 4}; None means every step."""
+    if spec is None or not str(spec).strip():
+        return None
+    steps: set[int] = set()
+    for part in str(spec).split(","):
+        part = part.strip()
+        try:
+            if "-" in part:
+                low, high = (int(value) for value in part.split("-", 1))
+                if low < 0 or high < low:
+                    raise ValueError
+                steps.update(range(low, high + 1))
+            else:
+                value = int(part)
+                if value < 0:
+                    raise ValueError
+                steps.add(value)
+        except ValueError:
+            raise UserError(
+                f"{option}: {part!r} is not a step number or range (expected e.g. 0,2-4)"
+            ) from None
+    return frozenset(steps)
+
+
+def parse_name_list(spec: str | None, option: str) -> tuple[str, ...] | None:
+    """Comma list of names; None or empty means no filter."""
+    if spec is None:
+        return None
+    items = tuple(item.strip() for item in str(spec).split(","))
+    if not any(items):
+        return None
+    if not all(items):
+        raise UserError(f"{option}: empty name in {spec!r}")
+    return items
+
+
+def rank_from_env() -> int:
+    value = os.environ.get("RANK", "0")
+    try:
+        rank = int(value)
+    except ValueError:
+        raise UserError(f"RANK environment variable: {value!r} is not an integer") from None
+    if rank < 0:
+        raise UserError(f"RANK environment variable: {value!r} is negative")
+    return rank
+
+
+def _version(tensor: torch.Tensor) -> int:
+    try:
+        return tensor._version
+    except RuntimeError:  # inference tensors carry no version counter
+        return -1
+
+
+def _host_memory(tensor: torch.Tensor) -> bool:
+    """True where reading a value back costs no device sync (CPU, and the emulated NPU)."""
+    kind = tensor.device.type
+    return kind == "cpu" or (kind == "npu" and "npukit.npu_backend" in sys.modules)
+
+
+_STAT_NAMES = ("Max", "Min", "Mean", "Norm")
+
+
+def tensor_stats(tensor: torch.Tensor):
+    """Max, Min, Mean, Norm, nan count, inf count of a tensor, computed on its own device.
+
+    Returns a list of floats on host-memory devices (no sync cost there), otherwise a float
+    tensor of 6 values still on the device, to be fetched with the rest of the step
+    (StatsBuffer). None for empty and complex tensors.
+    """
+    data = tensor.detach()
+    if data.numel() == 0 or data.is_complex():
+        return None
+    with torch._C.DisableTorchFunction():
+        if not data.is_floating_point():
+            data = data.to(torch.float64)
+        accumulate = torch.float64 if data.dtype == torch.float64 else torch.float32
+        low, high = torch.aminmax(data)
+        mean = data.mean(dtype=accumulate)
+        norm = torch.linalg.vector_norm(data, dtype=accumulate)
+        if _host_memory(data):
+            values = [float(high), float(low), float(mean), float(norm), 0.0, 0.0]
+            # max and min are finite exactly when no element is nan or inf (nan propagates).
+            if not (abs(values[0]) < float("inf") and abs(values[1]) < float("inf")):
+                values[4] = float(torch.isnan(data).sum())
+                values[5] = float(torch.isinf(data).sum())
+            return values
+        return torch.stack([
+            high.to(accumulate), low.to(accumulate), mean, norm,
+            torch.isnan(data).sum().to(accumulate), torch.isinf(data).sum().to(accumulate),
+        ]).to(torch.float64)
+
+
+class StatsBuffer:
+    """Collects tensor_stats results of one step and resolves them with one device->host copy."""
+
+    def __init__(self) -> None:
+        self._values: list = []
+        self._device_slots: list[int] = []
+
+    def add(self, tensor: torch.Tensor) -> int:
+        stats = tensor_stats(tensor)
+        if isinstance(stats, torch.Tensor):
+            self._device_slots.append(len(self._values))
+        self._values.append(stats)
+        return len(self._values) - 1
+
+    def resolve(self) -> list:
+        if self._device_slots:
+            with torch._C.DisableTorchFunction():
+                fetched = torch.stack([self._values[i] for i in self._device_slots]).cpu().tolist()
+            for slot, values in zip(self._device_slots, fetched):
+                self._values[slot] = values
+            self._device_slots = []
+        return self._values
+
+
+def fill_stats(leaf: dict, values) -> None:
+    """Put resolved statistics into a dump.json leaf (msprobe field names, null when empty)."""
+    if values is None:
+        for key in _STAT_NAMES:
+            leaf[key] = None
+        return
+    for key, value in zip(_STAT_NAMES, values):
+        leaf[key] = _json_float(value)
+    if values[4] or values[5]:
+        leaf["nan_count"] = int(values[4])
+        leaf["inf_count"] = int(values[5])
+
+
+def _json_float(value: float):
+    # JSON has no inf/nan; msprobe writes them as strings too.
+    if value != value:
+        return "nan"
+    if value in (float("inf"), float("-inf")):
+        return "inf" if value > 0 else "-inf"
+    return value
+
+
+def describe_value(value) -> object:
+    """JSON description of a non-tensor argument (msprobe style {"type", "value"})."""
+    if value is None:
+        return None
+    if isinstance(value, bool | int | float | str):
+        return {"type": type(value).__name__, "value": _json_float(value) if isinstance(value, float) else value}
+    if isinstance(value, torch.dtype | torch.device | torch.Size | torch.memory_format | torch.layout):
+        return {"type": f"torch.{type(value).__name__}", "value": str(value) if not isinstance(value, torch.Size) else list(value)}
+    if isinstance(value, slice):
+        return {"type": "slice", "value": [value.start, value.stop, value.step]}
+    return {"type": type(value).__name__}
+
+
+class _Entry:
+    __slots__ = ("name", "data", "parent", "stack_id", "placed")
+
+    def __init__(self, name: str, parent: str | None, stack_id: int | None) -> None:
+        self.name = name
+        self.data: dict = {}
+        self.parent = parent
+        self.stack_id = stack_id
+        self.placed = False
+
+
+class _StepRecord:
+    """Everything recorded during one step; written by DumpSession._flush."""
+
+    def __init__(self) -> None:
+        self.entries: list[_Entry] = []
+        self.stats = StatsBuffer()
+        self.leaves: list[tuple[dict, int]] = []
+        # id(tensor) -> (weakref, version, stats slot, producing leaf name, data file name)
+        self.seen: dict[int, tuple] = {}
+        self.stacks: dict[tuple, int] = {}
+        self.counter = naming.CallCounter()
+        self.module_backward: dict[str, _Entry] = {}
+
+    def place(self, entry: _Entry) -> None:
+        if not entry.placed:
+            entry.placed = True
+            self.entries.append(entry)
+
+
+class _ApiMode(TorchFunctionMode):
+    def __init__(self, session: DumpSession) -> None:
+        super().__init__()
+        self._session = session
+        self._table = naming.api_name_table()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        session = self._session
+        api = self._table.get(func)
+        if api is None or not session._recording_api():
+            return func(*args, **kwargs)
+        return session._record_api(api, func, args, kwargs)
+
+
+class DumpSession:
+    """Dump per-layer statistics or tensors to `out_dir/step{S}/rank{R}/dump.json`.
+
+    Use as a context manager around a script, or call start() / step() / stop() from a loop.
+    """
+
+    def __init__(
+        self,
+        out_dir: Path,
+        level: str = "mix",
+        mode: str = "stats",
+        steps: str | None = None,
+        scope: str | None = None,
+        names: str | None = None,
+        *,
+        stack: bool = True,
+        rank: int | None = None,
+    ) -> None:
+        if level not in LEVELS:
+            raise UserError(f"--dump-level: {level!r} is not one of {', '.join(LEVELS)}")
+        if mode not in MODES:
+            raise UserError(f"--dump-mode: {mode!r} is not one of {', '.join(MODES)}")
+        self.out_dir = Path(out_dir)
+        if self.out_dir.exists() and not self.out_dir.is_dir():
+            raise UserError(f"--dump: {self.out_dir} exists and is not a directory")
+        self.level = level
+        self.mode = mode
+        self.steps = parse_steps(steps)
+        self.scope = tuple(
+            naming.module_path_of(item) or item for item in parse_name_list(scope, "--dump-scope") or ()
+        ) or None
+        self.names = parse_name_list(names, "--dump-list")
+        self.rank = rank_from_env() if rank is None else rank
+        self.capture_stack = stack
+        self.step_index = 0
+        self.written_steps: list[int] = []
+        self._modules = level in ("module", "mix")
+        self._apis = level in ("api", "mix")
+        self._auto_step = True
+        self._active = False
+        self._finished = False
+        self._paused = 0  # > 0 inside optimizer.step(): its update ops are not layers
+        self._forward_seen = False
+        self._optimizer_seen = False
+        self._optimizer_exists: bool | None = None
+        self._step_root: weakref.ref | None = None
+        self._step_root_runs = 0
+        self._paths: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._module_stack: list[tuple[str, _Entry | None]] = []
+        self._handles: list = []
+        self._mode: _ApiMode | None = None
+        self._writer: ThreadPoolExecutor | None = None
+        self._pending_writes: list = []
+        self._record = _StepRecord()
+
+    # ------------------------------------------------------------------ public API
+    def __enter__(self) -> DumpSession:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        if self._active:
+            return
+        from torch.nn.modules import module as module_hooks
+        from torch.optim import optimizer as optimizer_hooks
+
+        self._active = True
+        self._handles = [
+            module_hooks.register_module_forward_pre_hook(self._on_module_pre_forward),
+            module_hooks.register_module_forward_hook(self._on_module_forward, with_kwargs=True),
+            optimizer_hooks.register_optimizer_step_pre_hook(self._on_optimizer_pre_step),
+            optimizer_hooks.register_optimizer_step_post_hook(self._on_optimizer_post_step),
+        ]
+        if self.mode == "tensor":
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="npukit-dump")
+        if self._apis:
+            self._mode = _ApiMode(self)
+            self._mode.__enter__()
+
+    def step(self) -> None:
+        """End the current step (written if selected) and start the next one."""
+        self._auto_step = False
+        self._end_step()
+
+    def stop(self) -> None:
+        """Write the step in progress (if anything was recorded) and remove every hook."""
+        if not self._active:
+            return
+        self._active = False
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self._record.entries:
+            self._flush()
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
+
+    # ------------------------------------------------------------------ step logic
+    def _step_selected(self) -> bool:
+        return not self._finished and (self.steps is None or self.step_index in self.steps)
+
+    def _recording_api(self) -> bool:
+        return self._forward_seen and not self._paused and self._step_selected()
+
+    def _end_step(self) -> None:
+        if self._record.entries:
+            self._flush()
+        self._record = _StepRecord()
+        self._module_stack = []
+        self._step_root = None
+        self._step_root_runs = 0
+        self.step_index += 1
+        if self.steps is not None and self.step_index > max(self.steps):
+            self._finished = True
+
+    def _optimizer_alive(self) -> bool:
+        if self._optimizer_exists is None:
+            # Asked once, at the second forward of the first step: one gc scan, not per step.
+            self._optimizer_exists = any(isinstance(obj, torch.optim.Optimizer) for obj in gc.get_objects())
+        return self._optimizer_exists
+
+    def _on_optimizer_pre_step(self, optimizer, args, kwargs) -> None:
+        self._optimizer_seen = True
+        if self._modules and self._step_selected():
+            self._record_parameter_grads()
+        self._paused += 1
+
+    def _on_optimizer_post_step(self, optimizer, args, kwargs) -> None:
+        self._paused = max(0, self._paused - 1)
+        if self._auto_step and self._paused == 0:
+            self._end_step()
+
+    # ------------------------------------------------------------------ modules
+    def _module_path(self, module: torch.nn.Module) -> str:
+        path = self._paths.get(module)
+        if path is None:
+            if self._module_stack:
+                # Created after its parent was first seen: re-walk the outermost running module.
+                outer = self._module_stack[0][2]
+                for name, sub in outer.named_modules(prefix=self._paths.get(outer, "")):
+                    self._paths.setdefault(sub, name)
+            for name, sub in module.named_modules():
+                self._paths.setdefault(sub, name)
+            path = self._paths[module]
+        return path
+
+    def _on_module_pre_forward(self, module, args) -> None:
+        self._forward_seen = True
+        if self._finished or self._paused:
+            return
+        if not self._module_stack and self._auto_step and not self._optimizer_seen:
+            self._maybe_end_step_at_root(module)
+        if not self._step_selected():
+            return
+        path = self._module_path(module)
+        entry = None
+        selected_scope = self._in_scope(path)
+        index = self._record.counter.next(f"Module.{path}.{type(module).__name__}")
+        name = naming.module_entry_name(path, type(module).__name__, index)
+        if self._modules and selected_scope and self._name_selected(name):
+            entry = _Entry(name, self._parent_name(), self._stack_id())
+            entry.data["input_args"] = self._describe(args, f"{name}.input", False)
+            entry.data["input_kwargs"] = {}
+        self._module_stack.append((path, entry, module))
+
+    def _maybe_end_step_at_root(self, module) -> None:
+        root = self._step_root() if self._step_root is not None else None
+        if root is None:
+            self._step_root = weakref.ref(module)
+            self._step_root_runs = 1
+            return
+        if root is module:
+            self._step_root_runs += 1
+            if not self._optimizer_alive():
+                self._end_step()
+                self._step_root = weakref.ref(module)
+                self._step_root_runs = 1
+
+    def _on_module_forward(self, module, args, kwargs, output) -> None:
+        if not self._module_stack or self._module_stack[-1][2] is not module:
+            return
+        path, entry, _ = self._module_stack.pop()
+        if entry is None:
+            return
+        name = entry.name
+        if kwargs:
+            entry.data["input_kwargs"] = {
+                key: self._describe(value, f"{name}.input.{key}", False) for key, value in kwargs.items()
+            }
+        entry.data["output"] = self._describe_output(output, name)
+        params = {
+            key: self._tensor_leaf(param, f"{name}.parameters.{key}", False)
+            for key, param in module._parameters.items()
+            if param is not None
+        }
+        if params:
+            entry.data["parameters"] = params
+        self._record.place(entry)
+        if torch.is_grad_enabled():
+            self._hook_module_backward(path, type(module).__name__, name, args, output)
+
+    def _hook_module_backward(self, path, class_name, forward_name, args, output) -> None:
+        index = int(forward_name.rsplit(".", 1)[1])
+        backward_name = naming.module_entry_name(path, class_name, index, naming.BACKWARD)
+        outputs = [t for t in _flatten(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not outputs:
+            return
+        inputs = [t for t in _flatten(args) if isinstance(t, torch.Tensor)]
+        record = self._record
+        wants_inputs = any(t.requires_grad for t in inputs)
+
+        def entry() -> _Entry:
+            existing = record.module_backward.get(backward_name)
+            if existing is None:
+                existing = _Entry(backward_name, None, None)
+                existing.data = {"input": [None] * len(outputs), "output": [None] * len(inputs)}
+                record.module_backward[backward_name] = existing
+            return existing
+
+        def grad_output_hook(position):
+            def hook(grad):
+                if record is self._record:
+                    target = entry()
+                    target.data["input"][position] = self._tensor_leaf(grad, f"{backward_name}.input.{position}", True)
+                    if not wants_inputs:
+                        record.place(target)
+            return hook
+
+        def grad_input_hook(position):
+            def hook(grad):
+                if record is self._record:
+                    target = entry()
+                    target.data["output"][position] = self._tensor_leaf(grad, f"{backward_name}.output.{position}", True)
+                    record.place(target)
+            return hook
+
+        for position, tensor in enumerate(outputs):
+            tensor.register_hook(grad_output_hook(position))
+        for position, tensor in enumerate(inputs):
+            if tensor.requires_grad:
+                tensor.register_hook(grad_input_hook(position))
+
+    def _record_parameter_grads(self) -> None:
+        for module, path in list(self._paths.items()):
+            grads = {
+                key: param.grad
+                for key, param in module._parameters.items()
+                if param is not None and param.grad is not None
+            }
+            if not grads or not self._in_scope(path):
+                continue
+            name = naming.module_params_grad_name(path, type(module).__name__)
+            if not self._name_selected(name):
+                continue
+            entry = _Entry(name, None, None)
+            entry.data = {key: self._tensor_leaf(grad, f"{name}.{key}", False) for key, grad in grads.items()}
+            self._record.place(entry)
+
+    # ------------------------------------------------------------------ apis
+    def _record_api(self, api: str, func, args, kwargs):
+        record = self._record
+        index = record.counter.next(api)
+        name = naming.api_entry_name(api, index)
+        path = self._module_stack[-1][0] if self._module_stack else ""
+        if not (self._in_scope(path) and self._name_selected(name)):
+            return func(*args, **kwargs)
+        in_place = api.endswith("_") or api.startswith("Tensor.__i") or "out" in kwargs
+        entry = _Entry(name, self._parent_name(), self._stack_id())
+        if in_place:  # measure inputs before the op overwrites them
+            entry.data["input_args"] = self._describe(args, f"{name}.input", False)
+            entry.data["input_kwargs"] = self._describe_kwargs(kwargs, name)
+        output = func(*args, **kwargs)
+        out_tensors = [t for t in _flatten(output) if isinstance(t, torch.Tensor)]
+        if not out_tensors:
+            return output
+        if not in_place:
+            entry.data["input_args"] = self._describe(args, f"{name}.input", False)
+            entry.data["input_kwargs"] = self._describe_kwargs(kwargs, name)
+        entry.data["output"] = self._describe_output(output, name)
+        record.place(entry)
+        if torch.is_grad_enabled():
+            self._hook_api_backward(api, index, args, kwargs, out_tensors)
+        return output
+
+    def _hook_api_backward(self, api, index, args, kwargs, out_tensors) -> None:
+        inputs = {id(t) for t in _flatten((args, kwargs)) if isinstance(t, torch.Tensor)}
+        nodes = []
+        for tensor in out_tensors:
+            node = tensor.grad_fn
+            # An op returning its input unchanged shares the producer's node: not ours to hook.
+            if node is None or id(tensor) in inputs or any(node is seen for seen in nodes):
+                continue
+            nodes.append(node)
+        if not nodes:
+            return
+        record = self._record
+        name = naming.api_entry_name(api, index, naming.BACKWARD)
+
+        def hook(grad_inputs, grad_outputs):
+            if record is not self._record:
+                return
+            entry = _Entry(name, None, None)
+            entry.data = {
+                "input": [self._grad_leaf(g, f"{name}.input.{i}") for i, g in enumerate(grad_outputs)],
+                "output": [self._grad_leaf(g, f"{name}.output.{i}") for i, g in enumerate(grad_inputs)],
+            }
+            record.place(entry)
+
+        for node in nodes:
+            node.register_hook(hook)
+
+    def _grad_leaf(self, grad, leaf_name):
+        return self._tensor_leaf(grad, leaf_name, True) if isinstance(grad, torch.Tensor) else None
+
+    # ------------------------------------------------------------------ leaves
+    def _describe_kwargs(self, kwargs: dict, name: str) -> dict:
+        return {key: self._describe(value, f"{name}.input.{key}", False) for key, value in kwargs.items()}
+
+    def _describe(self, value, leaf_name: str, is_output: bool):
+        if isinstance(value, torch.Tensor):
+            return self._tensor_leaf(value, leaf_name, is_output)
+        if isinstance(value, list | tuple) and not isinstance(value, torch.Size):
+            return [self._describe(item, f"{leaf_name}.{i}", is_output) for i, item in enumerate(value)]
+        if isinstance(value, dict):
+            return {key: self._describe(item, f"{leaf_name}.{key}", is_output) for key, item in value.items()}
+        return describe_value(value)
+
+    def _describe_output(self, output, name: str) -> list:
+        """msprobe's `output` is always a list: a single tensor is `output.0`."""
+        if isinstance(output, list | tuple) and not isinstance(output, torch.Size):
+            return self._describe(output, f"{name}.output", True)
+        return [self._describe(output, f"{name}.output.0", True)]
+
+    def _tensor_leaf(self, tensor: torch.Tensor, leaf_name: str, is_output: bool) -> dict:
+        """dump.json leaf of one tensor; statistics (and data) are taken once per tensor version."""
+        record = self._record
+        key = id(tensor)
+        version = _version(tensor)
+        seen = record.seen.get(key)
+        if seen is not None and seen[0]() is tensor and seen[1] == version:
+            _, _, slot, producer, data_name = seen
+            if is_output and producer is None:
+                record.seen[key] = (seen[0], version, slot, leaf_name, data_name)
+        else:
+            slot = record.stats.add(tensor)
+            producer = leaf_name if is_output else None
+            data_name = self._write_data(tensor, leaf_name) if self.mode == "tensor" else None
+            try:
+                record.seen[key] = (weakref.ref(tensor), version, slot, producer, data_name)
+            except TypeError:
+                pass
+        leaf = {
+            "type": "torch.Tensor",
+            "dtype": str(tensor.dtype),
+            "shape": list(tensor.shape),
+            "requires_grad": tensor.requires_grad,
+        }
+        if data_name is not None:
+            leaf["data_name"] = data_name
+        if not is_output and producer is not None and producer != leaf_name:
+            leaf["producer"] = producer
+        if self.mode == "md5":
+            leaf["md5"] = f"{zlib.crc32(tensor_to_numpy(tensor).tobytes()):08x}"
+        record.leaves.append((leaf, slot))
+        return leaf
+
+    def _write_data(self, tensor: torch.Tensor, leaf_name: str) -> str:
+        data_name = f"{leaf_name}.npy"
+        directory = self._rank_dir(self.step_index) / TENSOR_DATA_DIR
+        directory.mkdir(parents=True, exist_ok=True)
+        # Copy now: the tensor may be changed in place before the writer thread runs.
+        with torch._C.DisableTorchFunction():
+            snapshot = tensor.detach().to("cpu", copy=True)
+        self._pending_writes.append(self._writer.submit(write_tensor, directory / data_name, snapshot))
+        return data_name
+
+    # ------------------------------------------------------------------ filters, context
+    def _in_scope(self, path: str) -> bool:
+        if self.scope is None:
+            return True
+        return any(path == item or path.startswith(item + ".") for item in self.scope)
+
+    def _name_selected(self, name: str) -> bool:
+        return self.names is None or any(naming.name_matches(item, name) for item in self.names)
+
+    def _parent_name(self) -> str | None:
+        for _, entry, _ in reversed(self._module_stack):
+            if entry is not None:
+                return entry.name
+        return None
+
+    def _stack_id(self) -> int | None:
+        if not self.capture_stack:
+            return None
+        frames = []
+        frame = sys._getframe(3)
+        while frame is not None and len(frames) < _MAX_STACK_FRAMES:
+            filename = frame.f_code.co_filename
+            if not (filename.startswith(_TORCH_DIR) or filename.startswith(_OWN_DIR)):
+                frames.append((filename, frame.f_lineno, frame.f_code.co_name))
+            frame = frame.f_back
+        key = tuple(frames)
+        stacks = self._record.stacks
+        stack_id = stacks.get(key)
+        if stack_id is None:
+            stack_id = stacks[key] = len(stacks)
+        return stack_id
+
+    # ------------------------------------------------------------------ writing
+    def _rank_dir(self, step: int) -> Path:
+        return self.out_dir / f"step{step}" / f"rank{self.rank}"
+
+    def _flush(self) -> None:
+        record = self._record
+        values = record.stats.resolve()
+        for leaf, slot in record.leaves:
+            fill_stats(leaf, values[slot])
+        for future in self._pending_writes:
+            future.result()
+        self._pending_writes = []
+        rank_dir = self._rank_dir(self.step_index)
+        rank_dir.mkdir(parents=True, exist_ok=True)
+        dump = {
+            "task": _TASK_NAMES[self.mode],
+            "level": _LEVEL_NAMES[self.level],
+            "framework": "pytorch",
+            "dump_data_dir": str(rank_dir / TENSOR_DATA_DIR) if self.mode == "tensor" else None,
+            "data": {entry.name: entry.data for entry in record.entries},
+        }
+        stack_lines = {stack_id: _format_stack(frames) for frames, stack_id in record.stacks.items()}
+        grouped: dict[int, list[str]] = {}
+        for entry in record.entries:
+            if entry.stack_id is not None:
+                grouped.setdefault(entry.stack_id, []).append(entry.name)
+        stack = {str(i): [names, stack_lines[stack_id]] for i, (stack_id, names) in enumerate(grouped.items())}
+        construct = {entry.name: entry.parent for entry in record.entries if "forward" in entry.name}
+        write_json(rank_dir / "dump.json", dump)
+        write_json(rank_dir / "stack.json", stack)
+        write_json(rank_dir / "construct.json", construct)
+        self.written_steps.append(self.step_index)
+
+
+def _format_stack(frames: tuple) -> list[str]:
+    return [
+        f"File {filename}, line {lineno}, in {function}, \n {linecache.getline(filename, lineno).strip()}"
+        for filename, lineno, function in frames
+    ]
+
+
+def write_json(path: Path, payload) -> None:
+    """Write JSON atomically: readers never see a half-written dump.json."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as handle:
+        json.dump(payload, handle, separators=(",", ":"))
+    os.replace(tmp, path)
+
+
+def _flatten(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _flatten(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _flatten(item)

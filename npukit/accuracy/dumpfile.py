@@ -1,0 +1,259 @@
+"""Read dump directories written by npukit's DumpSession or by msprobe.
+
+Accepted layouts (DIR is what the user passes to npu-compare):
+
+    DIR/dump.json                       one rank
+    DIR/rank{N}/dump.json               msprobe, one step (also `rank/` and `proc{pid}/`)
+    DIR/step{S}/rank{N}/dump.json       npukit and msprobe, several steps
+
+Every problem (bad JSON, a leaf without dtype, a missing data file) is a UserError naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from npukit.accuracy import naming
+from npukit.errors import UserError
+
+_RANK_DIR = re.compile(r"^(rank\d*|proc\d+)$")
+_STEP_DIR = re.compile(r"^step(\d+)$")
+TENSOR_DATA_DIR = "dump_tensor_data"
+
+
+@dataclass
+class TensorLeaf:
+    """One tensor of one entry: `Functional.conv2d.0.forward.input.0`."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    stats: tuple | None  # (Max, Min, Mean, Norm) as floats, None when not recorded
+    nan_count: int | None
+    inf_count: int | None
+    requires_grad: bool | None
+    data_path: Path | None
+    md5: str | None
+    producer: str | None
+    suffix: str  # `input.0` / `output.1` / `parameters.weight`: what pairs leaves of matched entries
+
+    @property
+    def numel(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count
+
+
+@dataclass
+class DumpEntry:
+    name: str
+    base: str  # name without call index: the alignment key
+    direction: str
+    inputs: list[TensorLeaf] = field(default_factory=list)
+    outputs: list[TensorLeaf] = field(default_factory=list)
+    params: list[TensorLeaf] = field(default_factory=list)
+    parent: str | None = None
+    stack: list[str] = field(default_factory=list)
+
+    @property
+    def key(self) -> str:
+        return f"{self.base}.{self.direction}"
+
+    def leaves(self):
+        yield from self.inputs
+        yield from self.params
+        yield from self.outputs
+
+
+@dataclass
+class RankDump:
+    path: Path  # the directory holding dump.json
+    label: str  # "step0/rank0"
+    task: str
+    entries: list[DumpEntry]
+    has_producers: bool
+
+    def by_name(self) -> dict[str, DumpEntry]:
+        return {entry.name: entry for entry in self.entries}
+
+
+def find_rank_dirs(root: Path) -> dict[str, Path]:
+    """Map "step0/rank0"-style labels to directories holding a dump.json."""
+    root = Path(root)
+    if not root.exists():
+        raise UserError(f"{root}: no such dump directory")
+    if root.is_file():
+        if root.name == "dump.json":
+            return {"": root.parent}
+        raise UserError(f"{root}: expected a dump directory or a dump.json file")
+    if (root / "dump.json").is_file():
+        return {"": root}
+    found: dict[str, Path] = {}
+    for child in sorted(root.iterdir()):
+        if not child.is_dir():
+            continue
+        if _RANK_DIR.match(child.name) and (child / "dump.json").is_file():
+            found[child.name] = child
+        elif _STEP_DIR.match(child.name):
+            for rank_dir in sorted(child.iterdir()):
+                if rank_dir.is_dir() and _RANK_DIR.match(rank_dir.name) and (rank_dir / "dump.json").is_file():
+                    found[f"{child.name}/{rank_dir.name}"] = rank_dir
+    if not found:
+        raise UserError(f"{root}: no dump.json found (expected DIR/step*/rank*/dump.json)")
+    return dict(sorted(found.items(), key=lambda item: _label_sort_key(item[0])))
+
+
+def _label_sort_key(label: str):
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", label)]
+
+
+def load_json(path: Path):
+    try:
+        with open(path) as handle:
+            return json.load(handle)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}: not a text file ({exc.reason})") from None
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read ({exc.strerror})") from None
+
+
+def load_rank_dump(rank_dir: Path, label: str = "") -> RankDump:
+    dump_path = rank_dir / "dump.json"
+    payload = load_json(dump_path)
+    if not isinstance(payload, dict) or not isinstance(payload.get("data"), dict):
+        raise UserError(f"{dump_path}: not a dump.json (no \"data\" object)")
+    data_dir = rank_dir / TENSOR_DATA_DIR
+    stacks = _load_stacks(rank_dir / "stack.json")
+    construct_path = rank_dir / "construct.json"
+    construct = load_json(construct_path) if construct_path.is_file() else {}
+    if not isinstance(construct, dict):
+        raise UserError(f"{construct_path}: expected an object mapping entry names to parents")
+    parser = _LeafParser(dump_path, data_dir)
+    entries = []
+    for name, body in payload["data"].items():
+        if not isinstance(body, dict):
+            raise UserError(f"{dump_path}: entry {name!r} is not an object")
+        entries.append(parser.entry(name, body, construct.get(name), stacks.get(name, [])))
+    return RankDump(rank_dir, label, str(payload.get("task", "")), entries, parser.saw_producer)
+
+
+def _load_stacks(path: Path) -> dict[str, list[str]]:
+    """stack.json in either msprobe format: {name: lines} or {"0": [[names], lines]}."""
+    if not path.is_file():
+        return {}
+    payload = load_json(path)
+    if not isinstance(payload, dict):
+        raise UserError(f"{path}: expected an object")
+    stacks: dict[str, list[str]] = {}
+    for key, value in payload.items():
+        if (
+            isinstance(value, list) and len(value) == 2
+            and isinstance(value[0], list) and isinstance(value[1], list)
+        ):
+            for name in value[0]:
+                stacks[str(name)] = [str(line) for line in value[1]]
+        elif isinstance(value, list):
+            stacks[key] = [str(line) for line in value]
+    return stacks
+
+
+class _LeafParser:
+    def __init__(self, dump_path: Path, data_dir: Path) -> None:
+        self.dump_path = dump_path
+        self.data_dir = data_dir
+        self.saw_producer = False
+        self.entry_name = ""
+
+    def entry(self, name: str, body: dict, parent, stack) -> DumpEntry:
+        base, direction, _ = naming.split_entry_name(name)
+        self.entry_name = name
+        entry = DumpEntry(name, base, direction, parent=parent if isinstance(parent, str) else None, stack=stack)
+        if direction == naming.PARAMETERS_GRAD:
+            for key, value in body.items():
+                self._collect(value, f"{name}.{key}", entry.params)
+            return entry
+        # forward: input_args / input_kwargs / output / parameters;
+        # backward: input (grads of outputs) / output (grads of inputs); older dumps say grad_*.
+        for key in ("input_args", "input", "grad_output"):
+            if key in body:
+                self._collect(body[key], f"{name}.input", entry.inputs)
+        kwargs = body.get("input_kwargs")
+        if isinstance(kwargs, dict):
+            for key, value in kwargs.items():
+                self._collect(value, f"{name}.input.{key}", entry.inputs)
+        for key in ("output", "grad_input"):
+            if key in body:
+                self._collect(body[key], f"{name}.output", entry.outputs)
+        parameters = body.get("parameters")
+        if isinstance(parameters, dict):
+            for key, value in parameters.items():
+                self._collect(value, f"{name}.parameters.{key}", entry.params)
+        return entry
+
+    def _collect(self, value, leaf_name: str, into: list) -> None:
+        if isinstance(value, list):
+            for index, item in enumerate(value):
+                self._collect(item, f"{leaf_name}.{index}", into)
+        elif isinstance(value, dict):
+            if value.get("type") in ("torch.Tensor", "mindspore.Tensor", "numpy.ndarray"):
+                into.append(self._tensor(value, leaf_name))
+            elif "type" not in value:
+                for key, item in value.items():
+                    self._collect(item, f"{leaf_name}.{key}", into)
+
+    def _tensor(self, value: dict, leaf_name: str) -> TensorLeaf:
+        dtype = value.get("dtype")
+        shape = value.get("shape")
+        if not isinstance(dtype, str) or not isinstance(shape, list):
+            raise UserError(f"{self.dump_path}: tensor {leaf_name} has no dtype/shape")
+        stats = None
+        if "Max" in value:
+            stats = tuple(_number(value.get(key), self.dump_path, leaf_name) for key in ("Max", "Min", "Mean", "Norm"))
+            if all(item is None for item in stats):
+                stats = None
+        data_name = value.get("data_name")
+        data_path = None
+        if isinstance(data_name, str) and data_name not in ("", "-1"):
+            data_path = self.data_dir / data_name
+        producer = value.get("producer")
+        if producer is not None:
+            self.saw_producer = True
+        leaf = TensorLeaf(
+            name=leaf_name,
+            dtype=dtype if dtype.startswith("torch.") else f"torch.{dtype}",
+            shape=tuple(int(size) for size in shape),
+            stats=stats,
+            nan_count=value.get("nan_count"),
+            inf_count=value.get("inf_count"),
+            requires_grad=value.get("requires_grad"),
+            data_path=data_path,
+            md5=value.get("md5"),
+            producer=producer,
+            suffix=leaf_name[len(self.entry_name) + 1 :],
+        )
+        return leaf
+
+
+def _number(value, path: Path, leaf_name: str):
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    raise UserError(f"{path}: tensor {leaf_name} has a non-numeric statistic {value!r}")
+
+
+def load_dump_dir(root: Path) -> dict[str, RankDump]:
+    return {label: load_rank_dump(path, label) for label, path in find_rank_dirs(root).items()}

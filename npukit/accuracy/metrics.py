@@ -1,0 +1,241 @@
+"""Element-wise comparison of golden and target tensors: fp64, chunked, memory-mapped, multi-process.
+
+Each tensor pair is cut into chunks; a chunk gives a vector of partial sums and extrema
+(`_PARTIAL` layout), partials are merged, and `finish` turns them into the reported metrics.
+Workers import only numpy (and this module), so a process pool starts quickly.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from npukit.accuracy.tensor_io import FLOAT_MIN_EXPONENT, FLOAT_PRECISION_BITS, float64_converter, read_tensor
+
+CHUNK = 1 << 18  # elements: two fp64 chunks stay within L2 cache
+TASK_ELEMENTS = 1 << 22  # elements per pool task: large enough to hide dispatch cost
+REL_EPS = 1e-10  # floor for |golden| in relative errors (msprobe's epsilon)
+
+# Partial result layout.
+(N, S_GT, S_GG, S_TT, S_DD, MAX_ABS, MAX_REL, N_REL_1E3, N_REL_5E3, NAN_MISMATCH, INF_MISMATCH,
+ MAX_ULP, G_NONFINITE, T_NONFINITE, G_MAX, G_MIN, G_SUM, T_MAX, T_MIN, T_SUM) = range(20)
+_SIZE = 20
+_SUMMED = [N, S_GT, S_GG, S_TT, S_DD, N_REL_1E3, N_REL_5E3, NAN_MISMATCH, INF_MISMATCH, G_NONFINITE,
+           T_NONFINITE, G_SUM, T_SUM]
+_MAXED = [MAX_ABS, MAX_REL, MAX_ULP, G_MAX, T_MAX]
+_MINNED = [G_MIN, T_MIN]
+
+
+@dataclass(frozen=True)
+class PairJob:
+    """One tensor pair to compare. ulp_dtype: the target dtype when ULPs are wanted (matmul-class ops)."""
+
+    golden_path: str
+    golden_dtype: str
+    target_path: str
+    target_dtype: str
+    numel: int
+    ulp_dtype: str | None = None
+
+
+@dataclass
+class PairMetrics:
+    numel: int
+    cosine: float
+    rel_l2: float
+    sqnr_db: float
+    euc_dist: float
+    max_abs: float
+    max_rel: float
+    within_1e3: float  # fraction of elements with relative error <= 0.1%
+    within_5e3: float
+    max_ulp: float | None
+    nan_inf_mismatch: int
+    golden_nonfinite: int
+    target_nonfinite: int
+    golden_stats: tuple  # max, min, mean, norm over finite elements
+    target_stats: tuple
+
+
+def empty_partial() -> np.ndarray:
+    partial = np.zeros(_SIZE)
+    partial[_MAXED] = -np.inf
+    partial[[G_MIN, T_MIN]] = np.inf
+    return partial
+
+
+def merge(into: np.ndarray, other: np.ndarray) -> None:
+    into[_SUMMED] += other[_SUMMED]
+    into[_MAXED] = np.maximum(into[_MAXED], other[_MAXED])
+    into[_MINNED] = np.minimum(into[_MINNED], other[_MINNED])
+
+
+def chunk_partial(golden: np.ndarray, target: np.ndarray, ulp_dtype: str | None) -> np.ndarray:
+    """Partial sums of one chunk; golden and target are float64 1-D arrays (modified in place)."""
+    partial = empty_partial()
+    partial[N] = golden.size
+    if golden.size == 0:
+        return partial
+    s_gg = float(np.dot(golden, golden))
+    s_tt = float(np.dot(target, target))
+    if not (math.isfinite(s_gg) and math.isfinite(s_tt)):
+        # Slow path, only for chunks holding nan/inf: count mismatches, compare the finite rest.
+        golden_nan, target_nan = np.isnan(golden), np.isnan(target)
+        golden_fin, target_fin = np.isfinite(golden), np.isfinite(target)
+        partial[NAN_MISMATCH] = np.count_nonzero(golden_nan != target_nan)
+        partial[INF_MISMATCH] = np.count_nonzero(
+            ~golden_nan & ~target_nan & (~golden_fin | ~target_fin) & (golden != target)
+        )
+        partial[G_NONFINITE] = golden.size - np.count_nonzero(golden_fin)
+        partial[T_NONFINITE] = target.size - np.count_nonzero(target_fin)
+        both = golden_fin & target_fin
+        # Elements that are equal non-finite values (inf == inf, nan/nan) count as agreeing.
+        agreeing_nonfinite = np.count_nonzero(~both & ((golden == target) | (golden_nan & target_nan)))
+        golden, target = golden[both], target[both]
+        partial[N_REL_1E3] += agreeing_nonfinite
+        partial[N_REL_5E3] += agreeing_nonfinite
+        if golden.size == 0:
+            return partial
+        s_gg = float(np.dot(golden, golden))
+        s_tt = float(np.dot(target, target))
+    partial[S_GG] = s_gg
+    partial[S_TT] = s_tt
+    partial[S_GT] = float(np.dot(golden, target))
+    partial[G_MAX], partial[G_MIN], partial[G_SUM] = golden.max(), golden.min(), golden.sum()
+    partial[T_MAX], partial[T_MIN], partial[T_SUM] = target.max(), target.min(), target.sum()
+    diff = np.subtract(target, golden, out=target)
+    partial[S_DD] = float(np.dot(diff, diff))
+    abs_diff = np.abs(diff, out=diff)
+    partial[MAX_ABS] = abs_diff.max()
+    if ulp_dtype is not None:
+        partial[MAX_ULP] = _max_ulp(golden, abs_diff, ulp_dtype)
+    denominator = np.abs(golden, out=golden)
+    np.maximum(denominator, REL_EPS, out=denominator)
+    rel = np.divide(abs_diff, denominator, out=denominator)
+    partial[MAX_REL] = rel.max()
+    partial[N_REL_1E3] += np.count_nonzero(rel <= 1e-3)
+    partial[N_REL_5E3] += np.count_nonzero(rel <= 5e-3)
+    return partial
+
+
+def _max_ulp(golden: np.ndarray, abs_diff: np.ndarray, dtype: str) -> float:
+    """Largest error in units of the target dtype's spacing at the golden value."""
+    bits = FLOAT_PRECISION_BITS[dtype]
+    _, exponent = np.frexp(golden)
+    spacing_exp = np.maximum(exponent - bits, FLOAT_MIN_EXPONENT[dtype])
+    return float((abs_diff / np.ldexp(1.0, spacing_exp)).max())
+
+
+def pair_range_partial(job: PairJob, start: int, stop: int) -> np.ndarray:
+    """Partial over elements [start, stop) of one pair (opened memory-mapped, never read whole)."""
+    golden = read_tensor(Path(job.golden_path)).reshape(-1)
+    target = read_tensor(Path(job.target_path)).reshape(-1)
+    to_golden = float64_converter(job.golden_dtype)
+    to_target = float64_converter(job.target_dtype)
+    ulp = job.ulp_dtype if job.ulp_dtype in FLOAT_PRECISION_BITS else None
+    total = empty_partial()
+    for low in range(start, stop, CHUNK):
+        high = min(stop, low + CHUNK)
+        merge(total, chunk_partial(to_golden(golden[low:high]), to_target(target[low:high]), ulp))
+    return total
+
+
+def _run_task(task: list[tuple[int, PairJob, int, int]]) -> list[tuple[int, np.ndarray]]:
+    return [(index, pair_range_partial(job, start, stop)) for index, job, start, stop in task]
+
+
+def finish(partial: np.ndarray, ulp_wanted: bool) -> PairMetrics:
+    n = int(partial[N])
+    finite = n - int(max(partial[G_NONFINITE], partial[T_NONFINITE]))
+    s_gg, s_tt, s_gt, s_dd = partial[S_GG], partial[S_TT], partial[S_GT], partial[S_DD]
+    if s_gg == 0 and s_tt == 0:
+        cosine = 1.0
+    elif s_gg == 0 or s_tt == 0:
+        cosine = 0.0
+    else:
+        cosine = float(np.clip(s_gt / math.sqrt(s_gg * s_tt), -1.0, 1.0))
+    golden_norm = math.sqrt(s_gg)
+    if s_dd == 0:
+        rel_l2, sqnr = 0.0, math.inf
+    else:
+        rel_l2 = math.sqrt(s_dd) / golden_norm if golden_norm > 0 else math.inf
+        sqnr = 10 * math.log10(s_gg / s_dd) if s_gg > 0 else -math.inf
+    finite_count = max(finite, 1)
+
+    def stats(max_i, min_i, sum_i, sq_i):
+        if finite == 0:
+            return (math.nan, math.nan, math.nan, math.nan)
+        return (float(partial[max_i]), float(partial[min_i]), float(partial[sum_i]) / finite_count,
+                math.sqrt(partial[sq_i]))
+
+    return PairMetrics(
+        numel=n,
+        cosine=cosine,
+        rel_l2=rel_l2,
+        sqnr_db=sqnr,
+        euc_dist=math.sqrt(s_dd),
+        max_abs=float(partial[MAX_ABS]) if finite else 0.0,
+        max_rel=float(partial[MAX_REL]) if finite else 0.0,
+        within_1e3=float(partial[N_REL_1E3]) / n if n else 1.0,
+        within_5e3=float(partial[N_REL_5E3]) / n if n else 1.0,
+        max_ulp=float(partial[MAX_ULP]) if ulp_wanted and finite else None,
+        nan_inf_mismatch=int(partial[NAN_MISMATCH] + partial[INF_MISMATCH]),
+        golden_nonfinite=int(partial[G_NONFINITE]),
+        target_nonfinite=int(partial[T_NONFINITE]),
+        golden_stats=stats(G_MAX, G_MIN, G_SUM, S_GG),
+        target_stats=stats(T_MAX, T_MIN, T_SUM, S_TT),
+    )
+
+
+def compare_pairs(jobs: list[PairJob], workers: int | None = None, progress=None) -> list[PairMetrics]:
+    """Metrics for every job, in order. Large workloads are spread over a process pool."""
+    total = sum(job.numel for job in jobs)
+    workers = workers if workers is not None else (os.cpu_count() or 1)
+    tasks = _plan_tasks(jobs)
+    partials = [empty_partial() for _ in jobs]
+    if workers <= 1 or total < 2 * TASK_ELEMENTS or len(tasks) < 2:
+        for task in tasks:
+            for index, partial in _run_task(task):
+                merge(partials[index], partial)
+            if progress:
+                progress(sum(stop - start for _, _, start, stop in task))
+    else:
+        import multiprocessing
+
+        # spawn: never fork a process that may hold torch's thread pools.
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+            futures = [(pool.submit(_run_task, task), task) for task in tasks]
+            for future, task in futures:
+                for index, partial in future.result():
+                    merge(partials[index], partial)
+                if progress:
+                    progress(sum(stop - start for _, _, start, stop in task))
+    return [finish(partial, job.ulp_dtype is not None) for partial, job in zip(partials, jobs)]
+
+
+def _plan_tasks(jobs: list[PairJob]) -> list[list[tuple[int, PairJob, int, int]]]:
+    """Cut big pairs into ranges and pack small pairs together: ~TASK_ELEMENTS per task."""
+    tasks: list[list] = []
+    current: list = []
+    current_size = 0
+    for index, job in enumerate(jobs):
+        start = 0
+        while True:
+            stop = min(job.numel, start + TASK_ELEMENTS - current_size)
+            current.append((index, job, start, stop))
+            current_size += stop - start
+            if current_size >= TASK_ELEMENTS:
+                tasks.append(current)
+                current, current_size = [], 0
+            start = stop
+            if start >= job.numel:
+                break
+    if current:
+        tasks.append(current)
+    return tasks

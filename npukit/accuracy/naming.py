@@ -1,0 +1,134 @@
+"""msprobe-compatible entry names, shared by the dump, the compare and the overflow detector.
+
+    Functional.conv2d.0.forward            api call (torch.nn.functional), call index 0
+    Tensor.add.1.backward                  backward of the second Tensor.add call
+    Torch.matmul.0.forward                 torch.* function
+    Module.layer1.0.conv1.Conv2d.forward.0 nn.Module call: path, class, direction, call index
+    Module.layer1.0.conv1.Conv2d.parameters_grad
+
+Leaves append `.input.0`, `.input.<kwarg>`, `.output.0`, `.parameters.weight` (nested: `.input.0.1`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from functools import lru_cache
+
+FORWARD = "forward"
+BACKWARD = "backward"
+PARAMETERS_GRAD = "parameters_grad"
+
+# Tensor methods that only manage autograd/storage bookkeeping: never worth an entry.
+_SKIPPED_TENSOR_METHODS = frozenset({
+    "backward", "detach", "detach_", "requires_grad_", "retain_grad", "register_hook",
+    "register_post_accumulate_grad_hook", "data_ptr", "storage", "untyped_storage", "_typed_storage",
+    "__deepcopy__", "__reduce_ex__", "__setstate__", "__getstate__", "__torch_function__",
+    "__get__", "__set__", "__delete__", "_make_subclass", "as_subclass", "__iter__", "__len__",
+    "__repr__", "__format__", "__hash__", "__bool__", "tolist", "item", "numpy", "size", "dim", "stride",
+    "numel", "element_size", "is_contiguous", "is_floating_point", "is_complex", "__dlpack__",
+    "__dlpack_device__", "__array__", "__index__", "__int__", "__float__", "__contains__", "share_memory_",
+    "pin_memory", "record_stream", "__setitem__",
+})
+
+_NAMESPACE_PREFIX = {"torch": "Torch", "torch.functional": "Torch", "torch.nn.functional": "Functional"}
+
+
+@lru_cache(maxsize=1)
+def api_name_table() -> dict:
+    """Map each overridable torch function object to its msprobe api name ("Functional.relu")."""
+    import torch
+    import torch.nn.functional as F
+    from torch.overrides import get_overridable_functions
+
+    table: dict = {}
+    functions = get_overridable_functions()
+
+    def add(namespace_funcs, prefix, name_prefix=""):
+        for func in namespace_funcs:
+            name = getattr(func, "__name__", None)
+            if not name or name in _SKIPPED_TENSOR_METHODS:
+                continue
+            table.setdefault(func, f"{prefix}.{name_prefix}{name}")
+
+    # Functional first: F.conv2d *is* torch.conv2d, and msprobe calls it Functional.conv2d.
+    add(functions.get(F, ()), "Functional")
+    add(functions.get(torch.Tensor, ()), "Tensor")
+    for namespace, funcs in functions.items():
+        module_name = getattr(namespace, "__name__", None)
+        if not isinstance(module_name, str):
+            continue  # Tensor property getters
+        if module_name in _NAMESPACE_PREFIX:
+            add(funcs, _NAMESPACE_PREFIX[module_name])
+        elif module_name.startswith("torch."):
+            # torch.linalg.norm -> Torch.linalg_norm: a dot would break the name grammar.
+            add(funcs, "Torch", module_name.split(".", 1)[1].replace(".", "_") + "_")
+    return table
+
+
+class CallCounter:
+    """Per-step call indices: the n-th call of an api or module name gets index n."""
+
+    def __init__(self) -> None:
+        self._counts: dict[str, int] = defaultdict(int)
+
+    def next(self, key: str) -> int:
+        index = self._counts[key]
+        self._counts[key] = index + 1
+        return index
+
+    def reset(self) -> None:
+        self._counts.clear()
+
+
+def api_entry_name(api: str, index: int, direction: str = FORWARD) -> str:
+    return f"{api}.{index}.{direction}"
+
+
+def module_entry_name(path: str, class_name: str, index: int, direction: str = FORWARD) -> str:
+    return f"Module.{path}.{class_name}.{direction}.{index}" if path else f"Module.{class_name}.{direction}.{index}"
+
+
+def module_params_grad_name(path: str, class_name: str) -> str:
+    return f"Module.{path}.{class_name}.{PARAMETERS_GRAD}" if path else f"Module.{class_name}.{PARAMETERS_GRAD}"
+
+
+_API_RE = re.compile(r"^(?P<base>.+)\.(?P<index>\d+)\.(?P<dir>forward|backward)$")
+_MODULE_RE = re.compile(r"^(?P<base>Module\..+)\.(?P<dir>forward|backward)\.(?P<index>\d+)$")
+
+
+def split_entry_name(name: str) -> tuple[str, str, int | None]:
+    """(base without call index, direction, call index) -- the key sequence alignment works on.
+
+    `Functional.conv2d.3.forward` -> ("Functional.conv2d", "forward", 3);
+    `Module.fc.Linear.backward.1` -> ("Module.fc.Linear", "backward", 1).
+    """
+    match = _MODULE_RE.match(name) if name.startswith("Module.") else None
+    if match is None:
+        match = _API_RE.match(name)
+    if match is None:
+        if name.endswith("." + PARAMETERS_GRAD):
+            return name[: -len(PARAMETERS_GRAD) - 1], PARAMETERS_GRAD, None
+        return name, "", None
+    return match["base"], match["dir"], int(match["index"])
+
+
+def module_path_of(name: str) -> str | None:
+    """Module path of a Module entry ("layer1.0.conv1"), None for api entries."""
+    if not name.startswith("Module."):
+        return None
+    base, _, _ = split_entry_name(name)
+    parts = base.split(".")[1:-1]  # drop "Module" and the class name
+    return ".".join(parts)
+
+
+def name_matches(item: str, entry_name: str) -> bool:
+    """True if the dot-separated components of `item` appear contiguously in `entry_name`.
+
+    `conv2d`, `Functional.conv2d`, `layer1.0.conv1` and `Conv2d` all match
+    `Module.layer1.0.conv1.Conv2d.forward.0` or `Functional.conv2d.0.forward` as a user expects.
+    """
+    wanted = item.split(".")
+    parts = entry_name.split(".")
+    width = len(wanted)
+    return any(parts[i : i + width] == wanted for i in range(len(parts) - width + 1))

@@ -1,0 +1,150 @@
+"""Tensor data files: one `.npy` per tensor, pickle-free, memory-mappable, exact for every dtype.
+
+numpy has no bfloat16 or float8, so those tensors are written as their raw bits (uint16 / uint8)
+and the real dtype is recorded next to the file name in dump.json. Reading gives back the raw
+array plus a function that widens a chunk of it to float64, so compare never needs torch.
+
+Torch is imported lazily: compare worker processes use only numpy.
+"""
+
+from __future__ import annotations
+
+import os
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from npukit.errors import UserError
+
+# torch dtype name (as written in dump.json, "torch.float32") -> (numpy storage dtype, raw bits?)
+_STORAGE = {
+    "torch.float64": ("float64", False),
+    "torch.float32": ("float32", False),
+    "torch.float16": ("float16", False),
+    "torch.bfloat16": ("uint16", True),
+    "torch.float8_e4m3fn": ("uint8", True),
+    "torch.float8_e5m2": ("uint8", True),
+    "torch.float8_e4m3fnuz": ("uint8", True),
+    "torch.float8_e5m2fnuz": ("uint8", True),
+    "torch.int64": ("int64", False),
+    "torch.int32": ("int32", False),
+    "torch.int16": ("int16", False),
+    "torch.int8": ("int8", False),
+    "torch.uint8": ("uint8", False),
+    "torch.uint16": ("uint16", False),
+    "torch.uint32": ("uint32", False),
+    "torch.uint64": ("uint64", False),
+    "torch.bool": ("bool", False),
+    "torch.complex64": ("complex64", False),
+    "torch.complex128": ("complex128", False),
+}
+
+# Significand precision in bits (implicit bit included): the size of one ULP relative to 2**exponent.
+FLOAT_PRECISION_BITS = {
+    "torch.float64": 53,
+    "torch.float32": 24,
+    "torch.float16": 11,
+    "torch.bfloat16": 8,
+    "torch.float8_e4m3fn": 4,
+    "torch.float8_e5m2": 3,
+}
+# Smallest positive subnormal exponent per dtype (ULP floor for tiny values).
+FLOAT_MIN_EXPONENT = {
+    "torch.float64": -1074,
+    "torch.float32": -149,
+    "torch.float16": -24,
+    "torch.bfloat16": -133,
+    "torch.float8_e4m3fn": -9,
+    "torch.float8_e5m2": -16,
+}
+
+
+def is_floating(dtype_name: str) -> bool:
+    return dtype_name in FLOAT_PRECISION_BITS
+
+
+def write_tensor(path: Path, tensor) -> None:
+    """Write one tensor (any device) to `path` as .npy; atomically, so a crash leaves no partial file."""
+    array = tensor_to_numpy(tensor)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as handle:
+        np.lib.format.write_array(handle, array, allow_pickle=False)
+    os.replace(tmp, path)
+
+
+def tensor_to_numpy(tensor):
+    """Host numpy array holding the tensor's exact bits (bf16/float8 as raw unsigned integers)."""
+    import torch
+
+    data = tensor.detach()
+    if data.device.type != "cpu":
+        data = data.cpu()
+    data = data.contiguous()
+    if data.dtype == torch.bfloat16:
+        data = data.view(torch.uint16)
+    elif data.dtype.is_floating_point and data.element_size() == 1:
+        data = data.view(torch.uint8)
+    return data.numpy()
+
+
+def read_tensor(path: Path, dtype_name: str | None = None, shape: list[int] | None = None) -> np.ndarray:
+    """Open a tensor file read-only (memory-mapped for .npy); `.pt` files (msprobe) load with weights_only.
+
+    Raises UserError naming the file when it is missing, truncated, corrupt or disagrees with the
+    dtype/shape recorded in dump.json.
+    """
+    if not path.is_file():
+        raise UserError(f"{path}: tensor data file is missing")
+    if path.suffix == ".pt":
+        array = _read_torch_file(path)
+    else:
+        try:
+            array = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError, EOFError) as exc:
+            raise UserError(f"{path}: corrupt or truncated tensor file ({exc})") from None
+        if not isinstance(array, np.ndarray):
+            raise UserError(f"{path}: expected one array, found an archive")
+    if dtype_name is not None and dtype_name in _STORAGE:
+        expected = np.dtype(_STORAGE[dtype_name][0])
+        if array.dtype != expected:
+            raise UserError(
+                f"{path}: holds {array.dtype} data but dump.json says {dtype_name} (stored as {expected})"
+            )
+    if shape is not None and list(array.shape) != list(shape):
+        raise UserError(f"{path}: holds shape {list(array.shape)} but dump.json says {list(shape)}")
+    return array
+
+
+def _read_torch_file(path: Path) -> np.ndarray:
+    import torch
+
+    if not zipfile.is_zipfile(path):
+        raise UserError(f"{path}: corrupt or truncated .pt file (not a zip archive)")
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises many types for corrupt archives
+        raise UserError(f"{path}: cannot load tensor ({type(exc).__name__}: {exc})") from None
+    if not isinstance(loaded, torch.Tensor):
+        raise UserError(f"{path}: expected a tensor, found {type(loaded).__name__}")
+    return tensor_to_numpy(loaded)
+
+
+def float64_converter(dtype_name: str) -> Callable[[np.ndarray], np.ndarray]:
+    """Function widening a chunk of a stored array (see read_tensor) to float64, exactly."""
+    if dtype_name == "torch.bfloat16":
+        return lambda chunk: (np.asarray(chunk, dtype=np.uint32) << 16).view(np.float32).astype(np.float64)
+    if dtype_name in ("torch.float8_e4m3fn", "torch.float8_e5m2", "torch.float8_e4m3fnuz", "torch.float8_e5m2fnuz"):
+        return _float8_converter(dtype_name)
+    if dtype_name in ("torch.complex64", "torch.complex128"):
+        # Compare complex tensors on their interleaved real/imaginary parts.
+        return lambda chunk: np.asarray(chunk).view(np.float32 if dtype_name == "torch.complex64" else np.float64).astype(np.float64)
+    return lambda chunk: np.array(chunk, dtype=np.float64)  # always a private copy: callers write into it
+
+
+def _float8_converter(dtype_name: str) -> Callable[[np.ndarray], np.ndarray]:
+    import torch
+
+    table = torch.arange(256, dtype=torch.uint8).view(getattr(torch, dtype_name.split(".")[1])).double().numpy()
+    return lambda chunk: table[np.asarray(chunk)]
