@@ -90,6 +90,25 @@ def run_main() -> None:
 migrate_app = typer.Typer(add_completion=False, help="Rewrite CUDA PyTorch code into torch_npu code.")
 
 # (section owned by npukit.migrate)
+@migrate_app.command()
+def migrate(
+    path: Path = typer.Argument(..., help="Repository folder or single file to migrate."),
+    out: Path | None = typer.Option(None, "--out", help="Write a migrated copy of PATH into DIR (PATH is not touched)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Analyse and report only; write nothing."),
+    diff: bool = typer.Option(False, "--diff", help="Print the rewrite as a unified diff; write nothing."),
+    check: bool = typer.Option(False, "--check", help="Exit 1 if anything would change (for CI); write nothing."),
+    runtime: bool = typer.Option(False, "--runtime", help="Do not rewrite; insert torch_npu's transfer_to_npu import at entry points."),
+    force: bool = typer.Option(False, "--force", help="Rewrite in place even if the git tree has uncommitted changes."),
+    report: Path | None = typer.Option(None, "--report", help="Write report.json, report.md, change_list.csv, unsupported_api.csv, report.sarif into DIR."),
+    jobs: int | None = typer.Option(None, "--jobs", "-j", help="Worker processes (default: all cores)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary; errors only."),
+) -> None:
+    from npukit.migrate.cli_support import main
+
+    options_kwargs = dict(target=path, out=out, dry_run=dry_run, diff=diff, check=check, runtime=runtime,
+                          force=force, jobs=jobs, report_dir=report, quiet=quiet)
+    raise typer.Exit(main(**options_kwargs))
+
 
 
 def migrate_main() -> None:

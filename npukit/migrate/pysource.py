@@ -44,6 +44,7 @@ class PythonOutcome:
     text: str  # the new source (== input when nothing changed)
     changes: list[Change]
     findings: list[Finding]
+    edits: list[Edit]  # what turned the input into text (offsets into the input)
 
 
 class _Positions:
@@ -1280,9 +1281,9 @@ def migrate_python(text: str, path: str, *, runtime: bool = False) -> PythonOutc
         except MigrationSyntaxError as exc:  # a bug in a rule must never corrupt a user's file
             finding = Finding(path, 1, 1, "internal-error", "error", "", f"the rewrite would not parse ({exc}); file left unchanged",
                               "please report this file to the npukit maintainers")
-            return PythonOutcome(text, [], [*findings, finding])
+            return PythonOutcome(text, [], [*findings, finding], [])
     changes = [Change(path, e.line, e.col, e.rule, text[e.start:e.end], e.text.strip("\r\n")) for e in edits]
-    return PythonOutcome(new_text, changes, findings)
+    return PythonOutcome(new_text, changes, findings, edits)
 
 
 def _runtime_outcome(migrator: PythonMigrator, edits: list[Edit], findings: list[Finding], newline: str) -> PythonOutcome:
@@ -1298,11 +1299,12 @@ def _runtime_outcome(migrator: PythonMigrator, edits: list[Edit], findings: list
     findings = sorted([*findings, *extra], key=lambda f: (f.line, f.col, f.kind))
     uses_torch = any(q == "torch" or q.startswith("torch.") for q in migrator.bindings.values()) and "torch" in text
     if migrator.has_transfer_to_npu or not _is_entry_point(migrator.tree) or not uses_torch:
-        return PythonOutcome(text, [], findings)
+        return PythonOutcome(text, [], findings, [])
     at = migrator.insertion_point()
     lines = [] if migrator.has_torch_npu_import else ["import torch_npu"]
     lines.append("from torch_npu.contrib import transfer_to_npu")
     insertion = "".join(line + newline for line in lines)
-    new_text = text[:at] + insertion + text[at:]
     line = text.count("\n", 0, at) + 1
-    return PythonOutcome(new_text, [Change(migrator.path, line, 1, "runtime-transfer-to-npu", "", insertion.strip())], findings)
+    edit = Edit(at, at, insertion, "runtime-transfer-to-npu", line, 1)
+    change = Change(migrator.path, line, 1, edit.rule, "", insertion.strip())
+    return PythonOutcome(apply_edits(text, [edit]), [change], findings, [edit])

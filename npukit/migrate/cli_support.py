@@ -1,0 +1,53 @@
+"""What `npu-migrate` does once typer has parsed the options (kept out of cli.py so --help stays instant)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from npukit.migrate.report import print_summary, write_reports
+from npukit.migrate.runner import MigrateOptions, run_migration, unified_diff
+
+_PROGRESS_MIN_FILES = 100  # smaller trees finish before a bar is worth drawing
+
+
+def main(**option_values) -> int:
+    """Returns the exit code: 0, or 1 for --check when something would change."""
+    from rich.console import Console
+
+    options = MigrateOptions(**option_values)
+    console = Console(stderr=True)
+    progress_bar = None
+
+    def progress_factory(total: int):
+        nonlocal progress_bar
+        if options.quiet or total < _PROGRESS_MIN_FILES or not console.is_terminal:
+            return None
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        progress_bar = Progress(TextColumn("migrating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                console=console, transient=True)
+        progress_bar.start()
+        task = progress_bar.add_task("files", total=total)
+        return lambda advance: progress_bar.advance(task, advance)
+
+    try:
+        run = run_migration(options, progress_factory=progress_factory)
+    finally:
+        if progress_bar is not None:
+            progress_bar.stop()
+    if options.diff:
+        sys.stdout.write(unified_diff(run))
+    if options.report_dir is not None:
+        written = write_reports(run, options.report_dir)
+        if not options.quiet:
+            console.print(f"reports: {', '.join(str(p) for p in written)}")
+    if not options.quiet:
+        print_summary(run, Console(stderr=options.diff))
+        if options.out is not None:
+            console.print(f"migrated copy written to {Path(options.out)}")
+    if options.check and run.changed:
+        if not options.quiet:
+            console.print(f"[red]{len(run.changed)} file(s) would change[/red]")
+        return 1
+    return 0

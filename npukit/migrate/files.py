@@ -1,0 +1,248 @@
+"""Which files a migration touches, how they are read, and how they are written back safely."""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import tokenize
+from dataclasses import dataclass
+from pathlib import Path
+
+# folders that hold other people's code or build output, never the user's sources
+SKIPPED_DIRS = frozenset(
+    {".git", ".hg", ".svn", ".venv", "venv", "site-packages", "dist-packages", "node_modules",
+     "__pycache__", ".tox", ".nox", ".mypy_cache", ".pytest_cache", ".ruff_cache", ".eggs", "build", "dist",
+     "third_party", "thirdparty", "third-party", "3rdparty", "vendor", "vendored", "_vendor", ".ipynb_checkpoints"}
+)
+PYTHON_SUFFIXES = (".py", ".pyw")
+SHELL_SUFFIXES = (".sh", ".bash", ".zsh")
+NATIVE_SUFFIXES = (".cu", ".cuh", ".cpp", ".cc", ".cxx", ".c", ".h", ".hpp", ".hh")
+_REQUIREMENTS = re.compile(r"(requirements|constraints)[\w.-]*\.(txt|in)\Z|.*\.requirements\.txt\Z", re.I)
+MAX_CONFIG_BYTES = 2 * 1024 * 1024  # larger JSON/YAML files are data, not configuration
+
+
+def kind_of(relative: str) -> str | None:
+    name = relative.rsplit("/", 1)[-1]
+    lowered = name.lower()
+    if lowered.endswith(PYTHON_SUFFIXES):
+        return "python"
+    if lowered.endswith(".ipynb"):
+        return "notebook"
+    if lowered.endswith(SHELL_SUFFIXES):
+        return "shell"
+    if lowered.endswith((".yaml", ".yml")):
+        return "yaml"
+    if lowered.endswith(".json"):
+        return "json"
+    if _REQUIREMENTS.match(name) or "/requirements/" in f"/{relative.lower()}" and lowered.endswith(".txt"):
+        return "requirements"
+    if lowered.endswith(NATIVE_SUFFIXES):
+        return "native"
+    return None
+
+
+@dataclass
+class Discovery:
+    root: Path  # a directory (the target, or the parent of a single target file)
+    files: list[str]  # relative posix paths of candidate files
+    all_files: list[str]  # every regular file, for --out copies
+    skipped: list[tuple[str, str]]  # (relative path, why)
+
+
+def _git_root(path: Path) -> Path | None:
+    try:
+        result = subprocess.run(["git", "-C", str(path), "rev-parse", "--show-toplevel"],
+                                capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if result.returncode != 0:
+        return None
+    return Path(result.stdout.strip())
+
+
+def _git_visible(root: Path) -> set[str] | None:
+    """Files git does not ignore under root (tracked + untracked), relative to root."""
+    try:
+        result = subprocess.run(
+            ["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard", "--", "."],
+            capture_output=True, timeout=120,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if result.returncode != 0:
+        return None
+    return {p.decode("utf-8", "surrogateescape") for p in result.stdout.split(b"\0") if p}
+
+
+class _GitIgnore:
+    """A small .gitignore matcher for trees that are not git work trees."""
+
+    def __init__(self) -> None:
+        self.rules: list[tuple[str, str, bool, bool]] = []  # (base dir, pattern, negated, dir only)
+
+    def add_file(self, base: str, path: Path) -> None:
+        try:
+            lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        except OSError:
+            return
+        for raw in lines:
+            line = raw.rstrip()
+            if not line or line.startswith("#"):
+                continue
+            negated = line.startswith("!")
+            line = line[1:] if negated else line
+            dir_only = line.endswith("/")
+            line = line.rstrip("/")
+            self.rules.append((base, line, negated, dir_only))
+
+    def ignored(self, relative: str, is_dir: bool) -> bool:
+        result = False
+        for base, pattern, negated, dir_only in self.rules:
+            if dir_only and not is_dir:
+                continue
+            if base and not relative.startswith(base + "/"):
+                continue
+            local = relative[len(base) + 1:] if base else relative
+            if "/" in pattern.strip("/"):
+                matched = fnmatch.fnmatch(local, pattern.lstrip("/"))
+            else:
+                matched = fnmatch.fnmatch(local.rsplit("/", 1)[-1], pattern.lstrip("/"))
+            if matched:
+                result = not negated
+        return result
+
+
+def discover(target: Path) -> Discovery:
+    """Walk target without following symlinks, honouring .gitignore and skipping vendored folders."""
+    if target.is_file():
+        root = target.parent
+        relative = target.name
+        kind = kind_of(relative)
+        return Discovery(root, [relative] if kind else [], [relative], [] if kind else [(relative, "not a file type npu-migrate handles")])
+    root = target
+    git_root = _git_root(root)
+    visible = _git_visible(root) if git_root is not None else None
+    ignore = _GitIgnore()
+    files: list[str] = []
+    all_files: list[str] = []
+    skipped: list[tuple[str, str]] = []
+    root_real = os.path.realpath(root)
+    for directory, dirnames, filenames in os.walk(root, followlinks=False):
+        rel_dir = os.path.relpath(directory, root).replace(os.sep, "/")
+        rel_dir = "" if rel_dir == "." else rel_dir
+        if visible is None and ".gitignore" in filenames:
+            ignore.add_file(rel_dir, Path(directory) / ".gitignore")
+        kept = []
+        for name in sorted(dirnames):
+            relative = f"{rel_dir}/{name}" if rel_dir else name
+            full = os.path.join(directory, name)
+            if os.path.islink(full):
+                skipped.append((relative, "symlinked folder (not followed)"))
+            elif name in SKIPPED_DIRS or os.path.exists(os.path.join(full, "pyvenv.cfg")):
+                if name != ".git":
+                    skipped.append((relative, "vendored, virtualenv or build folder"))
+            elif visible is None and ignore.ignored(relative, True):
+                skipped.append((relative, "ignored by .gitignore"))
+            else:
+                kept.append(name)
+        dirnames[:] = kept
+        for name in sorted(filenames):
+            relative = f"{rel_dir}/{name}" if rel_dir else name
+            full = os.path.join(directory, name)
+            if os.path.islink(full):
+                real = os.path.realpath(full)
+                if not (real == root_real or real.startswith(root_real + os.sep)):
+                    skipped.append((relative, "symlink pointing outside the target (not followed)"))
+                else:
+                    skipped.append((relative, "symlink (its target is migrated in place instead)"))
+                continue
+            if not os.path.isfile(full):
+                continue
+            all_files.append(relative)
+            if visible is not None and relative not in visible:
+                continue
+            if visible is None and ignore.ignored(relative, False):
+                continue
+            if kind_of(relative) is not None:
+                files.append(relative)
+    return Discovery(root, files, all_files, skipped)
+
+
+def dirty_files(target: Path) -> list[str] | None:
+    """Uncommitted changes under target, or None if target is not in a git work tree."""
+    directory = target if target.is_dir() else target.parent
+    if _git_root(directory) is None:
+        return None
+    result = subprocess.run(["git", "-C", str(directory), "status", "--porcelain", "--", str(target)],
+                            capture_output=True, text=True, timeout=120)
+    if result.returncode != 0:
+        return None
+    return [line[3:] for line in result.stdout.splitlines() if line.strip()]
+
+
+# ------------------------------------------------------------------------------ reading and writing
+@dataclass
+class Decoded:
+    text: str
+    encoding: str  # codec that turns text back into the original bytes (utf-8-sig keeps a BOM)
+
+
+class UndecodableError(Exception):
+    pass
+
+
+def decode(data: bytes, kind: str) -> Decoded:
+    if b"\0" in data[:8192]:
+        raise UndecodableError("is a binary file")
+    encoding = "utf-8"
+    if kind == "python":
+        try:
+            encoding, _ = tokenize.detect_encoding(iter(data.splitlines(keepends=True)).__next__)
+        except SyntaxError as exc:
+            raise UndecodableError(f"has an invalid encoding declaration ({exc})") from None
+    elif data.startswith(b"\xef\xbb\xbf"):
+        encoding = "utf-8-sig"
+    try:
+        text = data.decode(encoding)
+    except (UnicodeDecodeError, LookupError) as exc:
+        raise UndecodableError(f"cannot be decoded as {encoding} ({exc.__class__.__name__})") from None
+    return Decoded(text, encoding)
+
+
+def encode(text: str, encoding: str) -> bytes:
+    return text.encode(encoding)
+
+
+def atomic_write(path: Path, data: bytes, *, mode_from: Path | None = None) -> None:
+    """Write via a temporary file in the same folder and rename over: never a half-written file."""
+    directory = path.parent
+    directory.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".npu-migrate", dir=directory)
+    try:
+        with os.fdopen(handle, "wb") as stream:
+            stream.write(data)
+            stream.flush()
+            os.fsync(stream.fileno())
+        source = mode_from if mode_from is not None and mode_from.exists() else (path if path.exists() else None)
+        if source is not None:
+            shutil.copymode(source, temporary)
+        os.replace(temporary, path)
+    except BaseException:
+        try:
+            os.unlink(temporary)
+        except OSError:
+            pass
+        raise
+
+
+def inside(path: Path, root: Path) -> bool:
+    """True if path (resolved) lies in root (resolved): nothing is ever written elsewhere."""
+    try:
+        Path(os.path.realpath(path)).relative_to(os.path.realpath(root))
+    except ValueError:
+        return False
+    return True

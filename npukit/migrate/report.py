@@ -1,0 +1,200 @@
+"""Migration reports: a terminal summary, and report.json / report.md / CSVs / SARIF in a folder."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from collections import Counter
+from pathlib import Path
+
+from npukit import __version__
+from npukit.migrate import rules
+from npukit.migrate.files import atomic_write
+from npukit.migrate.model import SEVERITIES
+from npukit.migrate.runner import MigrationRun
+
+# change_list.csv / unsupported_api.csv: GPU2Ascend's file names and leading columns (file, start
+# line, end line, code) so its users can line the two tools up; our extra columns come after.
+CHANGE_LIST_COLUMNS = ["File", "Start Line", "End Line", "Original Code", "Modified Code", "Rule", "Column"]
+UNSUPPORTED_COLUMNS = ["File", "Start Line", "End Line", "Code", "API/Kind", "Reason", "Suggestion", "Severity", "Column"]
+_SARIF_LEVEL = {"error": "error", "warning": "warning", "info": "note"}
+
+
+def summary(run: MigrationRun) -> dict:
+    findings = run.findings
+    rewrites = Counter(c.rule for r in run.results for c in r.changes)
+    return {
+        "files_scanned": run.files_scanned,
+        "files_changed": len(run.changed),
+        "files_unparsable": sum(1 for r in run.results if r.error),
+        "rewrites": sum(rewrites.values()),
+        "rewrites_by_rule": dict(rewrites.most_common()),
+        "findings_by_severity": {s: sum(1 for f in findings if f.severity == s) for s in SEVERITIES},
+        "findings_by_kind": dict(Counter(f.kind for f in findings).most_common()),
+        "skipped_paths": len(run.skipped),
+        "seconds": round(run.elapsed, 3),
+    }
+
+
+def effort(run: MigrationRun) -> dict:
+    """Items that need a human, by kind, with a rough time estimate (an estimate, not a promise)."""
+    by_kind: dict[str, dict] = {}
+    for finding in run.findings:
+        if finding.severity == "info":
+            continue
+        entry = by_kind.setdefault(finding.kind, {"items": 0, "severity": finding.severity, "minutes": 0})
+        entry["items"] += 1
+        entry["minutes"] += rules.EFFORT_OVERRIDES.get(finding.kind, rules.EFFORT_MINUTES[finding.severity])
+    total = sum(e["minutes"] for e in by_kind.values())
+    return {"items_needing_a_human": sum(e["items"] for e in by_kind.values()),
+            "estimated_hours": round(total / 60, 1), "by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1]["minutes"])),
+            "note": "rough estimate: 15 min per warning, 1 h per error, more for kernels/extensions"}
+
+
+def to_json(run: MigrationRun) -> dict:
+    return {
+        "tool": "npu-migrate",
+        "version": __version__,
+        "target": str(run.options.target),
+        "mode": run.options.mode,
+        "runtime": run.options.runtime,
+        "summary": summary(run),
+        "effort": effort(run),
+        "files": [
+            {"path": r.path, "kind": r.kind, "changed": r.changed, "error": r.error,
+             "changes": [vars(c) for c in r.changes], "findings": [f.as_dict() for f in r.findings]}
+            for r in run.results if r.changed or r.findings or r.error
+        ],
+        "skipped": [{"path": p, "reason": why} for p, why in run.skipped],
+    }
+
+
+def change_list_csv(run: MigrationRun) -> str:
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(CHANGE_LIST_COLUMNS)
+    for result in run.results:
+        for c in result.changes:
+            end_line = c.line + c.before.count("\n")
+            writer.writerow([c.path, c.line, end_line, c.before, c.after, c.rule, c.col])
+    return buffer.getvalue()
+
+
+def unsupported_csv(run: MigrationRun) -> str:
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(UNSUPPORTED_COLUMNS)
+    for f in run.findings:
+        writer.writerow([f.path, f.line, f.line, f.code, f.kind, f.reason, f.suggestion, f.severity, f.col])
+    return buffer.getvalue()
+
+
+def sarif(run: MigrationRun) -> dict:
+    kinds = sorted({f.kind for f in run.findings})
+    results = []
+    for f in run.findings:
+        region = {"startLine": f.line, "startColumn": f.col}
+        if f.code:
+            region["snippet"] = {"text": f.code}
+        results.append({
+            "ruleId": f.kind,
+            "level": _SARIF_LEVEL[f.severity],
+            "message": {"text": f"{f.reason}. Suggestion: {f.suggestion}"},
+            "locations": [{"physicalLocation": {"artifactLocation": {"uri": f.path, "uriBaseId": "SRCROOT"},
+                                                "region": region}}],
+        })
+    return {
+        "$schema": "https://json.schemastore.org/sarif-2.1.0.json",
+        "version": "2.1.0",
+        "runs": [{
+            "tool": {"driver": {"name": "npu-migrate", "version": __version__,
+                                "informationUri": "https://github.com/npukit/npukit",
+                                "rules": [{"id": k, "shortDescription": {"text": k}} for k in kinds]}},
+            "originalUriBaseIds": {"SRCROOT": {"uri": run.root.resolve().as_uri() + "/"}},
+            "results": results,
+        }],
+    }
+
+
+def markdown(run: MigrationRun) -> str:
+    s = summary(run)
+    e = effort(run)
+    lines = [f"# npu-migrate report: `{run.options.target}`", "",
+             f"Mode: {run.options.mode}{' (runtime transfer_to_npu)' if run.options.runtime else ''}. "
+             f"{s['files_scanned']} files scanned, {s['files_changed']} changed, {s['rewrites']} rewrites, "
+             f"{s['files_unparsable']} left unparsed, in {s['seconds']} s.", "",
+             "## Rewrites by rule", "", "| rule | count |", "|---|---:|"]
+    lines += [f"| {rule} | {count} |" for rule, count in s["rewrites_by_rule"].items()] or ["| (none) | 0 |"]
+    lines += ["", "## Flagged items by severity", "", "| severity | count |", "|---|---:|"]
+    lines += [f"| {sev} | {count} |" for sev, count in s["findings_by_severity"].items()]
+    lines += ["", f"## Effort estimate: {e['items_needing_a_human']} items, about {e['estimated_hours']} h", "",
+              f"_{e['note']}_", "", "| kind | severity | items | minutes |", "|---|---|---:|---:|"]
+    lines += [f"| {kind} | {v['severity']} | {v['items']} | {v['minutes']} |" for kind, v in e["by_kind"].items()]
+    lines += ["", "## Items needing a human", "", "| where | severity | kind | code | reason | suggestion |",
+              "|---|---|---|---|---|---|"]
+    for f in sorted(run.findings, key=lambda f: (SEVERITIES.index(f.severity), f.path, f.line)):
+        if f.severity != "info":
+            lines.append(f"| {f.path}:{f.line}:{f.col} | {f.severity} | {f.kind} | `{_md(f.code)}` | {_md(f.reason)} | {_md(f.suggestion)} |")
+    info = [f for f in run.findings if f.severity == "info"]
+    if info:
+        lines += ["", f"## For information ({len(info)})", ""]
+        lines += [f"- {f.path}:{f.line}:{f.col} {f.kind}: {_md(f.reason)}" for f in info]
+    return "\n".join(lines) + "\n"
+
+
+def _md(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ").replace("`", "'")
+
+
+def write_reports(run: MigrationRun, directory: Path) -> list[Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    outputs = {
+        "report.json": json.dumps(to_json(run), indent=2, ensure_ascii=False) + "\n",
+        "report.md": markdown(run),
+        "change_list.csv": change_list_csv(run),
+        "unsupported_api.csv": unsupported_csv(run),
+        "report.sarif": json.dumps(sarif(run), indent=2, ensure_ascii=False) + "\n",
+    }
+    written = []
+    for name, content in outputs.items():
+        path = directory / name
+        atomic_write(path, content.encode("utf-8"))
+        written.append(path)
+    return written
+
+
+def print_summary(run: MigrationRun, console) -> None:
+    """The rich terminal summary: files changed, rewrites by rule, flagged items by severity."""
+    from rich.table import Table
+
+    s = summary(run)
+    verb = {"in-place": "changed", "copy": "changed in the copy"}.get(run.options.mode, "would change")
+    console.print(f"[bold]npu-migrate[/bold] {run.options.target}: {s['files_scanned']} files scanned, "
+                  f"[bold]{s['files_changed']}[/bold] {verb}, {s['rewrites']} rewrites, "
+                  f"{s['files_unparsable']} not parsed ({s['seconds']:.2f} s)")
+    if s["rewrites_by_rule"]:
+        table = Table(title="Rewrites by rule", title_justify="left")
+        table.add_column("rule")
+        table.add_column("count", justify="right")
+        for rule, count in s["rewrites_by_rule"].items():
+            table.add_row(rule, str(count))
+        console.print(table)
+    if run.findings:
+        table = Table(title="Flagged items (need a human unless info)", title_justify="left")
+        table.add_column("severity")
+        table.add_column("kind")
+        table.add_column("count", justify="right")
+        table.add_column("first at")
+        firsts: dict[tuple[str, str], str] = {}
+        counts: Counter = Counter()
+        for f in sorted(run.findings, key=lambda f: (SEVERITIES.index(f.severity), f.kind, f.path, f.line)):
+            counts[(f.severity, f.kind)] += 1
+            firsts.setdefault((f.severity, f.kind), f"{f.path}:{f.line}:{f.col}")
+        for (severity, kind), count in counts.items():
+            style = {"error": "red", "warning": "yellow"}.get(severity, "dim")
+            table.add_row(f"[{style}]{severity}[/{style}]", kind, str(count), firsts[(severity, kind)])
+        console.print(table)
+        e = effort(run)
+        console.print(f"Effort estimate: {e['items_needing_a_human']} items needing a human, about "
+                      f"{e['estimated_hours']} h (rough). Details: --report DIR.")

@@ -1,0 +1,254 @@
+"""Run a migration over a file or a tree: discover, analyse in a process pool, write, report."""
+
+from __future__ import annotations
+
+import difflib
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from npukit.errors import UserError
+from npukit.migrate import files as fs
+from npukit.migrate import rules
+from npukit.migrate.model import FileResult, Finding
+from npukit.migrate.pysource import MigrationSyntaxError, migrate_python
+from npukit.migrate.textfiles import (
+    migrate_json,
+    migrate_notebook,
+    migrate_shell,
+    migrate_yaml,
+    scan_native_source,
+    scan_requirements,
+)
+
+# below this many candidate files a process pool costs more than it saves
+_POOL_THRESHOLD = 24
+
+
+@dataclass
+class MigrateOptions:
+    target: Path
+    out: Path | None = None
+    dry_run: bool = False
+    diff: bool = False
+    check: bool = False
+    runtime: bool = False
+    force: bool = False
+    jobs: int | None = None
+    report_dir: Path | None = None
+    quiet: bool = False
+
+    @property
+    def writes(self) -> bool:
+        return not (self.dry_run or self.diff or self.check)
+
+    @property
+    def mode(self) -> str:
+        if self.check:
+            return "check"
+        if self.diff:
+            return "diff"
+        if self.dry_run:
+            return "dry-run"
+        return "copy" if self.out is not None else "in-place"
+
+
+@dataclass
+class MigrationRun:
+    options: MigrateOptions
+    root: Path
+    results: list[FileResult]
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    files_scanned: int = 0
+    elapsed: float = 0.0
+
+    @property
+    def changed(self) -> list[FileResult]:
+        return [r for r in self.results if r.changed]
+
+    @property
+    def findings(self) -> list[Finding]:
+        return [f for r in self.results for f in r.findings]
+
+
+def process_file(root: str, relative: str, kind: str, runtime: bool) -> FileResult:
+    """Analyse (and compute the rewrite of) one file. Never raises for a bad file: it reports it."""
+    result = FileResult(path=relative, kind=kind)
+    full = os.path.join(root, relative)
+    try:
+        with open(full, "rb") as stream:
+            data = stream.read()
+    except OSError as exc:
+        result.error = f"cannot be read ({exc.strerror})"
+        return result
+    if kind in ("yaml", "json") and len(data) > fs.MAX_CONFIG_BYTES:
+        return result
+    try:
+        decoded = fs.decode(data, kind)
+    except fs.UndecodableError as exc:
+        if kind in ("python", "notebook", "shell"):
+            result.error = str(exc)
+        return result
+    text = decoded.text
+    try:
+        new_text = text
+        if kind == "python":
+            if rules.PREFILTER.search(text) is None:
+                return result
+            outcome = migrate_python(text, relative, runtime=runtime)
+            new_text, result.changes, result.findings = outcome.text, outcome.changes, outcome.findings
+        elif kind == "notebook":
+            if rules.PREFILTER.search(text) is None:
+                return result
+            new_text, result.changes, result.findings = migrate_notebook(text, relative, runtime=runtime)
+        elif kind == "shell":
+            new_text, result.changes, result.findings = migrate_shell(text, relative)
+        elif kind == "yaml":
+            if not _mentions_cuda(text):
+                return result
+            new_text, result.changes, result.findings = migrate_yaml(text, relative)
+        elif kind == "json":
+            if not _mentions_cuda(text):
+                return result
+            new_text, result.changes, result.findings = migrate_json(text, relative)
+        elif kind == "requirements":
+            result.findings = scan_requirements(text, relative)
+        elif kind == "native":
+            result.findings = scan_native_source(text, relative)
+    except MigrationSyntaxError as exc:
+        result.error = str(exc)
+        result.changes, result.findings = [], []
+        return result
+    if runtime and kind != "python" and kind != "notebook":
+        new_text, result.changes = text, []  # --runtime only inserts the import into entry points
+    if new_text != text:
+        result.new_bytes = fs.encode(new_text, decoded.encoding)
+    return result
+
+
+def _mentions_cuda(text: str) -> bool:
+    lowered = text.lower()
+    return "cuda" in lowered or "nccl" in lowered or "nvidia" in lowered
+
+
+def _process_batch(batch: list[tuple[str, str, str, bool]]) -> list[FileResult]:
+    return [process_file(*item) for item in batch]
+
+
+def _analyse(root: Path, candidates: list[str], options: MigrateOptions,
+             progress: Callable[[int], None] | None) -> list[FileResult]:
+    items = [(str(root), rel, fs.kind_of(rel), options.runtime) for rel in candidates]
+    jobs = options.jobs or os.cpu_count() or 1
+    if jobs <= 1 or len(items) < _POOL_THRESHOLD:
+        results = []
+        for item in items:
+            results.append(process_file(*item))
+            if progress:
+                progress(1)
+        return results
+    # interleave big and small files across batches so workers finish together
+    batch_count = max(jobs * 4, 1)
+    batches = [items[i::batch_count] for i in range(batch_count)]
+    results: list[FileResult] = []
+    context = None
+    if sys.platform.startswith("linux"):
+        import multiprocessing
+
+        context = multiprocessing.get_context("fork")  # workers inherit the parsed rule tables
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+        for batch_results in pool.map(_process_batch, [b for b in batches if b]):
+            results.extend(batch_results)
+            if progress:
+                progress(len(batch_results))
+    order = {rel: index for index, rel in enumerate(candidates)}
+    results.sort(key=lambda r: order[r.path])
+    return results
+
+
+def _validate(options: MigrateOptions) -> None:
+    target = options.target
+    if not target.exists():
+        raise UserError(f"{target}: no such file or directory")
+    if options.out is not None:
+        if options.dry_run or options.diff or options.check:
+            raise UserError("--out writes a migrated copy; it cannot be combined with --dry-run, --diff or --check")
+        out = options.out
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise UserError(f"--out {out}: exists and is not an empty folder (choose a new folder)")
+        source_dir = target if target.is_dir() else target.parent
+        if fs.inside(out, source_dir) and target.is_dir():
+            raise UserError(f"--out {out}: must not be inside the folder being migrated ({target})")
+    if options.report_dir is not None and options.report_dir.exists() and not options.report_dir.is_dir():
+        raise UserError(f"--report {options.report_dir}: exists and is not a folder")
+    if options.jobs is not None and options.jobs < 1:
+        raise UserError(f"--jobs {options.jobs}: must be at least 1")
+    if options.writes and options.out is None and not options.force:
+        dirty = fs.dirty_files(target)
+        if dirty:
+            listed = ", ".join(dirty[:5]) + (f" and {len(dirty) - 5} more" if len(dirty) > 5 else "")
+            raise UserError(
+                f"{target}: the git tree has uncommitted changes ({listed}); commit or stash them so the "
+                "migration can be reviewed as one diff, or pass --force (or use --out DIR / --dry-run)"
+            )
+
+
+def run_migration(options: MigrateOptions, progress_factory=None) -> MigrationRun:
+    """Run one migration. progress_factory(total) -> callable(advance) draws a progress bar."""
+    _validate(options)
+    started = time.perf_counter()
+    discovery = fs.discover(options.target)
+    root = discovery.root
+    progress = progress_factory(len(discovery.files)) if progress_factory else None
+    results = _analyse(root, discovery.files, options, progress)
+    for result in results:
+        if result.error:
+            result.findings.append(Finding(result.path, 1, 1, "unparsable", "warning", "",
+                                           f"{result.error}; left unchanged", "migrate this file by hand"))
+    if options.writes:
+        _write(options, root, discovery, results)
+    run = MigrationRun(options, root, results, discovery.skipped, len(discovery.files), time.perf_counter() - started)
+    return run
+
+
+def _write(options: MigrateOptions, root: Path, discovery: fs.Discovery, results: list[FileResult]) -> None:
+    changed = {r.path: r for r in results if r.changed}
+    if options.out is None:
+        for relative, result in changed.items():
+            path = root / relative
+            if not fs.inside(path, root):  # a path that escapes through a symlinked parent
+                result.findings.append(Finding(relative, 1, 1, "outside-target", "warning", "",
+                                               "resolves outside the target; not written", "migrate it where it lives"))
+                result.new_bytes = None
+                continue
+            fs.atomic_write(path, result.new_bytes, mode_from=path)
+        return
+    out = options.out
+    out.mkdir(parents=True, exist_ok=True)
+    for relative in discovery.all_files:
+        destination = out / relative
+        if not fs.inside(destination, out):
+            continue
+        if relative in changed:
+            fs.atomic_write(destination, changed[relative].new_bytes, mode_from=root / relative)
+        else:
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(root / relative, destination)
+
+
+def unified_diff(run: MigrationRun) -> str:
+    chunks = []
+    for result in run.changed:
+        path = run.root / result.path
+        old = path.read_bytes()
+        encoding = fs.decode(old, result.kind).encoding
+        before = old.decode(encoding).splitlines(keepends=True)
+        after = result.new_bytes.decode(encoding).splitlines(keepends=True)
+        diff = difflib.unified_diff(before, after, f"a/{result.path}", f"b/{result.path}")
+        chunks.append("".join(line if line.endswith(("\n", "\r")) else line + "\n\\ No newline at end of file\n"
+                              for line in diff))
+    return "".join(chunks)

@@ -1,0 +1,359 @@
+"""CUDA -> NPU migration of the files around the Python code.
+
+Notebooks (code cells, with shell escapes and magics), shell scripts, YAML/JSON configs,
+requirements files and CUDA/C++ sources. Text rewrites here are line based and skip comments,
+echo/printf lines and anything that is not a command or a config value.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from npukit.migrate import rules
+from npukit.migrate.model import Change, Finding
+from npukit.migrate.pysource import MigrationSyntaxError, apply_edits, migrate_python
+from npukit.migrate.rules import Flag
+
+_ENV_RENAME = re.compile(r"\b(" + "|".join(rules.ENV_RENAMES) + r")\b")
+_NCCL_ENV = re.compile(r"\b(TORCH_)?NCCL_[A-Z0-9_]+\b")
+_DEVICE_OPTION = re.compile(r"(--[\w-]*device[\w-]*(?:=|\s+)[\"']?)cuda(?=(?::\d+)?[\"']?(?:\s|$|\\))")
+_BACKEND_OPTION = re.compile(r"(--[\w-]*backend[\w-]*(?:=|\s+)[\"']?)nccl\b")
+_NVIDIA_SMI = re.compile(r"\bnvidia-smi\b")
+_LOG_COMMAND = re.compile(r"\s*(echo|printf)\b")
+_YAML_ITEM = re.compile(r"""^(?P<lead>\s*(?:-\s+)?)(?P<kq>["']?)(?P<key>[\w.-]+)(?P=kq)(?P<sep>\s*:\s*)(?P<vq>["']?)(?P<value>[^"'#\s][^"'#]*?)(?P=vq)\s*$""")
+_JSON_DEVICE = re.compile(r'("[\w.-]*[dD]evice[\w.-]*"\s*:\s*")cuda((?::\d+)?")')
+_JSON_BACKEND = re.compile(r'("[\w.-]*[bB]ackend[\w.-]*"\s*:\s*")nccl(")')
+_CUDA_INCLUDE = re.compile(r'#\s*include\s*[<"](cuda|cublas|cudnn|cufft|curand|cusparse|nccl|thrust/|cub/|c10/cuda|ATen/cuda)')
+_CUDA_KERNEL = re.compile(r"__global__|<<<")
+
+
+class TextEdit:
+    """A (line, start, end, text, rule) replacement inside one line of a text file."""
+
+    __slots__ = ("line", "start", "end", "text", "rule")
+
+    def __init__(self, line: int, start: int, end: int, text: str, rule: str) -> None:
+        self.line, self.start, self.end, self.text, self.rule = line, start, end, text, rule
+
+
+def _split_comment(line: str) -> int:
+    """Index where a shell/YAML comment starts (a # outside quotes, at line start or after a space)."""
+    quote = None
+    for index, char in enumerate(line):
+        if quote:
+            if char == quote:
+                quote = None
+        elif char in "\"'":
+            quote = char
+        elif char == "#" and (index == 0 or line[index - 1] in " \t"):
+            return index
+    return len(line)
+
+
+def _finding(path: str, line_no: int, col: int, line: str, flag: Flag, reason: str | None = None) -> Finding:
+    return Finding(path, line_no, col, flag.kind, flag.severity, line.strip(), reason or flag.reason, flag.suggestion)
+
+
+def _command_line_edits(line: str, line_no: int, path: str, findings: list[Finding]) -> list[TextEdit]:
+    """Env var names, --device cuda, --backend nccl, and nvidia-smi in one shell-like line."""
+    code = line[:_split_comment(line)]
+    if not code.strip() or _LOG_COMMAND.match(code):
+        return []
+    edits: list[TextEdit] = []
+    for match in _ENV_RENAME.finditer(code):
+        name = match.group(1)
+        edits.append(TextEdit(line_no, match.start(), match.end(), rules.ENV_RENAMES[name], "env-var"))
+        if name in rules.ENV_RENAME_NOTES:
+            findings.append(_finding(path, line_no, match.start() + 1, line, rules.ENV_RENAME_NOTES[name]))
+    for match in _DEVICE_OPTION.finditer(code):
+        edits.append(TextEdit(line_no, match.end(1), match.end(1) + 4, "npu", "device-string"))
+    for match in _BACKEND_OPTION.finditer(code):
+        edits.append(TextEdit(line_no, match.end(1), match.end(1) + 4, "hccl", "backend-string"))
+    for match in _NCCL_ENV.finditer(code):
+        if match.group(0) not in rules.ENV_RENAMES:
+            findings.append(_finding(path, line_no, match.start() + 1, line, rules.NCCL_ENV_FLAG,
+                                     f"{match.group(0)}: {rules.NCCL_ENV_FLAG.reason}"))
+    if "CUBLAS_WORKSPACE_CONFIG" in code:
+        findings.append(_finding(path, line_no, code.index("CUBLAS_WORKSPACE_CONFIG") + 1, line,
+                                 rules.ENV_FLAGGED["CUBLAS_WORKSPACE_CONFIG"]))
+    match = _NVIDIA_SMI.search(code)
+    if match:
+        findings.append(_finding(path, line_no, match.start() + 1, line, rules.NVIDIA_SMI))
+    return edits
+
+
+def _apply_line_edits(lines: list[str], edits: list[TextEdit], path: str) -> tuple[list[str], list[Change]]:
+    by_line: dict[int, list[TextEdit]] = {}
+    for edit in edits:
+        by_line.setdefault(edit.line, []).append(edit)
+    changes = []
+    new_lines = list(lines)
+    for line_no, line_edits in by_line.items():
+        line = lines[line_no - 1]
+        pieces, position = [], 0
+        for edit in sorted(line_edits, key=lambda e: e.start):
+            if edit.start < position:
+                continue
+            pieces += [line[position:edit.start], edit.text]
+            position = edit.end
+            changes.append(Change(path, line_no, edit.start + 1, edit.rule, line[edit.start:edit.end], edit.text))
+        pieces.append(line[position:])
+        new_lines[line_no - 1] = "".join(pieces)
+    return new_lines, changes
+
+
+def migrate_shell(text: str, path: str) -> tuple[str, list[Change], list[Finding]]:
+    lines = text.splitlines(keepends=True)
+    findings: list[Finding] = []
+    edits: list[TextEdit] = []
+    for number, line in enumerate(lines, 1):
+        edits += _command_line_edits(line, number, path, findings)
+    new_lines, changes = _apply_line_edits(lines, edits, path)
+    return "".join(new_lines), changes, findings
+
+
+def migrate_yaml(text: str, path: str) -> tuple[str, list[Change], list[Finding]]:
+    """`device: cuda`, `backend: nccl`, env var names and command strings in YAML configs."""
+    parsed_before = _yaml_parses(text)
+    if parsed_before is False:
+        raise MigrationSyntaxError("does not parse as YAML")
+    lines = text.splitlines(keepends=True)
+    findings: list[Finding] = []
+    edits: list[TextEdit] = []
+    for number, line in enumerate(lines, 1):
+        body = line.rstrip("\r\n")
+        code = body[:_split_comment(body)]
+        match = _YAML_ITEM.match(code.rstrip())
+        if match:
+            key, value = match.group("key").lower(), match.group("value")
+            at = match.start("value")
+            if "device" in key and rules.DEVICE_VALUE.match(value):
+                edits.append(TextEdit(number, at, at + 4, "npu", "device-string"))
+                continue
+            if "backend" in key and rules.BACKEND_VALUE.match(value) and "nccl" in value:
+                new = re.sub(r"\bnccl\b", "hccl", re.sub(r"\bcuda\b", "npu", value))
+                edits.append(TextEdit(number, at, at + len(value), new, "backend-string"))
+                continue
+        edits += _command_line_edits(body, number, path, findings)
+    new_lines, changes = _apply_line_edits(lines, edits, path)
+    new_text = "".join(new_lines)
+    if changes and parsed_before and _yaml_parses(new_text) is False:
+        raise MigrationSyntaxError("the rewrite would not parse as YAML; left unchanged")
+    return new_text, changes, findings
+
+
+def _yaml_parses(text: str) -> bool | None:
+    """True/False, or None when PyYAML is not installed (then no validation is possible)."""
+    try:
+        import yaml
+    except ImportError:
+        return None
+    try:
+        for _ in yaml.safe_load_all(text):
+            pass
+    except yaml.YAMLError:
+        return False
+    return True
+
+
+def migrate_json(text: str, path: str) -> tuple[str, list[Change], list[Finding]]:
+    try:
+        json.loads(text)
+    except ValueError as exc:
+        raise MigrationSyntaxError(f"does not parse as JSON ({exc})") from None
+    lines = text.splitlines(keepends=True)
+    findings: list[Finding] = []
+    edits: list[TextEdit] = []
+    for number, line in enumerate(lines, 1):
+        for match in _JSON_DEVICE.finditer(line):
+            edits.append(TextEdit(number, match.end(1), match.end(1) + 4, "npu", "device-string"))
+        for match in _JSON_BACKEND.finditer(line):
+            edits.append(TextEdit(number, match.end(1), match.end(1) + 4, "hccl", "backend-string"))
+        for match in _ENV_RENAME.finditer(line):
+            edits.append(TextEdit(number, match.start(), match.end(), rules.ENV_RENAMES[match.group(1)], "env-var"))
+        for match in _NCCL_ENV.finditer(line):
+            if match.group(0) not in rules.ENV_RENAMES:
+                findings.append(_finding(path, number, match.start() + 1, line, rules.NCCL_ENV_FLAG,
+                                         f"{match.group(0)}: {rules.NCCL_ENV_FLAG.reason}"))
+    new_lines, changes = _apply_line_edits(lines, edits, path)
+    new_text = "".join(new_lines)
+    json.loads(new_text)  # the replacements are inside string values; this guards the claim
+    return new_text, changes, findings
+
+
+def scan_requirements(text: str, path: str) -> list[Finding]:
+    """Requirements are reported, never edited: the right torch_npu pin is the user's decision."""
+    findings = []
+    has_torch = has_torch_npu = False
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip() if not raw.lstrip().startswith("-") else raw.strip()
+        if not line:
+            continue
+        if rules.CUDA_INDEX_URL.search(line):
+            findings.append(_finding(path, number, 1, raw, Flag(
+                "cuda-wheel", "error", "the CUDA wheel index of PyTorch", "use the default (CPU/aarch64) torch index plus torch_npu")))
+            continue
+        name = re.split(r"[\s\[<>=!~;@]", line, maxsplit=1)[0]
+        has_torch = has_torch or name.lower() == "torch"
+        has_torch_npu = has_torch_npu or name.lower().replace("-", "_") == "torch_npu"
+        if rules.TORCH_CUDA_WHEEL.match(line):
+            findings.append(_finding(path, number, 1, raw, Flag(
+                "cuda-wheel", "error", "a CUDA build of torch (+cuXXX local version)",
+                "pin the plain torch version and add the matching torch_npu")))
+            continue
+        for pattern, flag in rules.REQUIREMENT_FLAGS:
+            if pattern.match(name):
+                findings.append(_finding(path, number, 1, raw, flag, f"{name}: {flag.reason}"))
+                break
+    if has_torch and not has_torch_npu:
+        findings.append(Finding(path, 1, 1, "torch-npu-missing", "info", "", "torch is required but torch_npu is not",
+                                "add torch_npu with the version matching torch (e.g. torch==2.6.0 -> torch_npu==2.6.0)"))
+    return findings
+
+
+def scan_native_source(text: str, path: str) -> list[Finding]:
+    """.cu/.cuh files and C++ files that include CUDA headers cannot be migrated automatically."""
+    is_cuda_file = path.endswith((".cu", ".cuh"))
+    match = _CUDA_INCLUDE.search(text) or _CUDA_KERNEL.search(text)
+    if not is_cuda_file and match is None:
+        return []
+    line = text.count("\n", 0, match.start()) + 1 if match else 1
+    code = text.splitlines()[line - 1].strip() if text else ""
+    return [Finding(path, line, 1, "cuda-source", "error", code,
+                    "CUDA kernel source: kernels must be rewritten for the NPU (no automatic path)",
+                    "rewrite as an Ascend C / op-plugin kernel and build with torch_npu.utils.cpp_extension.NpuExtension, "
+                    "or replace with torch ops")]
+
+
+# ------------------------------------------------------------------------------ notebooks
+_CELL_SHELL_MAGICS = ("%%bash", "%%sh", "%%script", "%%system")
+_CELL_PYTHON_MAGICS = ("%%time", "%%timeit", "%%capture", "%%prun")
+
+
+def _neutral(length: int) -> str:
+    """Python text of exactly `length` characters that is a valid statement (keeps offsets)."""
+    return ("pass" + "#" * (length - 4)) if length >= 4 else "0".ljust(length)
+
+
+def migrate_notebook(text: str, path: str, *, runtime: bool = False) -> tuple[str, list[Change], list[Finding]]:
+    """Code cells are migrated as one module (imports in cell 1 serve cell 5); magics as shell lines."""
+    try:
+        notebook = json.loads(text)
+        cells = notebook["cells"]
+    except (ValueError, KeyError, TypeError):
+        raise MigrationSyntaxError("is not a Jupyter notebook (invalid JSON or no cells)") from None
+    code_cells = [(i, c) for i, c in enumerate(cells) if isinstance(c, dict) and c.get("cell_type") == "code"]
+    sources = ["".join(c.get("source", "")) if isinstance(c.get("source"), list) else c.get("source", "") for _, c in code_cells]
+    python_parts: list[str] = []
+    shell_lines: list[tuple[int, int, str]] = []  # (cell position, line index, text)
+    for position, source in enumerate(sources):
+        lines = source.split("\n")
+        first = lines[0].strip() if lines else ""
+        whole_cell_shell = first.startswith(_CELL_SHELL_MAGICS)
+        out_lines = []
+        for index, line in enumerate(lines):
+            stripped = line.lstrip()
+            indent = line[:len(line) - len(stripped)]
+            if whole_cell_shell or stripped.startswith(("!", "%")) or (index == 0 and first.startswith("%%")):
+                if index or not first.startswith("%%") or whole_cell_shell:
+                    shell_lines.append((position, index, line))
+                out_lines.append(indent + _neutral(len(stripped)) if stripped else line)
+            elif stripped.endswith("?") and not stripped.startswith("#"):  # `obj?` help syntax
+                out_lines.append(indent + _neutral(len(stripped)))
+            else:
+                out_lines.append(line)
+        if first.startswith("%%") and not whole_cell_shell and not first.startswith(_CELL_PYTHON_MAGICS):
+            out_lines = [_neutral(len(line)) if line.strip() else line for line in out_lines]
+        python_parts.append("\n".join(out_lines))
+    combined = "\n".join(python_parts)
+    outcome = migrate_python(combined, path, runtime=runtime)
+    new_sources = list(sources)
+    changes: list[Change] = []
+    findings = [_cell_finding(f, python_parts) for f in outcome.findings]
+    if outcome.text != combined:
+        new_sources = _split_back(outcome.edits, sources, python_parts)
+        changes = [_cell_change(c, python_parts) for c in outcome.changes]
+    # shell escapes and magics (!nvidia-smi, %env CUDA_VISIBLE_DEVICES=0, %%bash cells)
+    per_cell: dict[int, list[tuple[int, str]]] = {}
+    for position, index, line in shell_lines:
+        per_cell.setdefault(position, []).append((index, line))
+    for position, entries in per_cell.items():
+        cell_lines = new_sources[position].split("\n")
+        cell_findings: list[Finding] = []
+        edits = []
+        for index, line in entries:
+            if index < len(cell_lines) and cell_lines[index] == line:
+                edits += _command_line_edits(line, index + 1, path, cell_findings)
+        new_lines, cell_changes = _apply_line_edits(cell_lines, edits, path)
+        new_sources[position] = "\n".join(new_lines)
+        cell_number = code_cells[position][0] + 1
+        changes += [_relabel_change(c, cell_number) for c in cell_changes]
+        findings += [_relabel_finding(f, cell_number) for f in cell_findings]
+    if new_sources == sources:
+        return text, [], findings
+    for (_, cell), old, new in zip(code_cells, sources, new_sources):
+        if old != new:
+            cell["source"] = new.splitlines(keepends=True) if isinstance(cell.get("source"), list) else new
+    return _dump_notebook(notebook, text), changes, findings
+
+
+def _split_back(edits, sources: list[str], parts: list[str]) -> list[str]:
+    """Apply edits of the combined module to the cells (each part has its cell's exact length)."""
+    starts, offset = [], 0
+    for part in parts:
+        starts.append(offset)
+        offset += len(part) + 1
+    per_cell: dict[int, list] = {}
+    for edit in edits:
+        cell = max(i for i, start in enumerate(starts) if start <= edit.start)
+        per_cell.setdefault(cell, []).append(edit)
+    result = list(sources)
+    for cell, cell_edits in per_cell.items():
+        base = starts[cell]
+        shifted = [type(e)(e.start - base, e.end - base, e.text, e.rule, e.line, e.col) for e in cell_edits]
+        result[cell] = apply_edits(sources[cell], shifted)
+    return result
+
+
+def _cell_of_line(line: int, parts: list[str]) -> tuple[int, int]:
+    for position, part in enumerate(parts):
+        count = part.count("\n") + 1
+        if line <= count:
+            return position, line
+        line -= count
+    return len(parts) - 1, line
+
+
+def _cell_finding(finding: Finding, parts: list[str]) -> Finding:
+    position, line = _cell_of_line(finding.line, parts)
+    return Finding(finding.path, line, finding.col, finding.kind, finding.severity, finding.code,
+                   f"[code cell {position + 1}] {finding.reason}", finding.suggestion)
+
+
+def _cell_change(change: Change, parts: list[str]) -> Change:
+    position, line = _cell_of_line(change.line, parts)
+    return Change(change.path, line, change.col, change.rule, change.before, change.after + f"  [code cell {position + 1}]")
+
+
+def _relabel_change(change: Change, cell_number: int) -> Change:
+    return Change(change.path, change.line, change.col, change.rule, change.before, change.after + f"  [cell {cell_number}]")
+
+
+def _relabel_finding(finding: Finding, cell_number: int) -> Finding:
+    return Finding(finding.path, finding.line, finding.col, finding.kind, finding.severity, finding.code,
+                   f"[cell {cell_number}] {finding.reason}", finding.suggestion)
+
+
+def _dump_notebook(notebook: dict, original: str) -> str:
+    """Serialise like nbformat does (indent 1, no ASCII escaping), keeping the file's own indent."""
+    second = original.split("\n", 2)[1] if original.count("\n") >= 2 else ""
+    indent = len(second) - len(second.lstrip(" ")) or 1
+    dumped = json.dumps(notebook, indent=indent, ensure_ascii=False)
+    return dumped + ("\n" if original.endswith("\n") else "")
+
+
+__all__ = [
+    "migrate_json", "migrate_notebook", "migrate_shell", "migrate_yaml", "scan_native_source",
+    "scan_requirements", "apply_edits",
+]
