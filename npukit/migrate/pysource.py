@@ -1169,8 +1169,8 @@ class PythonMigrator:
             index = 1
         while index < len(body) and isinstance(body[index], ast.ImportFrom) and body[index].module == "__future__":
             index += 1
-        if index == 0:
-            return self.pos.line_starts[body[0].lineno - 1]
+        if index < len(body) and body[index].lineno > (body[index - 1].end_lineno if index else 0):
+            return self.pos.line_starts[body[index].lineno - 1]  # right before the first real statement
         last = body[index - 1]
         if last.end_lineno < len(self.pos.line_starts):
             return self.pos.line_starts[last.end_lineno]
@@ -1260,8 +1260,27 @@ def _is_entry_point(tree: ast.Module) -> bool:
     return False
 
 
+def remap_findings(findings: list[Finding], text: str, edits: list[Edit]) -> list[Finding]:
+    """Move findings to their line numbers in the rewritten text (edits may add lines)."""
+    growth = [(e.start, e.text.count("\n") - text.count("\n", e.start, e.end)) for e in edits]
+    growth = [(start, delta) for start, delta in growth if delta]
+    if not growth:
+        return findings
+    positions = _Positions(text)
+    remapped = []
+    for finding in findings:
+        offset = positions.line_starts[min(finding.line, len(positions.line_starts)) - 1]
+        shift = sum(delta for start, delta in growth if start <= offset)
+        remapped.append(Finding(finding.path, finding.line + shift, finding.col, finding.kind, finding.severity,
+                                finding.code, finding.reason, finding.suggestion))
+    return remapped
+
+
 def migrate_python(text: str, path: str, *, runtime: bool = False) -> PythonOutcome:
-    """Rewrite one Python source. Raises MigrationSyntaxError if it does not parse."""
+    """Rewrite one Python source. Raises MigrationSyntaxError if it does not parse.
+
+    Findings carry the line numbers of the input; remap_findings moves them to the output.
+    """
     migrator = PythonMigrator(text, path, runtime=runtime)
     edits, findings = migrator.analyse()
     newline = _newline_of(text)

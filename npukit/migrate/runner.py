@@ -16,7 +16,7 @@ from npukit.errors import UserError
 from npukit.migrate import files as fs
 from npukit.migrate import rules
 from npukit.migrate.model import FileResult, Finding
-from npukit.migrate.pysource import MigrationSyntaxError, migrate_python
+from npukit.migrate.pysource import MigrationSyntaxError, migrate_python, remap_findings
 from npukit.migrate.textfiles import (
     migrate_json,
     migrate_notebook,
@@ -76,8 +76,11 @@ class MigrationRun:
         return [f for r in self.results for f in r.findings]
 
 
-def process_file(root: str, relative: str, kind: str, runtime: bool) -> FileResult:
-    """Analyse (and compute the rewrite of) one file. Never raises for a bad file: it reports it."""
+def process_file(root: str, relative: str, kind: str, runtime: bool, lines_after: bool = False) -> FileResult:
+    """Analyse (and compute the rewrite of) one file. Never raises for a bad file: it reports it.
+
+    lines_after: report findings at their line in the rewritten file (when it is written).
+    """
     result = FileResult(path=relative, kind=kind)
     full = os.path.join(root, relative)
     try:
@@ -102,6 +105,8 @@ def process_file(root: str, relative: str, kind: str, runtime: bool) -> FileResu
                 return result
             outcome = migrate_python(text, relative, runtime=runtime)
             new_text, result.changes, result.findings = outcome.text, outcome.changes, outcome.findings
+            if lines_after:
+                result.findings = remap_findings(outcome.findings, text, outcome.edits)
         elif kind == "notebook":
             if rules.PREFILTER.search(text) is None:
                 return result
@@ -136,13 +141,13 @@ def _mentions_cuda(text: str) -> bool:
     return "cuda" in lowered or "nccl" in lowered or "nvidia" in lowered
 
 
-def _process_batch(batch: list[tuple[str, str, str, bool]]) -> list[FileResult]:
+def _process_batch(batch: list[tuple]) -> list[FileResult]:
     return [process_file(*item) for item in batch]
 
 
 def _analyse(root: Path, candidates: list[str], options: MigrateOptions,
              progress: Callable[[int], None] | None) -> list[FileResult]:
-    items = [(str(root), rel, fs.kind_of(rel), options.runtime) for rel in candidates]
+    items = [(str(root), rel, fs.kind_of(rel), options.runtime, options.writes) for rel in candidates]
     jobs = options.jobs or os.cpu_count() or 1
     if jobs <= 1 or len(items) < _POOL_THRESHOLD:
         results = []

@@ -1,0 +1,108 @@
+"""npu-migrate --dry-run vs torch.utils.hipify over the same .py files, measured in one run.
+
+Corpus: a fresh copy of the installed torch/distributed package (362 files, ~139k lines on
+torch 2.13). Both tools run over the same copy, each in a fresh subprocess so neither benefits
+from the other's warm caches. Two figures per tool, medians of REPEATS runs:
+  work: the tool's own call (run_migration / hipify()), timed inside the subprocess after its
+        imports - the fair comparison, and the one the target applies to;
+  end to end: the whole subprocess (interpreter start, imports; hipify's import loads torch).
+Target: npu-migrate work <= 1.5x hipify work.
+
+    python benchmarks/migrate_speed.py [--repeats N] [--jobs N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+HIPIFY = """
+import sys, time
+from torch.utils.hipify import hipify_python
+started = time.perf_counter()
+hipify_python.hipify(project_directory=sys.argv[1], output_directory=sys.argv[2], includes=["*"],
+                     extensions=(".py",), show_detailed=False, is_pytorch_extension=True, show_progress=False)
+print("WORK", time.perf_counter() - started)
+"""
+
+MIGRATE = """
+import sys, time
+from pathlib import Path
+from npukit.migrate import MigrateOptions, run_migration
+jobs = int(sys.argv[2]) if len(sys.argv) > 2 else None
+started = time.perf_counter()
+run = run_migration(MigrateOptions(target=Path(sys.argv[1]), dry_run=True, quiet=True, jobs=jobs))
+print("WORK", time.perf_counter() - started, len(run.changed), sum(len(r.changes) for r in run.results))
+"""
+
+
+def _timed(command: list[str], env: dict) -> tuple[float, float, list[str]]:
+    """(work seconds reported by the tool's process, end-to-end seconds, the rest of its WORK line)."""
+    started = time.perf_counter()
+    completed = subprocess.run(command, env=env, capture_output=True, text=True)
+    elapsed = time.perf_counter() - started
+    if completed.returncode != 0:
+        sys.exit(f"command failed ({completed.returncode}): {' '.join(command)}\n{completed.stderr[-2000:]}")
+    work_line = next(line for line in completed.stdout.splitlines() if line.startswith("WORK "))
+    fields = work_line.split()
+    return float(fields[1]), elapsed, fields[2:]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--jobs", type=int, default=None, help="npu-migrate --jobs (default: all cores)")
+    args = parser.parse_args()
+
+    source = Path(torch.__file__).parent / "distributed"
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    with tempfile.TemporaryDirectory(prefix="npukit-bench-") as scratch:
+        corpus = Path(scratch) / "distributed"
+        shutil.copytree(source, corpus, ignore=shutil.ignore_patterns("__pycache__"))
+        py_files = sorted(corpus.rglob("*.py"))
+        lines = sum(p.read_bytes().count(b"\n") for p in py_files)
+        print(f"corpus: copy of {source} ({len(py_files)} .py files, {lines} lines), {os.cpu_count()} cores")
+
+        migrate_cmd = [sys.executable, "-c", MIGRATE, str(corpus)] + ([str(args.jobs)] if args.jobs else [])
+        times: dict[str, list[tuple[float, float]]] = {"migrate": [], "hipify": []}
+        migrate_counts: list[str] = []
+        for repeat in range(args.repeats):
+            hip_out = Path(scratch) / f"hipified{repeat}"
+            hip_in = Path(scratch) / f"hip_in{repeat}"
+            shutil.copytree(corpus, hip_in)  # hipify rewrites in place around its output dir; keep runs independent
+            # alternate the order so neither tool always runs with a warmer page cache
+            runs = [("migrate", migrate_cmd), ("hipify", [sys.executable, "-c", HIPIFY, str(hip_in), str(hip_out)])]
+            for name, command in runs if repeat % 2 == 0 else reversed(runs):
+                work, total, extra = _timed(command, env)
+                times[name].append((work, total))
+                if name == "migrate":
+                    migrate_counts = extra
+            shutil.rmtree(hip_in)
+            shutil.rmtree(hip_out, ignore_errors=True)
+        unchanged = all(p.read_bytes() == (source / p.relative_to(corpus)).read_bytes() for p in py_files)
+
+    medians = {name: (statistics.median(w for w, _ in runs), statistics.median(t for _, t in runs))
+               for name, runs in times.items()}
+    for name, label in (("migrate", "npu-migrate --dry-run"), ("hipify", "hipify")):
+        work, total = medians[name]
+        listed = ", ".join(f"{w:.2f}" for w, _ in times[name])
+        print(f"{label:22s}: work {work:.3f} s (runs {listed}); end to end {total:.3f} s")
+    print(f"npu-migrate would change {migrate_counts[0]} files with {migrate_counts[1]} rewrites")
+    print(f"ratio npu-migrate / hipify: work {medians['migrate'][0] / medians['hipify'][0]:.2f}x (target <= 1.5x), "
+          f"end to end {medians['migrate'][1] / medians['hipify'][1]:.2f}x")
+    print(f"dry-run left the corpus byte-identical: {unchanged}")
+
+
+if __name__ == "__main__":
+    main()
