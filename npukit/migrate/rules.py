@@ -245,8 +245,7 @@ DEVICE_TEMPLATE = re.compile(r"cuda(:(\d+|%[ds]|\{[^{}]*\})?)?\Z")
 BACKEND_VALUE = re.compile(r"(nccl|(cuda|cpu):(nccl|gloo|mpi|ucc)(,(cuda|cpu):(nccl|gloo|mpi|ucc))*)\Z")
 # names of int ordinals (local_rank, args.gpu ...) that .to(x)/device=x turn into "npu:x"
 INT_ORDINAL_NAMES = frozenset(
-    {"rank", "local_rank", "gpu", "gpu_id", "gpu_idx", "gpu_index", "device_id", "device_idx",
-     "device_index", "local_gpu", "dev_id", "rank_id", "local_device_id", "gpu_rank"}
+    {"rank", "local_rank", "gpu", "gpu_id", "gpu_idx", "gpu_index", "local_gpu", "rank_id", "gpu_rank"}
 )
 # call names whose string arguments are log/print text and never device uses
 LOG_CALLS = frozenset(

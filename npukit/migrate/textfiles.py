@@ -282,9 +282,13 @@ def migrate_notebook(text: str, path: str, *, runtime: bool = False) -> tuple[st
         cell_lines = new_sources[position].split("\n")
         cell_findings: list[Finding] = []
         edits = []
+        search_from = 0
         for index, line in entries:
-            if index < len(cell_lines) and cell_lines[index] == line:
-                edits += _command_line_edits(line, index + 1, path, cell_findings)
+            # Python edits may have added lines above; magic lines themselves are never edited by them
+            found = next((j for j in range(max(index, search_from), len(cell_lines)) if cell_lines[j] == line), None)
+            if found is not None:
+                edits += _command_line_edits(line, found + 1, path, cell_findings)
+                search_from = found + 1
         new_lines, cell_changes = _apply_line_edits(cell_lines, edits, path)
         new_sources[position] = "\n".join(new_lines)
         cell_number = code_cells[position][0] + 1

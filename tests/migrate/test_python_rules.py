@@ -1,0 +1,145 @@
+"""Python rewrite rules beyond the reference cases: (input, expected) pairs, unchanged inputs included."""
+
+from __future__ import annotations
+
+import pytest
+
+from npukit.migrate.pysource import MigrationSyntaxError, migrate_python, remap_findings
+
+NPU = "import torch_npu\n"
+
+REWRITES = [
+    ("attribute-device-flows",
+     'import torch\nclass T:\n    def __init__(self):\n        self.device = "cuda"\n    def go(self, x):\n        return x.to(self.device)\n',
+     NPU + 'import torch\nclass T:\n    def __init__(self):\n        self.device = "npu"\n    def go(self, x):\n        return x.to(self.device)\n'),
+    ("param-default-device",
+     'import torch\ndef run(model, device="cuda"):\n    return model.to(device)\n',
+     NPU + 'import torch\ndef run(model, device="npu"):\n    return model.to(device)\n'),
+    ("bool-op-default",
+     'import torch\nx = t.to(args.device or "cuda")\n',
+     NPU + 'import torch\nx = t.to(args.device or "npu")\n'),
+    ("dict-config-device-and-backend",
+     'import torch\ncfg = {"device": "cuda:0", "dist_backend": "nccl", "cuda": True}\n',
+     NPU + 'import torch\ncfg = {"device": "npu:0", "dist_backend": "hccl", "cuda": True}\n'),
+    ("single-quotes-and-prefixes-kept",
+     "import torch\na = torch.device('cuda')\nb = torch.device(r'cuda:1')\nc = torch.device(u'cuda')\n",
+     NPU + "import torch\na = torch.device('npu')\nb = torch.device(r'npu:1')\nc = torch.device(u'npu')\n"),
+    ("from-torch-cuda-import-names",
+     'from torch.cuda import synchronize, CUDAGraph, device_count as n\nsynchronize()\n',
+     NPU + 'from torch_npu.npu import synchronize, NPUGraph as CUDAGraph, device_count as n\nsynchronize()\n'),
+    ("from-torch-import-split",
+     'from torch import nn, cuda\ncuda.synchronize()\n',
+     NPU + 'from torch import nn\nfrom torch_npu import npu as cuda\ncuda.synchronize()\n'),
+    ("nvtx-module-alias",
+     'from torch.cuda import nvtx\nnvtx.range_push("a")\nwith nvtx.range("b"):\n    pass\n',
+     NPU + 'from torch_npu.npu import mstx as nvtx\nnvtx.range_push("a")\nwith nvtx.mstx_range("b"):\n    pass\n'),
+    ("custom-fwd-imported-name",
+     'from torch.cuda.amp import custom_fwd\n@custom_fwd\ndef f(x):\n    return x\n',
+     NPU + 'from torch.amp import custom_fwd\n@custom_fwd(device_type="npu")\ndef f(x):\n    return x\n'),
+    ("out-of-memory-error-no-torch-npu-needed",
+     'import torch\ntry:\n    pass\nexcept torch.cuda.OutOfMemoryError:\n    pass\n',
+     'import torch\ntry:\n    pass\nexcept torch.OutOfMemoryError:\n    pass\n'),
+    ("autocast-set-gpu-dtype",
+     'import torch\ntorch.set_autocast_gpu_dtype(torch.bfloat16)\n',
+     NPU + 'import torch\ntorch.set_autocast_dtype("npu", torch.bfloat16)\n'),
+    ("backend-enum",
+     'import torch.distributed as dist\nif dist.get_backend() == dist.Backend.NCCL:\n    pass\n',
+     NPU + 'import torch.distributed as dist\nif dist.get_backend() == dist.Backend.HCCL:\n    pass\n'),
+    ("torch-load-trailing-comma-multiline",
+     'import torch\nsd = torch.load(\n    path,\n    weights_only=True,\n)\n',
+     'import torch\nsd = torch.load(\n    path,\n    weights_only=True, map_location="cpu",\n)\n'),
+    ("crlf-line-endings-kept",
+     'import torch\r\nx = t.cuda()\r\n',
+     'import torch_npu\r\nimport torch\r\nx = t.npu()\r\n'),
+    ("non-ascii-columns",
+     'import torch\nnom = "données"; x = torch.zeros(1, device="cuda")\n',
+     NPU + 'import torch\nnom = "données"; x = torch.zeros(1, device="npu")\n'),
+    ("shebang-and-coding-stay-first",
+     '#!/usr/bin/env python\n# -*- coding: utf-8 -*-\nimport torch\nx = t.cuda()\n',
+     '#!/usr/bin/env python\n# -*- coding: utf-8 -*-\nimport torch_npu\nimport torch\nx = t.npu()\n'),
+    ("profiler-activity",
+     'from torch.profiler import ProfilerActivity\nacts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]\n',
+     NPU + 'from torch.profiler import ProfilerActivity\nacts = [ProfilerActivity.CPU, ProfilerActivity.NPU]\n'),
+]
+
+UNCHANGED = [
+    ("no-torch-at-all", 'import os\nprint(os.getcwd())\n'),
+    ("log-strings", 'import logging\nlogging.warning("cuda:0 is busy")\nprint(f"moved to cuda:{rank}")\n'),
+    ("numba-cuda-is-not-torch", 'from numba import cuda\narr = cuda.to_device(x)\n'),
+    ("user-variable-named-cuda", 'import torch\ncuda = torch.zeros(1)\nprint(cuda.sum())\n'),
+    ("cuda-word-in-identifiers", 'import torch\nuse_cuda = False\ndef cuda_kernel_name():\n    return "k"\n'),
+    ("config-flag-attribute", 'import torch\nif args.cuda:\n    pass\nuse = opt.cuda and flag\n'),
+    ("to-dtype-and-device-objects", 'import torch\ny = x.to(torch.float16)\nz = x.to(other.device)\n'),
+    ("already-migrated", 'import torch\nimport torch_npu\nx = torch.zeros(1).npu()\ntorch.npu.synchronize()\n'),
+    ("comments-only", '# torch.cuda.synchronize()\n# x.cuda()\n'),
+    ("empty-file", ''),
+    ("help-text", 'p.add_argument("--device", default="cpu", help="cuda or cpu")\n'),
+]
+
+
+@pytest.mark.parametrize(("case_id", "source", "expected"), REWRITES, ids=[c[0] for c in REWRITES])
+def test_rewrite(case_id: str, source: str, expected: str) -> None:
+    assert migrate_python(source, "m.py").text == expected
+
+
+@pytest.mark.parametrize(("case_id", "source"), UNCHANGED, ids=[c[0] for c in UNCHANGED])
+def test_unchanged(case_id: str, source: str) -> None:
+    outcome = migrate_python(source, "m.py")
+    assert outcome.text == source
+    assert outcome.changes == []
+
+
+@pytest.mark.parametrize(("case_id", "source", "expected"), REWRITES, ids=[c[0] for c in REWRITES])
+def test_rewrite_is_idempotent(case_id: str, source: str, expected: str) -> None:
+    assert migrate_python(expected, "m.py").text == expected
+
+
+def test_change_records_name_rule_and_text() -> None:
+    outcome = migrate_python('import torch\nx = t.cuda()\n', "m.py")
+    by_rule = {c.rule: c for c in outcome.changes}
+    assert by_rule["cuda-method"].before == "cuda"
+    assert by_rule["cuda-method"].after == "npu"
+    assert by_rule["cuda-method"].line == 2
+    assert by_rule["import-torch-npu"].after == "import torch_npu"
+
+
+def test_findings_carry_location_code_reason_and_suggestion() -> None:
+    source = 'import torch\n\nif torch.cuda.get_device_capability()[0] >= 8:\n    pass\n'
+    (finding,) = [f for f in migrate_python(source, "m.py").findings if f.kind == "device-capability"]
+    assert (finding.path, finding.line, finding.col) == ("m.py", 3, 4)
+    assert finding.code == "if torch.cuda.get_device_capability()[0] >= 8:"
+    assert finding.severity == "error"
+    assert "None" in finding.reason and "is_bf16_supported" in finding.suggestion
+
+
+def test_findings_can_be_moved_to_rewritten_lines() -> None:
+    source = 'import torch\nx = t.cuda()\nif torch.version.cuda:\n    pass\n'
+    outcome = migrate_python(source, "m.py")
+    (gate,) = [f for f in outcome.findings if f.kind == "version-gate"]
+    assert gate.line == 3
+    (moved,) = [f for f in remap_findings(outcome.findings, source, outcome.edits) if f.kind == "version-gate"]
+    assert outcome.text.splitlines()[moved.line - 1] == "if torch.version.cuda:"
+
+
+@pytest.mark.parametrize("source", [
+    "print 'python 2'\n",
+    "def f(:\n    pass\n",
+    "x = 1\x00\n",
+])
+def test_unparsable_source_raises_a_clear_error(source: str) -> None:
+    with pytest.raises(MigrationSyntaxError, match="does not parse as Python 3"):
+        migrate_python(source, "bad.py")
+
+
+def test_runtime_mode_inserts_transfer_to_npu_at_entry_points_only() -> None:
+    entry = 'import torch\nx = torch.zeros(1).cuda()\nif __name__ == "__main__":\n    pass\n'
+    outcome = migrate_python(entry, "main.py", runtime=True)
+    assert outcome.text == NPU + "from torch_npu.contrib import transfer_to_npu\n" + entry
+    library = 'import torch\nx = torch.zeros(1).cuda()\n'
+    assert migrate_python(library, "lib.py", runtime=True).text == library
+    # what transfer_to_npu does not cover is reported instead
+    uncovered = 'import os\nimport torch\nos.environ["CUDA_VISIBLE_DEVICES"] = "0"\nif __name__ == "__main__":\n    pass\n'
+    kinds = {f.kind for f in migrate_python(uncovered, "main.py", runtime=True).findings}
+    assert "not-covered-by-transfer_to_npu" in kinds
+    once = migrate_python(entry, "main.py", runtime=True).text
+    assert migrate_python(once, "main.py", runtime=True).text == once

@@ -1,0 +1,230 @@
+"""Safety of a whole-tree migration: what is written, what is left alone, and the modes."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from npukit.errors import UserError
+from npukit.migrate import MigrateOptions, run_migration
+from npukit.migrate.runner import unified_diff
+
+TRAIN = 'import torch\nmodel = Net().cuda()\ntorch.cuda.synchronize()\n'
+PLAIN = '"""No CUDA here."""\nimport torch\nx = torch.zeros(3)\n'
+
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and ".git" not in p.parts}
+
+
+def _git(root: Path, *args: str) -> None:
+    subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=root, check=True, capture_output=True)
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    root = tmp_path / "repo"
+    (root / "pkg").mkdir(parents=True)
+    (root / "train.py").write_text(TRAIN)
+    (root / "pkg" / "plain.py").write_text(PLAIN)
+    (root / "pkg" / "__init__.py").write_text("")
+    (root / "run.sh").write_text("CUDA_VISIBLE_DEVICES=0 python train.py --device cuda\n")
+    (root / "README.md").write_text("Runs on cuda.\n")
+    return root
+
+
+def test_in_place_rewrites_and_leaves_the_rest_byte_identical(repo: Path) -> None:
+    before = _snapshot(repo)
+    run = run_migration(MigrateOptions(target=repo, quiet=True))
+    after = _snapshot(repo)
+    assert {r.path for r in run.changed} == {"train.py", "run.sh"}
+    assert after["train.py"] == b'import torch_npu\nimport torch\nmodel = Net().npu()\ntorch.npu.synchronize()\n'
+    for name in ("pkg/plain.py", "pkg/__init__.py", "README.md"):
+        assert after[name] == before[name]
+    # a second run changes nothing
+    assert run_migration(MigrateOptions(target=repo, quiet=True)).changed == []
+    assert _snapshot(repo) == after
+
+
+def test_dry_run_diff_and_check_write_nothing(repo: Path) -> None:
+    before = _snapshot(repo)
+    for options in (MigrateOptions(target=repo, dry_run=True), MigrateOptions(target=repo, diff=True),
+                    MigrateOptions(target=repo, check=True)):
+        run = run_migration(options)
+        assert len(run.changed) == 2
+    assert _snapshot(repo) == before
+    diff = unified_diff(run_migration(MigrateOptions(target=repo, diff=True)))
+    assert "--- a/train.py\n+++ b/train.py\n" in diff
+    assert "\n-model = Net().cuda()\n" in diff and "\n+model = Net().npu()\n" in diff
+
+
+def test_out_copies_the_tree_and_keeps_the_source(repo: Path, tmp_path: Path) -> None:
+    before = _snapshot(repo)
+    out = tmp_path / "migrated"
+    run_migration(MigrateOptions(target=repo, out=out, quiet=True))
+    assert _snapshot(repo) == before
+    copied = _snapshot(out)
+    assert set(copied) == set(before)
+    assert b".npu()" in copied["train.py"]
+    assert copied["README.md"] == before["README.md"]
+
+
+def test_out_refuses_a_non_empty_or_nested_folder(repo: Path, tmp_path: Path) -> None:
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "x").write_text("x")
+    with pytest.raises(UserError, match="not an empty folder"):
+        run_migration(MigrateOptions(target=repo, out=busy))
+    with pytest.raises(UserError, match="must not be inside"):
+        run_migration(MigrateOptions(target=repo, out=repo / "migrated"))
+
+
+def test_missing_target_is_a_user_error(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="no such file"):
+        run_migration(MigrateOptions(target=tmp_path / "nope"))
+
+
+def test_encoding_bom_crlf_and_file_mode_are_kept(tmp_path: Path) -> None:
+    latin = tmp_path / "latin.py"
+    latin.write_bytes('# -*- coding: latin-1 -*-\nimport torch\nname = "é"\nx = t.cuda()\n'.encode("latin-1"))
+    bom = tmp_path / "bom.py"
+    bom.write_bytes(b"\xef\xbb\xbfimport torch\r\nx = t.cuda()\r\n")
+    script = tmp_path / "tool.py"
+    script.write_text("#!/usr/bin/env python\nimport torch\nx = t.cuda()\n")
+    script.chmod(0o755)
+    run_migration(MigrateOptions(target=tmp_path, quiet=True))
+    assert latin.read_bytes() == '# -*- coding: latin-1 -*-\nimport torch_npu\nimport torch\nname = "é"\nx = t.npu()\n'.encode("latin-1")
+    assert bom.read_bytes() == b"\xef\xbb\xbfimport torch_npu\r\nimport torch\r\nx = t.npu()\r\n"
+    assert stat.S_IMODE(script.stat().st_mode) == 0o755
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".npu-migrate")]  # no temp files left
+
+
+BAD_FILES = {
+    "py2.py": b"import torch\nprint 'x'\nx = t.cuda()\n",
+    "syntax.py": b"import torch\ndef f(:\n    t.cuda()\n",
+    "binary.py": b"\x00\x01cuda\x02\x00",
+    "undecodable.py": b"import torch\nx = '\xff\xfe cuda'\n",
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_FILES))
+def test_bad_files_are_reported_and_left_alone(tmp_path: Path, name: str) -> None:
+    path = tmp_path / name
+    path.write_bytes(BAD_FILES[name])
+    run = run_migration(MigrateOptions(target=tmp_path, quiet=True))
+    assert path.read_bytes() == BAD_FILES[name]
+    (result,) = run.results
+    assert result.error and not result.changed
+    assert any(f.kind == "unparsable" and f.path == name for f in run.findings)
+
+
+def test_symlinks_are_not_followed_and_nothing_is_written_outside(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "victim.py").write_text(TRAIN)
+    root = tmp_path / "repo"
+    root.mkdir()
+    (root / "link.py").symlink_to(outside / "victim.py")
+    (root / "linkdir").symlink_to(outside, target_is_directory=True)
+    run = run_migration(MigrateOptions(target=root, quiet=True))
+    assert (outside / "victim.py").read_text() == TRAIN
+    reasons = dict(run.skipped)
+    assert "outside the target" in reasons["link.py"]
+    assert "symlinked folder" in reasons["linkdir"]
+
+
+def test_gitignore_and_vendored_folders_are_skipped(tmp_path: Path) -> None:
+    root = tmp_path / "repo"
+    for folder in ("src", "third_party/lib", "venv/lib", "generated", "node_modules/x"):
+        (root / folder).mkdir(parents=True)
+        (root / folder / "m.py").write_text(TRAIN)
+    (root / "venv" / "pyvenv.cfg").write_text("home = /usr\n")
+    (root / "custom_env").mkdir()
+    (root / "custom_env" / "pyvenv.cfg").write_text("home = /usr\n")
+    (root / "custom_env" / "m.py").write_text(TRAIN)
+    (root / ".gitignore").write_text("generated/\n*.tmp.py\n")
+    (root / "src" / "scratch.tmp.py").write_text(TRAIN)
+    run = run_migration(MigrateOptions(target=root, dry_run=True))
+    assert {r.path for r in run.changed} == {"src/m.py"}
+
+
+def test_gitignore_is_honoured_through_git_in_a_work_tree(repo: Path) -> None:
+    (repo / "build_out").mkdir()
+    (repo / "build_out" / "gen.py").write_text(TRAIN)
+    (repo / ".gitignore").write_text("build_out/\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "base")
+    run = run_migration(MigrateOptions(target=repo, dry_run=True))
+    assert "build_out/gen.py" not in {r.path for r in run.changed}
+    assert "train.py" in {r.path for r in run.changed}
+
+
+def test_dirty_git_tree_is_refused_unless_forced(repo: Path) -> None:
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "base")
+    (repo / "train.py").write_text(TRAIN + "# local edit\n")
+    with pytest.raises(UserError, match="uncommitted changes.*train.py"):
+        run_migration(MigrateOptions(target=repo))
+    assert (repo / "train.py").read_text() == TRAIN + "# local edit\n"
+    run_migration(MigrateOptions(target=repo, force=True, quiet=True))
+    assert ".npu()" in (repo / "train.py").read_text()
+
+
+def test_single_file_target(tmp_path: Path) -> None:
+    path = tmp_path / "one.py"
+    path.write_text(TRAIN)
+    (tmp_path / "other.py").write_text(TRAIN)
+    run_migration(MigrateOptions(target=path, quiet=True))
+    assert ".npu()" in path.read_text()
+    assert (tmp_path / "other.py").read_text() == TRAIN
+
+
+def test_parallel_and_serial_runs_agree(tmp_path: Path) -> None:
+    for index in range(40):
+        (tmp_path / f"m{index}.py").write_text(TRAIN if index % 2 else PLAIN)
+    serial = run_migration(MigrateOptions(target=tmp_path, dry_run=True, jobs=1))
+    parallel = run_migration(MigrateOptions(target=tmp_path, dry_run=True, jobs=2))
+    assert [(r.path, r.new_bytes) for r in serial.results] == [(r.path, r.new_bytes) for r in parallel.results]
+    assert len(serial.changed) == 20
+
+
+def test_whole_test_corpus_is_idempotent_and_parses(tmp_path: Path) -> None:
+    """Every source in this test suite's corpora, migrated twice: the second pass changes nothing."""
+    import ast
+
+    from tests.migrate.test_python_rules import REWRITES, UNCHANGED
+    from tests.migrate.test_tricky_cases import CASES
+
+    sources = [c[1] for c in CASES] + [c[1] for c in REWRITES] + [c[1] for c in UNCHANGED]
+    for index, source in enumerate(sources):
+        (tmp_path / f"case{index}.py").write_text(source, newline="")
+    run_migration(MigrateOptions(target=tmp_path, quiet=True))
+    for path in tmp_path.glob("*.py"):
+        ast.parse(path.read_text())
+    assert run_migration(MigrateOptions(target=tmp_path, dry_run=True)).changed == []
+
+
+def test_runtime_mode_only_touches_entry_points(tmp_path: Path) -> None:
+    (tmp_path / "main.py").write_text(TRAIN + 'if __name__ == "__main__":\n    pass\n')
+    (tmp_path / "lib.py").write_text(TRAIN)
+    (tmp_path / "run.sh").write_text("CUDA_VISIBLE_DEVICES=0 python main.py\n")
+    run = run_migration(MigrateOptions(target=tmp_path, runtime=True, quiet=True))
+    assert [r.path for r in run.changed] == ["main.py"]
+    assert "from torch_npu.contrib import transfer_to_npu\n" in (tmp_path / "main.py").read_text()
+    assert (tmp_path / "lib.py").read_text() == TRAIN
+
+
+def test_no_write_permission_is_not_a_crash_when_nothing_changes(tmp_path: Path) -> None:
+    path = tmp_path / "plain.py"
+    path.write_text(PLAIN)
+    os.chmod(tmp_path, 0o555)
+    try:
+        assert run_migration(MigrateOptions(target=tmp_path, quiet=True)).changed == []
+    finally:
+        os.chmod(tmp_path, 0o755)

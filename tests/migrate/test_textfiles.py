@@ -1,0 +1,147 @@
+"""Beyond .py: notebooks, shell scripts, YAML/JSON configs, requirements, CUDA sources (cases 44, 63)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from npukit.migrate.pysource import MigrationSyntaxError
+from npukit.migrate.textfiles import (
+    migrate_json,
+    migrate_notebook,
+    migrate_shell,
+    migrate_yaml,
+    scan_native_source,
+    scan_requirements,
+)
+
+SHELL_CASES = [
+    ("env-prefix-and-launcher",
+     "CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc_per_node 2 train.py\n",
+     "ASCEND_RT_VISIBLE_DEVICES=0,1 torchrun --nproc_per_node 2 train.py\n"),
+    ("export-and-reference",
+     'export CUDA_VISIBLE_DEVICES=0\necho_devices "$CUDA_VISIBLE_DEVICES"\nexport PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True\n',
+     'export ASCEND_RT_VISIBLE_DEVICES=0\necho_devices "$ASCEND_RT_VISIBLE_DEVICES"\nexport PYTORCH_NPU_ALLOC_CONF=expandable_segments:True\n'),
+    ("device-and-backend-options",
+     "python train.py --device cuda:0 --dist-backend nccl --device_type=cuda \\\n    --lr 1\n",
+     "python train.py --device npu:0 --dist-backend hccl --device_type=npu \\\n    --lr 1\n"),
+    ("comments-and-echo-untouched",
+     "# export CUDA_VISIBLE_DEVICES=0\necho \"set CUDA_VISIBLE_DEVICES=0 for --device cuda\"\npython a.py  # --device cuda\n",
+     "# export CUDA_VISIBLE_DEVICES=0\necho \"set CUDA_VISIBLE_DEVICES=0 for --device cuda\"\npython a.py  # --device cuda\n"),
+    ("other-devices-untouched",
+     "python train.py --device cpu --device cudagraph_x\n",
+     "python train.py --device cpu --device cudagraph_x\n"),
+]
+
+
+@pytest.mark.parametrize(("case_id", "source", "expected"), SHELL_CASES, ids=[c[0] for c in SHELL_CASES])
+def test_shell(case_id: str, source: str, expected: str) -> None:
+    text, _changes, _findings = migrate_shell(source, "run.sh")
+    assert text == expected
+    assert migrate_shell(text, "run.sh")[0] == text
+
+
+def test_shell_flags_nvidia_smi_and_nccl_knobs() -> None:
+    _text, _changes, findings = migrate_shell("nvidia-smi -L\nexport NCCL_IB_DISABLE=1\n", "run.sh")
+    assert {(f.kind, f.line) for f in findings} == {("nvidia-smi", 1), ("env-var", 2)}
+
+
+YAML_CASES = [
+    ("device-and-backend-keys",
+     "trainer:\n  device: cuda\n  dist_backend: 'nccl'\n  eval_device: \"cuda:1\"  # gpu\n",
+     "trainer:\n  device: npu\n  dist_backend: 'hccl'\n  eval_device: \"npu:1\"  # gpu\n"),
+    ("env-in-k8s-and-compose",
+     "env:\n  - name: CUDA_VISIBLE_DEVICES\n    value: \"0\"\nenvironment:\n  - CUDA_LAUNCH_BLOCKING=1\n",
+     "env:\n  - name: ASCEND_RT_VISIBLE_DEVICES\n    value: \"0\"\nenvironment:\n  - ASCEND_LAUNCH_BLOCKING=1\n"),
+    ("command-strings",
+     "command: python train.py --device cuda\n",
+     "command: python train.py --device npu\n"),
+    ("unrelated-values-untouched",
+     "name: cuda-demo\nnote: runs on cuda\n# device: cuda\ndevices: [0, 1]\n",
+     "name: cuda-demo\nnote: runs on cuda\n# device: cuda\ndevices: [0, 1]\n"),
+]
+
+
+@pytest.mark.parametrize(("case_id", "source", "expected"), YAML_CASES, ids=[c[0] for c in YAML_CASES])
+def test_yaml(case_id: str, source: str, expected: str) -> None:
+    assert migrate_yaml(source, "cfg.yaml")[0] == expected
+
+
+def test_invalid_yaml_is_reported_not_rewritten() -> None:
+    with pytest.raises(MigrationSyntaxError, match="YAML"):
+        migrate_yaml("device: cuda\n  bad: [\n", "cfg.yaml")
+
+
+def test_json_config() -> None:
+    source = '{\n  "device": "cuda:0",\n  "backend": "nccl",\n  "comment": "cuda",\n  "env": {"CUDA_VISIBLE_DEVICES": "0"}\n}\n'
+    text, changes, _ = migrate_json(source, "cfg.json")
+    assert text == '{\n  "device": "npu:0",\n  "backend": "hccl",\n  "comment": "cuda",\n  "env": {"ASCEND_RT_VISIBLE_DEVICES": "0"}\n}\n'
+    assert len(changes) == 3
+    assert json.loads(text)["device"] == "npu:0"
+
+
+def test_invalid_json_is_reported_not_rewritten() -> None:
+    with pytest.raises(MigrationSyntaxError, match="JSON"):
+        migrate_json('{"device": "cuda",}', "cfg.json")
+
+
+def test_requirements_are_flagged_never_edited() -> None:
+    source = (
+        "--extra-index-url https://download.pytorch.org/whl/cu121\n"
+        "torch==2.1.0+cu121\nflash-attn>=2.5  # fast attention\nxformers\nnvidia-cudnn-cu12\ncupy-cuda12x\n"
+        "bitsandbytes\nnumpy>=1.24\ntransformers\n"
+    )
+    findings = scan_requirements(source, "requirements.txt")
+    flagged = {(f.line, f.kind) for f in findings if f.kind != "torch-npu-missing"}
+    assert flagged == {(1, "cuda-wheel"), (2, "cuda-wheel"), (3, "flash-attn"), (4, "xformers"),
+                       (5, "cuda-only-package"), (6, "cupy"), (7, "bitsandbytes")}
+    assert any(f.kind == "torch-npu-missing" for f in findings)
+
+
+def test_requirements_with_torch_npu_need_no_hint() -> None:
+    assert scan_requirements("torch==2.6.0\ntorch_npu==2.6.0\n", "requirements.txt") == []
+
+
+def test_cuda_sources_are_flagged() -> None:
+    (finding,) = scan_native_source("__global__ void k(float* x) {}\n", "k.cu")
+    assert finding.kind == "cuda-source" and finding.severity == "error"
+    (header_use,) = scan_native_source('#include <vector>\n#include <cuda_runtime.h>\n', "ops.cpp")
+    assert header_use.line == 2
+    assert scan_native_source("#include <vector>\nint main() {}\n", "main.cpp") == []
+
+
+def _notebook(*cells: tuple[str, list[str]]) -> str:
+    return json.dumps({
+        "cells": [{"cell_type": kind, "metadata": {}, "source": source, **({"outputs": [], "execution_count": None}
+                                                                        if kind == "code" else {})}
+                  for kind, source in cells],
+        "metadata": {}, "nbformat": 4, "nbformat_minor": 5,
+    }, indent=1, ensure_ascii=False) + "\n"
+
+
+def test_notebook_cells_migrated_as_one_module() -> None:
+    source = _notebook(
+        ("markdown", ["Train on `cuda`: `model.cuda()`\n"]),
+        ("code", ["import torch\n", "!nvidia-smi\n", "%env CUDA_VISIBLE_DEVICES=0\n"]),
+        ("code", ["device = torch.device('cuda')\n", "x = torch.zeros(1).cuda()"]),
+    )
+    text, changes, findings = migrate_notebook(source, "nb.ipynb")
+    cells = json.loads(text)["cells"]
+    assert cells[0]["source"] == ["Train on `cuda`: `model.cuda()`\n"]
+    assert cells[1]["source"] == ["import torch_npu\n", "import torch\n", "!nvidia-smi\n",
+                                  "%env ASCEND_RT_VISIBLE_DEVICES=0\n"]
+    assert cells[2]["source"] == ["device = torch.device('npu')\n", "x = torch.zeros(1).npu()"]
+    assert any(f.kind == "nvidia-smi" for f in findings)
+    assert changes
+    assert migrate_notebook(text, "nb.ipynb")[0] == text
+
+
+def test_notebook_without_cuda_is_returned_unchanged() -> None:
+    source = _notebook(("code", ["print(1)\n"]))
+    assert migrate_notebook(source, "nb.ipynb")[0] == source
+
+
+def test_broken_notebook_is_reported() -> None:
+    with pytest.raises(MigrationSyntaxError, match="notebook"):
+        migrate_notebook("{not json", "nb.ipynb")
