@@ -19,23 +19,10 @@ from npukit.errors import UserError
 def _run_app(app: typer.Typer) -> None:
     """Run a typer app, turning UserError into a one-line message and exit code 2."""
     try:
-        app(standalone_mode=False)
+        app()
     except UserError as exc:
         typer.secho(f"error: {exc}", fg="red", err=True)
         sys.exit(2)
-    except typer.Exit as exc:
-        sys.exit(exc.exit_code)
-    except SystemExit:
-        raise
-    except Exception as exc:  # click usage errors and aborts
-        import click
-
-        if isinstance(exc, click.exceptions.ClickException):
-            exc.show()
-            sys.exit(exc.exit_code)
-        if isinstance(exc, click.exceptions.Abort):
-            sys.exit(130)
-        raise
 
 
 # ----------------------------------------------------------------------------- npu-run
@@ -51,6 +38,7 @@ def run(
     module: bool = typer.Option(False, "-m", "--module", help="Run SCRIPT as a module, like python -m."),
     devices: int = typer.Option(8, "--devices", help="Number of emulated NPUs (NPUKIT_DEVICE_COUNT)."),
     emulate: bool = typer.Option(False, "--emulate", help="Use the emulator even if a real torch_npu is installed."),
+    transfer_to_npu: bool = typer.Option(False, "--transfer-to-npu", help="Run unmigrated CUDA code: apply torch_npu.contrib.transfer_to_npu first."),
     nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", help="Launch N processes via torchrun."),
     golden: bool = typer.Option(False, "--golden", help="Golden run: NPU numerics off, autocast disabled (fp32)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed torch, numpy and random before the script runs."),
@@ -71,7 +59,7 @@ def run(
     from npukit.run import RunOptions, main
 
     options = RunOptions(
-        script=script, args=list(args or []), module=module, devices=devices, emulate=emulate,
+        script=script, args=list(args or []), module=module, devices=devices, emulate=emulate, transfer_to_npu=transfer_to_npu,
         nproc_per_node=nproc_per_node, golden=golden, seed=seed,
         dump=dump, dump_level=dump_level, dump_mode=dump_mode, dump_steps=dump_steps,
         dump_scope=dump_scope, dump_list=dump_list, replay=replay,
@@ -121,6 +109,28 @@ compare_app = typer.Typer(add_completion=False, help="Compare a golden dump with
 # (section owned by npukit.accuracy)
 
 
+@compare_app.command()
+def compare(
+    golden: Path = typer.Argument(..., help="Golden dump directory (npu-run --golden --dump DIR, or msprobe)."),
+    target: Path = typer.Argument(..., help="Target (NPU) dump directory."),
+    csv_path: Optional[Path] = typer.Option(None, "--csv", help="Write every row to this CSV (msprobe columns first)."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the result as JSON."),
+    html_path: Optional[Path] = typer.Option(None, "--html", help="Write one self-contained HTML report."),
+    top: int = typer.Option(20, "--top", help="Rows shown in the terminal (worst first)."),
+    thresholds: list[str] = typer.Option(
+        None, "--set", help="Override a limit, e.g. --set bf16.warn_rel_l2=0.05 (repeatable)."
+    ),
+    workers: Optional[int] = typer.Option(None, "--workers", help="Processes for tensor metrics (default: CPU count)."),
+) -> None:
+    """Compare GOLDEN and TARGET dumps; name the first op whose error is amplified. Exit 1 if one is found."""
+    from rich.console import Console
+
+    from npukit.accuracy.cli_compare import run_compare
+
+    code = run_compare(golden, target, csv_path, json_path, html_path, top, thresholds or [], workers, Console())
+    sys.exit(code)  # not typer.Exit: _run_app runs click with standalone_mode=False, which drops its code
+
+
 def compare_main() -> None:
     _run_app(compare_app)
 
@@ -129,6 +139,33 @@ def compare_main() -> None:
 profile_app = typer.Typer(add_completion=False, help="Op hotspots, estimated NPU time, diff and advice.")
 
 # (section owned by npukit.profiler)
+@profile_app.command(
+    help="Summarize a profile: `npu-profile DIR`. Compare two profiles: `npu-profile diff A B`.",
+)
+def profile(
+    paths: list[str] = typer.Argument(..., metavar="DIR | diff A B", help="Profile directory, or `diff A B`."),
+    group_by: str = typer.Option("op", "--group-by", "-g", help="op | shape | module | stack"),
+    top: int = typer.Option(20, "--top", "-n", min=1, help="Rows to show."),
+    chip: str | None = typer.Option(None, "--chip", help="Estimate NPU time per op: 910B2 | 910B3 | 910B4 | 910A."),
+    bandwidth: float | None = typer.Option(None, "--bandwidth", help="Chip memory bandwidth in GB/s (overrides the chip's)."),
+    advise: bool = typer.Option(False, "--advise", help="Run the advisor rules and print findings."),
+    rank: int | None = typer.Option(None, "--rank", help="Which rank's profile (default: lowest)."),
+    csv_path: Path | None = typer.Option(None, "--csv", help="Write all rows as CSV to this file."),
+    json_path: Path | None = typer.Option(None, "--json", help="Write the full result as JSON to this file."),
+) -> None:
+    from npukit.profiler.commands import run_diff, run_summary
+
+    if paths[0] == "diff":
+        if len(paths) != 3:
+            raise UserError("usage: npu-profile diff A B  (two profile directories)")
+        run_diff(Path(paths[1]), Path(paths[2]), top=top, rank=rank, csv_path=csv_path, json_path=json_path)
+        return
+    if len(paths) != 1:
+        raise UserError(f"expected one profile directory, got {len(paths)}: {' '.join(paths)}")
+    run_summary(
+        Path(paths[0]), group_by=group_by, top=top, chip=chip, bandwidth=bandwidth, advise=advise,
+        rank=rank, csv_path=csv_path, json_path=json_path,
+    )
 
 
 def profile_main() -> None:

@@ -438,21 +438,42 @@ def _nonfinite(leaf: TensorLeaf) -> bool:
 
 
 # ---------------------------------------------------------------------------- first divergence
+class _Lineage:
+    """Where each input tensor of one dump came from, following the dump's `producer` links."""
+
+    def __init__(self, dump: RankDump) -> None:
+        self.dump = dump
+        self.leaves = {leaf.name: leaf for entry in dump.entries for leaf in entry.leaves()}
+        self.entries = dump.by_name()
+
+    def origin(self, leaf: TensorLeaf) -> TensorLeaf:
+        """The output leaf that produced this tensor, or the first input that carried it (a source)."""
+        seen = set()
+        while leaf.producer is not None and not leaf.suffix.startswith("output") and leaf.name not in seen:
+            seen.add(leaf.name)
+            nxt = self.leaves.get(leaf.producer)
+            if nxt is None:
+                break
+            leaf = nxt
+        return leaf
+
+
+def _err(row: Row) -> float:
+    return 0.0 if row.negligible or row.error is None else row.error
+
+
 def find_divergence(pair_label: str, pairs: list, rows: list[Row], golden: RankDump, target: RankDump,
                     thresholds: Thresholds) -> Divergence | None:
+    """The first op, in the target's execution order, where the two runs start to differ."""
     rows_by_entry: dict[int, list[Row]] = {}
     for row in rows:
         rows_by_entry.setdefault(row.order, []).append(row)
-    leaf_error: dict[str, float] = {}  # target leaf name -> error, for producer lookups
-    golden_leaf_error: dict[str, float] = {}
-    for row in rows:
-        if row.target is not None and row.error is not None:
-            leaf_error[row.target.name] = 0.0 if row.negligible else row.error
-        if row.golden is not None and row.error is not None:
-            golden_leaf_error[row.golden.name] = 0.0 if row.negligible else row.error
-    unmatched_target = {entry.name for g, entry in pairs if g is None and entry is not None}
-    unmatched_golden = {entry.name for entry, t in pairs if t is None and entry is not None}
-    last_unmatched: tuple[DumpEntry | None, DumpEntry | None] = (None, None)
+    leaf_error = {row.target.name: _err(row) for row in rows if row.target is not None and row.error is not None}
+    only_target = {t.name for g, t in pairs if g is None and t is not None}
+    only_golden = {g.name for g, t in pairs if t is None and g is not None}
+    target_lineage, golden_lineage = _Lineage(target), _Lineage(golden)
+    run_class = _run_class(target)
+    last_unmatched = None
 
     for order, (golden_entry, target_entry) in enumerate(pairs):
         if golden_entry is None or target_entry is None:
@@ -461,80 +482,98 @@ def find_divergence(pair_label: str, pairs: list, rows: list[Row], golden: RankD
         if target_entry.direction == naming.PARAMETERS_GRAD:
             continue
         entry_rows = rows_by_entry.get(order, [])
-        warn = thresholds.limits(_entry_class(target_entry)).warn_rel_l2
-
-        def err(row):
-            return 0.0 if row.negligible or row.error is None else row.error
-
+        warn = thresholds.limits(_weakest(_entry_class(target_entry), run_class)).warn_rel_l2
         outputs = [row for row in entry_rows if row.role == "output" and row.error is not None]
         inputs = [row for row in entry_rows if row.role in ("input", "param") and row.error is not None]
         if not outputs:
             continue
-        out_err = max(err(row) for row in outputs)
-        activations = [row for row in inputs if _is_activation(row, target.has_producers)]
-        sources = [row for row in inputs if row not in activations]
-        in_err = max((err(row) for row in activations), default=0.0)
-        source_err = max((err(row) for row in sources), default=0.0)
-
-        # An input whose error its producer does not explain: the change happened in between.
-        for row in activations:
-            if err(row) <= warn:
+        out_err = max(_err(row) for row in outputs)
+        found = None  # (culprit entry name, side, reason)
+        activation_errors = []
+        source_errors = []
+        for row in inputs:
+            kind, culprit = _input_kind(row, target_entry, target_lineage, golden_lineage, only_target,
+                                        only_golden, leaf_error, warn, target.has_producers)
+            if kind == "source":
+                source_errors.append(_err(row))
                 continue
-            cause = _unexplained_input(row, leaf_error, golden_leaf_error, unmatched_target, unmatched_golden, warn)
-            if cause is not None:
-                return _divergence(pair_label, cause, row, golden, target, in_err, out_err)
-            if not target.has_producers and last_unmatched != (None, None) and _first_error_here(rows, order, warn):
-                unmatched_golden_entry, unmatched_target_entry = last_unmatched
-                name = (unmatched_target_entry or unmatched_golden_entry).name
-                side = "target-only" if unmatched_target_entry else "golden-only"
-                return _divergence(pair_label, (name, side), row, golden, target, in_err, out_err)
-
+            activation_errors.append(_err(row))
+            if _err(row) <= warn or found:
+                continue
+            if kind in ("target-only", "golden-only", "between", "parent-code"):
+                found = (culprit, kind, row)
+            elif kind == "unknown" and last_unmatched and _first_error_here(rows, order, warn):
+                golden_only, target_only = last_unmatched
+                found = ((target_only or golden_only).name, "target-only" if target_only else "golden-only", row)
+        if found:
+            return _divergence(pair_label, found, golden, target, out_err)
+        in_err = max(activation_errors, default=0.0)
+        source_err = max(source_errors, default=0.0)
         if out_err <= warn:
             continue
-        if out_err > thresholds.amplification * in_err:
-            if in_err > 0 or source_err <= warn:
-                reason = f"{_amplification_text(out_err, in_err)} ({_entry_class(target_entry)} warn limit {warn:g})"
-            else:
-                reason = (f"a weight or input that no dumped op produced differs (error {_fmt(source_err)});"
-                          f" output error {_fmt(out_err)}")
-            return _make_divergence(pair_label, target_entry, golden_entry, reason, target, in_err, out_err)
         if in_err <= warn and source_err > warn:
             reason = (f"a weight or input that no dumped op produced differs (error {_fmt(source_err)});"
                       f" output error {_fmt(out_err)}")
             return _make_divergence(pair_label, target_entry, golden_entry, reason, target, in_err, out_err)
+        if out_err > thresholds.amplification * in_err:
+            for row in inputs:
+                # Statistics cannot see some changes (a transpose keeps max/min/mean/norm): a call
+                # only the target makes, feeding this op, is then the better suspect.
+                if row.role == "input" and target.has_producers:
+                    origin = target_lineage.origin(row.target)
+                    if origin.suffix.startswith("output") and _entry_of_leaf(origin.name) in only_target:
+                        return _divergence(pair_label, (_entry_of_leaf(origin.name), "target-only", row),
+                                           golden, target, out_err)
+            reason = f"{_amplification_text(out_err, in_err)} (warn limit {warn:g})"
+            return _make_divergence(pair_label, target_entry, golden_entry, reason, target, in_err, out_err)
     return None
+
+
+def _input_kind(row, entry, target_lineage, golden_lineage, only_target, only_golden, leaf_error, warn,
+                has_producers) -> tuple[str, str | None]:
+    """How an input relates to the rest of the dump: ("source" | "explained" | "target-only" |
+    "golden-only" | "between" | "parent-code" | "unknown", culprit entry name)."""
+    if row.role == "param":
+        return "source", None
+    if not has_producers:
+        return "unknown", None
+    origin = target_lineage.origin(row.target)
+    origin_entry = _entry_of_leaf(origin.name)
+    if origin.suffix.startswith("output"):
+        if origin_entry in only_target:
+            return "target-only", origin_entry
+        if row.golden is not None:
+            golden_origin = golden_lineage.origin(row.golden)
+            golden_entry = _entry_of_leaf(golden_origin.name)
+            if golden_origin.suffix.startswith("output") and golden_entry in only_golden:
+                return "golden-only", golden_entry
+        produced = leaf_error.get(origin.name)
+        if produced is not None and produced <= warn and _err(row) > 10 * max(produced, 1e-12):
+            return "between", entry.name
+        return "explained", origin_entry
+    # Not produced by a dumped op. A module's input computed by its parent's own code (module-level
+    # dumps do not see that code) blames the parent; anything else is data or a weight: a source.
+    holder = target_lineage.entries.get(origin_entry)
+    if holder is not None and holder.name.startswith("Module.") and holder.parent:
+        return "parent-code", holder.parent
+    return "source", None
+
+
+def _run_class(dump: RankDump) -> str:
+    """Lowest float precision used anywhere in the run: ops downstream of bf16 inherit its noise."""
+    best = "fp32"
+    for entry in dump.entries:
+        best = _weakest(best, _entry_class(entry))
+    return best
+
+
+def _weakest(a: str, b: str) -> str:
+    return a if _PRECISION[a] <= _PRECISION[b] else b
 
 
 def _first_error_here(rows: list[Row], order: int, warn: float) -> bool:
     """No earlier matched output was above the warn limit: the error appears first at `order`."""
-    return not any(
-        row.order < order and row.role == "output" and row.error is not None and not row.negligible and row.error > warn
-        for row in rows
-    )
-
-
-def _is_activation(row: Row, has_producers: bool) -> bool:
-    if row.role == "param":
-        return False
-    if has_producers:
-        return row.target.producer is not None
-    return True
-
-
-def _unexplained_input(row, leaf_error, golden_leaf_error, unmatched_target, unmatched_golden, warn):
-    """(entry name, side) of the call that changed this input, or None if its producer explains it."""
-    producer = row.target.producer
-    if producer is not None:
-        producer_entry = _entry_of_leaf(producer)
-        if producer_entry in unmatched_target:
-            return producer_entry, "target-only"
-        golden_producer = row.golden.producer if row.golden is not None else None
-        if golden_producer is not None and _entry_of_leaf(golden_producer) in unmatched_golden:
-            return _entry_of_leaf(golden_producer), "golden-only"
-        produced_error = leaf_error.get(producer)
-        if produced_error is not None and produced_error <= warn and row.error > 10 * max(produced_error, 1e-12):
-            return _entry_of_leaf(producer), "between"
-    return None
+    return not any(row.order < order and row.role == "output" and _err(row) > warn for row in rows)
 
 
 def _entry_of_leaf(leaf_name: str) -> str:
@@ -542,22 +581,26 @@ def _entry_of_leaf(leaf_name: str) -> str:
         index = leaf_name.rfind(marker)
         if index >= 0:
             return leaf_name[:index]
-    return leaf_name
+    return leaf_name.rpartition(".")[0] if ".parameters_grad." in leaf_name else leaf_name
 
 
-def _divergence(pair_label, cause, row, golden, target, in_err, out_err) -> Divergence:
-    name, side = cause
+def _divergence(pair_label, found, golden, target, out_err) -> Divergence:
+    name, side, row = found
     consumer = row.target_entry
+    dump = target
     if side == "target-only":
         reason = f"call present only in the target; its output feeds {consumer} (input error {_fmt(row.error)})"
-        dump = target
+        if _err(row) == 0:
+            reason = f"call present only in the target; it feeds {consumer}, whose output error is {_fmt(out_err)}"
     elif side == "golden-only":
         reason = f"call present only in the golden run (missing in the target); {consumer} input error {_fmt(row.error)}"
         dump = golden
+    elif side == "parent-code":
+        reason = (f"the input of {consumer} (error {_fmt(row.error)}) is computed by this module's own forward"
+                  " code, outside its dumped sub-modules")
     else:
-        reason = (f"{consumer} input error {_fmt(row.error)} is not explained by its producer {name}:"
+        reason = (f"input error {_fmt(row.error)} is not explained by the op that produced it:"
                   " the value changed outside the dumped ops")
-        name, dump = consumer, target
     entry = dump.by_name().get(name)
     return Divergence(
         pair=pair_label,
@@ -566,9 +609,9 @@ def _divergence(pair_label, cause, row, golden, target, in_err, out_err) -> Dive
         reason=reason,
         module_path=_module_path(entry, dump) if entry else None,
         stack=_stack(entry, dump) if entry else [],
-        input_error=in_err,
+        input_error=0.0,
         output_error=out_err,
-        side=side if side != "between" else "both",
+        side=side if side in ("target-only", "golden-only") else "both",
     )
 
 
@@ -647,6 +690,9 @@ def compare_dirs(golden_dir: Path, target_dir: Path, thresholds: Thresholds | No
         pairs, aligned = align(golden.entries, target.entries)
         label = target_label or golden_label or "."
         rows = build_rows(label, pairs)
+        run_class = _run_class(target)
+        for row in rows:
+            row.dtype_class = _weakest(row.dtype_class, run_class)
         all_rows += rows
         prepared.append((label, golden, target, pairs, aligned, rows))
     measure_rows(all_rows, workers, progress)

@@ -590,12 +590,12 @@ class DumpSession:
         version = _version(tensor)
         seen = record.seen.get(key)
         if seen is not None and seen[0]() is tensor and seen[1] == version:
+            # Already recorded: reuse its statistics and data, and point at where it was first seen
+            # (the op that produced it, or the earlier input it is passed through from).
             _, _, slot, producer, data_name = seen
-            if is_output and producer is None:
-                record.seen[key] = (seen[0], version, slot, leaf_name, data_name)
         else:
             slot = record.stats.add(tensor)
-            producer = leaf_name if is_output else None
+            producer = leaf_name
             data_name = self._write_data(tensor, leaf_name) if self.mode == "tensor" else None
             try:
                 record.seen[key] = (weakref.ref(tensor), version, slot, producer, data_name)
@@ -609,7 +609,7 @@ class DumpSession:
         }
         if data_name is not None:
             leaf["data_name"] = data_name
-        if not is_output and producer is not None and producer != leaf_name:
+        if not is_output and producer != leaf_name:
             leaf["producer"] = producer
         if self.mode == "md5":
             leaf["md5"] = f"{zlib.crc32(tensor_to_numpy(tensor).tobytes()):08x}"

@@ -61,6 +61,10 @@ class DumpEntry:
 
     @property
     def key(self) -> str:
+        """Alignment key: the name without call index; modules by path alone, so a module whose
+        class differs between the runs (a fused NPU replacement, a patched layer) still pairs."""
+        if self.name.startswith("Module.") and self.base.count(".") >= 2:
+            return f"{self.base.rpartition('.')[0]}.{self.direction}"
         return f"{self.base}.{self.direction}"
 
     def leaves(self):
