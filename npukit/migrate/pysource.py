@@ -11,6 +11,7 @@ parameter, a comparison with a device expression, or a variable that flows into 
 from __future__ import annotations
 
 import ast
+import bisect
 import re
 import warnings
 from dataclasses import dataclass
@@ -216,16 +217,16 @@ class PythonMigrator:
         self._qualname_cache[key] = result
         return result
 
-    def _edit(self, node_or_span, text: str, rule: str, *, needs_torch_npu: bool = True, anchor: ast.AST | None = None) -> None:
+    def _edit(self, node_or_span, text: str, rule: str, *, needs_torch_npu: bool = True) -> None:
+        """Replace a node's source (or a (start, end) span) with text."""
         if isinstance(node_or_span, tuple):
             start, end = node_or_span
-            where = anchor
         else:
             start, end = self.pos.span(node_or_span)
-            where = node_or_span
         if self.text[start:end] == text or any(a <= start and end <= b for a, b in self.frozen):
             return
-        line, col = (where.lineno, where.col_offset + 1) if where is not None else (1, 1)
+        line = bisect.bisect_right(self.pos.line_starts, start)
+        col = start - self.pos.line_starts[line - 1] + 1  # where the replaced text itself starts
         self.edits.setdefault((start, end), Edit(start, end, text, rule, line, col, needs_torch_npu))
 
     def _flag(self, node: ast.AST, flag: Flag, *, reason: str | None = None) -> None:
@@ -258,7 +259,7 @@ class PythonMigrator:
             return False
         self.claimed.add(id(node))
         at = start + head.end()
-        self._edit((at, at + len(old)), new, rule, anchor=node)
+        self._edit((at, at + len(old)), new, rule)
         return True
 
     def _rewrite_string_value(self, node: ast.Constant, new_value: str, rule: str, *, needs_torch_npu: bool = True) -> bool:
@@ -708,13 +709,13 @@ class PythonMigrator:
             if isinstance(first, ast.Starred):
                 return
             start, _ = self.pos.span(first)
-            self._edit((start, start), f"{text}, ", rule, anchor=call)
+            self._edit((start, start), f"{text}, ", rule)
         elif call.keywords:
             start, _ = self.pos.span(call.keywords[0])
-            self._edit((start, start), f"{text}, ", rule, anchor=call)
+            self._edit((start, start), f"{text}, ", rule)
         else:
             _, end = self.pos.span(call)
-            self._edit((end - 1, end - 1), text, rule, anchor=call)
+            self._edit((end - 1, end - 1), text, rule)
 
     def _append_keyword(self, call: ast.Call, text: str, rule: str, *, needs_torch_npu: bool = True) -> None:
         _, end = self.pos.span(call)
@@ -725,11 +726,11 @@ class PythonMigrator:
             tail = self.text[last_end:end - 1]
             if "," in tail:  # a trailing comma: insert after it
                 comma = last_end + tail.index(",") + 1
-                self._edit((comma, comma), f" {text},", rule, anchor=call, needs_torch_npu=needs_torch_npu)
+                self._edit((comma, comma), f" {text},", rule, needs_torch_npu=needs_torch_npu)
             else:
-                self._edit((last_end, last_end), f", {text}", rule, anchor=call, needs_torch_npu=needs_torch_npu)
+                self._edit((last_end, last_end), f", {text}", rule, needs_torch_npu=needs_torch_npu)
         elif inside.strip("( \t") == "":
-            self._edit((end - 1, end - 1), text, rule, anchor=call, needs_torch_npu=needs_torch_npu)
+            self._edit((end - 1, end - 1), text, rule, needs_torch_npu=needs_torch_npu)
 
     def _handle_torch_load(self, call: ast.Call) -> None:
         if len(call.args) >= 2 or any(k.arg in ("map_location", None) for k in call.keywords):
@@ -999,7 +1000,7 @@ class PythonMigrator:
 
     def _rename_attr(self, node: ast.Attribute, new: str, rule: str) -> None:
         _, end = self.pos.span(node)
-        self._edit((end - len(node.attr), end), new, rule, anchor=node)
+        self._edit((end - len(node.attr), end), new, rule)
 
     def _is_user_cuda_receiver(self, node: ast.Attribute) -> bool:
         if not self.cuda_method_classes:
