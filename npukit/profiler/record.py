@@ -119,7 +119,7 @@ class _GcMarker:
 
 class ProfileSession:
     """Profile the code inside `with`; step boundaries come from optimizer.step() unless the
-    user calls `.step()` themselves.
+    user calls `.step()` themselves (pass auto_steps=False when the loop calls .step() itself).
 
     out_dir: profile root; this process writes out_dir/rank{RANK}/.
     steps: "wait,warmup,active[,repeat]" schedule, or None to record everything.
@@ -134,6 +134,7 @@ class ProfileSession:
         record_shapes: bool = True,
         trace: bool = True,
         rank: int | None = None,
+        auto_steps: bool = True,
     ) -> None:
         self.root = Path(out_dir)
         self.schedule = parse_steps(steps)
@@ -147,7 +148,9 @@ class ProfileSession:
         self.tables: list[EventTable] = []
         self.traces: list[str] = []
         self.steps_taken = 0
+        self.auto_steps = auto_steps
         self._explicit_steps = False
+        self._auto_steps_taken = 0
         self._step_clock = None  # the optimizer whose step() marks step boundaries
         self._profiler = None
         self._hooks: list = []
@@ -157,25 +160,34 @@ class ProfileSession:
     # -- user API ------------------------------------------------------------------------
     def step(self) -> None:
         """Mark the end of a training step (turns off automatic steps from optimizer.step())."""
+        if not self._explicit_steps and self._auto_steps_taken:
+            print(
+                f"npukit.profiler: step() called after optimizer.step() already marked {self._auto_steps_taken}"
+                " step(s); from now on only step() marks steps (pass auto_steps=False to use step() alone)",
+                file=sys.stderr,
+            )
         self._explicit_steps = True
         self._advance()
 
     def __enter__(self) -> ProfileSession:
         from torch.optim.optimizer import register_optimizer_step_post_hook
-        from torch.profiler import ProfilerActivity, profile, schedule
+        from torch.profiler import ProfilerAction, ProfilerActivity, profile, schedule
 
         self._clear_previous_output()
-        kwargs = {}
         if self.schedule is not None:
             s = self.schedule
-            kwargs["schedule"] = schedule(wait=s.wait, warmup=s.warmup, active=s.active, repeat=s.repeat)
+            step_schedule = schedule(wait=s.wait, warmup=s.warmup, active=s.active, repeat=s.repeat)
+        else:
+            # An explicit always-record schedule: without one torch does not mark ProfilerStep ranges.
+            def step_schedule(step: int) -> ProfilerAction:
+                return ProfilerAction.RECORD
         self._profiler = profile(
             activities=[ProfilerActivity.CPU],
             record_shapes=self.record_shapes,
             with_stack=self.with_stack,
             with_flops=True,
             on_trace_ready=self._on_trace_ready,
-            **kwargs,
+            schedule=step_schedule,
         )
         self._hooks.append(register_optimizer_step_post_hook(self._on_optimizer_step))
         self._namer.install()
@@ -202,11 +214,12 @@ class ProfileSession:
                 old.unlink()
 
     def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
-        if self._explicit_steps:
+        if self._explicit_steps or not self.auto_steps:
             return
         if self._step_clock is None:
             self._step_clock = weakref.ref(optimizer)
         if self._step_clock() is optimizer:  # with several optimizers, one step = the first one's step
+            self._auto_steps_taken += 1
             self._advance()
 
     def _advance(self) -> None:
@@ -249,7 +262,7 @@ class ProfileSession:
             print(f"npukit.profiler: no profile written to {self.directory}: {why}{hint}", file=sys.stderr)
             return
         table = EventTable.concat(self.tables)
-        steps = sorted({int(s) for s in table.step.tolist() if s >= 0})
+        steps = table.op_steps()
         meta = {
             "schema": 1,
             "rank": self.rank,
@@ -259,7 +272,7 @@ class ProfileSession:
             "command": sys.argv,
             "schedule": None if self.schedule is None else self.schedule.__dict__,
             "steps": steps,
-            "step_source": "explicit" if self._explicit_steps else "optimizer.step",
+            "step_source": "explicit" if self._explicit_steps or not self.auto_steps else "optimizer.step",
             "events": len(table),
             "traces": self.traces,
             "with_stack": self.with_stack,

@@ -107,7 +107,7 @@ def print_summary(summary: Summary, console: Console, top: int) -> None:
         else:
             shapes = row["shapes"] + (f"  (+{row['distinct_shapes'] - 1} more)" if row["distinct_shapes"] > 1 else "")
             cells += [shapes, _compact_dtypes(row["dtypes"])]
-        cells.append(_count(row["gflops"] * 1e9))
+        cells.append(_count(row["flops"]))
         if summary.chip:
             cells.append(_us(row.get("est_npu_us", 0.0)))
         table.add_row(*cells)

@@ -73,8 +73,7 @@ def group_keys(table: EventTable, group_by: str) -> np.ndarray:
 
 
 def step_count(table: EventTable) -> int:
-    steps = np.unique(table.step[table.step >= 0])
-    return max(len(steps), 1)
+    return max(len(table.op_steps()), 1)
 
 
 def _mode_per_group(
@@ -156,8 +155,8 @@ def summarize(table: EventTable, group_by: str = "op", chip: Chip | None = None)
             "total_us": round(total_ns[g] / 1e3, 3),
             "avg_us": round(total_ns[g] / 1e3 / calls[g], 3),
             "self_pct": round(100.0 * self_ns[g] / total_self, 2),
-            "gflops": round(flops[g] / 1e9, 6),
-            "mbytes": round(nbytes[g] / 1e6, 6),
+            "flops": float(flops[g]),
+            "bytes": float(nbytes[g]),
             "shapes": strings[shape_mode[g]] if shape_mode[g] >= 0 else "",
             "distinct_shapes": int(shape_distinct[g]),
             "dtypes": strings[dtype_mode[g]] if dtype_mode[g] >= 0 else "",

@@ -94,6 +94,11 @@ class EventTable:
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         return self.string_array()[ids]
 
+    def op_steps(self) -> list[int]:
+        """Recorded steps that ran at least one op (a trailing empty ProfilerStep range is not a step)."""
+        steps = self.step[(self.kind == KIND_OP) & (self.step >= 0)]
+        return np.unique(steps).tolist()
+
     def self_ns(self) -> np.ndarray:
         """Self time = duration minus the durations of direct children (one bincount)."""
         has_parent = self.parent >= 0

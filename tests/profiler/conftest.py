@@ -46,13 +46,25 @@ def matmul_profile(tmp_path_factory):
     return root, EventTable.load(root / "rank0")
 
 
-@pytest.fixture
-def npu_device():
-    """The emulated npu device; skips only when npukit.npu_backend cannot be imported."""
+def _import_backend() -> str | None:
+    """Import the emulated device now, before any backward pass: the autograd engine sizes its
+    per-device queues on first use, so (as under npu-run) the device must exist by then.
+    Returns why it is unavailable, or None."""
     try:
         backend = importlib.import_module("npukit.npu_backend")
     except ImportError as exc:
-        pytest.skip(f"npukit.npu_backend not importable: {exc}")
+        return f"npukit.npu_backend not importable: {exc}"
     if getattr(backend, "__file__", None) is None:  # a bare directory (namespace package): not built yet
-        pytest.skip("npukit.npu_backend has no __init__.py yet")
+        return "npukit.npu_backend has no __init__.py yet"
+    return None
+
+
+_BACKEND_MISSING = _import_backend()
+
+
+@pytest.fixture
+def npu_device():
+    """The emulated npu device; skips only when npukit.npu_backend cannot be imported."""
+    if _BACKEND_MISSING:
+        pytest.skip(_BACKEND_MISSING)
     return torch.device("npu:0")
