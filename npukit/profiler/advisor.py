@@ -16,6 +16,7 @@ from functools import cached_property
 
 import numpy as np
 from rich.console import Console
+from rich.markup import escape
 
 from npukit.profiler.cost import CONV_OPS, MATMUL_OPS, matmul_dims, numel
 from npukit.profiler.extract import DATALOADER_PREFIX, STEP_PREFIX
@@ -117,11 +118,11 @@ class ProfileView:
         return self.strings[self.table.stack_id[row]] or "(no user line)"
 
     def per_step(self, count: float) -> str:
-        return f"{count / self.steps:g}/step"
+        return f"{count / self.steps:.3g}/step"
 
     def top_lines(self, rows, limit: int = 3) -> list[str]:
         counts = Counter(self.line(r) for r in rows)
-        return [f"{line} ({n / self.steps:g}/step)" for line, n in counts.most_common(limit)]
+        return [f"{line} ({self.per_step(n)})" for line, n in counts.most_common(limit)]
 
     def time_us(self, rows) -> float:
         rows = np.asarray(list(rows), dtype=np.int64)
@@ -167,7 +168,8 @@ def rule_host_sync(view: ProfileView) -> Finding | None:
     ]
     # Count each user-visible sync once (item -> _local_scalar_dense are one sync).
     rows = [r for r in rows if not (view.table.parent[r] >= 0 and view.names[view.table.parent[r]] in SYNC_OPS)]
-    if not rows:
+    # Fewer than one per step is a logging-interval sync: the pattern this rule recommends.
+    if len(rows) < view.steps:
         return None
     ops = Counter(view.names[r] for r in rows)
     return Finding(
@@ -591,8 +593,10 @@ def print_findings(findings: list[Finding], console: Console) -> None:
     colors = {"high": "red", "medium": "yellow", "low": "cyan"}
     for number, f in enumerate(findings, 1):
         at_stake = f"  [{f.est_us_per_step / 1e3:.2f} ms/step here]" if f.est_us_per_step else ""
-        console.print(f"\n[bold]{number}. [{colors[f.severity]}]{f.severity}[/] {f.title}[/bold] ({f.rule}){at_stake}")
-        console.print(f"   {f.summary}")
+        console.print(
+            f"\n[bold]{number}. [{colors[f.severity]}]{f.severity}[/] {escape(f.title)}[/bold] ({f.rule}){at_stake}"
+        )
+        console.print(f"   {escape(f.summary)}")
         for item in f.evidence:
-            console.print(f"   - {item}", highlight=False)
-        console.print(f"   change: {f.change}")
+            console.print(f"   - {escape(item)}", highlight=False)
+        console.print(f"   change: {escape(f.change)}")

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from npukit.profiler.table import KIND_OP, EventTable
@@ -221,7 +222,7 @@ def print_diff(result: DiffResult, name_a: str, name_b: str, console: Console, t
         for col in ("op", "calls/step", "time", "input shapes", "user line"):
             table.add_column(col, overflow="fold", justify="right" if col in ("calls/step", "time") else "left")
         for c in changes:
-            table.add_row(c.op, f"{c.per_step:g}", f"{c.us:.1f} us", c.shapes, c.line)
+            table.add_row(c.op, f"{c.per_step:.3g}", f"{c.us:.1f} us", escape(c.shapes), escape(c.line))
         console.print(table)
     removed = [c for c in result.changes if c.side == "removed"][:top]
     if removed:
@@ -229,7 +230,7 @@ def print_diff(result: DiffResult, name_a: str, name_b: str, console: Console, t
         for col in ("op", "calls/step", "time", "input shapes", "user line"):
             table.add_column(col, overflow="fold", justify="right" if col in ("calls/step", "time") else "left")
         for c in removed:
-            table.add_row(c.op, f"{c.per_step:g}", f"{c.us:.1f} us", c.shapes, c.line)
+            table.add_row(c.op, f"{c.per_step:.3g}", f"{c.us:.1f} us", escape(c.shapes), escape(c.line))
         console.print(table)
     table = Table(title="Per op, sorted by growth of share of step time (B - A)", title_justify="left")
     for col in ("op", "calls/step A", "calls/step B", "share A %", "share B %", "change", "time B/A (matched)"):
@@ -237,7 +238,7 @@ def print_diff(result: DiffResult, name_a: str, name_b: str, console: Console, t
     for o in result.ops[:top]:
         ratio = f"{o.ratio_b_over_a:.2f}x" if o.ratio_b_over_a is not None else "-"
         table.add_row(
-            o.op, f"{o.calls_per_step_a:g}", f"{o.calls_per_step_b:g}", f"{o.share_pct_a:.1f}", f"{o.share_pct_b:.1f}",
+            o.op, f"{o.calls_per_step_a:.3g}", f"{o.calls_per_step_b:.3g}", f"{o.share_pct_a:.1f}", f"{o.share_pct_b:.1f}",
             f"{o.share_change_pct:+.1f}", ratio,
         )
     console.print(table)

@@ -10,6 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from npukit.errors import UserError
@@ -99,17 +100,18 @@ def print_summary(summary: Summary, console: Console, top: int) -> None:
         table.add_column(f"est. {summary.chip}", justify="right")
     for row in summary.rows[:top]:
         cells = [
-            row["group"], f"{row['calls']:,}", _us(row["self_us"]), f"{row['self_pct']:.1f}",
+            escape(row["group"]), f"{row['calls']:,}", _us(row["self_us"]), f"{row['self_pct']:.1f}",
             _us(row["total_us"]), _us(row["avg_us"]),
         ]
         if summary.group_by in ("module", "stack"):
             cells.append(row["top_op"])
         else:
             shapes = row["shapes"] + (f"  (+{row['distinct_shapes'] - 1} more)" if row["distinct_shapes"] > 1 else "")
-            cells += [shapes, _compact_dtypes(row["dtypes"])]
+            cells += [escape(shapes), _compact_dtypes(row["dtypes"])]
         cells.append(_count(row["flops"]))
         if summary.chip:
-            cells.append(_us(row.get("est_npu_us", 0.0)))
+            # Estimates exist for top-level calls only (a sub-op like linear's addmm is inside its caller's).
+            cells.append(_us(row["est_npu_us"]) if row["top_level_calls"] else "-")
         table.add_row(*cells)
     console.print(table)
     for warning in summary.warnings:
@@ -129,7 +131,7 @@ def print_estimates(rows: list[EstimateRow], per_step_us: float, chip_text: str,
         table.add_column(name, justify=justify, overflow="fold")
     for row in rows[:top]:
         table.add_row(
-            row.op, row.shapes, row.dtype, f"{row.calls:,}", _count(row.gflops * 1e9), _count(row.mbytes * 1e6) + "B",
+            row.op, escape(row.shapes), row.dtype, f"{row.calls:,}", _count(row.gflops * 1e9), _count(row.mbytes * 1e6) + "B",
             _us(row.est_us), row.bound, _us(row.measured_us),
         )
     console.print(table)

@@ -118,6 +118,7 @@ def summarize(table: EventTable, group_by: str = "op", chip: Chip | None = None)
     counted = table.top_level[rows_idx] if group_by in ("module", "stack") else np.ones(len(rows_idx), dtype=bool)
     flops = np.bincount(group, weights=np.where(counted, table.flops[rows_idx], 0.0), minlength=n)
     nbytes = np.bincount(group, weights=np.where(counted, table.bytes[rows_idx], 0.0), minlength=n)
+    top_calls = np.bincount(group, weights=table.top_level[rows_idx], minlength=n).astype(np.int64)
     rep = np.zeros(n, dtype=np.int64)
     rep[group[::-1]] = rows_idx[::-1]  # first row of each group
     shape_mode, shape_distinct = _mode_per_group(group, table.shapes_id[rows_idx].astype(np.int64), n)
@@ -150,6 +151,7 @@ def summarize(table: EventTable, group_by: str = "op", chip: Chip | None = None)
         row = {
             "group": label,
             "calls": int(calls[g]),
+            "top_level_calls": int(top_calls[g]),
             "calls_per_step": round(calls[g] / steps, 2),
             "self_us": round(self_ns[g] / 1e3, 3),
             "total_us": round(total_ns[g] / 1e3, 3),
