@@ -45,7 +45,7 @@ class ChangedCall:
     op: str
     count: int
     per_step: float
-    us: float
+    us_per_step: float
     shapes: str
     line: str
 
@@ -203,11 +203,11 @@ def _changed_calls(table: EventTable, rows: np.ndarray, unmatched: np.ndarray, s
         entry[0] += 1
         entry[1] += table.dur_ns[row] / 1e3
     out = [
-        ChangedCall(side=side, op=strings[name], count=count, per_step=count / steps, us=float(us),
+        ChangedCall(side=side, op=strings[name], count=count, per_step=count / steps, us_per_step=float(us) / steps,
                     shapes=strings[shapes], line=strings[line])
         for (name, shapes, line), (count, us) in groups.items()
     ]
-    out.sort(key=lambda c: (-c.count, -c.us))
+    out.sort(key=lambda c: (-c.count, -c.us_per_step))
     return out
 
 
@@ -216,21 +216,19 @@ def print_diff(result: DiffResult, name_a: str, name_b: str, console: Console, t
     console.print(f"B: {name_b}  ({result.steps_b} step(s), {result.us_per_step_b / 1e3:.2f} ms of top-level ops per step)")
     if result.note:
         console.print(f"[yellow]note:[/] {result.note}")
-    changes = [c for c in result.changes if c.side == "inserted"][:top]
-    if changes:
-        table = Table(title="New in B (calls with no counterpart in A, aligned by op sequence)", title_justify="left")
-        for col in ("op", "calls/step", "time", "input shapes", "user line"):
-            table.add_column(col, overflow="fold", justify="right" if col in ("calls/step", "time") else "left")
+    for side, title in (
+        ("inserted", "New in B (calls with no counterpart in A, aligned by op sequence)"),
+        ("removed", "Gone in B (calls of A with no counterpart in B)"),
+    ):
+        changes = [c for c in result.changes if c.side == side][:top]
+        if not changes:
+            continue
+        table = Table(title=title, title_justify="left")
+        for col in ("op", "calls/step", "time/step", "input shapes", "user line"):
+            table.add_column(col, overflow="fold", justify="right" if col in ("calls/step", "time/step") else "left")
         for c in changes:
-            table.add_row(c.op, f"{c.per_step:.3g}", f"{c.us:.1f} us", escape(c.shapes), escape(c.line))
-        console.print(table)
-    removed = [c for c in result.changes if c.side == "removed"][:top]
-    if removed:
-        table = Table(title="Gone in B (calls of A with no counterpart in B)", title_justify="left")
-        for col in ("op", "calls/step", "time", "input shapes", "user line"):
-            table.add_column(col, overflow="fold", justify="right" if col in ("calls/step", "time") else "left")
-        for c in removed:
-            table.add_row(c.op, f"{c.per_step:.3g}", f"{c.us:.1f} us", escape(c.shapes), escape(c.line))
+            shapes = c.shapes if len(c.shapes) <= 60 else c.shapes[:57] + "..."
+            table.add_row(c.op, f"{c.per_step:.3g}", f"{c.us_per_step:.1f} us", escape(shapes), escape(c.line))
         console.print(table)
     table = Table(title="Per op, sorted by growth of share of step time (B - A)", title_justify="left")
     for col in ("op", "calls/step A", "calls/step B", "share A %", "share B %", "change", "time B/A (matched)"):
