@@ -128,7 +128,7 @@ def compare(
     from npukit.accuracy.cli_compare import run_compare
 
     code = run_compare(golden, target, csv_path, json_path, html_path, top, thresholds or [], workers, Console())
-    sys.exit(code)  # not typer.Exit: _run_app runs click with standalone_mode=False, which drops its code
+    sys.exit(code)
 
 
 def compare_main() -> None:

@@ -368,7 +368,8 @@ class DumpSession:
     def _optimizer_alive(self) -> bool:
         if self._optimizer_exists is None:
             # Asked once, at the second forward of the first step: one gc scan, not per step.
-            self._optimizer_exists = any(isinstance(obj, torch.optim.Optimizer) for obj in gc.get_objects())
+            optimizer = torch.optim.Optimizer
+            self._optimizer_exists = any(issubclass(type(obj), optimizer) for obj in gc.get_objects())
         return self._optimizer_exists
 
     def _on_optimizer_pre_step(self, optimizer, args, kwargs) -> None:

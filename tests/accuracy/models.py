@@ -1,0 +1,81 @@
+"""Small models with switchable injected bugs, and a helper that trains them under a DumpSession."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from npukit.accuracy.dump import DumpSession
+
+
+class TransposedLinear(nn.Linear):
+    """The transposed-weight bug: a square Linear that multiplies by W instead of W^T."""
+
+    def forward(self, x):
+        return F.linear(x, self.weight.t(), self.bias)
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, bug: str | None) -> None:
+        super().__init__()
+        self.bug = bug
+        self.fc1 = nn.Linear(width, width)
+        self.norm = nn.LayerNorm(width, eps=0.5 if bug == "eps" else 1e-5)
+        self.fc2 = TransposedLinear(width, width) if bug == "transpose" else nn.Linear(width, width)
+
+    def forward(self, x):
+        h = self.norm(self.fc1(x))
+        h = F.relu(h) if self.bug == "relu" else F.gelu(h)
+        if self.bug == "insert":
+            h = torch.tanh(h)  # a call present only in the buggy run
+        if self.bug == "overflow":
+            h = torch.square(h * 300.0)  # overflows float16 (max 65504), fine in float32
+        else:
+            h = torch.square(h * 0.5)
+        return x + self.fc2(h)
+
+
+class Net(nn.Module):
+    def __init__(self, width: int = 16, classes: int = 4, bug: str | None = None, bug_block: int = 1) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, width)
+        self.blocks = nn.ModuleList([Block(width, bug if i == bug_block else None) for i in range(3)])
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def train(out: Path | None, bug: str | None = None, *, level: str = "mix", mode: str = "tensor", steps: int = 2,
+          dtype: torch.dtype = torch.float32, autocast_bf16: bool = False, device: str = "cpu",
+          seed: int = 0, dump_steps: str | None = None, **session_options) -> list[float]:
+    """Train Net for a few steps (optionally under a DumpSession); returns the losses."""
+    torch.manual_seed(seed)
+    model = Net(bug=bug)
+    data = [(torch.randn(6, 8), torch.randint(0, 4, (6,))) for _ in range(steps)]
+    model = model.to(device=device, dtype=dtype)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    session = DumpSession(out, level=level, mode=mode, steps=dump_steps, **session_options) if out is not None else None
+    if session:
+        session.start()
+    try:
+        for x, y in data:
+            x, y = x.to(device=device, dtype=dtype), y.to(device)
+            with torch.autocast(device_type="cpu", dtype=torch.bfloat16, enabled=autocast_bf16):
+                logits = model(x)
+                loss = F.cross_entropy(logits.float(), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+    finally:
+        if session:
+            session.stop()
+    return losses

@@ -1,0 +1,200 @@
+"""npu-compare: the first divergence names the injected bug; a correct bf16 run reports no error."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from npukit.accuracy.compare import ERROR, Thresholds, align, compare_dirs
+from npukit.accuracy.dumpfile import DumpEntry
+from npukit.accuracy.metrics import PairJob, compare_pairs
+from npukit.accuracy.tensor_io import write_tensor
+from npukit.errors import UserError
+
+from .models import train
+
+# bug -> (expected first divergence at api/mix level, expected at module level)
+INJECTED = {
+    "eps": ("Functional.layer_norm.1.forward", "Module.blocks.1.norm.LayerNorm.forward.0"),
+    "transpose": ("Tensor.t.0.forward", "Module.blocks.1.fc2.TransposedLinear.forward.0"),
+    "relu": ("Functional.relu.0.forward", "Module.blocks.1.Block.forward.0"),
+    "insert": ("Torch.tanh.0.forward", "Module.blocks.1.Block.forward.0"),
+    "overflow": ("Torch.square.1.forward", "Module.blocks.1.Block.forward.0"),
+}
+
+
+def run_pair(tmp_path, bug, level, mode, **target_options):
+    golden, target = tmp_path / "golden", tmp_path / "target"
+    # The fp16 overflow is not a code change: the same model overflows only when run in float16.
+    train(golden, bug if bug == "overflow" else None, level=level, mode=mode)
+    if bug == "overflow":
+        target_options.setdefault("dtype", torch.float16)
+    train(target, bug, level=level, mode=mode, **target_options)
+    return compare_dirs(golden, target, workers=1)
+
+
+@pytest.mark.parametrize("mode", ["tensor", "stats"])
+@pytest.mark.parametrize("level", ["mix", "api", "module"])
+@pytest.mark.parametrize("bug", sorted(INJECTED))
+def test_first_divergence_names_the_injected_op(tmp_path, bug, level, mode):
+    result = run_pair(tmp_path, bug, level, mode)
+    divergence = result.pairs[0].divergence
+    assert divergence is not None
+    assert divergence.entry == INJECTED[bug][level == "module"], divergence.reason
+    assert divergence.stack, "the report must show where the op was called"
+    if level != "api":
+        assert divergence.module_path and divergence.module_path.startswith("blocks.1")
+
+
+@pytest.mark.parametrize("mode", ["tensor", "stats"])
+def test_correct_bf16_run_against_fp32_reports_no_error(tmp_path, mode):
+    result = run_pair(tmp_path, None, "mix", mode, autocast_bf16=True)
+    assert [pair.divergence for pair in result.pairs] == [None, None]
+    assert result.counts()[ERROR] == 0
+    rows = [row for row in result.rows if row.target and row.target.dtype == "torch.bfloat16" and row.metrics]
+    if mode == "tensor":
+        assert rows and all(row.dtype_class == "bf16" for row in rows)
+
+
+def test_identical_runs_pass_everything(tmp_path):
+    result = run_pair(tmp_path, None, "mix", "tensor")
+    counts = result.counts()
+    assert counts["pass"] > 0 and counts["warn"] == counts[ERROR] == counts["unmatched"] == 0
+
+
+def test_inserted_call_realigns_the_rest_of_the_stream(tmp_path):
+    result = run_pair(tmp_path, "insert", "api", "tensor")
+    pair = result.pairs[0]
+    assert pair.aligned
+    assert [name for name in pair.unmatched_target if name.endswith("forward")] == ["Torch.tanh.0.forward"]
+    # After the inserted call the same ops still pair with their counterparts, not by shifted index.
+    rows = {row.target_entry: row for row in pair.rows if row.target_entry}
+    assert rows["Torch.square.1.forward"].golden_entry == "Torch.square.1.forward"
+
+
+def entry(name):
+    base, _, direction = name.rpartition(".")
+    return DumpEntry(name=name, base=base.rpartition(".")[0], direction=direction)
+
+
+def test_alignment_pairs_ops_across_an_insertion_and_a_deletion():
+    golden = [entry(n) for n in ["A.a.0.forward", "A.b.0.forward", "A.c.0.forward", "A.b.1.forward"]]
+    target = [entry(n) for n in ["A.a.0.forward", "A.x.0.forward", "A.b.0.forward", "A.b.1.forward"]]
+    pairs, aligned = align(golden, target)
+    as_names = [(g.name if g else None, t.name if t else None) for g, t in pairs]
+    assert aligned
+    assert ("A.b.1.forward", "A.b.1.forward") in as_names
+    assert (None, "A.x.0.forward") in as_names and ("A.c.0.forward", None) in as_names
+
+
+def test_metrics_match_a_numpy_reference(tmp_path):
+    rng = np.random.default_rng(0)
+    golden = rng.standard_normal(300_000).astype(np.float32)
+    target = (golden + rng.standard_normal(golden.size).astype(np.float32) * 1e-3).astype(np.float32)
+    write_tensor(tmp_path / "g.npy", torch.from_numpy(golden))
+    write_tensor(tmp_path / "t.npy", torch.from_numpy(target))
+    job = PairJob(str(tmp_path / "g.npy"), "torch.float32", str(tmp_path / "t.npy"), "torch.float32",
+                  golden.size, "torch.float32")
+    (m,) = compare_pairs([job], workers=1)
+    g, t = golden.astype(np.float64), target.astype(np.float64)
+    d = t - g
+    assert m.cosine == pytest.approx(g @ t / np.linalg.norm(g) / np.linalg.norm(t), rel=1e-12)
+    assert m.rel_l2 == pytest.approx(np.linalg.norm(d) / np.linalg.norm(g), rel=1e-12)
+    assert m.sqnr_db == pytest.approx(10 * np.log10((g @ g) / (d @ d)), rel=1e-12)
+    assert m.max_abs == pytest.approx(np.abs(d).max())
+    rel = np.abs(d) / np.maximum(np.abs(g), 1e-10)
+    assert m.max_rel == pytest.approx(rel.max())
+    assert m.within_1e3 == pytest.approx(np.mean(rel <= 1e-3))
+    assert m.within_5e3 == pytest.approx(np.mean(rel <= 5e-3))
+    assert m.max_ulp == pytest.approx((np.abs(d) / np.spacing(np.abs(golden)).astype(np.float64)).max())
+
+
+def test_multiprocess_metrics_equal_single_process(tmp_path):
+    rng = np.random.default_rng(1)
+    jobs = []
+    for i, size in enumerate([5_000_000, 3_000_000, 10]):
+        golden = rng.standard_normal(size).astype(np.float32)
+        target = golden + np.float32(1e-4)
+        write_tensor(tmp_path / f"g{i}.npy", torch.from_numpy(golden))
+        write_tensor(tmp_path / f"t{i}.npy", torch.from_numpy(target))
+        jobs.append(PairJob(str(tmp_path / f"g{i}.npy"), "torch.float32", str(tmp_path / f"t{i}.npy"),
+                            "torch.float32", size))
+    single = compare_pairs(jobs, workers=1)
+    multi = compare_pairs(jobs, workers=2)
+    for a, b in zip(single, multi):
+        assert a.rel_l2 == pytest.approx(b.rel_l2, rel=1e-12) and a.max_abs == b.max_abs
+
+
+def test_nan_inf_mismatch_is_an_error(tmp_path):
+    golden = torch.tensor([1.0, 2.0, 3.0, float("inf")])
+    target = torch.tensor([1.0, float("nan"), 3.0, float("inf")])
+    write_tensor(tmp_path / "g.npy", golden)
+    write_tensor(tmp_path / "t.npy", target)
+    (m,) = compare_pairs([PairJob(str(tmp_path / "g.npy"), "torch.float32", str(tmp_path / "t.npy"),
+                                  "torch.float32", 4)], workers=1)
+    assert m.nan_inf_mismatch == 1 and m.rel_l2 == 0.0  # the finite rest agrees
+
+
+def test_bf16_data_is_compared_exactly(tmp_path):
+    golden = torch.randn(1000)
+    target = golden.to(torch.bfloat16)
+    write_tensor(tmp_path / "g.npy", golden)
+    write_tensor(tmp_path / "t.npy", target)
+    (m,) = compare_pairs([PairJob(str(tmp_path / "g.npy"), "torch.float32", str(tmp_path / "t.npy"),
+                                  "torch.bfloat16", 1000, "torch.bfloat16")], workers=1)
+    expected = float((target.double() - golden.double()).norm() / golden.double().norm())
+    assert m.rel_l2 == pytest.approx(expected, rel=1e-12)
+    assert m.max_ulp <= 0.5 + 1e-9  # round-to-nearest: at most half a bf16 ULP
+
+
+def test_thresholds_are_configurable_and_validated():
+    thresholds = Thresholds().with_overrides(["bf16.warn_rel_l2=0.05", "amplification=4"])
+    assert thresholds.bf16.warn_rel_l2 == 0.05 and thresholds.amplification == 4
+    assert Thresholds().bf16.warn_rel_l2 == 3e-2
+    with pytest.raises(UserError, match="--set: unknown threshold 'bf16.nope'"):
+        Thresholds().with_overrides(["bf16.nope=1"])
+    with pytest.raises(UserError, match="NAME=NUMBER"):
+        Thresholds().with_overrides(["fp32.pass_rel_l2=abc"])
+
+
+def test_corrupt_dump_json_names_the_file(tmp_path):
+    train(tmp_path / "g", level="api", mode="stats", steps=1)
+    train(tmp_path / "t", level="api", mode="stats", steps=1)
+    broken = tmp_path / "t/step0/rank0/dump.json"
+    broken.write_text(broken.read_text()[:-100])
+    with pytest.raises(UserError, match=r"t/step0/rank0/dump.json: invalid JSON at line 1"):
+        compare_dirs(tmp_path / "g", tmp_path / "t")
+
+
+def test_truncated_tensor_file_names_the_file(tmp_path):
+    train(tmp_path / "g", level="api", mode="tensor", steps=1)
+    train(tmp_path / "t", level="api", mode="tensor", steps=1)
+    data = json.loads((tmp_path / "t/step0/rank0/dump.json").read_text())["data"]
+    name = data["Functional.linear.0.forward"]["output"][0]["data_name"]
+    path = tmp_path / "t/step0/rank0/dump_tensor_data" / name
+    path.write_bytes(path.read_bytes()[:-40])
+    with pytest.raises(UserError, match=name.replace(".", r"\.") + ": corrupt or truncated"):
+        compare_dirs(tmp_path / "g", tmp_path / "t")
+
+
+def test_missing_tensor_file_names_the_file(tmp_path):
+    train(tmp_path / "g", level="api", mode="tensor", steps=1)
+    train(tmp_path / "t", level="api", mode="tensor", steps=1)
+    victim = next((tmp_path / "t/step0/rank0/dump_tensor_data").iterdir())
+    victim.unlink()
+    with pytest.raises(UserError, match=f"{victim.name}: tensor data file is missing"):
+        compare_dirs(tmp_path / "g", tmp_path / "t")
+
+
+def test_no_common_step_is_a_clear_error(tmp_path):
+    train(tmp_path / "g", level="module", mode="stats", steps=2)
+    train(tmp_path / "t", level="module", mode="stats", steps=2, dump_steps="1")
+    (tmp_path / "g/step1").rename(tmp_path / "g/step5")
+    with pytest.raises(UserError, match="no step/rank in common"):
+        compare_dirs(tmp_path / "g", tmp_path / "t")
+
+
+def test_missing_directory_is_a_clear_error(tmp_path):
+    with pytest.raises(UserError, match="no such dump directory"):
+        compare_dirs(tmp_path / "nope", tmp_path / "nope2")

@@ -1,0 +1,199 @@
+"""DumpSession: names, schema, levels, modes, steps, filters, and option errors."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from npukit.accuracy.dump import DumpSession, parse_steps
+from npukit.accuracy.tensor_io import read_tensor
+from npukit.errors import UserError
+
+from .models import train
+
+
+def load(root, step=0, rank=0):
+    return json.loads((root / f"step{step}" / f"rank{rank}" / "dump.json").read_text())
+
+
+def test_mix_level_names_and_schema(tmp_path):
+    train(tmp_path, level="mix", mode="stats", steps=1)
+    dump = load(tmp_path)
+    assert dump["task"] == "statistics" and dump["level"] == "mix" and dump["framework"] == "pytorch"
+    data = dump["data"]
+    for name in ("Functional.linear.0.forward", "Functional.layer_norm.0.forward", "Functional.gelu.0.forward",
+                 "Torch.square.0.forward", "Tensor.add.0.forward", "Functional.cross_entropy.0.forward",
+                 "Module.blocks.0.fc1.Linear.forward.0", "Module.blocks.0.Block.forward.0", "Module.Net.forward.0",
+                 "Functional.linear.0.backward", "Module.blocks.0.norm.LayerNorm.backward.0",
+                 "Module.blocks.0.fc1.Linear.parameters_grad"):
+        assert name in data, name
+    leaf = data["Functional.linear.0.forward"]["output"][0]
+    assert leaf["type"] == "torch.Tensor" and leaf["dtype"] == "torch.float32" and leaf["shape"] == [6, 16]
+    assert set(leaf) >= {"Max", "Min", "Mean", "Norm", "requires_grad"}
+    module = data["Module.blocks.0.fc1.Linear.forward.0"]
+    assert set(module["parameters"]) == {"weight", "bias"}
+    assert data["Module.blocks.0.fc1.Linear.parameters_grad"]["weight"]["shape"] == [16, 16]
+    # Inner ops complete before the module that runs them: execution (completion) order.
+    names = list(data)
+    assert names.index("Functional.linear.0.forward") < names.index("Module.embed.Linear.forward.0")
+    construct = json.loads((tmp_path / "step0/rank0/construct.json").read_text())
+    assert construct["Functional.layer_norm.0.forward"] == "Module.blocks.0.norm.LayerNorm.forward.0"
+    stack = json.loads((tmp_path / "step0/rank0/stack.json").read_text())
+    assert any("models.py" in line for _, (names, lines) in stack.items() for line in lines)
+
+
+def test_stats_values_match_the_tensor(tmp_path):
+    x = torch.tensor([[1.0, -2.0], [3.0, 4.0]])
+    with DumpSession(tmp_path, level="api", mode="stats") as session:
+        nn.Identity()(x)  # the first module forward starts api recording
+        torch.relu(x)
+        session.step()
+    leaf = load(tmp_path)["data"]["Torch.relu.0.forward"]["output"][0]
+    assert (leaf["Max"], leaf["Min"], leaf["Mean"]) == (4.0, 0.0, 2.0)
+    assert leaf["Norm"] == pytest.approx(float(torch.relu(x).norm()))
+
+
+def test_nan_and_inf_are_counted(tmp_path):
+    x = torch.tensor([1.0, float("nan"), float("inf"), 2.0])
+    with DumpSession(tmp_path, level="api", mode="stats"):
+        nn.Identity()(x)
+        torch.neg(x)
+    leaf = load(tmp_path)["data"]["Torch.neg.0.forward"]["output"][0]
+    assert leaf["nan_count"] == 1 and leaf["inf_count"] == 1
+
+
+def test_module_level_has_no_api_entries_and_api_level_no_modules(tmp_path):
+    train(tmp_path / "m", level="module", mode="stats", steps=1)
+    train(tmp_path / "a", level="api", mode="stats", steps=1)
+    modules = load(tmp_path / "m")["data"]
+    apis = load(tmp_path / "a")["data"]
+    assert modules and all(name.startswith("Module.") for name in modules)
+    assert apis and not any(name.startswith("Module.") for name in apis)
+
+
+def test_tensor_mode_writes_exact_data_once_per_tensor(tmp_path):
+    train(tmp_path, level="mix", mode="tensor", steps=1, dtype=torch.bfloat16)
+    rank_dir = tmp_path / "step0/rank0"
+    data = load(tmp_path)["data"]
+    out = data["Functional.linear.0.forward"]["output"][0]
+    assert out["dtype"] == "torch.bfloat16"
+    stored = read_tensor(rank_dir / "dump_tensor_data" / out["data_name"], "torch.bfloat16", out["shape"])
+    assert stored.dtype == np.uint16  # raw bf16 bits: exact
+    # The module output is the same tensor as the op output: it points at the same file.
+    module_out = data["Module.embed.Linear.forward.0"]["output"][0]
+    assert module_out["data_name"] == out["data_name"]
+    # The consumer's input records where it came from.
+    consumer = data["Module.blocks.0.fc1.Linear.forward.0"]["input_args"][0]
+    assert consumer["producer"].endswith(".output.0")
+    files = list((rank_dir / "dump_tensor_data").iterdir())
+    assert len(files) == len({leaf_file for leaf_file in files})
+    assert not any(f.name.endswith(".tmp") for f in files)
+
+
+def test_bf16_tensor_roundtrip_is_bit_exact(tmp_path):
+    x = torch.randn(33, dtype=torch.float32).to(torch.bfloat16)
+    with DumpSession(tmp_path, level="api", mode="tensor"):
+        nn.Identity()(x)
+        y = torch.neg(x)
+    leaf = load(tmp_path)["data"]["Torch.neg.0.forward"]["output"][0]
+    raw = read_tensor(tmp_path / "step0/rank0/dump_tensor_data" / leaf["data_name"], leaf["dtype"])
+    assert torch.equal(torch.from_numpy(np.array(raw)).view(torch.bfloat16), y)
+
+
+def test_md5_mode_records_checksums(tmp_path):
+    train(tmp_path, level="api", mode="md5", steps=1)
+    leaf = load(tmp_path)["data"]["Functional.linear.0.forward"]["output"][0]
+    assert len(leaf["md5"]) == 8
+
+
+def test_in_place_op_inputs_are_measured_before_the_op(tmp_path):
+    x = torch.ones(4)
+    with DumpSession(tmp_path, level="api", mode="stats"):
+        nn.Identity()(x)
+        x.mul_(3.0)
+    entry = load(tmp_path)["data"]["Tensor.mul_.0.forward"]
+    assert entry["input_args"][0]["Max"] == 1.0
+    assert entry["output"][0]["Max"] == 3.0
+
+
+def test_optimizer_steps_split_dumps_and_step_filter(tmp_path):
+    train(tmp_path, level="module", mode="stats", steps=4, dump_steps="1,3")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step1", "step3"]
+
+
+def test_inference_loop_without_optimizer_splits_steps_at_root_forward(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with torch.no_grad(), DumpSession(tmp_path, level="module", mode="stats"):
+        for _ in range(3):
+            model(torch.randn(2, 4))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step0", "step1", "step2"]
+    assert "Module.Sequential.forward.0" in load(tmp_path, 2)["data"]
+
+
+def test_scope_and_list_filters(tmp_path):
+    train(tmp_path / "scope", level="mix", mode="stats", steps=1, scope="blocks.1")
+    names = list(load(tmp_path / "scope")["data"])
+    assert names and all("blocks.1" in name or not name.startswith("Module.") for name in names)
+    assert "Functional.layer_norm.1.forward" in names  # inside blocks.1: kept, same index as unfiltered
+    assert "Functional.layer_norm.0.forward" not in names
+    train(tmp_path / "list", level="mix", mode="stats", steps=1, names="layer_norm,fc2")
+    names = list(load(tmp_path / "list")["data"])
+    assert names and all("layer_norm" in name or "fc2" in name for name in names)
+
+
+def test_rank_comes_from_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "3")
+    train(tmp_path, level="module", mode="stats", steps=1)
+    assert (tmp_path / "step0" / "rank3" / "dump.json").is_file()
+    monkeypatch.setenv("RANK", "x")
+    with pytest.raises(UserError, match="RANK"):
+        DumpSession(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "option"),
+    [
+        ({"level": "layer"}, "--dump-level"),
+        ({"mode": "full"}, "--dump-mode"),
+        ({"steps": "1,x"}, "--dump-steps"),
+        ({"steps": "4-2"}, "--dump-steps"),
+        ({"scope": "a,,b"}, "--dump-scope"),
+        ({"names": ","}, None),
+    ],
+)
+def test_invalid_options_name_the_option(tmp_path, kwargs, option):
+    if option is None:  # an empty list means "no filter", not an error
+        DumpSession(tmp_path, **kwargs)
+        return
+    with pytest.raises(UserError, match=option):
+        DumpSession(tmp_path, **kwargs)
+
+
+def test_parse_steps():
+    assert parse_steps("0,2-4") == {0, 2, 3, 4}
+    assert parse_steps(None) is None
+
+
+def test_optimizer_update_ops_are_not_dumped(tmp_path):
+    train(tmp_path, level="api", mode="stats", steps=1)
+    names = list(load(tmp_path)["data"])
+    assert not any("_foreach" in name or name.startswith("Tensor.add_") for name in names)
+
+
+def test_functional_calls_inside_user_code_are_dumped_without_patching_torch(tmp_path):
+    before = F.gelu
+    with DumpSession(tmp_path, level="api", mode="stats"):
+        nn.Identity()(torch.ones(1))
+        F.gelu(torch.ones(3))
+    assert F.gelu is before
+    assert "Functional.gelu.0.forward" in load(tmp_path)["data"]
+
+
+def test_dump_on_the_emulated_npu(tmp_path, npu):
+    train(tmp_path, level="mix", mode="tensor", steps=1, device=npu)
+    data = load(tmp_path)["data"]
+    leaf = data["Functional.linear.0.forward"]["output"][0]
+    assert leaf["Norm"] > 0 and (tmp_path / "step0/rank0/dump_tensor_data" / leaf["data_name"]).is_file()
