@@ -1,0 +1,918 @@
+// npukit emulated NPU: a real PrivateUse1 device ("npu") whose memory is host memory.
+//
+// Every op without an explicit kernel goes through one boxed fallback: npu tensor
+// arguments are replaced by CPU tensors aliasing the same memory (no copy), the op's CPU
+// kernel runs, and outputs are turned back into npu tensors (views keep their base's
+// storage; fresh results are adopted zero-copy). Numeric policies of the Ascend device
+// (fp16 saturation, fp32 accumulation, HF32, no float64 on the cube unit) apply here.
+
+#include <torch/extension.h>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/EmptyTensor.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/detail/PrivateUse1HooksInterface.h>
+#include <ATen/native/Resize.h>
+#include <ATen/ops/_reshape_alias_native.h>
+#include <ATen/ops/as_strided_native.h>
+#include <ATen/ops/resize_native.h>
+#include <ATen/ops/set_native.h>
+#include <ATen/ops/view_native.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/alloc_cpu.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/library.h>
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <mutex>
+#include <unordered_set>
+
+namespace npukit {
+
+using c10::DeviceType;
+constexpr DeviceType kNpu = DeviceType::PrivateUse1;
+constexpr int kMaxDevices = 64;
+
+// ------------------------------------------------------------------ device selection
+std::atomic<int> g_device_count{8};
+thread_local c10::DeviceIndex t_current_device = 0;
+
+void check_index(int idx) {
+  TORCH_CHECK(idx >= 0 && idx < g_device_count.load(), "Invalid device id: npu:", idx,
+              " (this process sees ", g_device_count.load(),
+              " NPUs; set NPUKIT_DEVICE_COUNT or ASCEND_RT_VISIBLE_DEVICES to change that)");
+}
+
+// ------------------------------------------------------------------ memory accounting
+struct DeviceMemory {
+  std::mutex mu;
+  int64_t allocated = 0;
+  int64_t peak = 0;
+  int64_t blocks = 0;
+  int64_t peak_blocks = 0;
+  int64_t num_allocs = 0;
+  int64_t num_frees = 0;
+  int64_t num_ooms = 0;
+  int64_t capacity = int64_t(64) << 30;
+};
+std::array<DeviceMemory, kMaxDevices> g_memory;
+
+std::string format_bytes(double b) {
+  char buf[64];
+  if (b >= double(1 << 30)) snprintf(buf, sizeof buf, "%.2f GiB", b / double(1 << 30));
+  else if (b >= double(1 << 20)) snprintf(buf, sizeof buf, "%.2f MiB", b / double(1 << 20));
+  else if (b >= 1024) snprintf(buf, sizeof buf, "%.2f KiB", b / 1024.0);
+  else snprintf(buf, sizeof buf, "%.0f bytes", b);
+  return buf;
+}
+
+void account_alloc(int dev, int64_t nbytes) {
+  auto& m = g_memory[dev];
+  std::lock_guard<std::mutex> lock(m.mu);
+  if (m.allocated + nbytes > m.capacity) {
+    m.num_ooms++;
+    int64_t free_bytes = m.capacity - m.allocated;
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "NPU out of memory. Tried to allocate ",
+                     format_bytes(nbytes), " (NPU ", dev, "; ", format_bytes(m.capacity),
+                     " total capacity; ", format_bytes(m.allocated), " already allocated; ",
+                     format_bytes(free_bytes), " free; ", format_bytes(m.allocated),
+                     " reserved in total by PyTorch) [npukit emulated device]");
+  }
+  m.allocated += nbytes;
+  m.blocks += 1;
+  m.num_allocs += 1;
+  if (m.allocated > m.peak) m.peak = m.allocated;
+  if (m.blocks > m.peak_blocks) m.peak_blocks = m.blocks;
+}
+
+void account_free(int dev, int64_t nbytes) {
+  auto& m = g_memory[dev];
+  std::lock_guard<std::mutex> lock(m.mu);
+  m.allocated -= nbytes;
+  m.blocks -= 1;
+  m.num_frees += 1;
+}
+
+// ------------------------------------------------------------------ allocators
+struct OwnedBlock {
+  void* ptr;
+  int64_t nbytes;
+  int device;
+};
+
+void free_owned_block(void* ctx) {
+  auto* block = static_cast<OwnedBlock*>(ctx);
+  c10::free_cpu(block->ptr);
+  account_free(block->device, block->nbytes);
+  delete block;
+}
+
+struct NpuAllocator final : c10::Allocator {
+  int fixed_device = -1;  // -1: the thread's current device
+  c10::DataPtr allocate(size_t nbytes) override {
+    int dev = fixed_device >= 0 ? fixed_device : t_current_device;
+    account_alloc(dev, int64_t(nbytes));
+    void* ptr = nbytes ? c10::alloc_cpu(nbytes) : nullptr;
+    auto* block = new OwnedBlock{ptr, int64_t(nbytes), dev};
+    return {ptr, block, &free_owned_block, c10::Device(kNpu, c10::DeviceIndex(dev))};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+  void copy_data(void* dest, const void* src, std::size_t count) const final {
+    std::memcpy(dest, src, count);
+  }
+};
+
+NpuAllocator g_current_allocator;
+std::array<NpuAllocator, kMaxDevices> g_device_allocators;
+
+NpuAllocator* allocator_for(int dev) { return &g_device_allocators[dev]; }
+
+// Pinned host memory: plain host memory whose pointers are remembered, as pin_memory() expects.
+std::mutex g_pinned_mu;
+std::unordered_set<const void*> g_pinned;
+
+void free_pinned(void* ptr) {
+  {
+    std::lock_guard<std::mutex> lock(g_pinned_mu);
+    g_pinned.erase(ptr);
+  }
+  c10::free_cpu(ptr);
+}
+
+struct PinnedAllocator final : c10::Allocator {
+  c10::DataPtr allocate(size_t nbytes) override {
+    void* ptr = nbytes ? c10::alloc_cpu(nbytes) : nullptr;
+    if (ptr) {
+      std::lock_guard<std::mutex> lock(g_pinned_mu);
+      g_pinned.insert(ptr);
+    }
+    return {ptr, ptr, &free_pinned, c10::Device(DeviceType::CPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &free_pinned; }
+  void copy_data(void* dest, const void* src, std::size_t count) const final {
+    std::memcpy(dest, src, count);
+  }
+};
+PinnedAllocator g_pinned_allocator;
+
+// An npu storage adopting the memory of a CPU storage produced by a CPU kernel (no copy).
+struct AdoptedBlock {
+  c10::intrusive_ptr<c10::StorageImpl> cpu;
+  int64_t nbytes;
+  int device;
+};
+
+void free_adopted_block(void* ctx) {
+  auto* block = static_cast<AdoptedBlock*>(ctx);
+  account_free(block->device, block->nbytes);
+  delete block;
+}
+
+c10::Storage adopt_cpu_storage(c10::StorageImpl* cpu, int dev) {
+  int64_t nbytes = int64_t(cpu->nbytes());
+  account_alloc(dev, nbytes);
+  auto* block = new AdoptedBlock{c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(cpu), nbytes, dev};
+  c10::DataPtr data(cpu->mutable_data(), block, &free_adopted_block,
+                    c10::Device(kNpu, c10::DeviceIndex(dev)));
+  return c10::Storage(c10::make_intrusive<c10::StorageImpl>(
+      c10::StorageImpl::use_byte_size_t(), size_t(nbytes), std::move(data), allocator_for(dev),
+      /*resizable=*/true));
+}
+
+// ------------------------------------------------------------------ numeric policies
+std::atomic<bool> g_saturation{false};      // fp16 results clamp to +-65504 (910A-style)
+std::atomic<bool> g_overflow_flag{false};   // sticky, like the float-status register
+std::atomic<bool> g_fp32_accumulate{true};  // fp16/bf16 matmul/conv computed in fp32
+std::atomic<bool> g_matmul_hf32{false};     // torch_npu default: matmul.allow_hf32 = False
+std::atomic<bool> g_conv_hf32{true};        // torch_npu default: conv.allow_hf32 = True
+std::atomic<bool> g_reject_fp64{true};      // float64 matmul/conv raise, as on the device
+std::atomic<bool> g_check_devices{true};    // npu/cpu tensor mixing raises, as on CUDA/NPU
+
+constexpr double kHalfMax = 65504.0;
+
+// Saturation mode: results outside fp16 range become +-65504 (NaN becomes 0) and the
+// sticky overflow flag is set, as the AI core does with saturation on.
+void saturate_half(const at::Tensor& cpu) {
+  if (!g_saturation.load(std::memory_order_relaxed) || cpu.scalar_type() != at::kHalf ||
+      cpu.numel() == 0)
+    return;
+  if (at::isfinite(cpu).all().item<bool>()) return;
+  g_overflow_flag = true;
+  cpu.nan_to_num_(0.0, kHalfMax, -kHalfMax);
+}
+
+// HF32 keeps 10 explicit mantissa bits (like TF32), rounded to nearest even.
+at::Tensor round_to_hf32(const at::Tensor& t) {
+  auto bits = t.contiguous().view(at::kInt);
+  auto lsb = bits.bitwise_right_shift(13).bitwise_and_(1);
+  auto rounded = bits.add(lsb).add_(0x0FFF).bitwise_and_(int32_t(0xFFFFE000));
+  auto finite = at::isfinite(t.contiguous());
+  return at::where(finite, rounded.view(at::kFloat), t.contiguous()).view(t.sizes());
+}
+
+// ------------------------------------------------------------------ npu <-> cpu aliasing
+at::Tensor make_tensor_on(const c10::Storage& storage, c10::DispatchKey key,
+                          const at::Tensor& like_meta, caffe2::TypeMeta dtype) {
+  auto t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(storage),
+                                                    c10::DispatchKeySet(key), dtype);
+  t.unsafeGetTensorImpl()->set_sizes_and_strides(like_meta.sizes(), like_meta.strides(),
+                                                 like_meta.storage_offset());
+  if (like_meta.is_conj()) t._set_conj(true);
+  if (like_meta.is_neg()) t._set_neg(true);
+  return t;
+}
+
+// Per-call translation state: one CPU storage per npu storage, so aliasing between the
+// arguments of one op is kept exactly.
+struct Translation {
+  c10::DeviceIndex device = -1;
+  c10::Device first_device{DeviceType::CPU};
+  std::vector<std::pair<c10::StorageImpl*, c10::Storage>> npu_to_cpu;  // npu impl -> cpu
+  std::vector<std::pair<c10::StorageImpl*, c10::Storage>> cpu_to_npu;  // cpu impl -> npu
+  std::vector<std::pair<at::Tensor, at::Tensor>> alias_of;  // (cpu alias, npu arg); kept alive so
+                                                            // a freed alias address is never reused
+  std::vector<std::pair<at::Tensor, at::Tensor>> written;              // (npu arg, cpu alias)
+  bool has_cpu_tensor = false;
+  c10::Device cpu_tensor_device{DeviceType::CPU};
+
+  void note_device(const at::Tensor& t) {
+    if (device < 0) {
+      device = t.device().index();
+      first_device = t.device();
+    } else if (g_check_devices && t.device().index() != device) {
+      TORCH_CHECK(false, "Expected all tensors to be on the same device, but found at least "
+                         "two devices, ", first_device, " and ", t.device(), "!");
+    }
+  }
+
+  at::Tensor to_cpu(const at::Tensor& t, bool is_write) {
+    if (!t.defined()) return t;
+    if (!t.is_privateuseone()) {
+      if (t.device().is_cpu() && t.dim() > 0) has_cpu_tensor = true;
+      return t;
+    }
+    note_device(t);
+    c10::StorageImpl* key = t.storage().unsafeGetStorageImpl();
+    c10::Storage cpu_storage;
+    for (auto& [npu_impl, cpu] : npu_to_cpu)
+      if (npu_impl == key) cpu_storage = cpu;
+    if (!cpu_storage) {
+      const auto& src = t.storage();
+      c10::DataPtr data(src.mutable_data(), c10::Device(DeviceType::CPU));  // non-owning
+      cpu_storage = c10::Storage(c10::make_intrusive<c10::StorageImpl>(
+          c10::StorageImpl::use_byte_size_t(), src.nbytes(), std::move(data),
+          c10::GetCPUAllocator(), /*resizable=*/true));
+      npu_to_cpu.emplace_back(key, cpu_storage);
+      cpu_to_npu.emplace_back(cpu_storage.unsafeGetStorageImpl(), t.storage());
+    }
+    auto alias = make_tensor_on(cpu_storage, c10::DispatchKey::CPU, t, t.dtype());
+    alias_of.emplace_back(alias, t);
+    if (is_write) written.emplace_back(t, alias);
+    return alias;
+  }
+
+  at::Tensor to_npu(const at::Tensor& cpu) {
+    if (!cpu.defined() || !cpu.device().is_cpu()) return cpu;
+    for (auto& [alias, npu] : alias_of)
+      if (alias.unsafeGetTensorImpl() == cpu.unsafeGetTensorImpl()) return npu;  // in-place / out= result
+    c10::StorageImpl* key = cpu.storage().unsafeGetStorageImpl();
+    for (auto& [cpu_impl, npu_storage] : cpu_to_npu)
+      if (cpu_impl == key) return make_tensor_on(npu_storage, c10::DispatchKey::PrivateUse1, cpu, cpu.dtype());
+    int dev = device >= 0 ? device : t_current_device;
+    auto npu_storage = adopt_cpu_storage(key, dev);
+    cpu_to_npu.emplace_back(key, npu_storage);
+    return make_tensor_on(npu_storage, c10::DispatchKey::PrivateUse1, cpu, cpu.dtype());
+  }
+
+  // out= and in-place arguments whose CPU alias was resized or re-pointed by the kernel.
+  void sync_written() {
+    for (auto& [npu, alias] : written) {
+      auto* npu_impl = npu.unsafeGetTensorImpl();
+      if (alias.storage().data() != npu.storage().data() ||
+          alias.storage().nbytes() != npu.storage().nbytes()) {
+        c10::StorageImpl* key = alias.storage().unsafeGetStorageImpl();
+        c10::Storage npu_storage;
+        for (auto& [cpu_impl, s] : cpu_to_npu)
+          if (cpu_impl == key && s.data() == alias.storage().data()) npu_storage = s;
+        if (!npu_storage) {
+          int dev = npu.device().index();
+          npu_storage = adopt_cpu_storage(key, dev);
+        }
+        npu_impl->set_storage_keep_dtype(npu_storage);
+      }
+      if (npu.sizes() != alias.sizes() || npu.strides() != alias.strides() ||
+          npu.storage_offset() != alias.storage_offset())
+        npu_impl->set_sizes_and_strides(alias.sizes(), alias.strides(), alias.storage_offset());
+    }
+  }
+};
+
+bool is_generator_type(const c10::TypePtr& type) {
+  if (type->kind() == c10::TypeKind::GeneratorType) return true;
+  if (auto opt = type->cast<c10::OptionalType>())
+    return opt->getElementType()->kind() == c10::TypeKind::GeneratorType;
+  return false;
+}
+
+// ------------------------------------------------------------------ generators
+// An npu generator owns a CPU generator; CPU kernels receive the inner one.
+struct NpuGeneratorImpl final : public c10::GeneratorImpl {
+  at::Generator inner;
+  NpuGeneratorImpl(c10::DeviceIndex idx, uint64_t seed)
+      : c10::GeneratorImpl(c10::Device(kNpu, idx), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1)),
+        inner(at::make_generator<at::CPUGeneratorImpl>(seed)) {}
+  void set_current_seed(uint64_t seed) override { inner.set_current_seed(seed); }
+  void set_offset(uint64_t offset) override { inner.set_offset(offset); }
+  uint64_t get_offset() const override { return inner.get_offset(); }
+  uint64_t current_seed() const override { return inner.current_seed(); }
+  uint64_t seed() override { return inner.seed(); }
+  void set_state(const c10::TensorImpl& state) override { inner.unsafeGetGeneratorImpl()->set_state(state); }
+  c10::intrusive_ptr<c10::TensorImpl> get_state() const override {
+    return inner.unsafeGetGeneratorImpl()->get_state();
+  }
+  static c10::DeviceType device_type() { return kNpu; }
+
+ private:
+  NpuGeneratorImpl* clone_impl() const override {
+    auto* copy = new NpuGeneratorImpl(device_.index(), 0);
+    copy->inner = inner.clone();
+    return copy;
+  }
+};
+
+std::array<at::Generator, kMaxDevices> g_default_generators;
+std::array<std::once_flag, kMaxDevices> g_generator_once;
+
+const at::Generator& default_generator(c10::DeviceIndex idx) {
+  if (idx < 0) idx = t_current_device;
+  std::call_once(g_generator_once[idx], [idx] {
+    g_default_generators[idx] = at::make_generator<NpuGeneratorImpl>(idx, c10::default_rng_seed_val);
+  });
+  return g_default_generators[idx];
+}
+
+at::Generator cpu_generator_for(const at::Generator& gen) {
+  if (gen.defined() && gen.device().type() == kNpu) {
+    auto* impl = static_cast<NpuGeneratorImpl*>(gen.unsafeGetGeneratorImpl());
+    return impl->inner;
+  }
+  return gen;
+}
+
+// ------------------------------------------------------------------ the fallback
+enum class Policy { None, Matmul, MatmulInplace };
+
+void run_on_cpu(const c10::OperatorHandle& op, torch::jit::Stack* stack, Policy policy) {
+  const auto& schema = op.schema();
+  const auto& arguments = schema.arguments();
+  const size_t num_args = arguments.size();
+  const size_t begin = stack->size() - num_args;
+  Translation tr;
+  std::vector<size_t> default_generator_slots;
+  c10::DeviceIndex device_from_arg = -1;
+
+  for (size_t i = 0; i < num_args; ++i) {
+    c10::IValue& value = (*stack)[begin + i];
+    const auto* alias = arguments[i].alias_info();
+    bool is_write = alias && alias->isWrite();
+    if (value.isTensor()) {
+      value = tr.to_cpu(value.toTensor(), is_write);
+    } else if (value.isTensorList()) {
+      auto list = value.toTensorList();
+      c10::List<at::Tensor> converted;
+      converted.reserve(list.size());
+      for (const at::Tensor& t : list) converted.push_back(tr.to_cpu(t, is_write));
+      value = converted;
+    } else if (value.isList() && value.toListRef().size() > 0 &&
+               arguments[i].type()->containedTypes().size() == 1 &&
+               arguments[i].type()->containedType(0)->kind() == c10::TypeKind::OptionalType) {
+      auto list = c10::impl::toTypedList<std::optional<at::Tensor>>(value.toList());
+      c10::List<std::optional<at::Tensor>> converted;
+      for (const std::optional<at::Tensor>& t : list) {
+        if (t.has_value()) converted.push_back(tr.to_cpu(*t, is_write));
+        else converted.push_back(std::nullopt);
+      }
+      value = converted;
+    } else if (value.isDevice() && value.toDevice().type() == kNpu) {
+      device_from_arg = value.toDevice().has_index() ? value.toDevice().index() : t_current_device;
+      value = c10::Device(DeviceType::CPU);
+    } else if (value.isGenerator()) {
+      value = cpu_generator_for(value.toGenerator());
+    } else if (value.isNone() && is_generator_type(arguments[i].type())) {
+      default_generator_slots.push_back(begin + i);
+    }
+  }
+  if (tr.device < 0) tr.device = device_from_arg >= 0 ? device_from_arg : t_current_device;
+  if (tr.has_cpu_tensor && g_check_devices) {
+    const auto& name = schema.name();
+    bool allowed = name == "aten::index" || name == "aten::_index_put_impl_" ||
+                   name == "aten::index_put_" || name == "aten::index_put" ||
+                   name == "aten::_local_scalar_dense";
+    TORCH_CHECK(allowed, "Expected all tensors to be on the same device, but found at least "
+                         "two devices, npu:", int(tr.device), " and cpu! (when running ",
+                schema.name(), ")");
+  }
+  for (size_t slot : default_generator_slots)
+    (*stack)[slot] = cpu_generator_for(default_generator(tr.device));
+
+  std::vector<std::pair<size_t, c10::ScalarType>> downcast_returns;
+  if (policy != Policy::None) {
+    c10::ScalarType dtype = c10::ScalarType::Undefined;
+    for (size_t i = 0; i < num_args; ++i) {
+      const c10::IValue& value = (*stack)[begin + i];
+      if (value.isTensor() && value.toTensor().defined()) {
+        dtype = value.toTensor().scalar_type();
+        break;
+      }
+    }
+    if (dtype == at::kDouble && g_reject_fp64) {
+      TORCH_CHECK(false, schema.name(), ": float64 is not supported by the NPU cube unit "
+                  "(matmul/convolution); cast the inputs to float32 (torch.float64 tensors run "
+                  "on the NPU's AI CPU at a fraction of the speed) [npukit emulated device]");
+    }
+    bool reduced = dtype == at::kHalf || dtype == at::kBFloat16;
+    if (policy == Policy::Matmul && ((reduced && g_fp32_accumulate) || (dtype == at::kFloat && g_matmul_hf32))) {
+      for (size_t i = 0; i < num_args; ++i) {
+        c10::IValue& value = (*stack)[begin + i];
+        if (!value.isTensor() || !value.toTensor().defined()) continue;
+        const at::Tensor& t = value.toTensor();
+        if (!at::isFloatingType(t.scalar_type())) continue;
+        value = reduced ? t.to(at::kFloat) : round_to_hf32(t);
+      }
+      if (reduced) downcast_returns.emplace_back(0, dtype);
+    }
+  }
+
+  op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+
+  const size_t num_returns = schema.returns().size();
+  const size_t ret_begin = stack->size() - num_returns;
+  for (auto& [index, dtype] : downcast_returns) {
+    c10::IValue& value = (*stack)[ret_begin + index];
+    if (value.isTensor()) value = value.toTensor().to(dtype);
+  }
+  tr.sync_written();
+  for (size_t j = 0; j < num_returns; ++j) {
+    c10::IValue& value = (*stack)[ret_begin + j];
+    const auto* alias = schema.returns()[j].alias_info();
+    bool is_view = alias && !alias->isWrite();
+    if (value.isTensor()) {
+      const at::Tensor& cpu = value.toTensor();
+      if (!is_view) saturate_half(cpu);
+      value = tr.to_npu(cpu);
+    } else if (value.isTensorList()) {
+      auto list = value.toTensorList();
+      c10::List<at::Tensor> converted;
+      converted.reserve(list.size());
+      for (const at::Tensor& t : list) {
+        if (!is_view) saturate_half(t);
+        converted.push_back(tr.to_npu(t));
+      }
+      value = converted;
+    }
+  }
+  // Ops that write through an argument but return nothing (e.g. _foreach_add_).
+  if (num_returns == 0 && g_saturation)
+    for (auto& [npu, alias] : tr.written) saturate_half(alias);
+}
+
+void npu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  run_on_cpu(op, stack, Policy::None);
+}
+void npu_matmul_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  run_on_cpu(op, stack, Policy::Matmul);
+}
+void npu_matmul_inplace_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  run_on_cpu(op, stack, Policy::MatmulInplace);
+}
+
+// ------------------------------------------------------------------ explicit kernels
+at::Tensor empty_memory_format(c10::SymIntArrayRef size, std::optional<at::ScalarType> dtype,
+                               std::optional<at::Layout> layout, std::optional<at::Device> device,
+                               std::optional<bool> pin_memory,
+                               std::optional<at::MemoryFormat> memory_format) {
+  int dev = device && device->has_index() ? device->index() : t_current_device;
+  check_index(dev);
+  return at::detail::empty_generic(C10_AS_INTARRAYREF_SLOW(size), allocator_for(dev),
+                                   c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                   c10::dtype_or_default(dtype), memory_format);
+}
+
+at::Tensor empty_strided(c10::SymIntArrayRef size, c10::SymIntArrayRef stride,
+                         std::optional<at::ScalarType> dtype, std::optional<at::Layout> layout,
+                         std::optional<at::Device> device, std::optional<bool> pin_memory) {
+  int dev = device && device->has_index() ? device->index() : t_current_device;
+  check_index(dev);
+  return at::detail::empty_strided_generic(C10_AS_INTARRAYREF_SLOW(size), C10_AS_INTARRAYREF_SLOW(stride),
+                                           allocator_for(dev),
+                                           c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                           c10::dtype_or_default(dtype));
+}
+
+at::Tensor as_strided(const at::Tensor& self, c10::SymIntArrayRef size, c10::SymIntArrayRef stride,
+                      std::optional<c10::SymInt> storage_offset) {
+  return at::native::as_strided_tensorimpl(
+      self, C10_AS_INTARRAYREF_SLOW(size), C10_AS_INTARRAYREF_SLOW(stride),
+      storage_offset ? std::optional<int64_t>(storage_offset->expect_int()) : std::nullopt);
+}
+
+at::Tensor view(const at::Tensor& self, c10::SymIntArrayRef size) {
+  return at::native::view(self, C10_AS_INTARRAYREF_SLOW(size));
+}
+
+at::Tensor reshape_alias(const at::Tensor& self, c10::SymIntArrayRef size, c10::SymIntArrayRef stride) {
+  return at::native::_reshape_alias(self, C10_AS_INTARRAYREF_SLOW(size), C10_AS_INTARRAYREF_SLOW(stride));
+}
+
+const at::Tensor& resize_(const at::Tensor& self, c10::SymIntArrayRef size,
+                          std::optional<at::MemoryFormat> memory_format) {
+  // The storage's allocator is the npu allocator, so growth is accounted on the device.
+  return at::native::resize_(self, C10_AS_INTARRAYREF_SLOW(size), memory_format);
+}
+
+at::Tensor& set_source_storage(at::Tensor& self, at::Storage source, c10::SymInt storage_offset,
+                               c10::SymIntArrayRef size, c10::SymIntArrayRef stride) {
+  return at::native::set_storage_cpu_(self, std::move(source), storage_offset.expect_int(),
+                                      C10_AS_INTARRAYREF_SLOW(size), C10_AS_INTARRAYREF_SLOW(stride));
+}
+
+at::Tensor& set_source_storage_full(at::Tensor& self, at::Storage source) {
+  int64_t numel = int64_t(source.nbytes() / self.dtype().itemsize());
+  return at::native::set_storage_cpu_(self, std::move(source), 0, {numel}, {});
+}
+
+at::Tensor& set_source_tensor(at::Tensor& self, const at::Tensor& source) {
+  return at::native::set_storage_cpu_(self, source.storage(), source.storage_offset(), source.sizes(),
+                                      source.strides());
+}
+
+at::Tensor& set_empty(at::Tensor& self) {
+  int dev = self.device().index();
+  c10::Storage storage(c10::make_intrusive<c10::StorageImpl>(
+      c10::StorageImpl::use_byte_size_t(), 0, allocator_for(dev)->allocate(0), allocator_for(dev), true));
+  return at::native::set_storage_cpu_(self, storage, 0, {0}, {});
+}
+
+at::Tensor cpu_alias(const at::Tensor& t) {
+  if (!t.is_privateuseone()) return t;
+  const auto& src = t.storage();
+  c10::DataPtr data(src.mutable_data(), c10::Device(DeviceType::CPU));
+  c10::Storage storage(c10::make_intrusive<c10::StorageImpl>(
+      c10::StorageImpl::use_byte_size_t(), src.nbytes(), std::move(data), nullptr, false));
+  return make_tensor_on(storage, c10::DispatchKey::CPU, t, t.dtype());
+}
+
+at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
+  auto dst_cpu = cpu_alias(dst);
+  dst_cpu.copy_(cpu_alias(self));
+  if (dst.is_privateuseone() && dst.scalar_type() == at::kHalf && self.scalar_type() != at::kHalf)
+    saturate_half(dst_cpu);
+  return dst;
+}
+
+at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
+  if (dst.sizes() != self.sizes()) dst.resize_(self.sizes());
+  return copy_from(self, dst, false);
+}
+
+// Convolution on a non-CPU/CUDA device dispatches to the *_overrideable ops.
+at::Tensor convolution_overrideable(const at::Tensor& input, const at::Tensor& weight,
+                                    const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
+                                    at::IntArrayRef padding, at::IntArrayRef dilation, bool transposed,
+                                    at::IntArrayRef output_padding, int64_t groups) {
+  auto dtype = input.scalar_type();
+  TORCH_CHECK(!(dtype == at::kDouble && g_reject_fp64),
+              "aten::convolution: float64 is not supported by the NPU cube unit (matmul/convolution); "
+              "cast the inputs to float32 [npukit emulated device]");
+  at::Tensor x = cpu_alias(input), w = cpu_alias(weight);
+  std::optional<at::Tensor> b = bias && bias->defined() ? std::optional<at::Tensor>(cpu_alias(*bias)) : std::nullopt;
+  bool reduced = (dtype == at::kHalf || dtype == at::kBFloat16) && g_fp32_accumulate;
+  if (reduced) {
+    x = x.to(at::kFloat);
+    w = w.to(at::kFloat);
+    if (b) b = b->to(at::kFloat);
+  } else if (dtype == at::kFloat && g_conv_hf32) {
+    x = round_to_hf32(x);
+    w = round_to_hf32(w);
+  }
+  at::Tensor out;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    out = at::convolution(x, w, b, stride, padding, dilation, transposed, output_padding, groups);
+  }
+  if (reduced) out = out.to(dtype);
+  saturate_half(out);
+  Translation tr;
+  tr.device = input.device().index();
+  return tr.to_npu(out);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_overrideable(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
+    at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, bool transposed,
+    at::IntArrayRef output_padding, int64_t groups, std::array<bool, 3> output_mask) {
+  auto dtype = input.scalar_type();
+  at::Tensor g = cpu_alias(grad_output), x = cpu_alias(input), w = cpu_alias(weight);
+  bool reduced = (dtype == at::kHalf || dtype == at::kBFloat16) && g_fp32_accumulate;
+  if (reduced) {
+    g = g.to(at::kFloat);
+    x = x.to(at::kFloat);
+    w = w.to(at::kFloat);
+  }
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> grads;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    std::vector<int64_t> bias_sizes{w.size(transposed ? 1 : 0) * (transposed ? groups : 1)};
+    grads = at::convolution_backward(g, x, w, at::OptionalIntArrayRef(bias_sizes), stride, padding,
+                                     dilation, transposed, output_padding, groups, output_mask);
+  }
+  Translation tr;
+  tr.device = input.device().index();
+  auto finish = [&](at::Tensor t) {
+    if (!t.defined()) return t;
+    if (reduced) t = t.to(dtype);
+    saturate_half(t);
+    return tr.to_npu(t);
+  };
+  return {finish(std::get<0>(grads)), finish(std::get<1>(grads)), finish(std::get<2>(grads))};
+}
+
+// ------------------------------------------------------------------ device guard
+struct NpuEvent {
+  std::chrono::steady_clock::time_point time;
+  bool recorded = false;
+};
+
+struct NpuGuardImpl final : public c10::impl::DeviceGuardImplInterface {
+  DeviceType type() const override { return kNpu; }
+  c10::Device exchangeDevice(c10::Device d) const override {
+    c10::Device old(kNpu, t_current_device);
+    if (d.has_index()) t_current_device = d.index();
+    return old;
+  }
+  c10::Device getDevice() const override { return c10::Device(kNpu, t_current_device); }
+  void setDevice(c10::Device d) const override {
+    if (d.has_index()) {
+      check_index(d.index());
+      t_current_device = d.index();
+    }
+  }
+  void uncheckedSetDevice(c10::Device d) const noexcept override {
+    if (d.has_index()) t_current_device = d.index();
+  }
+  c10::Stream getStream(c10::Device d) const override {
+    return c10::Stream(c10::Stream::DEFAULT, d.has_index() ? d : getDevice());
+  }
+  c10::Stream getNewStream(c10::Device d, int priority = 0) const override {
+    static std::atomic<int64_t> next_id{1};
+    return c10::Stream(c10::Stream::UNSAFE, d.has_index() ? d : getDevice(), next_id++);
+  }
+  c10::Stream exchangeStream(c10::Stream s) const override { return s; }
+  c10::DeviceIndex deviceCount() const noexcept override { return c10::DeviceIndex(g_device_count.load()); }
+  void destroyEvent(void* event, const c10::DeviceIndex) const noexcept override {
+    delete static_cast<NpuEvent*>(event);
+  }
+  void record(void** event, const c10::Stream&, const c10::DeviceIndex, const c10::EventFlag) const override {
+    if (!*event) *event = new NpuEvent();
+    auto* e = static_cast<NpuEvent*>(*event);
+    e->time = std::chrono::steady_clock::now();
+    e->recorded = true;
+  }
+  void block(void*, const c10::Stream&) const override {}  // work is synchronous
+  bool queryEvent(void*) const override { return true; }
+  bool queryStream(const c10::Stream&) const override { return true; }
+  void synchronizeStream(const c10::Stream&) const override {}
+  void synchronizeEvent(void*) const override {}
+  void synchronizeDevice(const c10::DeviceIndex) const override {}
+  void recordDataPtrOnStream(const c10::DataPtr&, const c10::Stream&) const override {}
+  double elapsedTime(void* e1, void* e2, const c10::DeviceIndex) const override {
+    TORCH_CHECK(e1 && e2, "Both events must be recorded before calculating elapsed time.");
+    auto* a = static_cast<NpuEvent*>(e1);
+    auto* b = static_cast<NpuEvent*>(e2);
+    return std::chrono::duration<double, std::milli>(b->time - a->time).count();
+  }
+};
+
+C10_REGISTER_GUARD_IMPL(PrivateUse1, NpuGuardImpl);
+
+// ------------------------------------------------------------------ hooks
+struct NpuHooks final : public at::PrivateUse1HooksInterface {
+  bool isBuilt() const override { return true; }
+  bool isAvailable() const override { return g_device_count.load() > 0; }
+  bool hasPrimaryContext(c10::DeviceIndex) const override { return true; }
+  c10::DeviceIndex deviceCount() const override { return c10::DeviceIndex(g_device_count.load()); }
+  void setCurrentDevice(c10::DeviceIndex d) const override { t_current_device = d; }
+  c10::DeviceIndex getCurrentDevice() const override { return t_current_device; }
+  c10::DeviceIndex exchangeDevice(c10::DeviceIndex d) const override {
+    auto old = t_current_device;
+    t_current_device = d;
+    return old;
+  }
+  c10::DeviceIndex maybeExchangeDevice(c10::DeviceIndex d) const override { return exchangeDevice(d); }
+  const at::Generator& getDefaultGenerator(c10::DeviceIndex idx) const override {
+    return default_generator(idx);
+  }
+  at::Generator getNewGenerator(c10::DeviceIndex idx) const override {
+    if (idx < 0) idx = t_current_device;
+    return at::make_generator<NpuGeneratorImpl>(idx, c10::default_rng_seed_val);
+  }
+  at::Device getDeviceFromPtr(void*) const override { return c10::Device(kNpu, t_current_device); }
+  bool isPinnedPtr(const void* data) const override {
+    std::lock_guard<std::mutex> lock(g_pinned_mu);
+    return g_pinned.count(data) > 0;
+  }
+  at::Allocator* getPinnedMemoryAllocator() const override { return &g_pinned_allocator; }
+  void resizePrivateUse1Bytes(const c10::Storage& storage, size_t newsize) const override {
+    at::native::resize_bytes_cpu(storage.unsafeGetStorageImpl(), newsize);
+  }
+};
+
+void install() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    for (int i = 0; i < kMaxDevices; ++i) g_device_allocators[i].fixed_device = i;
+    c10::SetAllocator(kNpu, &g_current_allocator);
+    at::RegisterPrivateUse1HooksInterface(new NpuHooks());
+  });
+}
+
+// ------------------------------------------------------------------ registration
+TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&npu_fallback>());
+}
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("empty.memory_format", empty_memory_format);
+  m.impl("empty_strided", empty_strided);
+  m.impl("as_strided", as_strided);
+  m.impl("view", view);
+  m.impl("_reshape_alias", reshape_alias);
+  m.impl("resize_", resize_);
+  m.impl("set_.source_Storage_storage_offset", set_source_storage);
+  m.impl("set_", set_empty);
+  m.impl("set_.source_Storage", set_source_storage_full);
+  m.impl("set_.source_Tensor", set_source_tensor);
+  m.impl("_copy_from", copy_from);
+  m.impl("_copy_from_and_resize", copy_from_and_resize);
+  m.impl("convolution_overrideable", convolution_overrideable);
+  m.impl("convolution_backward_overrideable", convolution_backward_overrideable);
+  for (const char* name : {"mm", "bmm", "addmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot",
+                           "_addmm_activation"})
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&npu_matmul_kernel>());
+  for (const char* name : {"mm.out", "bmm.out", "addmm.out", "addmm_", "baddbmm.out", "baddbmm_",
+                           "addbmm.out", "addbmm_", "mv.out", "addmv.out", "addmv_", "dot.out"})
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&npu_matmul_inplace_kernel>());
+}
+
+// Our _copy_from resolves conj/neg bits itself (on the CPU aliases); without these
+// fallthroughs the math-bit fallbacks materialise through clone -> copy_ -> _copy_from forever.
+TORCH_LIBRARY_IMPL(aten, Conjugate, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
+}
+TORCH_LIBRARY_IMPL(aten, Negative, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
+}
+
+// ------------------------------------------------------------------ autocast
+// torch.autocast("npu") uses the CUDA autocast op lists and cast policies, as torch_npu does.
+at::Tensor binary_cross_entropy_banned(const at::Tensor&, const at::Tensor&,
+                                       const std::optional<at::Tensor>&, int64_t) {
+  TORCH_CHECK(false,
+              "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast.\n"
+              "Many models use a sigmoid layer right before the binary cross entropy layer.\n"
+              "In this case, combine the two layers using torch.nn.functional.binary_cross_entropy_with_logits\n"
+              "or torch.nn.BCEWithLogitsLoss.  binary_cross_entropy_with_logits and BCEWithLogits are\n"
+              "safe to autocast.");
+}
+
+TORCH_LIBRARY_IMPL(_, AutocastPrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFallthrough());
+}
+
+TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
+  using at::Scalar;
+  using at::ScalarType;
+  using at::Tensor;
+  using c10::IntArrayRef;
+#define NPU_LOW_PRECISION_FP(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, lower_precision_fp)
+  AT_FORALL_LOWER_PRECISION_FP(NPU_LOW_PRECISION_FP)
+#define NPU_FP32(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32)
+  AT_FORALL_FP32(NPU_FP32)
+#define NPU_FP32_SET_OPT_DTYPE(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32_set_opt_dtype)
+  AT_FORALL_FP32_SET_OPT_DTYPE(NPU_FP32_SET_OPT_DTYPE)
+  AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE(KERNEL_DIFFERENT_REDISPATCH_SIGNATURE_PRIVATEUSEONE)
+#define NPU_PROMOTE(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, promote)
+  AT_FORALL_PROMOTE(NPU_PROMOTE)
+  m.impl(TORCH_SELECTIVE_NAME("aten::binary_cross_entropy"),
+         TORCH_FN((&binary_cross_entropy_banned)));
+}
+
+}  // namespace npukit
+
+// ------------------------------------------------------------------ python bindings
+namespace {
+using namespace npukit;
+
+void check_py_index(int idx) {
+  TORCH_CHECK_INDEX(idx >= 0 && idx < g_device_count.load(), "Invalid device id: npu:", idx,
+                    " (device count is ", g_device_count.load(), ")");
+}
+
+py::dict memory_stats(int dev) {
+  check_py_index(dev);
+  auto& m = g_memory[dev];
+  std::lock_guard<std::mutex> lock(m.mu);
+  py::dict d;
+  for (const char* pool : {"all", "large_pool", "small_pool"}) {
+    bool all = std::string(pool) == "all";
+    for (const char* kind : {"allocated_bytes", "reserved_bytes", "active_bytes", "requested_bytes"}) {
+      std::string base = std::string(kind) + "." + pool + ".";
+      d[py::str(base + "current")] = all ? m.allocated : 0;
+      d[py::str(base + "peak")] = all ? m.peak : 0;
+      d[py::str(base + "allocated")] = all ? m.num_allocs : 0;
+      d[py::str(base + "freed")] = all ? m.num_frees : 0;
+    }
+    for (const char* kind : {"allocation", "segment", "active"}) {
+      std::string base = std::string(kind) + "." + pool + ".";
+      d[py::str(base + "current")] = all ? m.blocks : 0;
+      d[py::str(base + "peak")] = all ? m.peak_blocks : 0;
+      d[py::str(base + "allocated")] = all ? m.num_allocs : 0;
+      d[py::str(base + "freed")] = all ? m.num_frees : 0;
+    }
+  }
+  d["num_alloc_retries"] = 0;
+  d["num_ooms"] = m.num_ooms;
+  d["num_device_alloc"] = m.num_allocs;
+  d["num_device_free"] = m.num_frees;
+  return d;
+}
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  mod.def("install", &install);
+  mod.def("set_device_count", [](int n) {
+    TORCH_CHECK(n >= 0 && n <= kMaxDevices, "device count must be in [0, ", kMaxDevices, "], got ", n);
+    g_device_count = n;
+  });
+  mod.def("device_count", [] { return g_device_count.load(); });
+  mod.def("current_device", [] { return int(t_current_device); });
+  mod.def("set_device", [](int idx) {
+    check_py_index(idx);
+    t_current_device = c10::DeviceIndex(idx);
+  });
+  mod.def("memory_allocated", [](int dev) {
+    check_py_index(dev);
+    std::lock_guard<std::mutex> lock(g_memory[dev].mu);
+    return g_memory[dev].allocated;
+  });
+  mod.def("max_memory_allocated", [](int dev) {
+    check_py_index(dev);
+    std::lock_guard<std::mutex> lock(g_memory[dev].mu);
+    return g_memory[dev].peak;
+  });
+  mod.def("reset_peak_memory_stats", [](int dev) {
+    check_py_index(dev);
+    std::lock_guard<std::mutex> lock(g_memory[dev].mu);
+    g_memory[dev].peak = g_memory[dev].allocated;
+    g_memory[dev].peak_blocks = g_memory[dev].blocks;
+  });
+  mod.def("memory_stats", &memory_stats);
+  mod.def("set_capacity", [](int dev, int64_t bytes) {
+    TORCH_CHECK(bytes > 0, "NPU memory capacity must be positive, got ", bytes);
+    std::lock_guard<std::mutex> lock(g_memory[dev].mu);
+    g_memory[dev].capacity = bytes;
+  });
+  mod.def("capacity", [](int dev) {
+    std::lock_guard<std::mutex> lock(g_memory[dev].mu);
+    return g_memory[dev].capacity;
+  });
+  mod.def("default_generator", [](int idx) {
+    check_py_index(idx);
+    return default_generator(c10::DeviceIndex(idx));
+  });
+  mod.def("is_pinned_ptr", [](uintptr_t p) {
+    std::lock_guard<std::mutex> lock(g_pinned_mu);
+    return g_pinned.count(reinterpret_cast<const void*>(p)) > 0;
+  });
+  // Numeric policies.
+  mod.def("set_saturation", [](bool on) { g_saturation = on; });
+  mod.def("get_saturation", [] { return g_saturation.load(); });
+  mod.def("get_overflow_flag", [] { return g_overflow_flag.load(); });
+  mod.def("set_overflow_flag", [](bool on) { g_overflow_flag = on; });
+  mod.def("set_fp32_accumulate", [](bool on) { g_fp32_accumulate = on; });
+  mod.def("get_fp32_accumulate", [] { return g_fp32_accumulate.load(); });
+  mod.def("set_matmul_hf32", [](bool on) { g_matmul_hf32 = on; });
+  mod.def("get_matmul_hf32", [] { return g_matmul_hf32.load(); });
+  mod.def("set_conv_hf32", [](bool on) { g_conv_hf32 = on; });
+  mod.def("get_conv_hf32", [] { return g_conv_hf32.load(); });
+  mod.def("set_reject_fp64", [](bool on) { g_reject_fp64 = on; });
+  mod.def("get_reject_fp64", [] { return g_reject_fp64.load(); });
+  mod.def("set_check_devices", [](bool on) { g_check_devices = on; });
+  mod.def("round_to_hf32", [](const at::Tensor& t) { return round_to_hf32(t); });
+}

@@ -1,0 +1,213 @@
+"""`npu-run` / `python -m npukit.run`: run a script on the emulated NPU, unmodified.
+
+The backend is installed, `torch_npu` answers from npukit, then the script runs exactly as
+`python script.py args...` would (argv, `__main__`, sys.path[0], exit code). Options add a
+golden run, per-layer dumps, overflow detection and profiling around it. With
+`--nproc-per-node N` the same command is relaunched under torchrun.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import runpy
+import sys
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from npukit.errors import UserError
+
+
+@dataclass
+class RunOptions:
+    script: str
+    args: list[str] = field(default_factory=list)
+    module: bool = False
+    devices: int = 8
+    emulate: bool = False
+    transfer_to_npu: bool = False
+    nproc_per_node: int | None = None
+    golden: bool = False
+    seed: int | None = None
+    dump: Path | None = None
+    dump_level: str = "mix"
+    dump_mode: str = "stats"
+    dump_steps: str | None = None
+    dump_scope: str | None = None
+    dump_list: str | None = None
+    replay: Path | None = None
+    detect_overflow: bool = False
+    overflow_action: str = "report"
+    overflow_max: int = 20
+    overflow_dir: Path = Path("overflow")
+    profile: Path | None = None
+    profile_steps: str | None = None
+
+
+def real_torch_npu_installed() -> bool:
+    spec = importlib.util.find_spec("torch_npu")
+    return spec is not None and spec.origin is not None and "npukit" not in spec.origin
+
+
+def _err(message: str) -> None:
+    print(f"npu-run: {message}", file=sys.stderr)
+
+
+def _launch_torchrun(options: RunOptions) -> int:
+    import subprocess
+
+    if options.nproc_per_node < 1:
+        raise UserError(f"--nproc-per-node must be at least 1, got {options.nproc_per_node}")
+    argv = strip_option(sys.argv[1:], "--nproc-per-node")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(options.nproc_per_node),
+               "--master-addr", "127.0.0.1", "-m", "npukit.run", *argv]
+    return subprocess.call(command)
+
+
+def strip_option(argv: list[str], name: str) -> list[str]:
+    """Remove `name VALUE` / `name=VALUE` from the npu-run options (those before the script)."""
+    out: list[str] = []
+    index = 0
+    while index < len(argv):
+        arg = argv[index]
+        if arg == name:
+            index += 2
+            continue
+        if arg.startswith(name + "="):
+            index += 1
+            continue
+        out.append(arg)
+        if not arg.startswith("-"):
+            out.extend(argv[index + 1:])
+            break
+        index += 1
+    return out
+
+
+def disable_autocast() -> None:
+    """Golden run: every autocast region runs in fp32 (autocast(..., enabled=False))."""
+    import torch
+
+    autocast_cls = torch.amp.autocast_mode.autocast
+    original_init = autocast_cls.__init__
+
+    def init(self, device_type, dtype=None, enabled=True, cache_enabled=None):
+        original_init(self, device_type, dtype=dtype, enabled=False, cache_enabled=cache_enabled)
+
+    autocast_cls.__init__ = init
+
+
+def _seed_everything(seed: int) -> None:
+    import random
+
+    import torch
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+    with contextlib.suppress(ImportError):
+        import numpy
+
+        numpy.random.seed(seed % 2**32)
+
+
+def _select_local_device() -> None:
+    """Under torchrun each rank starts on npu:LOCAL_RANK, as Ascend launch scripts arrange."""
+    import torch
+
+    local_rank = os.environ.get("LOCAL_RANK")
+    if local_rank is not None and local_rank.isdigit() and int(local_rank) < torch.npu.device_count():
+        torch.npu.set_device(int(local_rank))
+
+
+def _session_contexts(options: RunOptions, stack: contextlib.ExitStack) -> None:
+    if options.replay is not None:
+        from npukit.accuracy.replay import ReplaySession
+
+        stack.enter_context(ReplaySession(options.replay))
+    if options.dump is not None:
+        from npukit.accuracy.dump import DumpSession
+
+        stack.enter_context(DumpSession(options.dump, level=options.dump_level, mode=options.dump_mode,
+                                        steps=options.dump_steps, scope=options.dump_scope,
+                                        names=options.dump_list))
+    if options.detect_overflow:
+        from npukit.accuracy.overflow import OverflowSession
+
+        stack.enter_context(OverflowSession(options.overflow_dir, action=options.overflow_action,
+                                            max_events=options.overflow_max))
+    if options.profile is not None:
+        from npukit.profiler.record import ProfileSession
+
+        stack.enter_context(ProfileSession(options.profile, steps=options.profile_steps))
+
+
+def _run_target(options: RunOptions) -> int:
+    if options.module:
+        sys.argv = [options.script, *options.args]
+        runpy.run_module(options.script, run_name="__main__", alter_sys=True)
+        return 0
+    script = Path(options.script)
+    if not script.is_file():
+        raise UserError(f"script not found: {options.script}")
+    sys.argv = [str(script), *options.args]
+    sys.path[0:0] = [str(script.resolve().parent)]
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
+def main(options: RunOptions) -> int:
+    if options.nproc_per_node is not None:
+        return _launch_torchrun(options)
+    if real_torch_npu_installed() and not options.emulate:
+        raise UserError("a real torch_npu is installed: run the script with plain python on the Ascend host, "
+                        "or pass --emulate to use npukit's emulated NPU anyway")
+    if not 0 <= options.devices <= 64:
+        raise UserError(f"--devices must be from 0 to 64, got {options.devices}")
+    if "NPUKIT_DEVICE_COUNT" not in os.environ and "ASCEND_RT_VISIBLE_DEVICES" not in os.environ:
+        os.environ["NPUKIT_DEVICE_COUNT"] = str(options.devices)
+    if options.golden:
+        os.environ["NPUKIT_GOLDEN"] = "1"
+
+    import npukit.npu_backend  # noqa: F401  (installs the device)
+    from npukit.npu_backend.torch_npu_shim import install_torch_npu
+
+    install_torch_npu()
+    if options.transfer_to_npu:
+        import torch_npu.contrib.transfer_to_npu  # noqa: F401  (applies the patches)
+    if options.golden:
+        disable_autocast()
+    _select_local_device()
+    if options.seed is not None:
+        _seed_everything(options.seed)
+
+    exit_code = 0
+    with contextlib.ExitStack() as stack:
+        _session_contexts(options, stack)
+        try:
+            exit_code = _run_target(options)
+        except SystemExit as exc:
+            code = exc.code
+            exit_code = code if isinstance(code, int) else (0 if code is None else 1)
+            if code is not None and not isinstance(code, int):
+                print(code, file=sys.stderr)
+        except UserError:
+            raise
+        except KeyboardInterrupt:
+            exit_code = 130
+        except BaseException:
+            # The user's script failed: show its traceback without npu-run's own frames.
+            exc_type, exc, tb = sys.exc_info()
+            own_files = {os.path.abspath(__file__), os.path.abspath(runpy.__file__)}
+            while tb is not None and tb.tb_next is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) in own_files:
+                tb = tb.tb_next
+            traceback.print_exception(exc_type, exc, tb)
+            exit_code = 1
+    return exit_code
+
+
+if __name__ == "__main__":
+    from npukit.cli import run_main
+
+    run_main()

@@ -1,0 +1,140 @@
+"""The npu device behaves like a real PyTorch device: tensors, views, storage, autograd."""
+
+import copy
+import io
+
+import pytest
+import torch
+
+
+def test_device_is_available_and_named_npu():
+    assert torch.npu.is_available()
+    assert torch.npu.device_count() == 8
+    x = torch.randn(2, 3, device="npu")
+    assert type(x) is torch.Tensor
+    assert x.device == torch.device("npu", 0)
+    assert x.is_npu and not x.is_cpu
+    assert torch.device("npu", 1).type == "npu"
+
+
+def test_moving_tensors_and_modules():
+    cpu = torch.arange(6.0).reshape(2, 3)
+    assert torch.equal(cpu.npu().cpu(), cpu)
+    on1 = cpu.to("npu:1")
+    assert on1.device.index == 1
+    assert torch.equal(on1.to("npu:0").cpu(), cpu)
+    model = torch.nn.Linear(3, 2)
+    assert model.to("npu").weight.device.type == "npu"
+    assert torch.nn.Linear(3, 2).npu().bias.is_npu
+
+
+def test_tensors_have_real_strides_and_data_pointers():
+    x = torch.zeros(4, 6, device="npu")
+    t = x.t()
+    assert t.stride() == (1, 6)
+    assert t.data_ptr() == x.data_ptr()
+    assert x[1].data_ptr() == x.data_ptr() + 6 * 4
+    assert x.untyped_storage().nbytes() == 4 * 6 * 4
+
+
+def test_inplace_on_view_mutates_base():
+    base = torch.zeros(3, 4, device="npu")
+    base[1].add_(5)
+    base[:, 2].fill_(-1)
+    base.t()[0].mul_(0)
+    expected = torch.zeros(3, 4)
+    expected[1] += 5
+    expected[:, 2] = -1
+    expected[:, 0] = 0
+    assert torch.equal(base.cpu(), expected)
+
+
+def test_data_and_parameter():
+    p = torch.nn.Parameter(torch.ones(3, device="npu"))
+    p.data.mul_(3)
+    assert torch.equal(p.detach().cpu(), torch.full((3,), 3.0))
+    assert isinstance(p, torch.nn.Parameter) and p.is_npu
+
+
+def test_deepcopy_keeps_device_and_values():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()).to("npu:2")
+    clone = copy.deepcopy(model)
+    assert clone[0].weight.device == torch.device("npu", 2)
+    assert torch.equal(clone[0].weight.cpu(), model[0].weight.cpu())
+    assert clone[0].weight.data_ptr() != model[0].weight.data_ptr()
+
+
+def test_save_load_keeps_view_sharing_and_honours_map_location():
+    base = torch.arange(8.0, device="npu")
+    view = base[2:6]
+    buffer = io.BytesIO()
+    torch.save({"base": base, "view": view}, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer)
+    assert loaded["base"].device.type == "npu"
+    loaded["view"].fill_(0)
+    assert loaded["base"].cpu().tolist() == [0, 1, 0, 0, 0, 0, 6, 7]
+    buffer.seek(0)
+    assert torch.load(buffer, map_location="cpu")["base"].device.type == "cpu"
+    buffer.seek(0)
+    assert torch.load(buffer, map_location="npu:3")["base"].device == torch.device("npu", 3)
+    buffer.seek(0)
+    assert torch.load(buffer, map_location={"npu:0": "npu:1"})["view"].device == torch.device("npu", 1)
+
+
+def test_numpy_refused_like_cuda():
+    with pytest.raises(TypeError, match="can't convert npu:0 device type tensor to numpy. Use Tensor.cpu()"):
+        torch.ones(2, device="npu").numpy()
+
+
+def test_mixing_devices_raises_like_cuda():
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        torch.ones(3, device="npu") + torch.ones(3)
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        torch.ones(3, device="npu:0") + torch.ones(3, device="npu:1")
+    # 0-dim CPU tensors are allowed, as on CUDA.
+    assert (torch.ones(3, device="npu") + torch.tensor(2.0)).cpu().tolist() == [3, 3, 3]
+
+
+def test_conj_and_neg_bits_are_resolved_on_device():
+    z = torch.tensor([1 + 2j, 3 - 1j], device="npu")
+    assert torch.equal(z.conj().resolve_conj().cpu(), torch.tensor([1 - 2j, 3 + 1j]))
+    assert torch.equal((z.conj() * 1).cpu(), torch.tensor([1 - 2j, 3 + 1j]))
+    assert torch.equal(z.conj().imag.neg().cpu(), torch.tensor([2.0, -1.0]))
+
+
+def test_out_argument_resized_on_device():
+    out = torch.empty(0, device="npu")
+    torch.add(torch.ones(5, device="npu"), 1, out=out)
+    assert out.shape == (5,) and out.device.type == "npu"
+    assert out.cpu().tolist() == [2.0] * 5
+
+
+def test_dropout_and_factories_with_device_argument():
+    torch.manual_seed(0)
+    x = torch.ones(1000, device="npu")
+    y = torch.nn.functional.dropout(x, 0.5, training=True)
+    kept = (y.cpu() != 0).float().mean().item()
+    assert 0.4 < kept < 0.6 and y.device.type == "npu"
+    assert torch.tril_indices(3, 3, device="npu").device.type == "npu"
+    assert torch.arange(5, device="npu:1").device == torch.device("npu", 1)
+
+
+def test_autograd_matches_cpu():
+    torch.manual_seed(0)
+    w = torch.randn(5, 3)
+    x = torch.randn(7, 5)
+    results = []
+    for device in ("cpu", "npu"):
+        wd = w.to(device).detach().requires_grad_()
+        loss = torch.tanh(x.to(device) @ wd).pow(2).sum()
+        loss.backward()
+        results.append((loss.detach().cpu(), wd.grad.cpu()))
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
+
+
+def test_pin_memory():
+    pinned = torch.ones(4).pin_memory()
+    assert pinned.is_pinned()
+    assert not torch.ones(4).is_pinned()

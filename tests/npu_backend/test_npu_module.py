@@ -1,0 +1,159 @@
+"""torch.npu has the surface of torch_npu.npu and each call does what it says."""
+
+import time
+
+import pytest
+import torch
+
+
+def test_current_device_and_device_context():
+    assert torch.npu.current_device() == 0
+    torch.npu.set_device(2)
+    assert torch.npu.current_device() == 2
+    assert torch.empty(1, device="npu").device == torch.device("npu", 2)
+    with torch.npu.device(5):
+        assert torch.npu.current_device() == 5
+        assert torch.zeros(1, device="npu").device.index == 5
+    assert torch.npu.current_device() == 2
+    with pytest.raises(RuntimeError, match="Invalid device id"):
+        torch.npu.set_device(8)
+
+
+def test_device_count_is_configurable(tmp_path):
+    from tests.npu_backend.conftest import run_python
+
+    result = run_python("import npukit.npu_backend, torch; print(torch.npu.device_count())",
+                        env={"NPUKIT_DEVICE_COUNT": "3"})
+    assert result.stdout.strip() == "3", result.stderr
+    result = run_python("import npukit.npu_backend, torch; print(torch.npu.device_count())",
+                        env={"ASCEND_RT_VISIBLE_DEVICES": "2,5"})
+    assert result.stdout.strip() == "2", result.stderr
+
+
+def test_stream_and_event_are_synchronous_and_time_work():
+    stream = torch.npu.Stream()
+    assert stream.query()
+    with torch.npu.stream(stream):
+        assert torch.npu.current_stream() == stream
+    assert torch.npu.current_stream() == torch.npu.default_stream()
+    start, end = torch.npu.Event(enable_timing=True), torch.npu.Event(enable_timing=True)
+    start.record()
+    time.sleep(0.02)
+    end.record()
+    end.synchronize()
+    torch.npu.synchronize()
+    assert 15 <= start.elapsed_time(end) < 2000
+
+
+def test_rng_is_per_device_and_reproducible():
+    torch.npu.manual_seed(123)
+    a = torch.randn(5, device="npu")
+    torch.randn(100)  # the CPU generator is independent
+    torch.npu.manual_seed(123)
+    b = torch.randn(5, device="npu")
+    assert torch.equal(a.cpu(), b.cpu())
+    state = torch.npu.get_rng_state()
+    c = torch.rand(3, device="npu")
+    torch.npu.set_rng_state(state)
+    assert torch.equal(torch.rand(3, device="npu").cpu(), c.cpu())
+    torch.manual_seed(7)  # seeds every npu generator too, as on CUDA
+    d = torch.rand(3, device="npu:1")
+    torch.manual_seed(7)
+    assert torch.equal(torch.rand(3, device="npu:1").cpu(), d.cpu())
+    generator = torch.Generator(device="npu").manual_seed(1)
+    e = torch.randn(4, device="npu", generator=generator)
+    generator.manual_seed(1)
+    assert torch.equal(torch.randn(4, device="npu", generator=generator).cpu(), e.cpu())
+
+
+def test_memory_accounting_follows_allocations():
+    torch.npu.empty_cache()
+    before = torch.npu.memory_allocated()
+    torch.npu.reset_peak_memory_stats()
+    x = torch.empty(1024, 1024, device="npu")
+    assert torch.npu.memory_allocated() - before == 4 << 20
+    y = x * 2  # result adopted from the CPU kernel is counted too
+    assert torch.npu.memory_allocated() - before == 8 << 20
+    del x, y
+    assert torch.npu.memory_allocated() == before
+    assert torch.npu.max_memory_allocated() - before == 8 << 20
+    assert torch.npu.memory_stats()["allocated_bytes.all.peak"] == torch.npu.max_memory_allocated()
+    assert torch.npu.memory_reserved() == torch.npu.memory_allocated()
+    free, total = torch.npu.mem_get_info()
+    assert total == 64 << 30 and free == total - torch.npu.memory_allocated()
+    torch.npu.reset_peak_memory_stats()
+    assert torch.npu.max_memory_allocated() == torch.npu.memory_allocated()
+
+
+def test_out_of_memory_is_worded_like_the_device():
+    torch.npu.set_per_process_memory_fraction(1 / 1024, device=3)  # 64 MiB
+    try:
+        keep = torch.empty(10 << 20, dtype=torch.uint8, device="npu:3")
+        with pytest.raises(torch.OutOfMemoryError, match=r"NPU out of memory. Tried to allocate 100.00 MiB \(NPU 3;"):
+            torch.empty(100 << 20, dtype=torch.uint8, device="npu:3")
+        with pytest.raises(RuntimeError, match="NPU out of memory"):
+            keep.repeat(10)  # results of CPU kernels are counted against the capacity too
+        assert torch.npu.memory_stats(3)["num_ooms"] == 2
+    finally:
+        torch.npu.set_per_process_memory_fraction(1.0, device=3)
+
+
+def test_device_properties_and_names():
+    assert torch.npu.get_device_name() == "Ascend910B2 (emulated)"
+    props = torch.npu.get_device_properties(0)
+    assert props.total_memory == 64 << 30 and props.name.startswith("Ascend910B2")
+    assert not hasattr(props, "major")  # as torch_npu: no CUDA compute capability
+    assert torch.npu.is_bf16_supported()
+    with pytest.warns(UserWarning):
+        assert torch.npu.get_device_capability() is None
+
+
+def test_hf32_switches_and_config():
+    assert torch.npu.matmul.allow_hf32 is False
+    assert torch.npu.conv.allow_hf32 is True
+    torch.npu.matmul.allow_hf32 = True
+    assert torch.npu.matmul.allow_hf32 is True
+    torch.npu.config.allow_internal_format = False
+    torch.npu.set_compile_mode(jit_compile=False)
+    assert torch.npu.is_jit_compile_false()
+    with pytest.raises(ValueError, match="invalid npu option name"):
+        torch.npu.set_option({"NOT_AN_OPTION": 1})
+
+
+def test_names_that_cannot_be_emulated_say_so():
+    for name in ("NPUGraph", "graph", "stop_device", "MemPool", "set_dump"):
+        api = getattr(torch.npu, name)
+        with pytest.raises(NotImplementedError, match=f"torch.npu.{name} is not available on the npukit emulated NPU"):
+            api()
+
+
+def test_surface_covers_torch_npu_all():
+    """Every name of torch_npu.npu.__all__ (2.14) exists on torch.npu."""
+    import pathlib
+    import re
+
+    reference = pathlib.Path(__file__).resolve().parents[3] / "shared" / "reference" / "torch_npu_api.md"
+    if not reference.exists():
+        pytest.skip("shared/reference is not beside the checkout")
+    section = reference.read_text().split("## 2. Public API surface")[1].split("Notes:")[0]
+    names = set(re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)`", section))
+    missing = sorted(name for name in names if not hasattr(torch.npu, name))
+    assert len(names) > 130
+    assert missing == []
+
+
+def test_legacy_tensor_types():
+    x = torch.npu.FloatTensor([1.0, 2.0])
+    assert x.device.type == "npu" and x.dtype == torch.float32
+    assert isinstance(x, torch.npu.FloatTensor)
+    assert not isinstance(x, torch.npu.HalfTensor)
+    assert torch.npu.LongTensor(3).shape == (3,)
+
+
+def test_overflow_flag_utils():
+    from torch.npu import utils
+
+    assert utils.is_support_inf_nan()
+    assert not utils.get_npu_overflow_flag()
+    assert utils.npu_check_overflow(torch.tensor([float("inf")], device="npu"))
+    assert not utils.npu_check_overflow(torch.ones(2, device="npu"))
