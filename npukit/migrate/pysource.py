@@ -134,6 +134,7 @@ class PythonMigrator:
         self.cuda_method_classes: set[str] = set()
         self.docstrings: set[int] = set()
         self.ifs: list[ast.If] = []
+        self.dicts: list[ast.Dict] = []
         self.decorators: list[ast.AST] = []
         self.loads: dict[str, list[ast.Name]] = {}
 
@@ -142,65 +143,77 @@ class PythonMigrator:
         stack: list[tuple[ast.AST, ast.AST]] = [(module, module)]
         parent = self.parent
         scope_of = self.scope_of
+        loads = self.loads
         while stack:
             node, scope = stack.pop()
             kind = type(node)
-            if kind is ast.Call:
-                self.calls.append(node)
-            elif kind is ast.Attribute:
-                self.attributes.append(node)
-            elif kind is ast.Name:
+            inner_scope = scope
+            if kind is ast.Name:
                 scope_of[id(node)] = scope
-                if isinstance(node.ctx, ast.Load):
-                    self.loads.setdefault(node.id, []).append(node)
+                if type(node.ctx) is ast.Load:
+                    loads.setdefault(node.id, []).append(node)
                 else:
                     self.assigned[id(scope)].add(node.id)
+            elif kind is ast.Attribute:
+                self.attributes.append(node)
+            elif kind is ast.Call:
+                self.calls.append(node)
             elif kind is ast.Constant:
-                if isinstance(node.value, str):
+                if type(node.value) is str:
                     self.strings.append(node)
             elif kind is ast.Compare:
                 self.compares.append(node)
             elif kind is ast.JoinedStr:
                 self.fstrings.append(node)
-            elif kind in (ast.Assign, ast.AnnAssign):
+            elif kind is ast.Dict:
+                self.dicts.append(node)
+            elif kind is ast.Assign or kind is ast.AnnAssign:
                 self.assigns.append(node)
                 scope_of[id(node)] = scope
-            elif kind in (ast.Import, ast.ImportFrom):
+            elif kind is ast.Import or kind is ast.ImportFrom:
                 self.imports.append(node)
                 for alias in node.names:
                     self.assigned[id(scope)].add((alias.asname or alias.name).split(".")[0])
             elif kind is ast.If:
                 self.ifs.append(node)
-            if kind in (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef, ast.Module):
-                if kind is not ast.Module:
-                    self.assigned[id(scope)].add(getattr(node, "name", ""))
-                    scope_of[id(node)] = scope
-                    self.decorators.extend(getattr(node, "decorator_list", ()))
-                body = getattr(node, "body", None)
-                if isinstance(body, list) and body:
-                    first = body[0]
-                    if isinstance(first, ast.Expr) and _string_value(first.value) is not None:
-                        self.docstrings.add(id(first.value))
-                if kind is ast.ClassDef:
-                    for item in node.body:
-                        if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name == "cuda":
-                            self.cuda_method_classes.add(node.name)
-                if kind in (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda):
-                    self.functions.append(node)
-                    self.assigned[id(node)] = {a.arg for a in _all_args(node.args)}
-                    self.scope_of[id(node)] = scope
-                    inner_scope = node
-                elif kind is ast.ClassDef:
-                    self.assigned[id(node)] = set()
-                    inner_scope = node
-                else:
-                    inner_scope = scope
-            else:
-                inner_scope = scope
-            for child in ast.iter_child_nodes(node):
-                parent[id(child)] = node
-                # decorators, defaults and base classes belong to the enclosing scope
-                stack.append((child, inner_scope))
+            elif kind in _SCOPE_NODES:
+                inner_scope = self._enter_scope(node, scope)
+            for name in _child_fields(kind):
+                value = getattr(node, name)
+                # a function's decorators, defaults and annotations belong to the enclosing scope
+                child_scope = inner_scope if name == "body" else scope
+                if type(value) is list:
+                    for child in value:
+                        if isinstance(child, ast.AST):
+                            parent[id(child)] = node
+                            stack.append((child, child_scope))
+                elif isinstance(value, ast.AST):
+                    parent[id(value)] = node
+                    stack.append((value, child_scope))
+
+    def _enter_scope(self, node: ast.AST, scope: ast.AST) -> ast.AST:
+        kind = type(node)
+        if kind is ast.Module:
+            inner = scope
+        else:
+            self.assigned[id(scope)].add(getattr(node, "name", ""))
+            self.scope_of[id(node)] = scope
+            self.decorators.extend(getattr(node, "decorator_list", ()))
+            inner = node
+        body = node.body
+        if type(body) is list and body:
+            first = body[0]
+            if isinstance(first, ast.Expr) and _string_value(first.value) is not None:
+                self.docstrings.add(id(first.value))
+        if kind is ast.ClassDef:
+            self.assigned[id(node)] = set()
+            for item in body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name == "cuda":
+                    self.cuda_method_classes.add(node.name)
+        elif kind is not ast.Module:
+            self.functions.append(node)
+            self.assigned[id(node)] = {a.arg for a in _all_args(node.args)}
+        return inner
 
     # ------------------------------------------------------------------ helpers
     def qualname(self, node: ast.AST) -> str | None:
@@ -946,18 +959,18 @@ class PythonMigrator:
                 if used or "backend" in lowered:
                     self._rewrite_backend(literal, "backend-string")
         # dict displays: {"device": "cuda", "backend": "nccl"} configure a device/backend by key
-        for node in ast.walk(self.tree) if self._has_dict_config else ():
-            if isinstance(node, ast.Dict):
-                for k, v in zip(node.keys, node.values):
-                    key_text = _string_value(k) if k is not None else None
-                    if key_text is None:
-                        continue
-                    if "device" in key_text.lower():
-                        self._rewrite_device_expr(v, "device-variable")
-                    elif "backend" in key_text.lower() and self._backend_literal(v) is not None:
-                        self._rewrite_backend(v, "backend-string")
-            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "dict":
-                for keyword in node.keywords:
+        for node in self.dicts:
+            for key, value in zip(node.keys, node.values):
+                key_text = _string_value(key) if key is not None else None
+                if key_text is None:
+                    continue
+                if "device" in key_text.lower():
+                    self._rewrite_device_expr(value, "device-variable")
+                elif "backend" in key_text.lower() and self._backend_literal(value) is not None:
+                    self._rewrite_backend(value, "backend-string")
+        for call in self.calls:  # dict(backend="nccl")
+            if isinstance(call.func, ast.Name) and call.func.id == "dict":
+                for keyword in call.keywords:
                     if keyword.arg and "backend" in keyword.arg.lower() and self._backend_literal(keyword.value) is not None:
                         self._rewrite_backend(keyword.value, "backend-string")
 
@@ -1143,7 +1156,6 @@ class PythonMigrator:
         self.flow_uses: set[tuple] = set()
         self._pending_backend_sinks: list[ast.AST] = []
         self.backend_flag_seen = False
-        self._has_dict_config = bool(re.search(r"""['"][A-Za-z_]*(device|backend)[A-Za-z_]*['"]\s*:|dict\(""", self.text))
         self._build_bindings()
         self._handle_dual_target_ifs()
         self._handle_imports()
@@ -1176,6 +1188,18 @@ class PythonMigrator:
         if last.end_lineno < len(self.pos.line_starts):
             return self.pos.line_starts[last.end_lineno]
         return len(self.text)
+
+
+_CHILD_FIELDS: dict[type, tuple[str, ...]] = {}
+_NOT_CHILDREN = frozenset({"ctx", "op", "ops", "type_ignores"})  # singletons and operators: no rule needs them
+
+
+def _child_fields(kind: type) -> tuple[str, ...]:
+    fields = _CHILD_FIELDS.get(kind)
+    if fields is None:
+        fields = tuple(f for f in kind._fields if f not in _NOT_CHILDREN)
+        _CHILD_FIELDS[kind] = fields
+    return fields
 
 
 def _all_args(arguments: ast.arguments) -> list[ast.arg]:

@@ -393,32 +393,56 @@ EFFORT_OVERRIDES = {  # kinds that take much longer than the default for their s
 }
 
 # ------------------------------------------------------------------------------ pre-filter
-# A file that matches none of these has nothing to migrate: it is not parsed at all.
-_UNSUPPORTED_TOKENS = sorted(
-    {name.rsplit(".", 1)[-1] for name in UNSUPPORTED_TORCH_APIS if not name.startswith("torch.Tensor.")}
-    | UNSUPPORTED_TENSOR_METHODS
-)
+# A file that matches none of these has nothing to migrate: it is not parsed at all. Every rule is
+# triggered by a name that must appear in the text, whatever the import style; members of classes
+# (torch.fx.Node.args ...) are left out because they are never written as qualified names.
 _GENERIC_TOKENS = frozenset(
     """disable enable is_enabled load save export Linear LSTM scatter gather enabled strategy mark narrow
     compile reset is_available range_push range_pop step module code graph nodes args kwargs next prev type
-    value name get_state set_state add check get set wait dtype events key_averages masked_select
-    model_proto stack_trace all_input_nodes""".split()
+    value name get_state set_state add check get set wait dtype events key_averages masked_select""".split()
 )
 
 
-def _prefilter_pattern() -> re.Pattern[str]:
-    words = [re.escape(t) for t in _UNSUPPORTED_TOKENS if t not in _GENERIC_TOKENS]
-    # generic last components: require their distinctive parent module in the text instead
-    parents = {name.rsplit(".", 2)[-2] for name in UNSUPPORTED_TORCH_APIS
-               if "." in name and name.rsplit(".", 1)[-1] in _GENERIC_TOKENS}
-    words += [re.escape(p) for p in sorted(parents) if p not in {"torch", "Tensor", "nn"}]
-    third = [re.escape(m.split(".")[0]) for m in THIRD_PARTY]
-    fixed = [
-        r"(?i:cuda|nccl|nvidia|nvml|cublas|tf32|nvtx|cudf|cudnn)", r"torch\.load", "fork_rng",
-        "channels_last", r"jit\b", r"torch\.compile", "float32_matmul", "DataParallel", "autocast",
-        "set_default_tensor_type", "GPUtil",
-    ]
-    return re.compile("|".join(fixed + third + words))
+def _is_class_member(name: str) -> bool:
+    parts = name.split(".")
+    return len(parts) >= 3 and parts[-2][:1].isupper() and parts[-2] != "Tensor"
 
 
-PREFILTER = _prefilter_pattern()
+_STRONG_TOKENS = ("cuda", "nccl", "nvidia", "nvml", "cublas", "tf32", "nvtx", "cudf", "cudnn")
+_SUBSTRING_TOKENS = ("torch.load", "torch.compile")
+_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# int device ordinals (.to(0), .to(local_rank), device=args.gpu, torch.device(rank)) mean the GPU too
+_ORDINAL_USES = tuple(re.compile(prefix + r"\s*(?:\d|[\w.]*(?:rank|gpu)\b)") for prefix in (r"\.to\(", r"device\(", r"device\s*="))
+
+
+def _prefilter_words() -> tuple[frozenset[str], tuple[tuple[str, str], ...]]:
+    words: set[str] = set(UNSUPPORTED_TENSOR_METHODS)
+    pairs: set[tuple[str, str]] = set()  # (parent, generic last name): both must appear
+    for name in UNSUPPORTED_TORCH_APIS | set(CUDA_FLAGGED) | set(CUDA_RENAMED):
+        if "." not in name or _is_class_member(name) or name.startswith("torch.Tensor."):
+            continue
+        parent, last = name.rsplit(".", 2)[-2:]
+        if last in _GENERIC_TOKENS:
+            pairs.add((parent, last))
+        else:
+            words.add(last)
+    words |= {m.split(".")[0] for m in THIRD_PARTY}
+    words |= {"fork_rng", "channels_last", "jit", "autocast", "set_default_tensor_type", "set_float32_matmul_precision",
+              "get_autocast_gpu_dtype", "set_autocast_gpu_dtype", "is_autocast_enabled"}
+    return frozenset(words), tuple(sorted(pairs))
+
+
+_PREFILTER_WORDS, _PREFILTER_PAIRS = _prefilter_words()
+
+
+def worth_parsing(text: str) -> bool:
+    """False when no rule can fire on this text (cheap: substring tests, then one word scan)."""
+    lowered = text.lower()
+    if any(token in lowered for token in _STRONG_TOKENS) or any(token in text for token in _SUBSTRING_TOKENS):
+        return True
+    if any(pattern.search(text) for pattern in _ORDINAL_USES):
+        return True
+    words = set(_WORD.findall(text))
+    if not words.isdisjoint(_PREFILTER_WORDS):
+        return True
+    return any(parent in words and last in words for parent, last in _PREFILTER_PAIRS)

@@ -101,14 +101,14 @@ def process_file(root: str, relative: str, kind: str, runtime: bool, lines_after
     try:
         new_text = text
         if kind == "python":
-            if rules.PREFILTER.search(text) is None:
+            if not rules.worth_parsing(text):
                 return result
             outcome = migrate_python(text, relative, runtime=runtime)
             new_text, result.changes, result.findings = outcome.text, outcome.changes, outcome.findings
             if lines_after:
                 result.findings = remap_findings(outcome.findings, text, outcome.edits)
         elif kind == "notebook":
-            if rules.PREFILTER.search(text) is None:
+            if not rules.worth_parsing(text):
                 return result
             new_text, result.changes, result.findings = migrate_notebook(text, relative, runtime=runtime)
         elif kind == "shell":

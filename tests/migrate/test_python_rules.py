@@ -143,3 +143,31 @@ def test_runtime_mode_inserts_transfer_to_npu_at_entry_points_only() -> None:
     assert "not-covered-by-transfer_to_npu" in kinds
     once = migrate_python(entry, "main.py", runtime=True).text
     assert migrate_python(once, "main.py", runtime=True).text == once
+
+
+def test_prefilter_never_skips_a_source_that_has_something_to_report() -> None:
+    from npukit.migrate.rules import worth_parsing
+    from tests.migrate.test_tricky_cases import CASES
+
+    sources = [c[1] for c in CASES] + [c[1] for c in REWRITES] + [
+        "from torch.nn import GRU\nrnn = GRU(4, 4)\n",
+        "import torch\nq = torch.quantize_per_tensor(x, 0.1, 0, torch.quint8)\n",
+        "from torch import export\nexport.save(ep, 'f')\n",
+        "import torch\nsd = torch.load('x.pt')\n",
+    ]
+    for source in sources:
+        outcome = migrate_python(source, "m.py")
+        if outcome.changes or outcome.findings:
+            assert worth_parsing(source), source
+    assert not worth_parsing("import os\nprint(os.getcwd())\n")
+
+
+def test_prefilter_covers_every_rule_table_entry() -> None:
+    """Each flagged/renamed/unsupported API, written the usual way, gets past the pre-filter."""
+    from npukit.migrate import rules
+
+    names = set(rules.CUDA_FLAGGED) | set(rules.CUDA_RENAMED) | set(rules.UNSUPPORTED_TORCH_APIS)
+    for name in sorted(n for n in names if "." in n and not rules._is_class_member(n) and ".Tensor." not in n):
+        module, _, member = name.rpartition(".")
+        assert rules.worth_parsing(f"from {module} import {member}\n{member}()\n"), name
+        assert rules.worth_parsing(f"import torch\n{name}()\n"), name
