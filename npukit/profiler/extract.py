@@ -144,7 +144,10 @@ def table_from_profiler(prof, module_names: dict[int, str] | None = None, meta: 
                     phase = PHASE_FORWARD
         elif tag == torch_op:
             fields = event.extra_fields
-            name = event.name
+            try:
+                name = event.name
+            except UnicodeDecodeError:  # seen with torch 2.13 on rare events; keep the row
+                name = "<undecodable name>"
             scope = str(fields.scope)
             seq = int(fields.sequence_number)
             thread = threads.setdefault(event.start_tid, len(threads))

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from npukit.errors import UserError
 from npukit.profiler.extract import GC_ANNOTATION_PREFIX, table_from_profiler
-from npukit.profiler.table import EventTable, write_meta
+from npukit.profiler.table import EVENTS_FILE, META_FILE, EventTable, write_meta
 
 LARGE_PROFILE_EVENTS = 100_000
 
@@ -208,10 +208,10 @@ class ProfileSession:
 
     # -- internals -----------------------------------------------------------------------
     def _clear_previous_output(self) -> None:
-        """Old trace files from an earlier run in the same directory would be misleading."""
+        """Output of an earlier run in the same directory would be taken for this run's."""
         if self.directory.is_dir():
-            for old in self.directory.glob("trace_*.json"):
-                old.unlink()
+            for old in [*self.directory.glob("trace_*.json"), self.directory / EVENTS_FILE, self.directory / META_FILE]:
+                old.unlink(missing_ok=True)
 
     def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
         if self._explicit_steps or not self.auto_steps:

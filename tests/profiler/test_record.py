@@ -100,6 +100,10 @@ def test_explicit_step_and_rank_from_env(tmp_path, monkeypatch):
 
 
 def test_schedule_never_active_writes_nothing_and_says_why(tmp_path, capsys):
+    with ProfileSession(tmp_path, steps="0,0,1"):
+        train_steps(MatmulNet(), 1, batch=4)
+    assert (tmp_path / "rank0" / "events.npz").exists()
+    # A second run into the same directory that records nothing must not leave the old profile.
     with ProfileSession(tmp_path, steps="5,1,1"):
         train_steps(MatmulNet(), 2, batch=4)
     assert not (tmp_path / "rank0" / "events.npz").exists()
