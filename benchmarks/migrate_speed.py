@@ -27,28 +27,32 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 
-HIPIFY = """
+# CPU seconds of this process and its reaped children (the migrate workers)
+CPU = "import resource\ndef cpu():\n    return sum(resource.getrusage(w).ru_utime + resource.getrusage(w).ru_stime " \
+      "for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))\n"
+
+HIPIFY = CPU + """
 import sys, time
 from torch.utils.hipify import hipify_python
-started = time.perf_counter()
+started, cpu0 = time.perf_counter(), cpu()
 hipify_python.hipify(project_directory=sys.argv[1], output_directory=sys.argv[2], includes=["*"],
                      extensions=(".py",), show_detailed=False, is_pytorch_extension=True, show_progress=False)
-print("WORK", time.perf_counter() - started)
+print("WORK", time.perf_counter() - started, cpu() - cpu0)
 """
 
-MIGRATE = """
+MIGRATE = CPU + """
 import sys, time
 from pathlib import Path
 from npukit.migrate import MigrateOptions, run_migration
 jobs = int(sys.argv[2]) if len(sys.argv) > 2 else None
-started = time.perf_counter()
+started, cpu0 = time.perf_counter(), cpu()
 run = run_migration(MigrateOptions(target=Path(sys.argv[1]), dry_run=True, quiet=True, jobs=jobs))
-print("WORK", time.perf_counter() - started, len(run.changed), sum(len(r.changes) for r in run.results))
+print("WORK", time.perf_counter() - started, cpu() - cpu0, len(run.changed), sum(len(r.changes) for r in run.results))
 """
 
 
-def _timed(command: list[str], env: dict) -> tuple[float, float, list[str]]:
-    """(work seconds reported by the tool's process, end-to-end seconds, the rest of its WORK line)."""
+def _timed(command: list[str], env: dict) -> tuple[float, float, float, list[str]]:
+    """(work seconds, work CPU seconds, end-to-end seconds, the rest of the tool's WORK line)."""
     started = time.perf_counter()
     completed = subprocess.run(command, env=env, capture_output=True, text=True)
     elapsed = time.perf_counter() - started
@@ -56,7 +60,7 @@ def _timed(command: list[str], env: dict) -> tuple[float, float, list[str]]:
         sys.exit(f"command failed ({completed.returncode}): {' '.join(command)}\n{completed.stderr[-2000:]}")
     work_line = next(line for line in completed.stdout.splitlines() if line.startswith("WORK "))
     fields = work_line.split()
-    return float(fields[1]), elapsed, fields[2:]
+    return float(fields[1]), float(fields[2]), elapsed, fields[3:]
 
 
 def main() -> None:
@@ -75,7 +79,7 @@ def main() -> None:
         print(f"corpus: copy of {source} ({len(py_files)} .py files, {lines} lines), {os.cpu_count()} cores")
 
         migrate_cmd = [sys.executable, "-c", MIGRATE, str(corpus)] + ([str(args.jobs)] if args.jobs else [])
-        times: dict[str, list[tuple[float, float]]] = {"migrate": [], "hipify": []}
+        times: dict[str, list[tuple[float, float, float]]] = {"migrate": [], "hipify": []}
         migrate_counts: list[str] = []
         for repeat in range(args.repeats):
             hip_out = Path(scratch) / f"hipified{repeat}"
@@ -84,23 +88,23 @@ def main() -> None:
             # alternate the order so neither tool always runs with a warmer page cache
             runs = [("migrate", migrate_cmd), ("hipify", [sys.executable, "-c", HIPIFY, str(hip_in), str(hip_out)])]
             for name, command in runs if repeat % 2 == 0 else reversed(runs):
-                work, total, extra = _timed(command, env)
-                times[name].append((work, total))
+                work, cpu, total, extra = _timed(command, env)
+                times[name].append((work, cpu, total))
                 if name == "migrate":
                     migrate_counts = extra
             shutil.rmtree(hip_in)
             shutil.rmtree(hip_out, ignore_errors=True)
         unchanged = all(p.read_bytes() == (source / p.relative_to(corpus)).read_bytes() for p in py_files)
 
-    medians = {name: (statistics.median(w for w, _ in runs), statistics.median(t for _, t in runs))
-               for name, runs in times.items()}
+    medians = {name: tuple(statistics.median(run[i] for run in runs) for i in range(3)) for name, runs in times.items()}
     for name, label in (("migrate", "npu-migrate --dry-run"), ("hipify", "hipify")):
-        work, total = medians[name]
-        listed = ", ".join(f"{w:.2f}" for w, _ in times[name])
-        print(f"{label:22s}: work {work:.3f} s (runs {listed}); end to end {total:.3f} s")
+        work, cpu, total = medians[name]
+        listed = ", ".join(f"{run[0]:.2f}" for run in times[name])
+        print(f"{label:22s}: work {work:.3f} s (runs {listed}), CPU {cpu:.3f} s; end to end {total:.3f} s")
     print(f"npu-migrate would change {migrate_counts[0]} files with {migrate_counts[1]} rewrites")
-    print(f"ratio npu-migrate / hipify: work {medians['migrate'][0] / medians['hipify'][0]:.2f}x (target <= 1.5x), "
-          f"end to end {medians['migrate'][1] / medians['hipify'][1]:.2f}x")
+    ratio = [medians["migrate"][i] / medians["hipify"][i] for i in range(3)]
+    print(f"ratio npu-migrate / hipify: work {ratio[0]:.2f}x (target <= 1.5x), CPU {ratio[1]:.2f}x, end to end {ratio[2]:.2f}x")
+    print(f"load average during the run: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (other work skews wall times)")
     print(f"dry-run left the corpus byte-identical: {unchanged}")
 
 
