@@ -47,7 +47,8 @@ def run_summary(
     print_summary(summary, console, top)
     payload: dict = {
         "profile": str(directory), "group_by": group_by, "steps": summary.steps, "events": summary.events,
-        "op_events": summary.op_events, "total_self_us": summary.total_self_us, "rows": summary.rows,
+        "op_events": summary.op_events, "total_self_us": summary.total_self_us,
+        "phase_self_us": summary.phase_self_us, "rows": summary.rows,
         "warnings": summary.warnings,
     }
     if chip_spec is not None:

@@ -114,6 +114,10 @@ def print_summary(summary: Summary, console: Console, top: int) -> None:
             cells.append(_us(row["est_npu_us"]) if row["top_level_calls"] else "-")
         table.add_row(*cells)
     console.print(table)
+    if summary.phase_self_us:
+        total = sum(summary.phase_self_us.values()) or 1.0
+        parts = [f"{name} {100 * us / total:.0f}%" for name, us in summary.phase_self_us.items()]
+        console.print("op time by phase: " + " | ".join(parts))
     for warning in summary.warnings:
         console.print(f"[yellow]warning:[/] {warning}")
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from npukit.errors import UserError
 from npukit.profiler.roofline import Chip, estimate_seconds
-from npukit.profiler.table import EVENTS_FILE, KIND_OP, EventTable
+from npukit.profiler.table import EVENTS_FILE, KIND_OP, PHASE_NAMES, EventTable
 
 GROUPINGS = ("op", "shape", "module", "stack")
 LARGE_PROFILE_EVENTS = 100_000
@@ -31,6 +31,7 @@ class Summary:
     op_events: int
     chip: str | None = None
     warnings: list[str] = field(default_factory=list)
+    phase_self_us: dict[str, float] = field(default_factory=dict)  # forward/backward/optimizer/...
 
 
 def find_profile(path: Path, rank: int | None = None) -> Path:
@@ -180,9 +181,11 @@ def summarize(table: EventTable, group_by: str = "op", chip: Chip | None = None)
             f"{len(table):,} events: a profile this large slows trace viewers; record fewer steps with "
             "--profile-steps wait,warmup,active (e.g. 5,1,3)"
         )
+    by_phase = np.bincount(table.phase[rows_idx], weights=self_all[rows_idx], minlength=len(PHASE_NAMES)) / 1e3
     return Summary(
         group_by=group_by, rows=rows, total_self_us=total_self / 1e3, steps=steps, events=len(table),
         op_events=int(is_op.sum()), chip=chip.name if chip else None, warnings=warnings,
+        phase_self_us={PHASE_NAMES[i]: round(float(v), 3) for i, v in enumerate(by_phase) if v > 0},
     )
 
 

@@ -55,6 +55,13 @@ def test_self_total_calls_and_share_by_op():
     assert list(rows)[0] == "aten::addmm"  # sorted by self time
 
 
+def test_time_by_phase(matmul_profile):
+    _, table = matmul_profile
+    phases = summarize(table, "op").phase_self_us
+    assert {"forward", "backward", "optimizer"} <= set(phases)
+    assert sum(phases.values()) == pytest.approx(summarize(table, "op").total_self_us, rel=1e-6)
+
+
 def test_grouping_by_module_stack_and_shape():
     table = _synthetic()
     modules = _rows(summarize(table, "module"))
