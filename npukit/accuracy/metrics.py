@@ -17,7 +17,7 @@ import numpy as np
 
 from npukit.accuracy.tensor_io import FLOAT_MIN_EXPONENT, FLOAT_PRECISION_BITS, float64_converter, read_tensor
 
-CHUNK = 1 << 18  # elements: two fp64 chunks stay within L2 cache
+CHUNK = 1 << 16  # elements: the fp64 work buffers stay in L2 cache
 TASK_ELEMENTS = 1 << 22  # elements per pool task: large enough to hide dispatch cost
 REL_EPS = 1e-10  # floor for |golden| in relative errors (msprobe's epsilon)
 
@@ -75,14 +75,34 @@ def merge(into: np.ndarray, other: np.ndarray) -> None:
     into[_MINNED] = np.minimum(into[_MINNED], other[_MINNED])
 
 
-def chunk_partial(golden: np.ndarray, target: np.ndarray, ulp_dtype: str | None) -> np.ndarray:
-    """Partial sums of one chunk; golden and target are float64 1-D arrays (modified in place)."""
+class Workspace:
+    """Reusable float64 buffers for one chunk: no allocation (and no page faults) per chunk."""
+
+    def __init__(self, size: int = CHUNK) -> None:
+        self.golden = np.empty(size)
+        self.target = np.empty(size)
+        self.scratch = np.empty(size)
+        self.mask = np.empty(size, dtype=bool)
+
+
+def _dot(a: np.ndarray, b: np.ndarray, scratch: np.ndarray) -> float:
+    # Not np.dot: BLAS threads spin against the worker processes and run 100x slower when the
+    # cores are busy. A product into scratch plus numpy's pairwise sum is as accurate and steady.
+    np.multiply(a, b, out=scratch)
+    return float(scratch.sum())
+
+
+def chunk_partial(golden: np.ndarray, target: np.ndarray, ulp_dtype: str | None,
+                  work: Workspace | None = None) -> np.ndarray:
+    """Partial sums of one chunk. golden and target are float64 1-D arrays; both are overwritten."""
     partial = empty_partial()
     partial[N] = golden.size
     if golden.size == 0:
         return partial
-    s_gg = float(np.dot(golden, golden))
-    s_tt = float(np.dot(target, target))
+    size = golden.size
+    scratch = work.scratch[:size] if work is not None else np.empty(size)
+    s_gg = _dot(golden, golden, scratch)
+    s_tt = _dot(target, target, scratch)
     if not (math.isfinite(s_gg) and math.isfinite(s_tt)):
         # Slow path, only for chunks holding nan/inf: count mismatches, compare the finite rest.
         golden_nan, target_nan = np.isnan(golden), np.isnan(target)
@@ -94,45 +114,51 @@ def chunk_partial(golden: np.ndarray, target: np.ndarray, ulp_dtype: str | None)
         partial[G_NONFINITE] = golden.size - np.count_nonzero(golden_fin)
         partial[T_NONFINITE] = target.size - np.count_nonzero(target_fin)
         both = golden_fin & target_fin
-        # Elements that are equal non-finite values (inf == inf, nan/nan) count as agreeing.
+        # Equal non-finite values (inf == inf, nan and nan) count as agreeing elements.
         agreeing_nonfinite = np.count_nonzero(~both & ((golden == target) | (golden_nan & target_nan)))
         golden, target = golden[both], target[both]
         partial[N_REL_1E3] += agreeing_nonfinite
         partial[N_REL_5E3] += agreeing_nonfinite
-        if golden.size == 0:
+        size = golden.size
+        if size == 0:
             return partial
-        s_gg = float(np.dot(golden, golden))
-        s_tt = float(np.dot(target, target))
+        scratch = scratch[:size]
+        s_gg = _dot(golden, golden, scratch)
+        s_tt = _dot(target, target, scratch)
+    mask = work.mask[:size] if work is not None else np.empty(size, dtype=bool)
     partial[S_GG] = s_gg
     partial[S_TT] = s_tt
-    partial[S_GT] = float(np.dot(golden, target))
+    partial[S_GT] = _dot(golden, target, scratch)
     partial[G_MAX], partial[G_MIN], partial[G_SUM] = golden.max(), golden.min(), golden.sum()
     partial[T_MAX], partial[T_MIN], partial[T_SUM] = target.max(), target.min(), target.sum()
     diff = np.subtract(target, golden, out=target)
-    partial[S_DD] = float(np.dot(diff, diff))
+    partial[S_DD] = _dot(diff, diff, scratch)
     abs_diff = np.abs(diff, out=diff)
     partial[MAX_ABS] = abs_diff.max()
     if ulp_dtype is not None:
-        partial[MAX_ULP] = _max_ulp(golden, abs_diff, ulp_dtype)
-    denominator = np.abs(golden, out=golden)
-    np.maximum(denominator, REL_EPS, out=denominator)
-    rel = np.divide(abs_diff, denominator, out=denominator)
+        partial[MAX_ULP] = _max_ulp(golden, abs_diff, ulp_dtype, scratch)
+    rel = np.abs(golden, out=scratch)
+    np.maximum(rel, REL_EPS, out=rel)
+    np.divide(abs_diff, rel, out=rel)
     partial[MAX_REL] = rel.max()
-    partial[N_REL_1E3] += np.count_nonzero(rel <= 1e-3)
-    partial[N_REL_5E3] += np.count_nonzero(rel <= 5e-3)
+    partial[N_REL_1E3] += np.count_nonzero(np.less_equal(rel, 1e-3, out=mask))
+    partial[N_REL_5E3] += np.count_nonzero(np.less_equal(rel, 5e-3, out=mask))
     return partial
 
 
-def _max_ulp(golden: np.ndarray, abs_diff: np.ndarray, dtype: str) -> float:
+def _max_ulp(golden: np.ndarray, abs_diff: np.ndarray, dtype: str, scratch: np.ndarray) -> float:
     """Largest error in units of the target dtype's spacing at the golden value."""
     bits = FLOAT_PRECISION_BITS[dtype]
-    _, exponent = np.frexp(golden)
-    spacing_exp = np.maximum(exponent - bits, FLOAT_MIN_EXPONENT[dtype])
-    return float((abs_diff / np.ldexp(1.0, spacing_exp)).max())
+    exponent = np.frexp(golden, out=(scratch, np.empty(golden.size, dtype=np.int32)))[1]
+    np.subtract(exponent, bits, out=exponent)
+    np.maximum(exponent, FLOAT_MIN_EXPONENT[dtype], out=exponent)
+    spacing = np.ldexp(1.0, exponent, out=scratch)
+    return float(np.divide(abs_diff, spacing, out=scratch).max())
 
 
-def pair_range_partial(job: PairJob, start: int, stop: int) -> np.ndarray:
+def pair_range_partial(job: PairJob, start: int, stop: int, work: Workspace | None = None) -> np.ndarray:
     """Partial over elements [start, stop) of one pair (opened memory-mapped, never read whole)."""
+    work = work or Workspace()
     golden = read_tensor(Path(job.golden_path)).reshape(-1)
     target = read_tensor(Path(job.target_path)).reshape(-1)
     to_golden = float64_converter(job.golden_dtype)
@@ -141,12 +167,17 @@ def pair_range_partial(job: PairJob, start: int, stop: int) -> np.ndarray:
     total = empty_partial()
     for low in range(start, stop, CHUNK):
         high = min(stop, low + CHUNK)
-        merge(total, chunk_partial(to_golden(golden[low:high]), to_target(target[low:high]), ulp))
+        size = high - low
+        golden_chunk, target_chunk = work.golden[:size], work.target[:size]
+        to_golden(golden[low:high], golden_chunk)
+        to_target(target[low:high], target_chunk)
+        merge(total, chunk_partial(golden_chunk, target_chunk, ulp, work))
     return total
 
 
 def _run_task(task: list[tuple[int, PairJob, int, int]]) -> list[tuple[int, np.ndarray]]:
-    return [(index, pair_range_partial(job, start, stop)) for index, job, start, stop in task]
+    work = Workspace()
+    return [(index, pair_range_partial(job, start, stop, work)) for index, job, start, stop in task]
 
 
 def finish(partial: np.ndarray, ulp_wanted: bool) -> PairMetrics:
@@ -193,38 +224,55 @@ def finish(partial: np.ndarray, ulp_wanted: bool) -> PairMetrics:
 
 
 def compare_pairs(jobs: list[PairJob], workers: int | None = None, progress=None) -> list[PairMetrics]:
-    """Metrics for every job, in order. Large workloads are spread over a process pool."""
-    total = sum(job.numel for job in jobs)
+    """Metrics for every job, in order. Large workloads of .npy pairs are spread over processes."""
     workers = workers if workers is not None else (os.cpu_count() or 1)
-    tasks = _plan_tasks(jobs)
     partials = [empty_partial() for _ in jobs]
-    if workers <= 1 or total < 2 * TASK_ELEMENTS or len(tasks) < 2:
-        for task in tasks:
-            for index, partial in _run_task(task):
-                merge(partials[index], partial)
-            if progress:
-                progress(sum(stop - start for _, _, start, stop in task))
-    else:
-        import multiprocessing
+    # .pt files (msprobe) need torch to open: they stay in this process, never in a forked worker.
+    npy = [i for i, job in enumerate(jobs) if not (job.golden_path.endswith(".pt") or job.target_path.endswith(".pt"))]
+    npy_set = set(npy)
+    local_tasks = _plan_tasks([(i, jobs[i]) for i in range(len(jobs)) if i not in npy_set])
+    pool_tasks = _plan_tasks([(i, jobs[i]) for i in npy])
+    if workers <= 1 or sum(jobs[i].numel for i in npy) < 2 * TASK_ELEMENTS or len(pool_tasks) < 2:
+        local_tasks += pool_tasks
+        pool_tasks = []
 
-        # spawn: never fork a process that may hold torch's thread pools.
-        context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-            futures = [(pool.submit(_run_task, task), task) for task in tasks]
+    def collect(results, task):
+        for index, partial in results:
+            merge(partials[index], partial)
+        if progress:
+            progress(sum(stop - start for _, _, start, stop in task))
+
+    if pool_tasks:
+        with ProcessPoolExecutor(max_workers=workers, mp_context=_pool_context()) as pool:
+            futures = [(pool.submit(_run_task, task), task) for task in pool_tasks]
+            for task in local_tasks:
+                collect(_run_task(task), task)
             for future, task in futures:
-                for index, partial in future.result():
-                    merge(partials[index], partial)
-                if progress:
-                    progress(sum(stop - start for _, _, start, stop in task))
+                collect(future.result(), task)
+    else:
+        for task in local_tasks:
+            collect(_run_task(task), task)
     return [finish(partial, job.ulp_dtype is not None) for partial, job in zip(partials, jobs)]
 
 
-def _plan_tasks(jobs: list[PairJob]) -> list[list[tuple[int, PairJob, int, int]]]:
+def _pool_context():
+    """fork where available: workers start in milliseconds and need no importable __main__.
+
+    Safe here because workers only run numpy ufuncs on memory-mapped .npy files (no BLAS, no
+    OpenMP, no torch), so no lock or thread pool inherited from the parent is ever used.
+    """
+    import multiprocessing
+
+    methods = multiprocessing.get_all_start_methods()
+    return multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+
+
+def _plan_tasks(jobs: list[tuple[int, PairJob]]) -> list[list[tuple[int, PairJob, int, int]]]:
     """Cut big pairs into ranges and pack small pairs together: ~TASK_ELEMENTS per task."""
     tasks: list[list] = []
     current: list = []
     current_size = 0
-    for index, job in enumerate(jobs):
+    for index, job in jobs:
         start = 0
         while True:
             stop = min(job.numel, start + TASK_ELEMENTS - current_size)

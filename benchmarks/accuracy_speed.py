@@ -1,0 +1,191 @@
+"""Accuracy tooling speed, measured side by side in one run.
+
+1. Dump overhead: time per training step of a small transformer with a DumpSession (module / api /
+   mix statistics, mix tensor) divided by the time per step without one. Targets: mix stats <= 1.3x.
+   Baseline and dump windows are interleaved and the median is taken, so load from other processes
+   hits both sides alike.
+2. Compare throughput: npu-compare (metrics in fp64, all cores) on a generated dump pair of
+   >= 500 MB (both sides together), in MB/s of dump data read. Target >= 500 MB/s on 2 cores.
+   If msprobe is installed, `msprobe compare` runs on the same pair (as .pt files) for the ratio.
+
+    python benchmarks/accuracy_speed.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from npukit.accuracy.compare import compare_dirs  # noqa: E402
+from npukit.accuracy.dump import DumpSession, write_json  # noqa: E402
+from npukit.accuracy.tensor_io import write_tensor  # noqa: E402
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        batch, length, width = x.shape
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, -1)
+        q, k, v = (t.view(batch, length, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        attention = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attention.transpose(1, 2).reshape(batch, length, width))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab: int = 512, width: int = 256, layers: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(layers))
+        self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, vocab)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def training_steps(model, optimizer, count: int) -> float:
+    """Seconds per step over `count` steps."""
+    start = time.perf_counter()
+    for _ in range(count):
+        tokens = torch.randint(0, 512, (8, 128))
+        logits = model(tokens)
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return (time.perf_counter() - start) / count
+
+
+def dump_overhead(rounds: int, steps: int) -> None:
+    torch.manual_seed(0)
+    model = TinyGPT()
+    optimizer = torch.optim.AdamW(model.parameters())
+    training_steps(model, optimizer, 2)  # warm-up
+    configs = [("module", "stats"), ("api", "stats"), ("mix", "stats"), ("mix", "tensor")]
+    samples: dict = {config: [] for config in configs}
+    baseline: list[float] = []
+    for _ in range(rounds):
+        for config in configs:
+            baseline.append(training_steps(model, optimizer, steps))
+            with tempfile.TemporaryDirectory() as out, DumpSession(Path(out), level=config[0], mode=config[1]):
+                training_steps(model, optimizer, 1)  # first step: module paths, warm caches
+                samples[config].append(training_steps(model, optimizer, steps))
+    base = statistics.median(baseline)
+    print(f"dump overhead per training step (TinyGPT 4x256, batch 8x128, AdamW; baseline {base * 1e3:.0f} ms/step)")
+    for (level, mode), values in samples.items():
+        target = "  (target <= 1.3x)" if (level, mode) == ("mix", "stats") else ""
+        print(f"  {level:6s} {mode:6s}  {statistics.median(values) / base:5.2f}x{target}")
+
+
+def generate_pair(root: Path, megabytes_per_side: int) -> int:
+    """A golden/target dump pair of fp32 and bf16 tensors, msprobe layout; returns total bytes."""
+    generator = torch.Generator().manual_seed(0)
+    elements = 2_000_000  # 8 MB fp32 per tensor
+    count = max(1, megabytes_per_side * 1_000_000 // (elements * 4))
+    total = 0
+    for side in ("golden", "target"):
+        rank_dir = root / side / "step0" / "rank0"
+        data_dir = rank_dir / "dump_tensor_data"
+        data_dir.mkdir(parents=True)
+        entries = {}
+        torch.manual_seed(0)
+        for index in range(count):
+            name = f"Functional.linear.{index}.forward"
+            tensor = torch.randn(elements, generator=torch.Generator().manual_seed(index))
+            if side == "target":
+                tensor = tensor + torch.randn(elements, generator=generator) * 1e-6
+            file_name = f"{name}.output.0.npy"
+            write_tensor(data_dir / file_name, tensor)
+            total += tensor.numel() * tensor.element_size()
+            entries[name] = {"input_args": [], "input_kwargs": {}, "output": [{
+                "type": "torch.Tensor", "dtype": "torch.float32", "shape": [elements],
+                "Max": None, "Min": None, "Mean": None, "Norm": None, "requires_grad": False,
+                "data_name": file_name,
+            }]}
+        write_json(rank_dir / "dump.json", {"task": "tensor", "level": "L1", "framework": "pytorch",
+                                            "dump_data_dir": str(data_dir), "data": entries})
+    return total
+
+
+def compare_throughput(megabytes_per_side: int) -> None:
+    root = Path(tempfile.mkdtemp(prefix="npukit-bench-"))
+    try:
+        total = generate_pair(root, megabytes_per_side)
+        workers = os.cpu_count() or 1
+        start = time.perf_counter()
+        result = compare_dirs(root / "golden", root / "target", workers=workers)
+        seconds = time.perf_counter() - start
+        assert result.pairs[0].divergence is None
+        rate = total / seconds / 1e6
+        print(f"compare throughput: {total / 1e6:.0f} MB pair in {seconds:.2f} s = {rate:.0f} MB/s "
+              f"on {workers} cores  (target >= 500 MB/s)")
+        msprobe_ratio(root, seconds)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def msprobe_ratio(root: Path, npukit_seconds: float) -> None:
+    if shutil.which("msprobe") is None:
+        print("msprobe compare: not installed (pip install mindstudio-probe), ratio skipped")
+        return
+    import numpy as np
+
+    # msprobe reads .pt tensors: convert the same pair.
+    for side in ("golden", "target"):
+        rank_dir = root / side / "step0" / "rank0"
+        dump = json.loads((rank_dir / "dump.json").read_text())
+        for entry in dump["data"].values():
+            leaf = entry["output"][0]
+            array = np.load(rank_dir / "dump_tensor_data" / leaf["data_name"])
+            leaf["data_name"] = leaf["data_name"].replace(".npy", ".pt")
+            torch.save(torch.from_numpy(array), rank_dir / "dump_tensor_data" / leaf["data_name"])
+        (rank_dir / "dump.json").write_text(json.dumps(dump))
+    config = root / "compare.json"
+    config.write_text(json.dumps({
+        "npu_path": str(root / "target/step0/rank0/dump.json"),
+        "bench_path": str(root / "golden/step0/rank0/dump.json"),
+        "is_print_compare_log": False,
+    }))
+    start = time.perf_counter()
+    done = subprocess.run(["msprobe", "-f", "pytorch", "compare", "-i", str(config), "-o", str(root / "out")],
+                          capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        print(f"msprobe compare failed (exit {done.returncode}): {done.stderr.strip()[-300:]}")
+        return
+    print(f"msprobe compare: {seconds:.2f} s; npukit is {seconds / npukit_seconds:.1f}x faster")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer rounds and a smaller dump pair")
+    args = parser.parse_args()
+    dump_overhead(rounds=2 if args.quick else 4, steps=2 if args.quick else 3)
+    compare_throughput(megabytes_per_side=64 if args.quick else 256)
+
+
+if __name__ == "__main__":
+    main()
