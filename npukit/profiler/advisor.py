@@ -522,7 +522,8 @@ def rule_gc_pauses(view: ProfileView) -> Finding | None:
     step_ns = _step_time_ns(view) or float(table.dur_ns[table.parent < 0].sum()) or 1.0
     longest = float(table.dur_ns[rows].max())
     share = 100 * gc_ns / step_ns
-    if share < 2 and longest < 20e6:
+    # Young-generation collections are short and frequent: only a real share or one long pause counts.
+    if not ((share >= 5 and gc_ns / view.steps >= 1e6) or longest >= 20e6):
         return None
     generations = Counter(view.names[r] for r in rows)
     return Finding(

@@ -51,8 +51,8 @@ def _import_backend() -> str | None:
     Returns why it is unavailable, or None."""
     try:
         backend = importlib.import_module("npukit.npu_backend")
-    except ImportError as exc:
-        return f"npukit.npu_backend not importable: {exc}"
+    except Exception as exc:  # a half-built backend raises more than ImportError
+        return f"npukit.npu_backend not importable: {type(exc).__name__}: {exc}"
     if getattr(backend, "__file__", None) is None:  # a bare directory (namespace package): not built yet
         return "npukit.npu_backend has no __init__.py yet"
     return None
