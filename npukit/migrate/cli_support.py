@@ -38,14 +38,13 @@ def main(**option_values) -> int:
             progress_bar.stop()
     if options.diff:
         sys.stdout.write(unified_diff(run))
-    if options.report_dir is not None:
-        written = write_reports(run, options.report_dir)
-        if not options.quiet:
-            console.print(f"reports: {', '.join(str(p) for p in written)}")
+    written = write_reports(run, options.report_dir) if options.report_dir is not None else []
     if not options.quiet:
         print_summary(run, Console(stderr=options.diff))
         if options.out is not None:
             console.print(f"migrated copy written to {Path(options.out)}")
+        if written:
+            console.print(f"reports written to {options.report_dir}: {', '.join(p.name for p in written)}")
     if options.check and run.changed:
         if not options.quiet:
             console.print(f"[red]{len(run.changed)} file(s) would change[/red]")
