@@ -26,6 +26,7 @@ _STRING_HEAD = re.compile(r"([A-Za-z]*)('''|\"\"\"|'|\")")
 _CONFIG_RECEIVERS = frozenset(
     {"args", "opt", "opts", "cfg", "config", "conf", "flags", "FLAGS", "hparams", "hp", "options", "params", "settings"}
 )
+_TORCH_CLASSES_WITH_CUDA = frozenset({"torch.Tensor", "torch.nn.Module", "torch.UntypedStorage", "torch.TypedStorage"})
 _TEST_PARENTS = (ast.If, ast.While, ast.BoolOp, ast.UnaryOp, ast.IfExp, ast.Assert, ast.Compare)
 _SCOPE_NODES = (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
 
@@ -379,6 +380,7 @@ class PythonMigrator:
         self.has_torch_npu_import = False
         self.has_transfer_to_npu = False
         self.imports_torch = False
+        self.module_names: set[str] = set()  # names bound by `import x` (certainly modules)
         for node in self.imports:
             module = node.module if isinstance(node, ast.ImportFrom) else None
             roots = [module.split(".")[0]] if module and node.level == 0 else []
@@ -391,11 +393,9 @@ class PythonMigrator:
                         self.has_torch_npu_import = True
                         if alias.name.startswith("torch_npu.contrib.transfer_to_npu"):
                             self.has_transfer_to_npu = True
-                    if alias.asname:
-                        self.bindings[alias.asname] = alias.name
-                    else:
-                        top = alias.name.split(".")[0]
-                        self.bindings[top] = top
+                    local = alias.asname or alias.name.split(".")[0]
+                    self.bindings[local] = alias.name if alias.asname else local
+                    self.module_names.add(local)
             elif node.level == 0 and node.module:
                 if node.module.split(".")[0] == "torch_npu":
                     self.has_torch_npu_import = True
@@ -980,7 +980,10 @@ class PythonMigrator:
         for node in self.attributes:
             up = self.parent.get(id(node))
             outermost = not (isinstance(up, ast.Attribute) and up.value is node)
-            receiver_is_module = self.qualname(node.value) is not None
+            receiver = self.qualname(node.value)
+            # `torch.cuda`, `numba.cuda`: a module attribute; `from m import model; model.cuda()`: a method
+            receiver_is_module = receiver is not None and receiver not in _TORCH_CLASSES_WITH_CUDA and (
+                receiver == "torch" or self._root_name(node.value) in self.module_names)
             if node.attr in ("cuda", "is_cuda") and not receiver_is_module:
                 if id(node) in self.claimed:
                     continue
@@ -1010,6 +1013,12 @@ class PythonMigrator:
                 if isinstance(up, ast.Attribute) or id(use) in self.claimed:
                     continue
                 self._handle_chain(use)
+
+    @staticmethod
+    def _root_name(node: ast.AST) -> str | None:
+        while isinstance(node, ast.Attribute):
+            node = node.value
+        return node.id if isinstance(node, ast.Name) else None
 
     def _rename_attr(self, node: ast.Attribute, new: str, rule: str) -> None:
         _, end = self.pos.span(node)

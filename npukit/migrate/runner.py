@@ -208,6 +208,10 @@ def run_migration(options: MigrateOptions, progress_factory=None) -> MigrationRu
     started = time.perf_counter()
     discovery = fs.discover(options.target)
     root = discovery.root
+    if options.report_dir is not None and fs.inside(options.report_dir, root):
+        # our own reports quote CUDA code; a later run must not "migrate" them
+        reports = Path(os.path.realpath(options.report_dir))
+        discovery.files = [f for f in discovery.files if not fs.inside(root / f, reports)]
     progress = progress_factory(len(discovery.files)) if progress_factory else None
     results = _analyse(root, discovery.files, options, progress)
     for result in results:

@@ -16,6 +16,17 @@ from npukit.migrate.pysource import MigrationSyntaxError, apply_edits, migrate_p
 from npukit.migrate.rules import Flag
 
 _ENV_RENAME = re.compile(r"\b(" + "|".join(rules.ENV_RENAMES) + r")\b")
+# in configs an env var name is a use when it is a whole scalar (key or value), an assignment or a
+# $reference - not when a sentence mentions it
+_ENV_ALT = "(" + "|".join(rules.ENV_RENAMES) + ")"
+_CONFIG_ENV_USE = re.compile(
+    r"\$\{?" + _ENV_ALT + r"\}?"                    # $X, ${X}
+    + r"|\b" + _ENV_ALT + r"(?==)"                   # X=1
+    + r"|(?<=[\"'])" + _ENV_ALT + r"(?=[\"'])"        # "X"
+    + r"|^\s*(?:-\s+)?" + _ENV_ALT + r"(?=\s*:)"      # X: value, - X: value
+    + r"|:\s+" + _ENV_ALT + r"\s*$"                  # key: X
+    + r"|^\s*-\s+" + _ENV_ALT + r"\s*$"              # - X
+)
 _NCCL_ENV = re.compile(r"\b(TORCH_)?NCCL_[A-Z0-9_]+\b")
 _DEVICE_OPTION = re.compile(r"(--[\w-]*device[\w-]*(?:=|\s+)[\"']?)cuda(?=(?::\d+)?[\"']?(?:\s|$|\\))")
 _BACKEND_OPTION = re.compile(r"(--[\w-]*backend[\w-]*(?:=|\s+)[\"']?)nccl\b")
@@ -55,15 +66,17 @@ def _finding(path: str, line_no: int, col: int, line: str, flag: Flag, reason: s
     return Finding(path, line_no, col, flag.kind, flag.severity, line.strip(), reason or flag.reason, flag.suggestion)
 
 
-def _command_line_edits(line: str, line_no: int, path: str, findings: list[Finding]) -> list[TextEdit]:
+def _command_line_edits(line: str, line_no: int, path: str, findings: list[Finding],
+                        env_pattern: re.Pattern[str] = _ENV_RENAME) -> list[TextEdit]:
     """Env var names, --device cuda, --backend nccl, and nvidia-smi in one shell-like line."""
     code = line[:_split_comment(line)]
     if not code.strip() or _LOG_COMMAND.match(code):
         return []
     edits: list[TextEdit] = []
-    for match in _ENV_RENAME.finditer(code):
-        name = match.group(1)
-        edits.append(TextEdit(line_no, match.start(), match.end(), rules.ENV_RENAMES[name], "env-var"))
+    for match in env_pattern.finditer(code):
+        name = match.group(match.lastindex)
+        edits.append(TextEdit(line_no, match.start(match.lastindex), match.end(match.lastindex),
+                              rules.ENV_RENAMES[name], "env-var"))
         if name in rules.ENV_RENAME_NOTES:
             findings.append(_finding(path, line_no, match.start() + 1, line, rules.ENV_RENAME_NOTES[name]))
     for match in _DEVICE_OPTION.finditer(code):
@@ -135,7 +148,7 @@ def migrate_yaml(text: str, path: str) -> tuple[str, list[Change], list[Finding]
                 new = re.sub(r"\bnccl\b", "hccl", re.sub(r"\bcuda\b", "npu", value))
                 edits.append(TextEdit(number, at, at + len(value), new, "backend-string"))
                 continue
-        edits += _command_line_edits(body, number, path, findings)
+        edits += _command_line_edits(body, number, path, findings, _CONFIG_ENV_USE)
     new_lines, changes = _apply_line_edits(lines, edits, path)
     new_text = "".join(new_lines)
     if changes and parsed_before and _yaml_parses(new_text) is False:
@@ -170,8 +183,9 @@ def migrate_json(text: str, path: str) -> tuple[str, list[Change], list[Finding]
             edits.append(TextEdit(number, match.end(1), match.end(1) + 4, "npu", "device-string"))
         for match in _JSON_BACKEND.finditer(line):
             edits.append(TextEdit(number, match.end(1), match.end(1) + 4, "hccl", "backend-string"))
-        for match in _ENV_RENAME.finditer(line):
-            edits.append(TextEdit(number, match.start(), match.end(), rules.ENV_RENAMES[match.group(1)], "env-var"))
+        for match in _CONFIG_ENV_USE.finditer(line.rstrip("\r\n")):
+            index = match.lastindex
+            edits.append(TextEdit(number, match.start(index), match.end(index), rules.ENV_RENAMES[match.group(index)], "env-var"))
         for match in _NCCL_ENV.finditer(line):
             if match.group(0) not in rules.ENV_RENAMES:
                 findings.append(_finding(path, number, match.start() + 1, line, rules.NCCL_ENV_FLAG,

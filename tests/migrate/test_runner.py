@@ -228,3 +228,15 @@ def test_no_write_permission_is_not_a_crash_when_nothing_changes(tmp_path: Path)
         assert run_migration(MigrateOptions(target=tmp_path, quiet=True)).changed == []
     finally:
         os.chmod(tmp_path, 0o755)
+
+
+def test_report_folder_inside_the_target_is_not_migrated_later(repo: Path) -> None:
+    from npukit.migrate import write_reports
+
+    report = repo / "npu-report"
+    run = run_migration(MigrateOptions(target=repo, dry_run=True, report_dir=report))
+    write_reports(run, report)
+    written = _snapshot(report)
+    again = run_migration(MigrateOptions(target=repo, dry_run=True, report_dir=report))
+    assert not any(r.path.startswith("npu-report/") for r in again.results)
+    assert _snapshot(report) == written

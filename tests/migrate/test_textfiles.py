@@ -58,8 +58,11 @@ YAML_CASES = [
      "command: python train.py --device cuda\n",
      "command: python train.py --device npu\n"),
     ("unrelated-values-untouched",
-     "name: cuda-demo\nnote: runs on cuda\n# device: cuda\ndevices: [0, 1]\n",
-     "name: cuda-demo\nnote: runs on cuda\n# device: cuda\ndevices: [0, 1]\n"),
+     "name: cuda-demo\nnote: runs on cuda\n# device: cuda\ndevices: [0, 1]\nhint: set CUDA_VISIBLE_DEVICES by hand\n",
+     "name: cuda-demo\nnote: runs on cuda\n# device: cuda\ndevices: [0, 1]\nhint: set CUDA_VISIBLE_DEVICES by hand\n"),
+    ("env-as-key-assignment-and-reference",
+     "env:\n  CUDA_VISIBLE_DEVICES: \"0\"\nrun: CUDA_LAUNCH_BLOCKING=1 python a.py\nargs: [\"${CUDA_VISIBLE_DEVICES}\"]\n",
+     "env:\n  ASCEND_RT_VISIBLE_DEVICES: \"0\"\nrun: ASCEND_LAUNCH_BLOCKING=1 python a.py\nargs: [\"${ASCEND_RT_VISIBLE_DEVICES}\"]\n"),
 ]
 
 
@@ -74,9 +77,11 @@ def test_invalid_yaml_is_reported_not_rewritten() -> None:
 
 
 def test_json_config() -> None:
-    source = '{\n  "device": "cuda:0",\n  "backend": "nccl",\n  "comment": "cuda",\n  "env": {"CUDA_VISIBLE_DEVICES": "0"}\n}\n'
+    source = ('{\n  "device": "cuda:0",\n  "backend": "nccl",\n  "comment": "cuda",\n  "env": {"CUDA_VISIBLE_DEVICES": "0"},\n'
+              '  "note": "set CUDA_VISIBLE_DEVICES by hand"\n}\n')
     text, changes, _ = migrate_json(source, "cfg.json")
-    assert text == '{\n  "device": "npu:0",\n  "backend": "hccl",\n  "comment": "cuda",\n  "env": {"ASCEND_RT_VISIBLE_DEVICES": "0"}\n}\n'
+    assert text == ('{\n  "device": "npu:0",\n  "backend": "hccl",\n  "comment": "cuda",\n  "env": {"ASCEND_RT_VISIBLE_DEVICES": "0"},\n'
+                    '  "note": "set CUDA_VISIBLE_DEVICES by hand"\n}\n')
     assert len(changes) == 3
     assert json.loads(text)["device"] == "npu:0"
 
