@@ -805,7 +805,7 @@ class PythonMigrator:
     def _handle_device_sinks(self, call: ast.Call, qualified: str | None, method: str | None) -> None:
         positions: list[tuple[ast.AST, bool]] = []  # (expr, int ordinal allowed)
         for keyword in call.keywords:
-            if keyword.arg in rules.DEVICE_KEYWORDS:
+            if keyword.arg and rules.DEVICE_KEYWORD.match(keyword.arg):
                 positions.append((keyword.value, keyword.arg == "device"))
         if call.args and not isinstance(call.args[0], ast.Starred):
             if qualified in rules.DEVICE_FIRST_ARG:

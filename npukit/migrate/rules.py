@@ -214,6 +214,35 @@ CUDA_FLAGGED = {
 
 DEVICE_PROPERTY_FIELDS_MISSING = frozenset({"major", "minor", "multi_processor_count"})
 
+# ------------------------------------------------------------------------------ rule catalogue
+# Every rewrite names one of these rules (change_list.csv, report.json, the summary table).
+REWRITE_RULES = {
+    "import-torch-npu": "`import torch_npu` once, after the docstring and __future__ imports",
+    "cuda-namespace": "torch.cuda.X -> torch.npu.X for the names torch_npu has",
+    "cuda-import": "imports of torch.cuda / its members -> torch_npu.npu",
+    "cuda-renamed": "torch.cuda names that have another name (default_generators, OutOfMemoryError)",
+    "cuda-graph": "torch.cuda.CUDAGraph -> torch.npu.NPUGraph",
+    "nvtx-to-mstx": "torch.cuda.nvtx.* -> torch.npu.mstx.*",
+    "tf32-to-hf32": "allow_tf32 -> allow_hf32 (with a precision note)",
+    "nccl-to-hccl": "is_nccl_available / Backend.NCCL -> hccl",
+    "profiler-activity": "ProfilerActivity.CUDA -> ProfilerActivity.NPU",
+    "amp-upgrade": "torch.cuda.amp.* -> torch.amp.* with device 'npu'; get_autocast_gpu_dtype",
+    "device-string": "'cuda' literals in device positions, templates and f-strings",
+    "device-compare": "'cuda' compared with a device expression",
+    "device-variable": "'cuda' assigned to a device variable, parameter default or config key",
+    "argparse-default": "argparse default/choices 'cuda' / 'nccl'",
+    "int-ordinal": "int device ordinals made explicit: .to(rank) -> .to(f'npu:{rank}')",
+    "backend-string": "'nccl' process-group backend strings",
+    "backend-compare": "'nccl' compared with a backend expression",
+    "cuda-method": ".cuda() -> .npu() on tensors and modules",
+    "is-cuda": ".is_cuda -> .is_npu",
+    "torch-load-map-location": "torch.load without map_location gets map_location='cpu'",
+    "default-tensor-type": "set_default_tensor_type(torch.cuda.XTensor) -> set_default_device + set_default_dtype",
+    "fork-rng-device-type": "torch.random.fork_rng gets device_type='npu'",
+    "env-var": "CUDA_VISIBLE_DEVICES and friends -> their Ascend names",
+    "runtime-transfer-to-npu": "--runtime: transfer_to_npu import at entry points",
+}
+
 # ------------------------------------------------------------------------------ amp upgrade
 # torch.cuda.amp.* is deprecated upstream; rewrite to the device-generic torch.amp.* with "npu".
 AMP_CALLS = frozenset({"autocast", "GradScaler", "custom_fwd", "custom_bwd"})
@@ -221,7 +250,8 @@ AMP_CALLS = frozenset({"autocast", "GradScaler", "custom_fwd", "custom_bwd"})
 CUDA_AUTOCAST_POSITIONAL = ("enabled", "dtype", "cache_enabled")
 
 # ------------------------------------------------------------------------------ device strings
-DEVICE_KEYWORDS = frozenset({"device", "device_type", "map_location", "pin_memory_device", "device_id"})
+# keyword arguments that take a device: device=, device_type=, use_device=, target_device=, device_map=...
+DEVICE_KEYWORD = re.compile(r"(?:\w+_)?device(?:_type|_id|_map)?\Z|map_location\Z")
 # functions whose first positional argument is a device (expression-space qualified names)
 DEVICE_FIRST_ARG = frozenset(
     {

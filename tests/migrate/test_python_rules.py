@@ -63,6 +63,9 @@ REWRITES = [
     ("tensor-class-method-reference",
      'import torch\nmove = torch.Tensor.cuda\n',
      NPU + 'import torch\nmove = torch.Tensor.npu\n'),
+    ("device-keyword-family",
+     'import torch\np = profile(use_device="cuda")\nm = load(name, device_map="cuda", offload_device="cuda:1")\n',
+     NPU + 'import torch\np = profile(use_device="npu")\nm = load(name, device_map="npu", offload_device="npu:1")\n'),
     ("profiler-activity",
      'from torch.profiler import ProfilerActivity\nacts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]\n',
      NPU + 'from torch.profiler import ProfilerActivity\nacts = [ProfilerActivity.CPU, ProfilerActivity.NPU]\n'),
@@ -178,3 +181,12 @@ def test_prefilter_covers_every_rule_table_entry() -> None:
         module, _, member = name.rpartition(".")
         assert rules.worth_parsing(f"from {module} import {member}\n{member}()\n"), name
         assert rules.worth_parsing(f"import torch\n{name}()\n"), name
+
+
+def test_every_rewrite_rule_has_before_after_cases_and_no_rule_is_unnamed() -> None:
+    from npukit.migrate import rules
+    from tests.migrate.test_tricky_cases import CASES
+
+    emitted = {change.rule for case in [*CASES, *REWRITES] for change in migrate_python(case[1], "m.py").changes}
+    assert emitted <= set(rules.REWRITE_RULES)
+    assert set(rules.REWRITE_RULES) - emitted == {"runtime-transfer-to-npu"}  # tested in the runtime test
