@@ -12,11 +12,15 @@ import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
-# folders that hold other people's code or build output, never the user's sources
-SKIPPED_DIRS = frozenset(
-    {".git", ".hg", ".svn", ".venv", "venv", "site-packages", "dist-packages", "node_modules",
-     "__pycache__", ".tox", ".nox", ".mypy_cache", ".pytest_cache", ".ruff_cache", ".eggs", "build", "dist",
-     "third_party", "thirdparty", "third-party", "3rdparty", "vendor", "vendored", "_vendor", ".ipynb_checkpoints"}
+# never walked, never copied: version control, virtualenvs (also any folder with pyvenv.cfg), caches
+EXCLUDED_DIRS = frozenset(
+    {".git", ".hg", ".svn", ".venv", "venv", "__pycache__", ".tox", ".nox", ".mypy_cache", ".pytest_cache",
+     ".ruff_cache", ".ipynb_checkpoints"}
+)
+# other people's code or build output: copied by --out, never migrated
+VENDORED_DIRS = frozenset(
+    {"site-packages", "dist-packages", "node_modules", ".eggs", "build", "dist", "third_party", "thirdparty",
+     "third-party", "3rdparty", "vendor", "vendored", "_vendor"}
 )
 PYTHON_SUFFIXES = (".py", ".pyw")
 SHELL_SUFFIXES = (".sh", ".bash", ".zsh")
@@ -116,8 +120,11 @@ class _GitIgnore:
         return result
 
 
-def discover(target: Path) -> Discovery:
-    """Walk target without following symlinks, honouring .gitignore and skipping vendored folders."""
+def discover(target: Path, *, for_copy: bool = False) -> Discovery:
+    """Walk target without following symlinks, honouring .gitignore and skipping vendored folders.
+
+    for_copy: also walk ignored and vendored folders (their files go to all_files, not to files).
+    """
     if target.is_file():
         root = target.parent
         relative = target.name
@@ -131,10 +138,12 @@ def discover(target: Path) -> Discovery:
     all_files: list[str] = []
     skipped: list[tuple[str, str]] = []
     root_real = os.path.realpath(root)
+    ignored_dirs: set[str] = set()  # git-ignored folders: walked (so --out copies them) but not migrated
     for directory, dirnames, filenames in os.walk(root, followlinks=False):
         rel_dir = os.path.relpath(directory, root).replace(os.sep, "/")
         rel_dir = "" if rel_dir == "." else rel_dir
-        if visible is None and ".gitignore" in filenames:
+        in_ignored_dir = rel_dir in ignored_dirs
+        if visible is None and not in_ignored_dir and ".gitignore" in filenames:
             ignore.add_file(rel_dir, Path(directory) / ".gitignore")
         kept = []
         for name in sorted(dirnames):
@@ -142,12 +151,21 @@ def discover(target: Path) -> Discovery:
             full = os.path.join(directory, name)
             if os.path.islink(full):
                 skipped.append((relative, "symlinked folder (not followed)"))
-            elif name in SKIPPED_DIRS or os.path.exists(os.path.join(full, "pyvenv.cfg")):
+            elif name in EXCLUDED_DIRS or os.path.exists(os.path.join(full, "pyvenv.cfg")):
                 if name != ".git":
-                    skipped.append((relative, "vendored, virtualenv or build folder"))
-            elif visible is None and ignore.ignored(relative, True):
-                skipped.append((relative, "ignored by .gitignore"))
+                    skipped.append((relative, "virtualenv or cache folder"))
             else:
+                why = None
+                if name in VENDORED_DIRS:
+                    why = "vendored or build folder"
+                elif visible is None and ignore.ignored(relative, True):
+                    why = "ignored by .gitignore"
+                if why and not in_ignored_dir:
+                    skipped.append((relative, why))
+                if why or in_ignored_dir:
+                    ignored_dirs.add(relative)
+                    if not for_copy:
+                        continue
                 kept.append(name)
         dirnames[:] = kept
         for name in sorted(filenames):
@@ -163,7 +181,7 @@ def discover(target: Path) -> Discovery:
             if not os.path.isfile(full):
                 continue
             all_files.append(relative)
-            if visible is not None and relative not in visible:
+            if in_ignored_dir or (visible is not None and relative not in visible):
                 continue
             if visible is None and ignore.ignored(relative, False):
                 continue

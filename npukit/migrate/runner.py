@@ -206,7 +206,7 @@ def run_migration(options: MigrateOptions, progress_factory=None) -> MigrationRu
     """Run one migration. progress_factory(total) -> callable(advance) draws a progress bar."""
     _validate(options)
     started = time.perf_counter()
-    discovery = fs.discover(options.target)
+    discovery = fs.discover(options.target, for_copy=options.out is not None)
     root = discovery.root
     if options.report_dir is not None and fs.inside(options.report_dir, root):
         # our own reports quote CUDA code; a later run must not "migrate" them

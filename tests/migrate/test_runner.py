@@ -150,6 +150,13 @@ def test_gitignore_and_vendored_folders_are_skipped(tmp_path: Path) -> None:
     (root / "src" / "scratch.tmp.py").write_text(TRAIN)
     run = run_migration(MigrateOptions(target=root, dry_run=True))
     assert {r.path for r in run.changed} == {"src/m.py"}
+    # a copy still contains ignored (data, generated) and vendored files, unmigrated; not virtualenvs
+    out = tmp_path / "copy"
+    run_migration(MigrateOptions(target=root, out=out, quiet=True))
+    assert (out / "generated" / "m.py").read_text() == TRAIN
+    assert (out / "third_party" / "lib" / "m.py").read_text() == TRAIN
+    assert ".npu()" in (out / "src" / "m.py").read_text()
+    assert not (out / "venv").exists() and not (out / "custom_env").exists()
 
 
 def test_gitignore_is_honoured_through_git_in_a_work_tree(repo: Path) -> None:
