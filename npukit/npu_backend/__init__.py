@@ -79,6 +79,7 @@ def install(device_count: int | None = None) -> None:
     if device_count is None:
         _C.set_device_count(_device_count_from_environment())
     _C.install()
+    _C.route_composite_ops_to_cpu_kernels()
     if backend_name != "npu":
         torch.utils.rename_privateuse1_backend("npu")
 

@@ -731,6 +731,32 @@ struct NpuHooks final : public at::PrivateUse1HooksInterface {
   }
 };
 
+// An op with both a CPU kernel and a CompositeExplicitAutograd kernel would run the composite
+// decomposition on npu (e.g. native_layer_norm), which computes differently from the CPU
+// kernel. Route such ops through the fallback so npu results are the CPU kernel's, bit for bit.
+std::vector<std::string> route_composite_ops_to_cpu_kernels() {
+  static std::unique_ptr<torch::Library> library;
+  static std::vector<std::string> routed;
+  if (library) return routed;
+  library = std::make_unique<torch::Library>(torch::Library::IMPL, "aten",
+                                             c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
+  for (const c10::OperatorName& name : c10::Dispatcher::singleton().getAllOpNames()) {
+    if (name.name.rfind("aten::", 0) != 0) continue;
+    auto handle = c10::Dispatcher::singleton().findOp(name);
+    if (!handle) continue;
+    if (!handle->hasKernelForDispatchKey(c10::DispatchKey::CPU)) continue;
+    if (handle->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1)) continue;
+    if (!handle->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) &&
+        !handle->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional))
+      continue;
+    std::string op = name.name.substr(6);
+    if (!name.overload_name.empty()) op += "." + name.overload_name;
+    library->impl(op.c_str(), torch::CppFunction::makeFromBoxedFunction<&npu_fallback>());
+    routed.push_back(op);
+  }
+  return routed;
+}
+
 void install() {
   static std::once_flag once;
   std::call_once(once, [] {
@@ -856,6 +882,7 @@ py::dict memory_stats(int dev) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("install", &install);
+  mod.def("route_composite_ops_to_cpu_kernels", &route_composite_ops_to_cpu_kernels);
   mod.def("set_device_count", [](int n) {
     TORCH_CHECK(n >= 0 && n <= kMaxDevices, "device count must be in [0, ", kMaxDevices, "], got ", n);
     g_device_count = n;

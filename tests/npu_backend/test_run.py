@@ -1,0 +1,116 @@
+"""npu-run runs scripts as python would, on the emulated NPU; transfer_to_npu runs CUDA code."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CNN = REPO / "examples" / "cuda_project" / "train_cnn.py"
+
+
+def npu_run(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 300):
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "npukit.run", *args], capture_output=True, text=True,
+                          cwd=cwd, env=full_env, timeout=timeout)
+
+
+def losses(output: str) -> list[str]:
+    return re.findall(r"step \d+ loss (\S+)", output)
+
+
+def test_script_sees_argv_main_and_its_directory_and_exit_code(tmp_path):
+    (tmp_path / "helper_mod.py").write_text("VALUE = 41\n")
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import sys, torch, torch_npu\n"
+        "from helper_mod import VALUE\n"
+        "assert __name__ == '__main__'\n"
+        "x = torch.ones(2).npu()\n"
+        "print('argv', sys.argv[1:], 'device', x.device, 'value', VALUE + 1)\n"
+        "print('torch_npu', torch_npu.npu.get_device_name())\n"
+        "sys.exit(int(sys.argv[1]))\n"
+    )
+    result = npu_run(str(script), "3", "--flag")
+    assert result.returncode == 3, result.stderr
+    assert "argv ['3', '--flag'] device npu:0 value 42" in result.stdout
+    assert "torch_npu Ascend910B2 (emulated)" in result.stdout
+
+
+def test_devices_option_and_script_errors(tmp_path):
+    script = tmp_path / "count.py"
+    script.write_text("import torch\nprint(torch.npu.device_count())\nraise ValueError('boom in user code')\n")
+    result = npu_run("--devices", "2", str(script))
+    assert result.stdout.strip() == "2"
+    assert result.returncode == 1
+    assert "ValueError: boom in user code" in result.stderr
+    assert 'count.py", line 3' in result.stderr
+
+
+def test_missing_script_is_a_clear_error(tmp_path):
+    result = npu_run(str(tmp_path / "nope.py"))
+    assert result.returncode == 2
+    assert "script not found" in result.stderr and "nope.py" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_refuses_when_real_torch_npu_is_installed(tmp_path):
+    fake = tmp_path / "site" / "torch_npu"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('not really')\n")
+    script = tmp_path / "s.py"
+    script.write_text("print('ran')\n")
+    env = {"PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    refused = npu_run(str(script), env=env)
+    assert refused.returncode == 2 and "a real torch_npu is installed" in refused.stderr
+    assert "--emulate" in refused.stderr
+    allowed = npu_run("--emulate", str(script), env=env)
+    assert allowed.returncode == 0 and "ran" in allowed.stdout
+
+
+def test_cuda_script_runs_unmodified_with_transfer_to_npu_and_matches_cpu_in_golden_mode():
+    args = [str(CNN), "--steps", "4"]
+    cpu = subprocess.run([sys.executable, *args, "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    golden = npu_run("--golden", "--transfer-to-npu", *args)
+    assert golden.returncode == 0, golden.stderr
+    assert "max memory allocated" in golden.stdout  # the CUDA branch of the script ran, on npu
+    assert losses(golden.stdout) == losses(cpu.stdout) and len(losses(cpu.stdout)) == 4
+    default = npu_run("--transfer-to-npu", *args)  # NPU numerics on (conv HF32): close, not equal
+    npu_losses = [float(v) for v in losses(default.stdout)]
+    cpu_losses = [float(v) for v in losses(cpu.stdout)]
+    assert npu_losses != cpu_losses
+    assert all(abs(a - b) < 1e-2 for a, b in zip(npu_losses, cpu_losses))
+
+
+def test_cuda_script_without_transfer_fails_like_on_an_npu_host():
+    result = npu_run(str(CNN), "--steps", "1", "--device", "cuda")
+    assert result.returncode == 1
+    assert "Torch not compiled with CUDA enabled" in result.stderr
+
+
+def test_migrated_script_runs_under_npu_run(tmp_path):
+    migrated = tmp_path / "train_cnn_npu.py"
+    source = CNN.read_text()
+    source = source.replace("import torch\n", "import torch\nimport torch_npu\n", 1)
+    source = source.replace('"cuda" if torch.cuda.is_available()', '"npu" if torch.npu.is_available()')
+    source = source.replace('args.device.startswith("cuda")', 'args.device.startswith("npu")')
+    source = source.replace("model.cuda()", "model.npu()").replace("torch.cuda.", "torch.npu.")
+    migrated.write_text(source)
+    cpu = subprocess.run([sys.executable, str(CNN), "--steps", "3", "--device", "cpu"], capture_output=True,
+                         text=True, timeout=300)
+    result = npu_run("--golden", str(migrated), "--steps", "3")
+    assert result.returncode == 0, result.stderr
+    assert losses(result.stdout) == losses(cpu.stdout)
+
+
+@pytest.mark.parametrize("option", ["--nproc-per-node"])
+def test_strip_option_keeps_script_arguments(option):
+    from npukit.run import strip_option
+
+    argv = ["--golden", option, "2", "train.py", option, "5", "--x"]
+    assert strip_option(argv, option) == ["--golden", "train.py", option, "5", "--x"]
+    assert strip_option([f"{option}=2", "t.py"], option) == ["t.py"]
