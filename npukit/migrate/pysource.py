@@ -560,7 +560,8 @@ class PythonMigrator:
 
     def _rewrite_chain(self, node: ast.AST, new_qualified: str, rule: str) -> bool:
         text = self._replacement_text(node, new_qualified)
-        if text is None:
+        last = node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
+        if text is None or not self.pos.segment(node).endswith(last):  # guard against a wrong position
             return False
         needs = new_qualified.startswith(("torch.npu", "torch_npu")) or rule not in ("cuda-renamed",)
         self._edit(node, text, rule, needs_torch_npu=needs)
@@ -1022,6 +1023,8 @@ class PythonMigrator:
 
     def _rename_attr(self, node: ast.Attribute, new: str, rule: str) -> None:
         _, end = self.pos.span(node)
+        if self.text[end - len(node.attr):end] != node.attr:  # a position the parser got wrong: do nothing
+            return
         self._edit((end - len(node.attr), end), new, rule)
 
     def _is_user_cuda_receiver(self, node: ast.Attribute) -> bool:
