@@ -462,65 +462,76 @@ class PythonMigrator:
             self._flag_third_party_import(node)
 
     def _handle_import(self, node: ast.Import) -> None:
-        if not any(a.asname and a.name.startswith("torch.cuda") for a in node.names):
-            return
-        parts = []
-        rule_used = None
+        """`import torch.cuda as tc` -> `import torch_npu.npu as tc`, edited alias by alias."""
         for alias in node.names:
-            target = self._import_target(alias.name, alias.asname) if alias.asname else None
+            if not (alias.asname and alias.name.startswith("torch.cuda")):
+                continue
+            target = self._import_target(alias.name, alias.asname)
             if target is None:
-                parts.append(_alias_text(alias.name, alias.asname))
-                if alias.asname and alias.name.startswith("torch.cuda"):
-                    self._flag_cuda_qualname(node, alias.name)
+                self._flag_cuda_qualname(node, alias.name)
                 continue
             expr_target, rule = target
             self.rebound[alias.asname] = expr_target
-            parts.append(_alias_text(_import_space(expr_target), alias.asname))
-            rule_used = rule
-        if rule_used is not None:
-            self._edit(node, "import " + ", ".join(parts), rule_used)
+            self._edit(alias, _alias_text(_import_space(expr_target), alias.asname), rule)
 
     def _handle_import_from(self, node: ast.ImportFrom) -> None:
         module = node.module
         if not (module == "torch" or module.startswith("torch.cuda") or module.startswith("torch.backends")):
             return
-        groups: dict[str, list[str]] = {}
-        order: list[str] = []
-        changed = False
+        # each imported name -> (target module, alias text); None target = keep as is
+        plan: list[tuple[ast.alias, str, str, bool]] = []
         rule_used = "cuda-import"
         for alias in node.names:
             local = alias.asname or alias.name
             if alias.name == "*":
-                if module == "torch.cuda":
-                    target_module, changed = "torch_npu.npu", True
-                else:
-                    target_module = module
-                groups.setdefault(target_module, []).append("*")
-                order.append(target_module) if target_module not in order else None
+                plan.append((alias, "torch_npu.npu" if module == "torch.cuda" else module, "*", module == "torch.cuda"))
                 continue
             qualified = f"{module}.{alias.name}"
             target = self._import_target(qualified, local)
             if target is None:
                 if qualified.startswith("torch.cuda"):
                     self._flag_cuda_qualname(node, qualified)
-                groups.setdefault(module, []).append(_alias_text(alias.name, alias.asname))
-                order.append(module) if module not in order else None
+                plan.append((alias, module, _alias_text(alias.name, alias.asname), False))
                 continue
             expr_target, rule = target
             rule_used = rule if rule == "amp-upgrade" else rule_used
             self.rebound[local] = expr_target
             target_module, _, name = _import_space(expr_target).rpartition(".")
-            groups.setdefault(target_module, []).append(_alias_text(name, None if name == local else local))
-            order.append(target_module) if target_module not in order else None
-            changed = True
-        if not changed:
+            plan.append((alias, target_module, _alias_text(name, None if name == local else local), True))
+        if not any(changed for *_, changed in plan):
             return
-        statements = [f"from {m} import {', '.join(groups[m])}" for m in order]
+        modules = list(dict.fromkeys(target for _, target, _, _ in plan))
+        if len(modules) == 1:
+            self._retarget_import_from(node, modules[0], plan, rule_used)
+            return
+        # names now come from different modules: split the statement (only safe without comments in it)
+        if "#" in self.pos.segment(node):
+            for alias, _, _, changed in plan:  # the import stays: its names keep their meaning
+                if changed:
+                    self.rebound.pop(alias.asname or alias.name, None)
+            self._flag(node, Flag("import-split", "warning",
+                                  "this import mixes torch.cuda names with others and contains comments",
+                                  "split it by hand: " + "; ".join(
+                                      f"from {m} import {', '.join(t for _, mm, t, _ in plan if mm == m)}" for m in modules)))
+            return
+        statements = [f"from {m} import {', '.join(text for _, target, text, _ in plan if target == m)}" for m in modules]
         start, _ = self.pos.span(node)
         line_start = self.pos.line_starts[node.lineno - 1]
         prefix = self.text[line_start:start]
         joiner = ("\n" + prefix) if prefix.strip() == "" else "; "
         self._edit(node, joiner.join(statements), rule_used)
+
+    def _retarget_import_from(self, node: ast.ImportFrom, target_module: str, plan, rule: str) -> None:
+        """Edit the module name and the renamed aliases in place (keeps parentheses and comments)."""
+        start, end = self.pos.span(node)
+        match = re.match(r"from\s+([\w.]+)\s+import\b", self.text[start:end])
+        if match is None or match.group(1) != node.module:
+            return
+        if target_module != node.module:
+            self._edit((start + match.start(1), start + match.end(1)), target_module, rule)
+        for alias, _, text, changed in plan:
+            if changed and alias.name != "*" and self.pos.segment(alias) != text:
+                self._edit(alias, text, rule)
 
     def _flag_third_party_import(self, node: ast.AST) -> None:
         names: list[str] = []

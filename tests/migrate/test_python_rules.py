@@ -69,6 +69,9 @@ REWRITES = [
     ("fstring-embedded-expressions",
      'import torch\nprint(f"{{x}} é {y.cuda()} {torch.cuda.device_count()!r} {t.to(\'cuda\')}")\n',
      NPU + 'import torch\nprint(f"{{x}} é {y.npu()} {torch.npu.device_count()!r} {t.to(\'npu\')}")\n'),
+    ("multiline-import-keeps-comments",
+     'from torch.cuda import (\n    synchronize,  # sync\n    CUDAGraph,\n)\nsynchronize()\n',
+     NPU + 'from torch_npu.npu import (\n    synchronize,  # sync\n    NPUGraph as CUDAGraph,\n)\nsynchronize()\n'),
     ("profiler-activity",
      'from torch.profiler import ProfilerActivity\nacts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]\n',
      NPU + 'from torch.profiler import ProfilerActivity\nacts = [ProfilerActivity.CPU, ProfilerActivity.NPU]\n'),
@@ -86,6 +89,8 @@ UNCHANGED = [
     ("already-migrated", 'import torch\nimport torch_npu\nx = torch.zeros(1).npu()\ntorch.npu.synchronize()\n'),
     ("comments-only", '# torch.cuda.synchronize()\n# x.cuda()\n'),
     ("empty-file", ''),
+    ("mixed-import-with-comment-is-flagged-not-split",
+     'from torch import (nn,  # layers\n    cuda)\n'),
     ("help-text", 'p.add_argument("--device", default="cpu", help="cuda or cpu")\n'),
 ]
 
