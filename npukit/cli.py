@@ -90,12 +90,13 @@ def migrate(
     report: Path | None = typer.Option(None, "--report", help="Write report.json, report.md, change_list.csv, unsupported_api.csv, report.sarif into DIR."),
     jobs: int | None = typer.Option(None, "--jobs", "-j", help="Worker processes (default: all cores)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary; errors only."),
+    json_output: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout (the summary goes to stderr)."),
 ) -> None:
     from npukit.migrate.cli_support import main
 
     options_kwargs = dict(target=path, out=out, dry_run=dry_run, diff=diff, check=check, runtime=runtime,
                           force=force, jobs=jobs, report_dir=report, quiet=quiet)
-    raise typer.Exit(main(**options_kwargs))
+    raise typer.Exit(main(json_output=json_output, **options_kwargs))
 
 
 

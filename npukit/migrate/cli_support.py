@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
-from npukit.migrate.report import print_summary, write_reports
+from npukit.migrate.report import print_summary, to_json, write_reports
 from npukit.migrate.runner import MigrateOptions, run_migration, unified_diff
 
 _PROGRESS_MIN_FILES = 100  # smaller trees finish before a bar is worth drawing
 
 
-def main(**option_values) -> int:
+def main(json_output: bool = False, **option_values) -> int:
     """Returns the exit code: 0, or 1 for --check when something would change."""
     from rich.console import Console
 
@@ -38,9 +39,11 @@ def main(**option_values) -> int:
             progress_bar.stop()
     if options.diff:
         sys.stdout.write(unified_diff(run))
+    if json_output:
+        sys.stdout.write(json.dumps(to_json(run), indent=2, ensure_ascii=False) + "\n")
     written = write_reports(run, options.report_dir) if options.report_dir is not None else []
     if not options.quiet:
-        print_summary(run, Console(stderr=options.diff))
+        print_summary(run, Console(stderr=options.diff or json_output))
         if options.out is not None:
             console.print(f"migrated copy written to {Path(options.out)}")
         if written:

@@ -131,3 +131,12 @@ def test_cli_help_does_not_import_heavy_modules() -> None:
                             env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=60)
     assert "--dry-run" in result.stdout
     assert "HEAVY []" in result.stdout
+
+
+def test_cli_json_goes_to_stdout_and_summary_to_stderr(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text(SOURCE)
+    result = _cli(str(tmp_path), "--dry-run", "--json")
+    assert result.returncode == 0
+    data = json.loads(result.stdout)
+    assert data["summary"]["files_changed"] == 1
+    assert "files scanned" in result.stderr
