@@ -122,21 +122,35 @@ def tensor_stats(tensor: torch.Tensor):
     with torch._C.DisableTorchFunction():
         if not data.is_floating_point():
             data = data.to(torch.float64)
+        if _host_memory(data):
+            return _host_stats(data)
         accumulate = torch.float64 if data.dtype == torch.float64 else torch.float32
         low, high = torch.aminmax(data)
         mean = data.mean(dtype=accumulate)
         norm = torch.linalg.vector_norm(data, dtype=accumulate)
-        if _host_memory(data):
-            values = [float(high), float(low), float(mean), float(norm), 0.0, 0.0]
-            # max and min are finite exactly when no element is nan or inf (nan propagates).
-            if not (abs(values[0]) < float("inf") and abs(values[1]) < float("inf")):
-                values[4] = float(torch.isnan(data).sum())
-                values[5] = float(torch.isinf(data).sum())
-            return values
         return torch.stack([
             high.to(accumulate), low.to(accumulate), mean, norm,
             torch.isnan(data).sum().to(accumulate), torch.isinf(data).sum().to(accumulate),
         ]).to(torch.float64)
+
+
+def _host_stats(data: torch.Tensor) -> list[float]:
+    # One intra-op thread: these reductions are memory-bound, and a parallel region per small
+    # reduction waits for a busy second core (measured 16 ms instead of 0.3 ms under load).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        accumulate = torch.float64 if data.dtype == torch.float64 else torch.float32
+        low, high = torch.aminmax(data)
+        values = [float(high), float(low), float(data.mean(dtype=accumulate)),
+                  float(torch.linalg.vector_norm(data, dtype=accumulate)), 0.0, 0.0]
+        # max and min are finite exactly when no element is nan or inf (nan propagates).
+        if not (abs(values[0]) < float("inf") and abs(values[1]) < float("inf")):
+            values[4] = float(torch.isnan(data).sum())
+            values[5] = float(torch.isinf(data).sum())
+        return values
+    finally:
+        torch.set_num_threads(threads)
 
 
 class StatsBuffer:
@@ -704,7 +718,8 @@ def write_json(path: Path, payload) -> None:
     """Write JSON atomically: readers never see a half-written dump.json."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as handle:
-        json.dump(payload, handle, separators=(",", ":"))
+        # json.dumps, not json.dump: only the one-shot encoder runs in C (5x faster on big dumps).
+        handle.write(json.dumps(payload, separators=(",", ":")))
     os.replace(tmp, path)
 
 
