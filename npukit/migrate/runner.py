@@ -129,6 +129,14 @@ def process_file(root: str, relative: str, kind: str, runtime: bool, lines_after
         result.error = str(exc)
         result.changes, result.findings = [], []
         return result
+    except (RecursionError, MemoryError) as exc:
+        result.error = f"is too deeply nested or too large to analyse ({type(exc).__name__})"
+        result.changes, result.findings = [], []
+        return result
+    except Exception as exc:  # a bug in a rule must cost one file, not the whole run
+        result.error = f"could not be analysed (npu-migrate bug, please report: {type(exc).__name__}: {exc})"
+        result.changes, result.findings = [], []
+        return result
     if runtime and kind != "python" and kind != "notebook":
         new_text, result.changes = text, []  # --runtime only inserts the import into entry points
     if new_text != text:

@@ -247,3 +247,20 @@ def test_report_folder_inside_the_target_is_not_migrated_later(repo: Path) -> No
     again = run_migration(MigrateOptions(target=repo, dry_run=True, report_dir=report))
     assert not any(r.path.startswith("npu-report/") for r in again.results)
     assert _snapshot(report) == written
+
+
+def test_a_failing_rule_costs_one_file_not_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from npukit.migrate import runner
+
+    (tmp_path / "a.py").write_text(TRAIN)
+    (tmp_path / "run.sh").write_text("CUDA_VISIBLE_DEVICES=0 python a.py\n")
+
+    def broken(*_args, **_kwargs):
+        raise KeyError("boom")
+
+    monkeypatch.setattr(runner, "migrate_python", broken)
+    run = run_migration(MigrateOptions(target=tmp_path, quiet=True, jobs=1))
+    assert (tmp_path / "a.py").read_text() == TRAIN
+    assert "ASCEND_RT_VISIBLE_DEVICES" in (tmp_path / "run.sh").read_text()
+    (failed,) = [r for r in run.results if r.path == "a.py"]
+    assert "npu-migrate bug" in failed.error
