@@ -68,6 +68,14 @@ def _git_root(path: Path) -> Path | None:
     return Path(result.stdout.strip())
 
 
+def _git_ignores(path: Path) -> bool:
+    try:
+        result = subprocess.run(["git", "-C", str(path), "check-ignore", "-q", "."], capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return result.returncode == 0
+
+
 def _git_visible(root: Path) -> set[str] | None:
     """Files git does not ignore under root (tracked + untracked), relative to root."""
     try:
@@ -132,7 +140,8 @@ def discover(target: Path, *, for_copy: bool = False) -> Discovery:
         return Discovery(root, [relative] if kind else [], [relative], [] if kind else [(relative, "not a file type npu-migrate handles")])
     root = target
     git_root = _git_root(root)
-    visible = _git_visible(root) if git_root is not None else None
+    # a target the enclosing repository ignores (a venv, a scratch copy) is walked on its own terms
+    visible = _git_visible(root) if git_root is not None and not _git_ignores(root) else None
     ignore = _GitIgnore()
     files: list[str] = []
     all_files: list[str] = []
