@@ -263,3 +263,12 @@ def test_a_failing_rule_costs_one_file_not_the_run(tmp_path: Path, monkeypatch: 
     assert "ASCEND_RT_VISIBLE_DEVICES" in (tmp_path / "run.sh").read_text()
     (failed,) = [r for r in run.results if r.path == "a.py"]
     assert "npu-migrate bug" in failed.error
+
+
+def test_a_target_ignored_by_the_enclosing_repository_is_still_migrated(tmp_path: Path) -> None:
+    _git(tmp_path, "init", "-q")
+    (tmp_path / ".gitignore").write_text("scratch/\n")
+    (tmp_path / "scratch" / "sub").mkdir(parents=True)
+    (tmp_path / "scratch" / "sub" / "a.py").write_text(TRAIN)
+    assert run_migration(MigrateOptions(target=tmp_path, dry_run=True)).changed == []
+    assert [r.path for r in run_migration(MigrateOptions(target=tmp_path / "scratch", dry_run=True)).changed] == ["sub/a.py"]
