@@ -1324,7 +1324,7 @@ def remap_findings(findings: list[Finding], text: str, edits: list[Edit]) -> lis
     return remapped
 
 
-def migrate_python(text: str, path: str, *, runtime: bool = False) -> PythonOutcome:
+def migrate_python(text: str, path: str, *, runtime: bool = False, entry_point: bool | None = None) -> PythonOutcome:
     """Rewrite one Python source. Raises MigrationSyntaxError if it does not parse.
 
     Findings carry the line numbers of the input; remap_findings moves them to the output.
@@ -1333,7 +1333,8 @@ def migrate_python(text: str, path: str, *, runtime: bool = False) -> PythonOutc
     edits, findings = migrator.analyse()
     newline = _newline_of(text)
     if runtime:
-        return _runtime_outcome(migrator, edits, findings, newline)
+        is_entry = _is_entry_point(migrator.tree) if entry_point is None else entry_point
+        return _runtime_outcome(migrator, edits, findings, newline, is_entry)
     if edits and any(e.needs_torch_npu for e in edits) and migrator.imports_torch and not migrator.has_torch_npu_import:
         at = migrator.insertion_point()
         if at is not None:
@@ -1353,7 +1354,8 @@ def migrate_python(text: str, path: str, *, runtime: bool = False) -> PythonOutc
     return PythonOutcome(new_text, changes, findings, edits)
 
 
-def _runtime_outcome(migrator: PythonMigrator, edits: list[Edit], findings: list[Finding], newline: str) -> PythonOutcome:
+def _runtime_outcome(migrator: PythonMigrator, edits: list[Edit], findings: list[Finding], newline: str,
+                     is_entry: bool) -> PythonOutcome:
     """--runtime: keep the source, insert transfer_to_npu at entry points, report what it does not cover."""
     text = migrator.text
     extra = []
@@ -1365,7 +1367,7 @@ def _runtime_outcome(migrator: PythonMigrator, edits: list[Edit], findings: list
                                  f"change it by hand: {text[edit.start:edit.end]!r} -> {edit.text!r}"))
     findings = sorted([*findings, *extra], key=lambda f: (f.line, f.col, f.kind))
     uses_torch = any(q == "torch" or q.startswith("torch.") for q in migrator.bindings.values()) and "torch" in text
-    if migrator.has_transfer_to_npu or not _is_entry_point(migrator.tree) or not uses_torch:
+    if migrator.has_transfer_to_npu or not is_entry or not uses_torch:
         return PythonOutcome(text, [], findings, [])
     at = migrator.insertion_point()
     lines = [] if migrator.has_torch_npu_import else ["import torch_npu"]

@@ -137,8 +137,14 @@ def process_file(root: str, relative: str, kind: str, runtime: bool, lines_after
         result.error = f"could not be analysed (npu-migrate bug, please report: {type(exc).__name__}: {exc})"
         result.changes, result.findings = [], []
         return result
-    if runtime and kind != "python" and kind != "notebook":
-        new_text, result.changes = text, []  # --runtime only inserts the import into entry points
+    if runtime and kind not in ("python", "notebook"):
+        # --runtime only inserts the import into entry points; transfer_to_npu does not see these files
+        result.findings += [
+            Finding(relative, c.line, c.col, "not-covered-by-transfer_to_npu", "warning", c.before,
+                    f"transfer_to_npu does not handle {kind} files ({c.rule})", f"change it by hand: {c.before!r} -> {c.after!r}")
+            for c in result.changes
+        ]
+        new_text, result.changes = text, []
     if new_text != text:
         result.new_bytes = fs.encode(new_text, decoded.encoding)
     return result

@@ -281,7 +281,7 @@ def migrate_notebook(text: str, path: str, *, runtime: bool = False) -> tuple[st
             out_lines = [_neutral(len(line)) if line.strip() else line for line in out_lines]
         python_parts.append("\n".join(out_lines))
     combined = "\n".join(python_parts)
-    outcome = migrate_python(combined, path, runtime=runtime)
+    outcome = migrate_python(combined, path, runtime=runtime, entry_point=True)  # a notebook is run directly
     new_sources = list(sources)
     changes: list[Change] = []
     findings = [_cell_finding(f, python_parts) for f in outcome.findings]

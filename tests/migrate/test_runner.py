@@ -225,6 +225,9 @@ def test_runtime_mode_only_touches_entry_points(tmp_path: Path) -> None:
     assert [r.path for r in run.changed] == ["main.py"]
     assert "from torch_npu.contrib import transfer_to_npu\n" in (tmp_path / "main.py").read_text()
     assert (tmp_path / "lib.py").read_text() == TRAIN
+    assert (tmp_path / "run.sh").read_text() == "CUDA_VISIBLE_DEVICES=0 python main.py\n"
+    (uncovered,) = [f for f in run.findings if f.path == "run.sh" and f.kind == "not-covered-by-transfer_to_npu"]
+    assert "ASCEND_RT_VISIBLE_DEVICES" in uncovered.suggestion
 
 
 def test_files_without_changes_are_never_rewritten(repo: Path) -> None:

@@ -150,3 +150,12 @@ def test_notebook_without_cuda_is_returned_unchanged() -> None:
 def test_broken_notebook_is_reported() -> None:
     with pytest.raises(MigrationSyntaxError, match="notebook"):
         migrate_notebook("{not json", "nb.ipynb")
+
+
+def test_notebook_runtime_mode_imports_transfer_to_npu_in_the_first_code_cell() -> None:
+    source = _notebook(("markdown", ["# demo\n"]), ("code", ["import torch\n", "x = torch.zeros(1).cuda()"]))
+    text, _changes, _findings = migrate_notebook(source, "nb.ipynb", runtime=True)
+    cells = json.loads(text)["cells"]
+    assert cells[1]["source"][:3] == ["import torch_npu\n", "from torch_npu.contrib import transfer_to_npu\n",
+                                      "import torch\n"]
+    assert cells[1]["source"][3] == "x = torch.zeros(1).cuda()"
