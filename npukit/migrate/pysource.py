@@ -106,10 +106,9 @@ def _last_name(node: ast.AST) -> str | None:
 class PythonMigrator:
     """Analyses one module and produces non-overlapping edits plus findings."""
 
-    def __init__(self, text: str, path: str, *, runtime: bool = False) -> None:
+    def __init__(self, text: str, path: str) -> None:
         self.text = text
         self.path = path
-        self.runtime = runtime
         self.pos = _Positions(text)
         self.tree = _parse(text, path)
         self.edits: dict[tuple[int, int], Edit] = {}
@@ -663,7 +662,7 @@ class PythonMigrator:
                     self._handle_torch_load(call)
                 elif qualified == "torch.set_default_tensor_type":
                     self._handle_default_tensor_type(call)
-                elif qualified in ("torch.cuda.get_device_properties",):
+                elif qualified == "torch.cuda.get_device_properties":
                     self._check_device_properties(call)
                 elif qualified == "torch.cuda.get_device_name":
                     self._check_device_name(call)
@@ -1329,7 +1328,7 @@ def migrate_python(text: str, path: str, *, runtime: bool = False, entry_point: 
 
     Findings carry the line numbers of the input; remap_findings moves them to the output.
     """
-    migrator = PythonMigrator(text, path, runtime=runtime)
+    migrator = PythonMigrator(text, path)
     edits, findings = migrator.analyse()
     newline = _newline_of(text)
     if runtime:
