@@ -987,7 +987,9 @@ class PythonMigrator:
 
     # ------------------------------------------------------------------ attributes: .cuda(), .is_cuda
     def _handle_attributes(self) -> None:
-        argparse_cuda_flag = "--cuda" in self.text or "--use_cuda" in self.text or "--use-cuda" in self.text
+        # a `cuda` that is data (an argparse flag, `self.cuda = True`) makes bare `x.cuda` references ambiguous
+        cuda_is_data = "--cuda" in self.text or "--use_cuda" in self.text or "--use-cuda" in self.text or any(
+            a.attr == "cuda" and not isinstance(a.ctx, ast.Load) for a in self.attributes)
         for node in self.attributes:
             up = self.parent.get(id(node))
             outermost = not (isinstance(up, ast.Attribute) and up.value is node)
@@ -1009,7 +1011,7 @@ class PythonMigrator:
                     continue
                 if called:
                     self._rename_attr(node, "npu", "cuda-method")
-                elif isinstance(node.ctx, ast.Load) and not isinstance(up, _TEST_PARENTS) and not argparse_cuda_flag \
+                elif isinstance(node.ctx, ast.Load) and not isinstance(up, _TEST_PARENTS) and not cuda_is_data \
                         and not (isinstance(node.value, ast.Name) and node.value.id in _CONFIG_RECEIVERS):
                     self._rename_attr(node, "npu", "cuda-method")
                 continue

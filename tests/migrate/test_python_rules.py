@@ -91,6 +91,8 @@ UNCHANGED = [
     ("empty-file", ''),
     ("mixed-import-with-comment-is-flagged-not-split",
      'from torch import (nn,  # layers\n    cuda)\n'),
+    ("cuda-attribute-that-is-a-flag",
+     'class T:\n    def __init__(self, use):\n        self.cuda = use\n    def f(self):\n        enabled = self.cuda\n        return enabled\n'),
     ("help-text", 'p.add_argument("--device", default="cpu", help="cuda or cpu")\n'),
 ]
 
