@@ -171,7 +171,7 @@ def _analyse(root: Path, candidates: list[str], options: MigrateOptions,
                 progress(1)
         return results
     # interleave big and small files across batches so workers finish together
-    batch_count = max(jobs * 4, 1)
+    batch_count = max(jobs * 4, len(items) // 16)  # ~16 files a batch keeps the progress bar moving
     batches = [items[i::batch_count] for i in range(batch_count)]
     results: list[FileResult] = []
     context = None
