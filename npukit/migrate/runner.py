@@ -150,9 +150,13 @@ def process_file(root: str, relative: str, kind: str, runtime: bool, lines_after
     return result
 
 
+_CONFIG_TRIGGERS = ("cuda", "nccl", "nvidia", "flash", "xformers", "bitsandbytes", "apex", "triton", "cupy", "tensorrt")
+
+
 def _mentions_cuda(text: str) -> bool:
+    """Cheap test for configs: nothing to do unless one of these words appears."""
     lowered = text.lower()
-    return "cuda" in lowered or "nccl" in lowered or "nvidia" in lowered
+    return any(word in lowered for word in _CONFIG_TRIGGERS)
 
 
 def _process_batch(batch: list[tuple]) -> list[FileResult]:

@@ -149,11 +149,38 @@ def migrate_yaml(text: str, path: str) -> tuple[str, list[Change], list[Finding]
                 edits.append(TextEdit(number, at, at + len(value), new, "backend-string"))
                 continue
         edits += _command_line_edits(body, number, path, findings, _CONFIG_ENV_USE)
+    findings += scan_conda_environment(text, path)
     new_lines, changes = _apply_line_edits(lines, edits, path)
     new_text = "".join(new_lines)
     if changes and parsed_before and _yaml_parses(new_text) is False:
         raise MigrationSyntaxError("the rewrite would not parse as YAML; left unchanged")
     return new_text, changes, findings
+
+
+_CONDA_ITEM = re.compile(r"^\s*-\s+(?:[\w-]+::)?([A-Za-z0-9_.-]+)")
+_CONDA_CUDA = re.compile(r"^(cudatoolkit|pytorch-cuda|cuda-toolkit|cuda-nvcc|cuda-runtime|cudnn|nccl|cuda)\b", re.I)
+
+
+def scan_conda_environment(text: str, path: str) -> list[Finding]:
+    """conda environment files: CUDA toolkits and CUDA-only packages in `dependencies:` (reported only)."""
+    if not re.search(r"^dependencies\s*:", text, re.M):
+        return []
+    findings = []
+    for number, line in enumerate(text.splitlines(), 1):
+        match = _CONDA_ITEM.match(line[:_split_comment(line)])
+        if match is None:
+            continue
+        name = match.group(1)
+        if _CONDA_CUDA.match(name):
+            findings.append(_finding(path, number, 1, line, Flag(
+                "cuda-wheel", "error", f"{name}: a CUDA toolkit package",
+                "remove it; install the CANN toolkit and torch_npu for the NPU")))
+            continue
+        for pattern, flag in rules.REQUIREMENT_FLAGS:
+            if pattern.match(name):
+                findings.append(_finding(path, number, 1, line, flag, f"{name}: {flag.reason}"))
+                break
+    return findings
 
 
 def _yaml_parses(text: str) -> bool | None:
@@ -372,6 +399,6 @@ def _dump_notebook(notebook: dict, original: str) -> str:
 
 
 __all__ = [
-    "migrate_json", "migrate_notebook", "migrate_shell", "migrate_yaml", "scan_native_source",
-    "scan_requirements", "apply_edits",
+    "migrate_json", "migrate_notebook", "migrate_shell", "migrate_yaml", "scan_conda_environment",
+    "scan_native_source", "scan_requirements",
 ]

@@ -275,3 +275,9 @@ def test_a_target_ignored_by_the_enclosing_repository_is_still_migrated(tmp_path
     (tmp_path / "scratch" / "sub" / "a.py").write_text(TRAIN)
     assert run_migration(MigrateOptions(target=tmp_path, dry_run=True)).changed == []
     assert [r.path for r in run_migration(MigrateOptions(target=tmp_path / "scratch", dry_run=True)).changed] == ["sub/a.py"]
+
+
+def test_conda_environment_file_is_scanned(tmp_path: Path) -> None:
+    (tmp_path / "environment.yml").write_text("dependencies:\n  - pip:\n    - flash-attn\n")
+    run = run_migration(MigrateOptions(target=tmp_path, dry_run=True))
+    assert [(f.path, f.kind) for f in run.findings] == [("environment.yml", "flash-attn")]

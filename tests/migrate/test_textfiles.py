@@ -159,3 +159,11 @@ def test_notebook_runtime_mode_imports_transfer_to_npu_in_the_first_code_cell() 
     assert cells[1]["source"][:3] == ["import torch_npu\n", "from torch_npu.contrib import transfer_to_npu\n",
                                       "import torch\n"]
     assert cells[1]["source"][3] == "x = torch.zeros(1).cuda()"
+
+
+def test_conda_environment_packages_are_flagged() -> None:
+    source = ("name: train\nchannels: [pytorch, nvidia]\ndependencies:\n  - python=3.10\n  - pytorch-cuda=12.1\n"
+              "  - nvidia::cuda-toolkit\n  - pip:\n    - flash-attn==2.5.0\n    - numpy\n")
+    text, changes, findings = migrate_yaml(source, "environment.yml")
+    assert text == source and changes == []
+    assert {(f.line, f.kind) for f in findings} == {(5, "cuda-wheel"), (6, "cuda-wheel"), (8, "flash-attn")}
