@@ -38,6 +38,8 @@ def kind_of(relative: str) -> str | None:
         return "notebook"
     if lowered.endswith(SHELL_SUFFIXES):
         return "shell"
+    if lowered == "dockerfile" or lowered.startswith("dockerfile.") or lowered.endswith(".dockerfile"):
+        return "dockerfile"
     if lowered.endswith((".yaml", ".yml")):
         return "yaml"
     if lowered.endswith(".json"):

@@ -18,6 +18,7 @@ from npukit.migrate import rules
 from npukit.migrate.model import FileResult, Finding
 from npukit.migrate.pysource import MigrationSyntaxError, migrate_python, remap_findings
 from npukit.migrate.textfiles import (
+    migrate_dockerfile,
     migrate_json,
     migrate_notebook,
     migrate_shell,
@@ -94,7 +95,7 @@ def process_file(root: str, relative: str, kind: str, runtime: bool, lines_after
     try:
         decoded = fs.decode(data, kind)
     except fs.UndecodableError as exc:
-        if kind in ("python", "notebook", "shell"):
+        if kind in ("python", "notebook", "shell", "dockerfile"):
             result.error = str(exc)
         return result
     text = decoded.text
@@ -113,6 +114,8 @@ def process_file(root: str, relative: str, kind: str, runtime: bool, lines_after
             new_text, result.changes, result.findings = migrate_notebook(text, relative, runtime=runtime)
         elif kind == "shell":
             new_text, result.changes, result.findings = migrate_shell(text, relative)
+        elif kind == "dockerfile":
+            new_text, result.changes, result.findings = migrate_dockerfile(text, relative)
         elif kind == "yaml":
             if not _mentions_cuda(text):
                 return result

@@ -126,6 +126,21 @@ def migrate_shell(text: str, path: str) -> tuple[str, list[Change], list[Finding
     return "".join(new_lines), changes, findings
 
 
+_CUDA_BASE_IMAGE = re.compile(r"^\s*FROM\s+(?:--\S+\s+)*(\S*(?:nvidia/|nvcr\.io/|cuda)\S*)", re.I)
+
+
+def migrate_dockerfile(text: str, path: str) -> tuple[str, list[Change], list[Finding]]:
+    """ENV/RUN lines get the shell rules; a CUDA base image is reported."""
+    new_text, changes, findings = migrate_shell(text, path)
+    for number, line in enumerate(text.splitlines(), 1):
+        match = _CUDA_BASE_IMAGE.match(line)
+        if match:
+            findings.append(_finding(path, number, 1, line, Flag(
+                "cuda-base-image", "error", f"{match.group(1)}: a CUDA base image",
+                "start from an Ascend CANN image (e.g. ascendai/cann) and install torch + torch_npu")))
+    return new_text, changes, findings
+
+
 def migrate_yaml(text: str, path: str) -> tuple[str, list[Change], list[Finding]]:
     """`device: cuda`, `backend: nccl`, env var names and command strings in YAML configs."""
     parsed_before = _yaml_parses(text)
@@ -399,6 +414,6 @@ def _dump_notebook(notebook: dict, original: str) -> str:
 
 
 __all__ = [
-    "migrate_json", "migrate_notebook", "migrate_shell", "migrate_yaml", "scan_conda_environment",
+    "migrate_dockerfile", "migrate_json", "migrate_notebook", "migrate_shell", "migrate_yaml", "scan_conda_environment",
     "scan_native_source", "scan_requirements",
 ]

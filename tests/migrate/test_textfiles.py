@@ -8,6 +8,7 @@ import pytest
 
 from npukit.migrate.pysource import MigrationSyntaxError
 from npukit.migrate.textfiles import (
+    migrate_dockerfile,
     migrate_json,
     migrate_notebook,
     migrate_shell,
@@ -167,3 +168,11 @@ def test_conda_environment_packages_are_flagged() -> None:
     text, changes, findings = migrate_yaml(source, "environment.yml")
     assert text == source and changes == []
     assert {(f.line, f.kind) for f in findings} == {(5, "cuda-wheel"), (6, "cuda-wheel"), (8, "flash-attn")}
+
+
+def test_dockerfile_env_and_base_image() -> None:
+    source = "FROM nvidia/cuda:12.1.0-devel-ubuntu22.04\nENV CUDA_VISIBLE_DEVICES=0\nRUN pip install torch\n"
+    text, changes, findings = migrate_dockerfile(source, "Dockerfile")
+    assert text == "FROM nvidia/cuda:12.1.0-devel-ubuntu22.04\nENV ASCEND_RT_VISIBLE_DEVICES=0\nRUN pip install torch\n"
+    assert [c.rule for c in changes] == ["env-var"]
+    assert ("cuda-base-image", 1) in {(f.kind, f.line) for f in findings}
