@@ -757,12 +757,23 @@ class PythonMigrator:
             self._edit((end - 1, end - 1), text, rule, needs_torch_npu=needs_torch_npu)
 
     def _handle_torch_load(self, call: ast.Call) -> None:
+        """A CUDA-saved checkpoint does not load on an NPU host without map_location."""
         if len(call.args) >= 2 or any(k.arg in ("map_location", None) for k in call.keywords):
             return
-        self._append_keyword(call, 'map_location="cpu"', "torch-load-map-location", needs_torch_npu=False)
+        up = self.parent.get(id(call))
+        target = up.targets[0] if isinstance(up, ast.Assign) and len(up.targets) == 1 else None
+        target_name = (_last_name(target) or "").lower() if target is not None else ""
+        if any(word in target_name for word in ("model", "net", "module")):
+            # a whole pickled module: on the GPU it came back on the GPU, so bring it back on the NPU
+            location, why = "npu", "the loaded object looks like a whole model, which came back on the GPU before"
+        else:
+            # state dicts and data: load_state_dict() copies to the parameters' device anyway
+            location, why = "cpu", "load_state_dict() and optimizer.load_state_dict() move tensors to the right device"
+        self._append_keyword(call, f'map_location="{location}"', "torch-load-map-location", needs_torch_npu=location == "npu")
         self._flag(call, Flag("torch-load", "info",
-                              "added map_location=\"cpu\": a checkpoint saved on CUDA would fail to load on an NPU host",
-                              "move loaded tensors to the NPU where the code expects them there (load_state_dict copies them)"))
+                              f'added map_location="{location}": a checkpoint saved on CUDA does not load on an NPU '
+                              f"host without it ({why})",
+                              "check where the loaded tensors are used; move them with .to(device) if needed"))
 
     def _handle_default_tensor_type(self, call: ast.Call) -> None:
         if len(call.args) != 1 or call.keywords:

@@ -45,6 +45,10 @@ REWRITES = [
     ("backend-enum",
      'import torch.distributed as dist\nif dist.get_backend() == dist.Backend.NCCL:\n    pass\n',
      NPU + 'import torch.distributed as dist\nif dist.get_backend() == dist.Backend.HCCL:\n    pass\n'),
+    ("torch-load-whole-model-goes-to-npu",
+     'import torch\nwith open(path, "rb") as f:\n    model = torch.load(f)\nnet.load_state_dict(torch.load(p))\n',
+     NPU + 'import torch\nwith open(path, "rb") as f:\n    model = torch.load(f, map_location="npu")\n'
+     'net.load_state_dict(torch.load(p, map_location="cpu"))\n'),
     ("torch-load-trailing-comma-multiline",
      'import torch\nsd = torch.load(\n    path,\n    weights_only=True,\n)\n',
      'import torch\nsd = torch.load(\n    path,\n    weights_only=True, map_location="cpu",\n)\n'),
