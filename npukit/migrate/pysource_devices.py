@@ -1,0 +1,331 @@
+"""Rules about device and backend values: "cuda" -> "npu", "nccl" -> "hccl", env var names.
+
+A string is rewritten only where it is a device use: a device parameter (`torch.device(...)`,
+`device=`, `.to(...)`, `map_location=` ...), a comparison with a device expression, an argparse
+default, or a variable that flows into one (simple intra-file dataflow). Other "cuda" strings are
+reported, never guessed; docstrings, comments and log messages are never touched.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+
+from npukit.migrate import rules
+from npukit.migrate.pysource_model import last_name, string_value
+from npukit.migrate.rules import Flag
+
+
+class DeviceRules:
+    """Mixin for PythonMigrator: device/backend strings, int ordinals, comparisons, dataflow, env vars."""
+
+    def _device_literals(self, expr: ast.AST) -> list[ast.AST]:
+        """String nodes that make `expr` a CUDA device value ("cuda", f"cuda:{i}", "cuda:%d" % i ...)."""
+        value = string_value(expr)
+        if value is not None:
+            return [expr] if rules.DEVICE_TEMPLATE.match(value) else []
+        if isinstance(expr, ast.JoinedStr):
+            parts = expr.values
+            first = string_value(parts[0]) if parts else None
+            if first is not None and rules.DEVICE_TEMPLATE.match(first) and all(
+                isinstance(p, ast.FormattedValue) for p in parts[1:]
+            ) and (len(parts) == 1 or first.endswith(":")):
+                return [expr]
+            return []
+        if isinstance(expr, ast.BinOp) and isinstance(expr.op, (ast.Mod, ast.Add)):
+            left = expr.left
+            while isinstance(left, ast.BinOp) and isinstance(left.op, ast.Add):
+                left = left.left
+            value = string_value(left)
+            if value is not None and rules.DEVICE_TEMPLATE.match(value) and (value != "cuda" or isinstance(expr.op, ast.Mod)):
+                return [left]
+            return []
+        if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and expr.func.attr == "format":
+            value = string_value(expr.func.value)
+            if value is not None and rules.DEVICE_TEMPLATE.match(value):
+                return [expr.func.value]
+            return []
+        if isinstance(expr, ast.IfExp):
+            return self._device_literals(expr.body) + self._device_literals(expr.orelse)
+        if isinstance(expr, ast.BoolOp):
+            found: list[ast.AST] = []
+            for value_node in expr.values:
+                found += self._device_literals(value_node)
+            return found
+        return []
+
+    def _rewrite_device_expr(self, expr: ast.AST, rule: str) -> bool:
+        literals = self._device_literals(expr)
+        for literal in literals:
+            self._rewrite_string_prefix(literal, "cuda", "npu", rule)
+        return bool(literals)
+
+    def _backend_literal(self, expr: ast.AST) -> ast.Constant | None:
+        value = string_value(expr)
+        if value is not None and rules.BACKEND_VALUE.match(value) and "nccl" in value:
+            return expr
+        return None
+
+    def _rewrite_backend(self, node: ast.Constant, rule: str) -> None:
+        new = re.sub(r"\bnccl\b", "hccl", re.sub(r"\bcuda\b", "npu", node.value))
+        self._rewrite_string_value(node, new, rule)
+
+    def _is_int_ordinal(self, expr: ast.AST) -> bool:
+        if isinstance(expr, ast.Constant):
+            return type(expr.value) is int
+        if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.func.id == "int":
+            return True
+        name = last_name(expr)
+        return name is not None and name in rules.INT_ORDINAL_NAMES and self.qualname(expr) is None
+
+    def _rewrite_int_ordinal(self, expr: ast.AST) -> None:
+        if isinstance(expr, ast.Constant):
+            self._edit(expr, f'"npu:{expr.value}"', "int-ordinal")
+            return
+        source = self.pos.segment(expr)
+        quote = '"' if '"' not in source else "'"
+        if quote in source or "\n" in source:
+            return
+        self._edit(expr, f"f{quote}npu:{{{source}}}{quote}", "int-ordinal")
+
+    def _is_device_like(self, expr: ast.AST) -> bool:
+        """An expression that evidently holds a device or device type (x.device.type, args.device ...)."""
+        if isinstance(expr, ast.Call) and last_name(expr.func) in ("str", "repr") and expr.args:
+            return self._is_device_like(expr.args[0])
+        if isinstance(expr, ast.Call) and last_name(expr.func) in ("get_device_type", "get_backend"):
+            return True
+        name = last_name(expr)
+        if name is None:
+            return False
+        lowered = name.lower()
+        return "device" in lowered or lowered in ("dev", "type", "accelerator") or self.qualname(expr) is None and lowered.endswith("_dev")
+
+    # device and backend positions
+    def _handle_device_sinks(self, call: ast.Call, qualified: str | None, method: str | None) -> None:
+        positions: list[tuple[ast.AST, bool]] = []  # (expr, int ordinal allowed)
+        for keyword in call.keywords:
+            if keyword.arg and rules.DEVICE_KEYWORD.match(keyword.arg):
+                positions.append((keyword.value, keyword.arg == "device"))
+        if call.args and not isinstance(call.args[0], ast.Starred):
+            if qualified in rules.DEVICE_FIRST_ARG:
+                positions.append((call.args[0], False))
+                if qualified == "torch.device" and len(call.args) == 1 and self._is_int_ordinal(call.args[0]) \
+                        and not isinstance(call.args[0], ast.Constant):
+                    self._insert_first_arg(call, '"npu"', "int-ordinal")
+            elif method in rules.DEVICE_FIRST_ARG_METHODS and qualified is None:
+                positions.append((call.args[0], True))
+            elif qualified == rules.TORCH_LOAD and len(call.args) >= 2:
+                positions.append((call.args[1], False))
+        for expr, ints_allowed in positions:
+            if self._rewrite_device_expr(expr, "device-string"):
+                continue
+            if isinstance(expr, ast.Dict):  # map_location={"cuda:1": "cuda:0"}
+                for item in list(expr.keys) + list(expr.values):
+                    if item is not None:
+                        self._rewrite_device_expr(item, "device-string")
+            elif ints_allowed and self._is_int_ordinal(expr):
+                self._rewrite_int_ordinal(expr)
+            else:
+                self._note_flow_use(expr, "device")
+
+    def _handle_backend_sinks(self, call: ast.Call, qualified: str | None, method: str | None) -> None:
+        exprs = [k.value for k in call.keywords if k.arg == "backend"]
+        name = (qualified or "").rsplit(".", 1)[-1] or method
+        if name == "init_process_group" and call.args:
+            exprs.append(call.args[0])
+        for expr in exprs:
+            literal = self._backend_literal(expr)
+            if literal is not None:
+                self._rewrite_backend(literal, "backend-string")
+            elif isinstance(expr, (ast.Name, ast.Attribute)):
+                self._note_flow_use(expr, "backend")
+                if name == "init_process_group" and isinstance(expr, ast.Attribute) and self.qualname(expr) is None:
+                    self._pending_backend_sinks.append(expr)
+
+    def _handle_argparse(self, call: ast.Call) -> None:
+        for keyword in call.keywords:
+            if keyword.arg == "default":
+                if self._rewrite_device_expr(keyword.value, "argparse-default"):
+                    continue
+                literal = self._backend_literal(keyword.value)
+                if literal is not None:
+                    self._rewrite_backend(literal, "argparse-default")
+            elif keyword.arg == "choices":
+                self._rewrite_device_choices(keyword.value, "argparse-default")
+        for arg in call.args:
+            flag_name = string_value(arg)
+            if flag_name and flag_name.startswith("-") and "cuda" in flag_name.lower():
+                self._flag(arg, Flag("cli-flag", "info", f"the CLI flag {flag_name} keeps its name (it is your interface)",
+                                     "only the .cuda() calls it guards were rewritten; consider renaming the flag"))
+            if flag_name and flag_name.startswith("-") and "backend" in flag_name.lower():
+                self.backend_flag_seen = True
+
+    def _rewrite_device_choices(self, expr: ast.AST, rule: str) -> None:
+        items = expr.elts if isinstance(expr, (ast.List, ast.Tuple, ast.Set)) else [expr]
+        for item in items:
+            value = string_value(item)
+            if value is None:
+                continue
+            if rules.DEVICE_TEMPLATE.match(value):
+                self._rewrite_string_prefix(item, "cuda", "npu", rule)
+            elif self._backend_literal(item) is not None:
+                self._rewrite_backend(item, rule)
+
+    def _handle_compares(self) -> None:
+        for node in self.compares:
+            operands = [node.left, *node.comparators]
+            for index, op in enumerate(node.ops):
+                left, right = operands[index], operands[index + 1]
+                if isinstance(op, (ast.Eq, ast.NotEq, ast.Is, ast.IsNot)):
+                    for const, other in ((left, right), (right, left)):
+                        if string_value(const) is None:
+                            continue
+                        if self._backend_literal(const) is not None and string_value(other) is None:
+                            self._rewrite_backend(const, "backend-compare")
+                        elif rules.DEVICE_VALUE.match(const.value) and self._is_device_like(other):
+                            self._rewrite_string_prefix(const, "cuda", "npu", "device-compare")
+                elif isinstance(op, (ast.In, ast.NotIn)):
+                    if isinstance(right, (ast.List, ast.Tuple, ast.Set)):
+                        for item in right.elts:
+                            if self._backend_literal(item) is not None:
+                                self._rewrite_backend(item, "backend-compare")
+                            elif string_value(item) is not None and rules.DEVICE_VALUE.match(item.value) \
+                                    and self._is_device_like(left):
+                                self._rewrite_string_prefix(item, "cuda", "npu", "device-compare")
+                    elif string_value(left) is not None and rules.DEVICE_VALUE.match(left.value) \
+                            and self._is_device_like(right):
+                        self._rewrite_string_prefix(left, "cuda", "npu", "device-compare")
+
+    def _note_flow_use(self, expr: ast.AST, kind: str) -> None:
+        if isinstance(expr, ast.Name) and expr.id not in self.bindings:
+            scope = self.scope_of.get(id(expr), self.tree)
+            defining = self._defining_scope(expr.id, scope)
+            self.flow_uses.add((kind, id(defining), expr.id))
+        elif isinstance(expr, ast.Attribute) and self.qualname(expr) is None:
+            self.flow_uses.add((kind, "attr", self.pos.segment(expr)))
+
+    def _defining_scope(self, name: str, scope: ast.AST) -> ast.AST:
+        current = scope
+        while current is not None:
+            if name in self.assigned.get(id(current), ()):
+                return current
+            if current is self.tree:
+                break
+            current = self.scope_of.get(id(current), self.tree)
+            while isinstance(current, ast.ClassDef):  # class bodies are not enclosing scopes for functions
+                current = self.scope_of.get(id(current), self.tree)
+        return self.tree
+
+    def _handle_assignments(self) -> None:
+        candidates: list[tuple[str, object, str, ast.AST]] = []  # (kind, key, name, value)
+        for node in self.assigns:
+            value = node.value
+            if value is None:
+                continue
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            scope = self.scope_of.get(id(node), self.tree)
+            for target in targets:
+                if isinstance(target, ast.Name):
+                    candidates.append(("name", (id(scope), target.id), target.id, value))
+                elif isinstance(target, ast.Attribute):
+                    candidates.append(("attr", ("attr", self.pos.segment(target)), target.attr, value))
+        for function in self.functions:
+            arguments = function.args
+            positional = arguments.posonlyargs + arguments.args
+            for arg, default in zip(positional[len(positional) - len(arguments.defaults):], arguments.defaults):
+                candidates.append(("name", (id(function), arg.arg), arg.arg, default))
+            for arg, default in zip(arguments.kwonlyargs, arguments.kw_defaults):
+                if default is not None:
+                    candidates.append(("name", (id(function), arg.arg), arg.arg, default))
+        for _kind, key, name, value in candidates:
+            lowered = name.lower()
+            literals = self._device_literals(value)
+            if literals:
+                used = ("device", *key) in self.flow_uses if key[0] != "attr" else ("device", "attr", key[1]) in self.flow_uses
+                if used or "device" in lowered or lowered in ("dev", "accelerator") or lowered.endswith("_dev"):
+                    for literal in literals:
+                        self._rewrite_string_prefix(literal, "cuda", "npu", "device-variable")
+                elif isinstance(value, ast.Constant):
+                    self._flag(value, Flag("device-string", "info",
+                                           f"'{value.value}' is assigned to `{name}` but not seen flowing into a device use",
+                                           "if it is a device, change it to 'npu' by hand"))
+                continue
+            literal = self._backend_literal(value)
+            if literal is not None:
+                used = ("backend", *key) in self.flow_uses if key[0] != "attr" else ("backend", "attr", key[1]) in self.flow_uses
+                if used or "backend" in lowered:
+                    self._rewrite_backend(literal, "backend-string")
+        # dict displays: {"device": "cuda", "backend": "nccl"} configure a device/backend by key
+        for node in self.dicts:
+            for key, value in zip(node.keys, node.values):
+                key_text = string_value(key) if key is not None else None
+                if key_text is None:
+                    continue
+                if "device" in key_text.lower():
+                    self._rewrite_device_expr(value, "device-variable")
+                elif "backend" in key_text.lower() and self._backend_literal(value) is not None:
+                    self._rewrite_backend(value, "backend-string")
+        for call in self.calls:  # dict(backend="nccl")
+            if isinstance(call.func, ast.Name) and call.func.id == "dict":
+                for keyword in call.keywords:
+                    if keyword.arg and "backend" in keyword.arg.lower() and self._backend_literal(keyword.value) is not None:
+                        self._rewrite_backend(keyword.value, "backend-string")
+
+    def _handle_strings(self) -> None:
+        for node in self.strings:
+            if id(node) in self.docstrings or id(node) in self.claimed:
+                continue
+            value = node.value
+            up = self.parent.get(id(node))
+            if isinstance(up, (ast.JoinedStr, ast.FormattedValue)):
+                continue  # parts of f-strings have no reliable position; the f-string is the unit
+            if value in rules.ENV_RENAMES:
+                if self._rewrite_string_value(node, rules.ENV_RENAMES[value], "env-var", needs_torch_npu=False):
+                    if value in rules.ENV_RENAME_NOTES:
+                        self._flag(node, rules.ENV_RENAME_NOTES[value])
+                continue
+            if value in rules.ENV_FLAGGED:
+                self._flag(node, rules.ENV_FLAGGED[value])
+                continue
+            if re.fullmatch(r"(TORCH_)?NCCL_[A-Z0-9_]+", value):
+                self._flag(node, rules.NCCL_ENV_FLAG, reason=f"{value}: {rules.NCCL_ENV_FLAG.reason}")
+                continue
+            if value.lstrip().startswith("nvidia-smi"):
+                self._flag(node, rules.NVIDIA_SMI)
+                continue
+            if self._in_log_call(node):
+                continue
+            is_dict_key = isinstance(up, ast.Dict) and any(k is node for k in up.keys)
+            if value != "cuda" and rules.DEVICE_TEMPLATE.match(value) and not is_dict_key:
+                # "cuda:0", "cuda:%d", "cuda:{}": the text itself says it is a device
+                self._rewrite_string_prefix(node, "cuda", "npu", "device-string")
+            elif rules.DEVICE_VALUE.match(value) and not is_dict_key:
+                self._flag(node, Flag("device-string", "info",
+                                      f"'{value}' is not in a recognised device position and was left unchanged",
+                                      "change it to 'npu' by hand if it names the device"))
+            elif self._backend_literal(node) is not None and not is_dict_key:
+                self._flag(node, Flag("backend-string", "info",
+                                      f"'{value}' is not in a recognised backend position and was left unchanged",
+                                      "change it to 'hccl' by hand if it names the process-group backend"))
+            elif rules.ENV_NAME.search(value) and not self._in_log_call(node):
+                self._flag(node, Flag("env-var", "warning", "a CUDA/NCCL environment variable inside a string",
+                                      "ASCEND_RT_VISIBLE_DEVICES / PYTORCH_NPU_ALLOC_CONF / ASCEND_LAUNCH_BLOCKING; "
+                                      "NCCL_* have HCCL_* counterparts with other knobs"))
+
+    def _handle_fstrings(self) -> None:
+        for node in self.fstrings:
+            if id(node) in self.claimed or self._in_log_call(node):
+                continue
+            up = self.parent.get(id(node))
+            if isinstance(up, ast.Dict) and any(k is node for k in up.keys):
+                continue
+            if self._device_literals(node):  # f"cuda:{rank}" says by itself that it is a device
+                self._rewrite_string_prefix(node, "cuda", "npu", "device-string")
+            elif node.values and (string_value(node.values[0]) or "").lstrip().startswith("nvidia-smi"):
+                self._flag(node, rules.NVIDIA_SMI)
+
+    def _flag_backend_sinks(self) -> None:
+        for expr in self._pending_backend_sinks:
+            self._flag(expr, Flag("backend-string", "info",
+                                  f"the process-group backend comes from {self.pos.segment(expr)}",
+                                  "make sure it resolves to 'hccl' (argparse/config defaults of 'nccl' were rewritten)"))

@@ -1,0 +1,319 @@
+"""The parsed view of one Python source that every rewrite rule works on.
+
+`SourceModel` parses the text with the stdlib `ast` parser (C speed), collects in one pass the nodes
+the rules look at (calls, attributes, strings, comparisons, assignments, imports, scopes), and offers
+the two primitives every rule uses: `_edit` (replace one node's exact source span, so everything
+else stays byte-for-byte) and `_flag` (report something with file:line:col, reason and suggestion).
+"""
+
+from __future__ import annotations
+
+import ast
+import bisect
+import re
+import warnings
+
+from npukit.migrate import rules
+from npukit.migrate.model import Edit, Finding
+from npukit.migrate.rules import Flag
+
+_NEWLINE = re.compile(r"\r\n|\r|\n")
+
+_STRING_HEAD = re.compile(r"([A-Za-z]*)('''|\"\"\"|'|\")")
+
+_SCOPE_NODES = (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+
+
+class MigrationSyntaxError(Exception):
+    """The source does not parse; carries a message naming the line."""
+
+
+class Positions:
+    """Maps ast positions (1-based line, UTF-8 byte column) to offsets in the decoded text."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.line_starts = [0] + [m.end() for m in _NEWLINE.finditer(text)]
+
+    def offset(self, line: int, col: int) -> int:
+        start = self.line_starts[line - 1]
+        end = self.line_starts[line] if line < len(self.line_starts) else len(self.text)
+        line_text = self.text[start:end]
+        if line_text.isascii():
+            return start + col
+        return start + len(line_text.encode("utf-8")[:col].decode("utf-8", errors="ignore"))
+
+    def span(self, node: ast.AST) -> tuple[int, int]:
+        return (self.offset(node.lineno, node.col_offset), self.offset(node.end_lineno, node.end_col_offset))
+
+    def segment(self, node: ast.AST) -> str:
+        start, end = self.span(node)
+        return self.text[start:end]
+
+    def line_text(self, line: int) -> str:
+        start = self.line_starts[line - 1]
+        end = self.line_starts[line] if line < len(self.line_starts) else len(self.text)
+        return self.text[start:end].rstrip("\r\n")
+
+
+def parse_python(text: str, path: str) -> ast.Module:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # invalid escape sequences etc. are the user's business
+            return ast.parse(text, filename=path)
+    except SyntaxError as exc:
+        where = f"line {exc.lineno}" if exc.lineno else "unknown line"
+        raise MigrationSyntaxError(f"does not parse as Python 3 ({where}: {exc.msg})") from None
+    except (ValueError, RecursionError, MemoryError) as exc:  # null bytes, absurd nesting
+        raise MigrationSyntaxError(f"does not parse as Python 3 ({type(exc).__name__}: {exc})") from None
+
+
+def string_value(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    return None
+
+
+def last_name(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return None
+
+
+_CHILD_FIELDS: dict[type, tuple[str, ...]] = {}
+
+_NOT_CHILDREN = frozenset({"ctx", "op", "ops", "type_ignores"})  # singletons and operators: no rule needs them
+
+
+def _child_fields(kind: type) -> tuple[str, ...]:
+    fields = _CHILD_FIELDS.get(kind)
+    if fields is None:
+        fields = tuple(f for f in kind._fields if f not in _NOT_CHILDREN)
+        _CHILD_FIELDS[kind] = fields
+    return fields
+
+
+def _all_args(arguments: ast.arguments) -> list[ast.arg]:
+    result = arguments.posonlyargs + arguments.args + arguments.kwonlyargs
+    if arguments.vararg:
+        result.append(arguments.vararg)
+    if arguments.kwarg:
+        result.append(arguments.kwarg)
+    return result
+
+
+def newline_of(text: str) -> str:
+    match = _NEWLINE.search(text)
+    return match.group(0) if match else "\n"
+
+
+def drop_overlaps(edits: list[Edit]) -> list[Edit]:
+    """Keep edits that do not overlap an earlier one (insertions at one point are all kept)."""
+    kept: list[Edit] = []
+    last_end = -1
+    for edit in edits:
+        if edit.start < last_end and not (edit.start == edit.end == kept[-1].end):
+            continue
+        kept.append(edit)
+        last_end = max(last_end, edit.end)
+    return kept
+
+
+def apply_edits(text: str, edits: list[Edit]) -> str:
+    pieces = []
+    position = 0
+    for edit in edits:
+        pieces.append(text[position:edit.start])
+        pieces.append(edit.text)
+        position = edit.end
+    pieces.append(text[position:])
+    return "".join(pieces)
+
+
+class SourceModel:
+    """One parsed module: positions, the collected nodes, and the edits and findings made so far."""
+
+    def __init__(self, text: str, path: str) -> None:
+        self.text = text
+        self.path = path
+        self.pos = Positions(text)
+        self.tree = parse_python(text, path)
+        self.edits: dict[tuple[int, int], Edit] = {}
+        self.findings: dict[tuple[int, int, str], Finding] = {}
+        self.claimed: set[int] = set()  # ids of nodes a specific rule has dealt with
+        self.frozen: list[tuple[int, int]] = []  # spans never edited (the CUDA branch of dual-target code)
+        self._qualname_cache: dict[int, str | None] = {}
+        self._collect()
+
+    def _collect(self) -> None:
+        self.parent: dict[int, ast.AST] = {}
+        self.scope_of: dict[int, ast.AST] = {}
+        self.assigned: dict[int, set[str]] = {}  # scope id -> names bound there
+        self.calls: list[ast.Call] = []
+        self.attributes: list[ast.Attribute] = []
+        self.strings: list[ast.Constant] = []
+        self.compares: list[ast.Compare] = []
+        self.fstrings: list[ast.JoinedStr] = []
+        self.assigns: list[ast.AST] = []
+        self.imports: list[ast.AST] = []
+        self.functions: list[ast.AST] = []
+        self.cuda_method_classes: set[str] = set()
+        self.docstrings: set[int] = set()
+        self.ifs: list[ast.If] = []
+        self.dicts: list[ast.Dict] = []
+        self.decorators: list[ast.AST] = []
+        self.loads: dict[str, list[ast.Name]] = {}
+
+        module = self.tree
+        self.assigned[id(module)] = set()
+        stack: list[tuple[ast.AST, ast.AST]] = [(module, module)]
+        parent = self.parent
+        scope_of = self.scope_of
+        loads = self.loads
+        while stack:
+            node, scope = stack.pop()
+            kind = type(node)
+            inner_scope = scope
+            if kind is ast.Name:
+                scope_of[id(node)] = scope
+                if type(node.ctx) is ast.Load:
+                    loads.setdefault(node.id, []).append(node)
+                else:
+                    self.assigned[id(scope)].add(node.id)
+            elif kind is ast.Attribute:
+                self.attributes.append(node)
+            elif kind is ast.Call:
+                self.calls.append(node)
+            elif kind is ast.Constant:
+                if type(node.value) is str:
+                    self.strings.append(node)
+            elif kind is ast.Compare:
+                self.compares.append(node)
+            elif kind is ast.JoinedStr:
+                self.fstrings.append(node)
+            elif kind is ast.Dict:
+                self.dicts.append(node)
+            elif kind is ast.Assign or kind is ast.AnnAssign:
+                self.assigns.append(node)
+                scope_of[id(node)] = scope
+            elif kind is ast.Import or kind is ast.ImportFrom:
+                self.imports.append(node)
+                for alias in node.names:
+                    self.assigned[id(scope)].add((alias.asname or alias.name).split(".")[0])
+            elif kind is ast.If:
+                self.ifs.append(node)
+            elif kind in _SCOPE_NODES:
+                inner_scope = self._enter_scope(node, scope)
+            for name in _child_fields(kind):
+                value = getattr(node, name)
+                # a function's decorators, defaults and annotations belong to the enclosing scope
+                child_scope = inner_scope if name == "body" else scope
+                if type(value) is list:
+                    for child in value:
+                        if isinstance(child, ast.AST):
+                            parent[id(child)] = node
+                            stack.append((child, child_scope))
+                elif isinstance(value, ast.AST):
+                    parent[id(value)] = node
+                    stack.append((value, child_scope))
+
+    def _enter_scope(self, node: ast.AST, scope: ast.AST) -> ast.AST:
+        kind = type(node)
+        if kind is ast.Module:
+            inner = scope
+        else:
+            self.assigned[id(scope)].add(getattr(node, "name", ""))
+            self.scope_of[id(node)] = scope
+            self.decorators.extend(getattr(node, "decorator_list", ()))
+            inner = node
+        body = node.body
+        if type(body) is list and body:
+            first = body[0]
+            if isinstance(first, ast.Expr) and string_value(first.value) is not None:
+                self.docstrings.add(id(first.value))
+        if kind is ast.ClassDef:
+            self.assigned[id(node)] = set()
+            for item in body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name == "cuda":
+                    self.cuda_method_classes.add(node.name)
+        elif kind is not ast.Module:
+            self.functions.append(node)
+            self.assigned[id(node)] = {a.arg for a in _all_args(node.args)}
+        return inner
+
+    def qualname(self, node: ast.AST) -> str | None:
+        key = id(node)
+        if key in self._qualname_cache:
+            return self._qualname_cache[key]
+        result = None
+        if isinstance(node, ast.Name):
+            result = self.bindings.get(node.id)
+        elif isinstance(node, ast.Attribute):
+            base = self.qualname(node.value)
+            if base is not None:
+                result = f"{base}.{node.attr}"
+        self._qualname_cache[key] = result
+        return result
+
+    def _edit(self, node_or_span, text: str, rule: str, *, needs_torch_npu: bool = True) -> None:
+        """Replace a node's source (or a (start, end) span) with text."""
+        if isinstance(node_or_span, tuple):
+            start, end = node_or_span
+        else:
+            start, end = self.pos.span(node_or_span)
+        if self.text[start:end] == text or any(a <= start and end <= b for a, b in self.frozen):
+            return
+        line = bisect.bisect_right(self.pos.line_starts, start)
+        col = start - self.pos.line_starts[line - 1] + 1  # where the replaced text itself starts
+        self.edits.setdefault((start, end), Edit(start, end, text, rule, line, col, needs_torch_npu))
+
+    def _flag(self, node: ast.AST, flag: Flag, *, reason: str | None = None) -> None:
+        key = (node.lineno, node.col_offset, flag.kind)
+        if key in self.findings:
+            return
+        self.findings[key] = Finding(
+            path=self.path, line=node.lineno, col=node.col_offset + 1, kind=flag.kind, severity=flag.severity,
+            code=self.pos.line_text(node.lineno).strip(), reason=reason or flag.reason, suggestion=flag.suggestion,
+        )
+
+    def _in_log_call(self, node: ast.AST) -> bool:
+        current = node
+        while True:
+            up = self.parent.get(id(current))
+            if up is None or isinstance(up, ast.stmt):
+                return isinstance(up, ast.Raise)
+            if isinstance(up, ast.Call) and last_name(up.func) in rules.LOG_CALLS:
+                return True
+            current = up
+
+    def _rewrite_string_prefix(self, node: ast.AST, old: str, new: str, rule: str) -> bool:
+        """Rewrite the leading `old` of a string literal (plain or f-string) to `new`, keeping quotes."""
+        if id(node) in self.claimed:
+            return True
+        start, end = self.pos.span(node)
+        segment = self.text[start:end]
+        head = _STRING_HEAD.match(segment)
+        if head is None or not segment.startswith(old, head.end()):
+            return False
+        self.claimed.add(id(node))
+        at = start + head.end()
+        self._edit((at, at + len(old)), new, rule)
+        return True
+
+    def _rewrite_string_value(self, node: ast.Constant, new_value: str, rule: str, *, needs_torch_npu: bool = True) -> bool:
+        """Replace the whole value of a simple (escape-free) string literal, keeping prefix and quotes."""
+        if id(node) in self.claimed:
+            return True
+        segment = self.pos.segment(node)
+        head = _STRING_HEAD.match(segment)
+        if head is None:
+            return False
+        quote = head.group(2)
+        body = segment[head.end():len(segment) - len(quote)]
+        if body != node.value or not segment.endswith(quote) or "\\" in body:
+            return False
+        self.claimed.add(id(node))
+        self._edit(node, f"{head.group(1)}{quote}{new_value}{quote}", rule, needs_torch_npu=needs_torch_npu)
+        return True
