@@ -109,7 +109,6 @@ def sarif(run: MigrationRun) -> dict:
         "version": "2.1.0",
         "runs": [{
             "tool": {"driver": {"name": "npu-migrate", "version": __version__,
-                                "informationUri": "https://github.com/npukit/npukit",
                                 "rules": [{"id": k, "shortDescription": {"text": k}} for k in kinds]}},
             "originalUriBaseIds": {"SRCROOT": {"uri": run.root.resolve().as_uri() + "/"}},
             "results": results,
