@@ -111,12 +111,14 @@ def remap_findings(findings: list[Finding], text: str, edits: list[Edit]) -> lis
     return remapped
 
 
-def migrate_python(text: str, path: str, *, runtime: bool = False, entry_point: bool | None = None) -> PythonOutcome:
+def migrate_python(text: str, path: str, *, runtime: bool = False, entry_point: bool | None = None,
+                   custom_ops: frozenset[str] = frozenset()) -> PythonOutcome:
     """Rewrite one Python source. Raises MigrationSyntaxError if it does not parse.
 
+    custom_ops: op names the tree's native code binds (pybind/TORCH_LIBRARY); their calls are reported.
     Findings carry the line numbers of the input; remap_findings moves them to the output.
     """
-    migrator = PythonMigrator(text, path)
+    migrator = PythonMigrator(text, path, custom_ops)
     edits, findings = migrator.analyse()
     newline = newline_of(text)
     if runtime:

@@ -66,6 +66,11 @@ class CallRules:
                                       rules.UNSUPPORTED_GENERIC.suggestion))
             if qualified is not None and qualified in UNSUPPORTED_TORCH_APIS and qualified not in rules.CUDA_FLAGGED:
                 self._flag_unsupported(call, qualified)
+            if self.custom_ops and last_name(func) in self.custom_ops and self._root_name(func) in self.bindings:
+                self._flag(call, Flag("custom-cuda-op", "error",
+                                      f"`{last_name(func)}` is a custom op bound from this tree's CUDA native code",
+                                      "port its kernel (Ascend C / op-plugin) or replace it with torch ops; "
+                                      "see the cuda-source findings"))
 
     def _is_upgraded_amp(self, func: ast.AST) -> bool:
         root = func

@@ -135,9 +135,10 @@ def apply_edits(text: str, edits: list[Edit]) -> str:
 class SourceModel:
     """One parsed module: positions, the collected nodes, and the edits and findings made so far."""
 
-    def __init__(self, text: str, path: str) -> None:
+    def __init__(self, text: str, path: str, custom_ops: frozenset[str] = frozenset()) -> None:
         self.text = text
         self.path = path
+        self.custom_ops = custom_ops  # names of custom CUDA ops bound from this tree's native code
         self.pos = Positions(text)
         self.tree = parse_python(text, path)
         self.edits: dict[tuple[int, int], Edit] = {}

@@ -18,11 +18,13 @@ from npukit.migrate import rules
 from npukit.migrate.model import FileResult, Finding
 from npukit.migrate.pysource import MigrationSyntaxError, migrate_python, remap_findings
 from npukit.migrate.textfiles import (
+    is_cuda_native,
     migrate_dockerfile,
     migrate_json,
     migrate_notebook,
     migrate_shell,
     migrate_yaml,
+    native_op_names,
     scan_native_source,
     scan_requirements,
 )
@@ -77,11 +79,18 @@ class MigrationRun:
         return [f for r in self.results for f in r.findings]
 
 
-def process_file(root: str, relative: str, kind: str, runtime: bool, lines_after: bool = False) -> FileResult:
-    """Analyse (and compute the rewrite of) one file. Never raises for a bad file: it reports it.
+@dataclass(frozen=True)
+class FileSettings:
+    """What every file's analysis needs to know about the run (sent to the worker processes)."""
 
-    lines_after: report findings at their line in the rewritten file (when it is written).
-    """
+    runtime: bool = False
+    lines_after: bool = False  # report findings at their line in the rewritten file (it is written)
+    custom_ops: frozenset[str] = frozenset()  # ops bound by the tree's CUDA native code
+
+
+def process_file(root: str, relative: str, kind: str, settings: FileSettings) -> FileResult:
+    """Analyse (and compute the rewrite of) one file. Never raises for a bad file: it reports it."""
+    runtime = settings.runtime
     result = FileResult(path=relative, kind=kind)
     full = os.path.join(root, relative)
     try:
@@ -102,11 +111,11 @@ def process_file(root: str, relative: str, kind: str, runtime: bool, lines_after
     try:
         new_text = text
         if kind == "python":
-            if not rules.worth_parsing(text):
+            if not rules.worth_parsing(text) and not any(op in text for op in settings.custom_ops):
                 return result
-            outcome = migrate_python(text, relative, runtime=runtime)
+            outcome = migrate_python(text, relative, runtime=runtime, custom_ops=settings.custom_ops)
             new_text, result.changes, result.findings = outcome.text, outcome.changes, outcome.findings
-            if lines_after:
+            if settings.lines_after:
                 result.findings = remap_findings(outcome.findings, text, outcome.edits)
         elif kind == "notebook":
             if not rules.worth_parsing(text):
@@ -162,13 +171,31 @@ def _mentions_cuda(text: str) -> bool:
     return any(word in lowered for word in _CONFIG_TRIGGERS)
 
 
+def _custom_cuda_ops(root: Path, native_files: list[str]) -> frozenset[str]:
+    """Op names bound for Python by C++/CUDA sources, when the tree has CUDA native code at all."""
+    names: set[str] = set()
+    has_cuda = False
+    for relative in native_files:
+        if relative.endswith((".h", ".hpp", ".hh", ".cuh")) and has_cuda:
+            continue  # headers rarely bind ops; skip reading them once CUDA code is known to exist
+        try:
+            text = (root / relative).read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+        has_cuda = has_cuda or is_cuda_native(text, relative)
+        names |= native_op_names(text)
+    return frozenset(names) if has_cuda else frozenset()
+
+
 def _process_batch(batch: list[tuple]) -> list[FileResult]:
     return [process_file(*item) for item in batch]
 
 
 def _analyse(root: Path, candidates: list[str], options: MigrateOptions,
              progress: Callable[[int], None] | None) -> list[FileResult]:
-    items = [(str(root), rel, fs.kind_of(rel), options.runtime, options.writes) for rel in candidates]
+    settings = FileSettings(runtime=options.runtime, lines_after=options.writes,
+                            custom_ops=_custom_cuda_ops(root, [c for c in candidates if fs.kind_of(c) == "native"]))
+    items = [(str(root), rel, fs.kind_of(rel), settings) for rel in candidates]
     jobs = options.jobs or os.cpu_count() or 1
     if jobs <= 1 or len(items) < _POOL_THRESHOLD:
         results = []

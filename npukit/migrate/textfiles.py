@@ -268,6 +268,20 @@ def scan_requirements(text: str, path: str) -> list[Finding]:
     return findings
 
 
+_BOUND_OP = re.compile(r"""\.def\(\s*"([A-Za-z_]\w*)""")
+
+
+def native_op_names(text: str) -> set[str]:
+    """Names a C++/CUDA file binds for Python (pybind11 `m.def("name", ...)`, TORCH_LIBRARY `m.def("name(...)")`)."""
+    if "PYBIND11_MODULE" not in text and "TORCH_LIBRARY" not in text:
+        return set()
+    return set(_BOUND_OP.findall(text)) - {"__init__", "__call__", "__repr__"}
+
+
+def is_cuda_native(text: str, path: str) -> bool:
+    return path.endswith((".cu", ".cuh")) or _CUDA_INCLUDE.search(text) is not None or _CUDA_KERNEL.search(text) is not None
+
+
 def scan_native_source(text: str, path: str) -> list[Finding]:
     """.cu/.cuh files and C++ files that include CUDA headers cannot be migrated automatically."""
     is_cuda_file = path.endswith((".cu", ".cuh"))
@@ -415,5 +429,5 @@ def _dump_notebook(notebook: dict, original: str) -> str:
 
 __all__ = [
     "migrate_dockerfile", "migrate_json", "migrate_notebook", "migrate_shell", "migrate_yaml", "scan_conda_environment",
-    "scan_native_source", "scan_requirements",
+    "is_cuda_native", "native_op_names", "scan_native_source", "scan_requirements",
 ]

@@ -281,3 +281,20 @@ def test_conda_environment_file_is_scanned(tmp_path: Path) -> None:
     (tmp_path / "environment.yml").write_text("dependencies:\n  - pip:\n    - flash-attn\n")
     run = run_migration(MigrateOptions(target=tmp_path, dry_run=True))
     assert [(f.path, f.kind) for f in run.findings] == [("environment.yml", "flash-attn")]
+
+
+def test_custom_cuda_op_call_sites_are_reported(tmp_path: Path) -> None:
+    """Case 52: ops bound from CUDA sources by pybind are flagged where Python calls them."""
+    (tmp_path / "csrc").mkdir()
+    (tmp_path / "csrc" / "gelu_kernel.cu").write_text("__global__ void gelu(float* x) {}\n")
+    (tmp_path / "csrc" / "bind.cpp").write_text(
+        '#include <torch/extension.h>\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n  m.def("fused_gelu", &fused_gelu);\n}\n')
+    (tmp_path / "setup.py").write_text(
+        "from torch.utils.cpp_extension import CUDAExtension\next = CUDAExtension('my_ext', ['csrc/bind.cpp'])\n")
+    (tmp_path / "model.py").write_text("import torch\nimport my_ext\ny = my_ext.fused_gelu(torch.ones(2))\nz = obj.fused_gelu()\n")
+    run = run_migration(MigrateOptions(target=tmp_path, dry_run=True))
+    found = {(f.path, f.line, f.kind) for f in run.findings}
+    assert ("model.py", 3, "custom-cuda-op") in found
+    assert ("model.py", 4, "custom-cuda-op") not in found  # a method of some object, not the extension
+    assert ("csrc/gelu_kernel.cu", 1, "cuda-source") in found
+    assert ("setup.py", 2, "cuda-extension") in found
