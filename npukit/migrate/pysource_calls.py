@@ -16,6 +16,8 @@ from npukit.migrate.pysource_names import third_party_flag
 from npukit.migrate.rules import Flag
 from npukit.migrate.unsupported_apis import UNSUPPORTED_TORCH_APIS
 
+_AUTOCAST_CALLS = frozenset({"torch.autocast", "torch.amp.autocast", "torch.cuda.amp.autocast"})
+
 
 class CallRules:
     """Mixin for PythonMigrator: API-specific call rewrites and checks, decorators, dual-target code."""
@@ -66,6 +68,11 @@ class CallRules:
                                       rules.UNSUPPORTED_GENERIC.suggestion))
             if qualified is not None and qualified in UNSUPPORTED_TORCH_APIS and qualified not in rules.CUDA_FLAGGED:
                 self._flag_unsupported(call, qualified)
+            if qualified in _AUTOCAST_CALLS and any(
+                k.arg == "dtype" and self.qualname(k.value) == "torch.bfloat16" for k in call.keywords
+            ):
+                self._flag(call, Flag("bf16", "info", "bfloat16 autocast: not every Ascend SoC has bf16 (e.g. 910A)",
+                                      "check torch.npu.is_bf16_supported() and fall back to float16"))
             if self.custom_ops and last_name(func) in self.custom_ops and self._root_name(func) in self.bindings:
                 self._flag(call, Flag("custom-cuda-op", "error",
                                       f"`{last_name(func)}` is a custom op bound from this tree's CUDA native code",

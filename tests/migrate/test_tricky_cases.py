@@ -252,7 +252,7 @@ CASES = [
     ("D33-autocast-bf16",
      'import torch\nwith torch.cuda.amp.autocast(dtype=torch.bfloat16):\n    pass\nwith torch.cuda.amp.autocast(True):\n    pass\n',
      NPU + 'import torch\nwith torch.amp.autocast("npu", dtype=torch.bfloat16):\n    pass\n'
-     'with torch.amp.autocast("npu", enabled=True):\n    pass\n', set()),
+     'with torch.amp.autocast("npu", enabled=True):\n    pass\n', {"bf16"}),
     ("D34-generic-autocast-strings",
      _src('''
         import torch
