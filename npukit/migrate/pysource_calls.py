@@ -17,6 +17,7 @@ from npukit.migrate.rules import Flag
 from npukit.migrate.unsupported_apis import UNSUPPORTED_TORCH_APIS
 
 _AUTOCAST_CALLS = frozenset({"torch.autocast", "torch.amp.autocast", "torch.cuda.amp.autocast"})
+_DDP_CLASSES = frozenset({"torch.nn.parallel.DistributedDataParallel", "torch.nn.parallel.distributed.DistributedDataParallel"})
 
 
 class CallRules:
@@ -73,6 +74,10 @@ class CallRules:
             ):
                 self._flag(call, Flag("bf16", "info", "bfloat16 autocast: not every Ascend SoC has bf16 (e.g. 910A)",
                                       "check torch.npu.is_bf16_supported() and fall back to float16"))
+            if qualified in _DDP_CLASSES and "set_device" not in self.text:
+                self._flag(call, Flag("ddp-set-device", "info",
+                                      "DDP on NPU needs the process's device set first; this file never calls set_device",
+                                      "call torch.npu.set_device(local_rank) before building DDP"))
             if self.custom_ops and last_name(func) in self.custom_ops and self._root_name(func) in self.bindings:
                 self._flag(call, Flag("custom-cuda-op", "error",
                                       f"`{last_name(func)}` is a custom op bound from this tree's CUDA native code",

@@ -332,7 +332,7 @@ CASES = [
     ("E41-ddp-ints-unchanged",
      'from torch.nn.parallel import DistributedDataParallel as DDP\nm = DDP(model, device_ids=[local_rank], output_device=local_rank)\n',
      'from torch.nn.parallel import DistributedDataParallel as DDP\nm = DDP(model, device_ids=[local_rank], output_device=local_rank)\n',
-     set()),
+     {"ddp-set-device"}),
     ("E42-data-parallel-flagged",
      'import torch.nn as nn\nm = nn.DataParallel(model)\n',
      'import torch.nn as nn\nm = nn.DataParallel(model)\n', {"data-parallel"}),
