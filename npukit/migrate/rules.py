@@ -429,7 +429,8 @@ EFFORT_OVERRIDES = {  # kinds that take much longer than the default for their s
 _GENERIC_TOKENS = frozenset(
     """disable enable is_enabled load save export Linear LSTM scatter gather enabled strategy mark narrow
     compile reset is_available range_push range_pop step module code graph nodes args kwargs next prev type
-    value name get_state set_state add check get set wait dtype events key_averages masked_select""".split()
+    value name get_state set_state add check get set wait dtype events key_averages masked_select script range
+    version comm profiler deterministic benchmark""".split()
 )
 
 
@@ -451,13 +452,15 @@ def _prefilter_words() -> tuple[frozenset[str], tuple[tuple[str, str], ...]]:
     for name in UNSUPPORTED_TORCH_APIS | set(CUDA_FLAGGED) | set(CUDA_RENAMED):
         if "." not in name or _is_class_member(name) or name.startswith("torch.Tensor."):
             continue
+        if any(token in name.lower() for token in _STRONG_TOKENS):
+            continue  # the text must spell the strong token to reach this name: already a trigger
         parent, last = name.rsplit(".", 2)[-2:]
         if last in _GENERIC_TOKENS:
             pairs.add((parent, last))
         else:
             words.add(last)
     words |= {m.split(".")[0] for m in THIRD_PARTY}
-    words |= {"fork_rng", "channels_last", "jit", "autocast", "set_default_tensor_type", "set_float32_matmul_precision",
+    words |= {"fork_rng", "channels_last", "autocast", "set_default_tensor_type", "set_float32_matmul_precision",
               "get_autocast_gpu_dtype", "set_autocast_gpu_dtype", "is_autocast_enabled"}
     return frozenset(words), tuple(sorted(pairs))
 
