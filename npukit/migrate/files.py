@@ -206,7 +206,8 @@ def dirty_files(target: Path) -> list[str] | None:
     directory = target if target.is_dir() else target.parent
     if _git_root(directory) is None:
         return None
-    result = subprocess.run(["git", "-C", str(directory), "status", "--porcelain", "--", str(target)],
+    pathspec = "." if target.is_dir() else target.name  # relative to `git -C directory`
+    result = subprocess.run(["git", "-C", str(directory), "status", "--porcelain", "--", pathspec],
                             capture_output=True, text=True, timeout=120)
     if result.returncode != 0:
         return None

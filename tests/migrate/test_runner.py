@@ -183,6 +183,19 @@ def test_dirty_git_tree_is_refused_unless_forced(repo: Path) -> None:
     assert ".npu()" in (repo / "train.py").read_text()
 
 
+def test_dirty_tree_is_refused_for_a_relative_target_too(repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "base")
+    (repo / "README.md").write_text("edited\n")
+    monkeypatch.chdir(repo.parent)
+    with pytest.raises(UserError, match="uncommitted changes.*README.md"):
+        run_migration(MigrateOptions(target=Path(repo.name)))
+    monkeypatch.chdir(repo / "pkg")
+    with pytest.raises(UserError, match="uncommitted changes"):
+        run_migration(MigrateOptions(target=Path("..")))
+
+
 def test_single_file_target(tmp_path: Path) -> None:
     path = tmp_path / "one.py"
     path.write_text(TRAIN)
