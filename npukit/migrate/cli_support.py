@@ -26,11 +26,17 @@ def main(json_output: bool = False, **option_values) -> int:
             return None
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+        # no refresh thread: the analysis forks worker processes, and forking next to a thread is unsafe
         progress_bar = Progress(TextColumn("migrating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                                console=console, transient=True)
+                                console=console, transient=True, auto_refresh=False)
         progress_bar.start()
         task = progress_bar.add_task("files", total=total)
-        return lambda advance: progress_bar.advance(task, advance)
+
+        def advance(count: int) -> None:
+            progress_bar.advance(task, count)
+            progress_bar.refresh()
+
+        return advance
 
     try:
         run = run_migration(options, progress_factory=progress_factory)
