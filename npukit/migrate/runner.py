@@ -171,6 +171,14 @@ def _mentions_cuda(text: str) -> bool:
     return any(word in lowered for word in _CONFIG_TRIGGERS)
 
 
+def _usable_cores() -> int:
+    """Cores this process may run on (a container's CPU set, not the host's count)."""
+    try:
+        return max(len(os.sched_getaffinity(0)), 1)
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def _custom_cuda_ops(root: Path, native_files: list[str]) -> frozenset[str]:
     """Op names bound for Python by C++/CUDA sources, when the tree has CUDA native code at all."""
     names: set[str] = set()
@@ -196,7 +204,7 @@ def _analyse(root: Path, candidates: list[str], options: MigrateOptions,
     settings = FileSettings(runtime=options.runtime, lines_after=options.writes,
                             custom_ops=_custom_cuda_ops(root, [c for c in candidates if fs.kind_of(c) == "native"]))
     items = [(str(root), rel, fs.kind_of(rel), settings) for rel in candidates]
-    jobs = options.jobs or os.cpu_count() or 1
+    jobs = options.jobs or _usable_cores()
     if jobs <= 1 or len(items) < _POOL_THRESHOLD:
         results = []
         for item in items:
