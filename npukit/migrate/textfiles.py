@@ -299,6 +299,7 @@ def scan_native_source(text: str, path: str) -> list[Finding]:
 # ------------------------------------------------------------------------------ notebooks
 _CELL_SHELL_MAGICS = ("%%bash", "%%sh", "%%script", "%%system")
 _CELL_PYTHON_MAGICS = ("%%time", "%%timeit", "%%capture", "%%prun")
+_HELP_SYNTAX = re.compile(r"[\w.]+\?{1,2}\s*\Z")
 
 
 def _neutral(length: int) -> str:
@@ -329,7 +330,7 @@ def migrate_notebook(text: str, path: str, *, runtime: bool = False) -> tuple[st
                 if index or not first.startswith("%%") or whole_cell_shell:
                     shell_lines.append((position, index, line))
                 out_lines.append(indent + _neutral(len(stripped)) if stripped else line)
-            elif stripped.endswith("?") and not stripped.startswith("#"):  # `obj?` help syntax
+            elif _HELP_SYNTAX.match(stripped):  # IPython's `obj?` / `obj??`
                 out_lines.append(indent + _neutral(len(stripped)))
             else:
                 out_lines.append(line)

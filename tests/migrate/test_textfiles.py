@@ -176,3 +176,11 @@ def test_dockerfile_env_and_base_image() -> None:
     assert text == "FROM nvidia/cuda:12.1.0-devel-ubuntu22.04\nENV ASCEND_RT_VISIBLE_DEVICES=0\nRUN pip install torch\n"
     assert [c.rule for c in changes] == ["env-var"]
     assert ("cuda-base-image", 1) in {(f.kind, f.line) for f in findings}
+
+
+def test_notebook_question_marks_in_code_are_not_mistaken_for_help_syntax() -> None:
+    source = _notebook(("code", ["import torch\n", "torch.zeros?\n", "x = f(\n", "    'ready?',\n", ")\n", "y = t.cuda()"]))
+    text, _changes, _findings = migrate_notebook(source, "nb.ipynb")
+    cell = json.loads(text)["cells"][0]["source"]
+    assert cell[-1] == "y = t.npu()"
+    assert "    'ready?',\n" in cell and "torch.zeros?\n" in cell
