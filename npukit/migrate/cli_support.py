@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+from npukit.errors import UserError
 from npukit.migrate.report import print_summary, to_json, write_reports
 from npukit.migrate.runner import MigrateOptions, run_migration, unified_diff
 
@@ -47,7 +48,12 @@ def main(json_output: bool = False, **option_values) -> int:
         sys.stdout.write(unified_diff(run))
     if json_output:
         sys.stdout.write(json.dumps(to_json(run), indent=2, ensure_ascii=False) + "\n")
-    written = write_reports(run, options.report_dir) if options.report_dir is not None else []
+    written = []
+    if options.report_dir is not None:
+        try:
+            written = write_reports(run, options.report_dir)
+        except OSError as exc:
+            raise UserError(f"--report {options.report_dir}: cannot write ({exc.strerror or exc})") from None
     if not options.quiet:
         print_summary(run, Console(stderr=options.diff or json_output))
         if options.out is not None:

@@ -290,19 +290,28 @@ def _write(options: MigrateOptions, root: Path, discovery: fs.Discovery, results
                                                "resolves outside the target; not written", "migrate it where it lives"))
                 result.new_bytes = None
                 continue
-            fs.atomic_write(path, result.new_bytes, mode_from=path)
+            try:
+                fs.atomic_write(path, result.new_bytes, mode_from=path)
+            except OSError as exc:  # this file stays as it was; the others are still migrated
+                result.new_bytes = None
+                result.error = f"could not be written ({exc.strerror or exc})"
+                result.findings.append(Finding(relative, 1, 1, "unwritable", "error", "",
+                                               f"{result.error}; left unchanged", "fix its permissions and run again"))
         return
     out = options.out
-    out.mkdir(parents=True, exist_ok=True)
-    for relative in discovery.all_files:
-        destination = out / relative
-        if not fs.inside(destination, out):
-            continue
-        if relative in changed:
-            fs.atomic_write(destination, changed[relative].new_bytes, mode_from=root / relative)
-        else:
-            destination.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(root / relative, destination)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for relative in discovery.all_files:
+            destination = out / relative
+            if not fs.inside(destination, out):
+                continue
+            if relative in changed:
+                fs.atomic_write(destination, changed[relative].new_bytes, mode_from=root / relative)
+            else:
+                destination.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(root / relative, destination)
+    except OSError as exc:
+        raise UserError(f"--out {out}: cannot write {exc.filename or out} ({exc.strerror or exc})") from None
 
 
 def unified_diff(run: MigrationRun) -> str:

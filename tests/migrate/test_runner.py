@@ -311,3 +311,23 @@ def test_custom_cuda_op_call_sites_are_reported(tmp_path: Path) -> None:
     assert ("model.py", 4, "custom-cuda-op") not in found  # a method of some object, not the extension
     assert ("csrc/gelu_kernel.cu", 1, "cuda-source") in found
     assert ("setup.py", 2, "cuda-extension") in found
+
+
+def test_a_file_that_cannot_be_written_is_reported_and_the_rest_migrated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from npukit.migrate import files
+
+    (tmp_path / "a.py").write_text(TRAIN)
+    (tmp_path / "b.py").write_text(TRAIN)
+    real_write = files.atomic_write
+
+    def refuse_a(path: Path, data: bytes, **kwargs) -> None:
+        if path.name == "a.py":
+            raise PermissionError(13, "Permission denied", str(path))
+        real_write(path, data, **kwargs)
+
+    monkeypatch.setattr(files, "atomic_write", refuse_a)
+    run = run_migration(MigrateOptions(target=tmp_path, quiet=True, jobs=1))
+    assert (tmp_path / "a.py").read_text() == TRAIN
+    assert ".npu()" in (tmp_path / "b.py").read_text()
+    assert any(f.kind == "unwritable" and f.path == "a.py" for f in run.findings)
+    assert [r.path for r in run.changed] == ["b.py"]
