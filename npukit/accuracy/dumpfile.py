@@ -214,8 +214,10 @@ class _LeafParser:
     def _tensor(self, value: dict, leaf_name: str) -> TensorLeaf:
         dtype = value.get("dtype")
         shape = value.get("shape")
-        if not isinstance(dtype, str) or not isinstance(shape, list):
-            raise UserError(f"{self.dump_path}: tensor {leaf_name} has no dtype/shape")
+        if not isinstance(dtype, str) or not isinstance(shape, list) or not all(
+            isinstance(size, int) and not isinstance(size, bool) for size in shape
+        ):
+            raise UserError(f"{self.dump_path}: tensor {leaf_name} has no dtype/shape (or a malformed one)")
         stats = None
         if "Max" in value:
             stats = tuple(_number(value.get(key), self.dump_path, leaf_name) for key in ("Max", "Min", "Mean", "Norm"))
@@ -231,7 +233,7 @@ class _LeafParser:
         leaf = TensorLeaf(
             name=leaf_name,
             dtype=dtype if dtype.startswith("torch.") else f"torch.{dtype}",
-            shape=tuple(int(size) for size in shape),
+            shape=tuple(shape),
             stats=stats,
             nan_count=value.get("nan_count"),
             inf_count=value.get("inf_count"),

@@ -197,3 +197,29 @@ def test_dump_on_the_emulated_npu(tmp_path, npu):
     data = load(tmp_path)["data"]
     leaf = data["Functional.linear.0.forward"]["output"][0]
     assert leaf["Norm"] > 0 and (tmp_path / "step0/rank0/dump_tensor_data" / leaf["data_name"]).is_file()
+
+
+def test_a_forward_that_raises_leaves_module_tracking_intact(tmp_path):
+    class Flaky(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(2, 2)
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            if self.calls == 1:
+                raise ValueError("first call fails")
+            return self.inner(x)
+
+    model = Flaky()
+    with torch.no_grad(), DumpSession(tmp_path, level="mix", mode="stats") as session:
+        with pytest.raises(ValueError):
+            model(torch.ones(1, 2))
+        model(torch.ones(1, 2))
+        session.step()
+    # No optimizer: each root forward starts a step, the failed one included.
+    construct = json.loads((tmp_path / "step1/rank0/construct.json").read_text())
+    assert construct["Functional.linear.0.forward"] == "Module.inner.Linear.forward.0"
+    assert construct["Module.inner.Linear.forward.0"] == "Module.Flaky.forward.0"
+    assert construct["Module.Flaky.forward.0"] is None
