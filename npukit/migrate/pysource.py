@@ -58,6 +58,7 @@ class PythonMigrator(CallRules, DeviceRules, NameRules, SourceModel):
         self._handle_decorators()
         self._handle_calls()
         self._handle_compares()
+        self._handle_availability_choices()
         self._handle_assignments()
         self._handle_attributes()
         self._handle_strings()

@@ -242,6 +242,14 @@ class CallRules:
                                              "nothing to do"))
                         branch = self._if_for_test(node, test)
                         self.frozen.append((self.pos.span(test)[0], self.pos.span(branch.body[-1])[1]))
+        for conditional in self.conditionals:  # "cuda" if torch.cuda.is_available() else "npu" if ... else "cpu"
+            text = self.pos.segment(conditional)
+            if "npu" in text and any(isinstance(sub, ast.Attribute) and self.qualname(sub) == "torch.cuda.is_available"
+                                     for sub in ast.walk(conditional.test)):
+                self._flag(conditional, Flag("dual-target", "info",
+                                             "this expression already has an NPU choice; its CUDA choice was kept",
+                                             "nothing to do"))
+                self.frozen.append(self.pos.span(conditional))
 
     @staticmethod
     def _if_for_test(node: ast.If, test: ast.AST) -> ast.If:

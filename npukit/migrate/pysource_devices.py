@@ -324,6 +324,13 @@ class DeviceRules:
             elif node.values and (string_value(node.values[0]) or "").lstrip().startswith("nvidia-smi"):
                 self._flag(node, rules.NVIDIA_SMI)
 
+    def _handle_availability_choices(self) -> None:
+        """`"cuda" if torch.cuda.is_available() else "cpu"` names a device wherever it appears (case 1)."""
+        for node in self.conditionals:
+            if any(isinstance(sub, ast.Call) and self.qualname(sub.func) == "torch.cuda.is_available"
+                   for sub in ast.walk(node.test)):
+                self._rewrite_device_expr(node, "device-string")
+
     def _flag_backend_sinks(self) -> None:
         for expr in self._pending_backend_sinks:
             self._flag(expr, Flag("backend-string", "info",

@@ -163,6 +163,7 @@ class SourceModel:
         self.cuda_method_classes: set[str] = set()
         self.docstrings: set[int] = set()
         self.ifs: list[ast.If] = []
+        self.conditionals: list[ast.IfExp] = []
         self.dicts: list[ast.Dict] = []
         self.decorators: list[ast.AST] = []
         self.loads: dict[str, list[ast.Name]] = {}
@@ -205,6 +206,8 @@ class SourceModel:
                     self.assigned[id(scope)].add((alias.asname or alias.name).split(".")[0])
             elif kind is ast.If:
                 self.ifs.append(node)
+            elif kind is ast.IfExp:
+                self.conditionals.append(node)
             elif kind in _SCOPE_NODES:
                 inner_scope = self._enter_scope(node, scope)
             for name in _child_fields(kind):

@@ -76,6 +76,9 @@ REWRITES = [
     ("multiline-import-keeps-comments",
      'from torch.cuda import (\n    synchronize,  # sync\n    CUDAGraph,\n)\nsynchronize()\n',
      NPU + 'from torch_npu.npu import (\n    synchronize,  # sync\n    NPUGraph as CUDAGraph,\n)\nsynchronize()\n'),
+    ("availability-choice-anywhere",
+     'import torch\ndef get_device():\n    return "cuda" if torch.cuda.is_available() else "cpu"\n',
+     NPU + 'import torch\ndef get_device():\n    return "npu" if torch.npu.is_available() else "cpu"\n'),
     ("profiler-activity",
      'from torch.profiler import ProfilerActivity\nacts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]\n',
      NPU + 'from torch.profiler import ProfilerActivity\nacts = [ProfilerActivity.CPU, ProfilerActivity.NPU]\n'),
@@ -97,6 +100,8 @@ UNCHANGED = [
      'from torch import (nn,  # layers\n    cuda)\n'),
     ("cuda-attribute-that-is-a-flag",
      'class T:\n    def __init__(self, use):\n        self.cuda = use\n    def f(self):\n        enabled = self.cuda\n        return enabled\n'),
+    ("dual-target-conditional-expression",
+     'import torch\nd = "cuda" if torch.cuda.is_available() else "npu" if torch.npu.is_available() else "cpu"\n'),
     ("help-text", 'p.add_argument("--device", default="cpu", help="cuda or cpu")\n'),
 ]
 
