@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -89,10 +91,29 @@ def test_markdown(reports: tuple[Path, Path]) -> None:
     assert "## Effort estimate" in text
 
 
-def _cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO), COLUMNS="200")
-    return subprocess.run([sys.executable, "-c", "from npukit.cli import migrate_main; migrate_main()", *args],
-                          capture_output=True, text=True, env=env, cwd=cwd, timeout=120)
+@dataclass
+class CliResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def _cli(*args: str) -> CliResult:
+    """Run `npu-migrate ARGS` in this process, as the console script does (exit code, stdout, stderr)."""
+    from npukit.cli import migrate_main
+
+    out, err = io.StringIO(), io.StringIO()
+    argv = sys.argv
+    sys.argv = ["npu-migrate", *args]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            migrate_main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        sys.argv = argv
+    return CliResult(code, out.getvalue(), err.getvalue())
 
 
 def test_cli_check_mode_exit_codes(tmp_path: Path) -> None:
