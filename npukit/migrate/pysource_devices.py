@@ -116,6 +116,7 @@ class DeviceRules:
                 positions.append((call.args[0], True))
             elif qualified == rules.TORCH_LOAD and len(call.args) >= 2:
                 positions.append((call.args[1], False))
+        positions += [(arg, False) for arg in self._local_device_arguments(call)]
         for expr, ints_allowed in positions:
             if self._rewrite_device_expr(expr, "device-string"):
                 continue
@@ -127,6 +128,24 @@ class DeviceRules:
                 self._rewrite_int_ordinal(expr)
             else:
                 self._note_flow_use(expr, "device")
+
+    def _local_device_arguments(self, call: ast.Call) -> list[ast.AST]:
+        """Positional arguments of this file's own functions whose parameter is named like a device."""
+        name = call.func.id if isinstance(call.func, ast.Name) else None
+        if name is None or name in self.bindings:
+            return []
+        if not hasattr(self, "_local_signatures"):
+            self._local_signatures: dict[str, list[str]] = {}
+            for function in self.functions:
+                if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    params = [a.arg for a in function.args.posonlyargs + function.args.args]
+                    # one name defined twice with different signatures is ambiguous: keep neither
+                    known = self._local_signatures.setdefault(function.name, params)
+                    if known != params:
+                        self._local_signatures[function.name] = []
+        params = self._local_signatures.get(name, [])
+        return [arg for arg, param in zip(call.args, params)
+                if not isinstance(arg, ast.Starred) and "device" in param.lower()]
 
     def _handle_backend_sinks(self, call: ast.Call, qualified: str | None, method: str | None) -> None:
         exprs = [k.value for k in call.keywords if k.arg == "backend"]
