@@ -121,7 +121,8 @@ def markdown(run: MigrationRun) -> str:
     e = effort(run)
     lines = [f"# npu-migrate report: `{run.options.target}`", "",
              f"Mode: {run.options.mode}{' (runtime transfer_to_npu)' if run.options.runtime else ''}. "
-             f"{s['files_scanned']} files scanned, {s['files_changed']} changed, {s['rewrites']} rewrites, "
+             f"{_count(s['files_scanned'], 'file')} scanned, {s['files_changed']} changed, "
+             f"{_count(s['rewrites'], 'rewrite')}, "
              f"{s['files_unparsable']} left unparsed, in {s['seconds']} s.", "",
              "## Rewrites by rule", "", "| rule | count |", "|---|---:|"]
     lines += [f"| {rule} | {count} |" for rule, count in s["rewrites_by_rule"].items()] or ["| (none) | 0 |"]
@@ -140,6 +141,10 @@ def markdown(run: MigrationRun) -> str:
         lines += ["", f"## For information ({len(info)})", ""]
         lines += [f"- {f.path}:{f.line}:{f.col} {f.kind}: {_md(f.reason)}" for f in info]
     return "\n".join(lines) + "\n"
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 def _md(text: str) -> str:
@@ -169,8 +174,8 @@ def print_summary(run: MigrationRun, console) -> None:
 
     s = summary(run)
     verb = {"in-place": "changed", "copy": "changed in the copy"}.get(run.options.mode, "would change")
-    console.print(f"[bold]npu-migrate[/bold] {run.options.target}: {s['files_scanned']} files scanned, "
-                  f"[bold]{s['files_changed']}[/bold] {verb}, {s['rewrites']} rewrites, "
+    console.print(f"[bold]npu-migrate[/bold] {run.options.target}: {_count(s['files_scanned'], 'file')} scanned, "
+                  f"[bold]{s['files_changed']}[/bold] {verb}, {_count(s['rewrites'], 'rewrite')}, "
                   f"{s['files_unparsable']} not parsed ({s['seconds']:.2f} s)")
     if s["rewrites_by_rule"]:
         table = Table(title="Rewrites by rule", title_justify="left")
@@ -195,5 +200,5 @@ def print_summary(run: MigrationRun, console) -> None:
             table.add_row(f"[{style}]{severity}[/{style}]", kind, str(count), firsts[(severity, kind)])
         console.print(table)
         e = effort(run)
-        console.print(f"Effort estimate: {e['items_needing_a_human']} items needing a human, about "
+        console.print(f"Effort estimate: {_count(e['items_needing_a_human'], 'item')} needing a human, about "
                       f"{e['estimated_hours']} h (rough). Details: --report DIR.")

@@ -160,4 +160,4 @@ def test_cli_json_goes_to_stdout_and_summary_to_stderr(tmp_path: Path) -> None:
     assert result.returncode == 0
     data = json.loads(result.stdout)
     assert data["summary"]["files_changed"] == 1
-    assert "files scanned" in result.stderr
+    assert "would change" in result.stderr and "Rewrites by rule" in result.stderr
