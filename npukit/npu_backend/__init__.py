@@ -97,6 +97,10 @@ def install(device_count: int | None = None) -> None:
 
         sys.modules[f"torch.npu.{name}"] = getattr(npu_module, name)
     torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True)
+    # Backward of npu tensors runs in the calling thread, as for CPU tensors. On autograd's
+    # per-device threads the thread-local state they keep can hold Python objects that are
+    # released while the interpreter shuts down, which aborts the process at exit.
+    torch._C._set_multithreading_enabled(False)
     _installed = True
 
 

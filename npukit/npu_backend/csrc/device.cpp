@@ -14,6 +14,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <ATen/native/Resize.h>
+#include <ATen/Parallel.h>
 #include <ATen/ops/_reshape_alias_native.h>
 #include <ATen/ops/as_strided_native.h>
 #include <ATen/ops/resize_native.h>
@@ -25,6 +26,7 @@
 #include <torch/library.h>
 
 #include <array>
+#include <deque>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -205,14 +207,69 @@ void saturate_half(const at::Tensor& cpu) {
   cpu.nan_to_num_(0.0, kHalfMax, -kHalfMax);
 }
 
-// HF32 keeps 10 explicit mantissa bits (like TF32), rounded to nearest even.
+// HF32 keeps 10 explicit mantissa bits (like TF32), rounded to nearest even; inf/nan kept.
+// One branch-free pass over the bits: this runs on every fp32 conv input when HF32 is on.
 at::Tensor round_to_hf32(const at::Tensor& t) {
-  auto bits = t.contiguous().view(at::kInt);
-  auto lsb = bits.bitwise_right_shift(13).bitwise_and_(1);
-  auto rounded = bits.add(lsb).add_(0x0FFF).bitwise_and_(int32_t(0xFFFFE000));
-  auto finite = at::isfinite(t.contiguous());
-  return at::where(finite, rounded.view(at::kFloat), t.contiguous()).view(t.sizes());
+  TORCH_CHECK(t.scalar_type() == at::kFloat, "round_to_hf32 expects float32, got ", t.scalar_type());
+  at::Tensor src = t.contiguous();
+  at::Tensor out = at::empty(src.sizes(), src.options().device(c10::kCPU));
+  const uint32_t* in = reinterpret_cast<const uint32_t*>(src.const_data_ptr<float>());
+  uint32_t* dst = reinterpret_cast<uint32_t*>(out.mutable_data_ptr<float>());
+  at::parallel_for(0, src.numel(), 1 << 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      uint32_t x = in[i];
+      uint32_t rounded = (x + 0x0FFFu + ((x >> 13) & 1u)) & 0xFFFFE000u;
+      dst[i] = (x & 0x7F800000u) == 0x7F800000u ? x : rounded;
+    }
+  });
+  return out;
 }
+
+// Conv inputs and weights rounded in the forward are needed again by the backward: keep the
+// rounded copies of a training step's convs (keyed by memory, layout and version) until then.
+struct Hf32Cache {
+  struct Entry {
+    const void* data;
+    int64_t version;
+    std::vector<int64_t> sizes, strides;
+    at::Tensor rounded;
+  };
+  std::mutex mu;
+  std::deque<Entry> entries;
+  int64_t bytes = 0;
+  static constexpr int64_t kMaxBytes = int64_t(1) << 30;
+
+  static bool matches(const Entry& e, const at::Tensor& t) {
+    return e.data == t.const_data_ptr() && e.version == t._version() && e.sizes == t.sizes().vec() &&
+           e.strides == t.strides().vec();
+  }
+  at::Tensor take(const at::Tensor& npu, const at::Tensor& cpu) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      for (auto it = entries.begin(); it != entries.end(); ++it) {
+        if (matches(*it, npu)) {
+          at::Tensor rounded = it->rounded;
+          bytes -= rounded.nbytes();
+          entries.erase(it);
+          return rounded;
+        }
+      }
+    }
+    return round_to_hf32(cpu);
+  }
+  at::Tensor round_and_keep(const at::Tensor& npu, const at::Tensor& cpu) {
+    at::Tensor rounded = round_to_hf32(cpu);
+    std::lock_guard<std::mutex> lock(mu);
+    entries.push_back({npu.const_data_ptr(), npu._version(), npu.sizes().vec(), npu.strides().vec(), rounded});
+    bytes += rounded.nbytes();
+    while (bytes > kMaxBytes && !entries.empty()) {
+      bytes -= entries.front().rounded.nbytes();
+      entries.pop_front();
+    }
+    return rounded;
+  }
+};
+Hf32Cache g_hf32_cache;
 
 // ------------------------------------------------------------------ npu <-> cpu aliasing
 at::Tensor make_tensor_on(const c10::Storage& storage, c10::DispatchKey key,
@@ -596,8 +653,9 @@ at::Tensor convolution_overrideable(const at::Tensor& input, const at::Tensor& w
     w = w.to(at::kFloat);
     if (b) b = b->to(at::kFloat);
   } else if (dtype == at::kFloat && g_conv_hf32) {
-    x = round_to_hf32(x);
-    w = round_to_hf32(w);
+    bool training = at::GradMode::is_enabled() && (input.requires_grad() || weight.requires_grad());
+    x = training ? g_hf32_cache.round_and_keep(input, x) : round_to_hf32(x);
+    w = training ? g_hf32_cache.round_and_keep(weight, w) : round_to_hf32(w);
   }
   at::Tensor out;
   {
@@ -622,6 +680,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_overrideable
     g = g.to(at::kFloat);
     x = x.to(at::kFloat);
     w = w.to(at::kFloat);
+  } else if (dtype == at::kFloat && g_conv_hf32) {
+    g = round_to_hf32(g);
+    x = g_hf32_cache.take(input, x);
+    w = g_hf32_cache.take(weight, w);
   }
   std::tuple<at::Tensor, at::Tensor, at::Tensor> grads;
   {

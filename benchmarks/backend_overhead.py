@@ -1,0 +1,154 @@
+"""Emulated NPU overhead: training-step time on npu vs the same step on CPU, measured in one run.
+
+Interleaved runs (CPU block, npu block, repeated), medians, 1 thread. Also per-op overhead
+in microseconds on 8x8 tensors, and the import cost of npukit.npu_backend.
+
+    python benchmarks/backend_overhead.py [--repeats 7] [--steps 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+TARGETS = {"MLP": 1.30, "CNN": 1.10, "GPT block": 1.10}
+
+
+def mlp_case(device):
+    model = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10)).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(64, 784, device=device)
+    y = torch.randint(0, 10, (64,), device=device)
+    return model, optimizer, lambda: F.cross_entropy(model(x), y)
+
+
+def cnn_case(device):
+    layers, channels = [], 3
+    for width in (16, 16, 32, 32, 64, 64):
+        layers += [nn.Conv2d(channels, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU()]
+        channels = width
+    model = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10)).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x = torch.randn(16, 3, 32, 32, device=device)
+    y = torch.randint(0, 10, (16,), device=device)
+    return model, optimizer, lambda: F.cross_entropy(model(x), y)
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, d=256, heads=4):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.heads = heads
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+def gpt_case(device):
+    model = GPTBlock().to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(8, 128, 256, device=device)
+    return model, optimizer, lambda: model(x).square().mean()
+
+
+CASES = {"MLP": mlp_case, "CNN": cnn_case, "GPT block": gpt_case}
+
+
+def time_steps(case, steps: int) -> float:
+    model, optimizer, loss_fn = case
+    start = time.perf_counter()
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn().backward()
+        optimizer.step()
+    return (time.perf_counter() - start) / steps
+
+
+def step_ratio(name: str, repeats: int, steps: int) -> tuple[float, float, float]:
+    torch.manual_seed(0)
+    cases = {device: CASES[name](device) for device in ("cpu", "npu")}
+    for case in cases.values():
+        time_steps(case, 2)  # warm-up
+    cpu_times, npu_times = [], []
+    for _ in range(repeats):
+        cpu_times.append(time_steps(cases["cpu"], steps))
+        npu_times.append(time_steps(cases["npu"], steps))
+    cpu, npu = statistics.median(cpu_times), statistics.median(npu_times)
+    return cpu, npu, npu / cpu
+
+
+def op_overhead_us(repeats: int = 2000) -> dict[str, tuple[float, float]]:
+    results = {}
+    a_cpu, b_cpu = torch.randn(8, 8), torch.randn(8, 8)
+    a_npu, b_npu = a_cpu.npu(), b_cpu.npu()
+    ops = {
+        "add": lambda a, b: a + b,
+        "add_": lambda a, b: a.add_(b),
+        "view": lambda a, b: a.view(64),
+        "mm": lambda a, b: a @ b,
+        "sum": lambda a, b: a.sum(),
+    }
+    for name, fn in ops.items():
+        per_device = []
+        for a, b in ((a_cpu, b_cpu), (a_npu, b_npu)):
+            samples = []
+            for _ in range(5):
+                start = time.perf_counter()
+                for _ in range(repeats):
+                    fn(a, b)
+                samples.append((time.perf_counter() - start) / repeats * 1e6)
+            per_device.append(statistics.median(samples))
+        results[name] = (per_device[0], per_device[1])
+    return results
+
+
+def import_cost() -> tuple[float, float]:
+    code = ("import time; t0 = time.perf_counter(); import torch; t1 = time.perf_counter(); "
+            "import npukit.npu_backend; t2 = time.perf_counter(); print(t1 - t0, t2 - t1)")
+    samples = [tuple(map(float, subprocess.check_output([sys.executable, "-c", code], text=True).split()))
+               for _ in range(3)]
+    return statistics.median(s[0] for s in samples), statistics.median(s[1] for s in samples)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    import npukit.npu_backend  # noqa: F401
+
+    print(f"torch {torch.__version__}, 1 thread, {args.repeats} interleaved repeats x {args.steps} steps, medians")
+    print(f"{'model':<10} {'cpu ms/step':>12} {'npu ms/step':>12} {'ratio':>7} {'target':>7}")
+    met = True
+    for name in CASES:
+        cpu, npu, ratio = step_ratio(name, args.repeats, args.steps)
+        ok = ratio <= TARGETS[name]
+        met &= ok
+        print(f"{name:<10} {cpu * 1e3:>12.2f} {npu * 1e3:>12.2f} {ratio:>7.3f} {'<=' + str(TARGETS[name]):>7} {'ok' if ok else 'MISSED'}")
+    print("\nper-op cost on 8x8 (us): cpu, npu, overhead")
+    for name, (cpu, npu) in op_overhead_us().items():
+        print(f"  {name:<5} {cpu:7.2f} {npu:7.2f} {npu - cpu:+7.2f}")
+    torch_s, backend_s = import_cost()
+    print(f"\nimport torch {torch_s:.2f} s; import npukit.npu_backend adds {backend_s:.3f} s (target <= 0.3 s)")
+    met &= backend_s <= 0.3
+    print("all targets met" if met else "some targets missed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
