@@ -66,3 +66,11 @@ class FileResult:
     @property
     def changed(self) -> bool:
         return self.new_bytes is not None
+
+
+@dataclass(frozen=True)
+class TreeFacts:
+    """What one file's analysis needs to know about the rest of the tree (gathered before the run)."""
+
+    custom_ops: frozenset[str] = frozenset()  # ops the tree's CUDA native code binds for Python
+    cuda_method_classes: frozenset[str] = frozenset()  # classes, anywhere in the tree, with their own cuda()

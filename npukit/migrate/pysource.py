@@ -13,7 +13,7 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass
 
-from npukit.migrate.model import Change, Edit, Finding
+from npukit.migrate.model import Change, Edit, Finding, TreeFacts
 from npukit.migrate.pysource_calls import CallRules
 from npukit.migrate.pysource_devices import DeviceRules
 from npukit.migrate.pysource_model import (
@@ -113,13 +113,13 @@ def remap_findings(findings: list[Finding], text: str, edits: list[Edit]) -> lis
 
 
 def migrate_python(text: str, path: str, *, runtime: bool = False, entry_point: bool | None = None,
-                   custom_ops: frozenset[str] = frozenset()) -> PythonOutcome:
+                   facts: TreeFacts = TreeFacts()) -> PythonOutcome:
     """Rewrite one Python source. Raises MigrationSyntaxError if it does not parse.
 
-    custom_ops: op names the tree's native code binds (pybind/TORCH_LIBRARY); their calls are reported.
+    facts: what the rest of the tree says (custom CUDA ops, classes with their own cuda()).
     Findings carry the line numbers of the input; remap_findings moves them to the output.
     """
-    migrator = PythonMigrator(text, path, custom_ops)
+    migrator = PythonMigrator(text, path, facts)
     edits, findings = migrator.analyse()
     newline = newline_of(text)
     if runtime:

@@ -14,7 +14,7 @@ import re
 import warnings
 
 from npukit.migrate import rules
-from npukit.migrate.model import Edit, Finding
+from npukit.migrate.model import Edit, Finding, TreeFacts
 from npukit.migrate.rules import Flag
 
 _NEWLINE = re.compile(r"\r\n|\r|\n")
@@ -135,10 +135,11 @@ def apply_edits(text: str, edits: list[Edit]) -> str:
 class SourceModel:
     """One parsed module: positions, the collected nodes, and the edits and findings made so far."""
 
-    def __init__(self, text: str, path: str, custom_ops: frozenset[str] = frozenset()) -> None:
+    def __init__(self, text: str, path: str, facts: TreeFacts = TreeFacts()) -> None:
         self.text = text
         self.path = path
-        self.custom_ops = custom_ops  # names of custom CUDA ops bound from this tree's native code
+        self.facts = facts
+        self.custom_ops = facts.custom_ops  # names of custom CUDA ops bound from this tree's native code
         self.pos = Positions(text)
         self.tree = parse_python(text, path)
         self.edits: dict[tuple[int, int], Edit] = {}
@@ -160,7 +161,7 @@ class SourceModel:
         self.assigns: list[ast.AST] = []
         self.imports: list[ast.AST] = []
         self.functions: list[ast.AST] = []
-        self.cuda_method_classes: set[str] = set()
+        self.cuda_method_classes: set[str] = set(self.facts.cuda_method_classes)  # + this file's, below
         self.docstrings: set[int] = set()
         self.ifs: list[ast.If] = []
         self.conditionals: list[ast.IfExp] = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import difflib
 import os
 import shutil
@@ -15,7 +16,7 @@ from pathlib import Path
 from npukit.errors import UserError
 from npukit.migrate import files as fs
 from npukit.migrate import rules
-from npukit.migrate.model import FileResult, Finding
+from npukit.migrate.model import FileResult, Finding, TreeFacts
 from npukit.migrate.pysource import MigrationSyntaxError, migrate_python, remap_findings
 from npukit.migrate.textfiles import (
     is_cuda_native,
@@ -85,7 +86,7 @@ class FileSettings:
 
     runtime: bool = False
     lines_after: bool = False  # report findings at their line in the rewritten file (it is written)
-    custom_ops: frozenset[str] = frozenset()  # ops bound by the tree's CUDA native code
+    facts: TreeFacts = TreeFacts()
 
 
 def process_file(root: str, relative: str, kind: str, settings: FileSettings) -> FileResult:
@@ -111,9 +112,9 @@ def process_file(root: str, relative: str, kind: str, settings: FileSettings) ->
     try:
         new_text = text
         if kind == "python":
-            if not rules.worth_parsing(text) and not any(op in text for op in settings.custom_ops):
+            if not rules.worth_parsing(text) and not any(op in text for op in settings.facts.custom_ops):
                 return result
-            outcome = migrate_python(text, relative, runtime=runtime, custom_ops=settings.custom_ops)
+            outcome = migrate_python(text, relative, runtime=runtime, facts=settings.facts)
             new_text, result.changes, result.findings = outcome.text, outcome.changes, outcome.findings
             if settings.lines_after:
                 result.findings = remap_findings(outcome.findings, text, outcome.edits)
@@ -179,6 +180,32 @@ def _usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def _gather_tree_facts(root: Path, candidates: list[str]) -> TreeFacts:
+    native = [c for c in candidates if fs.kind_of(c) == "native"]
+    python = [c for c in candidates if fs.kind_of(c) == "python"]
+    return TreeFacts(custom_ops=_custom_cuda_ops(root, native), cuda_method_classes=_classes_with_cuda_method(root, python))
+
+
+def _classes_with_cuda_method(root: Path, python_files: list[str]) -> frozenset[str]:
+    """Classes that define their own `cuda` method anywhere in the tree (GA renamed calls to them)."""
+    names: set[str] = set()
+    for relative in python_files:
+        try:
+            data = (root / relative).read_bytes()
+        except OSError:
+            continue
+        if b"def cuda(" not in data:
+            continue
+        try:
+            tree = ast.parse(data)
+        except (SyntaxError, ValueError, RecursionError):
+            continue  # reported when the file itself is processed
+        names |= {node.name for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
+                  and any(isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name == "cuda"
+                          for item in node.body)}
+    return frozenset(names)
+
+
 def _custom_cuda_ops(root: Path, native_files: list[str]) -> frozenset[str]:
     """Op names bound for Python by C++/CUDA sources, when the tree has CUDA native code at all."""
     names: set[str] = set()
@@ -201,8 +228,7 @@ def _process_batch(batch: list[tuple]) -> list[FileResult]:
 
 def _analyse(root: Path, candidates: list[str], options: MigrateOptions,
              progress: Callable[[int], None] | None) -> list[FileResult]:
-    settings = FileSettings(runtime=options.runtime, lines_after=options.writes,
-                            custom_ops=_custom_cuda_ops(root, [c for c in candidates if fs.kind_of(c) == "native"]))
+    settings = FileSettings(runtime=options.runtime, lines_after=options.writes, facts=_gather_tree_facts(root, candidates))
     items = [(str(root), rel, fs.kind_of(rel), settings) for rel in candidates]
     jobs = options.jobs or _usable_cores()
     if jobs <= 1 or len(items) < _POOL_THRESHOLD:

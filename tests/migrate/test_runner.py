@@ -331,3 +331,11 @@ def test_a_file_that_cannot_be_written_is_reported_and_the_rest_migrated(tmp_pat
     assert ".npu()" in (tmp_path / "b.py").read_text()
     assert any(f.kind == "unwritable" and f.path == "a.py" for f in run.findings)
     assert [r.path for r in run.changed] == ["b.py"]
+
+
+def test_a_class_with_its_own_cuda_method_in_another_file_is_respected(tmp_path: Path) -> None:
+    (tmp_path / "pool.py").write_text("class Pool:\n    def cuda(self):\n        return 'pinned'\n")
+    (tmp_path / "train.py").write_text("import torch\nfrom pool import Pool\np = Pool().cuda()\nq = Pool()\nr = q.cuda()\nx = t.cuda()\n")
+    run_migration(MigrateOptions(target=tmp_path, quiet=True))
+    assert (tmp_path / "train.py").read_text() == (
+        "import torch_npu\nimport torch\nfrom pool import Pool\np = Pool().cuda()\nq = Pool()\nr = q.cuda()\nx = t.npu()\n")
