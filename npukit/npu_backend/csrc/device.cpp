@@ -703,6 +703,90 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_overrideable
   return {finish(std::get<0>(grads)), finish(std::get<1>(grads)), finish(std::get<2>(grads))};
 }
 
+// ------------------------------------------------------------------ recurrent cells
+// ATen's LSTM/GRU take the fused-cell path for every non-CPU device; these are the fused
+// cells' math (same gate order and workspace layout as the CUDA kernels) on the CPU aliases.
+at::Tensor wrap_like(const at::Tensor& cpu, const at::Tensor& npu_like) {
+  if (!cpu.defined()) return cpu;
+  Translation tr;
+  tr.device = npu_like.device().index();
+  return tr.to_npu(cpu.is_contiguous() ? cpu : cpu.contiguous());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_lstm_cell(
+    const at::Tensor& input_gates, const at::Tensor& hidden_gates, const at::Tensor& cx,
+    const std::optional<at::Tensor>& input_bias, const std::optional<at::Tensor>& hidden_bias) {
+  at::AutoDispatchBelowADInplaceOrView guard;
+  at::Tensor gates = cpu_alias(input_gates) + cpu_alias(hidden_gates);
+  if (input_bias && input_bias->defined()) gates = gates + cpu_alias(*input_bias);
+  if (hidden_bias && hidden_bias->defined()) gates = gates + cpu_alias(*hidden_bias);
+  auto chunks = gates.chunk(4, 1);
+  at::Tensor i = chunks[0].sigmoid(), f = chunks[1].sigmoid(), g = chunks[2].tanh(), o = chunks[3].sigmoid();
+  at::Tensor cy = f * cpu_alias(cx) + i * g;
+  at::Tensor hy = o * cy.tanh();
+  at::Tensor workspace = at::cat({i, f, g, o}, 1);
+  return {wrap_like(hy, cx), wrap_like(cy, cx), wrap_like(workspace, cx)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_lstm_cell_backward(
+    const std::optional<at::Tensor>& grad_hy_opt, const std::optional<at::Tensor>& grad_cy_opt,
+    const at::Tensor& cx, const at::Tensor& cy, const at::Tensor& workspace, bool has_bias) {
+  at::AutoDispatchBelowADInplaceOrView guard;
+  bool has_hy = grad_hy_opt && grad_hy_opt->defined();
+  bool has_cy = grad_cy_opt && grad_cy_opt->defined();
+  if (!has_hy && !has_cy) return {at::Tensor(), at::Tensor(), at::Tensor()};
+  auto chunks = cpu_alias(workspace).chunk(4, 1);
+  at::Tensor i = chunks[0], f = chunks[1], g = chunks[2], o = chunks[3];
+  at::Tensor tanh_cy = cpu_alias(cy).tanh();
+  at::Tensor grad_hy = has_hy ? cpu_alias(*grad_hy_opt) : at::zeros_like(tanh_cy);
+  at::Tensor gcx = grad_hy * o * (1 - tanh_cy * tanh_cy);
+  if (has_cy) gcx = gcx + cpu_alias(*grad_cy_opt);
+  at::Tensor gi = gcx * g * i * (1 - i);
+  at::Tensor gf = gcx * cpu_alias(cx) * f * (1 - f);
+  at::Tensor gg = gcx * i * (1 - g * g);
+  at::Tensor go = grad_hy * tanh_cy * o * (1 - o);
+  at::Tensor grad_gates = at::cat({gi, gf, gg, go}, 1);
+  at::Tensor grad_cx = gcx * f;
+  at::Tensor grad_bias = has_bias ? grad_gates.sum(0) : at::Tensor();
+  return {wrap_like(grad_gates, cx), wrap_like(grad_cx, cx), wrap_like(grad_bias, cx)};
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_gru_cell(
+    const at::Tensor& input_gates, const at::Tensor& hidden_gates, const at::Tensor& hx,
+    const std::optional<at::Tensor>& input_bias, const std::optional<at::Tensor>& hidden_bias) {
+  at::AutoDispatchBelowADInplaceOrView guard;
+  at::Tensor igates = cpu_alias(input_gates), hgates = cpu_alias(hidden_gates), h = cpu_alias(hx);
+  if (input_bias && input_bias->defined()) igates = igates + cpu_alias(*input_bias);
+  if (hidden_bias && hidden_bias->defined()) hgates = hgates + cpu_alias(*hidden_bias);
+  auto ic = igates.chunk(3, 1);
+  auto hc = hgates.chunk(3, 1);
+  at::Tensor r = (ic[0] + hc[0]).sigmoid();
+  at::Tensor z = (ic[1] + hc[1]).sigmoid();
+  at::Tensor n = (ic[2] + r * hc[2]).tanh();
+  at::Tensor hy = n + z * (h - n);
+  at::Tensor workspace = at::cat({r, z, n, h, hc[2]}, 1);
+  return {wrap_like(hy, hx), wrap_like(workspace, hx)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_gru_cell_backward(
+    const at::Tensor& grad_hy_npu, const at::Tensor& workspace, bool has_bias) {
+  at::AutoDispatchBelowADInplaceOrView guard;
+  auto chunks = cpu_alias(workspace).chunk(5, 1);
+  at::Tensor r = chunks[0], z = chunks[1], n = chunks[2], h = chunks[3], hn = chunks[4];
+  at::Tensor grad_hy = cpu_alias(grad_hy_npu);
+  at::Tensor grad_hx = grad_hy * z;
+  at::Tensor g_in = grad_hy * (1 - z) * (1 - n * n);
+  at::Tensor g_r = g_in * hn * r * (1 - r);
+  at::Tensor g_z = grad_hy * (h - n) * z * (1 - z);
+  at::Tensor grad_input_gates = at::cat({g_r, g_z, g_in}, 1);
+  at::Tensor grad_hidden_gates = at::cat({g_r, g_z, g_in * r}, 1);
+  at::Tensor grad_input_bias = has_bias ? grad_input_gates.sum(0) : at::Tensor();
+  at::Tensor grad_hidden_bias = has_bias ? grad_hidden_gates.sum(0) : at::Tensor();
+  return {wrap_like(grad_input_gates, grad_hy_npu), wrap_like(grad_hidden_gates, grad_hy_npu),
+          wrap_like(grad_hx, grad_hy_npu), wrap_like(grad_input_bias, grad_hy_npu),
+          wrap_like(grad_hidden_bias, grad_hy_npu)};
+}
+
 // ------------------------------------------------------------------ device guard
 struct NpuEvent {
   std::chrono::steady_clock::time_point time;
@@ -848,6 +932,10 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_copy_from_and_resize", copy_from_and_resize);
   m.impl("convolution_overrideable", convolution_overrideable);
   m.impl("convolution_backward_overrideable", convolution_backward_overrideable);
+  m.impl("_thnn_fused_lstm_cell", fused_lstm_cell);
+  m.impl("_thnn_fused_lstm_cell_backward_impl", fused_lstm_cell_backward);
+  m.impl("_thnn_fused_gru_cell", fused_gru_cell);
+  m.impl("_thnn_fused_gru_cell_backward", fused_gru_cell_backward);
   for (const char* name : {"mm", "bmm", "addmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot",
                            "_addmm_activation"})
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&npu_matmul_kernel>());
