@@ -339,3 +339,20 @@ def test_a_class_with_its_own_cuda_method_in_another_file_is_respected(tmp_path:
     run_migration(MigrateOptions(target=tmp_path, quiet=True))
     assert (tmp_path / "train.py").read_text() == (
         "import torch_npu\nimport torch\nfrom pool import Pool\np = Pool().cuda()\nq = Pool()\nr = q.cuda()\nx = t.npu()\n")
+
+
+def test_real_corpus_torch_distributed_migrates_cleanly_and_idempotently() -> None:
+    """The installed torch/distributed package (hundreds of real files): output parses, a rerun is a no-op."""
+    import ast
+
+    import torch
+
+    from npukit.migrate import migrate_python
+
+    source = Path(torch.__file__).parent / "distributed"
+    run = run_migration(MigrateOptions(target=source, dry_run=True))
+    assert len(run.changed) > 10 and not [r for r in run.results if r.error]
+    for result in run.changed:
+        text = result.new_bytes.decode("utf-8")
+        ast.parse(text)
+        assert migrate_python(text, result.path).text == text, result.path
