@@ -255,11 +255,6 @@ def _entry_class(entry: DumpEntry | None) -> str:
     return best
 
 
-def _ulp_wanted(entry: DumpEntry) -> bool:
-    base = entry.base.split(".")
-    return bool(MATMUL_CLASS.intersection(base[-1:] + base[1:2]))
-
-
 def _leaf_roles(entry: DumpEntry | None) -> dict[str, tuple[str, TensorLeaf]]:
     if entry is None:
         return {}

@@ -77,9 +77,6 @@ class CallCounter:
         self._counts[key] = index + 1
         return index
 
-    def reset(self) -> None:
-        self._counts.clear()
-
 
 def api_entry_name(api: str, index: int, direction: str = FORWARD) -> str:
     return f"{api}.{index}.{direction}"
