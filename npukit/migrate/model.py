@@ -74,3 +74,5 @@ class TreeFacts:
 
     custom_ops: frozenset[str] = frozenset()  # ops the tree's CUDA native code binds for Python
     cuda_method_classes: frozenset[str] = frozenset()  # classes, anywhere in the tree, with their own cuda()
+    # module names other files import (--runtime only; None: unknown, then only __main__ guards count)
+    imported_modules: frozenset[str] | None = None

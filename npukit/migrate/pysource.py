@@ -87,13 +87,31 @@ class PythonMigrator(CallRules, DeviceRules, NameRules, SourceModel):
         return len(self.text)
 
 
-def _is_entry_point(tree: ast.Module) -> bool:
+_DEFINITIONS = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+
+
+def _runs_code(statement: ast.stmt) -> bool:
+    """A module-level statement that does work (a library module only defines things)."""
+    if isinstance(statement, _DEFINITIONS):
+        return False
+    if isinstance(statement, ast.Expr) and string_value(statement.value) is not None:
+        return False  # a docstring
+    if isinstance(statement, (ast.Assign, ast.AnnAssign)):  # constants vs. `model = Net().cuda()`
+        return statement.value is not None and any(isinstance(n, ast.Call) for n in ast.walk(statement.value))
+    return True
+
+
+def _is_entry_point(tree: ast.Module, path: str, imported_modules: frozenset[str] | None) -> bool:
+    """Run directly: a `__main__` guard, or a script (module-level code) that no other file imports."""
     for statement in tree.body:
         if isinstance(statement, ast.If) and isinstance(statement.test, ast.Compare):
             text = ast.dump(statement.test)
             if "__name__" in text and "__main__" in text:
                 return True
-    return False
+    if imported_modules is None:
+        return False
+    module = path.replace("\\", "/").rsplit("/", 1)[-1].rsplit(".", 1)[0]
+    return module not in imported_modules and module != "__init__" and any(_runs_code(s) for s in tree.body)
 
 
 def remap_findings(findings: list[Finding], text: str, edits: list[Edit]) -> list[Finding]:
@@ -123,7 +141,7 @@ def migrate_python(text: str, path: str, *, runtime: bool = False, entry_point: 
     edits, findings = migrator.analyse()
     newline = newline_of(text)
     if runtime:
-        is_entry = _is_entry_point(migrator.tree) if entry_point is None else entry_point
+        is_entry = _is_entry_point(migrator.tree, path, facts.imported_modules) if entry_point is None else entry_point
         return _runtime_outcome(migrator, edits, findings, newline, is_entry)
     if edits and any(e.needs_torch_npu for e in edits) and migrator.imports_torch and not migrator.has_torch_npu_import:
         at = migrator.insertion_point()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import difflib
 import os
+import re
 import shutil
 import sys
 import time
@@ -180,10 +181,29 @@ def _usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _gather_tree_facts(root: Path, candidates: list[str]) -> TreeFacts:
+def _gather_tree_facts(root: Path, candidates: list[str], runtime: bool) -> TreeFacts:
     native = [c for c in candidates if fs.kind_of(c) == "native"]
     python = [c for c in candidates if fs.kind_of(c) == "python"]
-    return TreeFacts(custom_ops=_custom_cuda_ops(root, native), cuda_method_classes=_classes_with_cuda_method(root, python))
+    return TreeFacts(custom_ops=_custom_cuda_ops(root, native), cuda_method_classes=_classes_with_cuda_method(root, python),
+                     imported_modules=_imported_modules(root, python) if runtime else None)
+
+
+_IMPORT_LINE = re.compile(rb"^[ \t]*(?:from[ \t]+([\w.]+)[ \t]+import[ \t]+([\w, \t()]+)|import[ \t]+([\w., \t]+))", re.M)
+
+
+def _imported_modules(root: Path, python_files: list[str]) -> frozenset[str]:
+    """Every module-name component the tree's files import (`from a.b import c` gives a, b, c)."""
+    names: set[str] = set()
+    for relative in python_files:
+        try:
+            data = (root / relative).read_bytes()
+        except OSError:
+            continue
+        for match in _IMPORT_LINE.finditer(data):
+            for group in match.groups():
+                if group:
+                    names |= {part.decode("ascii", "replace") for part in re.split(rb"[\s.,()]+", group) if part}
+    return frozenset(names - {b"as".decode()})
 
 
 def _classes_with_cuda_method(root: Path, python_files: list[str]) -> frozenset[str]:
@@ -228,7 +248,8 @@ def _process_batch(batch: list[tuple]) -> list[FileResult]:
 
 def _analyse(root: Path, candidates: list[str], options: MigrateOptions,
              progress: Callable[[int], None] | None) -> list[FileResult]:
-    settings = FileSettings(runtime=options.runtime, lines_after=options.writes, facts=_gather_tree_facts(root, candidates))
+    settings = FileSettings(runtime=options.runtime, lines_after=options.writes,
+                            facts=_gather_tree_facts(root, candidates, options.runtime))
     items = [(str(root), rel, fs.kind_of(rel), settings) for rel in candidates]
     jobs = options.jobs or _usable_cores()
     if jobs <= 1 or len(items) < _POOL_THRESHOLD:

@@ -230,8 +230,15 @@ def test_whole_test_corpus_is_idempotent_and_parses(tmp_path: Path) -> None:
     assert run_migration(MigrateOptions(target=tmp_path, dry_run=True)).changed == []
 
 
+def test_runtime_mode_treats_unimported_scripts_as_entry_points(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text("import torch\nfrom model import Net\nnet = Net().cuda()\n")
+    (tmp_path / "model.py").write_text("import torch\nclass Net(torch.nn.Module):\n    pass\nx = torch.zeros(1).cuda()\n")
+    run = run_migration(MigrateOptions(target=tmp_path, runtime=True, quiet=True))
+    assert [r.path for r in run.changed] == ["train.py"]  # model.py is imported by train.py
+
+
 def test_runtime_mode_only_touches_entry_points(tmp_path: Path) -> None:
-    (tmp_path / "main.py").write_text(TRAIN + 'if __name__ == "__main__":\n    pass\n')
+    (tmp_path / "main.py").write_text("import lib\n" + TRAIN + 'if __name__ == "__main__":\n    pass\n')
     (tmp_path / "lib.py").write_text(TRAIN)
     (tmp_path / "run.sh").write_text("CUDA_VISIBLE_DEVICES=0 python main.py\n")
     run = run_migration(MigrateOptions(target=tmp_path, runtime=True, quiet=True))
