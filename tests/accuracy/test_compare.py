@@ -198,3 +198,10 @@ def test_no_common_step_is_a_clear_error(tmp_path):
 def test_missing_directory_is_a_clear_error(tmp_path):
     with pytest.raises(UserError, match="no such dump directory"):
         compare_dirs(tmp_path / "nope", tmp_path / "nope2")
+
+
+def test_md5_dumps_name_the_first_op_whose_checksum_changes(tmp_path):
+    result = run_pair(tmp_path, "eps", "mix", "md5")
+    assert result.pairs[0].divergence.entry == "Functional.layer_norm.1.forward"
+    quiet = run_pair(tmp_path / "same", None, "mix", "md5")
+    assert quiet.pairs[0].divergence is None and quiet.counts()[ERROR] == 0
