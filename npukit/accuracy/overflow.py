@@ -1,0 +1,938 @@
+"""Overflow detection during a normal training run: which op overflowed first, where, and when.
+
+    with OverflowSession(Path("overflow"), action="report"):
+        runpy.run_path("train.py", run_name="__main__")
+
+    session = OverflowSession(Path("overflow")).start()   # or from a training loop
+    for batch in data:
+        ...; optimizer.step(); session.step()
+    session.stop()
+
+An event is an op (forward, or its backward node) whose floating outputs hold inf/nan although
+every floating input was finite -- or, in fp16 saturation mode, an op that set the device's
+sticky overflow flag (it clamped a value to +-65504 or turned a nan into 0). Events are named
+like the dump (`Functional.linear.3.forward`, `Module.fc1.Linear.backward.0`), with step, rank,
+module path, dtype, input/output statistics and the user's stack.
+
+Cheap by design: each output gets one reduction computed on its own device (a sum for fp32/fp64,
+min and max for fp16/bf16) appended to a list of device scalars; the list is read with one copy
+per step, at the optimizer step (before the weights change) or at step(). Inputs that are the
+outputs of earlier ops reuse those results. On the emulated device the sticky flag is a host
+variable, read around each op at no sync cost. `level="module"` checks module outputs only.
+
+The `dump` action must see the tensors while they are alive, so it reads each op's result right
+away (one host read per op) and writes the event's inputs and outputs in the dump format, with a
+fp32 CPU replay of forward ops that tells a real fp16 overflow from a device bug.
+
+Steps end at optimizer.step (or GradScaler.step, which may skip the optimizer: that step is
+reported as skipped, and backward events in it are loss-scaling overflows, not failures). A
+script without an optimizer ends a step when its first root module starts a new forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import linecache
+import math
+import os
+import sys
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from npukit.accuracy import naming
+from npukit.accuracy.dump import (
+    _SAME_ELEMENTS,
+    StatsBuffer,
+    describe_value,
+    fill_stats,
+    rank_from_env,
+    write_json,
+)
+from npukit.accuracy.tensor_io import write_tensor
+from npukit.errors import UserError
+
+ACTIONS = ("report", "dump", "stop")
+LEVELS = ("api", "module")
+FP16_MAX = 65504.0
+REPORT_NAME = "overflow.json"
+_FORMAT_VERSION = 1
+_MIN_MAX_DTYPES = (torch.float16, torch.bfloat16)  # min/max: a sum of fp16 values can overflow by itself
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # npukit/
+_MAX_STACK_FRAMES = 12
+
+
+class OverflowStop(UserError):
+    """Raised by action="stop" at the first overflow event; npu-run prints it as a clean error."""
+
+
+# ---------------------------------------------------------------------------- device flag
+class _DeviceFlag:
+    """The device's sticky overflow flag (the float-status register in saturation mode).
+
+    On the emulated device it is a host variable: read around every op, and put back afterwards
+    so a script or a GradScaler reading it sees what it would have seen without the detector.
+    On a real Ascend device reading it syncs, so it is read once per step.
+    """
+
+    def __init__(self) -> None:
+        self.per_op = False
+        self.unseen = False  # set by something the detector does not watch (found at the next op)
+        self._left = False  # the value the detector last left the flag at
+        self._get = self._clear = self._set = None
+        if "npukit.npu_backend" in sys.modules:
+            from npukit.npu_backend import _C
+
+            self.per_op = True
+            self._get, self._set = _C.get_overflow_flag, _C.set_overflow_flag
+            self._clear = lambda: _C.set_overflow_flag(False)
+        elif "torch_npu" in sys.modules:
+            utils = sys.modules["torch_npu"].npu.utils
+            self._get, self._clear = utils.get_npu_overflow_flag, utils.clear_npu_overflow_flag
+
+    def value(self) -> bool:
+        return self._get()
+
+    def begin(self) -> bool:
+        was = self._get()
+        if was:
+            self.unseen |= not self._left
+            self._clear()
+        return was
+
+    def end(self, was: bool) -> bool:
+        """True when the op between begin() and end() set the flag."""
+        now = self._get()
+        if was and not now:
+            self._set(True)
+        self._left = was or now
+        return now
+
+    def sync_left(self) -> None:
+        """Whatever the flag holds now is known (session start, after a step was resolved)."""
+        if self.per_op:
+            self._left = self._get()
+            self.unseen = False
+
+    def discard_since(self, was: bool) -> None:
+        """Undo a flag set by the detector's own checks (a fp16 min/max of an inf input saturates)."""
+        if not was and self._get():
+            self._clear()
+
+    def read_and_clear(self) -> bool:
+        if self._get is None:
+            return False
+        was = self._get()
+        if was:
+            self._clear()
+        return was
+
+
+def _saturation_mode() -> bool:
+    if "npukit.npu_backend" in sys.modules:
+        from npukit.npu_backend import numerics
+
+        return numerics.fp16_mode() == "saturation"
+    if "torch_npu" in sys.modules:
+        return not sys.modules["torch_npu"].npu.utils.is_support_inf_nan()
+    return False
+
+
+# ---------------------------------------------------------------------------- checks
+class _Checks:
+    """Device scalars of one step (one or two per tensor), fetched with one copy when resolved."""
+
+    def __init__(self) -> None:
+        self.pending: list[torch.Tensor] = []
+        self.values: list[float] = []
+        # id(tensor) -> (weakref, version, slots): a tensor passed on to the next op is checked once.
+        self.seen: dict[int, tuple] = {}
+
+    def slots(self, tensor: torch.Tensor) -> tuple[int, ...]:
+        key = id(tensor)
+        version = _version(tensor)
+        known = self.seen.get(key)
+        if known is not None and known[0]() is tensor and known[1] == version:
+            return known[2]
+        data = tensor.detach()
+        if not data.is_floating_point() or data.numel() == 0 or data.device.type == "meta":
+            return ()
+        start = len(self.values) + len(self.pending)
+        with torch._C.DisableTorchFunction():
+            if data.dtype in _MIN_MAX_DTYPES:
+                low, high = torch.aminmax(data)
+                self.pending += (low, high)
+            else:
+                self.pending.append(data.sum())
+        slots = tuple(range(start, len(self.values) + len(self.pending)))
+        self.remember(tensor, slots)
+        return slots
+
+    def remember(self, tensor: torch.Tensor, slots: tuple[int, ...]) -> None:
+        with contextlib.suppress(TypeError):
+            self.seen[id(tensor)] = (weakref.ref(tensor), _version(tensor), slots)
+
+    def resolve(self) -> list[float]:
+        if self.pending:
+            # One copy per device (a step usually has one; CPU-side checks of the data are the other).
+            by_device: dict[torch.device, list[int]] = {}
+            for position, value in enumerate(self.pending):
+                by_device.setdefault(value.device, []).append(position)
+            fetched = [0.0] * len(self.pending)
+            with torch._C.DisableTorchFunction():
+                for positions in by_device.values():
+                    stacked = torch.stack([self.pending[p] for p in positions]).cpu().tolist()
+                    for position, value in zip(positions, stacked):
+                        fetched[position] = value
+            self.values += fetched
+            self.pending = []
+        return self.values
+
+
+def _version(tensor: torch.Tensor) -> int:
+    try:
+        return tensor._version
+    except RuntimeError:  # inference tensors carry no version counter
+        return -1
+
+
+@dataclass
+class _TensorCheck:
+    leaf: str  # "input.0", "output.1"
+    dtype: torch.dtype
+    shape: tuple
+    slots: tuple[int, ...]
+
+    def finite(self, values: list[float]) -> bool:
+        return all(math.isfinite(values[slot]) for slot in self.slots)
+
+    def describe(self, values: list[float]) -> dict:
+        out = {"name": self.leaf, "dtype": str(self.dtype), "shape": list(self.shape),
+               "finite": self.finite(values)}
+        if len(self.slots) == 2:
+            out["Min"], out["Max"] = (_json_number(values[slot]) for slot in self.slots)
+        elif len(self.slots) == 1:
+            count = math.prod(self.shape) or 1
+            out["Mean"] = _json_number(values[self.slots[0]] / count)
+        return out
+
+
+@dataclass
+class _OpRecord:
+    name: str
+    direction: str
+    module: str
+    stack_id: int | None
+    inputs: list[_TensorCheck]
+    outputs: list[_TensorCheck] = field(default_factory=list)
+    flag: bool = False
+    # Tensors the op also reads without being its arguments: a backward node's saved forward
+    # inputs and outputs, a module's parameters. An event needs them finite too.
+    context: list[_TensorCheck] = field(default_factory=list)
+    parent: _OpRecord | None = None  # module level: the enclosing module call
+    live: tuple | None = None  # dump action: (func, args, kwargs, outputs) while the op is resolved
+
+
+class _StepState:
+    def __init__(self) -> None:
+        self.checks = _Checks()
+        self.ops: list[_OpRecord] = []
+        self.resolved = 0
+        self.counter = naming.CallCounter()
+        self.unattributed_flag = False
+        self.events: list[dict] = []
+        self.event_records: list[_OpRecord] = []
+
+
+def _json_number(value: float):
+    if value != value:
+        return "nan"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return value
+
+
+def _flatten(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _flatten(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _flatten(item)
+
+
+class _ApiMode(TorchFunctionMode):
+    def __init__(self, session: OverflowSession) -> None:
+        super().__init__()
+        self._session = session
+        self._table = naming.api_name_table()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        api = self._table.get(func)
+        if api is None or self._session._paused:
+            return func(*args, **kwargs)
+        return self._session._run_api(api, func, args, kwargs)
+
+
+# ---------------------------------------------------------------------------- session
+class OverflowSession:
+    """Detect overflowing ops of a training run; events go to the console and `out_dir/overflow.json`.
+
+    action: "report" (record and go on), "dump" (also write each event op's inputs and outputs),
+    "stop" (raise OverflowStop at the first event). max_events: stop checking after that many.
+    level: "api" (every torch op, forward and backward) or "module" (module outputs only).
+    """
+
+    def __init__(self, out_dir: Path = Path("overflow"), action: str = "report", max_events: int = 20, *,
+                 level: str = "api", stack: bool = True, rank: int | None = None, console: bool = True) -> None:
+        if action not in ACTIONS:
+            raise UserError(f"--overflow-action: {action!r} is not one of {', '.join(ACTIONS)}")
+        if level not in LEVELS:
+            raise UserError(f"overflow level: {level!r} is not one of {', '.join(LEVELS)}")
+        if isinstance(max_events, bool) or not isinstance(max_events, int) or max_events < 1:
+            raise UserError(f"--overflow-max: expected a positive number of events, got {max_events!r}")
+        self.out_dir = Path(out_dir)
+        if self.out_dir.exists() and not self.out_dir.is_dir():
+            raise UserError(f"--overflow-dir: {self.out_dir} exists and is not a directory")
+        self.action = action
+        self.max_events = max_events
+        self.level = level
+        self.capture_stack = stack
+        self.rank = rank_from_env() if rank is None else rank
+        self.per_rank = rank is not None or "RANK" in os.environ
+        self.events: list[dict] = []
+        self.skipped_steps: list[dict] = []
+        self.step_index = 0
+        self._console = None
+        self._show = console
+        self._eager = action == "dump"  # the event's tensors must still be alive
+        self._flag = _DeviceFlag()
+        self._saturation = False
+        self._active = False
+        self._checking = False
+        self._auto_step = True
+        self._paused = 0  # > 0 inside optimizer.step(): its update ops are not the model's
+        self._optimizer_steps = 0
+        self._in_scaler = 0
+        self._optimizer_exists: bool | None = None
+        self._step_root: weakref.ref | None = None
+        self._step_ops_seen = False
+        self._paths: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # (path, module, record (module level), flag value before the module ran)
+        self._module_stack: list[tuple[str, object, _OpRecord | None, bool]] = []
+        self._stacks: dict[tuple, int] = {}
+        self._stack_frames: list[tuple] = []
+        self._handles: list = []
+        self._mode: _ApiMode | None = None
+        self._lifted: _ApiMode | None = None
+        self._scaler_step = None
+        self._state = _StepState()
+
+    # ------------------------------------------------------------------ public API
+    def __enter__(self) -> OverflowSession:
+        return self.start()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.stop()
+
+    def start(self) -> OverflowSession:
+        if self._active:
+            return self
+        from torch.nn.modules import module as module_hooks
+        from torch.optim import optimizer as optimizer_hooks
+
+        self._active = self._checking = True
+        self._saturation = _saturation_mode()
+        if self._flag.per_op:
+            self._flag.sync_left()
+        else:
+            self._flag.read_and_clear()  # a flag left over from before the session is not ours
+        self._handles = [
+            module_hooks.register_module_forward_pre_hook(self._on_module_pre_forward),
+            module_hooks.register_module_forward_hook(self._on_module_forward, always_call=True),
+            optimizer_hooks.register_optimizer_step_pre_hook(self._on_optimizer_pre_step),
+            optimizer_hooks.register_optimizer_step_post_hook(self._on_optimizer_post_step),
+        ]
+        self._wrap_grad_scaler()
+        if self.level == "api":
+            self._mode = _ApiMode(self)
+            self._mode.__enter__()
+        return self
+
+    def step(self) -> None:
+        """End the current step (its checks are read now) and start the next one."""
+        self._auto_step = False
+        self._end_step()
+
+    def stop(self) -> None:
+        """Read the step in progress, remove every hook, write overflow.json and print a summary."""
+        if not self._active:
+            return
+        self._active = False
+        try:
+            self._resolve()
+        finally:
+            self._stop_checking()
+            for handle in self._handles:
+                handle.remove()
+            self._handles = []
+            self._unwrap_grad_scaler()
+            self._write_report()
+            self._print_summary()
+
+    @property
+    def first_event(self) -> dict | None:
+        return self.events[0] if self.events else None
+
+    # ------------------------------------------------------------------ steps
+    def _end_step(self, skipped_by_scaler: bool = False, scale: float | None = None) -> None:
+        state = self._state
+        if state.ops or state.unattributed_flag or skipped_by_scaler:
+            self._resolve(skipped_by_scaler=skipped_by_scaler)
+        if skipped_by_scaler:
+            first = next((event["name"] for event in state.events), None)
+            self.skipped_steps.append({"step": self.step_index, "rank": self.rank, "scale": scale,
+                                       "first_overflow": first})
+            self._print(f"[yellow]step {self.step_index}: skipped by GradScaler[/] (scale {scale:g})"
+                        + (f", first overflow {first}" if first else ""))
+        self._state = _StepState()
+        self._module_stack = []
+        self._step_root = None
+        self.step_index += 1
+
+    def _optimizer_alive(self) -> bool:
+        if self._optimizer_exists is None:
+            # Asked once, at the second root forward of the first step: one gc scan, not per step.
+            self._optimizer_exists = any(isinstance(obj, torch.optim.Optimizer) for obj in gc.get_objects())
+        return self._optimizer_exists
+
+    def _on_optimizer_pre_step(self, optimizer, args, kwargs) -> None:
+        self._optimizer_steps += 1
+        if self._paused == 0:
+            # Read before the update: with action="stop" the weights never see the overflow.
+            self._resolve()
+        self._paused += 1
+        self._lift_mode()
+
+    def _on_optimizer_post_step(self, optimizer, args, kwargs) -> None:
+        self._restore_mode()
+        self._paused = max(0, self._paused - 1)
+        if self._auto_step and self._paused == 0 and not self._in_scaler:
+            self._end_step()
+
+    def _wrap_grad_scaler(self) -> None:
+        """GradScaler.step may skip optimizer.step (inf/nan grads): that still ends a step."""
+        scaler_cls = torch.amp.GradScaler
+        original = scaler_cls.step
+        session = self
+
+        def step(scaler, optimizer, *args, **kwargs):
+            if not session._active or not scaler.is_enabled():
+                return original(scaler, optimizer, *args, **kwargs)
+            scale = scaler.get_scale()
+            before = session._optimizer_steps
+            session._in_scaler += 1
+            try:
+                result = original(scaler, optimizer, *args, **kwargs)
+            finally:
+                session._in_scaler -= 1
+            if session._auto_step and not session._in_scaler:
+                session._end_step(skipped_by_scaler=session._optimizer_steps == before, scale=scale)
+            return result
+
+        self._scaler_step = (scaler_cls, original)
+        scaler_cls.step = step
+
+    def _unwrap_grad_scaler(self) -> None:
+        if self._scaler_step is not None:
+            owner, original = self._scaler_step
+            owner.step = original
+            self._scaler_step = None
+
+    def _lift_mode(self) -> None:
+        """Take the api mode off the stack while the optimizer runs: its update ops are not checked."""
+        size = torch._C._len_torch_function_stack()
+        if self._mode is not None and size and torch._C._get_function_stack_at(size - 1) is self._mode:
+            self._lifted = torch._C._pop_torch_function_stack()
+
+    def _restore_mode(self) -> None:
+        if self._lifted is not None:
+            torch._C._push_on_torch_function_stack(self._lifted)
+            self._lifted = None
+
+    def _stop_checking(self) -> None:
+        """max_events reached or session over: no more per-op work; steps are still counted."""
+        self._checking = False
+        self._restore_mode()
+        if self._mode is not None:
+            size = torch._C._len_torch_function_stack()
+            if size and torch._C._get_function_stack_at(size - 1) is self._mode:
+                self._mode.__exit__(None, None, None)
+            self._mode = None
+
+    # ------------------------------------------------------------------ modules
+    def _module_path(self, module) -> str:
+        path = self._paths.get(module)
+        if path is None:
+            if self._module_stack:
+                # Created after its parent was first seen: re-walk the outermost running module.
+                outer = self._module_stack[0][1]
+                for name, sub in outer.named_modules(prefix=self._paths.get(outer, "")):
+                    self._paths.setdefault(sub, name)
+            for name, sub in module.named_modules():
+                self._paths.setdefault(sub, name)
+            path = self._paths[module]
+        return path
+
+    def _on_module_pre_forward(self, module, args) -> None:
+        if self._paused:
+            return
+        if not self._module_stack and self._auto_step and self._optimizer_steps == 0:
+            root = self._step_root() if self._step_root is not None else None
+            if root is None:
+                self._step_root = weakref.ref(module)
+            elif root is module and not self._optimizer_alive():
+                self._end_step()
+                self._step_root = weakref.ref(module)
+        path = self._module_path(module)
+        record = None
+        if self.level == "module" and self._checking:
+            index = self._state.counter.next(f"Module.{path}.{type(module).__name__}")
+            name = naming.module_entry_name(path, type(module).__name__, index)
+            parent = next((entry for _, _, entry, _ in reversed(self._module_stack) if entry is not None), None)
+            record = _OpRecord(name, naming.FORWARD, path, self._stack_id(), self._check_all(args, "input"),
+                               context=self._check_list(list(module.parameters()), "parameters"), parent=parent)
+        was = self._flag.begin() if record is not None and self._flag.per_op else False
+        self._module_stack.append((path, module, record, was))
+
+    def _on_module_forward(self, module, args, output=None) -> None:
+        if not self._module_stack or self._module_stack[-1][1] is not module:
+            return
+        _, _, record, was = self._module_stack.pop()
+        if record is None or not self._checking:
+            return
+        record.flag = self._flag.end(was) if self._flag.per_op else False
+        outputs = [t for t in _flatten(output) if isinstance(t, torch.Tensor)]
+        record.outputs = self._check_list(outputs, "output")
+        self._add_record(record, (None, args, {}, output))
+        if torch.is_grad_enabled():
+            self._hook_module_backward(record, type(module).__name__, args, outputs)
+
+    def _hook_module_backward(self, forward: _OpRecord, class_name: str, args, outputs) -> None:
+        grad_outputs = [t for t in outputs if t.requires_grad]
+        grad_inputs = [t for t in _flatten(args) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not grad_outputs or not grad_inputs:
+            return
+        index = int(forward.name.rsplit(".", 1)[1])
+        name = naming.module_entry_name(forward.module, class_name, index, naming.BACKWARD)
+        state = self._state
+        backward = _OpRecord(name, naming.BACKWARD, forward.module, forward.stack_id, [None] * len(grad_outputs),
+                             [None] * len(grad_inputs), context=forward.inputs + forward.outputs + forward.context)
+        placed = []
+
+        def incoming(position):
+            def hook(grad):
+                if state is self._state and self._checking:
+                    backward.inputs[position] = self._check(grad, f"input.{position}")
+            return hook
+
+        def outgoing(position):
+            def hook(grad):
+                if state is self._state and self._checking:
+                    backward.outputs[position] = self._check(grad, f"output.{position}")
+                    if not placed:
+                        placed.append(True)
+                        state.ops.append(backward)
+            return hook
+
+        for position, tensor in enumerate(grad_outputs):
+            tensor.register_hook(incoming(position))
+        for position, tensor in enumerate(grad_inputs):
+            tensor.register_hook(outgoing(position))
+
+    # ------------------------------------------------------------------ apis
+    def _run_api(self, api: str, func, args, kwargs):
+        if not self._checking:
+            return func(*args, **kwargs)
+        state = self._state
+        index = state.counter.next(api)
+        inputs = self._check_all((args, kwargs), "input")
+        in_place = api.endswith("_") or api.startswith("Tensor.__i") or "out" in kwargs
+        live_args = args
+        if self._eager and in_place:  # the op overwrites its inputs: keep them for the dump
+            with torch._C.DisableTorchFunction():
+                live_args = tuple(a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args)
+        was = self._flag.begin() if self._flag.per_op else False
+        output = func(*args, **kwargs)
+        flag = self._flag.end(was) if self._flag.per_op else False
+        outputs = [t for t in _flatten(output) if isinstance(t, torch.Tensor)]
+        module = self._module_stack[-1][0] if self._module_stack else ""
+        record = _OpRecord(naming.api_entry_name(api, index), naming.FORWARD, module, self._stack_id(), inputs,
+                           flag=flag)
+        if api in _SAME_ELEMENTS and len(outputs) == 1 and inputs and outputs[0].numel() == math.prod(inputs[0].shape):
+            # A view or reshape holds its input's values: no second reduction.
+            record.outputs = [_TensorCheck("output.0", outputs[0].dtype, tuple(outputs[0].shape), inputs[0].slots)]
+            state.checks.remember(outputs[0], inputs[0].slots)
+        else:
+            record.outputs = self._check_list(outputs, "output")
+        self._add_record(record, (func, live_args, kwargs, output))
+        if torch.is_grad_enabled() and outputs:
+            self._hook_api_backward(api, index, record, args, kwargs, outputs)
+        return output
+
+    def _hook_api_backward(self, api, index, forward: _OpRecord, args, kwargs, outputs) -> None:
+        inputs = {id(t) for t in _flatten((args, kwargs)) if isinstance(t, torch.Tensor)}
+        nodes = []
+        for tensor in outputs:
+            node = tensor.grad_fn
+            # An op returning its input unchanged shares the producer's node: not ours to hook.
+            if node is None or id(tensor) in inputs or any(node is seen for seen in nodes):
+                continue
+            nodes.append(node)
+        if not nodes:
+            return
+        state = self._state
+        name = naming.api_entry_name(api, index, naming.BACKWARD)
+        flags: list[bool] = []
+
+        def pre_hook(grad_outputs):
+            if state is self._state and self._checking and self._flag.per_op:
+                flags.append(self._flag.begin())
+
+        def hook(grad_inputs, grad_outputs):
+            if state is not self._state or not self._checking:
+                return
+            flag = self._flag.end(flags.pop()) if flags else False
+            record = _OpRecord(name, naming.BACKWARD, forward.module, forward.stack_id,
+                               self._check_list(grad_outputs, "input"), self._check_list(grad_inputs, "output"),
+                               flag=flag, context=forward.inputs + forward.outputs)
+            self._add_record(record, (None, grad_outputs, {}, grad_inputs))
+
+        for node in nodes:
+            node.register_prehook(pre_hook)
+            node.register_hook(hook)
+
+    # ------------------------------------------------------------------ checks and records
+    def _check(self, tensor, leaf: str) -> _TensorCheck | None:
+        if not isinstance(tensor, torch.Tensor):
+            return None
+        if self._saturation and self._flag.per_op and tensor.dtype == torch.float16:
+            was = self._flag.value()
+            slots = self._state.checks.slots(tensor)
+            self._flag.discard_since(was)
+        else:
+            slots = self._state.checks.slots(tensor)
+        return _TensorCheck(leaf, tensor.dtype, tuple(tensor.shape), slots)
+
+    def _check_list(self, tensors, prefix: str) -> list[_TensorCheck]:
+        checks = (self._check(tensor, f"{prefix}.{i}") for i, tensor in enumerate(tensors))
+        return [check for check in checks if check is not None]
+
+    def _check_all(self, value, prefix: str) -> list[_TensorCheck]:
+        return self._check_list([t for t in _flatten(value) if isinstance(t, torch.Tensor)], prefix)
+
+    def _add_record(self, record: _OpRecord, live: tuple) -> None:
+        self._state.ops.append(record)
+        if self._eager:
+            record.live = live
+            self._resolve()
+            record.live = None
+
+    def _stack_id(self) -> int | None:
+        if not self.capture_stack:
+            return None
+        frames = []
+        frame = sys._getframe(2)
+        while frame is not None and len(frames) < _MAX_STACK_FRAMES:
+            filename = frame.f_code.co_filename
+            if not (filename.startswith(_TORCH_DIR) or filename.startswith(_OWN_DIR) or filename.startswith("<")):
+                frames.append((filename, frame.f_lineno, frame.f_code.co_name))
+            frame = frame.f_back
+        key = tuple(frames)
+        stack_id = self._stacks.get(key)
+        if stack_id is None:
+            stack_id = self._stacks[key] = len(self._stack_frames)
+            self._stack_frames.append(key)
+        return stack_id
+
+    # ------------------------------------------------------------------ resolving
+    def _resolve(self, skipped_by_scaler: bool = False) -> None:
+        """Read this step's pending checks (one device->host copy) and turn new ones into events."""
+        state = self._state
+        if self._flag.per_op:
+            state.unattributed_flag |= self._flag.unseen
+            self._flag.unseen = False
+        elif self._flag.read_and_clear():
+            state.unattributed_flag = True  # real device: the flag is only read once per step
+        if state.resolved == len(state.ops) and not state.unattributed_flag:
+            return
+        values = state.checks.resolve()
+        found = len(state.event_records)
+        for record in state.ops[state.resolved:]:
+            state.resolved += 1
+            kind = self._event_kind(record, values)
+            if kind is not None and not self._inside_event(record, state.event_records):
+                state.event_records.append(record)
+                self._record_event(record, kind, values, skipped_by_scaler)
+        if state.unattributed_flag and not state.event_records and self._checking:
+            self._record_event(None, "saturation", values, skipped_by_scaler)
+        state.unattributed_flag = False
+        if len(state.event_records) > found:
+            self._write_report()
+
+    def _event_kind(self, record: _OpRecord, values: list[float]) -> str | None:
+        """"inf_nan" or "saturation" when this op is where the overflow starts, else None."""
+        inputs = [check for check in record.inputs + record.context if check is not None]
+        if not all(check.finite(values) for check in inputs):
+            return None  # it only passes on an earlier overflow
+
+        def at_limit(check):
+            return check.dtype == torch.float16 and any(abs(values[slot]) >= FP16_MAX for slot in check.slots)
+
+        # In saturation mode an input at +-65504 is an earlier op's clamped result passed on.
+        fresh_inputs = not (self._saturation and any(at_limit(check) for check in inputs))
+        if record.flag:
+            return "saturation" if fresh_inputs else None
+        outputs = [check for check in record.outputs if check is not None]
+        if any(not check.finite(values) for check in outputs):
+            return "inf_nan"
+        if self._saturation and not self._flag.per_op and fresh_inputs and any(at_limit(c) for c in outputs):
+            return "saturation"  # real device: its flag is read once per step, the values tell the op
+        return None
+
+    @staticmethod
+    def _inside_event(record: _OpRecord, found: list[_OpRecord]) -> bool:
+        """Module level: a module whose child overflowed is not a second event."""
+        return any(event.parent is not None and _encloses(record, event) for event in found)
+
+    def _record_event(self, record: _OpRecord | None, kind: str, values: list[float], skipped: bool) -> None:
+        if not self._checking:
+            return
+        event = {
+            "index": len(self.events),
+            "step": self.step_index,
+            "rank": self.rank,
+            "kind": kind,
+            "step_skipped_by_grad_scaler": skipped,
+        }
+        if record is None:
+            event.update(name=None, direction=None, module=None, dtype=None, inputs=[], outputs=[], stack=[],
+                         message="the device overflow flag was set by an op the detector does not see")
+        else:
+            dtypes = sorted({str(check.dtype) for check in record.outputs if check is not None})
+            event.update(
+                name=record.name, op=naming.split_entry_name(record.name)[0], direction=record.direction,
+                module=record.module, dtype=dtypes[0] if len(dtypes) == 1 else dtypes,
+                inputs=[check.describe(values) for check in record.inputs if check is not None],
+                outputs=[check.describe(values) for check in record.outputs if check is not None],
+                stack=self._stack_lines(record.stack_id),
+            )
+            if record.live is not None and self.action == "dump":
+                event.update(self._dump_event(record, event))
+        self.events.append(event)
+        self._state.events.append(event)
+        self._print_event(event)
+        if len(self.events) >= self.max_events:
+            self._print(f"[yellow]{self.max_events} overflow events recorded (--overflow-max): checking stops[/]")
+            self._stop_checking()
+        stop_here = not (skipped and event["direction"] == naming.BACKWARD)
+        if self.action == "stop" and stop_here:
+            self._write_report()
+            raise OverflowStop(_stop_message(event))
+
+    def _stack_lines(self, stack_id: int | None) -> list[str]:
+        if stack_id is None:
+            return []
+        return [f"File {file}, line {line}, in {function}\n    {linecache.getline(file, line).strip()}"
+                for file, line, function in self._stack_frames[stack_id]]
+
+    # ------------------------------------------------------------------ dump action
+    def _dump_event(self, record: _OpRecord, event: dict) -> dict:
+        """Write the op's inputs and outputs as a one-entry dump (npu-compare's format) and replay it."""
+        func, args, kwargs, output = record.live
+        rank_dir = self.out_dir / "dump" / f"step{self.step_index}" / f"rank{self.rank}"
+        data_dir = rank_dir / "dump_tensor_data"
+        data_dir.mkdir(parents=True, exist_ok=True)
+        stats = StatsBuffer()
+        leaves = []
+
+        def describe(value, leaf_name):
+            if isinstance(value, torch.Tensor):
+                leaf = {"type": "torch.Tensor", "dtype": str(value.dtype), "shape": list(value.shape),
+                        "requires_grad": value.requires_grad, "data_name": f"{leaf_name}.npy"}
+                with torch._C.DisableTorchFunction():
+                    write_tensor(data_dir / leaf["data_name"], value.detach().cpu())
+                    leaves.append((leaf, stats.add(value)))
+                return leaf
+            if isinstance(value, list | tuple) and not isinstance(value, torch.Size):
+                return [describe(item, f"{leaf_name}.{i}") for i, item in enumerate(value)]
+            return describe_value(value)
+
+        name = record.name
+        body = {"input_args": describe(tuple(args), f"{name}.input"),
+                "input_kwargs": {key: describe(value, f"{name}.input.{key}") for key, value in kwargs.items()},
+                "output": describe(output if isinstance(output, list | tuple) else (output,), f"{name}.output")}
+        if record.direction == naming.BACKWARD:
+            body = {"input": body["input_args"], "output": body["output"]}
+        resolved = stats.resolve()
+        for leaf, slot in leaves:
+            fill_stats(leaf, resolved[slot])
+        write_json(rank_dir / "dump.json", {"task": "tensor", "level": "L1", "framework": "pytorch",
+                                            "dump_data_dir": str(data_dir), "data": {name: body}})
+        result = {"dump": str(rank_dir / "dump.json")}
+        if func is not None:
+            result["fp32_replay"] = replay_in_fp32(func, args, kwargs, output)
+        return result
+
+    # ------------------------------------------------------------------ output
+    def _print(self, markup: str) -> None:
+        if not self._show:
+            return
+        if self._console is None:
+            from rich.console import Console
+
+            self._console = Console(stderr=True, highlight=False, soft_wrap=True)
+        self._console.print(markup)
+
+    def _print_event(self, event: dict) -> None:
+        if event["name"] is None:
+            self._print(f"[red]overflow[/] step {event['step']} rank {event['rank']}: {event['message']}")
+            return
+        what = "saturated (overflow flag)" if event["kind"] == "saturation" else "inf/nan from finite inputs"
+        module = f" in module [bold]{event['module']}[/]" if event["module"] else ""
+        skipped = " (step skipped by GradScaler)" if event["step_skipped_by_grad_scaler"] else ""
+        self._print(f"[red]overflow[/] step {event['step']} rank {event['rank']}: [bold]{event['name']}[/]{module}, "
+                    f"{event['dtype']}: {what}{skipped}")
+        if event["stack"]:
+            self._print("  " + event["stack"][0].replace("\n", "\n  "))
+        if "fp32_replay" in event:
+            self._print(f"  fp32 replay: {event['fp32_replay']['verdict']}")
+
+    def _print_summary(self) -> None:
+        steps = self.step_index + (1 if self._state.ops else 0)
+        if not self.events:
+            self._print(f"overflow check: no overflow in {steps} step(s) "
+                        f"({'saturation' if self._saturation else 'inf_nan'} mode, {self.level} level)"
+                        + (f"; {len(self.skipped_steps)} step(s) skipped by GradScaler" if self.skipped_steps else ""))
+            return
+        first = self.events[0]
+        where = first["name"] or "an op the detector does not see"
+        self._print(f"overflow check: {len(self.events)} event(s) in {steps} step(s); first: {where} "
+                    f"(step {first['step']}, {first['direction'] or 'unknown direction'}"
+                    f"{', module ' + first['module'] if first.get('module') else ''}); "
+                    f"{len(self.skipped_steps)} step(s) skipped by GradScaler; details in {self._report_path()}")
+
+    def _report_path(self) -> Path:
+        return self.out_dir / f"rank{self.rank}" / REPORT_NAME if self.per_rank else self.out_dir / REPORT_NAME
+
+    def _write_report(self) -> None:
+        path = self._report_path()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_json(path, self._payload())
+            if self.per_rank:
+                merge_rank_reports(self.out_dir)
+        except OSError as exc:
+            raise UserError(f"--overflow-dir: cannot write {path} ({exc.strerror or exc})") from None
+
+    def _payload(self) -> dict:
+        return {"version": _FORMAT_VERSION, "ranks": [self.rank], "level": self.level, "action": self.action,
+                "fp16_mode": "saturation" if self._saturation else "inf_nan",
+                "steps": self.step_index + (1 if self._state.ops else 0),
+                "truncated": len(self.events) >= self.max_events,
+                "skipped_steps": self.skipped_steps, "events": self.events}
+
+
+def _encloses(outer: _OpRecord, inner: _OpRecord) -> bool:
+    parent = inner.parent
+    while parent is not None:
+        if parent is outer:
+            return True
+        parent = parent.parent
+    return False
+
+
+def _stop_message(event: dict) -> str:
+    if event["name"] is None:
+        return f"overflow at step {event['step']} (rank {event['rank']}): {event['message']}"
+    what = "set the overflow flag (saturated fp16)" if event["kind"] == "saturation" else "produced inf/nan from finite inputs"
+    where = f" in module {event['module']}" if event["module"] else ""
+    lines = [f"overflow at step {event['step']} (rank {event['rank']}): {event['name']}{where} {what} "
+             f"[{event['dtype']}]"]
+    if event["stack"]:
+        lines.append("  " + event["stack"][0].replace("\n", "\n  "))
+    return "\n".join(lines)
+
+
+def replay_in_fp32(func, args, kwargs, output) -> dict:
+    """Run a forward op again on the CPU in fp32: a real fp16 overflow stays out of range there."""
+    def to_fp32(value):
+        if isinstance(value, torch.Tensor):
+            value = value.detach().cpu()
+            return value.float() if value.is_floating_point() else value
+        if isinstance(value, list | tuple) and not isinstance(value, torch.Size):
+            return type(value)(to_fp32(item) for item in value)
+        return value
+
+    with torch._C.DisableTorchFunction(), torch.no_grad(), torch.autocast("cpu", enabled=False):
+        try:
+            reference = func(*to_fp32(tuple(args)), **{key: to_fp32(value) for key, value in kwargs.items()})
+        except Exception as exc:  # an op that has no fp32 CPU kernel: say so rather than fail the run
+            return {"verdict": f"not replayed ({type(exc).__name__}: {exc})"}
+        tensors = [t for t in _flatten(reference) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        if not tensors:
+            return {"verdict": "not replayed (no floating output)"}
+        finite = all(bool(torch.isfinite(t).all()) for t in tensors)
+        peak = max(float(t.abs().max()) if t.numel() and bool(torch.isfinite(t).all()) else math.inf for t in tensors)
+    dtypes = {t.dtype for t in _flatten(output) if isinstance(t, torch.Tensor)}
+    limit = FP16_MAX if torch.float16 in dtypes else float(torch.finfo(torch.bfloat16).max) if torch.bfloat16 in dtypes else math.inf
+    if not finite:
+        verdict = "fp32 result is inf/nan too: the op overflows or is undefined for these inputs"
+    elif peak > limit:
+        verdict = f"real overflow: fp32 result max |x| = {peak:.6g} exceeds the output dtype's range ({limit:g})"
+    else:
+        verdict = f"fp32 result fits (max |x| = {peak:.6g}): the device result is wrong, not the inputs"
+    return {"verdict": verdict, "fp32_max_abs": _json_number(peak), "fp32_finite": finite}
+
+
+# ---------------------------------------------------------------------------- torchrun
+def merge_rank_reports(out_dir: Path) -> dict:
+    """Merge DIR/rank*/overflow.json into DIR/overflow.json, events ordered by step then rank.
+
+    Every rank calls it after writing its own file, under a lock: the last one to finish sees all.
+    """
+    import fcntl
+    import json
+
+    out_dir = Path(out_dir)
+    with open(out_dir / ".overflow.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        reports = []
+        for path in sorted(out_dir.glob(f"rank*/{REPORT_NAME}")):
+            try:
+                reports.append(json.loads(path.read_text()))
+            except (OSError, json.JSONDecodeError) as exc:
+                raise UserError(f"{path}: cannot read overflow report ({exc})") from None
+        merged = {
+            "version": _FORMAT_VERSION,
+            "ranks": sorted(rank for report in reports for rank in report.get("ranks", [])),
+            "level": reports[0]["level"] if reports else None,
+            "action": reports[0]["action"] if reports else None,
+            "fp16_mode": reports[0]["fp16_mode"] if reports else None,
+            "steps": max((report.get("steps", 0) for report in reports), default=0),
+            "truncated": any(report.get("truncated") for report in reports),
+            "skipped_steps": sorted((item for report in reports for item in report.get("skipped_steps", [])),
+                                    key=lambda item: (item["step"], item["rank"])),
+            "events": sorted((event for report in reports for event in report.get("events", [])),
+                             key=lambda event: (event["step"], event["rank"], event["index"])),
+        }
+        write_json(out_dir / REPORT_NAME, merged)
+    return merged
