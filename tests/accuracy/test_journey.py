@@ -1,9 +1,11 @@
-"""The user journey end to end: npu-run --golden/--dump/--replay, then npu-compare (subprocesses)."""
+"""The user journey end to end: npu-run --golden/--dump/--replay (subprocesses), then the comparison."""
 
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+from npukit.accuracy.compare import compare_dirs
 
 SCRIPT = '''
 import torch
@@ -23,7 +25,7 @@ class Block(nn.Module):
 
 model = nn.Sequential(nn.Linear(8, 16), Block(16), Block(16), nn.Linear(16, 4)).to("npu")
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-for step in range(2):
+for step in range(1):
     x = torch.randn(4, 8, device="npu")
     y = torch.randint(0, 4, (4,), device="npu")
     with torch.autocast("npu", dtype=torch.bfloat16):
@@ -35,7 +37,7 @@ for step in range(2):
 
 
 def npukit(entry_point, *args, cwd):
-    """Run a console entry point (`run_main` is npu-run, `compare_main` npu-compare) in a fresh process."""
+    """Run a console entry point (`run_main` is npu-run) in a fresh process."""
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]), COLUMNS="160")
     code = f"from npukit.cli import {entry_point}; {entry_point}()"
     return subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, env=env,
@@ -53,13 +55,9 @@ def test_golden_and_npu_runs_compare_quietly_and_a_bug_is_named(tmp_path, npu):
     buggy = npukit("run_main", *common, "--dump", "bug", "train_bug.py", cwd=tmp_path)
     assert buggy.returncode == 0, buggy.stderr
 
-    quiet = npukit("compare_main", "golden", "npu", cwd=tmp_path)
-    assert quiet.returncode == 0, quiet.stdout + quiet.stderr
-    assert "No divergence found" in quiet.stdout
+    quiet = compare_dirs(tmp_path / "golden", tmp_path / "npu")
+    assert [pair.divergence for pair in quiet.pairs] == [None] and quiet.counts()["error"] == 0
 
-    found = npukit("compare_main", "golden", "bug", "--html", "bug.html", cwd=tmp_path)
-    assert found.returncode == 1, found.stdout + found.stderr
-    assert "First divergence" in found.stdout and "Functional.layer_norm.0.forward" in found.stdout
-    assert "train_bug.py" in found.stdout  # the user's line, from the stack
-    assert (tmp_path / "bug.html").is_file()
-
+    found = compare_dirs(tmp_path / "golden", tmp_path / "bug").pairs[0].divergence
+    assert found.entry == "Functional.layer_norm.0.forward" and found.module_path == "1.norm"
+    assert any("train_bug.py" in line for line in found.stack)  # the user's line
