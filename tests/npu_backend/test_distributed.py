@@ -1,0 +1,165 @@
+"""The hccl backend: gloo collectives on npu memory; DDP under `npu-run --nproc-per-node 2`."""
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from npukit.npu_backend.distributed import ProcessGroupHCCL, cpu_alias
+
+DDP_SCRIPT = textwrap.dedent("""
+    import torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
+
+    dist.init_process_group("hccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("npu", torch.npu.current_device())
+    print(f"rank {rank} device {device} count {torch.npu.device_count()} backend {dist.get_backend()}")
+
+    def batch(step, r):
+        g = torch.Generator().manual_seed(100 * step + r)
+        return torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
+
+    torch.manual_seed(rank)  # different initial weights: DDP must start every rank from rank 0's
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    reference = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    ddp = nn.parallel.DistributedDataParallel(model.to(device), device_ids=[device.index])
+    reference.load_state_dict({k: v.cpu() for k, v in ddp.module.state_dict().items()})
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(4):
+        x, y = batch(step, rank)  # each rank its own data: only the gradient all-reduce keeps them equal
+        optimizer.zero_grad()
+        F.mse_loss(ddp(x.to(device)), y.to(device)).backward()
+        optimizer.step()
+        # The same step on one CPU model over both ranks' data (mean loss = mean of rank gradients).
+        xs, ys = zip(*(batch(step, r) for r in range(world)))
+        reference_optimizer.zero_grad()
+        F.mse_loss(reference(torch.cat(xs)), torch.cat(ys)).backward()
+        reference_optimizer.step()
+
+    flat = torch.cat([p.detach().reshape(-1) for p in ddp.module.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+    expected = torch.cat([p.detach().reshape(-1) for p in reference.parameters()])
+    print(f"rank {rank} identical {all(torch.equal(g, gathered[0]) for g in gathered)} "
+          f"matches-reference {torch.allclose(flat.cpu(), expected, atol=1e-5)}")
+
+    into = torch.empty(2 * world, device=device)
+    dist.all_gather_into_tensor(into, torch.tensor([rank, 10.0 + rank], device=device))
+    scattered = torch.empty(2, device=device)
+    dist.reduce_scatter_tensor(scattered, torch.arange(2.0 * world, device=device) * (rank + 1))
+    listed = torch.empty(2, device=device)
+    dist.reduce_scatter(listed, [torch.full((2,), float(r + rank), device=device) for r in range(world)])
+    broadcast = torch.full((3,), float(rank + 5), device=device)
+    dist.broadcast(broadcast, src=1)
+    total = torch.tensor([rank + 1.0], device=device)
+    dist.all_reduce(total)
+    if rank == 0:
+        dist.send(torch.tensor([42.0, 43.0], device=device), dst=1)
+        received = [0.0, 0.0]
+    else:
+        buffer = torch.zeros(2, device=device)
+        dist.recv(buffer, src=0)
+        received = buffer.tolist()
+    dist.barrier()
+    print(f"rank {rank} into {into.tolist()} scattered {scattered.tolist()} listed {listed.tolist()} "
+          f"broadcast {broadcast.tolist()} total {total.tolist()} received {received} "
+          f"on {into.device} {scattered.device} {total.device}")
+    dist.destroy_process_group()
+""")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_npu_run_two_rank_ddp_keeps_identical_parameters_and_runs_collectives(tmp_path):
+    script = tmp_path / "train_ddp.py"
+    script.write_text(DDP_SCRIPT)
+    env = dict(os.environ, PET_MASTER_PORT=str(free_port()), GLOO_SOCKET_IFNAME="lo",
+               OMP_NUM_THREADS="1")
+    env.pop("ASCEND_RT_VISIBLE_DEVICES", None)
+    result = subprocess.run([sys.executable, "-m", "npukit.run", "--nproc-per-node", "2", str(script)],
+                            capture_output=True, text=True, env=env, timeout=150)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    for rank in (0, 1):
+        assert f"rank {rank} device npu:{rank} count 8 backend hccl" in out
+        assert f"rank {rank} identical True matches-reference True" in out
+    # world 2: rank r contributes [r, 10 + r]; reduce-scatter sums rank-scaled inputs [0, 1, 2, 3].
+    assert ("rank 0 into [0.0, 10.0, 1.0, 11.0] scattered [0.0, 3.0] listed [1.0, 1.0] "
+            "broadcast [6.0, 6.0, 6.0] total [3.0] received [0.0, 0.0] on npu:0 npu:0 npu:0") in out
+    assert ("rank 1 into [0.0, 10.0, 1.0, 11.0] scattered [6.0, 9.0] listed [3.0, 3.0] "
+            "broadcast [6.0, 6.0, 6.0] total [3.0] received [42.0, 43.0] on npu:1 npu:1 npu:1") in out
+
+
+@pytest.fixture
+def single_rank_group():
+    def init(backend: str):
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        return dist.group.WORLD
+
+    yield init
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_hccl_is_registered_for_npu_and_available():
+    assert dist.is_hccl_available() is True
+    assert dist.Backend.HCCL == "hccl"
+    assert dist.Backend.default_device_backend_map["npu"] == "hccl"
+
+
+def test_hccl_group_runs_collectives_in_place_on_npu_tensors(single_rank_group):
+    group = single_rank_group("hccl")
+    assert isinstance(group, ProcessGroupHCCL) and dist.get_backend() == "hccl"
+    tensor = torch.arange(6.0, device="npu").view(2, 3)[:, 1:]  # a strided view: aliases keep strides
+    pointer = tensor.data_ptr()
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
+    work.wait()
+    assert work.get_future().wait()[0] is tensor  # the future yields the npu tensor, not a CPU copy
+    assert tensor.data_ptr() == pointer and tensor.tolist() == [[1.0, 2.0], [4.0, 5.0]]
+    out = torch.zeros(2, device="npu")
+    dist.all_gather_into_tensor(out, torch.tensor([7.0, 8.0], device="npu"))
+    assert out.device.type == "npu" and out.tolist() == [7.0, 8.0]
+
+
+def test_mixed_npu_hccl_cpu_gloo_group_serves_both_devices(single_rank_group):
+    single_rank_group("npu:hccl,cpu:gloo")
+    on_npu, on_cpu = torch.ones(3, device="npu"), torch.ones(3)
+    dist.all_reduce(on_npu)
+    dist.all_reduce(on_cpu)
+    dist.broadcast(on_npu, src=0)
+    dist.barrier()
+    assert on_npu.device.type == "npu" and on_npu.tolist() == [1.0, 1.0, 1.0] and on_cpu.tolist() == [1.0] * 3
+
+
+def test_cpu_alias_is_zero_copy_and_keeps_npu_memory_alive():
+    npu = torch.arange(12, dtype=torch.bfloat16, device="npu").view(3, 4).t()
+    alias = cpu_alias(npu)
+    assert alias.device.type == "cpu" and alias.data_ptr() == npu.data_ptr()
+    assert alias.stride() == npu.stride() and alias.dtype == torch.bfloat16
+    alias.mul_(2)
+    assert torch.equal(npu.cpu(), torch.arange(12, dtype=torch.bfloat16).view(3, 4).t() * 2)
+    expected = alias.clone()
+    del npu  # the alias holds the npu tensor, so its memory is not freed and reused under it
+    torch.ones(64, device="npu")
+    assert torch.equal(alias, expected)
+    assert cpu_alias(torch.empty(0, 4, device="npu")).shape == (0, 4)
+
+
+def test_local_rank_and_visible_devices_select_the_device(tmp_path):
+    script = tmp_path / "which.py"
+    script.write_text("import torch\nprint(torch.npu.current_device(), torch.npu.device_count())\n")
+    env = dict(os.environ, ASCEND_RT_VISIBLE_DEVICES="4,6", LOCAL_RANK="1")
+    result = subprocess.run([sys.executable, "-m", "npukit.run", str(script)], capture_output=True, text=True,
+                            env=env, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["1", "2"]  # two visible devices, renumbered 0 and 1; rank 1 on npu:1
