@@ -19,7 +19,7 @@ from pathlib import Path
 from npukit.accuracy import naming
 from npukit.accuracy.dumpfile import DumpEntry, RankDump, TensorLeaf, load_dump_dir
 from npukit.accuracy.metrics import PairJob, PairMetrics, compare_pairs
-from npukit.accuracy.tensor_io import is_floating, read_tensor
+from npukit.accuracy.tensor_io import is_floating
 from npukit.errors import UserError
 
 PASS, WARN, ERROR = "pass", "warn", "error"
@@ -313,12 +313,11 @@ def measure_rows(rows: list[Row], workers: int | None, progress=None) -> None:
             continue
         complex_data = "complex" in golden.dtype or "complex" in target.dtype  # compared by statistics
         if golden.data_path is not None and target.data_path is not None and not complex_data:
-            # Open both now: a missing, truncated or mislabelled file is reported before any work.
-            read_tensor(golden.data_path, golden.dtype, list(golden.shape))
-            read_tensor(target.data_path, target.dtype, list(target.shape))
+            # Missing, truncated or mislabelled files raise a UserError naming the file (from the
+            # worker that opens them).
             ulp = target.dtype if row.target_entry and _ulp_wanted_name(row.target_entry) and is_floating(target.dtype) else None
             jobs.append(PairJob(str(golden.data_path), golden.dtype, str(target.data_path), target.dtype,
-                                golden.numel, ulp))
+                                golden.numel, ulp, tuple(golden.shape)))
             job_rows.append(row)
     if jobs:
         for row, metrics in zip(job_rows, compare_pairs(jobs, workers, progress)):

@@ -41,6 +41,7 @@ class PairJob:
     target_dtype: str
     numel: int
     ulp_dtype: str | None = None
+    shape: tuple[int, ...] | None = None  # as recorded in dump.json; checked against both files
 
 
 @dataclass
@@ -158,8 +159,9 @@ def _max_ulp(golden: np.ndarray, abs_diff: np.ndarray, dtype: str, scratch: np.n
 def pair_range_partial(job: PairJob, start: int, stop: int, work: Workspace | None = None) -> np.ndarray:
     """Partial over elements [start, stop) of one pair (opened memory-mapped, never read whole)."""
     work = work or Workspace()
-    golden = read_tensor(Path(job.golden_path)).reshape(-1)
-    target = read_tensor(Path(job.target_path)).reshape(-1)
+    shape = list(job.shape) if job.shape is not None else None
+    golden = read_tensor(Path(job.golden_path), job.golden_dtype, shape).reshape(-1)
+    target = read_tensor(Path(job.target_path), job.target_dtype, shape).reshape(-1)
     to_golden = float64_converter(job.golden_dtype)
     to_target = float64_converter(job.target_dtype)
     ulp = job.ulp_dtype if job.ulp_dtype in FLOAT_PRECISION_BITS else None

@@ -247,6 +247,7 @@ class _StepState:
         self.unattributed_flag = False
         self.events: list[dict] = []
         self.event_records: list[_OpRecord] = []
+        self.handled: list[dict] = []  # gradient overflows of a step GradScaler skipped
 
 
 def _json_number(value: float):
@@ -311,6 +312,7 @@ class OverflowSession:
         self.events: list[dict] = []
         self.skipped_steps: list[dict] = []
         self.step_index = 0
+        self._event_count = 0
         self._console = None
         self._show = console
         self._eager = action == "dump"  # the event's tensors must still be alive
@@ -395,14 +397,23 @@ class OverflowSession:
     # ------------------------------------------------------------------ steps
     def _end_step(self, skipped_by_scaler: bool = False, scale: float | None = None) -> None:
         state = self._state
+        skipped = None
+        if skipped_by_scaler:
+            skipped = {"step": self.step_index, "rank": self.rank, "scale": scale, "first_overflow": None,
+                       "overflows": 0}
+            self.skipped_steps.append(skipped)
         if state.ops or state.unattributed_flag or skipped_by_scaler:
             self._resolve(skipped_by_scaler=skipped_by_scaler)
-        if skipped_by_scaler:
-            first = next((event["name"] for event in state.events), None)
-            self.skipped_steps.append({"step": self.step_index, "rank": self.rank, "scale": scale,
-                                       "first_overflow": first})
+        if skipped is not None:
+            # Gradients overflowing under loss scaling are what GradScaler handles by skipping the
+            # step: they are not events (the dump action found them before the skip was known).
+            handled = [event for event in state.events if event["direction"] != naming.FORWARD] + state.handled
+            if handled:
+                self.events = [event for event in self.events if all(event is not item for item in handled)]
+                skipped.update(first_overflow=handled[0]["name"], overflows=len(handled))
+                self._write_report()
             self._print(f"[yellow]step {self.step_index}: skipped by GradScaler[/] (scale {scale:g})"
-                        + (f", first overflow {first}" if first else ""))
+                        + (f"; gradients overflowed first in {handled[0]['name']}" if handled else ""))
         self._state = _StepState()
         self._module_stack = []
         self._step_root = None
@@ -716,8 +727,9 @@ class OverflowSession:
     def _record_event(self, record: _OpRecord | None, kind: str, values: list[float], skipped: bool) -> None:
         if not self._checking:
             return
+        self._event_count += 1
         event = {
-            "index": len(self.events),
+            "index": self._event_count - 1,
             "step": self.step_index,
             "rank": self.rank,
             "kind": kind,
@@ -737,14 +749,16 @@ class OverflowSession:
             )
             if record.live is not None and self.action == "dump":
                 event.update(self._dump_event(record, event))
+        if skipped and event["direction"] != naming.FORWARD:
+            self._state.handled.append(event)
+            return
         self.events.append(event)
         self._state.events.append(event)
         self._print_event(event)
         if len(self.events) >= self.max_events:
             self._print(f"[yellow]{self.max_events} overflow events recorded (--overflow-max): checking stops[/]")
             self._stop_checking()
-        stop_here = not (skipped and event["direction"] == naming.BACKWARD)
-        if self.action == "stop" and stop_here:
+        if self.action == "stop":
             self._write_report()
             raise OverflowStop(_stop_message(event))
 
@@ -817,7 +831,7 @@ class OverflowSession:
             self._print(f"  fp32 replay: {event['fp32_replay']['verdict']}")
 
     def _print_summary(self) -> None:
-        steps = self.step_index + (1 if self._state.ops else 0)
+        steps = self._steps_seen()
         if not self.events:
             self._print(f"overflow check: no overflow in {steps} step(s) "
                         f"({'saturation' if self._saturation else 'inf_nan'} mode, {self.level} level)"
@@ -829,6 +843,10 @@ class OverflowSession:
                     f"(step {first['step']}, {first['direction'] or 'unknown direction'}"
                     f"{', module ' + first['module'] if first.get('module') else ''}); "
                     f"{len(self.skipped_steps)} step(s) skipped by GradScaler; details in {self._report_path()}")
+
+    def _steps_seen(self) -> int:
+        # Ops after the last step boundary (printing the loss, evaluation) are not another step.
+        return self.step_index or (1 if self._state.ops else 0)
 
     def _report_path(self) -> Path:
         return self.out_dir / f"rank{self.rank}" / REPORT_NAME if self.per_rank else self.out_dir / REPORT_NAME
@@ -846,7 +864,7 @@ class OverflowSession:
     def _payload(self) -> dict:
         return {"version": _FORMAT_VERSION, "ranks": [self.rank], "level": self.level, "action": self.action,
                 "fp16_mode": "saturation" if self._saturation else "inf_nan",
-                "steps": self.step_index + (1 if self._state.ops else 0),
+                "steps": self._steps_seen(),
                 "truncated": len(self.events) >= self.max_events,
                 "skipped_steps": self.skipped_steps, "events": self.events}
 

@@ -205,3 +205,17 @@ def test_md5_dumps_name_the_first_op_whose_checksum_changes(tmp_path):
     assert result.pairs[0].divergence.entry == "Functional.layer_norm.1.forward"
     quiet = run_pair(tmp_path / "same", None, "mix", "md5")
     assert quiet.pairs[0].divergence is None and quiet.counts()[ERROR] == 0
+
+
+def test_a_bad_file_is_named_even_from_a_worker_process(tmp_path):
+    jobs = []
+    for i in range(2):
+        data = torch.zeros(5_000_000)
+        write_tensor(tmp_path / f"g{i}.npy", data)
+        write_tensor(tmp_path / f"t{i}.npy", data)
+        jobs.append(PairJob(str(tmp_path / f"g{i}.npy"), "torch.float32", str(tmp_path / f"t{i}.npy"),
+                            "torch.float32", data.numel(), shape=(data.numel(),)))
+    victim = tmp_path / "t1.npy"
+    victim.write_bytes(victim.read_bytes()[: 1_000_000])
+    with pytest.raises(UserError, match="t1.npy: corrupt or truncated"):
+        compare_pairs(jobs, workers=2)
