@@ -56,7 +56,7 @@ _MAX_STACK_FRAMES = 30
 
 
 def parse_steps(spec: str | None, option: str = "--dump-steps") -> frozenset[int] | None:
-    """`"0,2-4"` -> {0, 2, 3, 4}; None means every step."""
+    """`"0,2-4"` -> {0, 2, 3, 4}; None means every step (also used for rank lists)."""
     if spec is None or not str(spec).strip():
         return None
     steps: set[int] = set()
@@ -74,9 +74,7 @@ def parse_steps(spec: str | None, option: str = "--dump-steps") -> frozenset[int
                     raise ValueError
                 steps.add(value)
         except ValueError:
-            raise UserError(
-                f"{option}: {part!r} is not a step number or range (expected e.g. 0,2-4)"
-            ) from None
+            raise UserError(f"{option}: {part!r} is not a number or range (expected e.g. 0,2-4)") from None
     return frozenset(steps)
 
 
@@ -286,6 +284,7 @@ class DumpSession:
         *,
         stack: bool = True,
         rank: int | None = None,
+        ranks: str | None = None,
     ) -> None:
         if level not in LEVELS:
             raise UserError(f"--dump-level: {level!r} is not one of {', '.join(LEVELS)}")
@@ -302,6 +301,9 @@ class DumpSession:
         ) or None
         self.names = parse_name_list(names, "--dump-list")
         self.rank = rank_from_env() if rank is None else rank
+        selected_ranks = parse_steps(ranks, "--dump-ranks")
+        # A rank outside the list installs nothing: its training runs at full speed.
+        self.rank_selected = selected_ranks is None or self.rank in selected_ranks
         self.capture_stack = stack
         self.step_index = 0
         self.written_steps: list[int] = []
@@ -334,7 +336,7 @@ class DumpSession:
         self.stop()
 
     def start(self) -> None:
-        if self._active:
+        if self._active or not self.rank_selected:
             return
         from torch.nn.modules import module as module_hooks
         from torch.optim import optimizer as optimizer_hooks

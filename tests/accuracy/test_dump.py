@@ -148,6 +148,10 @@ def test_rank_comes_from_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "3")
     train(tmp_path, level="module", mode="stats", steps=1)
     assert (tmp_path / "step0" / "rank3" / "dump.json").is_file()
+    train(tmp_path / "other", level="module", mode="stats", steps=1, ranks="0-2")
+    assert not (tmp_path / "other").exists()  # rank 3 is not in 0-2: nothing dumped
+    with pytest.raises(UserError, match="--dump-ranks"):
+        DumpSession(tmp_path, ranks="a")
     monkeypatch.setenv("RANK", "x")
     with pytest.raises(UserError, match="RANK"):
         DumpSession(tmp_path)
