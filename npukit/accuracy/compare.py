@@ -152,6 +152,8 @@ class CompareResult:
     target: Path
     pairs: list[PairResult]
     thresholds: Thresholds
+    only_golden: list[str] = field(default_factory=list)  # step/rank dumps with no counterpart
+    only_target: list[str] = field(default_factory=list)
 
     @property
     def rows(self) -> list[Row]:
@@ -705,4 +707,8 @@ def compare_dirs(golden_dir: Path, target_dir: Path, thresholds: Thresholds | No
             unmatched_target=[t.name for g, t in pairs if g is None],
             aligned=aligned,
         ))
-    return CompareResult(Path(golden_dir), Path(target_dir), results, thresholds)
+    paired_golden = {g for g, _ in labels_pairs}
+    paired_target = {t for _, t in labels_pairs}
+    return CompareResult(Path(golden_dir), Path(target_dir), results, thresholds,
+                         [label for label in golden_dumps if label not in paired_golden],
+                         [label for label in target_dumps if label not in paired_target])

@@ -45,14 +45,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from npukit.accuracy import naming
-from npukit.accuracy.dump import (
-    _SAME_ELEMENTS,
-    StatsBuffer,
-    describe_value,
-    fill_stats,
-    rank_from_env,
-    write_json,
-)
+from npukit.accuracy.dump import StatsBuffer, describe_value, fill_stats, rank_from_env, write_json
 from npukit.accuracy.tensor_io import write_tensor
 from npukit.errors import UserError
 
@@ -65,6 +58,22 @@ _MIN_MAX_DTYPES = (torch.float16, torch.bfloat16)  # min/max: a sum of fp16 valu
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # npukit/
 _MAX_STACK_FRAMES = 12
+
+# Ops whose every output value is a copy of an input value (or zero), forward and backward:
+# they cannot turn finite inputs into inf/nan, so their outputs take their inputs' checks
+# instead of a reduction of their own (a third of a transformer's tensors).
+_COPIES_VALUES = frozenset(
+    f"{prefix}.{op}"
+    for prefix in ("Tensor", "Torch")
+    for op in ("view", "reshape", "transpose", "permute", "t", "flatten", "unflatten", "unsqueeze", "squeeze",
+               "contiguous", "view_as", "reshape_as", "swapaxes", "movedim", "ravel", "T", "mT", "split", "chunk",
+               "unbind", "narrow", "select", "clone", "cat", "concat", "stack", "relu", "hstack", "vstack")
+) | {"Functional.relu"}
+# Forward only: their backward sums gradients (repeated indices, broadcast), which can overflow.
+_COPIES_VALUES_FORWARD = _COPIES_VALUES | {
+    f"{prefix}.{op}" for prefix in ("Tensor", "Torch")
+    for op in ("__getitem__", "expand", "expand_as", "repeat", "index_select", "gather", "broadcast_to")
+}
 
 
 class OverflowStop(UserError):
@@ -588,12 +597,8 @@ class OverflowSession:
         module = self._module_stack[-1][0] if self._module_stack else ""
         record = _OpRecord(naming.api_entry_name(api, index), naming.FORWARD, module, self._stack_id(), inputs,
                            flag=flag)
-        if api in _SAME_ELEMENTS and len(outputs) == 1 and inputs and outputs[0].numel() == math.prod(inputs[0].shape):
-            # A view or reshape holds its input's values: no second reduction.
-            record.outputs = [_TensorCheck("output.0", outputs[0].dtype, tuple(outputs[0].shape), inputs[0].slots)]
-            state.checks.remember(outputs[0], inputs[0].slots)
-        else:
-            record.outputs = self._check_list(outputs, "output")
+        record.outputs = (self._copied_checks(inputs, outputs) if api in _COPIES_VALUES_FORWARD
+                          else self._check_list(outputs, "output"))
         self._add_record(record, (func, live_args, kwargs, output))
         if torch.is_grad_enabled() and outputs:
             self._hook_api_backward(api, index, record, args, kwargs, outputs)
@@ -612,6 +617,7 @@ class OverflowSession:
             return
         state = self._state
         name = naming.api_entry_name(api, index, naming.BACKWARD)
+        copies = api in _COPIES_VALUES
         flags: list[bool] = []
 
         def pre_hook(grad_outputs):
@@ -622,8 +628,10 @@ class OverflowSession:
             if state is not self._state or not self._checking:
                 return
             flag = self._flag.end(flags.pop()) if flags else False
-            record = _OpRecord(name, naming.BACKWARD, forward.module, forward.stack_id,
-                               self._check_list(grad_outputs, "input"), self._check_list(grad_inputs, "output"),
+            incoming = self._check_list(grad_outputs, "input")
+            outgoing = (self._copied_checks(incoming, grad_inputs) if copies
+                        else self._check_list(grad_inputs, "output"))
+            record = _OpRecord(name, naming.BACKWARD, forward.module, forward.stack_id, incoming, outgoing,
                                flag=flag, context=forward.inputs + forward.outputs)
             self._add_record(record, (None, grad_outputs, {}, grad_inputs))
 
@@ -646,6 +654,18 @@ class OverflowSession:
     def _check_list(self, tensors, prefix: str) -> list[_TensorCheck]:
         checks = (self._check(tensor, f"{prefix}.{i}") for i, tensor in enumerate(tensors))
         return [check for check in checks if check is not None]
+
+    def _copied_checks(self, inputs: list[_TensorCheck], outputs) -> list[_TensorCheck]:
+        """Checks of outputs that copy their inputs' values: any non-finite input may be in them."""
+        slots = tuple(slot for check in inputs if check is not None for slot in check.slots)
+        checks = []
+        for position, tensor in enumerate(outputs):
+            if isinstance(tensor, torch.Tensor):
+                if tensor.is_floating_point():
+                    self._state.checks.remember(tensor, slots)
+                checks.append(_TensorCheck(f"output.{position}", tensor.dtype, tuple(tensor.shape),
+                                           slots if tensor.is_floating_point() else ()))
+        return checks
 
     def _check_all(self, value, prefix: str) -> list[_TensorCheck]:
         return self._check_list([t for t in _flatten(value) if isinstance(t, torch.Tensor)], prefix)

@@ -149,6 +149,8 @@ def result_json(result: CompareResult) -> dict:
         "golden": str(result.golden),
         "target": str(result.target),
         "summary": result.counts(),
+        "only_golden": result.only_golden,
+        "only_target": result.only_target,
         "pairs": [
             {
                 "pair": pair.pair,
@@ -196,6 +198,9 @@ def print_terminal(result: CompareResult, console, top: int = 20) -> None:
 
     counts = result.counts()
     total = sum(counts.values())
+    for side, labels in (("golden", result.only_golden), ("target", result.only_target)):
+        if labels:
+            console.print(f"[dim]not compared, only in {side}: {escape(', '.join(labels))}[/]")
     for pair in result.pairs:
         where = escape(f" [{pair.pair}]") if len(result.pairs) > 1 else ""
         if pair.aligned:

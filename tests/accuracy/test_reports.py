@@ -72,3 +72,10 @@ def test_reports_are_written_atomically(eps_dumps, tmp_path):
     for writer, name in ((write_csv, "a.csv"), (write_json, "a.json"), (write_html, "a.html")):
         writer(result, tmp_path / name)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.csv", "a.html", "a.json"]
+
+
+def test_steps_present_on_one_side_only_are_reported(tmp_path, capsys):
+    train(tmp_path / "golden", None, level="module", mode="stats", steps=2)
+    train(tmp_path / "target", None, level="module", mode="stats", steps=2, dump_steps="0")
+    code, out, _ = run_cli([tmp_path / "golden", tmp_path / "target"], capsys)
+    assert code == 0 and "not compared, only in golden: step1/rank0" in out
