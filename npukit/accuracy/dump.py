@@ -21,6 +21,7 @@ import gc
 import json
 import linecache
 import os
+import runpy
 import sys
 import weakref
 import zlib
@@ -52,6 +53,10 @@ _SAME_ELEMENTS = frozenset(
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # npukit/
+# Frames from here outwards belong to the launcher (npu-run, runpy), not to the user's code.
+_LAUNCHER_FILES = frozenset({
+    "<frozen runpy>", runpy.__file__, os.path.join(_OWN_DIR, "run.py"), os.path.join(_OWN_DIR, "cli.py"),
+})
 _MAX_STACK_FRAMES = 30
 
 
@@ -717,6 +722,8 @@ class DumpSession:
         frame = sys._getframe(3)
         while frame is not None and len(frames) < _MAX_STACK_FRAMES:
             filename = frame.f_code.co_filename
+            if filename in _LAUNCHER_FILES:
+                break
             if not (filename.startswith(_TORCH_DIR) or filename.startswith(_OWN_DIR)):
                 frames.append((filename, frame.f_lineno, frame.f_code.co_name))
             frame = frame.f_back

@@ -59,21 +59,24 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # npukit/
 _MAX_STACK_FRAMES = 12
 
-# Ops whose every output value is a copy of an input value (or zero), forward and backward:
-# they cannot turn finite inputs into inf/nan, so their outputs take their inputs' checks
-# instead of a reduction of their own (a third of a transformer's tensors).
+# Ops whose every output value is a copy of an input value (or zero): they cannot turn finite
+# inputs into inf/nan, so their outputs take their inputs' checks instead of a reduction of their
+# own (a third of a transformer's tensors). Backward, the same holds for these autograd nodes.
 _COPIES_VALUES = frozenset(
     f"{prefix}.{op}"
     for prefix in ("Tensor", "Torch")
     for op in ("view", "reshape", "transpose", "permute", "t", "flatten", "unflatten", "unsqueeze", "squeeze",
                "contiguous", "view_as", "reshape_as", "swapaxes", "movedim", "ravel", "T", "mT", "split", "chunk",
-               "unbind", "narrow", "select", "clone", "cat", "concat", "stack", "relu", "hstack", "vstack")
+               "unbind", "narrow", "select", "clone", "cat", "concat", "stack", "relu", "hstack", "vstack",
+               "__getitem__", "expand", "expand_as", "repeat", "index_select", "gather", "broadcast_to")
 ) | {"Functional.relu"}
-# Forward only: their backward sums gradients (repeated indices, broadcast), which can overflow.
-_COPIES_VALUES_FORWARD = _COPIES_VALUES | {
-    f"{prefix}.{op}" for prefix in ("Tensor", "Torch")
-    for op in ("__getitem__", "expand", "expand_as", "repeat", "index_select", "gather", "broadcast_to")
-}
+_COPYING_NODES = frozenset(
+    f"{op}Backward0"
+    for op in ("View", "UnsafeView", "Reshape", "ReshapeAlias", "Transpose", "Permute", "T", "Unsqueeze", "Squeeze",
+               "Clone", "Cat", "Stack", "Split", "SplitWithSizes", "Unbind", "Slice", "Select", "Narrow", "Relu",
+               "Threshold", "Alias", "AsStrided")
+)
+_MAX_NODES_PER_OP = 64  # a bound on the graph walk of one op (a composite op makes a few nodes)
 
 
 class OverflowStop(UserError):
@@ -340,6 +343,7 @@ class OverflowSession:
         # (path, module, record (module level), flag value before the module ran)
         self._module_stack: list[tuple[str, object, _OpRecord | None, bool]] = []
         self._stacks: dict[tuple, int] = {}
+        self._seq_floor = -1  # sequence number of the newest autograd node of an earlier op
         self._stack_frames: list[tuple] = []
         self._handles: list = []
         self._mode: _ApiMode | None = None
@@ -597,47 +601,74 @@ class OverflowSession:
         module = self._module_stack[-1][0] if self._module_stack else ""
         record = _OpRecord(naming.api_entry_name(api, index), naming.FORWARD, module, self._stack_id(), inputs,
                            flag=flag)
-        record.outputs = (self._copied_checks(inputs, outputs) if api in _COPIES_VALUES_FORWARD
+        record.outputs = (self._copied_checks(inputs, outputs) if api in _COPIES_VALUES
                           else self._check_list(outputs, "output"))
         self._add_record(record, (func, live_args, kwargs, output))
         if torch.is_grad_enabled() and outputs:
             self._hook_api_backward(api, index, record, args, kwargs, outputs)
         return output
 
-    def _hook_api_backward(self, api, index, forward: _OpRecord, args, kwargs, outputs) -> None:
-        inputs = {id(t) for t in _flatten((args, kwargs)) if isinstance(t, torch.Tensor)}
+    def _op_nodes(self, args, kwargs, outputs) -> list:
+        """The autograd nodes this op created: F.linear makes a view, a matmul and a transpose node.
+
+        Walks back from the outputs' nodes; a node older than the op (an input's node, one made by
+        an earlier op) has a lower sequence number, and parameters end in AccumulateGrad nodes.
+        """
+        inputs = [t for t in _flatten((args, kwargs)) if isinstance(t, torch.Tensor)]
+        input_ids = {id(t) for t in inputs}
+        floor = self._seq_floor
+        for tensor in inputs:
+            if tensor.grad_fn is not None:
+                floor = max(floor, tensor.grad_fn._sequence_nr())
+        # An op returning its input unchanged shares the producer's node: not ours to hook.
+        pending = [t.grad_fn for t in outputs if t.grad_fn is not None and id(t) not in input_ids]
+        visited: list = []  # keeps every visited node alive so ids stay unique during the walk
+        seen: set[int] = set()
         nodes = []
-        for tensor in outputs:
-            node = tensor.grad_fn
-            # An op returning its input unchanged shares the producer's node: not ours to hook.
-            if node is None or id(tensor) in inputs or any(node is seen for seen in nodes):
+        while pending and len(nodes) < _MAX_NODES_PER_OP:
+            node = pending.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            visited.append(node)
+            if type(node).__name__ == "AccumulateGrad" or node._sequence_nr() <= floor:
                 continue
             nodes.append(node)
+            pending.extend(next_node for next_node, _ in node.next_functions)
+        if nodes:
+            self._seq_floor = max(floor, max(node._sequence_nr() for node in nodes))
+        return nodes
+
+    def _hook_api_backward(self, api, index, forward: _OpRecord, args, kwargs, outputs) -> None:
+        nodes = self._op_nodes(args, kwargs, outputs)
         if not nodes:
             return
         state = self._state
         name = naming.api_entry_name(api, index, naming.BACKWARD)
-        copies = api in _COPIES_VALUES
         flags: list[bool] = []
 
         def pre_hook(grad_outputs):
             if state is self._state and self._checking and self._flag.per_op:
                 flags.append(self._flag.begin())
 
-        def hook(grad_inputs, grad_outputs):
-            if state is not self._state or not self._checking:
-                return
-            flag = self._flag.end(flags.pop()) if flags else False
-            incoming = self._check_list(grad_outputs, "input")
-            outgoing = (self._copied_checks(incoming, grad_inputs) if copies
-                        else self._check_list(grad_inputs, "output"))
-            record = _OpRecord(name, naming.BACKWARD, forward.module, forward.stack_id, incoming, outgoing,
-                               flag=flag, context=forward.inputs + forward.outputs)
-            self._add_record(record, (None, grad_outputs, {}, grad_inputs))
+        def hook_for(node):
+            copies = type(node).__name__ in _COPYING_NODES
+
+            def hook(grad_inputs, grad_outputs):
+                if state is not self._state or not self._checking:
+                    return
+                flag = self._flag.end(flags.pop()) if flags else False
+                incoming = self._check_list(grad_outputs, "input")
+                outgoing = (self._copied_checks(incoming, grad_inputs) if copies
+                            else self._check_list(grad_inputs, "output"))
+                record = _OpRecord(name, naming.BACKWARD, forward.module, forward.stack_id, incoming, outgoing,
+                                   flag=flag, context=forward.inputs + forward.outputs)
+                self._add_record(record, (None, grad_outputs, {}, grad_inputs))
+            return hook
 
         for node in nodes:
             node.register_prehook(pre_hook)
-            node.register_hook(hook)
+            node.register_hook(hook_for(node))
 
     # ------------------------------------------------------------------ checks and records
     def _check(self, tensor, leaf: str) -> _TensorCheck | None:

@@ -61,3 +61,4 @@ def test_golden_and_npu_runs_compare_quietly_and_a_bug_is_named(tmp_path, npu):
     found = compare_dirs(tmp_path / "golden", tmp_path / "bug").pairs[0].divergence
     assert found.entry == "Functional.layer_norm.0.forward" and found.module_path == "1.norm"
     assert any("train_bug.py" in line for line in found.stack)  # the user's line
+    assert not any("runpy" in line or "site-packages" in line for line in found.stack)  # not the launcher's
