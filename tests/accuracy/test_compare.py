@@ -48,8 +48,9 @@ def test_first_divergence_names_the_injected_op(tmp_path, bug, level, mode):
 
 
 @pytest.mark.parametrize("mode", ["tensor", "stats"])
-def test_correct_bf16_run_against_fp32_reports_no_error(tmp_path, mode):
-    result = run_pair(tmp_path, None, "mix", mode, autocast_bf16=True)
+@pytest.mark.parametrize("level", ["mix", "api", "module"])
+def test_correct_bf16_run_against_fp32_reports_no_error(tmp_path, level, mode):
+    result = run_pair(tmp_path, None, level, mode, autocast_bf16=True)
     assert [pair.divergence for pair in result.pairs] == [None, None]
     assert result.counts()[ERROR] == 0
     rows = [row for row in result.rows if row.target and row.target.dtype == "torch.bfloat16" and row.metrics]
