@@ -67,6 +67,21 @@ DDP_SCRIPT = textwrap.dedent("""
         dist.recv(buffer, src=0)
         received = buffer.tolist()
     dist.barrier()
+
+    # Saturation mode: only rank 0 overflows (finite, clamped gradients); the flag is all-reduced,
+    # so both ranks skip the step together and keep identical parameters.
+    from npukit.npu_backend import numerics
+    numerics.configure(fp16_mode="saturation")
+    scaler = torch.amp.GradScaler("npu", init_scale=2.0**16)
+    before = [p.detach().clone() for p in ddp.module.parameters()]
+    optimizer.zero_grad()
+    with torch.autocast("npu", dtype=torch.float16):
+        loss = ddp(torch.full((4, 8), 1e6 if rank == 0 else 0.01, device=device)).float().square().mean()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    skipped = all(torch.equal(a, p) for a, p in zip(before, ddp.module.parameters()))
+    print(f"rank {rank} saturation-skipped {skipped} scale {scaler.get_scale()}")
     print(f"rank {rank} into {into.tolist()} scattered {scattered.tolist()} listed {listed.tolist()} "
           f"broadcast {broadcast.tolist()} total {total.tolist()} received {received} "
           f"on {into.device} {scattered.device} {total.device}")
@@ -93,6 +108,7 @@ def test_npu_run_two_rank_ddp_keeps_identical_parameters_and_runs_collectives(tm
     for rank in (0, 1):
         assert f"rank {rank} device npu:{rank} count 8 backend hccl" in out
         assert f"rank {rank} identical True matches-reference True" in out
+        assert f"rank {rank} saturation-skipped True scale 32768.0" in out
     # world 2: rank r contributes [r, 10 + r]; reduce-scatter sums rank-scaled inputs [0, 1, 2, 3].
     assert ("rank 0 into [0.0, 10.0, 1.0, 11.0] scattered [0.0, 3.0] listed [1.0, 1.0] "
             "broadcast [6.0, 6.0, 6.0] total [3.0] received [0.0, 0.0] on npu:0 npu:0 npu:0") in out
