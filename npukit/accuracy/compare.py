@@ -113,6 +113,7 @@ class Row:
     message: str = ""
     negligible: bool = False
     stat_diffs: dict | None = None
+    target_scale: float = 1.0  # 1/loss scale for loss-scaled backward tensors of the target
 
     @property
     def name(self) -> str:
@@ -144,6 +145,7 @@ class PairResult:
     unmatched_golden: list[str]
     unmatched_target: list[str]
     aligned: bool  # True when sequence alignment was needed
+    loss_scale: float = 1.0  # the target's backward was scaled by this (GradScaler); compared unscaled
 
 
 @dataclass
@@ -319,7 +321,7 @@ def measure_rows(rows: list[Row], workers: int | None, progress=None) -> None:
             # worker that opens them).
             ulp = target.dtype if row.target_entry and _ulp_wanted_name(row.target_entry) and is_floating(target.dtype) else None
             jobs.append(PairJob(str(golden.data_path), golden.dtype, str(target.data_path), target.dtype,
-                                golden.numel, ulp, tuple(golden.shape)))
+                                golden.numel, ulp, tuple(golden.shape), row.target_scale))
             job_rows.append(row)
     if jobs:
         for row, metrics in zip(job_rows, compare_pairs(jobs, workers, progress)):
@@ -390,7 +392,8 @@ def _judge_tensor(row: Row, limits: DtypeLimits, thresholds: Thresholds) -> None
 
 def _judge_stats(row: Row, limits: DtypeLimits, thresholds: Thresholds) -> None:
     """Statistics-only dumps: an error estimate from max/min/mean/norm (a lower bound of the real one)."""
-    g, t = row.golden.stats, row.target.stats
+    g = row.golden.stats
+    t = tuple(None if value is None else value * row.target_scale for value in row.target.stats)
     golden_bad = _nonfinite(row.golden)
     target_bad = _nonfinite(row.target)
     diffs = {}
@@ -662,6 +665,35 @@ def _amplification_text(out_err: float, in_err: float) -> str:
     return f"output error {_fmt(out_err)} is {out_err / in_err:.3g}x its input error {_fmt(in_err)}"
 
 
+# ---------------------------------------------------------------------------- loss scaling
+def detect_loss_scale(pairs: list) -> float:
+    """The factor by which the target's backward is scaled relative to the golden run's, if that
+    is a power of two (a GradScaler's loss scale): read off the incoming gradient of the first
+    paired backward op, which is the gradient of the loss. 1.0 when the runs are not scaled
+    differently."""
+    for golden, target in pairs:
+        if golden is None or target is None or target.direction != naming.BACKWARD:
+            continue
+        for g_leaf, t_leaf in zip(golden.inputs, target.inputs):
+            if g_leaf.stats is None or t_leaf.stats is None:
+                continue
+            g_norm, t_norm = g_leaf.stats[3], t_leaf.stats[3]
+            if not (g_norm and t_norm and math.isfinite(g_norm) and math.isfinite(t_norm)):
+                continue
+            exponent = math.log2(t_norm / g_norm)
+            rounded = round(exponent)
+            # bf16/fp16 rounding of the seed gradient stays far below 1% of a factor of two.
+            if rounded != 0 and abs(exponent - rounded) < 0.01:
+                return 2.0 ** rounded
+            return 1.0
+        return 1.0
+    return 1.0
+
+
+def _is_backward(entry_name: str | None) -> bool:
+    return entry_name is not None and naming.split_entry_name(entry_name)[1] == naming.BACKWARD
+
+
 # ---------------------------------------------------------------------------- entry point
 def compare_dirs(golden_dir: Path, target_dir: Path, thresholds: Thresholds | None = None,
                  workers: int | None = None, progress=None) -> CompareResult:
@@ -688,13 +720,16 @@ def compare_dirs(golden_dir: Path, target_dir: Path, thresholds: Thresholds | No
         label = target_label or golden_label or "."
         rows = build_rows(label, pairs)
         run_class = _run_class(target)
+        loss_scale = detect_loss_scale(pairs)
         for row in rows:
             row.dtype_class = _weakest(row.dtype_class, run_class)
+            if loss_scale != 1.0 and _is_backward(row.target_entry):
+                row.target_scale = 1.0 / loss_scale
         all_rows += rows
-        prepared.append((label, golden, target, pairs, aligned, rows))
+        prepared.append((label, golden, target, pairs, aligned, rows, loss_scale))
     measure_rows(all_rows, workers, progress)
     judge_rows(all_rows, thresholds)
-    for label, golden, target, pairs, aligned, rows in prepared:
+    for label, golden, target, pairs, aligned, rows, loss_scale in prepared:
         divergence = find_divergence(label, pairs, rows, golden, target, thresholds)
         results.append(PairResult(
             pair=label,
@@ -706,6 +741,7 @@ def compare_dirs(golden_dir: Path, target_dir: Path, thresholds: Thresholds | No
             unmatched_golden=[g.name for g, t in pairs if t is None],
             unmatched_target=[t.name for g, t in pairs if g is None],
             aligned=aligned,
+            loss_scale=loss_scale,
         ))
     paired_golden = {g for g, _ in labels_pairs}
     paired_target = {t for _, t in labels_pairs}

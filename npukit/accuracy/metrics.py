@@ -42,6 +42,7 @@ class PairJob:
     numel: int
     ulp_dtype: str | None = None
     shape: tuple[int, ...] | None = None  # as recorded in dump.json; checked against both files
+    target_scale: float = 1.0  # multiplies the target (1/loss scale): a power of two, so exact
 
 
 @dataclass
@@ -172,6 +173,8 @@ def pair_range_partial(job: PairJob, start: int, stop: int, work: Workspace | No
         golden_chunk, target_chunk = work.golden[:size], work.target[:size]
         to_golden(golden[low:high], golden_chunk)
         to_target(target[low:high], target_chunk)
+        if job.target_scale != 1.0:
+            np.multiply(target_chunk, job.target_scale, out=target_chunk)
         merge(total, chunk_partial(golden_chunk, target_chunk, ulp, work))
     return total
 

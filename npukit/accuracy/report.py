@@ -156,6 +156,7 @@ def result_json(result: CompareResult) -> dict:
                 "pair": pair.pair,
                 "mode": pair.mode,
                 "aligned": pair.aligned,
+                "loss_scale": pair.loss_scale,
                 "first_divergence": divergence_record(pair.divergence),
                 "unmatched_golden": pair.unmatched_golden,
                 "unmatched_target": pair.unmatched_target,
@@ -203,6 +204,9 @@ def print_terminal(result: CompareResult, console, top: int = 20) -> None:
             console.print(f"[dim]not compared, only in {side}: {escape(', '.join(labels))}[/]")
     for pair in result.pairs:
         where = escape(f" [{pair.pair}]") if len(result.pairs) > 1 else ""
+        if pair.loss_scale != 1.0:
+            console.print(f"target gradients are loss-scaled by {pair.loss_scale:g}{where} (GradScaler): "
+                          "backward tensors compared after unscaling")
         if pair.aligned:
             console.print(
                 f"[yellow]op streams differ{where}[/]: aligned by sequence "

@@ -54,7 +54,8 @@ class Net(nn.Module):
 
 def train(out: Path | None, bug: str | None = None, *, level: str = "mix", mode: str = "tensor", steps: int = 2,
           dtype: torch.dtype = torch.float32, autocast_bf16: bool = False, device: str = "cpu",
-          seed: int = 0, dump_steps: str | None = None, **session_options) -> list[float]:
+          seed: int = 0, dump_steps: str | None = None, loss_scale: float | None = None,
+          **session_options) -> list[float]:
     """Train Net for a few steps (optionally under a DumpSession); returns the losses."""
     torch.manual_seed(seed)
     model = Net(bug=bug)
@@ -72,7 +73,13 @@ def train(out: Path | None, bug: str | None = None, *, level: str = "mix", mode:
                 logits = model(x)
                 loss = F.cross_entropy(logits.float(), y)
             optimizer.zero_grad()
-            loss.backward()
+            if loss_scale:  # what a GradScaler does: scaled backward, unscaled grads before the step
+                (loss * loss_scale).backward()
+                with torch.no_grad():
+                    for param in model.parameters():
+                        param.grad.div_(loss_scale)
+            else:
+                loss.backward()
             optimizer.step()
             losses.append(loss.item())
     finally:

@@ -220,3 +220,11 @@ def test_a_bad_file_is_named_even_from_a_worker_process(tmp_path):
     victim.write_bytes(victim.read_bytes()[: 1_000_000])
     with pytest.raises(UserError, match="t1.npy: corrupt or truncated"):
         compare_pairs(jobs, workers=2)
+
+
+@pytest.mark.parametrize("mode", ["tensor", "stats"])
+def test_loss_scaled_backward_is_compared_unscaled(tmp_path, mode):
+    result = run_pair(tmp_path, None, "mix", mode, loss_scale=1024.0, autocast_bf16=True)
+    assert [pair.loss_scale for pair in result.pairs] == [1024.0, 1024.0]
+    assert [pair.divergence for pair in result.pairs] == [None, None]
+    assert result.counts()[ERROR] == 0
