@@ -24,13 +24,13 @@ INJECTED = {
 }
 
 
-def run_pair(tmp_path, bug, level, mode, **target_options):
+def run_pair(tmp_path, bug, level, mode, steps=1, **target_options):
     golden, target = tmp_path / "golden", tmp_path / "target"
     # The fp16 overflow is not a code change: the same model overflows only when run in float16.
-    train(golden, bug if bug == "overflow" else None, level=level, mode=mode)
+    train(golden, bug if bug == "overflow" else None, level=level, mode=mode, steps=steps)
     if bug == "overflow":
         target_options.setdefault("dtype", torch.float16)
-    train(target, bug, level=level, mode=mode, **target_options)
+    train(target, bug, level=level, mode=mode, steps=steps, **target_options)
     return compare_dirs(golden, target, workers=1)
 
 
@@ -50,7 +50,7 @@ def test_first_divergence_names_the_injected_op(tmp_path, bug, level, mode):
 @pytest.mark.parametrize("mode", ["tensor", "stats"])
 @pytest.mark.parametrize("level", ["mix", "api", "module"])
 def test_correct_bf16_run_against_fp32_reports_no_error(tmp_path, level, mode):
-    result = run_pair(tmp_path, None, level, mode, autocast_bf16=True)
+    result = run_pair(tmp_path, None, level, mode, steps=2, autocast_bf16=True)
     assert [pair.divergence for pair in result.pairs] == [None, None]
     assert result.counts()[ERROR] == 0
     rows = [row for row in result.rows if row.target and row.target.dtype == "torch.bfloat16" and row.metrics]
@@ -224,7 +224,7 @@ def test_a_bad_file_is_named_even_from_a_worker_process(tmp_path):
 
 @pytest.mark.parametrize("mode", ["tensor", "stats"])
 def test_loss_scaled_backward_is_compared_unscaled(tmp_path, mode):
-    result = run_pair(tmp_path, None, "mix", mode, loss_scale=1024.0, autocast_bf16=True)
+    result = run_pair(tmp_path, None, "mix", mode, steps=2, loss_scale=1024.0, autocast_bf16=True)
     assert [pair.loss_scale for pair in result.pairs] == [1024.0, 1024.0]
     assert [pair.divergence for pair in result.pairs] == [None, None]
     assert result.counts()[ERROR] == 0

@@ -1,0 +1,279 @@
+"""OverflowSession: the op, module, step and direction of the first overflow, per fp16 mode."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from npukit.accuracy.dumpfile import load_rank_dump
+from npukit.accuracy.overflow import OverflowSession, OverflowStop, merge_rank_reports
+from npukit.errors import UserError
+
+from .models import Net
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class ForwardOverflow(nn.Module):
+    """fc2's output overflows float16 when `boost` is large; fine otherwise and in float32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 4)
+        self.boost = 1.0
+
+    def forward(self, x):
+        h = F.gelu(self.fc1(x)) * self.boost
+        return self.fc2(h)
+
+
+class BackwardOverflow(nn.Module):
+    """Forward stays small; the weight gradient of fc (sum over the batch of grad * x) overflows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def _train(model, steps, device, dtype, session, batch=lambda step: torch.randn(32, 8), loss_scale=lambda step: 1.0,
+           before_step=lambda step: None):
+    torch.manual_seed(0)
+    model = model.to(device=device, dtype=dtype)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
+    with session:
+        for step in range(steps):
+            before_step(step)
+            x = batch(step).to(device=device, dtype=dtype)
+            loss = model(x).float().square().mean() * loss_scale(step)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    return session
+
+
+def _forward_case(tmp_path, mode, npu, **options):
+    from npukit.npu_backend import numerics
+
+    model = ForwardOverflow()
+    model.fc2.weight.data.fill_(0.05)
+
+    def boost(step):
+        model.boost = 1e5 if step == 2 else 1.0
+
+    with numerics.policies(fp16_mode=mode):
+        return _train(model, 4, npu, torch.float16, OverflowSession(tmp_path, console=False, **options),
+                      before_step=boost)
+
+
+@pytest.mark.parametrize("mode", ["inf_nan", "saturation"])
+def test_forward_overflow_names_op_module_and_step(tmp_path, npu, mode):
+    session = _forward_case(tmp_path, mode, npu)
+    first = session.first_event
+    assert (first["step"], first["direction"], first["dtype"]) == (2, "forward", "torch.float16")
+    assert first["name"] == "Tensor.mul.0.forward" and first["module"] == ""
+    assert first["kind"] == ("saturation" if mode == "saturation" else "inf_nan")
+    assert any("self.boost" in line for line in first["stack"][:1]), first["stack"]
+    assert all(leaf["finite"] for leaf in first["inputs"])
+    if mode == "inf_nan":
+        assert not first["outputs"][0]["finite"]
+    else:  # clamped: finite, at the fp16 limit
+        assert first["outputs"][0]["Max"] == 65504.0
+    # Its consumer (fc2) only passes the overflow on: no second event in step 2.
+    assert [e["name"] for e in session.events if e["step"] == 2] == ["Tensor.mul.0.forward"]
+    report = json.loads((tmp_path / "overflow.json").read_text())
+    assert report["events"][0]["name"] == "Tensor.mul.0.forward" and report["fp16_mode"] == mode
+
+
+@pytest.mark.parametrize("mode", ["inf_nan", "saturation"])
+def test_backward_overflow_names_linear_backward_in_its_module(tmp_path, npu, mode):
+    from npukit.npu_backend import numerics
+
+    model = BackwardOverflow()
+    with numerics.policies(fp16_mode=mode):
+        session = _train(model, 3, npu, torch.float16, OverflowSession(tmp_path, console=False),
+                         batch=lambda step: torch.rand(64, 16) * 5 + 5,
+                         loss_scale=lambda step: 30000.0 if step == 1 else 1.0)
+    first = session.first_event
+    assert first is not None, "the overflowing weight gradient was not found"
+    assert (first["name"], first["module"], first["direction"], first["step"]) == (
+        "Functional.linear.0.backward", "fc", "backward", 1)
+    assert not [e for e in session.events if e["direction"] == "forward"]
+
+
+def test_module_level_names_the_module(tmp_path, npu):
+    session = _forward_case(tmp_path, "inf_nan", npu, level="module")
+    first = session.first_event
+    assert (first["name"], first["step"], first["direction"]) == ("Module.ForwardOverflow.forward.0", 2, "forward")
+    # fc2 got the inf from its input and is not an event; the root reports once, not twice.
+    assert [e["name"] for e in session.events if e["step"] == 2] == ["Module.ForwardOverflow.forward.0"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["inf_nan", "saturation"])
+def test_healthy_low_precision_run_has_no_event(tmp_path, npu, dtype, mode):
+    from npukit.npu_backend import numerics
+
+    with numerics.policies(fp16_mode=mode):
+        session = _train(Net(), 3, npu, dtype, OverflowSession(tmp_path, console=False))
+    assert session.events == [] and session.skipped_steps == []
+    report = json.loads((tmp_path / "overflow.json").read_text())
+    assert report["events"] == [] and report["steps"] == 3
+
+
+def test_the_users_overflow_flag_is_kept(tmp_path, npu):
+    from npukit.npu_backend import numerics
+
+    x = torch.full((4,), 60000.0, dtype=torch.float16, device=npu)
+    with numerics.policies(fp16_mode="saturation"), OverflowSession(tmp_path, console=False) as session:
+        numerics.clear_overflow_flag()
+        nn.Identity()(x)
+        y = x * 2  # saturates
+        assert torch.npu.utils.get_npu_overflow_flag()  # as without the detector
+        z = y + 0  # does not saturate: the flag stays set, but z is not an event
+        assert torch.npu.utils.get_npu_overflow_flag() and z.dtype == torch.float16
+        session.step()
+    numerics.clear_overflow_flag()
+    assert [e["name"] for e in session.events] == ["Tensor.mul.0.forward"]
+
+
+def _amp_train(session, npu, init_scale, boost_step=None, steps=3):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).to(npu)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("npu", init_scale=init_scale)
+    scales = []
+    with session:
+        for step in range(steps):
+            x = torch.randn(8, 16, device=npu)
+            with torch.autocast("npu", dtype=torch.float16):
+                out = model(x)
+                if step == boost_step:
+                    out = out * 1e6
+                loss = F.cross_entropy(out.float(), torch.zeros(8, dtype=torch.long, device=npu))
+            optimizer.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            scales.append(scaler.get_scale())
+    return scales
+
+
+def test_grad_scaler_skipped_steps_are_reported_not_events(tmp_path, npu):
+    session = OverflowSession(tmp_path, action="stop", console=False)
+    scales = _amp_train(session, npu, init_scale=1e30)  # scaled gradients overflow fp16
+    # Every step skipped and the scale backed off, as without the detector.
+    assert scales == pytest.approx([5e29, 2.5e29, 1.25e29], rel=1e-6)
+    assert session.events == []
+    assert [s["step"] for s in session.skipped_steps] == [0, 1, 2]
+    assert session.skipped_steps[0]["first_overflow"].endswith(".backward")
+    report = json.loads((tmp_path / "overflow.json").read_text())
+    assert report["skipped_steps"][0]["scale"] == 1e30
+
+
+def test_forward_overflow_under_amp_is_an_event_and_stop_raises(tmp_path, npu):
+    session = OverflowSession(tmp_path, action="stop", console=False)
+    with pytest.raises(OverflowStop, match=r"overflow at step 1 .*Tensor\.mul\.0\.forward"):
+        _amp_train(session, npu, init_scale=1.0, boost_step=1)
+    assert session.first_event["step"] == 1
+    assert json.loads((tmp_path / "overflow.json").read_text())["events"][0]["name"] == "Tensor.mul.0.forward"
+
+
+def test_dump_action_writes_a_replayable_dump(tmp_path, npu):
+    session = _forward_case(tmp_path, "inf_nan", npu, action="dump")
+    first = session.first_event
+    assert first["fp32_replay"]["verdict"].startswith("real overflow")
+    dump = load_rank_dump(Path(first["dump"]).parent)
+    entry = dump.by_name()["Tensor.mul.0.forward"]
+    (x_leaf,) = [leaf for leaf in entry.inputs if leaf.data_path is not None]
+    from npukit.accuracy.tensor_io import read_tensor
+
+    x = torch.from_numpy(read_tensor(x_leaf.data_path, x_leaf.dtype, list(x_leaf.shape)).copy())
+    assert x.dtype == torch.float16 and torch.isfinite(x).all()
+    # Replayed on the CPU in fp32 the product is finite but beyond fp16's range: a real overflow.
+    reference = x.float() * 1e5
+    assert torch.isfinite(reference).all() and reference.abs().max() > 65504
+
+
+def test_max_events_stops_checking(tmp_path, npu):
+    x = torch.full((2,), 1e4, dtype=torch.float16, device=npu)
+    with OverflowSession(tmp_path, max_events=2, console=False) as session:
+        for _ in range(4):
+            _ = x * 10.0  # each call is a new overflow
+    assert len(session.events) == 2
+    assert json.loads((tmp_path / "overflow.json").read_text())["truncated"] is True
+
+
+def test_explicit_steps_and_per_rank_reports_merge_in_step_order(tmp_path, npu):
+    x = torch.full((2,), 1e4, dtype=torch.float16, device=npu)
+    for rank, bad_step in ((0, 2), (1, 1)):
+        with OverflowSession(tmp_path, rank=rank, console=False) as session:
+            for step in range(3):
+                _ = x * (10.0 if step == bad_step else 1.0)
+                session.step()
+        assert (tmp_path / f"rank{rank}" / "overflow.json").is_file()
+    merged = json.loads((tmp_path / "overflow.json").read_text())
+    assert [(e["rank"], e["step"]) for e in merged["events"]] == [(1, 1), (0, 2)]
+    assert merged["ranks"] == [0, 1] and merge_rank_reports(tmp_path) == merged
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"action": "explode"}, "--overflow-action"),
+    ({"max_events": 0}, "--overflow-max"),
+    ({"level": "tensor"}, "overflow level"),
+])
+def test_bad_options_are_user_errors(tmp_path, options, message):
+    with pytest.raises(UserError, match=message):
+        OverflowSession(tmp_path, **options)
+
+
+def test_overflow_dir_that_is_a_file_is_a_user_error(tmp_path):
+    target = tmp_path / "taken"
+    target.write_text("")
+    with pytest.raises(UserError, match="taken exists and is not a directory"):
+        OverflowSession(target)
+
+
+_SCRIPT = textwrap.dedent("""
+    import torch, torch.nn as nn
+    import torch_npu  # noqa: F401
+    model = nn.Linear(8, 8).npu()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    for step in range(3):
+        x = torch.randn(4, 8).npu()
+        with torch.autocast("npu", dtype=torch.float16):
+            loss = (model(x) * (1e6 if step == 1 else 1.0)).float().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+""")
+
+
+def _npu_run(tmp_path, *options):
+    script = tmp_path / "train.py"
+    script.write_text(_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "npukit.run", "--detect-overflow", "--overflow-dir",
+                           str(tmp_path / "overflow"), *options, str(script)],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+
+
+def test_npu_run_stop_is_a_clean_error_and_golden_run_reports_none(tmp_path):
+    stopped = _npu_run(tmp_path, "--overflow-action", "stop")
+    assert stopped.returncode == 2, stopped.stderr
+    assert "overflow at step 1 (rank 0): Tensor.mul.0.forward" in stopped.stderr
+    assert "train.py, line 9" in stopped.stderr and "Traceback" not in stopped.stderr
+    golden = _npu_run(tmp_path, "--golden")
+    assert golden.returncode == 0, golden.stderr
+    assert json.loads((tmp_path / "overflow" / "overflow.json").read_text())["events"] == []
+    assert "no overflow in 3 step(s)" in golden.stderr
