@@ -810,6 +810,7 @@ class OverflowSession:
             self._print(f"[yellow]{self.max_events} overflow events recorded (--overflow-max): checking stops[/]")
             self._stop_checking()
         if self.action == "stop":
+            self._stop_checking()  # the run ends here: what follows in this step is not another event
             self._write_report()
             raise OverflowStop(_stop_message(event))
 
@@ -896,8 +897,10 @@ class OverflowSession:
                     f"{len(self.skipped_steps)} step(s) skipped by GradScaler; details in {self._report_path()}")
 
     def _steps_seen(self) -> int:
-        # Ops after the last step boundary (printing the loss, evaluation) are not another step.
-        return self.step_index or (1 if self._state.ops else 0)
+        # Ops after the last step boundary (printing the loss) are not another step; a backward is.
+        ops = self._state.ops
+        in_progress = any(op.direction == naming.BACKWARD for op in ops) or (ops and not self.step_index)
+        return self.step_index + (1 if in_progress else 0)
 
     def _report_path(self) -> Path:
         return self.out_dir / f"rank{self.rank}" / REPORT_NAME if self.per_rank else self.out_dir / REPORT_NAME
