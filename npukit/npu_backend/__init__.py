@@ -101,9 +101,11 @@ def install(device_count: int | None = None) -> None:
     # per-device threads the thread-local state they keep can hold Python objects that are
     # released while the interpreter shuts down, which aborts the process at exit.
     torch._C._set_multithreading_enabled(False)
+    from npukit.npu_backend import compile as dynamo_backend
     from npukit.npu_backend import distributed
 
     distributed.install()
+    dynamo_backend.install()
     _installed = True
 
 
