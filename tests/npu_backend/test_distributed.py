@@ -179,3 +179,37 @@ def test_local_rank_and_visible_devices_select_the_device(tmp_path):
                             env=env, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["1", "2"]  # two visible devices, renumbered 0 and 1; rank 1 on npu:1
+
+
+# ---------------------------------------------------------------- the input pipeline of a training job
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("pin_memory_device", ["", "npu"])
+def test_dataloader_pins_batches_for_non_blocking_copies_to_npu(workers, pin_memory_device):
+    import warnings
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    assert torch.accelerator.current_accelerator().type == "npu"  # what pin_memory pins for
+    features, labels = torch.randn(10, 3), torch.arange(10)
+    loader = DataLoader(TensorDataset(features, labels), batch_size=4, pin_memory=True, num_workers=workers,
+                        pin_memory_device=pin_memory_device)
+    seen = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        # torch >= 2.9 itself deprecates the argument (it pins for the current accelerator, npu).
+        warnings.filterwarnings("ignore", "pin_memory_device is deprecated", UserWarning)
+        for batch_features, batch_labels in loader:
+            assert batch_features.is_pinned() and batch_labels.is_pinned()
+            on_device = batch_features.to("npu", non_blocking=True)
+            torch.npu.synchronize()
+            assert on_device.device.type == "npu" and torch.equal(on_device.cpu(), batch_features)
+            seen.append(batch_labels)
+    assert torch.equal(torch.cat(seen), labels)
+
+
+def test_tensor_pin_memory_pins_a_copy_on_the_host():
+    tensor = torch.arange(6.0).view(2, 3)
+    pinned = tensor.pin_memory()
+    assert pinned.is_pinned() and not tensor.is_pinned()
+    assert pinned.device.type == "cpu" and torch.equal(pinned, tensor)
+    assert torch.equal(pinned.to("npu", non_blocking=True).cpu(), tensor)
