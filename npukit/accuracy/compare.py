@@ -485,9 +485,9 @@ def find_divergence(pair_label: str, pairs: list, rows: list[Row], golden: RankD
         warn = thresholds.limits(_weakest(_entry_class(target_entry), run_class)).warn_rel_l2
         outputs = [row for row in entry_rows if row.role == "output" and row.error is not None]
         inputs = [row for row in entry_rows if row.role in ("input", "param") and row.error is not None]
-        if not outputs:
+        if not outputs and target_entry.direction != naming.BACKWARD:
             continue
-        out_err = max(_err(row) for row in outputs)
+        out_err = max((_err(row) for row in outputs), default=0.0)
         found = None  # (culprit entry name, side, reason)
         activation_errors = []
         source_errors = []
@@ -505,6 +505,8 @@ def find_divergence(pair_label: str, pairs: list, rows: list[Row], golden: RankD
             elif kind == "unknown" and last_unmatched and _first_error_here(rows, order, warn):
                 golden_only, target_only = last_unmatched
                 found = ((target_only or golden_only).name, "target-only" if target_only else "golden-only", row)
+            elif kind == "gradient" and _first_error_here(rows, order, warn):
+                found = (target_entry.name, "gradient-gap", row)
         if found:
             return _divergence(pair_label, found, golden, target, out_err)
         in_err = max(activation_errors, default=0.0)
@@ -535,6 +537,8 @@ def _input_kind(row, entry, target_lineage, golden_lineage, only_target, only_go
     "golden-only" | "between" | "parent-code" | "unknown", culprit entry name)."""
     if row.role == "param":
         return "source", None
+    if entry.direction == naming.BACKWARD:
+        return "gradient", None  # incoming gradients carry no lineage: judged by execution order
     if not has_producers:
         return "unknown", None
     origin = target_lineage.origin(row.target)
@@ -595,6 +599,10 @@ def _divergence(pair_label, found, golden, target, out_err) -> Divergence:
     elif side == "golden-only":
         reason = f"call present only in the golden run (missing in the target); {consumer} input error {_fmt(row.error)}"
         dump = golden
+    elif side == "gradient-gap":
+        reason = (f"the gradient arriving at this backward differs (error {_fmt(row.error)}) while every"
+                  " gradient before it matched: it was changed outside the dumped ops (a custom autograd"
+                  " Function, a hook, or a module's own code at module level)")
     elif side == "parent-code":
         reason = (f"the input of {consumer} (error {_fmt(row.error)}) is computed by this module's own forward"
                   " code, outside its dumped sub-modules")

@@ -58,6 +58,7 @@ _MIN_MAX_DTYPES = (torch.float16, torch.bfloat16)  # min/max: a sum of fp16 valu
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # npukit/
 _MAX_STACK_FRAMES = 12
+_MAX_STACK_WALK = 48  # frames looked at per op (torch's module call frames included)
 
 # Ops whose every output value is a copy of an input value (or zero): they cannot turn finite
 # inputs into inf/nan, so their outputs take their inputs' checks instead of a reduction of their
@@ -213,7 +214,7 @@ def _version(tensor: torch.Tensor) -> int:
         return -1
 
 
-@dataclass
+@dataclass(slots=True)
 class _TensorCheck:
     leaf: str  # "input.0", "output.1"
     dtype: torch.dtype
@@ -234,7 +235,7 @@ class _TensorCheck:
         return out
 
 
-@dataclass
+@dataclass(slots=True)
 class _OpRecord:
     name: str
     direction: str
@@ -713,10 +714,13 @@ class OverflowSession:
             return None
         frames = []
         frame = sys._getframe(2)
-        while frame is not None and len(frames) < _MAX_STACK_FRAMES:
-            filename = frame.f_code.co_filename
-            if not (filename.startswith(_TORCH_DIR) or filename.startswith(_OWN_DIR) or filename.startswith("<")):
-                frames.append((filename, frame.f_lineno, frame.f_code.co_name))
+        for _ in range(_MAX_STACK_WALK):
+            if frame is None or len(frames) == _MAX_STACK_FRAMES:
+                break
+            code = frame.f_code
+            filename = code.co_filename
+            if not (filename.startswith(_TORCH_DIR) or filename.startswith(_OWN_DIR) or filename[0] == "<"):
+                frames.append((filename, frame.f_lineno, code.co_name))
             frame = frame.f_back
         key = tuple(frames)
         stack_id = self._stacks.get(key)

@@ -228,3 +228,40 @@ def test_loss_scaled_backward_is_compared_unscaled(tmp_path, mode):
     assert [pair.loss_scale for pair in result.pairs] == [1024.0, 1024.0]
     assert [pair.divergence for pair in result.pairs] == [None, None]
     assert result.counts()[ERROR] == 0
+
+
+class _ScaledGradient(torch.autograd.Function):
+    """Identity forward; its backward multiplies the gradient (the bug: by 1.5 instead of 1)."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+class _BackwardBugNet(torch.nn.Module):
+    def __init__(self, factor):
+        super().__init__()
+        self.a, self.b, self.factor = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4), factor
+
+    def forward(self, x):
+        return self.b(_ScaledGradient.apply(torch.nn.functional.gelu(self.a(x)), self.factor))
+
+
+@pytest.mark.parametrize(("level", "expected"), [("mix", "Functional.gelu.0.backward"),
+                                                 ("module", "Module.a.Linear.backward.0")])
+def test_backward_only_bug_names_the_first_backward_op_receiving_a_changed_gradient(tmp_path, level, expected):
+    from npukit.accuracy.dump import DumpSession
+
+    for side, factor in (("golden", 1.0), ("target", 1.5)):
+        torch.manual_seed(0)
+        model = _BackwardBugNet(factor)
+        with DumpSession(tmp_path / side, level=level, mode="tensor"):
+            loss = torch.nn.functional.cross_entropy(model(torch.randn(4, 8)), torch.randint(0, 4, (4,)))
+            loss.backward()
+    divergence = compare_dirs(tmp_path / "golden", tmp_path / "target", workers=1).pairs[0].divergence
+    assert divergence.entry == expected and "gradient arriving" in divergence.reason
