@@ -322,9 +322,8 @@ class DumpSession:
         self._optimizer_seen = False
         self._optimizer_exists: bool | None = None
         self._step_root: weakref.ref | None = None
-        self._step_root_runs = 0
         self._paths: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._module_stack: list[tuple[str, _Entry | None]] = []
+        self._module_stack: list[tuple[str, _Entry | None, torch.nn.Module]] = []  # path, entry, module
         self._handles: list = []
         self._mode: _ApiMode | None = None
         self._lifted: _ApiMode | None = None
@@ -395,7 +394,6 @@ class DumpSession:
         self._record = _StepRecord()
         self._module_stack = []
         self._step_root = None
-        self._step_root_runs = 0
         self.step_index += 1
         if self.steps is not None and self.step_index > max(self.steps):
             self._finished = True
@@ -469,14 +467,10 @@ class DumpSession:
         root = self._step_root() if self._step_root is not None else None
         if root is None:
             self._step_root = weakref.ref(module)
-            self._step_root_runs = 1
             return
-        if root is module:
-            self._step_root_runs += 1
-            if not self._optimizer_alive():
-                self._end_step()
-                self._step_root = weakref.ref(module)
-                self._step_root_runs = 1
+        if root is module and not self._optimizer_alive():
+            self._end_step()
+            self._step_root = weakref.ref(module)
 
     def _on_module_forward(self, module, args, kwargs, output=_RAISED) -> None:
         if not self._module_stack or self._module_stack[-1][2] is not module:
