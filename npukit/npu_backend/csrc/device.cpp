@@ -332,8 +332,14 @@ struct Translation {
     return alias;
   }
 
+  const char* op_name = "this op";
+
   at::Tensor to_npu(const at::Tensor& cpu) {
     if (!cpu.defined() || !cpu.device().is_cpu()) return cpu;
+    TORCH_CHECK_NOT_IMPLEMENTED(cpu.layout() == at::kStrided && !cpu.is_quantized(), op_name,
+                                ": ", cpu.is_quantized() ? "quantized" : c10::str(cpu.layout()),
+                                " tensors are not supported on the npukit emulated NPU (only dense "
+                                "tensors); keep this part of the model on the CPU");
     for (auto& [alias, npu] : alias_of)
       if (alias.unsafeGetTensorImpl() == cpu.unsafeGetTensorImpl()) return npu;  // in-place / out= result
     c10::StorageImpl* key = cpu.storage().unsafeGetStorageImpl();
@@ -429,6 +435,7 @@ void run_on_cpu(const c10::OperatorHandle& op, torch::jit::Stack* stack, Policy 
   const size_t num_args = arguments.size();
   const size_t begin = stack->size() - num_args;
   Translation tr;
+  tr.op_name = schema.name().c_str();
   std::vector<size_t> default_generator_slots;
   c10::DeviceIndex device_from_arg = -1;
 
