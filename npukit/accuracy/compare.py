@@ -114,6 +114,7 @@ class Row:
     negligible: bool = False
     stat_diffs: dict | None = None
     target_scale: float = 1.0  # 1/loss scale for loss-scaled backward tensors of the target
+    rms: float = 0.0  # larger RMS of the two sides: the magnitude `negligible` is judged on
 
     @property
     def name(self) -> str:
@@ -269,9 +270,10 @@ def _leaf_roles(entry: DumpEntry | None) -> dict[str, tuple[str, TensorLeaf]]:
     return roles
 
 
-def build_rows(pair_label: str, pairs: list, start_order: int = 0) -> list[Row]:
+def build_rows(pair_label: str, pairs: list) -> list[Row]:
+    """One row per tensor of each paired entry (and unmatched rows for one-sided entries)."""
     rows = []
-    for order, (golden, target) in enumerate(pairs, start_order):
+    for order, (golden, target) in enumerate(pairs):
         cls = _entry_class(target if target is not None else golden)
         golden_leaves = _leaf_roles(golden)
         target_leaves = _leaf_roles(target)
@@ -342,15 +344,15 @@ def judge_rows(rows: list[Row], thresholds: Thresholds) -> None:
             continue
         golden_rms = _rms(row.golden, row.metrics.golden_stats if row.metrics else None)
         target_rms = _rms(row.target, row.metrics.target_stats if row.metrics else None)
-        row._rms = max(golden_rms, target_rms)  # type: ignore[attr-defined]
+        row.rms = max(golden_rms, target_rms)
         key = (row.order, row.pair)
-        scale[key] = max(scale.get(key, 0.0), row._rms)  # type: ignore[attr-defined]
+        scale[key] = max(scale.get(key, 0.0), row.rms)
     for row in rows:
         if row.verdict == UNMATCHED or row.error == math.inf and row.verdict == ERROR:
             continue
         limits = thresholds.limits(row.dtype_class)
         entry_scale = scale.get((row.order, row.pair), 0.0)
-        row.negligible = entry_scale > 0 and row._rms < thresholds.negligible * entry_scale  # type: ignore[attr-defined]
+        row.negligible = entry_scale > 0 and row.rms < thresholds.negligible * entry_scale
         if row.metrics is not None:
             _judge_tensor(row, limits, thresholds)
         elif row.golden.md5 is not None and row.target.md5 is not None:

@@ -331,6 +331,7 @@ class OverflowSession:
         self._eager = action == "dump"  # the event's tensors must still be alive
         self._flag = _DeviceFlag()
         self._saturation = False
+        self._bracket = False
         self._active = False
         self._checking = False
         self._auto_step = True
@@ -366,7 +367,7 @@ class OverflowSession:
         from torch.optim import optimizer as optimizer_hooks
 
         self._active = self._checking = True
-        self._saturation = _saturation_mode()
+        self._read_mode()
         if self._flag.per_op:
             self._flag.sync_left()
         else:
@@ -429,9 +430,15 @@ class OverflowSession:
             self._print(f"[yellow]step {self.step_index}: skipped by GradScaler[/] (scale {scale:g})"
                         + (f"; gradients overflowed first in {handled[0]['name']}" if handled else ""))
         self._state = _StepState()
+        self._read_mode()
         self._module_stack = []
         self._step_root = None
         self.step_index += 1
+
+    def _read_mode(self) -> None:
+        self._saturation = _saturation_mode()
+        # Only a saturating device sets the flag: in INF_NAN mode no op needs bracketing.
+        self._bracket = self._saturation and self._flag.per_op
 
     def _optimizer_alive(self) -> bool:
         if self._optimizer_exists is None:
@@ -535,7 +542,7 @@ class OverflowSession:
             parent = next((entry for _, _, entry, _ in reversed(self._module_stack) if entry is not None), None)
             record = _OpRecord(name, naming.FORWARD, path, self._stack_id(), self._check_all(args, "input"),
                                context=self._check_list(list(module.parameters()), "parameters"), parent=parent)
-        was = self._flag.begin() if record is not None and self._flag.per_op else False
+        was = self._flag.begin() if record is not None and self._bracket else False
         self._module_stack.append((path, module, record, was))
 
     def _on_module_forward(self, module, args, output=None) -> None:
@@ -544,7 +551,7 @@ class OverflowSession:
         _, _, record, was = self._module_stack.pop()
         if record is None or not self._checking:
             return
-        record.flag = self._flag.end(was) if self._flag.per_op else False
+        record.flag = self._flag.end(was) if self._bracket else False
         outputs = [t for t in _flatten(output) if isinstance(t, torch.Tensor)]
         record.outputs = self._check_list(outputs, "output")
         self._add_record(record, (None, args, {}, output))
@@ -595,16 +602,20 @@ class OverflowSession:
         if self._eager and in_place:  # the op overwrites its inputs: keep them for the dump
             with torch._C.DisableTorchFunction():
                 live_args = tuple(a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args)
-        was = self._flag.begin() if self._flag.per_op else False
+        was = self._flag.begin() if self._bracket else False
         output = func(*args, **kwargs)
-        flag = self._flag.end(was) if self._flag.per_op else False
+        flag = self._flag.end(was) if self._bracket else False
         outputs = [t for t in _flatten(output) if isinstance(t, torch.Tensor)]
         module = self._module_stack[-1][0] if self._module_stack else ""
-        record = _OpRecord(naming.api_entry_name(api, index), naming.FORWARD, module, self._stack_id(), inputs,
-                           flag=flag)
-        record.outputs = (self._copied_checks(inputs, outputs) if api in _COPIES_VALUES
-                          else self._check_list(outputs, "output"))
-        self._add_record(record, (func, live_args, kwargs, output))
+        copies = api in _COPIES_VALUES and not flag
+        # A copy cannot be where an overflow starts: its record only carries checks to its backward.
+        record = _OpRecord(naming.api_entry_name(api, index), naming.FORWARD, module,
+                           None if copies else self._stack_id(), inputs, flag=flag)
+        if copies:
+            record.outputs = self._copied_checks(inputs, outputs)
+        else:
+            record.outputs = self._check_list(outputs, "output")
+            self._add_record(record, (func, live_args, kwargs, output))
         if torch.is_grad_enabled() and outputs:
             self._hook_api_backward(api, index, record, args, kwargs, outputs)
         return output
@@ -649,7 +660,7 @@ class OverflowSession:
         flags: list[bool] = []
 
         def pre_hook(grad_outputs):
-            if state is self._state and self._checking and self._flag.per_op:
+            if state is self._state and self._checking:
                 flags.append(self._flag.begin())
 
         def hook_for(node):
@@ -660,22 +671,25 @@ class OverflowSession:
                     return
                 flag = self._flag.end(flags.pop()) if flags else False
                 incoming = self._check_list(grad_outputs, "input")
-                outgoing = (self._copied_checks(incoming, grad_inputs) if copies
-                            else self._check_list(grad_inputs, "output"))
-                record = _OpRecord(name, naming.BACKWARD, forward.module, forward.stack_id, incoming, outgoing,
-                                   flag=flag, context=forward.inputs + forward.outputs)
+                if copies and not flag:
+                    self._copied_checks(incoming, grad_inputs)
+                    return
+                record = _OpRecord(name, naming.BACKWARD, forward.module, forward.stack_id, incoming,
+                                   self._check_list(grad_inputs, "output"), flag=flag,
+                                   context=forward.inputs + forward.outputs)
                 self._add_record(record, (None, grad_outputs, {}, grad_inputs))
             return hook
 
         for node in nodes:
-            node.register_prehook(pre_hook)
+            if self._bracket:
+                node.register_prehook(pre_hook)
             node.register_hook(hook_for(node))
 
     # ------------------------------------------------------------------ checks and records
     def _check(self, tensor, leaf: str) -> _TensorCheck | None:
         if not isinstance(tensor, torch.Tensor):
             return None
-        if self._saturation and self._flag.per_op and tensor.dtype == torch.float16:
+        if self._bracket and tensor.dtype == torch.float16:
             was = self._flag.value()
             slots = self._state.checks.slots(tensor)
             self._flag.discard_since(was)
