@@ -61,6 +61,9 @@ FLOAT_MIN_EXPONENT = {
 }
 
 
+_MMAP_MIN_BYTES = 4 << 20
+
+
 def is_floating(dtype_name: str) -> bool:
     return dtype_name in FLOAT_PRECISION_BITS
 
@@ -100,8 +103,10 @@ def read_tensor(path: Path, dtype_name: str | None = None, shape: list[int] | No
     if path.suffix == ".pt":
         array = _read_torch_file(path)
     else:
+        # Small files are read outright: setting up a memory map costs more than reading them.
+        mmap_mode = "r" if path.stat().st_size > _MMAP_MIN_BYTES else None
         try:
-            array = np.load(path, mmap_mode="r", allow_pickle=False)
+            array = np.load(path, mmap_mode=mmap_mode, allow_pickle=False)
         except (ValueError, OSError, EOFError) as exc:
             raise UserError(f"{path}: corrupt or truncated tensor file ({exc})") from None
         if not isinstance(array, np.ndarray):
