@@ -29,7 +29,7 @@ PLUGIN_NAME = "npukit.testing"
 ENV_SWITCH = "NPUKIT_PYTEST"
 INI_SWITCH = "npukit_emulate"
 _TRUE = ("1", "true", "on", "yes")
-_FALSE = ("0", "false", "off", "no", "")
+_FALSE = ("0", "false", "off", "no")
 
 
 @dataclass
@@ -69,8 +69,8 @@ def _decide(config: pytest.Config, options) -> _Activation:
     explicit_plugins = [*options.plugins, *os.environ.get("PYTEST_PLUGINS", "").split(",")]
     if PLUGIN_NAME in (spec.strip() for spec in explicit_plugins):
         return _Activation(True, f"-p {PLUGIN_NAME}")
-    env_value = os.environ.get(ENV_SWITCH)
-    if env_value is not None:
+    env_value = os.environ.get(ENV_SWITCH, "")
+    if env_value.strip():  # set but empty counts as unset, as for the emulator's own variables
         lowered = env_value.strip().lower()
         if lowered not in _TRUE + _FALSE:
             raise pytest.UsageError(f"environment variable {ENV_SWITCH}={env_value!r}: expected 1 or 0 "
@@ -78,8 +78,8 @@ def _decide(config: pytest.Config, options) -> _Activation:
         return _Activation(lowered in _TRUE, f"{ENV_SWITCH}={env_value}")
     try:
         from_ini = config.getini(INI_SWITCH)
-    except ValueError as exc:
-        raise pytest.UsageError(f"ini option {INI_SWITCH} in {config.inipath}: {exc}") from exc
+    except (ValueError, pytest.UsageError) as exc:  # pytest < 9 raises ValueError for a bad bool
+        raise pytest.UsageError(f"ini option {INI_SWITCH} in {config.inipath}: {exc} (expected true or false)") from exc
     if from_ini:
         return _Activation(True, f"{INI_SWITCH} = true in {config.inipath}")
     return _Activation(False, "not requested")
@@ -156,14 +156,12 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
             f"import torch_npu -> npukit{transfer}; {numerics_text}"]
 
 
-def _emulation_or_skip(request: pytest.FixtureRequest, fixture: str) -> None:
-    activation = request.config.stash.get(_ACTIVATION_KEY, None)
-    if activation is not None and activation.installed:
-        return
-    from npukit.run import real_torch_npu_installed
+def _emulated(config: pytest.Config) -> bool:
+    activation = config.stash.get(_ACTIVATION_KEY, None)
+    return activation is not None and activation.installed
 
-    if real_torch_npu_installed():
-        pytest.skip(f"{fixture} needs npukit's emulated NPU; this session uses the real torch_npu")
+
+def _fail_without_npu(fixture: str) -> None:
     pytest.fail(f"{fixture}: no NPU in this session; run pytest with --npu (or {ENV_SWITCH}=1) to use "
                 "npukit's emulated NPU", pytrace=False)
 
@@ -172,14 +170,13 @@ def _emulation_or_skip(request: pytest.FixtureRequest, fixture: str) -> None:
 def npu_device(request: pytest.FixtureRequest):
     """torch.device("npu:0") made current; the previous current device is restored afterwards.
 
-    Without emulation on a host whose real torch_npu is installed, the real npu:0.
+    With the plugin off on a host whose real torch_npu is installed: the real npu:0.
     """
-    activation = request.config.stash.get(_ACTIVATION_KEY, None)
-    if activation is None or not activation.installed:
+    if not _emulated(request.config):
         from npukit.run import real_torch_npu_installed
 
         if not real_torch_npu_installed():
-            _emulation_or_skip(request, "npu_device")
+            _fail_without_npu("npu_device")
         import torch_npu  # noqa: F401  (the real one registers the device)
     import torch
 
@@ -196,9 +193,15 @@ def npu_numerics(request: pytest.FixtureRequest):
     """`npukit.npu_backend.numerics`, to switch policies in a test; all of them are restored afterwards.
 
     `npu_numerics.configure(fp16_mode="saturation")`, `npu_numerics.overflow_flag()` ... The
-    sticky overflow flag starts cleared and is cleared again at the end.
+    sticky overflow flag starts cleared and is cleared again at the end. Skipped on a real NPU:
+    these are the emulator's switches.
     """
-    _emulation_or_skip(request, "npu_numerics")
+    if not _emulated(request.config):
+        from npukit.run import real_torch_npu_installed
+
+        if real_torch_npu_installed():
+            pytest.skip("npu_numerics switches npukit's emulated NPU; this session uses the real torch_npu")
+        _fail_without_npu("npu_numerics")
     from npukit.npu_backend import numerics
 
     state = numerics.current()

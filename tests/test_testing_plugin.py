@@ -123,6 +123,7 @@ def test_explicit_plugin_runs_a_migrated_suite_on_the_emulated_npu(pytester):
     ("--npu", "--npu"),
     ("NPUKIT_PYTEST=1", "NPUKIT_PYTEST=1"),
     ("ini", "npukit_emulate = true in */tox.ini"),
+    ("ini, NPUKIT_PYTEST empty", "npukit_emulate = true in */tox.ini"),
 ])
 def test_installed_entry_point_is_activated_by_each_switch(pytester, monkeypatch, switch, named):
     # Activation is observed through the real-torch_npu refusal, which names the switch and comes
@@ -133,8 +134,10 @@ def test_installed_entry_point_is_activated_by_each_switch(pytester, monkeypatch
     args = []
     if switch == "--npu":
         args.append("--npu")
-    elif switch == "ini":
+    elif switch.startswith("ini"):
         pytester.makeini("[pytest]\nnpukit_emulate = true\n")
+        if "empty" in switch:
+            monkeypatch.setenv("NPUKIT_PYTEST", "")
     else:
         monkeypatch.setenv("NPUKIT_PYTEST", "1")
     result = pytester.runpytest_subprocess(*args, timeout=SUBPROCESS_TIMEOUT)
@@ -205,19 +208,21 @@ def test_devices_golden_and_transfer_to_npu_options(pytester, monkeypatch):
                                  "*tox.ini)*transfer_to_npu applied*golden numerics*"])
 
 
-@pytest.mark.parametrize(("setting", "message"), [
-    (["--npu", "--npu-devices", "99"], "--npu-devices must be from 0 to 64, got 99"),
-    ({"NPUKIT_PYTEST": "maybe"}, "environment variable NPUKIT_PYTEST='maybe': expected 1 or 0*"),
-    ({"NPUKIT_PYTEST": "1", "NPUKIT_DEVICE_COUNT": "lots"}, "npukit: NPUKIT_DEVICE_COUNT='lots': expected a whole number*"),
-])
-def test_bad_settings_are_usage_errors(pytester, monkeypatch, setting, message):
+@pytest.mark.parametrize(("args", "env", "ini", "message"), [
+    (["--npu", "--npu-devices", "99"], {}, None, "--npu-devices must be from 0 to 64, got 99"),
+    ([], {"NPUKIT_PYTEST": "maybe"}, None, "environment variable NPUKIT_PYTEST='maybe': expected 1 or 0*"),
+    ([], {}, "maybe", "ini option npukit_emulate in *tox.ini: invalid truth value 'maybe' (expected true or false)"),
+    ([], {"NPUKIT_PYTEST": "1", "NPUKIT_DEVICE_COUNT": "lots"}, None,
+     "npukit: NPUKIT_DEVICE_COUNT='lots': expected a whole number*"),
+], ids=["devices", "env", "ini", "emulator-env"])
+def test_bad_settings_are_usage_errors(pytester, monkeypatch, args, env, ini, message):
     install_entry_point(pytester, monkeypatch)
     pytester.makepyfile(test_nothing="def test_nothing():\n    pass\n")
-    args = setting if isinstance(setting, list) else []
-    for name, value in (setting.items() if isinstance(setting, dict) else ()):
+    for name, value in env.items():
         monkeypatch.setenv(name, value)
+    if ini is not None:
+        pytester.makeini(f"[pytest]\nnpukit_emulate = {ini}\n")
     result = pytester.runpytest_subprocess(*args, timeout=SUBPROCESS_TIMEOUT)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([f"*{message}"])
     assert "Traceback" not in result.stderr.str()
-
