@@ -18,11 +18,12 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# Per the machine notes: nothing may reach the network or need a GPU, a sandbox or a profile.
+# Nothing may reach the network or need a GPU, a sandbox or a profile; CI containers often have
+# a tiny /dev/shm, hence --disable-dev-shm-usage.
 CHROMIUM_FLAGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
-    "--remote-debugging-pipe", "--hide-scrollbars", "--mute-audio",
+    "--disable-dev-shm-usage", "--remote-debugging-pipe", "--hide-scrollbars", "--mute-audio",
 ]
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 
