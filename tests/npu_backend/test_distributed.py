@@ -196,7 +196,7 @@ def test_dataloader_pins_batches_for_non_blocking_copies_to_npu(workers, pin_mem
     seen = []
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        # torch >= 2.9 itself deprecates the argument (it pins for the current accelerator, npu).
+        # PyTorch 2.13 itself deprecates the argument (it pins for the current accelerator, npu).
         warnings.filterwarnings("ignore", "pin_memory_device is deprecated", UserWarning)
         for batch_features, batch_labels in loader:
             assert batch_features.is_pinned() and batch_labels.is_pinned()
