@@ -59,6 +59,27 @@ def test_compiled_transformer_forward_and_gradients_equal_eager(backend):
         torch.testing.assert_close(grad, eager_grad, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("backend", ["npu", "inductor"])
+def test_compiled_autocast_region_equals_eager(backend):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 1)).npu()
+    x = torch.randn(4, 8, device="npu")
+
+    def run(module):
+        model.zero_grad()
+        with torch.autocast("npu", dtype=torch.float16):
+            out = module(x)
+        out.float().sum().backward()
+        return out, [p.grad.clone() for p in model.parameters()]
+
+    eager_out, eager_grads = run(model)
+    out, grads = run(torch.compile(model, backend=backend))
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out, eager_out, rtol=0, atol=0)
+    for grad, eager_grad in zip(grads, eager_grads, strict=True):
+        torch.testing.assert_close(grad, eager_grad, rtol=0, atol=0)
+
+
 def test_compiled_graphs_run_under_the_device_numerics():
     numerics.configure(fp16_mode="saturation")
 
