@@ -271,15 +271,31 @@ def _json_number(value: float):
     return value
 
 
-def _flatten(value):
+def _unintercepted(function):
+    """Run a hook with torch-function handling off: its own tensor accesses (.shape, .dtype, ...)
+    would otherwise each go through the api mode (the mode is off only inside its own handler)."""
+    def wrapper(*args, **kwargs):
+        with torch._C.DisableTorchFunction():
+            return function(*args, **kwargs)
+    return wrapper
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    """The tensors in a (nested) argument structure, in order. A loop, not a recursive
+    generator: it runs for every op's arguments and outputs."""
     if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, list | tuple):
-        for item in value:
-            yield from _flatten(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _flatten(item)
+        return [value]
+    found: list[torch.Tensor] = []
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif isinstance(item, list | tuple):
+            pending.extend(reversed(item))
+        elif isinstance(item, dict):
+            pending.extend(reversed(item.values()))
+    return found
 
 
 class _ApiMode(TorchFunctionMode):
@@ -446,6 +462,7 @@ class OverflowSession:
             self._optimizer_exists = any(isinstance(obj, torch.optim.Optimizer) for obj in gc.get_objects())
         return self._optimizer_exists
 
+    @_unintercepted
     def _on_optimizer_pre_step(self, optimizer, args, kwargs) -> None:
         self._optimizer_steps += 1
         if self._paused == 0:
@@ -524,6 +541,7 @@ class OverflowSession:
             path = self._paths[module]
         return path
 
+    @_unintercepted
     def _on_module_pre_forward(self, module, args) -> None:
         if self._paused:
             return
@@ -545,6 +563,7 @@ class OverflowSession:
         was = self._flag.begin() if record is not None and self._bracket else False
         self._module_stack.append((path, module, record, was))
 
+    @_unintercepted
     def _on_module_forward(self, module, args, output=None) -> None:
         if not self._module_stack or self._module_stack[-1][1] is not module:
             return
@@ -552,7 +571,7 @@ class OverflowSession:
         if record is None or not self._checking:
             return
         record.flag = self._flag.end(was) if self._bracket else False
-        outputs = [t for t in _flatten(output) if isinstance(t, torch.Tensor)]
+        outputs = _tensors(output)
         record.outputs = self._check_list(outputs, "output")
         self._add_record(record, (None, args, {}, output))
         if torch.is_grad_enabled():
@@ -560,7 +579,7 @@ class OverflowSession:
 
     def _hook_module_backward(self, forward: _OpRecord, class_name: str, args, outputs) -> None:
         grad_outputs = [t for t in outputs if t.requires_grad]
-        grad_inputs = [t for t in _flatten(args) if isinstance(t, torch.Tensor) and t.requires_grad]
+        grad_inputs = [t for t in _tensors(args) if t.requires_grad]
         if not grad_outputs or not grad_inputs:
             return
         index = int(forward.name.rsplit(".", 1)[1])
@@ -571,12 +590,14 @@ class OverflowSession:
         placed = []
 
         def incoming(position):
+            @_unintercepted
             def hook(grad):
                 if state is self._state and self._checking:
                     backward.inputs[position] = self._check(grad, f"input.{position}")
             return hook
 
         def outgoing(position):
+            @_unintercepted
             def hook(grad):
                 if state is self._state and self._checking:
                     backward.outputs[position] = self._check(grad, f"output.{position}")
@@ -605,7 +626,7 @@ class OverflowSession:
         was = self._flag.begin() if self._bracket else False
         output = func(*args, **kwargs)
         flag = self._flag.end(was) if self._bracket else False
-        outputs = [t for t in _flatten(output) if isinstance(t, torch.Tensor)]
+        outputs = _tensors(output)
         module = self._module_stack[-1][0] if self._module_stack else ""
         copies = api in _COPIES_VALUES and not flag
         # A copy cannot be where an overflow starts: its record only carries checks to its backward.
@@ -626,7 +647,7 @@ class OverflowSession:
         Walks back from the outputs' nodes; a node older than the op (an input's node, one made by
         an earlier op) has a lower sequence number, and parameters end in AccumulateGrad nodes.
         """
-        inputs = [t for t in _flatten((args, kwargs)) if isinstance(t, torch.Tensor)]
+        inputs = _tensors((args, kwargs))
         input_ids = {id(t) for t in inputs}
         floor = self._seq_floor
         for tensor in inputs:
@@ -659,6 +680,7 @@ class OverflowSession:
         name = naming.api_entry_name(api, index, naming.BACKWARD)
         flags: list[bool] = []
 
+        @_unintercepted
         def pre_hook(grad_outputs):
             if state is self._state and self._checking:
                 flags.append(self._flag.begin())
@@ -666,6 +688,7 @@ class OverflowSession:
         def hook_for(node):
             copies = type(node).__name__ in _COPYING_NODES
 
+            @_unintercepted
             def hook(grad_inputs, grad_outputs):
                 if state is not self._state or not self._checking:
                     return
@@ -714,7 +737,7 @@ class OverflowSession:
         return checks
 
     def _check_all(self, value, prefix: str) -> list[_TensorCheck]:
-        return self._check_list([t for t in _flatten(value) if isinstance(t, torch.Tensor)], prefix)
+        return self._check_list(_tensors(value), prefix)
 
     def _add_record(self, record: _OpRecord, live: tuple) -> None:
         self._state.ops.append(record)
@@ -977,12 +1000,12 @@ def replay_in_fp32(func, args, kwargs, output) -> dict:
             reference = func(*to_fp32(tuple(args)), **{key: to_fp32(value) for key, value in kwargs.items()})
         except Exception as exc:  # an op that has no fp32 CPU kernel: say so rather than fail the run
             return {"verdict": f"not replayed ({type(exc).__name__}: {exc})"}
-        tensors = [t for t in _flatten(reference) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        tensors = [t for t in _tensors(reference) if t.is_floating_point()]
         if not tensors:
             return {"verdict": "not replayed (no floating output)"}
         finite = all(bool(torch.isfinite(t).all()) for t in tensors)
         peak = max(float(t.abs().max()) if t.numel() and bool(torch.isfinite(t).all()) else math.inf for t in tensors)
-    dtypes = {t.dtype for t in _flatten(output) if isinstance(t, torch.Tensor)}
+    dtypes = {t.dtype for t in _tensors(output)}
     limit = FP16_MAX if torch.float16 in dtypes else float(torch.finfo(torch.bfloat16).max) if torch.bfloat16 in dtypes else math.inf
     if not finite:
         verdict = "fp32 result is inf/nan too: the op overflows or is undefined for these inputs"
