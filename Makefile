@@ -4,7 +4,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.npukit-installed
 
-.PHONY: install test lint demo bench clean
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: install test lint demo bench browser clean
 
 install: $(STAMP)
 
@@ -26,6 +28,10 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+# Headless Chromium for the browser check of the HTML reports (tests/e2e); CI runs this first.
+browser:
+	command -v chromium >/dev/null 2>&1 || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium chromium-driver; }
 
 clean:
 	rm -rf build npukit/npu_backend/*.so demo-out
