@@ -323,7 +323,7 @@ def measure_rows(rows: list[Row], workers: int | None, progress=None) -> None:
             # worker that opens them).
             ulp = target.dtype if row.target_entry and _ulp_wanted_name(row.target_entry) and is_floating(target.dtype) else None
             jobs.append(PairJob(str(golden.data_path), golden.dtype, str(target.data_path), target.dtype,
-                                golden.numel, ulp, tuple(golden.shape), row.target_scale))
+                                golden.numel, ulp, tuple(golden.shape), row.target_scale, _rms(golden)))
             job_rows.append(row)
     if jobs:
         for row, metrics in zip(job_rows, compare_pairs(jobs, workers, progress)):

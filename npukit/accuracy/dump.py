@@ -57,6 +57,7 @@ _OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # npukit
 _LAUNCHER_FILES = frozenset({
     "<frozen runpy>", runpy.__file__, os.path.join(_OWN_DIR, "run.py"), os.path.join(_OWN_DIR, "cli.py"),
 })
+_LAUNCHER_PACKAGES = tuple(f"{os.sep}{name}{os.sep}" for name in ("_pytest", "pluggy", "typer", "click"))
 _MAX_STACK_FRAMES = 30
 
 
@@ -716,7 +717,7 @@ class DumpSession:
         frame = sys._getframe(3)
         while frame is not None and len(frames) < _MAX_STACK_FRAMES:
             filename = frame.f_code.co_filename
-            if filename in _LAUNCHER_FILES:
+            if filename in _LAUNCHER_FILES or any(package in filename for package in _LAUNCHER_PACKAGES):
                 break
             if not (filename.startswith(_TORCH_DIR) or filename.startswith(_OWN_DIR)):
                 frames.append((filename, frame.f_lineno, frame.f_code.co_name))

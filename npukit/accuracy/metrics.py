@@ -43,6 +43,7 @@ class PairJob:
     ulp_dtype: str | None = None
     shape: tuple[int, ...] | None = None  # as recorded in dump.json; checked against both files
     target_scale: float = 1.0  # multiplies the target (1/loss scale): a power of two, so exact
+    ulp_floor: float = 0.0  # ULPs are counted at max(|golden|, ulp_floor): the golden RMS
 
 
 @dataclass
@@ -94,7 +95,7 @@ def _dot(a: np.ndarray, b: np.ndarray, scratch: np.ndarray) -> float:
 
 
 def chunk_partial(golden: np.ndarray, target: np.ndarray, ulp_dtype: str | None,
-                  work: Workspace | None = None) -> np.ndarray:
+                  work: Workspace | None = None, ulp_floor: float = 0.0) -> np.ndarray:
     """Partial sums of one chunk. golden and target are float64 1-D arrays; both are overwritten."""
     partial = empty_partial()
     partial[N] = golden.size
@@ -137,7 +138,7 @@ def chunk_partial(golden: np.ndarray, target: np.ndarray, ulp_dtype: str | None,
     abs_diff = np.abs(diff, out=diff)
     partial[MAX_ABS] = abs_diff.max()
     if ulp_dtype is not None:
-        partial[MAX_ULP] = _max_ulp(golden, abs_diff, ulp_dtype, scratch)
+        partial[MAX_ULP] = _max_ulp(golden, abs_diff, ulp_dtype, scratch, ulp_floor)
     rel = np.abs(golden, out=scratch)
     np.maximum(rel, REL_EPS, out=rel)
     np.divide(abs_diff, rel, out=rel)
@@ -147,10 +148,15 @@ def chunk_partial(golden: np.ndarray, target: np.ndarray, ulp_dtype: str | None,
     return partial
 
 
-def _max_ulp(golden: np.ndarray, abs_diff: np.ndarray, dtype: str, scratch: np.ndarray) -> float:
-    """Largest error in units of the target dtype's spacing at the golden value."""
+def _max_ulp(golden: np.ndarray, abs_diff: np.ndarray, dtype: str, scratch: np.ndarray, floor: float) -> float:
+    """Largest error in units of the target dtype's spacing at max(|golden|, floor).
+
+    The floor (the golden tensor's RMS) keeps outputs that a reduction cancelled to almost zero
+    from reporting millions of ULPs: their error is an absolute one, at the tensor's scale.
+    """
     bits = FLOAT_PRECISION_BITS[dtype]
-    exponent = np.frexp(golden, out=(scratch, np.empty(golden.size, dtype=np.int32)))[1]
+    magnitude = np.maximum(np.abs(golden), floor)
+    exponent = np.frexp(magnitude, out=(scratch, np.empty(golden.size, dtype=np.int32)))[1]
     np.subtract(exponent, bits, out=exponent)
     np.maximum(exponent, FLOAT_MIN_EXPONENT[dtype], out=exponent)
     spacing = np.ldexp(1.0, exponent, out=scratch)
@@ -175,7 +181,7 @@ def pair_range_partial(job: PairJob, start: int, stop: int, work: Workspace | No
         to_target(target[low:high], target_chunk)
         if job.target_scale != 1.0:
             np.multiply(target_chunk, job.target_scale, out=target_chunk)
-        merge(total, chunk_partial(golden_chunk, target_chunk, ulp, work))
+        merge(total, chunk_partial(golden_chunk, target_chunk, ulp, work, job.ulp_floor))
     return total
 
 

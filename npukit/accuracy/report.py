@@ -333,6 +333,14 @@ def _chart_svg(result: CompareResult, pair_index: int) -> str:
         parts.append(f'<line x1="{left}" x2="{width - 20}" y1="{y:.1f}" y2="{y:.1f}" stroke="#eee"/>'
                      f'<text x="4" y="{y + 4:.1f}">{value:g}</text>')
     parts.append(f'<text x="{left}" y="10" font-weight="bold">relative L2 error (log)</text>')
+    classes = [row.dtype_class for row in pair.rows if row.role == "output" and row.verdict != UNMATCHED]
+    if classes:
+        dtype_class = max(set(classes), key=classes.count)
+        warn = result.thresholds.limits(dtype_class).warn_rel_l2
+        y = y_log(warn)
+        parts.append(f'<line x1="{left}" x2="{width - 20}" y1="{y:.1f}" y2="{y:.1f}" stroke="#f39c12" '
+                     f'stroke-dasharray="6 4"/><text x="{width - 200}" y="{y - 3:.1f}" fill="#b9770e">'
+                     f'{dtype_class} warn limit {warn:g}</text>')
     parts.append(f'<text x="{left}" y="{height + 38}" font-weight="bold">cosine</text>')
     if pair.divergence:
         for order, point in points.items():
@@ -371,7 +379,7 @@ def write_html(result: CompareResult, path: Path) -> None:
             out.append("<div class='box'><b>First divergence:</b> "
                        f"<code>{html.escape(d.entry)}</code>"
                        + (f" in module <code>{html.escape(d.module_path)}</code>" if d.module_path else "")
-                       + f"<br>{html.escape(d.reason)}<pre>{html.escape(chr(10).join(d.stack))}</pre></div>")
+                       + f"<br>{html.escape(d.reason)}{_stack_html(d.stack)}</div>")
         else:
             out.append("<div class='ok'>No divergence found.</div>")
         out.append(_chart_svg(result, index))
@@ -399,6 +407,15 @@ def write_html(result: CompareResult, path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(out))
     os.replace(tmp, path)
+
+
+def _stack_html(stack: list[str], shown: int = 6) -> str:
+    """The innermost frames, the rest folded away."""
+    head = f"<pre>{html.escape(chr(10).join(stack[:shown]))}</pre>"
+    if len(stack) <= shown:
+        return head
+    rest = html.escape(chr(10).join(stack[shown:]))
+    return f"{head}<details><summary>{len(stack) - shown} more frames</summary><pre>{rest}</pre></details>"
 
 
 def _css(verdict: str) -> str:

@@ -95,8 +95,9 @@ def test_metrics_match_a_numpy_reference(tmp_path):
     target = (golden + rng.standard_normal(golden.size).astype(np.float32) * 1e-3).astype(np.float32)
     write_tensor(tmp_path / "g.npy", torch.from_numpy(golden))
     write_tensor(tmp_path / "t.npy", torch.from_numpy(target))
+    rms = float(np.sqrt(np.mean(golden.astype(np.float64) ** 2)))
     job = PairJob(str(tmp_path / "g.npy"), "torch.float32", str(tmp_path / "t.npy"), "torch.float32",
-                  golden.size, "torch.float32")
+                  golden.size, "torch.float32", ulp_floor=rms)
     (m,) = compare_pairs([job], workers=1)
     g, t = golden.astype(np.float64), target.astype(np.float64)
     d = t - g
@@ -108,7 +109,8 @@ def test_metrics_match_a_numpy_reference(tmp_path):
     assert m.max_rel == pytest.approx(rel.max())
     assert m.within_1e3 == pytest.approx(np.mean(rel <= 1e-3))
     assert m.within_5e3 == pytest.approx(np.mean(rel <= 5e-3))
-    assert m.max_ulp == pytest.approx((np.abs(d) / np.spacing(np.abs(golden)).astype(np.float64)).max())
+    magnitude = np.maximum(np.abs(golden), np.float32(rms))  # ULPs at the tensor's scale near zero
+    assert m.max_ulp == pytest.approx((np.abs(d) / np.spacing(magnitude).astype(np.float64)).max())
 
 
 def test_multiprocess_metrics_equal_single_process(tmp_path):
