@@ -77,6 +77,7 @@ _COPYING_NODES = frozenset(
                "Clone", "Cat", "Stack", "Split", "SplitWithSizes", "Unbind", "Slice", "Select", "Narrow", "Relu",
                "Threshold", "Alias", "AsStrided")
 )
+_RESOLVE_EVERY = 16384  # pending device scalars read early when a step runs this long
 _MAX_NODES_PER_OP = 64  # a bound on the graph walk of one op (a composite op makes a few nodes)
 
 
@@ -255,7 +256,8 @@ class _StepState:
     def __init__(self) -> None:
         self.checks = _Checks()
         self.ops: list[_OpRecord] = []
-        self.resolved = 0
+        self.recorded = False  # any op recorded in this step
+        self.backward = False  # a backward op recorded: a training step is in progress
         self.counter = naming.CallCounter()
         self.unattributed_flag = False
         self.events: list[dict] = []
@@ -433,7 +435,7 @@ class OverflowSession:
             skipped = {"step": self.step_index, "rank": self.rank, "scale": scale, "first_overflow": None,
                        "overflows": 0}
             self.skipped_steps.append(skipped)
-        if state.ops or state.unattributed_flag or skipped_by_scaler:
+        if state.ops or state.unattributed_flag or skipped_by_scaler or state.checks.pending:
             self._resolve(skipped_by_scaler=skipped_by_scaler)
         if skipped is not None:
             # Gradients overflowing under loss scaling are what GradScaler handles by skipping the
@@ -603,7 +605,7 @@ class OverflowSession:
                     backward.outputs[position] = self._check(grad, f"output.{position}")
                     if not placed:
                         placed.append(True)
-                        state.ops.append(backward)
+                        self._append(backward)
             return hook
 
         for position, tensor in enumerate(grad_outputs):
@@ -740,11 +742,21 @@ class OverflowSession:
         return self._check_list(_tensors(value), prefix)
 
     def _add_record(self, record: _OpRecord, live: tuple) -> None:
-        self._state.ops.append(record)
         if self._eager:
             record.live = live
+            self._append(record)
             self._resolve()
             record.live = None
+        else:
+            self._append(record)
+
+    def _append(self, record: _OpRecord) -> None:
+        state = self._state
+        state.ops.append(record)
+        state.recorded = True
+        state.backward |= record.direction == naming.BACKWARD
+        if len(state.checks.pending) >= _RESOLVE_EVERY:
+            self._resolve()  # a step without end (a long evaluation loop) must not grow without bound
 
     def _stack_id(self) -> int | None:
         if not self.capture_stack:
@@ -775,12 +787,12 @@ class OverflowSession:
             self._flag.unseen = False
         elif self._flag.read_and_clear():
             state.unattributed_flag = True  # real device: the flag is only read once per step
-        if state.resolved == len(state.ops) and not state.unattributed_flag:
+        if not state.ops and not state.unattributed_flag:
             return
         values = state.checks.resolve()
         found = len(state.event_records)
-        for record in state.ops[state.resolved:]:
-            state.resolved += 1
+        ops, state.ops = state.ops, []
+        for record in ops:
             kind = self._event_kind(record, values)
             if kind is not None and not self._inside_event(record, state.event_records):
                 state.event_records.append(record)
@@ -939,8 +951,8 @@ class OverflowSession:
 
     def _steps_seen(self) -> int:
         # Ops after the last step boundary (printing the loss) are not another step; a backward is.
-        ops = self._state.ops
-        in_progress = any(op.direction == naming.BACKWARD for op in ops) or (ops and not self.step_index)
+        state = self._state
+        in_progress = state.backward or (state.recorded and not self.step_index)
         return self.step_index + (1 if in_progress else 0)
 
     def _report_path(self) -> Path:

@@ -277,3 +277,15 @@ def test_npu_run_stop_is_a_clean_error_and_golden_run_reports_none(tmp_path):
     assert golden.returncode == 0, golden.stderr
     assert json.loads((tmp_path / "overflow" / "overflow.json").read_text())["events"] == []
     assert "no overflow in 3 step(s)" in golden.stderr
+
+
+def test_a_step_without_end_is_read_before_it_grows_without_bound(tmp_path, npu, monkeypatch):
+    import npukit.accuracy.overflow as overflow
+
+    monkeypatch.setattr(overflow, "_RESOLVE_EVERY", 16)
+    x = torch.ones(4, dtype=torch.float16, device=npu)
+    with OverflowSession(tmp_path, console=False) as session:
+        for i in range(40):  # an evaluation loop: no optimizer, no step()
+            _ = x * (1e5 if i == 30 else 1.0)
+            assert len(session._state.checks.pending) <= 16 and len(session._state.ops) <= 16
+        assert [e["name"] for e in session.events] == ["Tensor.mul.30.forward"]  # found before the session ends
