@@ -36,6 +36,7 @@ import gc
 import linecache
 import math
 import os
+import runpy
 import sys
 import weakref
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ _MIN_MAX_DTYPES = (torch.float16, torch.bfloat16)  # min/max: a sum of fp16 valu
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # npukit/
 _MAX_STACK_FRAMES = 12
+_RUNPY_FILES = frozenset({"<frozen runpy>", runpy.__file__})
 _MAX_STACK_WALK = 48  # frames looked at per op (torch's module call frames included)
 
 # Ops whose every output value is a copy of an input value (or zero): they cannot turn finite
@@ -240,7 +242,7 @@ class _TensorCheck:
 class _OpRecord:
     name: str
     direction: str
-    module: str
+    module: str  # path of the innermost running module ("" for the root or outside any module)
     stack_id: int | None
     inputs: list[_TensorCheck]
     outputs: list[_TensorCheck] = field(default_factory=list)
@@ -249,6 +251,7 @@ class _OpRecord:
     # inputs and outputs, a module's parameters. An event needs them finite too.
     context: list[_TensorCheck] = field(default_factory=list)
     parent: _OpRecord | None = None  # module level: the enclosing module call
+    module_class: str = ""
     live: tuple | None = None  # dump action: (func, args, kwargs, outputs) while the op is resolved
 
 
@@ -441,7 +444,9 @@ class OverflowSession:
             # Gradients overflowing under loss scaling are what GradScaler handles by skipping the
             # step: they are not events (the dump action found them before the skip was known).
             handled = [event for event in state.events if event["direction"] != naming.FORWARD] + state.handled
-            if handled:
+            for event in state.events:  # the dump action reported them before the skip was known
+                event["step_skipped_by_grad_scaler"] = True
+            if handled or state.events:
                 self.events = [event for event in self.events if all(event is not item for item in handled)]
                 skipped.update(first_overflow=handled[0]["name"], overflows=len(handled))
                 self._write_report()
@@ -561,7 +566,8 @@ class OverflowSession:
             name = naming.module_entry_name(path, type(module).__name__, index)
             parent = next((entry for _, _, entry, _ in reversed(self._module_stack) if entry is not None), None)
             record = _OpRecord(name, naming.FORWARD, path, self._stack_id(), self._check_all(args, "input"),
-                               context=self._check_list(list(module.parameters()), "parameters"), parent=parent)
+                               context=self._check_list(list(module.parameters()), "parameters"), parent=parent,
+                               module_class=type(module).__name__)
         was = self._flag.begin() if record is not None and self._bracket else False
         self._module_stack.append((path, module, record, was))
 
@@ -588,7 +594,8 @@ class OverflowSession:
         name = naming.module_entry_name(forward.module, class_name, index, naming.BACKWARD)
         state = self._state
         backward = _OpRecord(name, naming.BACKWARD, forward.module, forward.stack_id, [None] * len(grad_outputs),
-                             [None] * len(grad_inputs), context=forward.inputs + forward.outputs + forward.context)
+                             [None] * len(grad_inputs), context=forward.inputs + forward.outputs + forward.context,
+                             module_class=class_name)
         placed = []
 
         def incoming(position):
@@ -629,11 +636,12 @@ class OverflowSession:
         output = func(*args, **kwargs)
         flag = self._flag.end(was) if self._bracket else False
         outputs = _tensors(output)
-        module = self._module_stack[-1][0] if self._module_stack else ""
+        module, module_class = ((self._module_stack[-1][0], type(self._module_stack[-1][1]).__name__)
+                                if self._module_stack else ("", ""))
         copies = api in _COPIES_VALUES and not flag
         # A copy cannot be where an overflow starts: its record only carries checks to its backward.
         record = _OpRecord(naming.api_entry_name(api, index), naming.FORWARD, module,
-                           None if copies else self._stack_id(), inputs, flag=flag)
+                           None if copies else self._stack_id(), inputs, flag=flag, module_class=module_class)
         if copies:
             record.outputs = self._copied_checks(inputs, outputs)
         else:
@@ -701,7 +709,7 @@ class OverflowSession:
                     return
                 record = _OpRecord(name, naming.BACKWARD, forward.module, forward.stack_id, incoming,
                                    self._check_list(grad_inputs, "output"), flag=flag,
-                                   context=forward.inputs + forward.outputs)
+                                   context=forward.inputs + forward.outputs, module_class=forward.module_class)
                 self._add_record(record, (None, grad_outputs, {}, grad_inputs))
             return hook
 
@@ -768,6 +776,8 @@ class OverflowSession:
                 break
             code = frame.f_code
             filename = code.co_filename
+            if filename in _RUNPY_FILES:
+                break  # the frames beyond are the launcher's (npu-run, python -m), not the user's
             if not (filename.startswith(_TORCH_DIR) or filename.startswith(_OWN_DIR) or filename[0] == "<"):
                 frames.append((filename, frame.f_lineno, code.co_name))
             frame = frame.f_back
@@ -840,13 +850,15 @@ class OverflowSession:
             "step_skipped_by_grad_scaler": skipped,
         }
         if record is None:
-            event.update(name=None, direction=None, module=None, dtype=None, inputs=[], outputs=[], stack=[],
+            event.update(name=None, direction=None, module=None, module_class=None, dtype=None, inputs=[],
+                         outputs=[], stack=[],
                          message="the device overflow flag was set by an op the detector does not see")
         else:
             dtypes = sorted({str(check.dtype) for check in record.outputs if check is not None})
             event.update(
                 name=record.name, op=naming.split_entry_name(record.name)[0], direction=record.direction,
-                module=record.module, dtype=dtypes[0] if len(dtypes) == 1 else dtypes,
+                module=record.module, module_class=record.module_class,
+                dtype=dtypes[0] if len(dtypes) == 1 else dtypes,
                 inputs=[check.describe(values) for check in record.inputs if check is not None],
                 outputs=[check.describe(values) for check in record.outputs if check is not None],
                 stack=self._stack_lines(record.stack_id),
@@ -926,7 +938,7 @@ class OverflowSession:
             self._print(f"[red]overflow[/] step {event['step']} rank {event['rank']}: {event['message']}")
             return
         what = "saturated (overflow flag)" if event["kind"] == "saturation" else "inf/nan from finite inputs"
-        module = f" in module [bold]{event['module']}[/]" if event["module"] else ""
+        module = f" in [bold]{_module_label(event)}[/]" if event["module_class"] else ""
         skipped = " (step skipped by GradScaler)" if event["step_skipped_by_grad_scaler"] else ""
         self._print(f"[red]overflow[/] step {event['step']} rank {event['rank']}: [bold]{event['name']}[/]{module}, "
                     f"{event['dtype']}: {what}{skipped}")
@@ -946,7 +958,7 @@ class OverflowSession:
         where = first["name"] or "an op the detector does not see"
         self._print(f"overflow check: {len(self.events)} event(s) in {steps} step(s); first: {where} "
                     f"(step {first['step']}, {first['direction'] or 'unknown direction'}"
-                    f"{', module ' + first['module'] if first.get('module') else ''}); "
+                    f"{', in ' + _module_label(first) if first.get('module_class') else ''}); "
                     f"{len(self.skipped_steps)} step(s) skipped by GradScaler; details in {self._report_path()}")
 
     def _steps_seen(self) -> int:
@@ -985,11 +997,17 @@ def _encloses(outer: _OpRecord, inner: _OpRecord) -> bool:
     return False
 
 
+def _module_label(event: dict) -> str:
+    """`module blocks.1 (Block)`, or `root module (Net)`."""
+    path = event["module"]
+    return f"module {path} ({event['module_class']})" if path else f"root module ({event['module_class']})"
+
+
 def _stop_message(event: dict) -> str:
     if event["name"] is None:
         return f"overflow at step {event['step']} (rank {event['rank']}): {event['message']}"
     what = "set the overflow flag (saturated fp16)" if event["kind"] == "saturation" else "produced inf/nan from finite inputs"
-    where = f" in module {event['module']}" if event["module"] else ""
+    where = f" in {_module_label(event)}" if event["module_class"] else ""
     lines = [f"overflow at step {event['step']} (rank {event['rank']}): {event['name']}{where} {what} "
              f"[{event['dtype']}]"]
     if event["stack"]:
