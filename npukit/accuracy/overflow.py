@@ -356,6 +356,7 @@ class OverflowSession:
         self._active = False
         self._checking = False
         self._auto_step = True
+        self._auto_ended = False  # the last step boundary was an automatic one
         self._paused = 0  # > 0 inside optimizer.step(): its update ops are not the model's
         self._optimizer_steps = 0
         self._in_scaler = 0
@@ -406,9 +407,15 @@ class OverflowSession:
         return self
 
     def step(self) -> None:
-        """End the current step (its checks are read now) and start the next one."""
+        """End the current step (its checks are read now) and start the next one.
+
+        The first call switches the automatic boundaries off; if the optimizer step just ended this
+        step automatically, that boundary counts and no empty step is added.
+        """
+        just_ended = self._auto_step and self._auto_ended and not self._state.recorded
         self._auto_step = False
-        self._end_step()
+        if not just_ended:
+            self._end_step()
 
     def stop(self) -> None:
         """Read the step in progress, remove every hook, write overflow.json and print a summary."""
@@ -453,6 +460,7 @@ class OverflowSession:
             self._print(f"[yellow]step {self.step_index}: skipped by GradScaler[/] (scale {scale:g})"
                         + (f"; gradients overflowed first in {handled[0]['name']}" if handled else ""))
         self._state = _StepState()
+        self._auto_ended = self._auto_step
         self._read_mode()
         self._module_stack = []
         self._step_root = None

@@ -289,3 +289,16 @@ def test_a_step_without_end_is_read_before_it_grows_without_bound(tmp_path, npu,
             _ = x * (1e5 if i == 30 else 1.0)
             assert len(session._state.checks.pending) <= 16 and len(session._state.ops) <= 16
         assert [e["name"] for e in session.events] == ["Tensor.mul.30.forward"]  # found before the session ends
+
+
+def test_step_called_after_optimizer_step_does_not_add_empty_steps(tmp_path, npu):
+    x = torch.full((2, 2), 1e4, dtype=torch.float16, device=npu)
+    model = nn.Linear(2, 2).to(npu, torch.float16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    with OverflowSession(tmp_path, console=False) as session:
+        for step in range(3):
+            _ = model(x * (10.0 if step == 1 else 1e-4))
+            optimizer.step()
+            session.step()
+    assert [e["step"] for e in session.events] == [1]
+    assert json.loads((tmp_path / "overflow.json").read_text())["steps"] == 3
