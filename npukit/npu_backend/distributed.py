@@ -83,10 +83,12 @@ class _AliasWork(dist.Work):
 
     def get_future(self) -> torch.futures.Future:
         result = self._result
-        futures = [work.get_future() for work in self._gloo_works]
-        if len(futures) == 1:
-            return futures[0].then(lambda _: result)
-        return torch.futures.collect_all(futures).then(lambda _: result)
+
+        def caller_tensors(done: torch.futures.Future):
+            done.wait()  # re-raises a failed collective's error, which then fails the returned future
+            return result
+
+        return torch.futures.collect_all([work.get_future() for work in self._gloo_works]).then(caller_tensors)
 
 
 class ProcessGroupHCCL(dist.ProcessGroup):

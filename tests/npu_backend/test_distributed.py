@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from npukit.npu_backend.distributed import ProcessGroupHCCL, cpu_alias
+from npukit.npu_backend.distributed import ProcessGroupHCCL, _AliasWork, cpu_alias
 
 DDP_SCRIPT = textwrap.dedent("""
     import torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
@@ -145,6 +145,18 @@ def test_hccl_group_runs_collectives_in_place_on_npu_tensors(single_rank_group):
     out = torch.zeros(2, device="npu")
     dist.all_gather_into_tensor(out, torch.tensor([7.0, 8.0], device="npu"))
     assert out.device.type == "npu" and out.tolist() == [7.0, 8.0]
+
+
+def test_a_failed_collective_fails_the_future_ddp_waits_on():
+    class FailedWork:
+        def get_future(self):
+            future = torch.futures.Future()
+            future.set_exception(RuntimeError("connection closed by peer"))
+            return future
+
+    future = _AliasWork([FailedWork()], [torch.ones(1, device="npu")]).get_future()
+    with pytest.raises(RuntimeError, match="connection closed by peer"):
+        future.wait()
 
 
 def test_mixed_npu_hccl_cpu_gloo_group_serves_both_devices(single_rank_group):
