@@ -8,7 +8,7 @@ setup(
         CppExtension(
             "npukit.npu_backend._C",
             ["npukit/npu_backend/csrc/device.cpp"],
-            extra_compile_args=["-O2", "-std=c++17"],
+            extra_compile_args=["-O3", "-std=c++17"],
         )
     ],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=False)},
