@@ -97,16 +97,39 @@ def install(device_count: int | None = None) -> None:
 
         sys.modules[f"torch.npu.{name}"] = getattr(npu_module, name)
     torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True)
-    # Backward of npu tensors runs in the calling thread, as for CPU tensors. On autograd's
-    # per-device threads the thread-local state they keep can hold Python objects that are
-    # released while the interpreter shuts down, which aborts the process at exit.
-    torch._C._set_multithreading_enabled(False)
+    _run_backward_in_calling_thread()
     from npukit.npu_backend import compile as dynamo_backend
     from npukit.npu_backend import distributed
 
     distributed.install()
     dynamo_backend.install()
     _installed = True
+
+
+def _run_backward_in_calling_thread() -> None:
+    """Backward of npu tensors runs in the calling thread, as for CPU tensors, in every thread.
+
+    Autograd's per-device worker threads are sized when the engine first runs: after a CPU
+    backward that ran before install they do not exist for npu (an engine assert), and the
+    thread-local state they keep can hold Python objects released during interpreter
+    shutdown, which aborts the process at exit.
+    """
+    import torch.autograd.graph as graph
+
+    torch._C._set_multithreading_enabled(False)
+    original = graph._engine_run_backward
+
+    def _engine_run_backward(*args, **kwargs):
+        if not torch._C._is_multithreading_enabled():
+            return original(*args, **kwargs)
+        torch._C._set_multithreading_enabled(False)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            torch._C._set_multithreading_enabled(True)
+
+    graph._engine_run_backward = _engine_run_backward
+    torch.autograd._engine_run_backward = _engine_run_backward
 
 
 def is_installed() -> bool:

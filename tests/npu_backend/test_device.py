@@ -138,3 +138,28 @@ def test_pin_memory():
     pinned = torch.ones(4).pin_memory()
     assert pinned.is_pinned()
     assert not torch.ones(4).is_pinned()
+
+
+def test_backward_after_cpu_backward_and_from_other_threads():
+    """Autograd ran before the device was installed, and backward runs from a worker thread."""
+    from tests.npu_backend.conftest import run_python
+
+    result = run_python("""
+        import threading, torch
+        w = torch.randn(3, requires_grad=True)
+        (w * 2).sum().backward()
+        import npukit.npu_backend
+        v = torch.ones(3, device="npu", requires_grad=True)
+        (v * 2).sum().backward()
+        out = {}
+        def worker():
+            u = torch.ones(3, device="npu", requires_grad=True)
+            (u * 3).sum().backward()
+            out["grad"] = u.grad.cpu().tolist()
+        thread = threading.Thread(target=worker)
+        thread.start()
+        thread.join()
+        print(v.grad.cpu().tolist(), out["grad"])
+    """)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[2.0, 2.0, 2.0] [3.0, 3.0, 3.0]"
