@@ -426,6 +426,7 @@ class OverflowSession:
             self._resolve()
         finally:
             self._stop_checking()
+            self._exit_mode()
             for handle in self._handles:
                 handle.remove()
             self._handles = []
@@ -533,11 +534,18 @@ class OverflowSession:
             self._lifted = None
 
     def _stop_checking(self) -> None:
-        """max_events reached or session over: no more per-op work; steps are still counted."""
+        """max_events reached or the run stops: no more per-op work; steps are still counted.
+
+        The api mode stays on the stack until stop(): this may run inside the mode's own handler,
+        where the mode is temporarily off the stack."""
         self._checking = False
+
+    def _exit_mode(self) -> None:
         self._restore_mode()
         if self._mode is not None:
             size = torch._C._len_torch_function_stack()
+            # Another mode entered after ours and still active sits on top: ours then stays
+            # below it, passing every call through (_checking is off).
             if size and torch._C._get_function_stack_at(size - 1) is self._mode:
                 self._mode.__exit__(None, None, None)
             self._mode = None

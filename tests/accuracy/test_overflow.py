@@ -302,3 +302,12 @@ def test_step_called_after_optimizer_step_does_not_add_empty_steps(tmp_path, npu
             session.step()
     assert [e["step"] for e in session.events] == [1]
     assert json.loads((tmp_path / "overflow.json").read_text())["steps"] == 3
+
+
+def test_session_leaves_no_torch_function_mode_behind(tmp_path, npu):
+    before = torch._C._len_torch_function_stack()
+    x = torch.full((2,), 1e4, dtype=torch.float16, device=npu)
+    with OverflowSession(tmp_path, action="dump", max_events=1, console=False):
+        _ = x * 10.0  # the limit is reached inside the op's own handler
+        _ = x * 10.0
+    assert torch._C._len_torch_function_stack() == before
