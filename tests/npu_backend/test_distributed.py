@@ -1,7 +1,6 @@
 """The hccl backend: gloo collectives on npu memory; DDP under `npu-run --nproc-per-node 2`."""
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -89,17 +88,11 @@ DDP_SCRIPT = textwrap.dedent("""
 """)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_npu_run_two_rank_ddp_keeps_identical_parameters_and_runs_collectives(tmp_path):
     script = tmp_path / "train_ddp.py"
     script.write_text(DDP_SCRIPT)
-    env = dict(os.environ, PET_MASTER_PORT=str(free_port()), GLOO_SOCKET_IFNAME="lo",
-               OMP_NUM_THREADS="1")
+    # PET_STANDALONE: torchrun's --standalone, whose rendezvous takes a free port itself (no race).
+    env = dict(os.environ, PET_STANDALONE="1", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     env.pop("ASCEND_RT_VISIBLE_DEVICES", None)
     result = subprocess.run([sys.executable, "-m", "npukit.run", "--nproc-per-node", "2", str(script)],
                             capture_output=True, text=True, env=env, timeout=150)
