@@ -157,6 +157,13 @@ def _run_target(options: RunOptions) -> int:
     return 0
 
 
+def _is_runner_frame(filename: str) -> bool:
+    """Frames of npu-run itself and of runpy, hidden from the user's traceback."""
+    if filename.startswith("<frozen runpy"):
+        return True
+    return os.path.abspath(filename) in {os.path.abspath(__file__), os.path.abspath(runpy.__file__)}
+
+
 def main(options: RunOptions) -> int:
     if options.nproc_per_node is not None:
         return _launch_torchrun(options)
@@ -199,8 +206,7 @@ def main(options: RunOptions) -> int:
         except BaseException:
             # The user's script failed: show its traceback without npu-run's own frames.
             exc_type, exc, tb = sys.exc_info()
-            own_files = {os.path.abspath(__file__), os.path.abspath(runpy.__file__)}
-            while tb is not None and tb.tb_next is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) in own_files:
+            while tb is not None and tb.tb_next is not None and _is_runner_frame(tb.tb_frame.f_code.co_filename):
                 tb = tb.tb_next
             traceback.print_exception(exc_type, exc, tb)
             exit_code = 1
