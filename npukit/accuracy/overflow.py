@@ -350,7 +350,7 @@ class OverflowSession:
         self._console = None
         self._show = console
         self._eager = action == "dump"  # the event's tensors must still be alive
-        self._flag = _DeviceFlag()
+        self._flag = _DeviceFlag()  # made again at start(): the device may be installed in between
         self._saturation = False
         self._bracket = False
         self._active = False
@@ -362,7 +362,6 @@ class OverflowSession:
         self._in_scaler = 0
         self._optimizer_exists: bool | None = None
         self._step_root: weakref.ref | None = None
-        self._step_ops_seen = False
         self._paths: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # (path, module, record (module level), flag value before the module ran)
         self._module_stack: list[tuple[str, object, _OpRecord | None, bool]] = []
@@ -389,6 +388,7 @@ class OverflowSession:
         from torch.optim import optimizer as optimizer_hooks
 
         self._active = self._checking = True
+        self._flag = _DeviceFlag()
         self._read_mode()
         if self._flag.per_op:
             self._flag.sync_left()
