@@ -53,9 +53,21 @@ def graph_uses_npu(graph_module: torch.fx.GraphModule, example_inputs) -> bool:
 
 
 def _route_npu_graphs_away_from_inductor() -> None:
+    """Both doors into inductor: torch.compile's default wrapper and the registry's "inductor"."""
+    import torch._dynamo.backends.inductor  # noqa: F401  (registers "inductor")
+    from torch._dynamo.backends.registry import _COMPILER_FNS
+
+    registry_inductor = _COMPILER_FNS["inductor"]
+
+    @functools.wraps(registry_inductor)
+    def inductor(graph_module, example_inputs, **kwargs):
+        if graph_uses_npu(graph_module, example_inputs):
+            return npu_backend(graph_module, example_inputs)
+        return registry_inductor(graph_module, example_inputs, **kwargs)
+
+    _COMPILER_FNS["inductor"] = inductor
+
     wrapper_cls = torch._TorchCompileInductorWrapper
-    if getattr(wrapper_cls, "_npukit_routes_npu", False):
-        return
     inductor_call = wrapper_cls.__call__
 
     @functools.wraps(inductor_call)
@@ -65,7 +77,6 @@ def _route_npu_graphs_away_from_inductor() -> None:
         return inductor_call(self, model_, inputs_, *args, **kwargs)
 
     wrapper_cls.__call__ = __call__
-    wrapper_cls._npukit_routes_npu = True
 
 
 def register() -> None:

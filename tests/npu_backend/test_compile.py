@@ -102,6 +102,15 @@ def test_only_graphs_on_npu_are_taken_from_inductor():
     assert npu_compile.graph_uses_npu(cpu_graph, [torch.ones(2, device="npu")])
 
 
+def test_inductor_from_the_dynamo_registry_also_routes_npu_graphs():
+    import torch._dynamo
+
+    torch.compile(nn.Identity())  # registration happens on first use of torch.compile
+    inductor = torch._dynamo.lookup_backend("inductor")
+    compiled = torch.compile(lambda x: torch.relu(x) * 3, backend=inductor)
+    assert compiled(torch.tensor([-1.0, 2.0], device="npu")).tolist() == [0.0, 6.0]
+
+
 def test_backend_names():
     import torch._dynamo
 
