@@ -97,6 +97,9 @@ class ProcessGroupHCCL(dist.ProcessGroup):
     def __init__(self, store, rank: int, size: int, timeout: timedelta):
         super().__init__(rank, size)
         self._gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
+        # The group's name (which functional collectives resolve groups by) is kept by its
+        # registered backends; gloo is the real one for CPU tensors.
+        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)
 
     def getBackendName(self) -> str:  # noqa: N802 (the C++ virtual's name)
         return BACKEND_NAME

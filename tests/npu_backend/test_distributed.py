@@ -1,4 +1,4 @@
-"""The hccl backend: gloo collectives on npu memory; DDP under `npu-run --nproc-per-node 2`."""
+"""The hccl backend: gloo collectives on npu memory; DDP and FSDP2 under `npu-run --nproc-per-node 2`."""
 
 import os
 import subprocess
@@ -41,6 +41,28 @@ DDP_SCRIPT = textwrap.dedent("""
         F.mse_loss(reference(torch.cat(xs)), torch.cat(ys)).backward()
         reference_optimizer.step()
 
+    # FSDP2 (fully_shard: DTensor parameters over a DeviceMesh of npu devices), same data and reference.
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    sharded = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).to(device)
+    fsdp_reference = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    fsdp_reference.load_state_dict({k: v.cpu() for k, v in sharded.state_dict().items()})
+    fully_shard(sharded)
+    fsdp_optimizer = torch.optim.SGD(sharded.parameters(), lr=0.1)
+    fsdp_reference_optimizer = torch.optim.SGD(fsdp_reference.parameters(), lr=0.1)
+    for step in range(3):
+        x, y = batch(step, rank)
+        fsdp_optimizer.zero_grad()
+        F.mse_loss(sharded(x.to(device)), y.to(device)).backward()
+        fsdp_optimizer.step()
+        xs, ys = zip(*(batch(step, r) for r in range(world)))
+        fsdp_reference_optimizer.zero_grad()
+        F.mse_loss(fsdp_reference(torch.cat(xs)), torch.cat(ys)).backward()
+        fsdp_reference_optimizer.step()
+    full = torch.cat([p.full_tensor().reshape(-1).cpu() for p in sharded.parameters()])
+    expected = torch.cat([p.detach().reshape(-1) for p in fsdp_reference.parameters()])
+    print(f"rank {rank} fsdp2-matches-reference {torch.allclose(full, expected, atol=1e-5)}")
+
     flat = torch.cat([p.detach().reshape(-1) for p in ddp.module.parameters()])
     gathered = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(gathered, flat)
@@ -65,6 +87,9 @@ DDP_SCRIPT = textwrap.dedent("""
         buffer = torch.zeros(2, device=device)
         dist.recv(buffer, src=0)
         received = buffer.tolist()
+    import torch.distributed._functional_collectives as funcol
+    functional = funcol.all_reduce(torch.tensor([rank + 1.0], device=device), "sum", dist.group.WORLD)
+    print(f"rank {rank} functional all_reduce {functional.tolist()} on {functional.device}")
     dist.barrier()
 
     # Saturation mode: only rank 0 overflows (finite, clamped gradients); the flag is all-reduced,
@@ -88,7 +113,7 @@ DDP_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_npu_run_two_rank_ddp_keeps_identical_parameters_and_runs_collectives(tmp_path):
+def test_npu_run_two_rank_ddp_and_fsdp2_train_like_one_process_and_collectives_work(tmp_path):
     script = tmp_path / "train_ddp.py"
     script.write_text(DDP_SCRIPT)
     # PET_STANDALONE: torchrun's --standalone, whose rendezvous takes a free port itself (no race).
@@ -102,6 +127,8 @@ def test_npu_run_two_rank_ddp_keeps_identical_parameters_and_runs_collectives(tm
         assert f"rank {rank} device npu:{rank} count 8 backend hccl" in out
         assert f"rank {rank} identical True matches-reference True" in out
         assert f"rank {rank} saturation-skipped True scale 32768.0" in out
+        assert f"rank {rank} fsdp2-matches-reference True" in out
+        assert f"rank {rank} functional all_reduce [3.0] on npu:{rank}" in out
     # world 2: rank r contributes [r, 10 + r]; reduce-scatter sums rank-scaled inputs [0, 1, 2, 3].
     assert ("rank 0 into [0.0, 10.0, 1.0, 11.0] scattered [0.0, 3.0] listed [1.0, 1.0] "
             "broadcast [6.0, 6.0, 6.0] total [3.0] received [0.0, 0.0] on npu:0 npu:0 npu:0") in out
