@@ -130,3 +130,13 @@ def test_importing_the_backend_does_not_import_dynamo_and_compile_registers_npu(
     """, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[3.0, 3.0]"
+
+
+def test_backend_is_registered_at_install_when_dynamo_was_imported_first():
+    result = run_python("""
+        import torch._dynamo
+        import npukit.npu_backend
+        print("npu" in torch._dynamo.list_backends())
+    """, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "True"
