@@ -36,6 +36,7 @@ import gc
 import linecache
 import math
 import os
+import re
 import runpy
 import sys
 import weakref
@@ -73,11 +74,28 @@ _COPIES_VALUES = frozenset(
                "unbind", "narrow", "select", "clone", "cat", "concat", "stack", "relu", "hstack", "vstack",
                "__getitem__", "expand", "expand_as", "repeat", "index_select", "gather", "broadcast_to")
 ) | {"Functional.relu"}
+# The copies whose output holds exactly their one input's elements, rearranged.
+_SAME_ELEMENTS = frozenset(
+    f"{prefix}.{op}"
+    for prefix in ("Tensor", "Torch")
+    for op in ("view", "reshape", "transpose", "permute", "t", "flatten", "unflatten", "unsqueeze", "squeeze",
+               "contiguous", "view_as", "reshape_as", "swapaxes", "movedim", "ravel", "T", "mT", "clone")
+)
+_SAME_ELEMENT_NODES = frozenset(
+    f"{op}Backward0"
+    for op in ("View", "UnsafeView", "Reshape", "ReshapeAlias", "Transpose", "Permute", "T", "Unsqueeze", "Squeeze",
+               "Clone", "Alias")
+)
 _COPYING_NODES = frozenset(
     f"{op}Backward0"
     for op in ("View", "UnsafeView", "Reshape", "ReshapeAlias", "Transpose", "Permute", "T", "Unsqueeze", "Squeeze",
                "Clone", "Cat", "Stack", "Split", "SplitWithSizes", "Unbind", "Slice", "Select", "Narrow", "Relu",
                "Threshold", "Alias", "AsStrided")
+)
+# Ops whose outputs (or gradients) hold zeros by design, not by underflow.
+_ZEROS_BY_DESIGN = re.compile(
+    r"dropout|mask|where|pad|tril|triu|zero|fill|scatter|index|threshold|hardtanh|clamp|clip|relu|embedding|"
+    r"max|min|topk|sort|kthvalue|median|getitem|gather|select|narrow|slice|split|chunk|cat|stack|expand|repeat"
 )
 _RESOLVE_EVERY = 16384  # pending device scalars read early when a step runs this long
 _MAX_NODES_PER_OP = 64  # a bound on the graph walk of one op (a composite op makes a few nodes)
@@ -163,35 +181,41 @@ def _saturation_mode() -> bool:
 class _Checks:
     """Device scalars of one step (one or two per tensor), fetched with one copy when resolved."""
 
-    def __init__(self) -> None:
+    def __init__(self, zeros: bool = False) -> None:
+        self.zeros = zeros  # also count the non-zero values of fp16/bf16 tensors (underflow)
         self.pending: list[torch.Tensor] = []
         self.values: list[float] = []
-        # id(tensor) -> (weakref, version, slots): a tensor passed on to the next op is checked once.
+        # id(tensor) -> (weakref, version, slots, zero slot): a tensor passed on is checked once.
         self.seen: dict[int, tuple] = {}
 
-    def slots(self, tensor: torch.Tensor) -> tuple[int, ...]:
+    def slots(self, tensor: torch.Tensor) -> tuple[tuple[int, ...], int | None]:
+        """(slots of the finiteness check, slot of the non-zero count or None)."""
         key = id(tensor)
         version = _version(tensor)
         known = self.seen.get(key)
         if known is not None and known[0]() is tensor and known[1] == version:
-            return known[2]
+            return known[2], known[3]
         data = tensor.detach()
         if not data.is_floating_point() or data.numel() == 0 or data.device.type == "meta":
-            return ()
+            return (), None
         start = len(self.values) + len(self.pending)
+        zero_slot = None
         with torch._C.DisableTorchFunction():
             if data.dtype in _MIN_MAX_DTYPES:
                 low, high = torch.aminmax(data)
                 self.pending += (low, high)
+                if self.zeros:
+                    zero_slot = start + 2
+                    self.pending.append(torch.count_nonzero(data))
             else:
                 self.pending.append(data.sum())
-        slots = tuple(range(start, len(self.values) + len(self.pending)))
-        self.remember(tensor, slots)
-        return slots
+        slots = tuple(range(start, start + (1 if data.dtype not in _MIN_MAX_DTYPES else 2)))
+        self.remember(tensor, slots, zero_slot)
+        return slots, zero_slot
 
-    def remember(self, tensor: torch.Tensor, slots: tuple[int, ...]) -> None:
+    def remember(self, tensor: torch.Tensor, slots: tuple[int, ...], zero_slot: int | None = None) -> None:
         with contextlib.suppress(TypeError):
-            self.seen[id(tensor)] = (weakref.ref(tensor), _version(tensor), slots)
+            self.seen[id(tensor)] = (weakref.ref(tensor), _version(tensor), slots, zero_slot)
 
     def resolve(self) -> list[float]:
         if self.pending:
@@ -223,6 +247,13 @@ class _TensorCheck:
     dtype: torch.dtype
     shape: tuple
     slots: tuple[int, ...]
+    zero_slot: int | None = None  # underflow option: count of non-zero values
+
+    def zero_fraction(self, values: list[float]) -> float | None:
+        if self.zero_slot is None:
+            return None
+        count = math.prod(self.shape)
+        return (count - values[self.zero_slot]) / count
 
     def finite(self, values: list[float]) -> bool:
         return all(math.isfinite(values[slot]) for slot in self.slots)
@@ -256,8 +287,8 @@ class _OpRecord:
 
 
 class _StepState:
-    def __init__(self) -> None:
-        self.checks = _Checks()
+    def __init__(self, zeros: bool = False) -> None:
+        self.checks = _Checks(zeros)
         self.ops: list[_OpRecord] = []
         self.recorded = False  # any op recorded in this step
         self.backward = False  # a backward op recorded: a training step is in progress
@@ -327,13 +358,19 @@ class OverflowSession:
     """
 
     def __init__(self, out_dir: Path = Path("overflow"), action: str = "report", max_events: int = 20, *,
-                 level: str = "api", stack: bool = True, rank: int | None = None, console: bool = True) -> None:
+                 level: str = "api", stack: bool = True, rank: int | None = None, console: bool = True,
+                 underflow: bool = False, underflow_threshold: float = 0.01) -> None:
         if action not in ACTIONS:
             raise UserError(f"--overflow-action: {action!r} is not one of {', '.join(ACTIONS)}")
         if level not in LEVELS:
             raise UserError(f"overflow level: {level!r} is not one of {', '.join(LEVELS)}")
         if isinstance(max_events, bool) or not isinstance(max_events, int) or max_events < 1:
             raise UserError(f"--overflow-max: expected a positive number of events, got {max_events!r}")
+        if not 0 < underflow_threshold <= 1:
+            raise UserError(f"underflow threshold: expected a fraction in (0, 1], got {underflow_threshold!r}")
+        self.underflow = underflow
+        self.underflow_threshold = underflow_threshold
+        self.underflows: dict[str, dict] = {}  # op name -> its worst underflow finding
         self.out_dir = Path(out_dir)
         if self.out_dir.exists() and not self.out_dir.is_dir():
             raise UserError(f"--overflow-dir: {self.out_dir} exists and is not a directory")
@@ -372,7 +409,7 @@ class OverflowSession:
         self._mode: _ApiMode | None = None
         self._lifted: _ApiMode | None = None
         self._scaler_step = None
-        self._state = _StepState()
+        self._state = _StepState(self.underflow)
 
     # ------------------------------------------------------------------ public API
     def __enter__(self) -> OverflowSession:
@@ -460,7 +497,7 @@ class OverflowSession:
                 self._write_report()
             self._print(f"[yellow]step {self.step_index}: skipped by GradScaler[/] (scale {scale:g})"
                         + (f"; gradients overflowed first in {handled[0]['name']}" if handled else ""))
-        self._state = _StepState()
+        self._state = _StepState(self.underflow)
         self._auto_ended = self._auto_step
         self._read_mode()
         self._module_stack = []
@@ -475,7 +512,9 @@ class OverflowSession:
     def _optimizer_alive(self) -> bool:
         if self._optimizer_exists is None:
             # Asked once, at the second root forward of the first step: one gc scan, not per step.
-            self._optimizer_exists = any(isinstance(obj, torch.optim.Optimizer) for obj in gc.get_objects())
+            # type(obj), not isinstance: isinstance reads __class__, which deprecated objects warn on.
+            optimizer = torch.optim.Optimizer
+            self._optimizer_exists = any(issubclass(type(obj), optimizer) for obj in gc.get_objects())
         return self._optimizer_exists
 
     @_unintercepted
@@ -659,7 +698,7 @@ class OverflowSession:
         record = _OpRecord(naming.api_entry_name(api, index), naming.FORWARD, module,
                            None if copies else self._stack_id(), inputs, flag=flag, module_class=module_class)
         if copies:
-            record.outputs = self._copied_checks(inputs, outputs)
+            record.outputs = self._copied_checks(inputs, outputs, api in _SAME_ELEMENTS)
         else:
             record.outputs = self._check_list(outputs, "output")
             self._add_record(record, (func, live_args, kwargs, output))
@@ -713,6 +752,7 @@ class OverflowSession:
 
         def hook_for(node):
             copies = type(node).__name__ in _COPYING_NODES
+            same_elements = type(node).__name__ in _SAME_ELEMENT_NODES
 
             @_unintercepted
             def hook(grad_inputs, grad_outputs):
@@ -721,7 +761,7 @@ class OverflowSession:
                 flag = self._flag.end(flags.pop()) if flags else False
                 incoming = self._check_list(grad_outputs, "input")
                 if copies and not flag:
-                    self._copied_checks(incoming, grad_inputs)
+                    self._copied_checks(incoming, grad_inputs, same_elements)
                     return
                 record = _OpRecord(name, naming.BACKWARD, forward.module, forward.stack_id, incoming,
                                    self._check_list(grad_inputs, "output"), flag=flag,
@@ -740,26 +780,33 @@ class OverflowSession:
             return None
         if self._bracket and tensor.dtype == torch.float16:
             was = self._flag.value()
-            slots = self._state.checks.slots(tensor)
+            slots, zero_slot = self._state.checks.slots(tensor)
             self._flag.discard_since(was)
         else:
-            slots = self._state.checks.slots(tensor)
-        return _TensorCheck(leaf, tensor.dtype, tuple(tensor.shape), slots)
+            slots, zero_slot = self._state.checks.slots(tensor)
+        return _TensorCheck(leaf, tensor.dtype, tuple(tensor.shape), slots, zero_slot)
 
     def _check_list(self, tensors, prefix: str) -> list[_TensorCheck]:
         checks = (self._check(tensor, f"{prefix}.{i}") for i, tensor in enumerate(tensors))
         return [check for check in checks if check is not None]
 
-    def _copied_checks(self, inputs: list[_TensorCheck], outputs) -> list[_TensorCheck]:
-        """Checks of outputs that copy their inputs' values: any non-finite input may be in them."""
-        slots = tuple(slot for check in inputs if check is not None for slot in check.slots)
+    def _copied_checks(self, inputs: list[_TensorCheck], outputs, same_zeros: bool) -> list[_TensorCheck]:
+        """Checks of outputs that copy their inputs' values: any non-finite input may be in them.
+
+        same_zeros: the output holds exactly its one input's elements (a view, a transpose), so its
+        share of zeros is the input's too (the underflow option compares zero shares).
+        """
+        inputs = [check for check in inputs if check is not None and check.slots]
+        slots = tuple(slot for check in inputs for slot in check.slots)
+        zero_slot = inputs[0].zero_slot if same_zeros and len(inputs) == 1 else None
         checks = []
         for position, tensor in enumerate(outputs):
             if isinstance(tensor, torch.Tensor):
-                if tensor.is_floating_point():
-                    self._state.checks.remember(tensor, slots)
+                floating = tensor.is_floating_point()
+                if floating:
+                    self._state.checks.remember(tensor, slots, zero_slot)
                 checks.append(_TensorCheck(f"output.{position}", tensor.dtype, tuple(tensor.shape),
-                                           slots if tensor.is_floating_point() else ()))
+                                           slots if floating else (), zero_slot if floating else None))
         return checks
 
     def _check_all(self, value, prefix: str) -> list[_TensorCheck]:
@@ -823,6 +870,8 @@ class OverflowSession:
             if kind is not None and not self._inside_event(record, state.event_records):
                 state.event_records.append(record)
                 self._record_event(record, kind, values, skipped_by_scaler)
+            elif kind is None and self.underflow:
+                self._note_underflow(record, values)
         if state.unattributed_flag and not state.event_records and self._checking:
             self._record_event(None, "saturation", values, skipped_by_scaler)
         state.unattributed_flag = False
@@ -848,6 +897,32 @@ class OverflowSession:
         if self._saturation and not self._flag.per_op and fresh_inputs and any(at_limit(c) for c in outputs):
             return "saturation"  # real device: its flag is read once per step, the values tell the op
         return None
+
+    def _note_underflow(self, record: _OpRecord, values: list[float]) -> None:
+        """An fp16/bf16 op whose outputs hold clearly more zeros than its inputs: values flushed to zero."""
+        produced = [f for f in (check.zero_fraction(values) for check in record.outputs if check is not None)
+                    if f is not None]
+        if not produced or _ZEROS_BY_DESIGN.search(record.name.lower()):
+            return
+        # Compared with the op's largest input (the activation or incoming gradient, not a zero bias);
+        # when its share of zeros is unknown (fp32, or a relu's output) nothing can be said.
+        inputs = [check for check in record.inputs if check is not None and check.slots]
+        largest = max(inputs, key=lambda check: math.prod(check.shape), default=None)
+        input_zeros = largest.zero_fraction(values) if largest is not None else None
+        if input_zeros is None:
+            return
+        output_zeros = max(produced)
+        if output_zeros - input_zeros < self.underflow_threshold:
+            return
+        known = self.underflows.get(record.name)
+        if known is None or output_zeros - input_zeros > known["zero_fraction"] - known["input_zero_fraction"]:
+            dtypes = sorted({str(check.dtype) for check in record.outputs if check is not None})
+            self.underflows[record.name] = {
+                "name": record.name, "step": self.step_index, "rank": self.rank, "direction": record.direction,
+                "module": record.module, "module_class": record.module_class, "dtype": ", ".join(dtypes),
+                "zero_fraction": output_zeros, "input_zero_fraction": input_zeros,
+                "stack": self._stack_lines(record.stack_id)[:1],
+            }
 
     @staticmethod
     def _inside_event(record: _OpRecord, found: list[_OpRecord]) -> bool:
@@ -965,6 +1040,14 @@ class OverflowSession:
 
     def _print_summary(self) -> None:
         steps = self._steps_seen()
+        if self.underflows:
+            worst = self._underflow_list()[0]
+            where = f" in {_module_label(worst)}" if worst["module_class"] else ""
+            self._print(f"underflow: {len(self.underflows)} fp16/bf16 op(s) flushed values to zero; most: "
+                        f"{worst['name']}{where}, {worst['zero_fraction']:.1%} of its outputs zero "
+                        f"(inputs {worst['input_zero_fraction']:.1%})")
+        elif self.underflow:
+            self._print("underflow: no fp16/bf16 op flushed values to zero")
         if not self.events:
             self._print(f"overflow check: no overflow in {steps} step(s) "
                         f"({'saturation' if self._saturation else 'inf_nan'} mode, {self.level} level)"
@@ -1001,7 +1084,12 @@ class OverflowSession:
                 "fp16_mode": "saturation" if self._saturation else "inf_nan",
                 "steps": self._steps_seen(),
                 "truncated": len(self.events) >= self.max_events,
-                "skipped_steps": self.skipped_steps, "events": self.events}
+                "skipped_steps": self.skipped_steps, "events": self.events,
+                "underflow": self._underflow_list() if self.underflow else None}
+
+    def _underflow_list(self) -> list[dict]:
+        return sorted(self.underflows.values(),
+                      key=lambda item: item["input_zero_fraction"] - item["zero_fraction"])
 
 
 def _encloses(outer: _OpRecord, inner: _OpRecord) -> bool:
@@ -1092,6 +1180,7 @@ def merge_rank_reports(out_dir: Path) -> dict:
                                     key=lambda item: (item["step"], item["rank"])),
             "events": sorted((event for report in reports for event in report.get("events", [])),
                              key=lambda event: (event["step"], event["rank"], event["index"])),
+            "underflow": [item for report in reports for item in report.get("underflow") or []] or None,
         }
         write_json(out_dir / REPORT_NAME, merged)
     return merged

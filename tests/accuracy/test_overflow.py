@@ -311,3 +311,38 @@ def test_session_leaves_no_torch_function_mode_behind(tmp_path, npu):
         _ = x * 10.0  # the limit is reached inside the op's own handler
         _ = x * 10.0
     assert torch._C._len_torch_function_stack() == before
+
+
+def test_underflow_names_the_op_that_flushes_values_to_zero(tmp_path, npu):
+    layer = nn.Linear(16, 4).to(npu, torch.float16)
+    with torch.no_grad():
+        layer.weight.fill_(1e-4)
+        layer.bias.zero_()
+    x = torch.full((8, 16), 1e-5, dtype=torch.float16, device=npu)  # x @ W.T = 1.6e-8: below fp16's 6e-8
+    with OverflowSession(tmp_path, underflow=True, console=False) as session:
+        nn.Identity()(x)
+        layer(x)
+        layer(x * 1e3)  # 1.6e-5: representable, no underflow
+        session.step()
+    assert [(u["name"], u["module_class"], u["zero_fraction"], u["input_zero_fraction"])
+            for u in session._underflow_list()] == [("Functional.linear.0.forward", "Linear", 1.0, 0.0)]
+    assert json.loads((tmp_path / "overflow.json").read_text())["underflow"][0]["name"] == "Functional.linear.0.forward"
+
+
+def test_zeros_by_design_are_not_underflow(tmp_path, npu):
+    # bf16 has float32's exponent range: relu, dropout and masked_fill zeros are all there is.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 4))
+    mask = torch.rand(32, 4, device=npu) > 0.5
+
+    def batch(step):
+        return torch.randn(32, 8)
+
+    session = OverflowSession(tmp_path, underflow=True, console=False)
+    with session:
+        model = model.to(npu, torch.bfloat16)
+        for step in range(2):
+            out = model(batch(step).to(npu, torch.bfloat16)).masked_fill(mask, 0.0)
+            out.float().square().mean().backward()
+            session.step()
+    assert session.underflows == {} and session.events == []
