@@ -19,6 +19,7 @@ min and max for fp16/bf16) appended to a list of device scalars; the list is rea
 per step, at the optimizer step (before the weights change) or at step(). Inputs that are the
 outputs of earlier ops reuse those results. On the emulated device the sticky flag is a host
 variable, read around each op at no sync cost. `level="module"` checks module outputs only.
+`underflow=True` also lists fp16/bf16 ops whose outputs hold clearly more zeros than their input.
 
 The `dump` action must see the tensors while they are alive, so it reads each op's result right
 away (one host read per op) and writes the event's inputs and outputs in the dump format, with a
@@ -148,7 +149,7 @@ class _DeviceFlag:
         return now
 
     def sync_left(self) -> None:
-        """Whatever the flag holds now is known (session start, after a step was resolved)."""
+        """Whatever the flag holds at session start is not the detector's to report."""
         if self.per_op:
             self._left = self._get()
             self.unseen = False
