@@ -298,6 +298,7 @@ class _StepState:
         self.events: list[dict] = []
         self.event_records: list[_OpRecord] = []
         self.handled: list[dict] = []  # gradient overflows of a step GradScaler skipped
+        self.module_backward: dict[str, list[_OpRecord]] = {}  # module level: path -> backward records
 
 
 def _json_number(value: float):
@@ -522,6 +523,8 @@ class OverflowSession:
     def _on_optimizer_pre_step(self, optimizer, args, kwargs) -> None:
         self._optimizer_steps += 1
         if self._paused == 0:
+            if not self._in_scaler:
+                self._check_parameter_grads()
             # Read before the update: with action="stop" the weights never see the overflow.
             self._resolve()
         self._paused += 1
@@ -543,6 +546,8 @@ class OverflowSession:
             if not session._active or not scaler.is_enabled():
                 return original(scaler, optimizer, *args, **kwargs)
             scale = scaler.get_scale()
+            with torch._C.DisableTorchFunction():
+                session._check_parameter_grads()  # still scaled: what GradScaler is about to look at
             before = session._optimizer_steps
             session._in_scaler += 1
             try:
@@ -644,7 +649,7 @@ class OverflowSession:
     def _hook_module_backward(self, forward: _OpRecord, class_name: str, args, outputs) -> None:
         grad_outputs = [t for t in outputs if t.requires_grad]
         grad_inputs = [t for t in _tensors(args) if t.requires_grad]
-        if not grad_outputs or not grad_inputs:
+        if not grad_outputs:
             return
         index = int(forward.name.rsplit(".", 1)[1])
         name = naming.module_entry_name(forward.module, class_name, index, naming.BACKWARD)
@@ -653,6 +658,8 @@ class OverflowSession:
                              [None] * len(grad_inputs), context=forward.inputs + forward.outputs + forward.context,
                              module_class=class_name)
         placed = []
+        # Its incoming gradients are also what its parameter gradients come from.
+        state.module_backward.setdefault(forward.module, []).append(backward)
 
         def incoming(position):
             @_unintercepted
@@ -675,6 +682,24 @@ class OverflowSession:
             tensor.register_hook(incoming(position))
         for position, tensor in enumerate(grad_inputs):
             tensor.register_hook(outgoing(position))
+
+    def _check_parameter_grads(self) -> None:
+        """Module level: parameter gradients, checked once per step before the optimizer (or the
+        GradScaler) uses them. At op level the ops that computed them are checked already."""
+        if self.level != "module" or not self._checking:
+            return
+        state = self._state
+        for module, path in list(self._paths.items()):
+            grads = [(key, param.grad) for key, param in module._parameters.items()
+                     if param is not None and param.grad is not None]
+            if not grads:
+                continue
+            incoming = [check for record in state.module_backward.get(path, ())
+                        for check in record.inputs if check is not None]
+            class_name = type(module).__name__
+            self._append(_OpRecord(naming.module_params_grad_name(path, class_name), naming.BACKWARD, path, None,
+                                   incoming, [self._check(grad, f"parameters_grad.{key}") for key, grad in grads],
+                                   module_class=class_name))
 
     # ------------------------------------------------------------------ apis
     def _run_api(self, api: str, func, args, kwargs):

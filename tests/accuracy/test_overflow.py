@@ -344,3 +344,11 @@ def test_zeros_by_design_are_not_underflow(tmp_path, npu):
             out.float().square().mean().backward()
             session.step()
     assert session.underflows == {} and session.events == []
+
+
+def test_module_level_finds_a_weight_gradient_overflow(tmp_path, npu):
+    session = _train(BackwardOverflow(), 3, npu, torch.float16, OverflowSession(tmp_path, level="module", console=False),
+                     batch=lambda step: torch.rand(64, 16) * 5 + 5,
+                     loss_scale=lambda step: 30000.0 if step == 1 else 1.0)
+    assert [(e["name"], e["direction"], e["step"]) for e in session.events] == [
+        ("Module.fc.Linear.parameters_grad", "backward", 1)]
