@@ -53,6 +53,8 @@ def run(
     overflow_action: str = typer.Option("report", "--overflow-action", help="report | dump | stop"),
     overflow_max: int = typer.Option(20, "--overflow-max", help="Stop recording after N overflow events."),
     overflow_dir: Path = typer.Option(Path("overflow"), "--overflow-dir", help="Where overflow.json (and dumps) go."),
+    overflow_level: str = typer.Option("api", "--overflow-level", help="api (every op) | module (module outputs and gradients only, cheapest)"),
+    overflow_underflow: bool = typer.Option(False, "--overflow-underflow", help="Also list fp16/bf16 ops that flush values to zero."),
     profile: Optional[Path] = typer.Option(None, "--profile", help="Record a profile into DIR."),
     profile_steps: Optional[str] = typer.Option(None, "--profile-steps", help="wait,warmup,active steps"),
 ) -> None:
@@ -64,7 +66,8 @@ def run(
         dump=dump, dump_level=dump_level, dump_mode=dump_mode, dump_steps=dump_steps,
         dump_scope=dump_scope, dump_list=dump_list, replay=replay,
         detect_overflow=detect_overflow, overflow_action=overflow_action,
-        overflow_max=overflow_max, overflow_dir=overflow_dir,
+        overflow_max=overflow_max, overflow_dir=overflow_dir, overflow_level=overflow_level,
+        overflow_underflow=overflow_underflow,
         profile=profile, profile_steps=profile_steps,
     )
     raise typer.Exit(main(options))

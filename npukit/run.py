@@ -42,6 +42,8 @@ class RunOptions:
     overflow_action: str = "report"
     overflow_max: int = 20
     overflow_dir: Path = Path("overflow")
+    overflow_level: str = "api"
+    overflow_underflow: bool = False
     profile: Path | None = None
     profile_steps: str | None = None
 
@@ -136,7 +138,8 @@ def _session_contexts(options: RunOptions, stack: contextlib.ExitStack) -> None:
         from npukit.accuracy.overflow import OverflowSession
 
         stack.enter_context(OverflowSession(options.overflow_dir, action=options.overflow_action,
-                                            max_events=options.overflow_max))
+                                            max_events=options.overflow_max, level=options.overflow_level,
+                                            underflow=options.overflow_underflow))
     if options.profile is not None:
         from npukit.profiler.record import ProfileSession
 
