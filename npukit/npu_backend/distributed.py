@@ -104,7 +104,6 @@ class ProcessGroupHCCL(dist.ProcessGroup):
     def getBackendName(self) -> str:  # noqa: N802 (the C++ virtual's name)
         return BACKEND_NAME
 
-    @property
     def name(self) -> str:
         return BACKEND_NAME
 

@@ -155,7 +155,7 @@ def test_hccl_is_registered_for_npu_and_available():
 
 def test_hccl_group_runs_collectives_in_place_on_npu_tensors(single_rank_group):
     group = single_rank_group("hccl")
-    assert isinstance(group, ProcessGroupHCCL) and dist.get_backend() == "hccl"
+    assert isinstance(group, ProcessGroupHCCL) and dist.get_backend() == "hccl" and group.name() == "hccl"
     tensor = torch.arange(6.0, device="npu").view(2, 3)[:, 1:]  # a strided view: aliases keep strides
     pointer = tensor.data_ptr()
     work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
