@@ -493,9 +493,10 @@ class OverflowSession:
             handled = [event for event in state.events if event["direction"] != naming.FORWARD] + state.handled
             for event in state.events:  # the dump action reported them before the skip was known
                 event["step_skipped_by_grad_scaler"] = True
-            if handled or state.events:
+            if handled:
                 self.events = [event for event in self.events if all(event is not item for item in handled)]
                 skipped.update(first_overflow=handled[0]["name"], overflows=len(handled))
+            if handled or state.events:
                 self._write_report()
             self._print(f"[yellow]step {self.step_index}: skipped by GradScaler[/] (scale {scale:g})"
                         + (f"; gradients overflowed first in {handled[0]['name']}" if handled else ""))

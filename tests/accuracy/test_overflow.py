@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from npukit.accuracy.dumpfile import load_rank_dump
 from npukit.accuracy.overflow import OverflowSession, OverflowStop, merge_rank_reports
 from npukit.errors import UserError
+from npukit.npu_backend import numerics
 
 from .models import Net
 
@@ -186,6 +187,20 @@ def test_forward_overflow_under_amp_is_an_event_and_stop_raises(tmp_path, npu):
         _amp_train(session, npu, init_scale=1.0, boost_step=1)
     assert session.first_event["step"] == 1
     assert json.loads((tmp_path / "overflow.json").read_text())["events"][0]["name"] == "Tensor.mul.0.forward"
+
+
+@pytest.mark.parametrize("mode", ["inf_nan", "saturation"])
+def test_forward_overflow_in_a_step_the_scaler_skips_is_reported(tmp_path, npu, mode):
+    """The forward event stays an event; the step is reported as skipped, not a crash."""
+    with numerics.policies(fp16_mode=mode):
+        session = OverflowSession(tmp_path, action="report", console=False)
+        scales = _amp_train(session, npu, init_scale=1.0, boost_step=0)
+    assert session.first_event["step"] == 0 and session.first_event["direction"] == "forward"
+    assert session.first_event["name"] == "Tensor.mul.0.forward"
+    assert [s["step"] for s in session.skipped_steps] == [0]
+    assert scales[0] == pytest.approx(0.5)
+    report = json.loads((tmp_path / "overflow.json").read_text())
+    assert report["events"][0]["step_skipped_by_grad_scaler"] is True
 
 
 def test_dump_action_writes_a_replayable_dump(tmp_path, npu):
