@@ -1,4 +1,4 @@
-"""Bugs found by running real repositories through npukit (docs/real-repos.md, bugs 1, 3 and 5).
+"""Bugs found by running real repositories through npukit (docs/real-repos.md, bugs 1, 2, 3 and 5).
 
 Each test states the behaviour a user needs and is a strict xfail while the bug is open: when the
 bug is fixed the test passes, pytest reports XPASS as a failure, and the fixer removes the marker.
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from npukit.migrate import MigrateOptions, run_migration
 from npukit.migrate.pysource import migrate_python
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,3 +84,24 @@ def test_backend_selected_by_an_availability_test_is_migrated_or_flagged_as_an_e
     migrated = '"hccl"' in outcome.text and '"nccl"' not in outcome.text
     flagged = any(f.severity == "error" and f.line == 6 for f in outcome.findings)
     assert migrated or flagged, [(f.severity, f.kind, f.line) for f in outcome.findings]
+
+
+# nanoGPT's bench.py shape: `import torch_npu` goes in above the rewritten lines.
+SHIFTED_SOURCE = '''"""Benchmark."""
+import torch
+device = "cuda"
+torch.cuda.synchronize()
+'''
+
+
+@pytest.mark.xfail(strict=True, reason="bug 2 in docs/real-repos.md: change_list.csv lines are the original "
+                                       "lines, not the lines of the migrated copy")
+def test_reported_change_lines_point_at_the_rewritten_code_in_the_copy(tmp_path):
+    (tmp_path / "repo").mkdir()
+    (tmp_path / "repo" / "bench.py").write_text(SHIFTED_SOURCE)
+    run = run_migration(MigrateOptions(target=tmp_path / "repo", out=tmp_path / "copy", quiet=True))
+    migrated = (tmp_path / "copy" / "bench.py").read_text().splitlines()
+    changes = [change for result in run.results for change in result.changes if change.before]
+    assert changes
+    for change in changes:
+        assert migrated[change.line - 1][change.col - 1:].startswith(change.after), (change, migrated)
