@@ -163,3 +163,24 @@ def test_backward_after_cpu_backward_and_from_other_threads():
     """)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[2.0, 2.0, 2.0] [3.0, 3.0, 3.0]"
+
+
+def test_parameter_data_swapped_between_cpu_and_npu():
+    """`param.data = param.to("npu")`, as FSDP does with a CPU model and a device id."""
+    param = torch.nn.Parameter(torch.arange(3.0))
+    param.data = param.to("npu")
+    assert isinstance(param, torch.nn.Parameter) and param.device.type == "npu"
+    assert param.cpu().tolist() == [0.0, 1.0, 2.0]
+    param.data = param.cpu()
+    assert param.device.type == "cpu"
+
+
+def test_storage_resized_to_zero_stays_on_its_npu():
+    """FSDP frees a shard with storage._resize_(0) and later set_()s it back."""
+    t = torch.ones(4, device="npu:1")
+    storage = t.untyped_storage()
+    storage.resize_(0)
+    assert storage.device == torch.device("npu", 1) and storage.nbytes() == 0
+    storage.resize_(16)
+    t.set_(storage, 0, (4,), (1,))
+    assert t.device == torch.device("npu", 1)

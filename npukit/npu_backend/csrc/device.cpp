@@ -716,6 +716,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_overrideable
   return {finish(std::get<0>(grads)), finish(std::get<1>(grads)), finish(std::get<2>(grads))};
 }
 
+// `cpu_param.data = npu_tensor` (FSDP moves parameters this way): a dense CPU tensor and a dense
+// npu tensor may exchange their implementation, as torch_npu allows.
+bool has_compatible_shallow_copy_type(const at::Tensor& self, const at::Tensor& from) {
+  auto dense_on = [](const at::Tensor& t) {
+    return t.layout() == at::kStrided && !t.is_quantized() && (t.is_cpu() || t.is_privateuseone());
+  };
+  if (dense_on(self) && dense_on(from)) return true;
+  return self.unsafeGetTensorImpl()->has_compatible_shallow_copy_type(from.key_set());
+}
+
 // ------------------------------------------------------------------ recurrent cells
 // ATen's LSTM/GRU take the fused-cell path for every non-CPU device; these are the fused
 // cells' math (same gate order and workspace layout as the CUDA kernels) on the CPU aliases.
@@ -885,8 +895,17 @@ struct NpuHooks final : public at::PrivateUse1HooksInterface {
     return g_pinned.count(data) > 0;
   }
   at::Allocator* getPinnedMemoryAllocator() const override { return &g_pinned_allocator; }
+  // Storage resize (e.g. FSDP's storage._resize_(0)): new memory always comes from the npu
+  // allocator, even for 0 bytes, so the storage stays on its npu device.
   void resizePrivateUse1Bytes(const c10::Storage& storage, size_t newsize) const override {
-    at::native::resize_bytes_cpu(storage.unsafeGetStorageImpl(), newsize);
+    c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
+    TORCH_CHECK(impl->resizable(), "Trying to resize storage that is not resizable");
+    int dev = impl->device().has_index() ? impl->device().index() : t_current_device;
+    c10::DataPtr fresh = allocator_for(dev)->allocate(newsize);
+    size_t keep = std::min(newsize, impl->nbytes());
+    if (keep > 0) std::memcpy(fresh.get(), impl->data(), keep);
+    impl->set_data_ptr_noswap(std::move(fresh));
+    impl->set_nbytes(newsize);
   }
 };
 
@@ -945,6 +964,7 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_copy_from_and_resize", copy_from_and_resize);
   m.impl("convolution_overrideable", convolution_overrideable);
   m.impl("convolution_backward_overrideable", convolution_backward_overrideable);
+  m.impl("_has_compatible_shallow_copy_type", has_compatible_shallow_copy_type);
   m.impl("_thnn_fused_lstm_cell", fused_lstm_cell);
   m.impl("_thnn_fused_lstm_cell_backward_impl", fused_lstm_cell_backward);
   m.impl("_thnn_fused_gru_cell", fused_gru_cell);
