@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
@@ -99,6 +100,30 @@ def policies(**settings) -> Iterator[Numerics]:
         restore(previous)
 
 
+_golden_locked = False
+
+
+def lock_golden() -> None:
+    """Golden run (`npu-run --golden`, NPUKIT_GOLDEN=1): every policy off, and the script's own
+    switches (`torch.npu.matmul.allow_hf32 = True` ...) are ignored, so the run stays fp32."""
+    global _golden_locked
+    disable_all()
+    _golden_locked = True
+
+
+def golden_locked() -> bool:
+    return _golden_locked
+
+
+def script_switch(name: str, value: bool, setter) -> None:
+    """Apply a torch.npu precision switch set by user code, unless a golden run locks numerics."""
+    if _golden_locked:
+        if value:
+            warnings.warn(f"golden run: ignoring {name} = {value} (NPU numerics stay off)", stacklevel=3)
+        return
+    setter(bool(value))
+
+
 @contextlib.contextmanager
 def golden() -> Iterator[None]:
     previous = disable_all()
@@ -142,4 +167,4 @@ def apply_environment() -> None:
     configure(fp32_accumulate=_env_bool("NPUKIT_FP32_ACCUMULATE"),
               reject_fp64=_env_bool("NPUKIT_REJECT_FP64"))
     if _env_bool("NPUKIT_GOLDEN"):
-        disable_all()
+        lock_golden()

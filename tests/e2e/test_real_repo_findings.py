@@ -35,8 +35,6 @@ print("max abs difference", (layer(x.npu()).detach().cpu() - expected).abs().max
 """
 
 
-@pytest.mark.xfail(strict=True, reason="bug 1 in docs/real-repos.md: the script's allow_hf32 = True "
-                                       "turns HF32 back on inside a --golden run")
 def test_golden_run_stays_fp32_when_the_script_enables_hf32(tmp_path):
     (tmp_path / "train.py").write_text(HF32_SCRIPT)
     golden = _npu_run(tmp_path, "--golden", "train.py")

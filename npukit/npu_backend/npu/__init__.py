@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from npukit.npu_backend import _C
+from npukit.npu_backend import _C, numerics
 from npukit.npu_backend.npu import amp, memory, mstx, random, utils  # noqa: F401 (submodules)
 from npukit.npu_backend.npu._device import device_index
 from npukit.npu_backend.npu.memory import (  # noqa: F401 (re-exported API)
@@ -356,7 +356,7 @@ class _MatmulConfig:
 
     @allow_hf32.setter
     def allow_hf32(self, value: bool) -> None:
-        _C.set_matmul_hf32(bool(value))
+        numerics.script_switch("torch.npu.matmul.allow_hf32", value, _C.set_matmul_hf32)
 
     @property
     def cube_math_type(self) -> int:
@@ -364,7 +364,9 @@ class _MatmulConfig:
 
     @cube_math_type.setter
     def cube_math_type(self, value: int) -> None:
-        _C.set_matmul_hf32(int(value) in (CubeMathType.USE_HF32, CubeMathType.ALLOW_FP32_DOWN_PRECISION))
+        numerics.script_switch("torch.npu.matmul.cube_math_type",
+                               int(value) in (CubeMathType.USE_HF32, CubeMathType.ALLOW_FP32_DOWN_PRECISION),
+                               _C.set_matmul_hf32)
 
 
 class _ConvConfig:
@@ -376,7 +378,7 @@ class _ConvConfig:
 
     @allow_hf32.setter
     def allow_hf32(self, value: bool) -> None:
-        _C.set_conv_hf32(bool(value))
+        numerics.script_switch("torch.npu.conv.allow_hf32", value, _C.set_conv_hf32)
 
 
 class _NPUConfig:
