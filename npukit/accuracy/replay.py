@@ -6,18 +6,30 @@
 First run (DIR has no replay.json): at the first forward of each root module (a module called
 while no other module runs) its state_dict is saved -- at that moment the weights are still the
 initial ones, whatever the script did to create or move them. The tensor arguments of the first
-`batches` root forwards and the first `batches` batches yielded by any DataLoader (so labels too)
-are saved as well. Everything is stored pickle-free (.npy + replay.json).
+`batches` forwards of each root module and the first `batches` batches yielded by any DataLoader
+(so labels too) are saved as well. Everything is stored pickle-free (.npy + replay.json).
 
 Second run (DIR holds replay.json): the same points load the saved weights into the module
 (in place, so an optimizer already holding the parameters keeps working) and substitute the saved
 batches and forward arguments, on the device and with the structure the script uses.
+
+Only true inputs are substituted. A root-forward argument that requires grad (an activation
+computed under autograd, or a leaf the script wants a gradient for) or that is the output of an
+earlier root forward (or a view of one, e.g. under no_grad) is an activation: it is recorded as
+such, without its values, and always kept as it is. So `criterion(model(x), y)` with an
+`nn.Module` loss keeps the autograd graph from the loss to the model, and only `y` (data) is
+replaced; an activation computed from a root output under no_grad (`head(body(x).float())`) is
+not recognised and is still substituted.
+
+Under torchrun (RANK set) every rank records and replays in its own DIR/rank{RANK}/, as dumps
+do; a single process uses DIR itself.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import weakref
 from pathlib import Path
 
 import torch
@@ -26,7 +38,7 @@ from npukit.accuracy.tensor_io import read_tensor, write_tensor
 from npukit.errors import UserError
 
 MANIFEST = "replay.json"
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2  # 2: forward calls are counted per root module, activations are not stored
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -36,23 +48,39 @@ def _torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
+def _rank() -> int | None:
+    """This process's rank under torchrun (RANK set), else None."""
+    if "RANK" not in os.environ:
+        return None
+    from npukit.accuracy.dump import rank_from_env
+
+    return rank_from_env()
+
+
 class ReplaySession:
     """Record (first run) or replay (second run) initial weights and first batches in `directory`."""
 
     def __init__(self, directory: Path, batches: int = 4) -> None:
         if batches < 0:
             raise UserError("--replay: the number of batches must be >= 0")
-        self.directory = Path(directory)
-        if self.directory.exists() and not self.directory.is_dir():
-            raise UserError(f"--replay: {self.directory} exists and is not a directory")
+        root = Path(directory)
+        if root.exists() and not root.is_dir():
+            raise UserError(f"--replay: {root} exists and is not a directory")
+        self.root_directory = root
+        self.rank = _rank()
+        # One folder per rank under torchrun, so that ranks never write into each other's files.
+        self.directory = root if self.rank is None else root / f"rank{self.rank}"
         self.batches = batches
         self.replaying = (self.directory / MANIFEST).is_file()
+        if not self.replaying:
+            self._check_layout(root)
         self._manifest = self._load_manifest() if self.replaying else {
             "version": _FORMAT_VERSION, "modules": [], "forward_inputs": [], "batches": [],
         }
         self._roots: dict[int, int] = {}  # id(module) -> index in manifest["modules"]
         self._root_refs: list = []  # keep ids stable while the session runs
-        self._forward_calls = 0
+        self._forward_calls: dict[int, int] = {}  # root index -> forwards seen
+        self._produced: dict[int, weakref.ref] = {}  # id(tensor) -> tensor, outputs of root forwards
         self._batch_calls = 0
         self._depth = 0
         self._handles: list = []
@@ -79,10 +107,26 @@ class ReplaySession:
             handle.remove()
         self._handles = []
         self._unpatch_dataloader()
+        self._produced.clear()
         if not self.replaying:
-            tmp = self.directory / (MANIFEST + ".tmp")
+            tmp = self.directory / f"{MANIFEST}.{os.getpid()}.tmp"
             tmp.write_text(json.dumps(self._manifest, indent=1))
             os.replace(tmp, self.directory / MANIFEST)
+
+    def _check_layout(self, root: Path) -> None:
+        """Refuse to record a second, differently laid out recording next to an existing one."""
+        if self.rank is None:
+            recorded = sorted(path.parent.name for path in root.glob(f"rank*/{MANIFEST}"))
+            if recorded:
+                raise UserError(
+                    f"--replay: {root} was recorded per rank ({', '.join(recorded)}) under torchrun; "
+                    f"replay it with the same --nproc-per-node, or use another directory"
+                )
+        elif (root / MANIFEST).is_file():
+            raise UserError(
+                f"--replay: {root} was recorded by a single process; this is rank {self.rank} of a "
+                f"torchrun job: replay it without --nproc-per-node, or use another directory"
+            )
 
     def _load_manifest(self) -> dict:
         path = self.directory / MANIFEST
@@ -109,17 +153,53 @@ class ReplaySession:
                     self._load_state(module, index)
                 else:
                     self._save_state(module)
-        call = self._forward_calls
+        call = self._forward_calls.get(index, 0)
         if call >= self.batches:
             return None
-        self._forward_calls += 1
-        if self.replaying:
-            return self._replace(args, self._find_forward_input(index, call), f"forward input {call} of {type(module).__name__}")
-        self._manifest["forward_inputs"].append({"module": index, "call": call, "args": self._encode(args)})
+        self._forward_calls[index] = call + 1
+        with torch._C.DisableTorchFunction():
+            if self.replaying:
+                what = f"forward input {call} of {type(module).__name__}"
+                return self._replace(args, self._find_forward_input(index, call), what, inputs=True)
+            self._manifest["forward_inputs"].append(
+                {"module": index, "call": call, "args": self._encode(args, inputs=True)}
+            )
         return None
 
     def _on_forward(self, module, args, output):
         self._depth = max(0, self._depth - 1)
+        if self._depth == 0 and output is not None:
+            with torch._C.DisableTorchFunction():
+                self._remember_outputs(output)
+
+    # ---------------------------------------------------------------- activations
+    def _remember_outputs(self, value, depth: int = 0) -> None:
+        if isinstance(value, torch.Tensor):
+            key = id(value)
+            produced = self._produced
+
+            def forget(ref, key=key):
+                if produced.get(key) is ref:
+                    del produced[key]
+
+            produced[key] = weakref.ref(value, forget)
+        elif depth < 4 and isinstance(value, list | tuple):
+            for item in value:
+                self._remember_outputs(item, depth + 1)
+        elif depth < 4 and isinstance(value, dict):
+            for item in value.values():
+                self._remember_outputs(item, depth + 1)
+
+    def _is_output(self, tensor: torch.Tensor) -> bool:
+        ref = self._produced.get(id(tensor))
+        return ref is not None and ref() is tensor
+
+    def _is_activation(self, tensor: torch.Tensor) -> bool:
+        """True for a root-forward argument computed by the script rather than loaded: never substituted."""
+        if tensor.requires_grad:
+            return True
+        base = tensor._base
+        return self._is_output(tensor) or (base is not None and self._is_output(base))
 
     def _save_state(self, module) -> None:
         tensors = {key: self._encode(value) for key, value in module.state_dict().items()}
@@ -192,17 +272,19 @@ class ReplaySession:
         return batch
 
     # ---------------------------------------------------------------- structure codec
-    def _encode(self, value):
+    def _encode(self, value, inputs: bool = False):
         if isinstance(value, torch.Tensor):
+            if inputs and self._is_activation(value):
+                return {"activation": True, "dtype": str(value.dtype), "shape": list(value.shape)}
             self._file_count += 1
             name = f"tensors/{self._file_count:06d}.npy"
             with torch._C.DisableTorchFunction():
                 write_tensor(self.directory / name, value)
             return {"tensor": name, "dtype": str(value.dtype), "shape": list(value.shape)}
         if isinstance(value, list | tuple):
-            return {"list": [self._encode(item) for item in value]}
+            return {"list": [self._encode(item, inputs) for item in value]}
         if isinstance(value, dict):
-            return {"dict": {str(key): self._encode(item) for key, item in value.items()}}
+            return {"dict": {str(key): self._encode(item, inputs) for key, item in value.items()}}
         return {"other": type(value).__name__}
 
     def _decode(self, encoded: dict, live: torch.Tensor) -> torch.Tensor:
@@ -220,11 +302,15 @@ class ReplaySession:
                 tensor.requires_grad_(True)
         return tensor
 
-    def _replace(self, live, encoded, what: str):
-        """The live structure with every tensor swapped for its saved counterpart."""
+    def _replace(self, live, encoded, what: str, inputs: bool = False):
+        """The live structure with every tensor swapped for its saved counterpart.
+
+        With `inputs`, activations (recorded as such, or activations in this run) are kept."""
         if encoded is None:
             return live
         if isinstance(live, torch.Tensor):
+            if inputs and (encoded.get("activation") or self._is_activation(live)):
+                return live
             if "tensor" not in encoded:
                 raise UserError(f"replay: {what} differs from the recording in {self.directory} (a tensor was not)")
             if list(live.shape) != encoded["shape"]:
@@ -236,7 +322,7 @@ class ReplaySession:
             items = encoded.get("list")
             if items is None or len(items) != len(live):
                 raise UserError(f"replay: {what} has a different structure than recorded in {self.directory}")
-            replaced = [self._replace(item, saved, what) for item, saved in zip(live, items)]
+            replaced = [self._replace(item, saved, what, inputs) for item, saved in zip(live, items)]
             if isinstance(live, tuple) and hasattr(live, "_fields"):
                 return type(live)(*replaced)
             return type(live)(replaced)
@@ -244,6 +330,6 @@ class ReplaySession:
             items = encoded.get("dict")
             if items is None or set(map(str, live)) != set(items):
                 raise UserError(f"replay: {what} has different keys than recorded in {self.directory}")
-            return type(live)((key, self._replace(item, items[str(key)], what)) for key, item in live.items())
+            return type(live)((key, self._replace(item, items[str(key)], what, inputs)) for key, item in live.items())
         return live
 

@@ -1,5 +1,7 @@
 """ReplaySession: the second run starts from the first run's weights and batches."""
 
+import json
+
 import pytest
 import torch
 import torch.nn as nn
@@ -48,3 +50,96 @@ def test_different_model_is_a_clear_error(tmp_path):
     script(1, tmp_path)
     with pytest.raises(UserError, match="root module 0 was a Sequential .* now it is a Linear"):
         script(1, tmp_path, model_cls=lambda: nn.Linear(4, 2))
+
+
+def loss_module_script(seed, replay_dir, steps=3, batches=2):
+    """word_language_model's shape: an nn.Module loss called on the model's output, no DataLoader."""
+    torch.manual_seed(seed)
+    with ReplaySession(replay_dir, batches=batches) as session:
+        model = nn.Linear(4, 2)
+        criterion = nn.MSELoss()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses, grads = [], []
+        for _ in range(steps):
+            x, y = torch.randn(8, 4), torch.randn(8, 2)
+            loss = criterion(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            grads.append(model.weight.grad is not None)
+            optimizer.step()
+            losses.append(loss.item())
+    return losses, grads, session
+
+
+def test_loss_module_input_is_kept_and_backward_reaches_the_model(tmp_path):
+    first, first_grads, _ = loss_module_script(1, tmp_path)
+    second, second_grads, replayer = loss_module_script(2, tmp_path)
+    assert first_grads == second_grads == [True, True, True]
+    # The first `batches` forwards of each root (model and loss) are replayed: inputs and targets.
+    assert second[:2] == first[:2] and second[2] != first[2]
+    assert replayer.replayed_modules == 2  # the model, and the (parameterless) loss module
+    manifest = json.loads((tmp_path / "replay.json").read_text())
+    loss_inputs = [item["args"]["list"] for item in manifest["forward_inputs"] if item["module"] == 1]
+    assert [args[0] for args in loss_inputs] == [{"activation": True, "dtype": "torch.float32", "shape": [8, 2]}] * 2
+    assert all("tensor" in args[1] for args in loss_inputs)  # the targets are data: recorded
+
+
+def test_outputs_of_a_root_forward_under_no_grad_are_not_substituted(tmp_path):
+    def run(seed, offset):
+        torch.manual_seed(seed)
+        with ReplaySession(tmp_path, batches=1):
+            body, head = nn.Linear(4, 4), nn.Linear(4, 1)
+            x = torch.randn(2, 4)
+            with torch.no_grad():
+                body(x)  # first forward: weights saved / loaded
+                body.weight.add_(offset)  # a run that diverges after the load
+                features = body(x)
+                return head(features), head(features[:, :])  # the output, and a view of it
+
+    recorded = run(1, 0.0)
+    replayed = run(2, 1.0)
+    assert torch.equal(recorded[0], recorded[1]) and torch.equal(replayed[0], replayed[1])
+    # Had head's input been replaced by the recording, the divergence would be hidden.
+    assert not torch.allclose(recorded[0], replayed[0])
+
+
+def test_leaf_input_that_requires_grad_keeps_its_gradient(tmp_path):
+    def run(seed):
+        torch.manual_seed(seed)
+        with ReplaySession(tmp_path, batches=1):
+            model = nn.Linear(4, 1)
+            x = torch.randn(2, 4, requires_grad=True)
+            model(x).sum().backward()
+        return x.grad
+
+    run(1)
+    assert run(2) is not None
+
+
+def test_each_rank_records_and_replays_in_its_own_folder(tmp_path, monkeypatch):
+    results = {}
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        results[rank], _, recorder = script(int(rank), tmp_path)
+        assert not recorder.replaying and recorder.directory == tmp_path / f"rank{rank}"
+    assert (tmp_path / "rank0" / "replay.json").is_file() and (tmp_path / "rank1" / "replay.json").is_file()
+    assert not (tmp_path / "replay.json").exists() and not (tmp_path / "tensors").exists()
+    assert not list(tmp_path.rglob("*.tmp"))
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        replayed, _, replayer = script(7, tmp_path)
+        assert replayer.replaying and replayed == results[rank]
+    monkeypatch.delenv("RANK")
+    with pytest.raises(UserError, match="recorded per rank .*rank0, rank1.* --nproc-per-node"):
+        script(7, tmp_path)
+
+
+def test_single_process_recording_is_not_replayed_by_a_rank(tmp_path, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    script(1, tmp_path)
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(UserError, match="recorded by a single process"):
+        script(1, tmp_path)
+    monkeypatch.setenv("RANK", "x")
+    with pytest.raises(UserError, match="RANK environment variable"):
+        script(1, tmp_path / "other")

@@ -53,8 +53,6 @@ print("weight has a gradient:", model.weight.grad is not None)
 """
 
 
-@pytest.mark.xfail(strict=True, reason="bug 3 in docs/real-repos.md: replay substitutes the loss module's "
-                                       "input and cuts the autograd graph")
 def test_replayed_run_still_backpropagates_through_a_loss_module(tmp_path):
     (tmp_path / "train.py").write_text(LOSS_MODULE_SCRIPT)
     for run in ("records", "replays"):
