@@ -11,6 +11,7 @@ parameter, a comparison with a device expression, or a variable that flows into 
 from __future__ import annotations
 
 import ast
+import bisect
 from dataclasses import dataclass
 
 from npukit.migrate.model import Change, Edit, Finding, TreeFacts
@@ -28,7 +29,8 @@ from npukit.migrate.pysource_model import (
 )
 from npukit.migrate.pysource_names import NameRules
 
-__all__ = ["MigrationSyntaxError", "PythonMigrator", "PythonOutcome", "apply_edits", "migrate_python", "remap_findings"]
+__all__ = ["MigrationSyntaxError", "PythonMigrator", "PythonOutcome", "apply_edits", "migrate_python", "remap_changes",
+           "remap_findings"]
 
 # rules whose effect torch_npu's runtime transfer_to_npu also achieves (used by --runtime)
 TRANSFER_TO_NPU_COVERS = frozenset(
@@ -130,12 +132,34 @@ def remap_findings(findings: list[Finding], text: str, edits: list[Edit]) -> lis
     return remapped
 
 
+def remap_changes(changes: list[Change], edits: list[Edit], new_text: str) -> list[Change]:
+    """Move changes to where their new code is in the rewritten text (line and column).
+
+    changes[i] must describe edits[i] (as migrate_python returns them: sorted, non-overlapping).
+    An edit's new code starts at its old offset plus the growth of every edit applied before it
+    (an inserted `import torch_npu` above pushes everything below it down one line).
+    """
+    if len(changes) != len(edits) or not edits:
+        return changes
+    positions = Positions(new_text)
+    remapped, growth = [], 0
+    for change, edit in zip(changes, edits):
+        start = edit.start + growth
+        start += len(edit.text) - len(edit.text.lstrip("\r\n"))  # an inserted line after a newline prefix
+        line = bisect.bisect_right(positions.line_starts, start)
+        col = start - positions.line_starts[line - 1] + 1
+        remapped.append(Change(change.path, line, col, change.rule, change.before, change.after))
+        growth += len(edit.text) - (edit.end - edit.start)
+    return remapped
+
+
 def migrate_python(text: str, path: str, *, runtime: bool = False, entry_point: bool | None = None,
                    facts: TreeFacts = TreeFacts()) -> PythonOutcome:
     """Rewrite one Python source. Raises MigrationSyntaxError if it does not parse.
 
     facts: what the rest of the tree says (custom CUDA ops, classes with their own cuda()).
-    Findings carry the line numbers of the input; remap_findings moves them to the output.
+    Changes and findings carry the line numbers of the input; remap_changes and remap_findings move
+    them to the output.
     """
     migrator = PythonMigrator(text, path, facts)
     edits, findings = migrator.analyse()

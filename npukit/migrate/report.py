@@ -76,7 +76,8 @@ def change_list_csv(run: MigrationRun) -> str:
     writer.writerow(CHANGE_LIST_COLUMNS)
     for result in run.results:
         for c in result.changes:
-            end_line = c.line + c.before.count("\n")
+            # lines are those of the written file when the run writes (the new code's span), else the input's
+            end_line = c.line + (c.after if run.options.writes else c.before).count("\n")
             writer.writerow([c.path, c.line, end_line, c.before, c.after, c.rule, c.col])
     return buffer.getvalue()
 

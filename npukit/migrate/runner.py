@@ -18,7 +18,7 @@ from npukit.errors import UserError
 from npukit.migrate import files as fs
 from npukit.migrate import rules
 from npukit.migrate.model import FileResult, Finding, TreeFacts
-from npukit.migrate.pysource import MigrationSyntaxError, migrate_python, remap_findings
+from npukit.migrate.pysource import MigrationSyntaxError, migrate_python, remap_changes, remap_findings
 from npukit.migrate.textfiles import (
     is_cuda_native,
     migrate_dockerfile,
@@ -86,7 +86,7 @@ class FileSettings:
     """What every file's analysis needs to know about the run (sent to the worker processes)."""
 
     runtime: bool = False
-    lines_after: bool = False  # report findings at their line in the rewritten file (it is written)
+    lines_after: bool = False  # report changes and findings at their line in the rewritten file (it is written)
     facts: TreeFacts = TreeFacts()
 
 
@@ -119,10 +119,12 @@ def process_file(root: str, relative: str, kind: str, settings: FileSettings) ->
             new_text, result.changes, result.findings = outcome.text, outcome.changes, outcome.findings
             if settings.lines_after:
                 result.findings = remap_findings(outcome.findings, text, outcome.edits)
+                result.changes = remap_changes(outcome.changes, outcome.edits, outcome.text)
         elif kind == "notebook":
             if not rules.worth_parsing(text):
                 return result
-            new_text, result.changes, result.findings = migrate_notebook(text, relative, runtime=runtime)
+            new_text, result.changes, result.findings = migrate_notebook(text, relative, runtime=runtime,
+                                                                         lines_after=settings.lines_after)
         elif kind == "shell":
             new_text, result.changes, result.findings = migrate_shell(text, relative)
         elif kind == "dockerfile":

@@ -12,7 +12,13 @@ import re
 
 from npukit.migrate import rules
 from npukit.migrate.model import Change, Finding
-from npukit.migrate.pysource import MigrationSyntaxError, apply_edits, migrate_python
+from npukit.migrate.pysource import (
+    MigrationSyntaxError,
+    apply_edits,
+    migrate_python,
+    remap_changes,
+    remap_findings,
+)
 from npukit.migrate.rules import Flag
 
 _ENV_RENAME = re.compile(r"\b(" + "|".join(rules.ENV_RENAMES) + r")\b")
@@ -307,8 +313,12 @@ def _neutral(length: int) -> str:
     return ("pass" + "#" * (length - 4)) if length >= 4 else "0".ljust(length)
 
 
-def migrate_notebook(text: str, path: str, *, runtime: bool = False) -> tuple[str, list[Change], list[Finding]]:
-    """Code cells are migrated as one module (imports in cell 1 serve cell 5); magics as shell lines."""
+def migrate_notebook(text: str, path: str, *, runtime: bool = False,
+                     lines_after: bool = False) -> tuple[str, list[Change], list[Finding]]:
+    """Code cells are migrated as one module (imports in cell 1 serve cell 5); magics as shell lines.
+
+    lines_after: give the Python changes and findings the (cell) lines of the rewritten notebook.
+    """
     try:
         notebook = json.loads(text)
         cells = notebook["cells"]
@@ -345,6 +355,10 @@ def migrate_notebook(text: str, path: str, *, runtime: bool = False) -> tuple[st
     if outcome.text != combined:
         new_sources = _split_back(outcome.edits, sources, python_parts)
         changes = [_cell_change(c, python_parts) for c in outcome.changes]
+        if lines_after:  # e.g. `import torch_npu` inserted into the first code cell moves that cell's lines
+            new_parts = _split_back(outcome.edits, python_parts, python_parts)
+            changes = [_cell_change(c, new_parts) for c in remap_changes(outcome.changes, outcome.edits, outcome.text)]
+            findings = [_cell_finding(f, new_parts) for f in remap_findings(outcome.findings, combined, outcome.edits)]
     # shell escapes and magics (!nvidia-smi, %env CUDA_VISIBLE_DEVICES=0, %%bash cells)
     per_cell: dict[int, list[tuple[int, str]]] = {}
     for position, index, line in shell_lines:

@@ -90,8 +90,6 @@ torch.cuda.synchronize()
 '''
 
 
-@pytest.mark.xfail(strict=True, reason="bug 2 in docs/real-repos.md: change_list.csv lines are the original "
-                                       "lines, not the lines of the migrated copy")
 def test_reported_change_lines_point_at_the_rewritten_code_in_the_copy(tmp_path):
     (tmp_path / "repo").mkdir()
     (tmp_path / "repo" / "bench.py").write_text(SHIFTED_SOURCE)
