@@ -63,6 +63,30 @@ DDP_SCRIPT = textwrap.dedent("""
     expected = torch.cat([p.detach().reshape(-1) for p in fsdp_reference.parameters()])
     print(f"rank {rank} fsdp2-matches-reference {torch.allclose(full, expected, atol=1e-5)}")
 
+    # FSDP1 from a CPU model with device_id: parameters move by `.data =`, shards are freed
+    # with storage._resize_(0), and gradients are reduce-scattered with record_stream.
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    torch.manual_seed(0)
+    cpu_model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    fsdp1_reference = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    fsdp1_reference.load_state_dict(cpu_model.state_dict())
+    fsdp1 = FSDP(cpu_model, device_id=device.index)
+    fsdp1_optimizer = torch.optim.SGD(fsdp1.parameters(), lr=0.1)
+    fsdp1_reference_optimizer = torch.optim.SGD(fsdp1_reference.parameters(), lr=0.1)
+    for step in range(3):
+        x, y = batch(step, rank)
+        fsdp1_optimizer.zero_grad()
+        F.mse_loss(fsdp1(x.to(device)), y.to(device)).backward()
+        fsdp1_optimizer.step()
+        xs, ys = zip(*(batch(step, r) for r in range(world)))
+        fsdp1_reference_optimizer.zero_grad()
+        F.mse_loss(fsdp1_reference(torch.cat(xs)), torch.cat(ys)).backward()
+        fsdp1_reference_optimizer.step()
+    with FSDP.summon_full_params(fsdp1):
+        full1 = torch.cat([p.detach().reshape(-1).cpu() for p in fsdp1.module.parameters()])
+    expected1 = torch.cat([p.detach().reshape(-1) for p in fsdp1_reference.parameters()])
+    print(f"rank {rank} fsdp1-matches-reference {torch.allclose(full1, expected1, atol=1e-5)}")
+
     flat = torch.cat([p.detach().reshape(-1) for p in ddp.module.parameters()])
     gathered = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(gathered, flat)
@@ -113,7 +137,7 @@ DDP_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_npu_run_two_rank_ddp_and_fsdp2_train_like_one_process_and_collectives_work(tmp_path):
+def test_npu_run_two_rank_ddp_and_fsdp_train_like_one_process_and_collectives_work(tmp_path):
     script = tmp_path / "train_ddp.py"
     script.write_text(DDP_SCRIPT)
     # PET_STANDALONE: torchrun's --standalone, whose rendezvous takes a free port itself (no race).
@@ -128,6 +152,7 @@ def test_npu_run_two_rank_ddp_and_fsdp2_train_like_one_process_and_collectives_w
         assert f"rank {rank} identical True matches-reference True" in out
         assert f"rank {rank} saturation-skipped True scale 32768.0" in out
         assert f"rank {rank} fsdp2-matches-reference True" in out
+        assert f"rank {rank} fsdp1-matches-reference True" in out
         assert f"rank {rank} functional all_reduce [3.0] on npu:{rank}" in out
     # world 2: rank r contributes [r, 10 + r]; reduce-scatter sums rank-scaled inputs [0, 1, 2, 3].
     assert ("rank 0 into [0.0, 10.0, 1.0, 11.0] scattered [0.0, 3.0] listed [1.0, 1.0] "

@@ -965,6 +965,8 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("convolution_overrideable", convolution_overrideable);
   m.impl("convolution_backward_overrideable", convolution_backward_overrideable);
   m.impl("_has_compatible_shallow_copy_type", has_compatible_shallow_copy_type);
+  // Work is synchronous, so a tensor never needs to be kept alive for another stream.
+  m.impl("record_stream", [](at::Tensor&, c10::Stream) {});
   m.impl("_thnn_fused_lstm_cell", fused_lstm_cell);
   m.impl("_thnn_fused_lstm_cell_backward_impl", fused_lstm_cell_backward);
   m.impl("_thnn_fused_gru_cell", fused_gru_cell);
