@@ -82,6 +82,22 @@ def _wrap_backend(fn):
     return wrapper
 
 
+def _cuda_capability_for_npu(device=None) -> tuple[int, int]:
+    """torch.cuda.get_device_capability() under transfer_to_npu.
+
+    torch_npu answers None (an NPU has no CUDA compute capability) unless
+    TORCH_NPU_DEVICE_CAPABILITY is set, and PyTorch's own code (e.g. dist.broadcast on a tensor
+    whose is_cuda is now True) indexes the answer. (0, 0) keeps such code working and makes
+    `capability >= (8, 0)` checks take their conservative branch.
+    """
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        capability = torch.npu.get_device_capability(to_npu_device(device))
+    return capability if capability is not None else (0, 0)
+
+
 def apply() -> None:
     """Apply the patches once (importing torch_npu.contrib.transfer_to_npu calls this)."""
     global _applied
@@ -96,6 +112,7 @@ def apply() -> None:
     for name in ("is_available", "device_count", "current_device", "set_device", "synchronize",
                  "get_device_name", "get_device_properties", "manual_seed", "manual_seed_all"):
         setattr(torch.cuda, name, _wrap_device_args(getattr(npu, name)))
+    torch.cuda.get_device_capability = _cuda_capability_for_npu
     torch.cuda.amp.autocast = npu.amp.autocast
     torch.cuda.amp.GradScaler = npu.amp.GradScaler
     torch.cuda.amp.custom_fwd = npu.amp.custom_fwd

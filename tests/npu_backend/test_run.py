@@ -114,3 +114,18 @@ def test_strip_option_keeps_script_arguments(option):
     argv = ["--golden", option, "2", "train.py", option, "5", "--x"]
     assert strip_option(argv, option) == ["--golden", "train.py", option, "5", "--x"]
     assert strip_option([f"{option}=2", "t.py"], option) == ["t.py"]
+
+
+def test_transfer_to_npu_runs_cuda_distributed_code_on_hccl(tmp_path):
+    script = tmp_path / "cuda_dist.py"
+    script.write_text(
+        "import torch, torch.distributed as dist\n"
+        "dist.init_process_group('nccl', store=dist.HashStore(), rank=0, world_size=1)\n"
+        "t = torch.ones(3).cuda()\n"
+        "dist.broadcast(t, 0)\n"  # PyTorch itself reads torch.cuda.get_device_capability() here
+        "dist.all_reduce(t)\n"
+        "print('backend', dist.get_backend(), 'device', t.device, 'capability', torch.cuda.get_device_capability())\n"
+    )
+    result = npu_run("--transfer-to-npu", str(script))
+    assert result.returncode == 0, result.stderr
+    assert "backend hccl device npu:0 capability (0, 0)" in result.stdout
