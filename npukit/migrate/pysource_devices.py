@@ -66,6 +66,14 @@ class DeviceRules:
             return expr
         return None
 
+    def _backend_literals(self, expr: ast.AST) -> list[ast.Constant]:
+        """The "nccl" literals an expression can evaluate to: the literal itself, or the branches of a
+        conditional (`"gloo" if not torch.cuda.is_available() else "nccl"`), nested ones included."""
+        if isinstance(expr, ast.IfExp):
+            return self._backend_literals(expr.body) + self._backend_literals(expr.orelse)
+        literal = self._backend_literal(expr)
+        return [literal] if literal is not None else []
+
     def _rewrite_backend(self, node: ast.Constant, rule: str) -> None:
         new = re.sub(r"\bnccl\b", "hccl", re.sub(r"\bcuda\b", "npu", node.value))
         self._rewrite_string_value(node, new, rule)
@@ -153,10 +161,10 @@ class DeviceRules:
         if name == "init_process_group" and call.args:
             exprs.append(call.args[0])
         for expr in exprs:
-            literal = self._backend_literal(expr)
-            if literal is not None:
+            literals = self._backend_literals(expr)
+            for literal in literals:
                 self._rewrite_backend(literal, "backend-string")
-            elif isinstance(expr, (ast.Name, ast.Attribute)):
+            if not literals and isinstance(expr, (ast.Name, ast.Attribute)):
                 self._note_flow_use(expr, "backend")
                 if name == "init_process_group" and isinstance(expr, ast.Attribute) and self.qualname(expr) is None:
                     self._pending_backend_sinks.append(expr)
@@ -269,11 +277,12 @@ class DeviceRules:
                                            f"'{value.value}' is assigned to `{name}` but not seen flowing into a device use",
                                            "if it is a device, change it to 'npu' by hand"))
                 continue
-            literal = self._backend_literal(value)
-            if literal is not None:
+            backend_literals = self._backend_literals(value)  # "nccl", or a conditional choosing it
+            if backend_literals:
                 used = ("backend", *key) in self.flow_uses if key[0] != "attr" else ("backend", "attr", key[1]) in self.flow_uses
                 if used or "backend" in lowered:
-                    self._rewrite_backend(literal, "backend-string")
+                    for literal in backend_literals:
+                        self._rewrite_backend(literal, "backend-string")
         # dict displays: {"device": "cuda", "backend": "nccl"} configure a device/backend by key
         for node in self.dicts:
             for key, value in zip(node.keys, node.values):
@@ -282,13 +291,15 @@ class DeviceRules:
                     continue
                 if "device" in key_text.lower():
                     self._rewrite_device_expr(value, "device-variable")
-                elif "backend" in key_text.lower() and self._backend_literal(value) is not None:
-                    self._rewrite_backend(value, "backend-string")
+                elif "backend" in key_text.lower():
+                    for literal in self._backend_literals(value):
+                        self._rewrite_backend(literal, "backend-string")
         for call in self.calls:  # dict(backend="nccl")
             if isinstance(call.func, ast.Name) and call.func.id == "dict":
                 for keyword in call.keywords:
-                    if keyword.arg and "backend" in keyword.arg.lower() and self._backend_literal(keyword.value) is not None:
-                        self._rewrite_backend(keyword.value, "backend-string")
+                    if keyword.arg and "backend" in keyword.arg.lower():
+                        for literal in self._backend_literals(keyword.value):
+                            self._rewrite_backend(literal, "backend-string")
 
     def _handle_strings(self) -> None:
         for node in self.strings:
@@ -322,6 +333,12 @@ class DeviceRules:
                 self._flag(node, Flag("device-string", "info",
                                       f"'{value}' is not in a recognised device position and was left unchanged",
                                       "change it to 'npu' by hand if it names the device"))
+            elif self._backend_literal(node) is not None and not is_dict_key and self._chosen_by_cuda_test(node):
+                self._flag(node, Flag("backend-choice", "warning",
+                                      f"'{value}' is chosen by a CUDA availability test that was migrated to NPU, so "
+                                      "the migrated code picks it exactly on NPU hosts (where NCCL does not exist); "
+                                      "it was not seen flowing into a process-group backend, so it was left unchanged",
+                                      "change it to 'hccl' if it names the process-group backend"))
             elif self._backend_literal(node) is not None and not is_dict_key:
                 self._flag(node, Flag("backend-string", "info",
                                       f"'{value}' is not in a recognised backend position and was left unchanged",
@@ -349,6 +366,17 @@ class DeviceRules:
             if any(isinstance(sub, ast.Call) and self.qualname(sub.func) == "torch.cuda.is_available"
                    for sub in ast.walk(node.test)):
                 self._rewrite_device_expr(node, "device-string")
+
+    def _chosen_by_cuda_test(self, node: ast.AST) -> bool:
+        """A branch of a conditional expression whose test calls torch.cuda.is_available() (nested IfExps too)."""
+        current = node
+        up = self.parent.get(id(current))
+        while isinstance(up, ast.IfExp) and current is not up.test:
+            if any(isinstance(sub, ast.Call) and self.qualname(sub.func) == "torch.cuda.is_available"
+                   for sub in ast.walk(up.test)):
+                return True
+            current, up = up, self.parent.get(id(up))
+        return False
 
     def _flag_backend_sinks(self) -> None:
         for expr in self._pending_backend_sinks:

@@ -9,8 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from npukit.migrate import MigrateOptions, run_migration
 from npukit.migrate.pysource import migrate_python
 
@@ -72,8 +70,6 @@ def setup_dist():
 """
 
 
-@pytest.mark.xfail(strict=True, reason="bug 5 in docs/real-repos.md: the availability test is migrated, "
-                                       "the 'nccl' it selects is kept and reported as info only")
 def test_backend_selected_by_an_availability_test_is_migrated_or_flagged_as_an_error():
     outcome = migrate_python(BACKEND_SOURCE, "dist_util.py")
     assert "th.npu.is_available()" in outcome.text
