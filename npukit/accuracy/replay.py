@@ -18,8 +18,8 @@ computed under autograd, or a leaf the script wants a gradient for) or that is t
 earlier root forward (or a view of one, e.g. under no_grad) is an activation: it is recorded as
 such, without its values, and always kept as it is. So `criterion(model(x), y)` with an
 `nn.Module` loss keeps the autograd graph from the loss to the model, and only `y` (data) is
-replaced; an activation computed from a root output under no_grad (`head(body(x).float())`) is
-not recognised and is still substituted.
+replaced. Not recognised: a new tensor made from a root output by a function under no_grad
+(`head(body(x).float())`) or by `.detach()` (an RNN's carried hidden state) is still substituted.
 
 Under torchrun (RANK set) every rank records and replays in its own DIR/rank{RANK}/, as dumps
 do; a single process uses DIR itself.
