@@ -184,3 +184,16 @@ def test_storage_resized_to_zero_stays_on_its_npu():
     storage.resize_(16)
     t.set_(storage, 0, (4,), (1,))
     assert t.device == torch.device("npu", 1)
+
+
+def test_module_to_npu_moves_its_parameters_in_place():
+    """As with torch_npu, Module.to("npu") keeps the Parameter objects (an optimizer made earlier
+    still holds the model's parameters)."""
+    model = torch.nn.Linear(2, 2)
+    weight = model.weight
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.to("npu")
+    assert model.weight is weight and weight.device.type == "npu"
+    model(torch.ones(1, 2, device="npu")).sum().backward()
+    optimizer.step()
+    assert optimizer.param_groups[0]["params"][0].device.type == "npu"

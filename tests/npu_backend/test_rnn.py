@@ -25,8 +25,10 @@ def _compare(module_factory, input_shape, needs_state: bool):
             states = extra if isinstance(extra, tuple) else (extra,)
             loss = loss + sum(s.sum() for s in states)
         loss.backward()
-        outputs.append(flat.detach().cpu())
-        grads.append([xd.grad.cpu()] + [p.grad.cpu() for p in m.parameters()])
+        # Copies: moving the module to npu swaps its parameters (and their grads) in place, as
+        # torch_npu does, which would otherwise change the CPU results kept here.
+        outputs.append(flat.detach().cpu().clone())
+        grads.append([xd.grad.cpu().clone()] + [p.grad.cpu().clone() for p in m.parameters()])
     torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-5)
     for npu_grad, cpu_grad in zip(grads[1], grads[0]):
         torch.testing.assert_close(npu_grad, cpu_grad, rtol=1e-4, atol=1e-5)
@@ -55,7 +57,7 @@ def test_lstm_gradient_through_cell_state_only():
         c.zero_grad()
         _, cy = c(x.to(device))
         cy.sum().backward()  # grad_hy is undefined in the fused backward
-        results.append(c.weight_ih.grad.cpu())
+        results.append(c.weight_ih.grad.cpu().clone())
     torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-6)
 
 
