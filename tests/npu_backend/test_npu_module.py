@@ -157,3 +157,24 @@ def test_overflow_flag_utils():
     assert not utils.get_npu_overflow_flag()
     assert utils.npu_check_overflow(torch.tensor([float("inf")], device="npu"))
     assert not utils.npu_check_overflow(torch.ones(2, device="npu"))
+
+
+def test_memory_capacity_from_environment_and_torch_npu_submodules_import():
+    from tests.npu_backend.conftest import run_python
+
+    result = run_python("""
+        import torch
+        from npukit.npu_backend.torch_npu_shim import install_torch_npu
+        install_torch_npu()
+        import torch_npu.npu.utils
+        from torch_npu.npu.utils import npu_check_overflow, get_npu_overflow_flag, clear_npu_overflow_flag
+        print(torch.npu.mem_get_info(0)[1], torch_npu.npu.utils is torch.npu.utils)
+        try:
+            torch.empty(3 << 20, dtype=torch.uint8, device="npu")
+        except torch.OutOfMemoryError as exc:
+            print(str(exc).split(" (")[0])
+    """, env={"NPUKIT_MEMORY_CAPACITY": "2MiB"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:2] == [f"{2 << 20} True", "NPU out of memory. Tried to allocate 3.00 MiB"]
+    bad = run_python("import npukit.npu_backend", env={"NPUKIT_MEMORY_CAPACITY": "lots"})
+    assert bad.returncode != 0 and "NPUKIT_MEMORY_CAPACITY='lots'" in bad.stderr
