@@ -20,6 +20,7 @@ from npukit.accuracy import naming
 from npukit.accuracy.dumpfile import DumpEntry, RankDump, TensorLeaf, load_dump_dir
 from npukit.accuracy.metrics import PairJob, PairMetrics, compare_pairs
 from npukit.accuracy.tensor_io import is_floating
+from npukit.alignment import myers_alignment
 from npukit.errors import UserError
 
 PASS, WARN, ERROR = "pass", "warn", "error"
@@ -176,7 +177,7 @@ def align(golden: list[DumpEntry], target: list[DumpEntry], max_edits: int = 400
     target_keys = [entry.key for entry in target]
     if golden_keys == target_keys:
         return list(zip(golden, target)), False
-    matches = _myers_matches(golden_keys, target_keys, max_edits)
+    matches = myers_alignment(golden_keys, target_keys, max_edits)
     if matches is None:  # streams too different to align: fall back to exact names
         by_name = {entry.name: entry for entry in golden}
         used = set()
@@ -198,54 +199,6 @@ def align(golden: list[DumpEntry], target: list[DumpEntry], max_edits: int = 400
     pairs += [(golden[i], None) for i in range(gi, len(golden))]
     pairs += [(None, target[j]) for j in range(ti, len(target))]
     return pairs, True
-
-
-def _myers_matches(a: list[str], b: list[str], max_edits: int) -> list[tuple[int, int]] | None:
-    """Indices (i, j) with a[i] == b[j] of a shortest edit script (Myers 1986), None if > max_edits."""
-    n, m = len(a), len(b)
-    offset = max_edits + 1
-    v = [0] * (2 * offset + 1)
-    trace = []
-    for d in range(max_edits + 1):
-        trace.append(v[:])
-        for k in range(-d, d + 1, 2):
-            if k == -d or (k != d and v[offset + k - 1] < v[offset + k + 1]):
-                x = v[offset + k + 1]
-            else:
-                x = v[offset + k - 1] + 1
-            y = x - k
-            while x < n and y < m and a[x] == b[y]:
-                x += 1
-                y += 1
-            v[offset + k] = x
-            if x >= n and y >= m:
-                return _backtrack(trace, v, a, b, offset, d)
-    return None
-
-
-def _backtrack(trace, v_final, a, b, offset, d_final) -> list[tuple[int, int]]:
-    matches = []
-    x, y = len(a), len(b)
-    for d in range(d_final, -1, -1):
-        v = trace[d]
-        k = x - y
-        if d == 0:
-            prev_x = prev_y = 0
-        else:
-            if k == -d or (k != d and v[offset + k - 1] < v[offset + k + 1]):
-                prev_k = k + 1
-            else:
-                prev_k = k - 1
-            prev_x = v[offset + prev_k]
-            prev_y = prev_x - prev_k
-        while x > prev_x and y > prev_y:
-            x -= 1
-            y -= 1
-            matches.append((x, y))
-        if d > 0:
-            x, y = prev_x, prev_y
-    matches.reverse()
-    return matches
 
 
 # ---------------------------------------------------------------------------- rows

@@ -18,9 +18,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from npukit.alignment import MAX_EDIT_DISTANCE, myers_alignment
 from npukit.profiler.table import KIND_OP, EventTable
-
-MAX_EDIT_DISTANCE = 4000  # beyond this the runs are different programs; alignment is skipped
 
 
 @dataclass
@@ -69,59 +68,6 @@ class DiffResult:
         }
 
 
-def myers_alignment(a: list, b: list, max_distance: int = MAX_EDIT_DISTANCE) -> list[tuple[int, int]] | None:
-    """Index pairs (i, j) with a[i] == b[j] of a shortest edit script, or None if D > max_distance."""
-    n, m = len(a), len(b)
-    limit = min(max_distance, n + m)
-    offset = limit + 1
-    v = [0] * (2 * limit + 3)
-    trace: list[list[int]] = []
-    for d in range(limit + 1):
-        trace.append(v[offset - d - 1: offset + d + 2])
-        for k in range(-d, d + 1, 2):
-            if k == -d or (k != d and v[offset + k - 1] < v[offset + k + 1]):
-                x = v[offset + k + 1]
-            else:
-                x = v[offset + k - 1] + 1
-            y = x - k
-            while x < n and y < m and a[x] == b[y]:
-                x += 1
-                y += 1
-            v[offset + k] = x
-            if x >= n and y >= m:
-                return _backtrack(trace, n, m, d)
-    return None
-
-
-def _backtrack(trace: list[list[int]], n: int, m: int, distance: int) -> list[tuple[int, int]]:
-    pairs: list[tuple[int, int]] = []
-    x, y = n, m
-    for d in range(distance, 0, -1):
-        snapshot = trace[d]  # v before round d, covering k in [-d-1, d+1]
-
-        def value(k: int, snapshot=snapshot, d=d) -> int:
-            return snapshot[k + d + 1]
-
-        k = x - y
-        if k == -d or (k != d and value(k - 1) < value(k + 1)):
-            prev_k = k + 1
-        else:
-            prev_k = k - 1
-        prev_x = value(prev_k)
-        prev_y = prev_x - prev_k
-        while x > prev_x and y > prev_y:
-            x -= 1
-            y -= 1
-            pairs.append((x, y))
-        x, y = prev_x, prev_y
-    while x > 0 and y > 0:
-        x -= 1
-        y -= 1
-        pairs.append((x, y))
-    pairs.reverse()
-    return pairs
-
-
 def _top_level_calls(table: EventTable, steps: list[int]) -> np.ndarray:
     mask = (table.kind == KIND_OP) & table.top_level
     if steps:
@@ -144,7 +90,7 @@ def diff_profiles(a: EventTable, b: EventTable) -> DiffResult:
     names_b = b.lookup(b.name_id[rows_b]).tolist()
     dur_a, dur_b = a.dur_ns[rows_a] / 1e3, b.dur_ns[rows_b] / 1e3
 
-    pairs = myers_alignment(names_a, names_b)
+    pairs = myers_alignment(names_a, names_b, MAX_EDIT_DISTANCE)
     aligned = pairs is not None
     note = "" if aligned else (
         f"the op sequences differ in more than {MAX_EDIT_DISTANCE} calls; showing per-op totals without alignment"
