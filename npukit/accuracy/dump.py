@@ -433,17 +433,8 @@ class DumpSession:
 
     # ------------------------------------------------------------------ modules
     def _module_path(self, module: torch.nn.Module) -> str:
-        path = self._paths.get(module)
-        if path is None:
-            if self._module_stack:
-                # Created after its parent was first seen: re-walk the outermost running module.
-                outer = self._module_stack[0][2]
-                for name, sub in outer.named_modules(prefix=self._paths.get(outer, "")):
-                    self._paths.setdefault(sub, name)
-            for name, sub in module.named_modules():
-                self._paths.setdefault(sub, name)
-            path = self._paths[module]
-        return path
+        outer = self._module_stack[0][2] if self._module_stack else None
+        return naming.module_path(self._paths, module, outer)
 
     def _on_module_pre_forward(self, module, args) -> None:
         self._forward_seen = True

@@ -94,6 +94,20 @@ _API_RE = re.compile(r"^(?P<base>.+)\.(?P<index>\d+)\.(?P<dir>forward|backward)$
 _MODULE_RE = re.compile(r"^(?P<base>Module\..+)\.(?P<dir>forward|backward)\.(?P<index>\d+)$")
 
 
+def module_path(paths: dict, module, outermost_running=None) -> str:
+    """Dotted path of `module` (cached in `paths`). A module created after its parent was first
+    seen is found by re-walking the outermost module still running."""
+    path = paths.get(module)
+    if path is None:
+        if outermost_running is not None:
+            for name, sub in outermost_running.named_modules(prefix=paths.get(outermost_running, "")):
+                paths.setdefault(sub, name)
+        for name, sub in module.named_modules():
+            paths.setdefault(sub, name)
+        path = paths[module]
+    return path
+
+
 def split_entry_name(name: str) -> tuple[str, str, int | None]:
     """(base without call index, direction, call index) -- the key sequence alignment works on.
 
