@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import warnings
 
 import torch
@@ -92,9 +93,7 @@ def install(device_count: int | None = None) -> None:
     numerics.apply_environment()
     npu_module._refresh_default_generators()
     torch._register_device_module("npu", npu_module)
-    for name in ("amp", "utils", "memory", "random", "mstx"):
-        import sys
-
+    for name in npu_module.SUBMODULES:
         sys.modules[f"torch.npu.{name}"] = getattr(npu_module, name)
     torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True)
     _run_backward_in_calling_thread()

@@ -78,7 +78,7 @@ def install_torch_npu() -> types.ModuleType:
     root.__path__ = []  # a package, so `import torch_npu.x` works
     root.npu = npu
     sys.modules["torch_npu.npu"] = npu
-    for sub in ("utils", "amp", "memory", "random", "mstx"):
+    for sub in npu.SUBMODULES:
         sys.modules[f"torch_npu.npu.{sub}"] = getattr(npu, sub)
     for name in FUSED_OPS:
         setattr(root, name, _fused_op(name))

@@ -649,6 +649,14 @@ at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
   return copy_from(self, dst, false);
 }
 
+// A result computed on CPU aliases, adopted by the npu device of `npu_like` (no copy).
+at::Tensor wrap_like(const at::Tensor& cpu, const at::Tensor& npu_like) {
+  if (!cpu.defined()) return cpu;
+  Translation tr;
+  tr.device = npu_like.device().index();
+  return tr.to_npu(cpu);
+}
+
 // Convolution on a non-CPU/CUDA device dispatches to the *_overrideable ops.
 at::Tensor convolution_overrideable(const at::Tensor& input, const at::Tensor& weight,
                                     const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
@@ -677,9 +685,7 @@ at::Tensor convolution_overrideable(const at::Tensor& input, const at::Tensor& w
   }
   if (reduced) out = out.to(dtype);
   saturate_half(out);
-  Translation tr;
-  tr.device = input.device().index();
-  return tr.to_npu(out);
+  return wrap_like(out, input);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_overrideable(
@@ -705,13 +711,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_overrideable
     grads = at::convolution_backward(g, x, w, at::OptionalIntArrayRef(bias_sizes), stride, padding,
                                      dilation, transposed, output_padding, groups, output_mask);
   }
-  Translation tr;
-  tr.device = input.device().index();
   auto finish = [&](at::Tensor t) {
     if (!t.defined()) return t;
     if (reduced) t = t.to(dtype);
     saturate_half(t);
-    return tr.to_npu(t);
+    return wrap_like(t, input);
   };
   return {finish(std::get<0>(grads)), finish(std::get<1>(grads)), finish(std::get<2>(grads))};
 }
@@ -729,12 +733,6 @@ bool has_compatible_shallow_copy_type(const at::Tensor& self, const at::Tensor& 
 // ------------------------------------------------------------------ recurrent cells
 // ATen's LSTM/GRU take the fused-cell path for every non-CPU device; these are the fused
 // cells' math (same gate order and workspace layout as the CUDA kernels) on the CPU aliases.
-at::Tensor wrap_like(const at::Tensor& cpu, const at::Tensor& npu_like) {
-  if (!cpu.defined()) return cpu;
-  Translation tr;
-  tr.device = npu_like.device().index();
-  return tr.to_npu(cpu.is_contiguous() ? cpu : cpu.contiguous());
-}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_lstm_cell(
     const at::Tensor& input_gates, const at::Tensor& hidden_gates, const at::Tensor& cx,

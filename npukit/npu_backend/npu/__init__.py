@@ -51,6 +51,9 @@ from npukit.npu_backend.npu.random import (  # noqa: F401 (re-exported API)
     set_rng_state_all,
 )
 
+# Submodules importable as torch.npu.<name> and torch_npu.npu.<name>.
+SUBMODULES = ("amp", "utils", "memory", "random", "mstx")
+
 default_generators: tuple = ()
 
 
