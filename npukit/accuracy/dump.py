@@ -497,12 +497,15 @@ class DumpSession:
         inputs = [t for t in _flatten(args) if isinstance(t, torch.Tensor)]
         record = self._record
         wants_inputs = any(t.requires_grad for t in inputs)
+        # The hooks below must not capture the tensors themselves: a hook on a tensor's grad_fn
+        # holding that tensor is a cycle that keeps every activation alive until a gc pass.
+        output_count, input_count = len(outputs), len(inputs)
 
         def entry() -> _Entry:
             existing = record.module_backward.get(backward_name)
             if existing is None:
                 existing = _Entry(backward_name, None, None)
-                existing.data = {"input": [None] * len(outputs), "output": [None] * len(inputs)}
+                existing.data = {"input": [None] * output_count, "output": [None] * input_count}
                 record.module_backward[backward_name] = existing
             return existing
 

@@ -56,6 +56,25 @@ def test_stats_values_match_the_tensor(tmp_path):
     assert leaf["Norm"] == pytest.approx(float(torch.relu(x).norm()))
 
 
+def test_activations_are_freed_by_backward_not_kept_for_a_gc_pass(tmp_path):
+    """Backward hooks must not hold the tensors they hook: a leak here made dumps 20% slower."""
+    import gc
+    import weakref
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    gc.disable()
+    try:
+        with DumpSession(tmp_path, level="mix", mode="stats") as session:
+            out = model(torch.randn(4, 8, requires_grad=True))
+            alive = weakref.ref(out)
+            out.sum().backward()
+            del out
+            assert alive() is None
+            session.step()
+    finally:
+        gc.enable()
+
+
 def test_nan_and_inf_are_counted(tmp_path):
     x = torch.tensor([1.0, float("nan"), float("inf"), 2.0])
     with DumpSession(tmp_path, level="api", mode="stats"):
