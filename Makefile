@@ -10,7 +10,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py $(wildcard npukit/npu_backend/csrc/*)
+$(STAMP): pyproject.toml setup.py $(wildcard npukit/*/csrc/*)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q torch==2.13.0
@@ -34,4 +34,4 @@ browser:
 	command -v chromium >/dev/null 2>&1 || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium chromium-driver; }
 
 clean:
-	rm -rf build npukit/npu_backend/*.so demo-out
+	rm -rf build npukit/npu_backend/*.so npukit/accuracy/*.so demo-out

@@ -1,6 +1,7 @@
-"""Builds npukit's emulated-device extension (C++ against the installed torch)."""
+"""Builds npukit's extensions: the emulated device (C++ against the installed torch) and the
+dump session's one-pass statistics kernel (C++ on the CPython API, no torch)."""
 
-from setuptools import setup
+from setuptools import Extension, setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 setup(
@@ -9,7 +10,8 @@ setup(
             "npukit.npu_backend._C",
             ["npukit/npu_backend/csrc/device.cpp"],
             extra_compile_args=["-O3", "-std=c++17"],
-        )
+        ),
+        Extension("npukit.accuracy._stats", ["npukit/accuracy/csrc/stats.cpp"], extra_compile_args=["-O3"]),
     ],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=False)},
 )

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from npukit.accuracy.dump import DumpSession, parse_steps
+from npukit.accuracy.dump import DumpSession, parse_steps, tensor_stats
 from npukit.accuracy.tensor_io import read_tensor
 from npukit.errors import UserError
 
@@ -54,6 +54,32 @@ def test_stats_values_match_the_tensor(tmp_path):
     leaf = load(tmp_path)["data"]["Torch.relu.0.forward"]["output"][0]
     assert (leaf["Max"], leaf["Min"], leaf["Mean"]) == (4.0, 0.0, 2.0)
     assert leaf["Norm"] == pytest.approx(float(torch.relu(x).norm()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64])
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_statistics_agree_with_float64_for_every_dtype_and_layout(dtype, contiguous):
+    generator = torch.Generator().manual_seed(0)
+    data = (torch.randn(301, 157, generator=generator) * 3 + 0.5).to(dtype)  # odd sizes: a partial tail
+    if not contiguous:
+        data = data.t()
+    exact = data.double()
+    high, low, mean, norm, nans, infs = tensor_stats(data)
+    assert (high, low) == (float(exact.max()), float(exact.min()))
+    assert mean == pytest.approx(float(exact.mean()), rel=1e-6, abs=1e-6)
+    assert norm == pytest.approx(float(exact.norm()), rel=1e-6)
+    assert (nans, infs) == (0, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_nan_inf_and_float_overflowing_squares_give_torch_figures(dtype):
+    data = torch.ones(1000, dtype=dtype)
+    data[3], data[500], data[999] = float("nan"), float("inf"), float("-inf")
+    high, low, _, _, nans, infs = tensor_stats(data)
+    assert high != high and low != low and (nans, infs) == (1, 2)  # nan propagates, as in torch.amax
+    if dtype != torch.float16:  # 1e20 is beyond fp16's range
+        big = torch.full((64,), 1e20, dtype=dtype)  # finite, but its squares overflow float32
+        assert tensor_stats(big)[3] == pytest.approx(float(big.double().norm()), rel=1e-2)
 
 
 def test_activations_are_freed_by_backward_not_kept_for_a_gc_pass(tmp_path):
