@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import gc
 import json
-import linecache
 import math
 import os
-import runpy
 import sys
 import weakref
 import zlib
@@ -34,6 +32,7 @@ from torch.overrides import TorchFunctionMode
 
 from npukit.accuracy import naming
 from npukit.accuracy._stats import stats as one_pass_stats
+from npukit.accuracy.stacks import CallStacks
 from npukit.accuracy.tensor_io import tensor_to_numpy, write_tensor
 from npukit.errors import UserError
 
@@ -53,13 +52,6 @@ _SAME_ELEMENTS = frozenset(
                "contiguous", "view_as", "reshape_as", "swapaxes", "movedim", "ravel", "T", "mT")
 )
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # npukit/
-# Frames from here outwards belong to the launcher (npu-run, runpy), not to the user's code.
-_LAUNCHER_FILES = frozenset({
-    "<frozen runpy>", runpy.__file__, os.path.join(_OWN_DIR, "run.py"), os.path.join(_OWN_DIR, "cli.py"),
-})
-_LAUNCHER_PACKAGES = tuple(f"{os.sep}{name}{os.sep}" for name in ("_pytest", "pluggy", "typer", "click"))
 _MAX_STACK_FRAMES = 30
 
 
@@ -158,10 +150,13 @@ def _host_stats(data: torch.Tensor) -> list[float]:
     kind = _ONE_PASS_KINDS.get(data.dtype)
     if kind is not None:
         # One read of the data instead of torch's four reductions (3-10x faster, and summed more
-        # exactly; a strided tensor is cheaper copied than reduced four times). The kernel skips
-        # NaN in max/min, so data with nan or inf takes torch's path below.
-        dense = data.contiguous()
-        high, low, total, squares, finite = one_pass_stats(dense.data_ptr(), dense.numel(), kind)
+        # exactly); slices and transposes are read in place. The kernel skips NaN in max/min,
+        # so data with nan or inf takes torch's path below.
+        result = one_pass_stats(data.data_ptr(), kind, data.shape, data.stride())
+        if result is None:  # overlapping or finely strided: cheaper copied than reduced four times
+            dense = data.contiguous()
+            result = one_pass_stats(dense.data_ptr(), kind, dense.shape, dense.stride())
+        high, low, total, squares, finite = result
         if finite:
             return [high, low, total / data.numel(), math.sqrt(squares), 0.0, 0.0]
     # float64, integers (as float64) and data with nan/inf. One intra-op thread: these
@@ -263,7 +258,7 @@ class _StepRecord:
         self.leaves: list[tuple[dict, int]] = []
         # id(tensor) -> (weakref, version, stats slot, producing leaf name, data file name)
         self.seen: dict[int, tuple] = {}
-        self.stacks: dict[tuple, int] = {}
+        self.stacks = CallStacks(_MAX_STACK_FRAMES)
         self.counter = naming.CallCounter()
         self.module_backward: dict[str, _Entry] = {}
 
@@ -368,8 +363,8 @@ class DumpSession:
             optimizer_hooks.register_optimizer_step_pre_hook(self._on_optimizer_pre_step),
             optimizer_hooks.register_optimizer_step_post_hook(self._on_optimizer_post_step),
         ]
-        if self.mode == "tensor":
-            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="npukit-dump")
+        # Files are written by one thread, in order, while training goes on.
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="npukit-dump")
         if self._apis:
             self._mode = _ApiMode(self)
             self._mode.__enter__()
@@ -391,11 +386,14 @@ class DumpSession:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        if self._record.entries:
-            self._flush()
-        if self._writer is not None:
+        try:
+            if self._record.entries:
+                self._flush()
+            self._check_writes(wait=True)
+        finally:
             self._writer.shutdown(wait=True)
             self._writer = None
+            self._pending_writes = []
 
     # ------------------------------------------------------------------ step logic
     def _step_selected(self) -> bool:
@@ -720,37 +718,35 @@ class DumpSession:
         return None
 
     def _stack_id(self) -> int | None:
-        if not self.capture_stack:
-            return None
-        frames = []
-        frame = sys._getframe(3)
-        while frame is not None and len(frames) < _MAX_STACK_FRAMES:
-            filename = frame.f_code.co_filename
-            if filename in _LAUNCHER_FILES or any(package in filename for package in _LAUNCHER_PACKAGES):
-                break
-            if not (filename.startswith(_TORCH_DIR) or filename.startswith(_OWN_DIR)):
-                frames.append((filename, frame.f_lineno, frame.f_code.co_name))
-            frame = frame.f_back
-        key = tuple(frames)
-        stacks = self._record.stacks
-        stack_id = stacks.get(key)
-        if stack_id is None:
-            stack_id = stacks[key] = len(stacks)
-        return stack_id
+        return self._record.stacks.capture(3) if self.capture_stack else None
 
     # ------------------------------------------------------------------ writing
     def _rank_dir(self, step: int) -> Path:
         return self.out_dir / f"step{step}" / f"rank{self.rank}"
 
     def _flush(self) -> None:
+        """Resolve the step's statistics here (one device sync), write its files in the writer
+        thread while the next step runs."""
         record = self._record
         values = record.stats.resolve()
         for leaf, slot in record.leaves:
             fill_stats(leaf, values[slot])
+        self._check_writes(wait=False)
+        tensor_writes, self._pending_writes = self._pending_writes, []
+        self._pending_writes.append(self._writer.submit(self._write_step, record, self.step_index, tensor_writes))
+        self.written_steps.append(self.step_index)
+
+    def _check_writes(self, wait: bool) -> None:
+        """Raise the first error of a finished write (of all writes, with wait)."""
         for future in self._pending_writes:
+            if wait or future.done():
+                future.result()
+        self._pending_writes = [future for future in self._pending_writes if not future.done()]
+
+    def _write_step(self, record: _StepRecord, step: int, tensor_writes: list) -> None:
+        for future in tensor_writes:  # done already (one writer thread, in order); their errors stop us
             future.result()
-        self._pending_writes = []
-        rank_dir = self._rank_dir(self.step_index)
+        rank_dir = self._rank_dir(step)
         rank_dir.mkdir(parents=True, exist_ok=True)
         dump = {
             "task": _TASK_NAMES[self.mode],
@@ -759,24 +755,19 @@ class DumpSession:
             "dump_data_dir": str(rank_dir / TENSOR_DATA_DIR) if self.mode == "tensor" else None,
             "data": {entry.name: entry.data for entry in record.entries},
         }
-        stack_lines = {stack_id: _format_stack(frames) for frames, stack_id in record.stacks.items()}
         grouped: dict[int, list[str]] = {}
         for entry in record.entries:
             if entry.stack_id is not None:
                 grouped.setdefault(entry.stack_id, []).append(entry.name)
-        stack = {str(i): [names, stack_lines[stack_id]] for i, (stack_id, names) in enumerate(grouped.items())}
+        stack = {  # msprobe's stack.json: {index: [entry names, ["File f, line n, in g, \n source", ...]]}
+            str(i): [names, [f"File {file}, line {line}, in {function}, \n {source}"
+                             for file, line, function, source in record.stacks.frames(stack_id)]]
+            for i, (stack_id, names) in enumerate(grouped.items())
+        }
         construct = {entry.name: entry.parent for entry in record.entries if "forward" in entry.name}
         write_json(rank_dir / "dump.json", dump)
         write_json(rank_dir / "stack.json", stack)
         write_json(rank_dir / "construct.json", construct)
-        self.written_steps.append(self.step_index)
-
-
-def _format_stack(frames: tuple) -> list[str]:
-    return [
-        f"File {filename}, line {lineno}, in {function}, \n {linecache.getline(filename, lineno).strip()}"
-        for filename, lineno, function in frames
-    ]
 
 
 def write_json(path: Path, payload) -> None:

@@ -34,11 +34,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import linecache
 import math
 import os
 import re
-import runpy
 import sys
 import weakref
 from dataclasses import dataclass, field
@@ -49,6 +47,7 @@ from torch.overrides import TorchFunctionMode
 
 from npukit.accuracy import naming
 from npukit.accuracy.dump import StatsBuffer, describe_value, fill_stats, rank_from_env, write_json
+from npukit.accuracy.stacks import CallStacks
 from npukit.accuracy.tensor_io import write_tensor
 from npukit.errors import UserError
 
@@ -58,11 +57,7 @@ FP16_MAX = 65504.0
 REPORT_NAME = "overflow.json"
 _FORMAT_VERSION = 1
 _MIN_MAX_DTYPES = (torch.float16, torch.bfloat16)  # min/max: a sum of fp16 values can overflow by itself
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # npukit/
 _MAX_STACK_FRAMES = 12
-_RUNPY_FILES = frozenset({"<frozen runpy>", runpy.__file__})
-_MAX_STACK_WALK = 48  # frames looked at per op (torch's module call frames included)
 
 # Ops whose every output value is a copy of an input value (or zero): they cannot turn finite
 # inputs into inf/nan, so their outputs take their inputs' checks instead of a reduction of their
@@ -404,9 +399,8 @@ class OverflowSession:
         self._paths: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # (path, module, record (module level), flag value before the module ran)
         self._module_stack: list[tuple[str, object, _OpRecord | None, bool]] = []
-        self._stacks: dict[tuple, int] = {}
+        self._stacks = CallStacks(_MAX_STACK_FRAMES)
         self._seq_floor = -1  # sequence number of the newest autograd node of an earlier op
-        self._stack_frames: list[tuple] = []
         self._handles: list = []
         self._mode: _ApiMode | None = None
         self._lifted: _ApiMode | None = None
@@ -848,26 +842,7 @@ class OverflowSession:
             self._resolve()  # a step without end (a long evaluation loop) must not grow without bound
 
     def _stack_id(self) -> int | None:
-        if not self.capture_stack:
-            return None
-        frames = []
-        frame = sys._getframe(2)
-        for _ in range(_MAX_STACK_WALK):
-            if frame is None or len(frames) == _MAX_STACK_FRAMES:
-                break
-            code = frame.f_code
-            filename = code.co_filename
-            if filename in _RUNPY_FILES:
-                break  # the frames beyond are the launcher's (npu-run, python -m), not the user's
-            if not (filename.startswith(_TORCH_DIR) or filename.startswith(_OWN_DIR) or filename[0] == "<"):
-                frames.append((filename, frame.f_lineno, code.co_name))
-            frame = frame.f_back
-        key = tuple(frames)
-        stack_id = self._stacks.get(key)
-        if stack_id is None:
-            stack_id = self._stacks[key] = len(self._stack_frames)
-            self._stack_frames.append(key)
-        return stack_id
+        return self._stacks.capture(2) if self.capture_stack else None
 
     # ------------------------------------------------------------------ resolving
     def _resolve(self, skipped_by_scaler: bool = False) -> None:
@@ -991,8 +966,8 @@ class OverflowSession:
     def _stack_lines(self, stack_id: int | None) -> list[str]:
         if stack_id is None:
             return []
-        return [f"File {file}, line {line}, in {function}\n    {linecache.getline(file, line).strip()}"
-                for file, line, function in self._stack_frames[stack_id]]
+        return [f"File {file}, line {line}, in {function}\n    {source}"
+                for file, line, function, source in self._stacks.frames(stack_id)]
 
     # ------------------------------------------------------------------ dump action
     def _dump_event(self, record: _OpRecord, event: dict) -> dict:

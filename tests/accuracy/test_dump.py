@@ -56,13 +56,23 @@ def test_stats_values_match_the_tensor(tmp_path):
     assert leaf["Norm"] == pytest.approx(float(torch.relu(x).norm()))
 
 
+LAYOUTS = {
+    "contiguous": lambda t: t,
+    "transposed": lambda t: t.t(),
+    "chunk of the last dim": lambda t: t.chunk(3, -1)[1],  # rows of a slice, as q/k/v of a fused qkv
+    "every other row": lambda t: t[::2],
+    "expanded (overlapping)": lambda t: t[:1].expand(40, -1),
+    "narrow rows": lambda t: t[:, :3],
+    "scalar": lambda t: t[7, 9],
+}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64])
-@pytest.mark.parametrize("contiguous", [True, False])
-def test_statistics_agree_with_float64_for_every_dtype_and_layout(dtype, contiguous):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_statistics_agree_with_float64_for_every_dtype_and_layout(dtype, layout):
     generator = torch.Generator().manual_seed(0)
     data = (torch.randn(301, 157, generator=generator) * 3 + 0.5).to(dtype)  # odd sizes: a partial tail
-    if not contiguous:
-        data = data.t()
+    data = LAYOUTS[layout](data)
     exact = data.double()
     high, low, mean, norm, nans, infs = tensor_stats(data)
     assert (high, low) == (float(exact.max()), float(exact.min()))

@@ -15,6 +15,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <algorithm>
+#include <utility>
+#include <vector>
+
 #define LANES 8
 #define BLOCK 64 /* elements per lane summed in float before going to double */
 
@@ -122,39 +126,123 @@ DEFINE_FLOAT_KERNEL(stats_f32, float, LOAD_F32, F32_TO_FLOAT)
 DEFINE_FLOAT_KERNEL(stats_bf16, uint16_t, LOAD_BF16, bf16_to_float)
 DEFINE_FLOAT_KERNEL(stats_f16, uint16_t, LOAD_F16, f16_to_float)
 
-/* stats(address, numel, kind) -> (max, min, sum, sumsq, finite)
- * kind: "f32", "f16" or "bf16". address: data_ptr() of a live, contiguous host tensor. */
+typedef Stats (*RunKernel)(const void *data, Py_ssize_t n);
+
+static Stats run_f32(const void *data, Py_ssize_t n) { return stats_f32((const float *)data, n); }
+static Stats run_bf16(const void *data, Py_ssize_t n) { return stats_bf16((const uint16_t *)data, n); }
+static Stats run_f16(const void *data, Py_ssize_t n) { return stats_f16((const uint16_t *)data, n); }
+
+/* Runs shorter than this cost more in per-run overhead than a contiguous copy does. */
+#define MIN_RUN 16
+
+/* Visits a strided tensor as runs of contiguous elements. Dimensions of size 1 are dropped,
+ * the rest ordered by stride and merged where they are contiguous with each other; the layout
+ * must then be non-overlapping with a unit innermost stride (a transpose, a slice, a chunk).
+ * Returns false when it is not, so the caller copies the tensor to contiguous memory. */
+static bool strided_stats(const char *base, Py_ssize_t item, RunKernel kernel, std::vector<Py_ssize_t> sizes,
+                          std::vector<Py_ssize_t> strides, Stats *out) {
+    std::vector<std::pair<Py_ssize_t, Py_ssize_t>> dims;  // (stride, size), outermost first
+    for (size_t d = 0; d < sizes.size(); d++) {
+        if (sizes[d] == 0) return false;
+        if (sizes[d] != 1) dims.push_back({strides[d], sizes[d]});
+    }
+    std::sort(dims.begin(), dims.end(), [](auto &a, auto &b) { return a.first > b.first; });
+    std::vector<std::pair<Py_ssize_t, Py_ssize_t>> merged;
+    for (auto &dim : dims) {
+        if (!merged.empty() && merged.back().first == dim.first * dim.second) {
+            merged.back() = {dim.first, merged.back().second * dim.second};
+        } else {
+            merged.push_back(dim);
+        }
+    }
+    if (merged.empty()) merged.push_back({1, 1});
+    for (size_t d = 0; d + 1 < merged.size(); d++)
+        if (merged[d].first < merged[d + 1].first * merged[d + 1].second) return false;  // overlapping
+    Py_ssize_t run = merged.back().second;
+    if (merged.back().first != 1 || (merged.size() > 1 && run < MIN_RUN)) return false;
+    size_t outer = merged.size() - 1;
+    std::vector<Py_ssize_t> index(outer, 0);
+    Py_ssize_t offset = 0;
+    bool first = true;
+    for (;;) {
+        Stats part = kernel(base + offset * item, run);
+        if (first) {
+            *out = part;
+            first = false;
+        } else {
+            out->max = part.max > out->max ? part.max : out->max;
+            out->min = part.min < out->min ? part.min : out->min;
+            out->sum += part.sum;
+            out->sumsq += part.sumsq;
+        }
+        size_t d = outer;
+        while (d > 0) {  // odometer over the outer dimensions
+            d--;
+            offset += merged[d].first;
+            if (++index[d] < merged[d].second) break;
+            offset -= merged[d].first * merged[d].second;
+            index[d] = 0;
+            if (d == 0) return true;
+        }
+        if (outer == 0) return true;
+    }
+}
+
+static bool read_sizes(PyObject *tuple, std::vector<Py_ssize_t> &values) {
+    PyObject *items = PySequence_Fast(tuple, "stats: shape and strides must be sequences");
+    if (items == NULL) return false;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(items);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Py_ssize_t value = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(items, i));
+        if (value == -1 && PyErr_Occurred()) {
+            Py_DECREF(items);
+            return false;
+        }
+        values.push_back(value);
+    }
+    Py_DECREF(items);
+    return true;
+}
+
+/* stats(address, kind, shape, strides) -> (max, min, sum, sumsq, finite), or None when the
+ * layout is not one it can walk (copy the tensor to contiguous memory and ask again).
+ * address: data_ptr() of a live host tensor; kind: "f32", "f16" or "bf16"; strides in elements. */
 static PyObject *py_stats(PyObject *self, PyObject *args) {
     unsigned long long address;
-    Py_ssize_t n;
     const char *kind;
-    if (!PyArg_ParseTuple(args, "Kns", &address, &n, &kind)) return NULL;
-    if (n <= 0 || address == 0) {
-        PyErr_SetString(PyExc_ValueError, "stats: empty buffer");
-        return NULL;
-    }
-    Stats result = {0, 0, 0, 0};
-    const void *data = (const void *)(uintptr_t)address;
+    PyObject *shape_arg, *strides_arg;
+    if (!PyArg_ParseTuple(args, "KsOO", &address, &kind, &shape_arg, &strides_arg)) return NULL;
+    RunKernel kernel;
+    Py_ssize_t item;
     if (strcmp(kind, "f32") == 0) {
-        Py_BEGIN_ALLOW_THREADS result = stats_f32((const float *)data, n);
-        Py_END_ALLOW_THREADS
+        kernel = run_f32, item = 4;
     } else if (strcmp(kind, "bf16") == 0) {
-        Py_BEGIN_ALLOW_THREADS result = stats_bf16((const uint16_t *)data, n);
-        Py_END_ALLOW_THREADS
+        kernel = run_bf16, item = 2;
     } else if (strcmp(kind, "f16") == 0) {
-        Py_BEGIN_ALLOW_THREADS result = stats_f16((const uint16_t *)data, n);
-        Py_END_ALLOW_THREADS
+        kernel = run_f16, item = 2;
     } else {
         PyErr_Format(PyExc_ValueError, "stats: unknown element kind %s", kind);
         return NULL;
     }
+    std::vector<Py_ssize_t> shape, strides;
+    if (!read_sizes(shape_arg, shape) || !read_sizes(strides_arg, strides)) return NULL;
+    if (shape.size() != strides.size() || address == 0) {
+        PyErr_SetString(PyExc_ValueError, "stats: shape and strides differ in length, or no data");
+        return NULL;
+    }
+    Stats result = {0, 0, 0, 0};
+    bool walked;
+    Py_BEGIN_ALLOW_THREADS walked = strided_stats((const char *)(uintptr_t)address, item, kernel, shape, strides,
+                                                  &result);
+    Py_END_ALLOW_THREADS
+    if (!walked) Py_RETURN_NONE;
     int finite = isfinite(result.sum) && isfinite(result.sumsq);
     return Py_BuildValue("ddddO", result.max, result.min, result.sum, result.sumsq,
                          finite ? Py_True : Py_False);
 }
 
 static PyMethodDef methods[] = {
-    {"stats", py_stats, METH_VARARGS, "One-pass (max, min, sum, sumsq, finite) of a host buffer."},
+    {"stats", py_stats, METH_VARARGS, "One-pass (max, min, sum, sumsq, finite) of a strided host tensor, or None."},
     {NULL, NULL, 0, NULL},
 };
 
