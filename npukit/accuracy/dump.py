@@ -35,6 +35,7 @@ from npukit.accuracy._stats import stats as one_pass_stats
 from npukit.accuracy.stacks import CallStacks
 from npukit.accuracy.tensor_io import tensor_to_numpy, write_tensor
 from npukit.errors import UserError
+from npukit.files import write_text_atomic
 
 LEVELS = ("module", "api", "mix")
 MODES = ("stats", "tensor", "md5")
@@ -772,11 +773,8 @@ class DumpSession:
 
 def write_json(path: Path, payload) -> None:
     """Write JSON atomically: readers never see a half-written dump.json."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as handle:
-        # json.dumps, not json.dump: only the one-shot encoder runs in C (5x faster on big dumps).
-        handle.write(json.dumps(payload, separators=(",", ":")))
-    os.replace(tmp, path)
+    # json.dumps, not json.dump: only the one-shot encoder runs in C (5x faster on big dumps).
+    write_text_atomic(path, json.dumps(payload, separators=(",", ":")))
 
 
 def _flatten(value):

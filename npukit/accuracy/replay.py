@@ -36,6 +36,7 @@ import torch
 
 from npukit.accuracy.tensor_io import read_tensor, write_tensor
 from npukit.errors import UserError
+from npukit.files import write_text_atomic
 
 MANIFEST = "replay.json"
 _FORMAT_VERSION = 2  # 2: forward calls are counted per root module, activations are not stored
@@ -109,9 +110,7 @@ class ReplaySession:
         self._unpatch_dataloader()
         self._produced.clear()
         if not self.replaying:
-            tmp = self.directory / f"{MANIFEST}.{os.getpid()}.tmp"
-            tmp.write_text(json.dumps(self._manifest, indent=1))
-            os.replace(tmp, self.directory / MANIFEST)
+            write_text_atomic(self.directory / MANIFEST, json.dumps(self._manifest, indent=1))
 
     def _check_layout(self, root: Path) -> None:
         """Refuse to record a second, differently laid out recording next to an existing one."""

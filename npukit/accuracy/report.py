@@ -6,10 +6,10 @@ import csv
 import html
 import json
 import math
-import os
 from pathlib import Path
 
 from npukit.accuracy.compare import ERROR, PASS, UNMATCHED, WARN, CompareResult, Divergence, Row
+from npukit.files import atomic_open, write_text_atomic
 
 _SEVERITY = {ERROR: 0, WARN: 1, UNMATCHED: 2, PASS: 3}
 
@@ -107,14 +107,12 @@ def _stack_texts(result: CompareResult) -> dict:
 def write_csv(result: CompareResult, path: Path) -> None:
     divergent = _divergent_entries(result)
     stacks = _stack_texts(result)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", newline="") as handle:
+    with atomic_open(path, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=CSV_COLUMNS)
         writer.writeheader()
         for row in result.rows:
             record = row_record(row, divergent, stacks)
             writer.writerow({key: _number(value) if not isinstance(value, str) else value for key, value in record.items()})
-    os.replace(tmp, path)
 
 
 def _json_value(value):
@@ -171,10 +169,8 @@ def result_json(result: CompareResult) -> dict:
 
 
 def write_json(result: CompareResult, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as handle:
+    with atomic_open(path) as handle:
         json.dump(result_json(result), handle, indent=1)
-    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------- terminal
@@ -404,9 +400,7 @@ def write_html(result: CompareResult, path: Path) -> None:
         first = " class='first'" if record["First Divergence"] else ""
         out.append(f"<tr{first}>" + "".join(cells) + "</tr>")
     out.append(f"</tbody></table><script>{_SORT_JS}</script></body></html>")
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(out))
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(out))
 
 
 def _stack_html(stack: list[str], shown: int = 6) -> str:

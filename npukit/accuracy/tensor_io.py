@@ -9,7 +9,6 @@ Torch is imported lazily: compare worker processes use only numpy.
 
 from __future__ import annotations
 
-import os
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from npukit.errors import UserError
+from npukit.files import atomic_open
 
 # torch dtype name (as written in dump.json, "torch.float32") -> (numpy storage dtype, raw bits?)
 _STORAGE = {
@@ -71,10 +71,8 @@ def is_floating(dtype_name: str) -> bool:
 def write_tensor(path: Path, tensor) -> None:
     """Write one tensor (any device) to `path` as .npy; atomically, so a crash leaves no partial file."""
     array = tensor_to_numpy(tensor)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as handle:
+    with atomic_open(path, "wb") as handle:
         np.lib.format.write_array(handle, array, allow_pickle=False)
-    os.replace(tmp, path)
 
 
 def tensor_to_numpy(tensor):

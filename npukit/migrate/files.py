@@ -7,10 +7,11 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 import tokenize
 from dataclasses import dataclass
 from pathlib import Path
+
+from npukit.files import atomic_path
 
 # never walked, never copied: version control, virtualenvs (also any folder with pyvenv.cfg), caches
 EXCLUDED_DIRS = frozenset(
@@ -249,24 +250,14 @@ def encode(text: str, encoding: str) -> bytes:
 
 def atomic_write(path: Path, data: bytes, *, mode_from: Path | None = None) -> None:
     """Write via a temporary file in the same folder and rename over: never a half-written file."""
-    directory = path.parent
-    directory.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".npu-migrate", dir=directory)
-    try:
-        with os.fdopen(handle, "wb") as stream:
+    with atomic_path(path) as temporary:
+        with open(temporary, "wb") as stream:
             stream.write(data)
             stream.flush()
-            os.fsync(stream.fileno())
+            os.fsync(stream.fileno())  # sources are rewritten in place: they must survive a crash
         source = mode_from if mode_from is not None and mode_from.exists() else (path if path.exists() else None)
         if source is not None:
             shutil.copymode(source, temporary)
-        os.replace(temporary, path)
-    except BaseException:
-        try:
-            os.unlink(temporary)
-        except OSError:
-            pass
-        raise
 
 
 def inside(path: Path, root: Path) -> bool:

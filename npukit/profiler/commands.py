@@ -7,6 +7,7 @@ from pathlib import Path
 from rich.console import Console
 
 from npukit.errors import UserError
+from npukit.files import write_text_atomic
 from npukit.profiler.report import (
     estimates_to_rows,
     make_console,
@@ -14,7 +15,6 @@ from npukit.profiler.report import (
     print_summary,
     rows_to_csv,
     to_json,
-    write_atomic,
 )
 from npukit.profiler.roofline import get_chip
 from npukit.profiler.summary import GROUPINGS, estimate_table, find_profile, summarize
@@ -66,10 +66,10 @@ def run_summary(
         print_findings(findings, console)
         payload["advice"] = [finding.as_dict() for finding in findings]
     if csv_path is not None:
-        write_atomic(csv_path, rows_to_csv(summary.rows))
+        write_text_atomic(csv_path, rows_to_csv(summary.rows))
         console.print(f"wrote {csv_path}")
     if json_path is not None:
-        write_atomic(json_path, to_json(payload))
+        write_text_atomic(json_path, to_json(payload))
         console.print(f"wrote {json_path}")
     return payload
 
@@ -92,9 +92,9 @@ def run_diff(
     print_diff(result, str(dir_a), str(dir_b), console, top)
     payload = {"a": str(dir_a), "b": str(dir_b), **result.as_dict()}
     if csv_path is not None:
-        write_atomic(csv_path, rows_to_csv(payload["ops"]))
+        write_text_atomic(csv_path, rows_to_csv(payload["ops"]))
         console.print(f"wrote {csv_path}")
     if json_path is not None:
-        write_atomic(json_path, to_json(payload))
+        write_text_atomic(json_path, to_json(payload))
         console.print(f"wrote {json_path}")
     return payload

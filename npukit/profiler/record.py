@@ -13,12 +13,12 @@ import datetime
 import gc
 import os
 import sys
-import tempfile
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
 from npukit.errors import UserError
+from npukit.files import atomic_path
 from npukit.profiler.extract import GC_ANNOTATION_PREFIX, table_from_profiler
 from npukit.profiler.table import EVENTS_FILE, META_FILE, EventTable, write_meta
 
@@ -238,14 +238,8 @@ class ProfileSession:
         if self.write_trace:
             self.directory.mkdir(parents=True, exist_ok=True)
             target = self.directory / f"trace_{len(self.tables) - 1}.json"
-            fd, tmp = tempfile.mkstemp(prefix=".trace.", suffix=".json", dir=self.directory)
-            os.close(fd)
-            try:
-                prof.export_chrome_trace(tmp)
-                os.replace(tmp, target)
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
+            with atomic_path(target) as tmp:
+                prof.export_chrome_trace(str(tmp))
             self.traces.append(target.name)
 
     def _write_table(self) -> None:

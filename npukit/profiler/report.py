@@ -4,34 +4,13 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import tempfile
 from dataclasses import asdict
-from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from npukit.errors import UserError
 from npukit.profiler.summary import EstimateRow, Summary
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write a whole file or nothing (temp file in the same directory, then rename)."""
-    path = Path(path)
-    if path.is_dir():
-        raise UserError(f"{path}: is a directory; give a file name")
-    if not path.parent.exists():
-        raise UserError(f"{path}: directory {path.parent} does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", newline="") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def rows_to_csv(rows: list[dict]) -> str:

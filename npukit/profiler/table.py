@@ -9,14 +9,13 @@ string pool; the *_id columns index into it, -1 meaning "none".
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
 
 from npukit.errors import UserError
+from npukit.files import atomic_open
 
 SCHEMA_VERSION = 1
 EVENTS_FILE = "events.npz"
@@ -114,14 +113,8 @@ class EventTable:
         arrays["strings"] = np.array(self.strings, dtype=np.str_) if self.strings else np.zeros(0, dtype="<U1")
         arrays["schema_version"] = np.array(SCHEMA_VERSION)
         target = directory / EVENTS_FILE
-        fd, tmp = tempfile.mkstemp(prefix=".events.", suffix=".npz", dir=directory)
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                np.savez(handle, **arrays)
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with atomic_open(target, "wb") as handle:
+            np.savez(handle, **arrays)
         return target
 
     @classmethod
@@ -168,11 +161,8 @@ class EventTable:
 
 
 def write_meta(directory: Path, meta: dict) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".meta.", suffix=".json", dir=directory)
-    with os.fdopen(fd, "w") as handle:
+    with atomic_open(directory / META_FILE) as handle:
         json.dump(meta, handle, indent=2)
-    os.replace(tmp, directory / META_FILE)
 
 
 def read_meta(directory: Path) -> dict:

@@ -111,6 +111,16 @@ def test_activations_are_freed_by_backward_not_kept_for_a_gc_pass(tmp_path):
         gc.enable()
 
 
+def test_a_dump_file_that_cannot_be_written_is_an_error_naming_it_at_stop(tmp_path):
+    (tmp_path / "step0" / "rank0" / "dump.json").mkdir(parents=True)  # in the way of the file
+    session = DumpSession(tmp_path, level="api", mode="stats")
+    session.start()
+    nn.Identity()(torch.ones(2))
+    torch.relu(torch.ones(2))
+    with pytest.raises(UserError, match=r"step0/rank0/dump.json: is a directory"):
+        session.stop()  # the files are written by a background thread; its error is not lost
+
+
 def test_nan_and_inf_are_counted(tmp_path):
     x = torch.tensor([1.0, float("nan"), float("inf"), 2.0])
     with DumpSession(tmp_path, level="api", mode="stats"):

@@ -100,7 +100,7 @@ def test_encoding_bom_crlf_and_file_mode_are_kept(tmp_path: Path) -> None:
     assert latin.read_bytes() == '# -*- coding: latin-1 -*-\nimport torch_npu\nimport torch\nname = "é"\nx = t.npu()\n'.encode("latin-1")
     assert bom.read_bytes() == b"\xef\xbb\xbfimport torch_npu\r\nimport torch\r\nx = t.npu()\r\n"
     assert stat.S_IMODE(script.stat().st_mode) == 0o755
-    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".npu-migrate")]  # no temp files left
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # no temp files left
 
 
 BAD_FILES = {
