@@ -20,7 +20,7 @@ class MatmulNet(torch.nn.Module):
         self.head = torch.nn.Linear(384, 8)
 
     def forward(self, x):
-        h = torch.mm(x, self.weight)  # the dominant op: [256, 384] x [384, 384], ~75 MFLOP
+        h = torch.mm(x, self.weight)  # the dominant op: [batch, 384] x [384, 384]
         return self.head(torch.relu(h)).sum()
 
 
@@ -34,6 +34,11 @@ def train_steps(model, steps: int, batch: int = 256) -> None:
         opt.step()
 
 
+# Large enough that the matmuls take ~10 ms a step: far above any elementwise op even when a
+# busy machine delays one of them by a few milliseconds.
+PROFILED_BATCH = 1024
+
+
 @pytest.fixture(scope="session")
 def matmul_profile(tmp_path_factory):
     """(profile root, loaded rank-0 table) of 4 MatmulNet training steps, schedule 1,1,2."""
@@ -41,7 +46,7 @@ def matmul_profile(tmp_path_factory):
     root = tmp_path_factory.mktemp("matmul_prof")
     model = MatmulNet()
     with npukit.profiler.profile(root, steps="1,1,2"):
-        train_steps(model, 4)
+        train_steps(model, 4, batch=PROFILED_BATCH)
     return root, EventTable.load(root / "rank0")
 
 

@@ -14,7 +14,7 @@ from npukit.profiler.record import ProfileSession, parse_steps
 from npukit.profiler.summary import summarize
 from npukit.profiler.table import KIND_OP, PHASE_BACKWARD, PHASE_NAMES, EventTable
 
-from .conftest import MatmulNet, train_steps
+from .conftest import PROFILED_BATCH, MatmulNet, train_steps
 
 
 def _names(table: EventTable) -> np.ndarray:
@@ -39,14 +39,15 @@ def test_dominant_matmul_is_named_first(matmul_profile):
     summary = summarize(table, "op")
     first = summary.rows[0]
     assert first["group"] == "aten::mm"
-    # Per step: forward [256,384]x[384,384], its weight-gradient matmul of the same size, and the
-    # head's two backward matmuls (grad input and grad weight, 256x8x384 each).
+    # Per step: forward [B,384]x[384,384], its weight-gradient matmul of the same size, and the
+    # head's two backward matmuls (grad input and grad weight, Bx8x384 each).
+    batch = PROFILED_BATCH
     assert first["calls"] == 2 * 4
-    assert first["flops"] == 2 * (2 * (2 * 256 * 384 * 384) + 2 * (2 * 256 * 8 * 384))
+    assert first["flops"] == 2 * (2 * (2 * batch * 384 * 384) + 2 * (2 * batch * 8 * 384))
     assert first["self_pct"] > 30
     by_shape = {(row["group"], row["shapes"]): row for row in summarize(table, "shape").rows}
-    forward = by_shape[("aten::mm", "[256, 384], [384, 384]")]
-    assert forward["calls"] == 2 and forward["flops"] == 2 * (2 * 256 * 384 * 384)
+    forward = by_shape[("aten::mm", f"[{batch}, 384], [384, 384]")]
+    assert forward["calls"] == 2 and forward["flops"] == 2 * (2 * batch * 384 * 384)
 
 
 def test_files_written_per_rank_and_trace_is_chrome_json(matmul_profile):
