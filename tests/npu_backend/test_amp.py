@@ -118,3 +118,34 @@ def test_cpu_scaler_ignores_the_npu_flag():
     scaler.step(optimizer)
     scaler.update()
     assert scaler.get_scale() == 4.0 and numerics.overflow_flag()
+
+
+@pytest.fixture
+def one_rank_group():
+    import torch.distributed as dist
+
+    dist.init_process_group("hccl", rank=0, world_size=1, store=dist.HashStore())
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", ["inf_nan", "saturation"])
+def test_fsdp_sharded_grad_scaler_skips_overflow_in_both_modes(mode, one_rank_group):
+    # ShardedGradScaler overrides _unscale_grads_ and update: the flag must reach it too.
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    numerics.configure(fp16_mode=mode)
+    model, optimizer = make_model()
+    scaler = ShardedGradScaler("npu", init_scale=2.0**16)
+    before = snapshot(model)
+    backward(model, scaler, 100.0)
+    scaler.step(optimizer)
+    scaler.update()
+    assert unchanged(before, model) and scaler.get_scale() == 2.0**15
+    assert not numerics.overflow_flag()
+
+    optimizer.zero_grad()
+    backward(model, scaler, 0.01)
+    scaler.step(optimizer)
+    scaler.update()
+    assert not unchanged(before, model) and scaler.get_scale() == 2.0**15

@@ -73,34 +73,56 @@ def _step_overflowed() -> bool:
     return overflowed
 
 
+def _wire_overflow_flag(cls: type) -> None:
+    """Make `cls`'s own _unscale_grads_ and update read and reset the flag (npu scalers only).
+
+    torch.amp.GradScaler is wired at import; a subclass that overrides them (FSDP's
+    ShardedGradScaler, a user's scaler) is wired when its first instance is created.
+    """
+    if cls.__dict__.get("_npukit_overflow_flag", False):
+        return
+    stock_unscale_grads, stock_update = cls.__dict__.get("_unscale_grads_"), cls.__dict__.get("update")
+
+    if stock_unscale_grads is not None:
+        @functools.wraps(stock_unscale_grads)
+        def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+            per_device_found_inf = stock_unscale_grads(self, optimizer, inv_scale, found_inf, allow_fp16)
+            if _reads_overflow_flag(self) and _step_overflowed():
+                for device_found_inf in per_device_found_inf.values():
+                    device_found_inf.fill_(1.0)
+            return per_device_found_inf
+
+        cls._unscale_grads_ = _unscale_grads_
+
+    if stock_update is not None:
+        @functools.wraps(stock_update)
+        def update(self, new_scale=None):
+            stock_update(self, new_scale)
+            if _reads_overflow_flag(self):
+                numerics.clear_overflow_flag()  # the next step's window opens here
+
+        cls.update = update
+    cls._npukit_overflow_flag = True
+
+
 def _install_overflow_flag_checks() -> None:
     scaler_cls = torch.amp.GradScaler
-    if getattr(scaler_cls, "_npukit_overflow_flag", False):
+    if scaler_cls.__dict__.get("_npukit_overflow_flag", False):
         return
-    stock_init, stock_unscale_grads, stock_update = scaler_cls.__init__, scaler_cls._unscale_grads_, scaler_cls.update
+    stock_init = scaler_cls.__init__
 
     @functools.wraps(stock_init)
     def __init__(self, *args, **kwargs):
+        for cls in type(self).__mro__:
+            if cls is scaler_cls:
+                break
+            _wire_overflow_flag(cls)
         stock_init(self, *args, **kwargs)
         if _reads_overflow_flag(self):
             numerics.clear_overflow_flag()  # the first step's window opens here
 
-    @functools.wraps(stock_unscale_grads)
-    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
-        per_device_found_inf = stock_unscale_grads(self, optimizer, inv_scale, found_inf, allow_fp16)
-        if _reads_overflow_flag(self) and _step_overflowed():
-            for device_found_inf in per_device_found_inf.values():
-                device_found_inf.fill_(1.0)
-        return per_device_found_inf
-
-    @functools.wraps(stock_update)
-    def update(self, new_scale=None):
-        stock_update(self, new_scale)
-        if _reads_overflow_flag(self):
-            numerics.clear_overflow_flag()  # the next step's window opens here
-
-    scaler_cls.__init__, scaler_cls._unscale_grads_, scaler_cls.update = __init__, _unscale_grads_, update
-    scaler_cls._npukit_overflow_flag = True
+    scaler_cls.__init__ = __init__
+    _wire_overflow_flag(scaler_cls)
 
 
 _install_overflow_flag_checks()
