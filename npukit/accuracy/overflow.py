@@ -280,6 +280,7 @@ class _OpRecord:
     parent: _OpRecord | None = None  # module level: the enclosing module call
     module_class: str = ""
     live: tuple | None = None  # dump action: (func, args, kwargs, outputs) while the op is resolved
+    infinite_scalar: bool = False  # an argument is a Python +-inf (masked_fill(mask, float("-inf")))
 
 
 class _StepState:
@@ -381,6 +382,8 @@ class OverflowSession:
         self.skipped_steps: list[dict] = []
         self.step_index = 0
         self._event_count = 0
+        self._shown_sites: list[tuple] = []  # (op, kind, first stack line) of events printed
+        self._repeats = 0
         self._console = None
         self._show = console
         self._eager = action == "dump"  # the event's tensors must still be alive
@@ -709,6 +712,8 @@ class OverflowSession:
         # A copy cannot be where an overflow starts: its record only carries checks to its backward.
         record = _OpRecord(naming.api_entry_name(api, index), naming.FORWARD, module,
                            None if copies else self._stack_id(), inputs, flag=flag, module_class=module_class)
+        if flag:  # rare: look at the scalars only for ops that saturated
+            record.infinite_scalar = _has_infinite_scalar((args, kwargs))
         if copies:
             record.outputs = self._copied_checks(inputs, outputs, api in _SAME_ELEMENTS)
         else:
@@ -947,6 +952,8 @@ class OverflowSession:
                 outputs=[check.describe(values) for check in record.outputs if check is not None],
                 stack=self._stack_lines(record.stack_id),
             )
+            if record.infinite_scalar and kind == "saturation":
+                event["hint"] = INFINITE_FILL_HINT
             if record.live is not None and self.action == "dump":
                 event.update(self._dump_event(record, event))
         if skipped and event["direction"] != naming.FORWARD:
@@ -954,7 +961,14 @@ class OverflowSession:
             return
         self.events.append(event)
         self._state.events.append(event)
-        self._print_event(event)
+        # The same op overflowing the same way at the same line (every step, every layer of a
+        # loop) is shown once; the report has every event.
+        site = (event.get("op") if event["stack"] else event["name"], event["kind"], event["stack"][:1])
+        if site in self._shown_sites:
+            self._repeats += 1
+        else:
+            self._shown_sites.append(site)
+            self._print_event(event)
         if len(self.events) >= self.max_events:
             self._print(f"[yellow]{self.max_events} overflow events recorded (--overflow-max): checking stops[/]")
             self._stop_checking()
@@ -1030,6 +1044,8 @@ class OverflowSession:
             self._print("  " + event["stack"][0].replace("\n", "\n  "))
         if "fp32_replay" in event:
             self._print(f"  fp32 replay: {event['fp32_replay']['verdict']}")
+        if "hint" in event:
+            self._print(f"  [yellow]hint:[/] {event['hint']}")
 
     def _print_summary(self) -> None:
         steps = self._steps_seen()
@@ -1051,7 +1067,8 @@ class OverflowSession:
         self._print(f"overflow check: {len(self.events)} event(s) in {steps} step(s); first: {where} "
                     f"(step {first['step']}, {first['direction'] or 'unknown direction'}"
                     f"{', in ' + _module_label(first) if first.get('module_class') else ''}); "
-                    f"{len(self.skipped_steps)} step(s) skipped by GradScaler; details in {self._report_path()}")
+                    f"{len(self.skipped_steps)} step(s) skipped by GradScaler; details in {self._report_path()}"
+                    + (f" ({self._repeats} repeat(s) of an event shown above not printed)" if self._repeats else ""))
 
     def _steps_seen(self) -> int:
         # Ops after the last step boundary (printing the loss) are not another step; a backward is.
@@ -1100,6 +1117,23 @@ def _module_label(event: dict) -> str:
     return f"module {path} ({event['module_class']})" if path else f"root module ({event['module_class']})"
 
 
+INFINITE_FILL_HINT = (
+    "an infinite fill value: in saturation mode (Ascend 910A) fp16 cannot hold +-inf, so it saturates to "
+    "+-65504 and sets the overflow flag, and GradScaler skips every step. Fill with torch.finfo(x.dtype).min "
+    "(or .max) instead of float('-inf')."
+)
+
+
+def _has_infinite_scalar(value) -> bool:
+    if isinstance(value, float):
+        return math.isinf(value)
+    if isinstance(value, list | tuple):
+        return any(_has_infinite_scalar(item) for item in value)
+    if isinstance(value, dict):
+        return any(_has_infinite_scalar(item) for item in value.values())
+    return False
+
+
 def _stop_message(event: dict) -> str:
     if event["name"] is None:
         return f"overflow at step {event['step']} (rank {event['rank']}): {event['message']}"
@@ -1109,6 +1143,8 @@ def _stop_message(event: dict) -> str:
              f"[{event['dtype']}]"]
     if event["stack"]:
         lines.append("  " + event["stack"][0].replace("\n", "\n  "))
+    if "hint" in event:
+        lines.append(f"  hint: {event['hint']}")
     return "\n".join(lines)
 
 

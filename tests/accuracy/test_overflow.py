@@ -367,3 +367,47 @@ def test_module_level_finds_a_weight_gradient_overflow(tmp_path, npu):
                      loss_scale=lambda step: 30000.0 if step == 1 else 1.0)
     assert [(e["name"], e["direction"], e["step"]) for e in session.events] == [
         ("Module.fc.Linear.parameters_grad", "backward", 1)]
+
+
+class MaskedScores(nn.Module):
+    """Causal attention scores masked with float("-inf"), the way most GPT code is written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        scores = self.fc(x) @ x.transpose(-1, -2)
+        mask = torch.ones(x.shape[-2], x.shape[-2], dtype=torch.bool, device=x.device).triu(1)
+        return F.softmax(scores.masked_fill(mask, float("-inf")), dim=-1).sum(-1)
+
+
+def test_an_infinite_fill_in_saturation_mode_is_shown_once_with_the_fix(tmp_path, npu, capsys):
+    torch.manual_seed(0)
+    model = MaskedScores().to(npu)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("npu")
+    with numerics.policies(fp16_mode="saturation"), OverflowSession(tmp_path) as session:
+        for _ in range(3):
+            with torch.autocast("npu", dtype=torch.float16):
+                loss = model(torch.randn(2, 4, 8, device=npu)).float().mean()
+            optimizer.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+    events = session.events
+    assert [event["name"] for event in events] == ["Tensor.masked_fill.0.forward"] * 3
+    assert all("torch.finfo" in event["hint"] for event in events)
+    err = capsys.readouterr().err
+    assert err.count("Tensor.masked_fill.0.forward") == 2  # the event once, the summary's "first:" once
+    assert err.count("hint:") == 1 and "2 repeat(s)" in err
+    assert json.loads((tmp_path / "overflow.json").read_text())["events"][2]["hint"] == events[0]["hint"]
+
+
+def test_an_overflow_from_finite_scalars_gets_no_hint(tmp_path, npu):
+    x = torch.full((4, 4), 2.0, device=npu, dtype=torch.float16)
+    with numerics.policies(fp16_mode="saturation"), OverflowSession(tmp_path, console=False) as session:
+        nn.Identity()(x)
+        x * 1e5  # saturates, but nothing here is infinite
+    assert [event["name"] for event in session.events] == ["Tensor.mul.0.forward"]
+    assert "hint" not in session.events[0]
