@@ -468,6 +468,21 @@ def _prefilter_words() -> tuple[frozenset[str], tuple[tuple[str, str], ...]]:
 _PREFILTER_WORDS, _PREFILTER_PAIRS = _prefilter_words()
 
 
+# Calls that write a value into a tensor: with float("-inf") they break fp16 training on a
+# saturation-mode NPU (Ascend 910A), where every such fill sets the overflow flag.
+INFINITE_FILL_CALLS = frozenset({"masked_fill", "masked_fill_", "fill", "fill_", "index_fill", "index_fill_",
+                                 "new_full", "full", "full_like"})
+INFINITE_FILL = Flag(
+    "inf-fill", "info",
+    "fills with +-inf: in fp16 on a saturation-mode NPU (Ascend 910A) inf saturates to +-65504 and sets the "
+    "overflow flag every step, so GradScaler skips every step (fine in INF_NAN mode, 910B)",
+    "fill with torch.finfo(x.dtype).min (or .max) instead",
+)
+
+# A fill call and an inf on one line: the usual spelling, and cheap enough for the pre-filter.
+_INFINITE_FILL_LINE = re.compile(r"\b(?:" + "|".join(sorted(INFINITE_FILL_CALLS)) + r")\s*\([^\n]*\binf", re.IGNORECASE)
+
+
 def worth_parsing(text: str) -> bool:
     """False when no rule can fire on this text (cheap: substring tests, then one word scan)."""
     lowered = text.lower()
@@ -477,5 +492,7 @@ def worth_parsing(text: str) -> bool:
         return True
     words = set(_WORD.findall(text))
     if not words.isdisjoint(_PREFILTER_WORDS):
+        return True
+    if "inf" in lowered and _INFINITE_FILL_LINE.search(text):
         return True
     return any(parent in words and last in words for parent, last in _PREFILTER_PAIRS)

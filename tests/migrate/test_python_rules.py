@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from npukit.migrate import rules
 from npukit.migrate.pysource import MigrationSyntaxError, migrate_python, remap_findings
 
 NPU = "import torch_npu\n"
@@ -142,6 +143,38 @@ def test_findings_carry_location_code_reason_and_suggestion() -> None:
     assert finding.code == "if torch.cuda.get_device_capability()[0] >= 8:"
     assert finding.severity == "error"
     assert "None" in finding.reason and "is_bf16_supported" in finding.suggestion
+
+
+INFINITE_FILLS = [
+    'scores.masked_fill(mask, float("-inf"))',
+    "scores.masked_fill_(mask, -float('inf'))",
+    "x.fill_(-math.inf)",
+    "torch.full((4, 4), -torch.inf)",
+    "torch.full_like(x, fill_value=np.inf)",
+    "x.new_full((2,), float('-Infinity'))",
+]
+
+
+@pytest.mark.parametrize("call", INFINITE_FILLS)
+def test_an_infinite_fill_is_reported_for_saturation_mode_devices(call: str) -> None:
+    source = f"import math\nimport numpy as np\nimport torch\ny = {call}\n"
+    assert rules.worth_parsing(source)  # a file with no CUDA in it is still looked at
+    outcome = migrate_python(source, "attention.py")
+    (finding,) = [f for f in outcome.findings if f.kind == "inf-fill"]
+    assert finding.line == 4 and finding.severity == "info"
+    assert "910A" in finding.reason and "torch.finfo" in finding.suggestion
+    assert outcome.text == source  # reported, not rewritten: fine as it is on 910B
+
+
+@pytest.mark.parametrize("call", [
+    "scores.masked_fill(mask, torch.finfo(scores.dtype).min)",
+    "scores.masked_fill(mask, -1e4)",
+    "x.fill_(float('nan'))",
+    "torch.clamp(x, min=-math.inf)",  # not a fill
+])
+def test_finite_fills_and_other_calls_with_inf_are_not_reported(call: str) -> None:
+    source = f"import math\nimport torch\ny = {call}\n"
+    assert not [f for f in migrate_python(source, "m.py").findings if f.kind == "inf-fill"]
 
 
 def test_findings_can_be_moved_to_rewritten_lines() -> None:
