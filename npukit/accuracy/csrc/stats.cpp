@@ -62,7 +62,7 @@ static inline double lane_sum(const v8f &v) {
             if (end > n) end = n - (n - i) % LANES;                                            \
             for (; i < end; i += LANES) {                                                      \
                 v8f v;                                                                         \
-                LOAD8(v, data + i);                                                            \
+                LOAD8(v, data + i, TO_FLOAT);                                                  \
                 vmax = v > vmax ? v : vmax;                                                    \
                 vmin = v < vmin ? v : vmin;                                                    \
                 vsum += v;                                                                     \
@@ -86,7 +86,7 @@ static inline double lane_sum(const v8f &v) {
         return out;                                                                            \
     }
 
-#define LOAD_F32(v, p) memcpy(&(v), (p), sizeof(v8f))
+#define LOAD_F32(v, p, TO_FLOAT) memcpy(&(v), (p), sizeof(v8f))
 #define F32_TO_FLOAT(x) (x)
 
 static inline float bf16_to_float(uint16_t bits) {
@@ -95,11 +95,6 @@ static inline float bf16_to_float(uint16_t bits) {
     memcpy(&value, &wide, sizeof value);
     return value;
 }
-
-#define LOAD_BF16(v, p)                                                                        \
-    do {                                                                                       \
-        for (int lane = 0; lane < LANES; lane++) (v)[lane] = bf16_to_float((p)[lane]);         \
-    } while (0)
 
 /* IEEE half to float without F16C and without branches, so the lane loop vectorises: shift
  * exponent and mantissa into place and rescale by 2^112; subnormals come out exact, and inf/nan
@@ -117,14 +112,15 @@ static inline float f16_to_float(uint16_t bits) {
     return value;
 }
 
-#define LOAD_F16(v, p)                                                                         \
+/* 8 converted elements: bf16 and fp16 data. */
+#define LOAD_CONVERTED(v, p, TO_FLOAT)                                                         \
     do {                                                                                       \
-        for (int lane = 0; lane < LANES; lane++) (v)[lane] = f16_to_float((p)[lane]);          \
+        for (int lane = 0; lane < LANES; lane++) (v)[lane] = TO_FLOAT((p)[lane]);              \
     } while (0)
 
 DEFINE_FLOAT_KERNEL(stats_f32, float, LOAD_F32, F32_TO_FLOAT)
-DEFINE_FLOAT_KERNEL(stats_bf16, uint16_t, LOAD_BF16, bf16_to_float)
-DEFINE_FLOAT_KERNEL(stats_f16, uint16_t, LOAD_F16, f16_to_float)
+DEFINE_FLOAT_KERNEL(stats_bf16, uint16_t, LOAD_CONVERTED, bf16_to_float)
+DEFINE_FLOAT_KERNEL(stats_f16, uint16_t, LOAD_CONVERTED, f16_to_float)
 
 typedef Stats (*RunKernel)(const void *data, Py_ssize_t n);
 
