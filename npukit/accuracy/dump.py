@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
-from npukit.accuracy import naming
+from npukit.accuracy import graph, naming
 from npukit.accuracy._stats import stats as one_pass_stats
 from npukit.accuracy.stacks import CallStacks
 from npukit.accuracy.tensor_io import tensor_to_numpy, write_tensor
@@ -342,6 +342,7 @@ class DumpSession:
         self._writer: ThreadPoolExecutor | None = None
         self._pending_writes: list = []
         self._record = _StepRecord()
+        self._op_nodes = graph.OpNodes()
 
     # ------------------------------------------------------------------ public API
     def __enter__(self) -> DumpSession:
@@ -593,37 +594,68 @@ class DumpSession:
         return output
 
     def _hook_api_backward(self, api, index, args, kwargs, out_tensors) -> None:
-        inputs = {id(t) for t in _flatten((args, kwargs)) if isinstance(t, torch.Tensor)}
-        nodes = []
-        for tensor in out_tensors:
-            node = tensor.grad_fn
-            # An op returning its input unchanged shares the producer's node: not ours to hook.
-            if node is None or id(tensor) in inputs or any(node is seen for seen in nodes):
-                continue
-            nodes.append(node)
+        """One backward entry per api call, whatever autograd nodes it made (which can differ
+        between a golden and an NPU run: another kernel, another graph): `input` the gradients
+        arriving at its outputs, `output` its gradient for each tensor argument, summed over the
+        edges that carry it out of the call's nodes."""
+        inputs = [t for t in _flatten((args, kwargs)) if isinstance(t, torch.Tensor)]
+        nodes = self._op_nodes.created(inputs, out_tensors)
         if not nodes:
             return
+        created = {id(node) for node in nodes}
+        output_nodes: list = []
+        for tensor in out_tensors:
+            node = tensor.grad_fn
+            if node is not None and id(node) in created and all(node is not seen for seen in output_nodes):
+                output_nodes.append(node)
+        edges = graph.input_edges(nodes, inputs)
+        expected: dict[int, int] = {}
+        for pairs in edges.values():
+            for _, position in pairs:
+                expected[position] = expected.get(position, 0) + 1
         record = self._record
         name = naming.api_entry_name(api, index, naming.BACKWARD)
-        same_elements = api in _SAME_ELEMENTS
+        entry = _Entry(name, None, None)
+        entry.data = {"input": [], "output": [None] * len(inputs)}
+        same_elements = api in _SAME_ELEMENTS and len(nodes) == 1 and len(inputs) == 1
+        arrived: dict[int, list] = {}  # position -> [gradients so far]; summed once all are in
 
-        def hook(grad_inputs, grad_outputs):
-            if record is not self._record:
-                return
-            entry = _Entry(name, None, None)
-            incoming = [self._grad_leaf(g, f"{name}.input.{i}") for i, g in enumerate(grad_outputs)]
-            reuse = same_elements and len(grad_outputs) == 1 and isinstance(grad_outputs[0], torch.Tensor)
-            outgoing = [
-                self._tensor_leaf(g, f"{name}.output.{i}", True, same_values_as=grad_outputs[0])
-                if reuse and isinstance(g, torch.Tensor) and g.numel() == grad_outputs[0].numel()
-                else self._grad_leaf(g, f"{name}.output.{i}")
-                for i, g in enumerate(grad_inputs)
-            ]
-            entry.data = {"input": incoming, "output": outgoing}
-            record.place(entry)
+        # The hooks hold neither nodes nor tensors of the graph: a node's hook holding that node
+        # is a cycle that keeps the graph alive.
+        def incoming(grad_outputs):
+            if record is self._record:
+                first = len(entry.data["input"])
+                entry.data["input"] += [self._grad_leaf(g, f"{name}.input.{first + i}")
+                                        for i, g in enumerate(grad_outputs)]
+                record.place(entry)
 
-        for node in nodes:
-            node.register_hook(hook)
+        def outgoing(pairs):
+            def hook(grad_inputs, grad_outputs):
+                if record is not self._record:
+                    return
+                record.place(entry)
+                for edge, position in pairs:
+                    grads = arrived.setdefault(position, [])
+                    grads.append(grad_inputs[edge])
+                    if len(grads) < expected[position]:
+                        continue
+                    del arrived[position]
+                    present = [g for g in grads if isinstance(g, torch.Tensor)]
+                    if not present:
+                        continue
+                    with torch._C.DisableTorchFunction():
+                        grad = present[0] if len(present) == 1 else torch.stack(present).sum(0)
+                    leaf_name = f"{name}.output.{position}"
+                    reuse = (same_elements and len(grad_outputs) == 1 and isinstance(grad_outputs[0], torch.Tensor)
+                             and grad_outputs[0].numel() == grad.numel())
+                    entry.data["output"][position] = self._tensor_leaf(
+                        grad, leaf_name, True, same_values_as=grad_outputs[0] if reuse else None)
+            return hook
+
+        for node in output_nodes:
+            node.register_prehook(incoming)
+        for node_index, pairs in edges.items():
+            nodes[node_index].register_hook(outgoing(pairs))
 
     def _grad_leaf(self, grad, leaf_name):
         return self._tensor_leaf(grad, leaf_name, True) if isinstance(grad, torch.Tensor) else None

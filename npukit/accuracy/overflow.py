@@ -47,6 +47,7 @@ from torch.overrides import TorchFunctionMode
 
 from npukit.accuracy import naming
 from npukit.accuracy.dump import StatsBuffer, describe_value, fill_stats, rank_from_env, write_json
+from npukit.accuracy.graph import OpNodes
 from npukit.accuracy.stacks import CallStacks
 from npukit.accuracy.tensor_io import write_tensor
 from npukit.errors import UserError
@@ -94,7 +95,6 @@ _ZEROS_BY_DESIGN = re.compile(
     r"max|min|topk|sort|kthvalue|median|getitem|gather|select|narrow|slice|split|chunk|cat|stack|expand|repeat"
 )
 _RESOLVE_EVERY = 16384  # pending device scalars read early when a step runs this long
-_MAX_NODES_PER_OP = 64  # a bound on the graph walk of one op (a composite op makes a few nodes)
 
 
 class OverflowStop(UserError):
@@ -403,7 +403,7 @@ class OverflowSession:
         # (path, module, record (module level), flag value before the module ran)
         self._module_stack: list[tuple[str, object, _OpRecord | None, bool]] = []
         self._stacks = CallStacks(_MAX_STACK_FRAMES)
-        self._seq_floor = -1  # sequence number of the newest autograd node of an earlier op
+        self._op_nodes = OpNodes()
         self._handles: list = []
         self._mode: _ApiMode | None = None
         self._lifted: _ApiMode | None = None
@@ -723,39 +723,8 @@ class OverflowSession:
             self._hook_api_backward(api, index, record, args, kwargs, outputs)
         return output
 
-    def _op_nodes(self, args, kwargs, outputs) -> list:
-        """The autograd nodes this op created: F.linear makes a view, a matmul and a transpose node.
-
-        Walks back from the outputs' nodes; a node older than the op (an input's node, one made by
-        an earlier op) has a lower sequence number, and parameters end in AccumulateGrad nodes.
-        """
-        inputs = _tensors((args, kwargs))
-        input_ids = {id(t) for t in inputs}
-        floor = self._seq_floor
-        for tensor in inputs:
-            if tensor.grad_fn is not None:
-                floor = max(floor, tensor.grad_fn._sequence_nr())
-        # An op returning its input unchanged shares the producer's node: not ours to hook.
-        pending = [t.grad_fn for t in outputs if t.grad_fn is not None and id(t) not in input_ids]
-        visited: list = []  # keeps every visited node alive so ids stay unique during the walk
-        seen: set[int] = set()
-        nodes = []
-        while pending and len(nodes) < _MAX_NODES_PER_OP:
-            node = pending.pop()
-            if node is None or id(node) in seen:
-                continue
-            seen.add(id(node))
-            visited.append(node)
-            if type(node).__name__ == "AccumulateGrad" or node._sequence_nr() <= floor:
-                continue
-            nodes.append(node)
-            pending.extend(next_node for next_node, _ in node.next_functions)
-        if nodes:
-            self._seq_floor = max(floor, max(node._sequence_nr() for node in nodes))
-        return nodes
-
     def _hook_api_backward(self, api, index, forward: _OpRecord, args, kwargs, outputs) -> None:
-        nodes = self._op_nodes(args, kwargs, outputs)
+        nodes = self._op_nodes.created(_tensors((args, kwargs)), outputs)
         if not nodes:
             return
         state = self._state

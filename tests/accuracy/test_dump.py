@@ -121,6 +121,39 @@ def test_a_dump_file_that_cannot_be_written_is_an_error_naming_it_at_stop(tmp_pa
         session.stop()  # the files are written by a background thread; its error is not lost
 
 
+def test_an_api_backward_holds_the_gradient_of_each_argument_whatever_kernel_ran(tmp_path):
+    """A golden and an NPU run may run one api through different kernels (the math attention:
+    a dozen autograd nodes; the fused one: one node). Their backward entries must still match."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def attention_backward(out, backend):
+        generator = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(2, 3, 8, 4, generator=generator, requires_grad=True) for _ in range(3))
+        with sdpa_kernel(backend), DumpSession(out, level="api", mode="stats") as session:
+            nn.Identity()(q)  # the first module forward starts api recording
+            (F.scaled_dot_product_attention(q, k, v, is_causal=True) * 2).sum().backward()
+            session.step()
+        return load(out)["data"]["Functional.scaled_dot_product_attention.0.backward"], (q.grad, k.grad, v.grad)
+
+    math, grads = attention_backward(tmp_path / "math", SDPBackend.MATH)
+    fused, _ = attention_backward(tmp_path / "fused", SDPBackend.FLASH_ATTENTION)
+    for entry in (math, fused):
+        assert [leaf["shape"] for leaf in entry["input"]] == [[2, 3, 8, 4]]
+        assert [leaf["shape"] for leaf in entry["output"]] == [[2, 3, 8, 4]] * 3
+        for leaf, grad in zip(entry["output"], grads, strict=True):
+            assert leaf["Norm"] == pytest.approx(float(grad.norm()), rel=1e-5)
+
+
+def test_an_argument_passed_twice_gets_one_gradient_per_position(tmp_path):
+    x = torch.tensor([1.0, -2.0, 3.0], requires_grad=True)
+    with DumpSession(tmp_path, level="api", mode="stats") as session:
+        nn.Identity()(x)
+        torch.mul(x, x).sum().backward()
+        session.step()
+    outputs = load(tmp_path)["data"]["Torch.mul.0.backward"]["output"]
+    assert [leaf["Max"] for leaf in outputs] == [3.0, 3.0]  # d(x*y)/dx = y and d/dy = x, with y = x
+
+
 def test_nan_and_inf_are_counted(tmp_path):
     x = torch.tensor([1.0, float("nan"), float("inf"), 2.0])
     with DumpSession(tmp_path, level="api", mode="stats"):

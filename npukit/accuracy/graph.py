@@ -1,0 +1,78 @@
+"""The autograd nodes one api call created, and where its input gradients leave them.
+
+An api call can make several autograd nodes (F.linear: a transpose and a matmul; a composite
+op such as scaled_dot_product_attention: a dozen, and which ones depends on the kernel it took).
+Its backward, as the dump and the overflow detector report it, is all of them together: the
+gradients coming in at its outputs' nodes, and the gradients going out along the edges to its
+inputs' producers -- whatever the graph looks like inside.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MAX_NODES_PER_OP = 64  # a bound on the graph walk of one op (a composite op makes a few dozen at most)
+
+
+class OpNodes:
+    """Finds the nodes each api call created, in call order (one instance per thread of ops).
+
+    Walks back from the outputs' nodes; a node older than the op (an input's node, one made by an
+    earlier op) has a lower sequence number, and leaves end in AccumulateGrad nodes.
+    """
+
+    def __init__(self) -> None:
+        self.floor = -1  # sequence number of the newest node of an earlier op
+
+    def created(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> list:
+        input_ids = {id(t) for t in inputs}
+        floor = self.floor
+        for tensor in inputs:
+            if tensor.grad_fn is not None:
+                floor = max(floor, tensor.grad_fn._sequence_nr())
+        # An op returning its input unchanged shares the producer's node: not its own.
+        pending = [t.grad_fn for t in outputs if t.grad_fn is not None and id(t) not in input_ids]
+        visited: list = []  # keeps every visited node alive so ids stay unique during the walk
+        seen: set[int] = set()
+        nodes = []
+        while pending and len(nodes) < _MAX_NODES_PER_OP:
+            node = pending.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            visited.append(node)
+            if type(node).__name__ == "AccumulateGrad" or node._sequence_nr() <= floor:
+                continue
+            nodes.append(node)
+            pending.extend(next_node for next_node, _ in node.next_functions)
+        if nodes:
+            self.floor = max(floor, max(node._sequence_nr() for node in nodes))
+        return nodes
+
+
+def input_edges(nodes: list, inputs: list[torch.Tensor]) -> dict[int, list[tuple[int, int]]]:
+    """For each node (by index in `nodes`): [(edge index, input position)] of the edges that carry
+    the op's gradient to one of its inputs. An input passed twice (x * x) gets its edges in order."""
+    wanted: dict[tuple, list[int]] = {}  # producer key -> input positions, in argument order
+    for position, tensor in enumerate(inputs):
+        if tensor.requires_grad:
+            key = ("node", id(tensor.grad_fn), tensor.output_nr) if tensor.grad_fn is not None else ("leaf", id(tensor))
+            wanted.setdefault(key, []).append(position)
+    inside = {id(node) for node in nodes}
+    taken: dict[tuple, int] = {}
+    edges: dict[int, list[tuple[int, int]]] = {}
+    for index, node in enumerate(nodes):
+        for edge, (target, input_nr) in enumerate(node.next_functions):
+            if target is None or id(target) in inside:
+                continue
+            if type(target).__name__ == "AccumulateGrad":
+                key = ("leaf", id(target.variable))
+            else:
+                key = ("node", id(target), input_nr)
+            positions = wanted.get(key)
+            if positions is None:
+                continue
+            used = taken.get(key, 0)
+            taken[key] = used + 1
+            edges.setdefault(index, []).append((edge, positions[min(used, len(positions) - 1)]))
+    return edges
