@@ -54,6 +54,7 @@ _SAME_ELEMENTS = frozenset(
 )
 
 _MAX_STACK_FRAMES = 30
+_MAX_MODULE_NODES = 50_000  # a bound on the graph walk behind one module call
 
 
 def parse_steps(spec: str | None, option: str = "--dump-steps") -> frozenset[int] | None:
@@ -261,7 +262,6 @@ class _StepRecord:
         self.seen: dict[int, tuple] = {}
         self.stacks = CallStacks(_MAX_STACK_FRAMES)
         self.counter = naming.CallCounter()
-        self.module_backward: dict[str, _Entry] = {}
 
     def place(self, entry: _Entry) -> None:
         if not entry.placed:
@@ -501,51 +501,38 @@ class DumpSession:
             entry.data["parameters"] = params
         self._record.place(entry)
         if torch.is_grad_enabled():
-            self._hook_module_backward(path, type(module).__name__, name, args, output)
+            self._hook_module_backward(path, type(module).__name__, name, args, kwargs, output)
 
-    def _hook_module_backward(self, path, class_name, forward_name, args, output) -> None:
+    def _hook_module_backward(self, path, class_name, forward_name, args, kwargs, output) -> None:
+        """`input`: the gradients of the module's outputs; `output`: the module's own gradient for
+        each tensor argument (as msprobe's full backward hook gives it: an input also used outside
+        the module, a residual, gets only the module's share)."""
         index = int(forward_name.rsplit(".", 1)[1])
         backward_name = naming.module_entry_name(path, class_name, index, naming.BACKWARD)
         outputs = [t for t in _flatten(output) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not outputs:
             return
-        inputs = [t for t in _flatten(args) if isinstance(t, torch.Tensor)]
+        inputs = [t for t in _flatten((args, kwargs)) if isinstance(t, torch.Tensor)]
         record = self._record
+        entry = _Entry(backward_name, None, None)
+        entry.data = {"input": [None] * len(outputs), "output": [None] * len(inputs)}
         wants_inputs = any(t.requires_grad for t in inputs)
-        # The hooks below must not capture the tensors themselves: a hook on a tensor's grad_fn
-        # holding that tensor is a cycle that keeps every activation alive until a gc pass.
-        output_count, input_count = len(outputs), len(inputs)
 
-        def entry() -> _Entry:
-            existing = record.module_backward.get(backward_name)
-            if existing is None:
-                existing = _Entry(backward_name, None, None)
-                existing.data = {"input": [None] * output_count, "output": [None] * input_count}
-                record.module_backward[backward_name] = existing
-            return existing
-
+        # Tensor hooks see the whole gradient of each output. They hold no tensor: a hook on a
+        # tensor's grad_fn holding that tensor is a cycle that keeps every activation alive.
         def grad_output_hook(position):
             def hook(grad):
                 if record is self._record:
-                    target = entry()
-                    target.data["input"][position] = self._tensor_leaf(grad, f"{backward_name}.input.{position}", True)
+                    entry.data["input"][position] = self._tensor_leaf(grad, f"{backward_name}.input.{position}", True)
                     if not wants_inputs:
-                        record.place(target)
-            return hook
-
-        def grad_input_hook(position):
-            def hook(grad):
-                if record is self._record:
-                    target = entry()
-                    target.data["output"][position] = self._tensor_leaf(grad, f"{backward_name}.output.{position}", True)
-                    record.place(target)
+                        record.place(entry)
             return hook
 
         for position, tensor in enumerate(outputs):
             tensor.register_hook(grad_output_hook(position))
-        for position, tensor in enumerate(inputs):
-            if tensor.requires_grad:
-                tensor.register_hook(grad_input_hook(position))
+        if wants_inputs:
+            nodes = graph.nodes_after(graph.newest_input_node(inputs), outputs, _MAX_MODULE_NODES)
+            self._hook_input_grads(record, entry, nodes, inputs, backward_name)
 
     def _record_parameter_grads(self) -> None:
         for module, path in list(self._paths.items()):
@@ -596,8 +583,7 @@ class DumpSession:
     def _hook_api_backward(self, api, index, args, kwargs, out_tensors) -> None:
         """One backward entry per api call, whatever autograd nodes it made (which can differ
         between a golden and an NPU run: another kernel, another graph): `input` the gradients
-        arriving at its outputs, `output` its gradient for each tensor argument, summed over the
-        edges that carry it out of the call's nodes."""
+        arriving at its outputs, `output` its gradient for each tensor argument."""
         inputs = [t for t in _flatten((args, kwargs)) if isinstance(t, torch.Tensor)]
         nodes = self._op_nodes.created(inputs, out_tensors)
         if not nodes:
@@ -608,20 +594,11 @@ class DumpSession:
             node = tensor.grad_fn
             if node is not None and id(node) in created and all(node is not seen for seen in output_nodes):
                 output_nodes.append(node)
-        edges = graph.input_edges(nodes, inputs)
-        expected: dict[int, int] = {}
-        for pairs in edges.values():
-            for _, position in pairs:
-                expected[position] = expected.get(position, 0) + 1
         record = self._record
         name = naming.api_entry_name(api, index, naming.BACKWARD)
         entry = _Entry(name, None, None)
         entry.data = {"input": [], "output": [None] * len(inputs)}
-        same_elements = api in _SAME_ELEMENTS and len(nodes) == 1 and len(inputs) == 1
-        arrived: dict[int, list] = {}  # position -> [gradients so far]; summed once all are in
 
-        # The hooks hold neither nodes nor tensors of the graph: a node's hook holding that node
-        # is a cycle that keeps the graph alive.
         def incoming(grad_outputs):
             if record is self._record:
                 first = len(entry.data["input"])
@@ -629,6 +606,27 @@ class DumpSession:
                                         for i, g in enumerate(grad_outputs)]
                 record.place(entry)
 
+        for node in output_nodes:
+            node.register_prehook(incoming)
+        reshapes = api in _SAME_ELEMENTS and len(nodes) == 1 and len(inputs) == 1
+        self._hook_input_grads(record, entry, nodes, inputs, name, reshapes)
+
+    def _hook_input_grads(self, record: _StepRecord, entry: _Entry, nodes: list, inputs: list, name: str,
+                          reshapes: bool = False) -> None:
+        """Fill entry's `output.i` with the gradient for inputs[i] that leaves `nodes` (summed over
+        the edges that carry it); place the entry when the first one arrives.
+
+        reshapes: one node that only reorders its input's elements; its gradient's statistics are
+        those of the incoming gradient."""
+        edges = graph.input_edges(nodes, inputs)
+        expected: dict[int, int] = {}
+        for pairs in edges.values():
+            for _, position in pairs:
+                expected[position] = expected.get(position, 0) + 1
+        arrived: dict[int, list] = {}  # position -> [gradients so far]; summed once all are in
+
+        # The hooks hold neither nodes nor tensors of the graph: a node's hook holding that node
+        # is a cycle that keeps the graph alive.
         def outgoing(pairs):
             def hook(grad_inputs, grad_outputs):
                 if record is not self._record:
@@ -645,15 +643,12 @@ class DumpSession:
                         continue
                     with torch._C.DisableTorchFunction():
                         grad = present[0] if len(present) == 1 else torch.stack(present).sum(0)
-                    leaf_name = f"{name}.output.{position}"
-                    reuse = (same_elements and len(grad_outputs) == 1 and isinstance(grad_outputs[0], torch.Tensor)
-                             and grad_outputs[0].numel() == grad.numel())
+                    incoming = grad_outputs[0] if len(grad_outputs) == 1 else None
+                    reuse = reshapes and isinstance(incoming, torch.Tensor) and incoming.numel() == grad.numel()
                     entry.data["output"][position] = self._tensor_leaf(
-                        grad, leaf_name, True, same_values_as=grad_outputs[0] if reuse else None)
+                        grad, f"{name}.output.{position}", True, same_values_as=incoming if reuse else None)
             return hook
 
-        for node in output_nodes:
-            node.register_prehook(incoming)
         for node_index, pairs in edges.items():
             nodes[node_index].register_hook(outgoing(pairs))
 

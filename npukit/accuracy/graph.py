@@ -14,37 +14,43 @@ import torch
 _MAX_NODES_PER_OP = 64  # a bound on the graph walk of one op (a composite op makes a few dozen at most)
 
 
-class OpNodes:
-    """Finds the nodes each api call created, in call order (one instance per thread of ops).
+def nodes_after(floor: int, outputs: list[torch.Tensor], limit: int, exclude: set[int] = frozenset()) -> list:
+    """The autograd nodes behind `outputs` made after sequence number `floor`: walking back from
+    the outputs' nodes, a node older than that (an input's node) or an AccumulateGrad (a leaf) ends
+    the walk. `exclude`: ids of output tensors whose node is not theirs (an input passed through)."""
+    pending = [t.grad_fn for t in outputs if t.grad_fn is not None and id(t) not in exclude]
+    visited: list = []  # keeps every visited node alive so ids stay unique during the walk
+    seen: set[int] = set()
+    nodes = []
+    while pending and len(nodes) < limit:
+        node = pending.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        visited.append(node)
+        if type(node).__name__ == "AccumulateGrad" or node._sequence_nr() <= floor:
+            continue
+        nodes.append(node)
+        pending.extend(next_node for next_node, _ in node.next_functions)
+    return nodes
 
-    Walks back from the outputs' nodes; a node older than the op (an input's node, one made by an
-    earlier op) has a lower sequence number, and leaves end in AccumulateGrad nodes.
-    """
+
+def newest_input_node(inputs: list[torch.Tensor]) -> int:
+    """Sequence number of the newest node among the inputs' producers (-1 for none)."""
+    return max((t.grad_fn._sequence_nr() for t in inputs if t.grad_fn is not None), default=-1)
+
+
+class OpNodes:
+    """Finds the nodes each api call created, in call order (one instance per thread of ops):
+    those newer than both its inputs' producers and every earlier call's nodes."""
 
     def __init__(self) -> None:
         self.floor = -1  # sequence number of the newest node of an earlier op
 
     def created(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> list:
-        input_ids = {id(t) for t in inputs}
-        floor = self.floor
-        for tensor in inputs:
-            if tensor.grad_fn is not None:
-                floor = max(floor, tensor.grad_fn._sequence_nr())
+        floor = max(self.floor, newest_input_node(inputs))
         # An op returning its input unchanged shares the producer's node: not its own.
-        pending = [t.grad_fn for t in outputs if t.grad_fn is not None and id(t) not in input_ids]
-        visited: list = []  # keeps every visited node alive so ids stay unique during the walk
-        seen: set[int] = set()
-        nodes = []
-        while pending and len(nodes) < _MAX_NODES_PER_OP:
-            node = pending.pop()
-            if node is None or id(node) in seen:
-                continue
-            seen.add(id(node))
-            visited.append(node)
-            if type(node).__name__ == "AccumulateGrad" or node._sequence_nr() <= floor:
-                continue
-            nodes.append(node)
-            pending.extend(next_node for next_node, _ in node.next_functions)
+        nodes = nodes_after(floor, outputs, _MAX_NODES_PER_OP, exclude={id(t) for t in inputs})
         if nodes:
             self.floor = max(floor, max(node._sequence_nr() for node in nodes))
         return nodes

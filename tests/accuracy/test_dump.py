@@ -144,6 +144,23 @@ def test_an_api_backward_holds_the_gradient_of_each_argument_whatever_kernel_ran
             assert leaf["Norm"] == pytest.approx(float(grad.norm()), rel=1e-5)
 
 
+def test_a_module_backward_holds_its_own_share_of_a_residual_inputs_gradient(tmp_path):
+    """x feeds the layer and a residual add: the layer's backward output is the gradient through
+    the layer only (msprobe's full backward hook), not x's whole gradient."""
+    layer = nn.Linear(3, 3, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.eye(3) * 2)
+    x = torch.tensor([[1.0, -2.0, 3.0]], requires_grad=True)
+    with DumpSession(tmp_path, level="module", mode="stats") as session:
+        h = x * 1  # a non-leaf input, as activations are
+        (h + layer(h)).sum().backward()
+        session.step()
+    entry = load(tmp_path)["data"]["Module.Linear.backward.0"]
+    assert [leaf["Max"] for leaf in entry["input"]] == [1.0]  # d(sum)/d(layer output)
+    assert [leaf["Max"] for leaf in entry["output"]] == [2.0]  # W^T 1 = 2; x's whole gradient is 3
+    assert x.grad.tolist() == [[3.0, 3.0, 3.0]]
+
+
 def test_an_argument_passed_twice_gets_one_gradient_per_position(tmp_path):
     x = torch.tensor([1.0, -2.0, 3.0], requires_grad=True)
     with DumpSession(tmp_path, level="api", mode="stats") as session:
