@@ -753,12 +753,10 @@ class DumpSession:
         return self.out_dir / f"step{step}" / f"rank{self.rank}"
 
     def _flush(self) -> None:
-        """Resolve the step's statistics here (one device sync), write its files in the writer
-        thread while the next step runs."""
+        """Resolve the step's statistics here (one device sync); put them in the leaves and write
+        the files in the writer thread while the next step runs."""
         record = self._record
-        values = record.stats.resolve()
-        for leaf, slot in record.leaves:
-            fill_stats(leaf, values[slot])
+        record.stats.resolve()
         self._check_writes(wait=False)
         tensor_writes, self._pending_writes = self._pending_writes, []
         self._pending_writes.append(self._writer.submit(self._write_step, record, self.step_index, tensor_writes))
@@ -774,6 +772,9 @@ class DumpSession:
     def _write_step(self, record: _StepRecord, step: int, tensor_writes: list) -> None:
         for future in tensor_writes:  # done already (one writer thread, in order); their errors stop us
             future.result()
+        values = record.stats.resolve()  # resolved by _flush: only host floats here
+        for leaf, slot in record.leaves:
+            fill_stats(leaf, values[slot])
         rank_dir = self._rank_dir(step)
         rank_dir.mkdir(parents=True, exist_ok=True)
         dump = {
