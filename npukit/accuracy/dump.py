@@ -17,6 +17,7 @@ output of one op and the input of the next is measured (and, in tensor mode, wri
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import math
@@ -55,6 +56,34 @@ _SAME_ELEMENTS = frozenset(
 
 _MAX_STACK_FRAMES = 30
 _MAX_MODULE_NODES = 50_000  # a bound on the graph walk behind one module call
+
+
+def tensors_in(value) -> list[torch.Tensor]:
+    """The tensors in a (nested) argument structure, in order. A loop, not a recursive
+    generator: it runs for every op's arguments and outputs."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    found: list[torch.Tensor] = []
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif isinstance(item, list | tuple):
+            pending.extend(reversed(item))
+        elif isinstance(item, dict):
+            pending.extend(reversed(item.values()))
+    return found
+
+
+def unintercepted(function):
+    """Run a hook with torch-function handling off: its own tensor accesses (.shape, .dtype, ...)
+    would otherwise each go through the api mode (the mode is off only inside its own handler)."""
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        with torch._C.DisableTorchFunction():
+            return function(*args, **kwargs)
+    return wrapper
 
 
 def parse_steps(spec: str | None, option: str = "--dump-steps") -> frozenset[int] | None:
@@ -451,6 +480,7 @@ class DumpSession:
         outer = self._module_stack[0][2] if self._module_stack else None
         return naming.module_path(self._paths, module, outer)
 
+    @unintercepted
     def _on_module_pre_forward(self, module, args) -> None:
         self._forward_seen = True
         if self._finished or self._paused:
@@ -479,6 +509,7 @@ class DumpSession:
             self._end_step()
             self._step_root = weakref.ref(module)
 
+    @unintercepted
     def _on_module_forward(self, module, args, kwargs, output=_RAISED) -> None:
         if not self._module_stack or self._module_stack[-1][2] is not module:
             return
@@ -509,10 +540,10 @@ class DumpSession:
         the module, a residual, gets only the module's share)."""
         index = int(forward_name.rsplit(".", 1)[1])
         backward_name = naming.module_entry_name(path, class_name, index, naming.BACKWARD)
-        outputs = [t for t in _flatten(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+        outputs = [t for t in tensors_in(output) if t.requires_grad]
         if not outputs:
             return
-        inputs = [t for t in _flatten((args, kwargs)) if isinstance(t, torch.Tensor)]
+        inputs = tensors_in((args, kwargs))
         record = self._record
         entry = _Entry(backward_name, None, None)
         entry.data = {"input": [None] * len(outputs), "output": [None] * len(inputs)}
@@ -521,6 +552,7 @@ class DumpSession:
         # Tensor hooks see the whole gradient of each output. They hold no tensor: a hook on a
         # tensor's grad_fn holding that tensor is a cycle that keeps every activation alive.
         def grad_output_hook(position):
+            @unintercepted
             def hook(grad):
                 if record is self._record:
                     entry.data["input"][position] = self._tensor_leaf(grad, f"{backward_name}.input.{position}", True)
@@ -564,7 +596,7 @@ class DumpSession:
             entry.data["input_args"] = self._describe(args, f"{name}.input", False)
             entry.data["input_kwargs"] = self._describe_kwargs(kwargs, name)
         output = func(*args, **kwargs)
-        out_tensors = [t for t in _flatten(output) if isinstance(t, torch.Tensor)]
+        out_tensors = tensors_in(output)
         if not out_tensors:
             return output
         if not in_place:
@@ -584,7 +616,7 @@ class DumpSession:
         """One backward entry per api call, whatever autograd nodes it made (which can differ
         between a golden and an NPU run: another kernel, another graph): `input` the gradients
         arriving at its outputs, `output` its gradient for each tensor argument."""
-        inputs = [t for t in _flatten((args, kwargs)) if isinstance(t, torch.Tensor)]
+        inputs = tensors_in((args, kwargs))
         nodes = self._op_nodes.created(inputs, out_tensors)
         if not nodes:
             return
@@ -599,6 +631,7 @@ class DumpSession:
         entry = _Entry(name, None, None)
         entry.data = {"input": [], "output": [None] * len(inputs)}
 
+        @unintercepted
         def incoming(grad_outputs):
             if record is self._record:
                 first = len(entry.data["input"])
@@ -606,19 +639,25 @@ class DumpSession:
                                         for i, g in enumerate(grad_outputs)]
                 record.place(entry)
 
-        for node in output_nodes:
-            node.register_prehook(incoming)
-        reshapes = api in _SAME_ELEMENTS and len(nodes) == 1 and len(inputs) == 1
-        self._hook_input_grads(record, entry, nodes, inputs, name, reshapes)
+        one_node = len(nodes) == 1
+        if not one_node:
+            for node in output_nodes:
+                node.register_prehook(incoming)
+        reshapes = api in _SAME_ELEMENTS and one_node and len(inputs) == 1
+        # One node (most calls): its one hook also takes the incoming gradients.
+        self._hook_input_grads(record, entry, nodes, inputs, name, reshapes, incoming if one_node else None)
 
     def _hook_input_grads(self, record: _StepRecord, entry: _Entry, nodes: list, inputs: list, name: str,
-                          reshapes: bool = False) -> None:
+                          reshapes: bool = False, incoming=None) -> None:
         """Fill entry's `output.i` with the gradient for inputs[i] that leaves `nodes` (summed over
         the edges that carry it); place the entry when the first one arrives.
 
         reshapes: one node that only reorders its input's elements; its gradient's statistics are
-        those of the incoming gradient."""
+        those of the incoming gradient. incoming: for a one-node call, called first with the
+        node's incoming gradients."""
         edges = graph.input_edges(nodes, inputs)
+        if incoming is not None:
+            edges.setdefault(0, [])
         expected: dict[int, int] = {}
         for pairs in edges.values():
             for _, position in pairs:
@@ -628,9 +667,12 @@ class DumpSession:
         # The hooks hold neither nodes nor tensors of the graph: a node's hook holding that node
         # is a cycle that keeps the graph alive.
         def outgoing(pairs):
+            @unintercepted
             def hook(grad_inputs, grad_outputs):
                 if record is not self._record:
                     return
+                if incoming is not None:
+                    incoming(grad_outputs)
                 record.place(entry)
                 for edge, position in pairs:
                     grads = arrived.setdefault(position, [])
@@ -643,10 +685,10 @@ class DumpSession:
                         continue
                     with torch._C.DisableTorchFunction():
                         grad = present[0] if len(present) == 1 else torch.stack(present).sum(0)
-                    incoming = grad_outputs[0] if len(grad_outputs) == 1 else None
-                    reuse = reshapes and isinstance(incoming, torch.Tensor) and incoming.numel() == grad.numel()
+                    arriving = grad_outputs[0] if len(grad_outputs) == 1 else None
+                    reuse = reshapes and isinstance(arriving, torch.Tensor) and arriving.numel() == grad.numel()
                     entry.data["output"][position] = self._tensor_leaf(
-                        grad, f"{name}.output.{position}", True, same_values_as=incoming if reuse else None)
+                        grad, f"{name}.output.{position}", True, same_values_as=arriving if reuse else None)
             return hook
 
         for node_index, pairs in edges.items():
@@ -803,14 +845,3 @@ def write_json(path: Path, payload) -> None:
     """Write JSON atomically: readers never see a half-written dump.json."""
     # json.dumps, not json.dump: only the one-shot encoder runs in C (5x faster on big dumps).
     write_text_atomic(path, json.dumps(payload, separators=(",", ":")))
-
-
-def _flatten(value):
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, list | tuple):
-        for item in value:
-            yield from _flatten(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _flatten(item)

@@ -46,7 +46,15 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from npukit.accuracy import naming
-from npukit.accuracy.dump import StatsBuffer, describe_value, fill_stats, rank_from_env, write_json
+from npukit.accuracy.dump import (
+    StatsBuffer,
+    describe_value,
+    fill_stats,
+    rank_from_env,
+    tensors_in,
+    unintercepted,
+    write_json,
+)
 from npukit.accuracy.graph import OpNodes
 from npukit.accuracy.stacks import CallStacks
 from npukit.accuracy.tensor_io import write_tensor
@@ -305,33 +313,6 @@ def _json_number(value: float):
     return value
 
 
-def _unintercepted(function):
-    """Run a hook with torch-function handling off: its own tensor accesses (.shape, .dtype, ...)
-    would otherwise each go through the api mode (the mode is off only inside its own handler)."""
-    def wrapper(*args, **kwargs):
-        with torch._C.DisableTorchFunction():
-            return function(*args, **kwargs)
-    return wrapper
-
-
-def _tensors(value) -> list[torch.Tensor]:
-    """The tensors in a (nested) argument structure, in order. A loop, not a recursive
-    generator: it runs for every op's arguments and outputs."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    found: list[torch.Tensor] = []
-    pending = [value]
-    while pending:
-        item = pending.pop()
-        if isinstance(item, torch.Tensor):
-            found.append(item)
-        elif isinstance(item, list | tuple):
-            pending.extend(reversed(item))
-        elif isinstance(item, dict):
-            pending.extend(reversed(item.values()))
-    return found
-
-
 class _ApiMode(TorchFunctionMode):
     def __init__(self, session: OverflowSession) -> None:
         super().__init__()
@@ -517,7 +498,7 @@ class OverflowSession:
             self._optimizer_exists = any(issubclass(type(obj), optimizer) for obj in gc.get_objects())
         return self._optimizer_exists
 
-    @_unintercepted
+    @unintercepted
     def _on_optimizer_pre_step(self, optimizer, args, kwargs) -> None:
         self._optimizer_steps += 1
         if self._paused == 0:
@@ -598,7 +579,7 @@ class OverflowSession:
         outer = self._module_stack[0][1] if self._module_stack else None
         return naming.module_path(self._paths, module, outer)
 
-    @_unintercepted
+    @unintercepted
     def _on_module_pre_forward(self, module, args) -> None:
         if self._paused:
             return
@@ -621,7 +602,7 @@ class OverflowSession:
         was = self._flag.begin() if record is not None and self._bracket else False
         self._module_stack.append((path, module, record, was))
 
-    @_unintercepted
+    @unintercepted
     def _on_module_forward(self, module, args, output=None) -> None:
         if not self._module_stack or self._module_stack[-1][1] is not module:
             return
@@ -629,7 +610,7 @@ class OverflowSession:
         if record is None or not self._checking:
             return
         record.flag = self._flag.end(was) if self._bracket else False
-        outputs = _tensors(output)
+        outputs = tensors_in(output)
         record.outputs = self._check_list(outputs, "output")
         self._add_record(record, (None, args, {}, output))
         if torch.is_grad_enabled():
@@ -637,7 +618,7 @@ class OverflowSession:
 
     def _hook_module_backward(self, forward: _OpRecord, class_name: str, args, outputs) -> None:
         grad_outputs = [t for t in outputs if t.requires_grad]
-        grad_inputs = [t for t in _tensors(args) if t.requires_grad]
+        grad_inputs = [t for t in tensors_in(args) if t.requires_grad]
         if not grad_outputs:
             return
         index = int(forward.name.rsplit(".", 1)[1])
@@ -651,14 +632,14 @@ class OverflowSession:
         state.module_backward.setdefault(forward.module, []).append(backward)
 
         def incoming(position):
-            @_unintercepted
+            @unintercepted
             def hook(grad):
                 if state is self._state and self._checking:
                     backward.inputs[position] = self._check(grad, f"input.{position}")
             return hook
 
         def outgoing(position):
-            @_unintercepted
+            @unintercepted
             def hook(grad):
                 if state is self._state and self._checking:
                     backward.outputs[position] = self._check(grad, f"output.{position}")
@@ -705,7 +686,7 @@ class OverflowSession:
         was = self._flag.begin() if self._bracket else False
         output = func(*args, **kwargs)
         flag = self._flag.end(was) if self._bracket else False
-        outputs = _tensors(output)
+        outputs = tensors_in(output)
         module, module_class = ((self._module_stack[-1][0], type(self._module_stack[-1][1]).__name__)
                                 if self._module_stack else ("", ""))
         copies = api in _COPIES_VALUES and not flag
@@ -724,14 +705,14 @@ class OverflowSession:
         return output
 
     def _hook_api_backward(self, api, index, forward: _OpRecord, args, kwargs, outputs) -> None:
-        nodes = self._op_nodes.created(_tensors((args, kwargs)), outputs)
+        nodes = self._op_nodes.created(tensors_in((args, kwargs)), outputs)
         if not nodes:
             return
         state = self._state
         name = naming.api_entry_name(api, index, naming.BACKWARD)
         flags: list[bool] = []
 
-        @_unintercepted
+        @unintercepted
         def pre_hook(grad_outputs):
             if state is self._state and self._checking:
                 flags.append(self._flag.begin())
@@ -740,7 +721,7 @@ class OverflowSession:
             copies = type(node).__name__ in _COPYING_NODES
             same_elements = type(node).__name__ in _SAME_ELEMENT_NODES
 
-            @_unintercepted
+            @unintercepted
             def hook(grad_inputs, grad_outputs):
                 if state is not self._state or not self._checking:
                     return
@@ -796,7 +777,7 @@ class OverflowSession:
         return checks
 
     def _check_all(self, value, prefix: str) -> list[_TensorCheck]:
-        return self._check_list(_tensors(value), prefix)
+        return self._check_list(tensors_in(value), prefix)
 
     def _add_record(self, record: _OpRecord, live: tuple) -> None:
         if self._eager:
@@ -1132,12 +1113,12 @@ def replay_in_fp32(func, args, kwargs, output) -> dict:
             reference = func(*to_fp32(tuple(args)), **{key: to_fp32(value) for key, value in kwargs.items()})
         except Exception as exc:  # an op that has no fp32 CPU kernel: say so rather than fail the run
             return {"verdict": f"not replayed ({type(exc).__name__}: {exc})"}
-        tensors = [t for t in _tensors(reference) if t.is_floating_point()]
+        tensors = [t for t in tensors_in(reference) if t.is_floating_point()]
         if not tensors:
             return {"verdict": "not replayed (no floating output)"}
         finite = all(bool(torch.isfinite(t).all()) for t in tensors)
         peak = max(float(t.abs().max()) if t.numel() and bool(torch.isfinite(t).all()) else math.inf for t in tensors)
-    dtypes = {t.dtype for t in _tensors(output)}
+    dtypes = {t.dtype for t in tensors_in(output)}
     limit = FP16_MAX if torch.float16 in dtypes else float(torch.finfo(torch.bfloat16).max) if torch.bfloat16 in dtypes else math.inf
     if not finite:
         verdict = "fp32 result is inf/nan too: the op overflows or is undefined for these inputs"
