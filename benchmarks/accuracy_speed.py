@@ -2,7 +2,7 @@
 
 1. Dump overhead: time per training step of a small transformer with a DumpSession (module / api /
    mix statistics, mix tensor) divided by the time per step without one. Targets: mix stats <= 1.3x.
-   Baseline and dump steps are interleaved, as many of each, and the fastest step of each is kept:
+   Baseline and dump steps are interleaved, as many of each (24), and the fastest step of each is kept:
    load from other processes only ever adds time, so the minimum is the steadiest estimate of
    both. Wall time and process CPU time are both shown.
 2. Compare throughput: npu-compare (metrics in fp64, all cores) on a generated dump pair of
@@ -196,7 +196,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, {os.cpu_count()} cores")
-    dump_overhead(rounds=2 if args.quick else 5, steps=2 if args.quick else 3)
+    dump_overhead(rounds=2 if args.quick else 8, steps=2 if args.quick else 3)
     compare_throughput(megabytes_per_side=64 if args.quick else 256)
 
 
