@@ -683,8 +683,9 @@ class DumpSession:
                     present = [g for g in grads if isinstance(g, torch.Tensor)]
                     if not present:
                         continue
-                    with torch._C.DisableTorchFunction():
-                        grad = present[0] if len(present) == 1 else torch.stack(present).sum(0)
+                    grad = present[0]
+                    for more in present[1:]:  # the hook runs with torch-function handling off
+                        grad = grad + more
                     arriving = grad_outputs[0] if len(grad_outputs) == 1 else None
                     reuse = reshapes and isinstance(arriving, torch.Tensor) and arriving.numel() == grad.numel()
                     entry.data["output"][position] = self._tensor_leaf(
