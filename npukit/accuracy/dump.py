@@ -34,7 +34,7 @@ from torch.overrides import TorchFunctionMode
 from npukit.accuracy import graph, naming
 from npukit.accuracy._stats import stats as one_pass_stats
 from npukit.accuracy.stacks import CallStacks
-from npukit.accuracy.tensor_io import tensor_to_numpy, write_tensor
+from npukit.accuracy.tensor_io import strided_form, tensor_to_numpy, write_tensor
 from npukit.errors import UserError
 from npukit.files import write_text_atomic
 
@@ -157,9 +157,10 @@ def tensor_stats(tensor: torch.Tensor):
     (StatsBuffer). None for empty and complex tensors.
     """
     data = tensor.detach()
-    if data.numel() == 0 or data.is_complex():
-        return None
     with torch._C.DisableTorchFunction():
+        data = strided_form(data)
+        if data is None or data.numel() == 0 or data.is_complex():
+            return None
         if not data.is_floating_point():
             data = data.to(torch.float64)
         if _host_memory(data):
@@ -704,6 +705,8 @@ class DumpSession:
 
     def _describe(self, value, leaf_name: str, is_output: bool):
         if isinstance(value, torch.Tensor):
+            if value.is_nested:  # no single shape, no statistics: described, not measured
+                return {"type": "torch.Tensor", "layout": "nested", "dtype": str(value.dtype)}
             return self._tensor_leaf(value, leaf_name, is_output)
         if isinstance(value, list | tuple) and not isinstance(value, torch.Size):
             return [self._describe(item, f"{leaf_name}.{i}", is_output) for i, item in enumerate(value)]

@@ -57,7 +57,7 @@ from npukit.accuracy.dump import (
 )
 from npukit.accuracy.graph import OpNodes
 from npukit.accuracy.stacks import CallStacks
-from npukit.accuracy.tensor_io import write_tensor
+from npukit.accuracy.tensor_io import strided_form, write_tensor
 from npukit.errors import UserError
 
 ACTIONS = ("report", "dump", "stop")
@@ -199,9 +199,9 @@ class _Checks:
         known = self.seen.get(key)
         if known is not None and known[0]() is tensor and known[1] == version:
             return known[2], known[3]
-        data = tensor.detach()
-        if not data.is_floating_point() or data.numel() == 0 or data.device.type == "meta":
-            return (), None
+        data = strided_form(tensor.detach())
+        if data is None or not data.is_floating_point() or data.numel() == 0 or data.device.type == "meta":
+            return (), None  # nested tensors included: their components are checked where they are used
         start = len(self.values) + len(self.pending)
         zero_slot = None
         with torch._C.DisableTorchFunction():
@@ -743,7 +743,7 @@ class OverflowSession:
 
     # ------------------------------------------------------------------ checks and records
     def _check(self, tensor, leaf: str) -> _TensorCheck | None:
-        if not isinstance(tensor, torch.Tensor):
+        if not isinstance(tensor, torch.Tensor) or tensor.is_nested:  # no single shape
             return None
         if self._bracket and tensor.dtype == torch.float16:
             was = self._flag.value()
@@ -768,7 +768,7 @@ class OverflowSession:
         zero_slot = inputs[0].zero_slot if same_zeros and len(inputs) == 1 else None
         checks = []
         for position, tensor in enumerate(outputs):
-            if isinstance(tensor, torch.Tensor):
+            if isinstance(tensor, torch.Tensor) and not tensor.is_nested:
                 floating = tensor.is_floating_point()
                 if floating:
                     self._state.checks.remember(tensor, slots, zero_slot)

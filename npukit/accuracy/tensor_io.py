@@ -75,11 +75,25 @@ def write_tensor(path: Path, tensor) -> None:
         np.lib.format.write_array(handle, array, allow_pickle=False)
 
 
+def strided_form(data):
+    """The same values as a plain strided tensor: sparse and mkldnn tensors made dense (the
+    implicit zeros are values too), quantized ones dequantized; None for nested tensors."""
+    import torch
+
+    if data.is_nested:
+        return None
+    if data.is_quantized:
+        return data.dequantize()
+    if data.layout != torch.strided:
+        return data.to_dense()
+    return data
+
+
 def tensor_to_numpy(tensor):
     """Host numpy array holding the tensor's exact bits (bf16/float8 as raw unsigned integers)."""
     import torch
 
-    data = tensor.detach()
+    data = strided_form(tensor.detach())
     if data.device.type != "cpu":
         data = data.cpu()
     data = data.contiguous()

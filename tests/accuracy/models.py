@@ -86,3 +86,17 @@ def train(out: Path | None, bug: str | None = None, *, level: str = "mix", mode:
         if session:
             session.stop()
     return losses
+
+
+class UnusualLayouts(nn.Module):
+    """A sparse matmul, a dequantized copy and a nested tensor inside an ordinary forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = torch.sparse.mm(torch.eye(4).to_sparse(), self.fc(x).t()).t()
+        dequantized = torch.quantize_per_tensor(y.detach(), 0.1, 0, torch.quint8).dequantize()
+        nested = torch.nested.nested_tensor([y[0], y[1, :2]]) * 2
+        return y.sum() + dequantized.sum() + nested.unbind()[0].sum()

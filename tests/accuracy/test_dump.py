@@ -171,6 +171,23 @@ def test_an_argument_passed_twice_gets_one_gradient_per_position(tmp_path):
     assert [leaf["Max"] for leaf in outputs] == [3.0, 3.0]  # d(x*y)/dx = y and d/dy = x, with y = x
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # quantized and nested tensors warn they are old/new
+@pytest.mark.parametrize("mode", ["stats", "tensor"])
+def test_sparse_quantized_and_nested_tensors_are_dumped_without_failing_the_run(tmp_path, mode):
+    from .models import UnusualLayouts
+
+    with DumpSession(tmp_path, level="mix", mode=mode) as session:
+        UnusualLayouts()(torch.randn(3, 4)).backward()
+        session.step()
+    data = load(tmp_path)["data"]
+    sparse = data["Tensor.to_sparse.0.forward"]["output"][0]
+    assert sparse["Max"] == 1.0 and sparse["Min"] == 0.0 and sparse["Mean"] == 0.25  # its zeros count
+    quantized = data["Torch.quantize_per_tensor.0.forward"]["output"][0]
+    assert quantized["dtype"] == "torch.quint8" and quantized["Max"] > 0  # measured dequantized
+    assert data["Tensor.mul.0.forward"]["output"][0] == {"type": "torch.Tensor", "layout": "nested",
+                                                         "dtype": "torch.float32"}
+
+
 def test_nan_and_inf_are_counted(tmp_path):
     x = torch.tensor([1.0, float("nan"), float("inf"), 2.0])
     with DumpSession(tmp_path, level="api", mode="stats"):

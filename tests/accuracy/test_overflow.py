@@ -411,3 +411,12 @@ def test_an_overflow_from_finite_scalars_gets_no_hint(tmp_path, npu):
         x * 1e5  # saturates, but nothing here is infinite
     assert [event["name"] for event in session.events] == ["Tensor.mul.0.forward"]
     assert "hint" not in session.events[0]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_sparse_quantized_and_nested_tensors_do_not_stop_the_detector(tmp_path):
+    from .models import UnusualLayouts
+
+    with OverflowSession(tmp_path, console=False) as session:
+        UnusualLayouts()(torch.randn(3, 4)).backward()
+    assert session.events == [] and (tmp_path / "overflow.json").is_file()
