@@ -548,7 +548,9 @@ class DumpSession:
         record = self._record
         entry = _Entry(backward_name, None, None)
         entry.data = {"input": [None] * len(outputs), "output": [None] * len(inputs)}
-        wants_inputs = any(t.requires_grad for t in inputs)
+        # Placed when its first input gradient is out, or, when none will be (no input needs a
+        # gradient, or none was found), when its output gradients arrive.
+        placed_with_outputs = [True]
 
         # Tensor hooks see the whole gradient of each output. They hold no tensor: a hook on a
         # tensor's grad_fn holding that tensor is a cycle that keeps every activation alive.
@@ -557,15 +559,15 @@ class DumpSession:
             def hook(grad):
                 if record is self._record:
                     entry.data["input"][position] = self._tensor_leaf(grad, f"{backward_name}.input.{position}", True)
-                    if not wants_inputs:
+                    if placed_with_outputs[0]:
                         record.place(entry)
             return hook
 
         for position, tensor in enumerate(outputs):
             tensor.register_hook(grad_output_hook(position))
-        if wants_inputs:
+        if any(t.requires_grad for t in inputs):
             nodes = graph.nodes_after(graph.newest_input_node(inputs), outputs, _MAX_MODULE_NODES)
-            self._hook_input_grads(record, entry, nodes, inputs, backward_name)
+            placed_with_outputs[0] = not self._hook_input_grads(record, entry, nodes, inputs, backward_name)
 
     def _record_parameter_grads(self) -> None:
         for module, path in list(self._paths.items()):
@@ -649,9 +651,10 @@ class DumpSession:
         self._hook_input_grads(record, entry, nodes, inputs, name, reshapes, incoming if one_node else None)
 
     def _hook_input_grads(self, record: _StepRecord, entry: _Entry, nodes: list, inputs: list, name: str,
-                          reshapes: bool = False, incoming=None) -> None:
+                          reshapes: bool = False, incoming=None) -> bool:
         """Fill entry's `output.i` with the gradient for inputs[i] that leaves `nodes` (summed over
-        the edges that carry it); place the entry when the first one arrives.
+        the edges that carry it); place the entry when the first one arrives. False when no
+        edge was found (nothing hooked).
 
         reshapes: one node that only reorders its input's elements; its gradient's statistics are
         those of the incoming gradient. incoming: for a one-node call, called first with the
@@ -695,6 +698,7 @@ class DumpSession:
 
         for node_index, pairs in edges.items():
             nodes[node_index].register_hook(outgoing(pairs))
+        return bool(edges)
 
     def _grad_leaf(self, grad, leaf_name):
         return self._tensor_leaf(grad, leaf_name, True) if isinstance(grad, torch.Tensor) else None

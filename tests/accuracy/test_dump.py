@@ -161,6 +161,23 @@ def test_a_module_backward_holds_its_own_share_of_a_residual_inputs_gradient(tmp
     assert x.grad.tolist() == [[3.0, 3.0, 3.0]]
 
 
+def test_a_module_backward_is_recorded_when_no_input_gradient_leaves_it(tmp_path):
+    class UsesOnlyData(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(2, 2)
+
+        def forward(self, unused, data):
+            return self.fc(data)
+
+    unused = torch.ones(2, requires_grad=True)  # needs a gradient, gets none from this module
+    with DumpSession(tmp_path, level="module", mode="stats") as session:
+        UsesOnlyData()(unused, torch.ones(1, 2)).sum().backward()
+        session.step()
+    entry = load(tmp_path)["data"]["Module.UsesOnlyData.backward.0"]
+    assert [leaf["shape"] for leaf in entry["input"]] == [[1, 2]] and entry["output"] == [None, None]
+
+
 def test_an_argument_passed_twice_gets_one_gradient_per_position(tmp_path):
     x = torch.tensor([1.0, -2.0, 3.0], requires_grad=True)
     with DumpSession(tmp_path, level="api", mode="stats") as session:
