@@ -1,10 +1,11 @@
-"""The autograd nodes one api call created, and where its input gradients leave them.
+"""The autograd nodes one api or module call created, and where its input gradients leave them.
 
 An api call can make several autograd nodes (F.linear: a transpose and a matmul; a composite
-op such as scaled_dot_product_attention: a dozen, and which ones depends on the kernel it took).
-Its backward, as the dump and the overflow detector report it, is all of them together: the
-gradients coming in at its outputs' nodes, and the gradients going out along the edges to its
-inputs' producers -- whatever the graph looks like inside.
+op such as scaled_dot_product_attention: a dozen, and which ones depends on the kernel it took);
+a module call makes all of its layers' nodes. Its backward, as the dump and the overflow
+detector report it, is all of them together: the gradients coming in at its outputs' nodes, and
+the gradients going out along the edges to its inputs' producers -- whatever the graph looks
+like inside.
 """
 
 from __future__ import annotations
