@@ -299,19 +299,48 @@ class _StepRecord:
             self.entries.append(entry)
 
 
-class _ApiMode(TorchFunctionMode):
-    def __init__(self, session: DumpSession) -> None:
+class ApiMode(TorchFunctionMode):
+    """Hands each torch / functional / Tensor api call to `handle(api, func, args, kwargs)` while
+    `wanted()` is true (torch itself is never patched); used by the dump and the overflow detector.
+
+    lift() takes it off the torch-function stack while an optimizer runs (its hundreds of update
+    ops would each pay a Python dispatch just to be ignored); restore() puts it back.
+    """
+
+    def __init__(self, wanted, handle) -> None:
         super().__init__()
-        self._session = session
+        self._wanted = wanted
+        self._handle = handle
         self._table = naming.api_name_table()
+        self._lifted = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        session = self._session
         api = self._table.get(func)
-        if api is None or not session._recording_api():
+        if api is None or not self._wanted():
             return func(*args, **kwargs)
-        return session._record_api(api, func, args, kwargs)
+        return self._handle(api, func, args, kwargs)
+
+    def _on_top(self) -> bool:
+        size = torch._C._len_torch_function_stack()
+        return bool(size) and torch._C._get_function_stack_at(size - 1) is self
+
+    def lift(self) -> None:
+        if self._on_top():
+            torch._C._pop_torch_function_stack()
+            self._lifted = True
+
+    def restore(self) -> None:
+        if self._lifted:
+            torch._C._push_on_torch_function_stack(self)
+            self._lifted = False
+
+    def close(self) -> None:
+        """Leave the stack. When another mode entered after this one is still active, this one
+        stays below it, passing every call through (its `wanted()` is false by then)."""
+        self.restore()
+        if self._on_top():
+            self.__exit__(None, None, None)
 
 
 class DumpSession:
@@ -367,8 +396,7 @@ class DumpSession:
         self._paths: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._module_stack: list[tuple[str, _Entry | None, torch.nn.Module]] = []  # path, entry, module
         self._handles: list = []
-        self._mode: _ApiMode | None = None
-        self._lifted: _ApiMode | None = None
+        self._mode: ApiMode | None = None
         self._writer: ThreadPoolExecutor | None = None
         self._pending_writes: list = []
         self._record = _StepRecord()
@@ -398,7 +426,7 @@ class DumpSession:
         # Files are written by one thread, in order, while training goes on.
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="npukit-dump")
         if self._apis:
-            self._mode = _ApiMode(self)
+            self._mode = ApiMode(self._recording_api, self._record_api)
             self._mode.__enter__()
 
     def step(self) -> None:
@@ -411,9 +439,8 @@ class DumpSession:
         if not self._active:
             return
         self._active = False
-        self._restore_mode()
         if self._mode is not None:
-            self._mode.__exit__(None, None, None)
+            self._mode.close()
             self._mode = None
         for handle in self._handles:
             handle.remove()
@@ -432,7 +459,7 @@ class DumpSession:
         return not self._finished and (self.steps is None or self.step_index in self.steps)
 
     def _recording_api(self) -> bool:
-        return self._forward_seen and not self._paused and self._step_selected()
+        return self._active and self._forward_seen and not self._paused and self._step_selected()
 
     def _end_step(self) -> None:
         if self._record.entries:
@@ -456,25 +483,15 @@ class DumpSession:
         if self._modules and self._step_selected():
             self._record_parameter_grads()
         self._paused += 1
-        self._lift_mode()
+        if self._mode is not None:
+            self._mode.lift()
 
     def _on_optimizer_post_step(self, optimizer, args, kwargs) -> None:
-        self._restore_mode()
+        if self._mode is not None:
+            self._mode.restore()
         self._paused = max(0, self._paused - 1)
         if self._auto_step and self._paused == 0:
             self._end_step()
-
-    def _lift_mode(self) -> None:
-        """Take the api mode off the stack while the optimizer runs: its hundreds of update ops
-        would each pay a Python dispatch just to be ignored."""
-        stack_size = torch._C._len_torch_function_stack()
-        if self._mode is not None and stack_size and torch._C._get_function_stack_at(stack_size - 1) is self._mode:
-            self._lifted = torch._C._pop_torch_function_stack()
-
-    def _restore_mode(self) -> None:
-        if self._lifted is not None:
-            torch._C._push_on_torch_function_stack(self._lifted)
-            self._lifted = None
 
     # ------------------------------------------------------------------ modules
     def _module_path(self, module: torch.nn.Module) -> str:

@@ -43,10 +43,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from npukit.accuracy import naming
 from npukit.accuracy.dump import (
+    ApiMode,
     StatsBuffer,
     describe_value,
     fill_stats,
@@ -313,20 +313,6 @@ def _json_number(value: float):
     return value
 
 
-class _ApiMode(TorchFunctionMode):
-    def __init__(self, session: OverflowSession) -> None:
-        super().__init__()
-        self._session = session
-        self._table = naming.api_name_table()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        api = self._table.get(func)
-        if api is None or self._session._paused:
-            return func(*args, **kwargs)
-        return self._session._run_api(api, func, args, kwargs)
-
-
 # ---------------------------------------------------------------------------- session
 class OverflowSession:
     """Detect overflowing ops of a training run; events go to the console and `out_dir/overflow.json`.
@@ -386,8 +372,7 @@ class OverflowSession:
         self._stacks = CallStacks(_MAX_STACK_FRAMES)
         self._op_nodes = OpNodes()
         self._handles: list = []
-        self._mode: _ApiMode | None = None
-        self._lifted: _ApiMode | None = None
+        self._mode: ApiMode | None = None
         self._scaler_step = None
         self._state = _StepState(self.underflow)
 
@@ -419,7 +404,7 @@ class OverflowSession:
         ]
         self._wrap_grad_scaler()
         if self.level == "api":
-            self._mode = _ApiMode(self)
+            self._mode = ApiMode(lambda: not self._paused, self._run_api)
             self._mode.__enter__()
         return self
 
@@ -507,10 +492,12 @@ class OverflowSession:
             # Read before the update: with action="stop" the weights never see the overflow.
             self._resolve()
         self._paused += 1
-        self._lift_mode()
+        if self._mode is not None:
+            self._mode.lift()
 
     def _on_optimizer_post_step(self, optimizer, args, kwargs) -> None:
-        self._restore_mode()
+        if self._mode is not None:
+            self._mode.restore()
         self._paused = max(0, self._paused - 1)
         if self._auto_step and self._paused == 0 and not self._in_scaler:
             self._end_step()
@@ -546,17 +533,6 @@ class OverflowSession:
             owner.step = original
             self._scaler_step = None
 
-    def _lift_mode(self) -> None:
-        """Take the api mode off the stack while the optimizer runs: its update ops are not checked."""
-        size = torch._C._len_torch_function_stack()
-        if self._mode is not None and size and torch._C._get_function_stack_at(size - 1) is self._mode:
-            self._lifted = torch._C._pop_torch_function_stack()
-
-    def _restore_mode(self) -> None:
-        if self._lifted is not None:
-            torch._C._push_on_torch_function_stack(self._lifted)
-            self._lifted = None
-
     def _stop_checking(self) -> None:
         """max_events reached or the run stops: no more per-op work; steps are still counted.
 
@@ -565,13 +541,8 @@ class OverflowSession:
         self._checking = False
 
     def _exit_mode(self) -> None:
-        self._restore_mode()
         if self._mode is not None:
-            size = torch._C._len_torch_function_stack()
-            # Another mode entered after ours and still active sits on top: ours then stays
-            # below it, passing every call through (_checking is off).
-            if size and torch._C._get_function_stack_at(size - 1) is self._mode:
-                self._mode.__exit__(None, None, None)
+            self._mode.close()  # a mode left below another passes calls through: _checking is off
             self._mode = None
 
     # ------------------------------------------------------------------ modules
