@@ -190,17 +190,22 @@ def _gather_tree_facts(root: Path, candidates: list[str], runtime: bool) -> Tree
                      imported_modules=_imported_modules(root, python) if runtime else None)
 
 
+def _read_all(root: Path, files: list[str]):
+    """The bytes of each readable file; unreadable ones are skipped here."""
+    for relative in files:
+        try:
+            yield (root / relative).read_bytes()
+        except OSError:
+            continue
+
+
 _IMPORT_LINE = re.compile(rb"^[ \t]*(?:from[ \t]+([\w.]+)[ \t]+import[ \t]+([\w, \t()]+)|import[ \t]+([\w., \t]+))", re.M)
 
 
 def _imported_modules(root: Path, python_files: list[str]) -> frozenset[str]:
     """Every module-name component the tree's files import (`from a.b import c` gives a, b, c)."""
     names: set[str] = set()
-    for relative in python_files:
-        try:
-            data = (root / relative).read_bytes()
-        except OSError:
-            continue
+    for data in _read_all(root, python_files):
         for match in _IMPORT_LINE.finditer(data):
             for group in match.groups():
                 if group:
@@ -211,11 +216,7 @@ def _imported_modules(root: Path, python_files: list[str]) -> frozenset[str]:
 def _classes_with_cuda_method(root: Path, python_files: list[str]) -> frozenset[str]:
     """Classes that define their own `cuda` method anywhere in the tree (GA renamed calls to them)."""
     names: set[str] = set()
-    for relative in python_files:
-        try:
-            data = (root / relative).read_bytes()
-        except OSError:
-            continue
+    for data in _read_all(root, python_files):
         if b"def cuda(" not in data:
             continue
         try:

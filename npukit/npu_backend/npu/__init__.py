@@ -333,12 +333,8 @@ def get_sync_debug_mode() -> int:
 
 
 # ---------------------------------------------------------------- overflow flag
-def get_npu_overflow_flag() -> bool:
-    return utils.get_npu_overflow_flag()
-
-
-def clear_npu_overflow_flag() -> None:
-    utils.clear_npu_overflow_flag()
+get_npu_overflow_flag = utils.get_npu_overflow_flag
+clear_npu_overflow_flag = utils.clear_npu_overflow_flag
 
 
 # ---------------------------------------------------------------- precision knobs
