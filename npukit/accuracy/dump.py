@@ -17,7 +17,6 @@ output of one op and the input of the next is measured (and, in tensor mode, wri
 
 from __future__ import annotations
 
-import functools
 import gc
 import json
 import math
@@ -78,8 +77,8 @@ def tensors_in(value) -> list[torch.Tensor]:
 
 def unintercepted(function):
     """Run a hook with torch-function handling off: its own tensor accesses (.shape, .dtype, ...)
-    would otherwise each go through the api mode (the mode is off only inside its own handler)."""
-    @functools.wraps(function)
+    would otherwise each go through the api mode (the mode is off only inside its own handler).
+    No functools.wraps: hooks are wrapped per op, where copying metadata is a measurable cost."""
     def wrapper(*args, **kwargs):
         with torch._C.DisableTorchFunction():
             return function(*args, **kwargs)
