@@ -150,6 +150,7 @@ def _session_contexts(options: RunOptions, stack: contextlib.ExitStack) -> None:
 def _run_target(options: RunOptions) -> int:
     if options.module:
         sys.argv = [options.script, *options.args]
+        sys.path[0:0] = [os.getcwd()]  # as `python -m` does: `npu-run -m scripts.train` finds ./scripts
         runpy.run_module(options.script, run_name="__main__", alter_sys=True)
         return 0
     script = Path(options.script)

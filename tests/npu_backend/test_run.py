@@ -129,3 +129,21 @@ def test_transfer_to_npu_runs_cuda_distributed_code_on_hccl(tmp_path):
     result = npu_run("--transfer-to-npu", str(script))
     assert result.returncode == 0, result.stderr
     assert "backend hccl device npu:0 capability (0, 0)" in result.stdout
+
+
+def test_module_mode_finds_packages_in_the_current_directory_as_python_m_does(tmp_path):
+    """`npu-run -m scripts.train` from a repo root: python -m puts the current directory on sys.path."""
+    package = tmp_path / "scripts"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "train.py").write_text(
+        "import sys, torch\n"
+        "from scripts import helper\n"
+        "print('ran', __name__, sys.argv[1:], torch.ones(1, device='npu').device, helper.VALUE)\n"
+    )
+    (package / "helper.py").write_text("VALUE = 7\n")
+    console_script = Path(sys.executable).with_name("npu-run")  # not `python -m`, which adds the cwd itself
+    result = subprocess.run([str(console_script), "-m", "scripts.train", "--lr", "1"], capture_output=True,
+                            text=True, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "ran __main__ ['--lr', '1'] npu:0 7" in result.stdout
