@@ -15,6 +15,7 @@ import bisect
 from dataclasses import dataclass
 
 from npukit.migrate.model import Change, Edit, Finding, TreeFacts
+from npukit.migrate.pysource_audit import AuditRules
 from npukit.migrate.pysource_calls import CallRules
 from npukit.migrate.pysource_devices import DeviceRules
 from npukit.migrate.pysource_model import (
@@ -47,10 +48,11 @@ class PythonOutcome:
     edits: list[Edit]  # what turned the input into text (offsets into the input)
 
 
-class PythonMigrator(CallRules, DeviceRules, NameRules, SourceModel):
+class PythonMigrator(AuditRules, CallRules, DeviceRules, NameRules, SourceModel):
     """Analyses one module and produces non-overlapping edits plus findings."""
 
-    def analyse(self) -> tuple[list[Edit], list[Finding]]:
+    def analyse(self, *, audit: bool = True) -> tuple[list[Edit], list[Finding]]:
+        """Edits and findings; with audit, every CUDA use the edits leave is reported (not for --runtime)."""
         self.flow_uses: set[tuple] = set()
         self._pending_backend_sinks: list[ast.AST] = []
         self.backend_flag_seen = False
@@ -68,6 +70,9 @@ class PythonMigrator(CallRules, DeviceRules, NameRules, SourceModel):
         self._flag_backend_sinks()
         edits = sorted(self.edits.values(), key=lambda e: (e.start, e.end))
         edits = drop_overlaps(edits)
+        edits = self._keep_mixed_conditions_whole(edits)
+        if audit:
+            self.audit_leftovers(edits)
         findings = sorted(self.findings.values(), key=lambda f: (f.line, f.col, f.kind))
         return edits, findings
 
@@ -162,7 +167,7 @@ def migrate_python(text: str, path: str, *, runtime: bool = False, entry_point: 
     them to the output.
     """
     migrator = PythonMigrator(text, path, facts)
-    edits, findings = migrator.analyse()
+    edits, findings = migrator.analyse(audit=not runtime)
     newline = newline_of(text)
     if runtime:
         is_entry = _is_entry_point(migrator.tree, path, facts.imported_modules) if entry_point is None else entry_point

@@ -35,8 +35,8 @@ class CallRules:
                     self._handle_amp_call(call, qualified)
                 elif qualified in ("torch.get_autocast_gpu_dtype", "torch.set_autocast_gpu_dtype"):
                     self._handle_autocast_gpu_dtype(call, qualified)
-                elif qualified == "torch.is_autocast_enabled" and not call.args and not call.keywords:
-                    self._insert_first_arg(call, '"npu"', "amp-upgrade")
+                elif qualified in rules.CUDA_DEFAULT_DEVICE_APIS:
+                    self._give_cuda_defaulting_call_a_device(call, qualified)
                 elif qualified == "torch.random.fork_rng" and not any(k.arg == "device_type" for k in call.keywords):
                     self._append_keyword(call, 'device_type="npu"', "fork-rng-device-type")
                 elif qualified == rules.TORCH_LOAD:
@@ -87,6 +87,14 @@ class CallRules:
                                       f"`{last_name(func)}` is a custom op bound from this tree's CUDA native code",
                                       "port its kernel (Ascend C / op-plugin) or replace it with torch ops; "
                                       "see the cuda-source findings"))
+
+    def _give_cuda_defaulting_call_a_device(self, call: ast.Call, qualified: str) -> None:
+        """`torch.amp.GradScaler()` is a CUDA scaler (it disables itself on an NPU host): pass "npu"."""
+        parameter, given_at = rules.CUDA_DEFAULT_DEVICE_APIS[qualified]
+        if len(call.args) >= given_at or any(k.arg in (parameter, None) for k in call.keywords) \
+                or any(isinstance(a, ast.Starred) for a in call.args):
+            return
+        self._insert_first_arg(call, '"npu"', "cuda-default-device")
 
     def _is_infinite(self, node: ast.AST) -> bool:
         """float("-inf"), -math.inf, torch.inf, np.inf."""
@@ -165,23 +173,49 @@ class CallRules:
             self._edit((end - 1, end - 1), text, rule, needs_torch_npu=needs_torch_npu)
 
     def _handle_torch_load(self, call: ast.Call) -> None:
-        """A CUDA-saved checkpoint does not load on an NPU host without map_location."""
+        """A CUDA-saved checkpoint does not load on an NPU host without map_location.
+
+        "cpu" only where the result provably goes into load_state_dict() (which copies to the
+        parameters' device); anything else loaded whole (a pickled model, `model, opt = torch.load(f)`,
+        a checkpoint dict also read for other values) goes to "npu", as it came back on the GPU before.
+        """
         if len(call.args) >= 2 or any(k.arg in ("map_location", None) for k in call.keywords):
             return
-        up = self.parent.get(id(call))
-        target = up.targets[0] if isinstance(up, ast.Assign) and len(up.targets) == 1 else None
-        target_name = (last_name(target) or "").lower() if target is not None else ""
-        if any(word in target_name for word in ("model", "net", "module")):
-            # a whole pickled module: on the GPU it came back on the GPU, so bring it back on the NPU
-            location, why = "npu", "the loaded object looks like a whole model, which came back on the GPU before"
+        if self._flows_only_into_load_state_dict(call):
+            location = "cpu"
+            why = "its result only goes into load_state_dict(), which copies to the parameters' device"
+            suggestion = "nothing to do unless the checkpoint is also used elsewhere"
         else:
-            # state dicts and data: load_state_dict() copies to the parameters' device anyway
-            location, why = "cpu", "load_state_dict() and optimizer.load_state_dict() move tensors to the right device"
+            location = "npu"
+            why = ("the loaded object is used as it is (not only through load_state_dict()), so it goes to the NPU, "
+                   "as it came back on the GPU it was saved from")
+            suggestion = ("if the file was saved from CPU tensors (data, not a CUDA checkpoint) and must stay on the "
+                          "CPU, use map_location=\"cpu\"")
         self._append_keyword(call, f'map_location="{location}"', "torch-load-map-location", needs_torch_npu=location == "npu")
         self._flag(call, Flag("torch-load", "info",
                               f'added map_location="{location}": a checkpoint saved on CUDA does not load on an NPU '
-                              f"host without it ({why})",
-                              "check where the loaded tensors are used; move them with .to(device) if needed"))
+                              f"host without it ({why})", suggestion))
+
+    def _flows_only_into_load_state_dict(self, call: ast.Call) -> bool:
+        if self._is_load_state_dict_argument(call):
+            return True
+        up = self.parent.get(id(call))
+        if not (isinstance(up, ast.Assign) and len(up.targets) == 1 and isinstance(up.targets[0], ast.Name)):
+            return False
+        name = up.targets[0].id
+        scope = self.scope_of.get(id(up), self.tree)
+        if sum(1 for line, _ in self._binding_sites(name, scope)) != 1:
+            return False  # rebound somewhere: the value's other uses are not followed
+        uses = [use for use in self.loads.get(name, ()) if self._defining_scope(name, self.scope_of.get(id(use), self.tree)) is scope]
+        return bool(uses) and all(self._is_load_state_dict_argument(use) for use in uses)
+
+    def _is_load_state_dict_argument(self, node: ast.AST) -> bool:
+        """`m.load_state_dict(node)` or `m.load_state_dict(node["model"])` (a constant key)."""
+        up = self.parent.get(id(node))
+        if isinstance(up, ast.Subscript) and up.value is node and isinstance(up.slice, ast.Constant):
+            node, up = up, self.parent.get(id(up))
+        return isinstance(up, ast.Call) and node in up.args[:1] and isinstance(up.func, ast.Attribute) \
+            and up.func.attr in ("load_state_dict", "load_state_dict_from_checkpoint")
 
     def _handle_default_tensor_type(self, call: ast.Call) -> None:
         if len(call.args) != 1 or call.keywords:

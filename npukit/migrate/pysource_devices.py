@@ -323,6 +323,9 @@ class DeviceRules:
             if value.lstrip().startswith("nvidia-smi"):
                 self._flag(node, rules.NVIDIA_SMI)
                 continue
+            if rules.CUDA_ONLY_ALLOC_OPTIONS.search(value) and not self._in_log_call(node):
+                self._flag(node, rules.ALLOC_OPTION_FLAG)
+                continue
             if self._in_log_call(node):
                 continue
             is_dict_key = isinstance(up, ast.Dict) and any(k is node for k in up.keys)

@@ -146,6 +146,8 @@ class SourceModel:
         self.findings: dict[tuple[int, int, str], Finding] = {}
         self.claimed: set[int] = set()  # ids of nodes a specific rule has dealt with
         self.frozen: list[tuple[int, int]] = []  # spans never edited (the CUDA branch of dual-target code)
+        self.reported_spans: list[tuple[int, int]] = []  # spans left as they were with one finding for all
+        self.flag_nodes: list[tuple[int, int, str, ast.AST]] = []  # (start, end, kind, node) of each finding
         self._qualname_cache: dict[int, str | None] = {}
         self._collect()
 
@@ -203,6 +205,7 @@ class SourceModel:
                 scope_of[id(node)] = scope
             elif kind is ast.Import or kind is ast.ImportFrom:
                 self.imports.append(node)
+                scope_of[id(node)] = scope
                 for alias in node.names:
                     self.assigned[id(scope)].add((alias.asname or alias.name).split(".")[0])
             elif kind is ast.If:
@@ -278,6 +281,7 @@ class SourceModel:
         key = (node.lineno, node.col_offset, flag.kind)
         if key in self.findings:
             return
+        self.flag_nodes.append((*self.pos.span(node), flag.kind, node))
         self.findings[key] = Finding(
             path=self.path, line=node.lineno, col=node.col_offset + 1, kind=flag.kind, severity=flag.severity,
             code=self.pos.line_text(node.lineno).strip(), reason=reason or flag.reason, suggestion=flag.suggestion,
@@ -297,6 +301,8 @@ class SourceModel:
         """Rewrite the leading `old` of a string literal (plain or f-string) to `new`, keeping quotes."""
         if id(node) in self.claimed:
             return True
+        if old == "cuda" and self._bound_for_cuda_only_library(node):
+            return True
         start, end = self.pos.span(node)
         segment = self.text[start:end]
         head = _STRING_HEAD.match(segment)
@@ -306,6 +312,56 @@ class SourceModel:
         at = start + head.end()
         self._edit((at, at + len(old)), new, rule)
         return True
+
+    def _bound_for_cuda_only_library(self, node: ast.AST) -> bool:
+        """A device string meant for a CUDA-only library this file imports (Isaac Gym's sim_device ...).
+
+        It is theirs, not torch's: it is kept and reported, never rewritten to "npu".
+        """
+        libraries = self.cuda_only_device_libraries
+        if not libraries:
+            return False
+        names = frozenset().union(*(rules.CUDA_ONLY_DEVICE_LIBRARIES[lib] for lib in libraries))
+        mentions = [name for name in names if name in self.text]
+        current, up = node, self.parent.get(id(node))
+        owner = None
+        while up is not None:
+            if isinstance(up, ast.Call) and current is not up.func:
+                qualified = self.qualname(up.func) or ""
+                if qualified.split(".")[0] in libraries:
+                    owner = qualified
+            elif isinstance(up, ast.keyword) and up.arg in names:
+                owner = up.arg
+            elif isinstance(up, (ast.Assign, ast.AnnAssign)):
+                targets = up.targets if isinstance(up, ast.Assign) else [up.target]
+                owner = owner or next((last_name(t) for t in targets if last_name(t) in names), None)
+            elif isinstance(up, ast.Dict) and mentions:
+                owner = owner or next((m for m in mentions for k in up.values if m in (string_value(k) or "")), None)
+            if owner or isinstance(up, ast.stmt):
+                break
+            current, up = up, self.parent.get(id(up))
+        if owner is None:
+            return False
+        self.claimed.add(id(node))
+        self._flag(node, rules.Flag(
+            "cuda-only-device", "warning",
+            f"this device string goes to a CUDA-only library ({owner}, from {', '.join(sorted(libraries))}); "
+            "it was not rewritten to 'npu'", "on an NPU host run that library on the CPU (e.g. 'cpu'), or keep that "
+            "part on a CUDA host; see the cuda-only-library finding at its import"))
+        return True
+
+    @property
+    def cuda_only_device_libraries(self) -> frozenset[str]:
+        cached = self.__dict__.get("_cuda_only_device_libraries")
+        if cached is None:
+            roots = set()
+            for node in self.imports:
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    ([node.module] if node.level == 0 and node.module else [])
+                roots |= {name.split(".")[0] for name in names}
+            cached = frozenset(roots & set(rules.CUDA_ONLY_DEVICE_LIBRARIES))
+            self.__dict__["_cuda_only_device_libraries"] = cached
+        return cached
 
     def _rewrite_string_value(self, node: ast.Constant, new_value: str, rule: str, *, needs_torch_npu: bool = True) -> bool:
         """Replace the whole value of a simple (escape-free) string literal, keeping prefix and quotes."""

@@ -289,6 +289,8 @@ class NameRules:
         self._flag(node, unknown_cuda_flag(qualified))
 
     def _flag_unsupported(self, node: ast.AST, qualified: str) -> None:
+        if self._is_type_reference(node):
+            return  # isinstance(m, nn.GRU), except X, annotations: a type check runs the API nowhere
         suggestion = rules.UNSUPPORTED_SUGGESTIONS.get(qualified, rules.UNSUPPORTED_GENERIC.suggestion)
         flag = Flag("unsupported-api", rules.UNSUPPORTED_GENERIC.severity, f"{qualified}: {rules.UNSUPPORTED_GENERIC.reason}", suggestion)
         self._flag(node, flag)
@@ -303,7 +305,7 @@ class NameRules:
             receiver = self.qualname(node.value)
             # `torch.cuda`, `numba.cuda`: a module attribute; `from m import model; model.cuda()`: a method
             receiver_is_module = receiver is not None and receiver not in _TORCH_CLASSES_WITH_CUDA and (
-                receiver == "torch" or self._root_name(node.value) in self.module_names)
+                receiver == "torch" or self._module_binding_reaches(node.value))
             if node.attr in ("cuda", "is_cuda") and not receiver_is_module:
                 if id(node) in self.claimed:
                     continue
@@ -311,6 +313,18 @@ class NameRules:
                     self._rename_attr(node, "is_npu", "is-cuda")
                     continue
                 called = isinstance(up, ast.Call) and up.func is node
+                if receiver is not None and node.attr == "cuda" and not receiver.startswith("torch") \
+                        and self._root_name(node.value) in self.module_names:
+                    # `import model; model = model.Net(); model.cuda()`: a module name rebound to a value
+                    if called and _tensor_method_shaped(up):
+                        self._rename_attr(node, "npu", "cuda-method")
+                    else:
+                        self._flag(node, Flag("ambiguous-cuda", "warning",
+                                              f"`{self.pos.segment(node)}`: `{self._root_name(node.value)}` is both an "
+                                              "imported module and a variable in this file, so this may or may not be "
+                                              "the tensor/module .cuda() method; it was left unchanged",
+                                              "change it to .npu() if it moves a tensor or module to the device"))
+                    continue
                 if self._is_user_cuda_receiver(node):
                     self._flag(node, Flag("user-cuda-method", "info",
                                           "`.cuda()` here is a method of your own class; it was kept",
@@ -333,6 +347,67 @@ class NameRules:
                 if isinstance(up, ast.Attribute) or id(use) in self.claimed:
                     continue
                 self._handle_chain(use)
+
+    def _module_binding_reaches(self, receiver: ast.AST) -> bool:
+        """The receiver's root name is bound by `import x` at this use, not rebound to a value first.
+
+        Decided per use site: the last binding of the name before the use in the scope that defines it
+        (a use inside a function, of a module-level name that is also assigned, cannot be decided).
+        """
+        root = receiver
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        if not isinstance(root, ast.Name) or root.id not in self.module_names:
+            return False
+        scope = self._defining_scope(root.id, self.scope_of.get(id(root), self.tree))
+        bindings = self._binding_sites(root.id, scope)
+        if all(is_import for _, is_import in bindings):
+            return True
+        if self.scope_of.get(id(root), self.tree) is not scope:
+            return False  # a nested scope sees whichever binding ran last: unknown
+        before = [is_import for line, is_import in bindings if line < root.lineno]
+        return bool(before) and before[-1]
+
+    def _binding_sites(self, name: str, scope: ast.AST) -> list[tuple[int, bool]]:
+        """(line, is an import) of every binding of `name` directly in `scope`, in source order."""
+        cache = self.__dict__.setdefault("_binding_site_cache", {})
+        key = (name, id(scope))
+        if key in cache:
+            return cache[key]
+        sites: list[tuple[int, bool]] = []
+        if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) and \
+                any(a.arg == name for a in ast.walk(scope.args) if isinstance(a, ast.arg)):
+            sites.append((0, False))  # a parameter
+        for node in self.imports:
+            if self.scope_of.get(id(node), self.tree) is scope:
+                if any((alias.asname or alias.name.split(".")[0]) == name for alias in node.names):
+                    sites.append((node.lineno, True))
+        for node in ast.walk(scope):
+            if isinstance(node, ast.Name) and node.id == name and not isinstance(node.ctx, ast.Load) \
+                    and self.scope_of.get(id(node)) is scope:
+                sites.append((node.lineno, False))
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name \
+                    and self.scope_of.get(id(node)) is scope:
+                sites.append((node.lineno, False))
+        sites.sort()
+        cache[key] = sites
+        return sites
+
+    def _is_type_reference(self, node: ast.AST) -> bool:
+        """`node` is a class named in isinstance/issubclass, an except clause or an annotation."""
+        up = self.parent.get(id(node))
+        if isinstance(up, ast.Tuple):
+            node, up = up, self.parent.get(id(up))
+        if isinstance(up, ast.Call) and isinstance(up.func, ast.Name) and up.func.id in ("isinstance", "issubclass"):
+            return len(up.args) == 2 and up.args[1] is node
+        if isinstance(up, ast.ExceptHandler):
+            return up.type is node
+        current = node
+        while isinstance(up, (ast.Subscript, ast.BinOp, ast.Tuple, ast.Attribute)):  # Optional[nn.GRU], A | B
+            current, up = up, self.parent.get(id(up))
+        return (isinstance(up, ast.arg) and up.annotation is current) or \
+            (isinstance(up, ast.AnnAssign) and up.annotation is current) or \
+            (isinstance(up, (ast.FunctionDef, ast.AsyncFunctionDef)) and up.returns is current)
 
     @staticmethod
     def _root_name(node: ast.AST) -> str | None:
@@ -371,6 +446,16 @@ class NameRules:
                 return current.name in self.cuda_method_classes
             current = self.parent.get(id(current))
         return False
+
+
+_CUDA_METHOD_KEYWORDS = frozenset({"device", "non_blocking", "memory_format"})
+
+
+def _tensor_method_shaped(call: ast.Call) -> bool:
+    """A call shaped like Tensor.cuda / Module.cuda: no argument, a device, non_blocking=, memory_format=."""
+    if len(call.args) > 2 or any(isinstance(a, ast.Starred) for a in call.args):
+        return False
+    return all(k.arg in _CUDA_METHOD_KEYWORDS for k in call.keywords)
 
 
 def _alias_text(name: str, asname: str | None) -> str:

@@ -236,9 +236,10 @@ REWRITE_RULES = {
     "backend-compare": "'nccl' compared with a backend expression",
     "cuda-method": ".cuda() -> .npu() on tensors and modules",
     "is-cuda": ".is_cuda -> .is_npu",
-    "torch-load-map-location": "torch.load without map_location gets map_location='cpu'",
+    "torch-load-map-location": "torch.load without map_location: 'cpu' into load_state_dict, 'npu' otherwise",
     "default-tensor-type": "set_default_tensor_type(torch.cuda.XTensor) -> set_default_device + set_default_dtype",
     "fork-rng-device-type": "torch.random.fork_rng gets device_type='npu'",
+    "cuda-default-device": "torch APIs whose device defaults to CUDA (GradScaler(), ShardedGradScaler() ...) get 'npu'",
     "env-var": "CUDA_VISIBLE_DEVICES and friends -> their Ascend names",
     "runtime-transfer-to-npu": "--runtime: transfer_to_npu import at entry points",
 }
@@ -287,6 +288,8 @@ LOG_CALLS = frozenset(
 ENV_RENAMES = {
     "CUDA_VISIBLE_DEVICES": "ASCEND_RT_VISIBLE_DEVICES",
     "PYTORCH_CUDA_ALLOC_CONF": "PYTORCH_NPU_ALLOC_CONF",
+    # torch's device-generic name: torch_npu's allocator reads only PYTORCH_NPU_ALLOC_CONF
+    "PYTORCH_ALLOC_CONF": "PYTORCH_NPU_ALLOC_CONF",
     "CUDA_LAUNCH_BLOCKING": "ASCEND_LAUNCH_BLOCKING",
     "NCCL_SOCKET_IFNAME": "HCCL_SOCKET_IFNAME",
 }
@@ -308,8 +311,33 @@ NCCL_ENV_FLAG = Flag(
     "env-var", "warning", "NCCL_* variables have no effect on NPU; HCCL_* variables have different knobs",
     "find the HCCL equivalent in the CANN HCCL environment-variable list (e.g. HCCL_CONNECT_TIMEOUT)",
 )
-ENV_NAME = re.compile(r"\b(CUDA_VISIBLE_DEVICES|PYTORCH_CUDA_ALLOC_CONF|CUDA_LAUNCH_BLOCKING|CUBLAS_WORKSPACE_CONFIG|"
+ENV_NAME = re.compile(r"\b(CUDA_VISIBLE_DEVICES|PYTORCH_CUDA_ALLOC_CONF|PYTORCH_ALLOC_CONF|CUDA_LAUNCH_BLOCKING|CUBLAS_WORKSPACE_CONFIG|"
                       r"(TORCH_)?NCCL_[A-Z0-9_]+)\b")
+
+# Allocator options torch_npu's PYTORCH_NPU_ALLOC_CONF parser knows (torch_npu 2.x NPUCachingAllocator):
+# max_split_size_mb, garbage_collection_threshold, expandable_segments, roundup_power2_divisions,
+# base_addr_aligned_kb, page_size, segment_size_mb. CUDA-only ones are reported.
+CUDA_ONLY_ALLOC_OPTIONS = re.compile(r"\b(backend\s*:\s*cudaMallocAsync|pinned_use_cuda_host_register|"
+                                     r"pinned_num_register_threads|release_lock_on_cudamalloc|"
+                                     r"pinned_use_background_threads)\b")
+ALLOC_OPTION_FLAG = Flag(
+    "env-var", "warning", "this allocator setting is CUDA-only: torch_npu's PYTORCH_NPU_ALLOC_CONF does not know it",
+    "keep the options torch_npu supports (expandable_segments, max_split_size_mb, garbage_collection_threshold, "
+    "roundup_power2_divisions) and drop the rest",
+)
+
+# ------------------------------------------------------------------------------ CUDA-defaulting APIs
+# torch APIs whose device argument defaults to "cuda" (torch 2.13): called without it they stay CUDA
+# objects (a GradScaler() disables itself on an NPU host: fp16 training silently loses loss scaling).
+# value: (parameter name, positional arguments that mean it was given)
+CUDA_DEFAULT_DEVICE_APIS = {
+    "torch.amp.GradScaler": ("device", 1),
+    "torch.amp.grad_scaler.GradScaler": ("device", 1),
+    "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler": ("device", 1),
+    "torch.utils.checkpoint.DefaultDeviceType.set_device_type": ("device", 1),
+    "torch.is_autocast_enabled": ("device_type", 1),
+    "torch.set_autocast_enabled": ("device_type", 2),  # set_autocast_enabled(True) means CUDA
+}
 
 # ------------------------------------------------------------------------------ third party
 THIRD_PARTY = {
@@ -350,6 +378,31 @@ THIRD_PARTY = {
     "py3nvml": Flag("nvml", "error", "NVML does not exist on NPU hosts", "torch.npu.utilization(), torch.npu.mem_get_info(), or `npu-smi info`"),
     "nvidia_smi": Flag("nvml", "error", "NVML does not exist on NPU hosts", "torch.npu.utilization(), torch.npu.mem_get_info(), or `npu-smi info`"),
     "GPUtil": Flag("nvml", "error", "GPUtil reads nvidia-smi", "torch.npu.utilization(), torch.npu.mem_get_info(), or `npu-smi info`"),
+    "isaacgym": Flag("cuda-only-library", "error", "Isaac Gym's GPU pipeline (PhysX on CUDA) does not exist on NPU hosts",
+                     "run the simulator on the CPU (sim_device='cpu', use_gpu_pipeline=False) and move observations "
+                     "to the NPU, or keep simulation on a CUDA host"),
+    "isaacgymenvs": Flag("cuda-only-library", "error", "isaacgymenvs runs on Isaac Gym's CUDA pipeline",
+                         "run the simulator on the CPU (sim_device='cpu') and the policy on the NPU"),
+    "warp": Flag("cuda-only-library", "error", "NVIDIA Warp kernels run on CUDA or the CPU, never on an NPU",
+                 "run Warp on the CPU (device='cpu') or port the kernels to torch ops"),
+    "cuda": Flag("cuda-only-library", "error", "cuda-python (cuda.cudart, cuda.cuda) binds the CUDA driver/runtime",
+                 "remove it; use torch.npu APIs"),
+    "mamba_ssm": Flag("cuda-only-library", "error", "mamba_ssm's selective-scan kernels are CUDA/triton only",
+                      "use its reference (pure torch) selective_scan_ref path or an Ascend port"),
+    "causal_conv1d": Flag("cuda-only-library", "error", "causal_conv1d is a CUDA kernel package",
+                          "use F.conv1d with left padding (the reference implementation)"),
+    "torch_tensorrt": Flag("tensorrt", "error", "Torch-TensorRT is NVIDIA-only", "use torchair (torch.compile backend 'npu')"),
+    "cuml": Flag("cudf", "error", "cuML runs on CUDA only", "use scikit-learn"),
+    "cugraph": Flag("cudf", "error", "cuGraph runs on CUDA only", "use networkx or torch ops"),
+}
+# CUDA-only libraries that take device strings: a "cuda" meant for them is theirs, never rewritten.
+# value: keyword/variable names that carry their device (besides calls into the library itself)
+CUDA_ONLY_DEVICE_LIBRARIES = {
+    "isaacgym": frozenset({"sim_device", "graphics_device", "compute_device", "physics_device"}),
+    "isaacgymenvs": frozenset({"sim_device", "graphics_device", "compute_device", "physics_device"}),
+    "warp": frozenset({"wp_device", "warp_device"}),
+    "cupy": frozenset(),
+    "numba": frozenset(),
 }
 # for these, every call site is reported too (for the others the import is enough)
 THIRD_PARTY_CALLS_REPORTED = frozenset({"flash_attn", "xformers", "bitsandbytes", "apex", "cupy", "pycuda", "pynvml"})
@@ -390,8 +443,11 @@ UNSUPPORTED_TENSOR_METHODS = frozenset(
 ) - {"mode", "is_shared", "share_memory_"}
 
 UNSUPPORTED_GENERIC = Flag(
-    "unsupported-api", "warning", "not supported by torch_npu (Ascend's unsupported-API list for torch 2.8)",
-    "find an alternative, or keep this part on CPU",
+    "unsupported-api", "warning",
+    "on Ascend's published list of torch 2.8 APIs that torch_npu does not support (the list names APIs, not "
+    "arguments; npu-run's emulator runs them with the CPU kernel, so a clean emulated run does not prove they "
+    "run on the device)",
+    "check it on an Ascend host, or find an alternative / keep this part on the CPU",
 )
 UNSUPPORTED_SUGGESTIONS = {
     "torch.nn.DataParallel": "use DistributedDataParallel",
@@ -461,6 +517,7 @@ def _prefilter_words() -> tuple[frozenset[str], tuple[tuple[str, str], ...]]:
             words.add(last)
     words |= {m.split(".")[0] for m in THIRD_PARTY}
     words |= {"fork_rng", "channels_last", "autocast", "set_default_tensor_type", "set_float32_matmul_precision",
+              "GradScaler", "ShardedGradScaler", "set_device_type", "set_autocast_enabled",
               "get_autocast_gpu_dtype", "set_autocast_gpu_dtype", "is_autocast_enabled"}
     return frozenset(words), tuple(sorted(pairs))
 

@@ -150,8 +150,9 @@ CASES = [
         d = torch.load(f, map_location=torch.device("npu"))
         '''), set()),
     ("B20-torch-load-without-map-location",
-     'import torch\nstate = torch.load("ckpt.pt")\n',
-     'import torch\nstate = torch.load("ckpt.pt", map_location="cpu")\n', {"torch-load"}),
+     'import torch\nstate = torch.load("ckpt.pt")\nmodel.load_state_dict(state)\nother = torch.load("o.pt")\n',
+     'import torch_npu\nimport torch\nstate = torch.load("ckpt.pt", map_location="cpu")\nmodel.load_state_dict(state)\n'
+     'other = torch.load("o.pt", map_location="npu")\n', {"torch-load"}),
     ("B21-is-cuda",
      'import torch\nif x.is_cuda and s.untyped_storage().is_cuda:\n    pass\n',
      NPU + 'import torch\nif x.is_npu and s.untyped_storage().is_npu:\n    pass\n', set()),

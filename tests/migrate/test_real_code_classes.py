@@ -1,0 +1,147 @@
+"""Classes of migration mistakes found on open-source repositories, as minimal reproductions.
+
+Each case is (input, expected output, expected finding kinds): what the rewrite must produce, and
+what must be reported so that nothing CUDA is left silently (the audit of pysource_audit.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from npukit.migrate.pysource import migrate_python
+
+NPU = "import torch_npu\n"
+
+CASES = [
+    # 1. a name bound by `import model`, rebound to the model: decided per use site
+    ("module-name-rebound-to-a-model",
+     "import torch\nimport model\nmodel = model.RNNModel(10, 20)\nmodel = model.cuda()\n",
+     NPU + "import torch\nimport model\nmodel = model.RNNModel(10, 20)\nmodel = model.npu()\n",
+     set()),
+    ("module-name-rebound-later-is-still-the-module-before",
+     "import torch\nimport model\nx = model.cuda()\nmodel = model.Net()\n",
+     "import torch\nimport model\nx = model.cuda()\nmodel = model.Net()\n",
+     {"cuda-leftover"}),
+    ("module-name-rebound-used-in-a-function-shaped-like-the-method",
+     "import torch\nimport model\nmodel = model.Net()\ndef go():\n    return model.cuda(non_blocking=True)\n",
+     NPU + "import torch\nimport model\nmodel = model.Net()\ndef go():\n    return model.npu(non_blocking=True)\n",
+     set()),
+    ("module-name-rebound-odd-call-is-flagged-not-guessed",
+     "import torch\nimport model\nmodel = model.Net()\ndef go():\n    return model.cuda(1, 2, 3)\n",
+     "import torch\nimport model\nmodel = model.Net()\ndef go():\n    return model.cuda(1, 2, 3)\n",
+     {"ambiguous-cuda"}),
+    ("pure-module-cuda-function-is-reported",
+     "import torch\nimport helpers\nhelpers.cuda()\n",
+     "import torch\nimport helpers\nhelpers.cuda()\n",
+     {"cuda-leftover"}),
+    # 2. torch.load: "cpu" only when the result provably goes into load_state_dict
+    ("torch-load-of-whole-objects-goes-to-the-npu",
+     "import torch\nmodel, criterion, optimizer = torch.load(f)\nself.best = torch.load(p)\nitems = [torch.load(p) for p in ps]\n",
+     NPU + 'import torch\nmodel, criterion, optimizer = torch.load(f, map_location="npu")\n'
+     'self.best = torch.load(p, map_location="npu")\nitems = [torch.load(p, map_location="npu") for p in ps]\n',
+     {"torch-load"}),
+    ("torch-load-into-load-state-dict-goes-to-the-cpu",
+     'import torch\nnet.load_state_dict(torch.load(p))\nsd = torch.load(p)\nnet.load_state_dict(sd)\n'
+     'opt.load_state_dict(torch.load(q)["optimizer"])\n',
+     'import torch\nnet.load_state_dict(torch.load(p, map_location="cpu"))\nsd = torch.load(p, map_location="cpu")\n'
+     'net.load_state_dict(sd)\nopt.load_state_dict(torch.load(q, map_location="cpu")["optimizer"])\n',
+     {"torch-load"}),
+    ("torch-load-checkpoint-also-read-otherwise-goes-to-the-npu",
+     'import torch\nckpt = torch.load(p)\nnet.load_state_dict(ckpt["model"])\nbest = ckpt["best_acc"]\n',
+     NPU + 'import torch\nckpt = torch.load(p, map_location="npu")\nnet.load_state_dict(ckpt["model"])\nbest = ckpt["best_acc"]\n',
+     {"torch-load"}),
+    # 4. torch APIs whose device defaults to CUDA
+    ("grad-scaler-without-device",
+     "import torch\nfrom torch.amp import GradScaler\ns1 = torch.amp.GradScaler()\ns2 = GradScaler(enabled=True)\n"
+     "s3 = torch.amp.GradScaler('cuda')\n",
+     NPU + "import torch\nfrom torch.amp import GradScaler\ns1 = torch.amp.GradScaler(\"npu\")\n"
+     "s2 = GradScaler(\"npu\", enabled=True)\ns3 = torch.amp.GradScaler('npu')\n",
+     set()),
+    ("sharded-grad-scaler-and-autocast-state",
+     "import torch\nfrom torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler\ns = ShardedGradScaler()\n"
+     "torch.set_autocast_enabled(True)\nprint(torch.is_autocast_enabled())\n",
+     NPU + "import torch\nfrom torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler\n"
+     "s = ShardedGradScaler(\"npu\")\ntorch.set_autocast_enabled(\"npu\", True)\nprint(torch.is_autocast_enabled(\"npu\"))\n",
+     set()),
+    # 7. device strings for CUDA-only libraries are theirs
+    ("isaac-gym-sim-device-kept-torch-device-rewritten",
+     'import torch\nfrom isaacgym import gymapi\nargs.sim_device = "cuda:0"\n'
+     'env = make_env(sim_device="cuda:0", rl_device="cuda:0")\n'
+     'params = [{"name": "--sim_device", "type": str, "default": "cuda:0"}]\n',
+     NPU + 'import torch\nfrom isaacgym import gymapi\nargs.sim_device = "cuda:0"\n'
+     'env = make_env(sim_device="cuda:0", rl_device="npu:0")\n'
+     'params = [{"name": "--sim_device", "type": str, "default": "cuda:0"}]\n',
+     {"cuda-only-library", "cuda-only-device"}),
+    ("warp-device-kept",
+     'import torch\nimport warp as wp\na = wp.zeros(10, device="cuda:0")\nb = torch.zeros(10, device="cuda:0")\n',
+     NPU + 'import torch\nimport warp as wp\na = wp.zeros(10, device="cuda:0")\nb = torch.zeros(10, device="npu:0")\n',
+     {"cuda-only-library", "cuda-only-device"}),
+    # 8. a type check is not a use of an unsupported API
+    ("isinstance-of-an-unsupported-class-is-not-a-use",
+     "import torch\nif issubclass(type(m), torch.nn.RNNBase) or isinstance(m, (torch.nn.GRU, int)):\n    pass\n"
+     "def f(m: torch.nn.GRU) -> torch.nn.GRU:\n    return m\n",
+     "import torch\nif issubclass(type(m), torch.nn.RNNBase) or isinstance(m, (torch.nn.GRU, int)):\n    pass\n"
+     "def f(m: torch.nn.GRU) -> torch.nn.GRU:\n    return m\n",
+     set()),
+    ("constructing-an-unsupported-class-is-reported",
+     "import torch\nrnn = torch.nn.GRU(4, 4)\n",
+     "import torch\nrnn = torch.nn.GRU(4, 4)\n",
+     {"unsupported-api"}),
+    # 9. allocator env vars, generic spelling included; CUDA-only options reported
+    ("allocator-env-vars",
+     'import os\nos.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"\n'
+     'os.environ["PYTORCH_ALLOC_CONF"] = "backend:cudaMallocAsync"\n',
+     'import os\nos.environ["PYTORCH_NPU_ALLOC_CONF"] = "expandable_segments:True"\n'
+     'os.environ["PYTORCH_NPU_ALLOC_CONF"] = "backend:cudaMallocAsync"\n',
+     {"env-var"}),
+    # 10. a condition is migrated whole or kept whole, never half
+    ("capability-condition-kept-whole",
+     "import torch\nif not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 8:\n"
+     "    dtype = torch.float32\nelse:\n    dtype = torch.bfloat16\n",
+     "import torch\nif not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 8:\n"
+     "    dtype = torch.float32\nelse:\n    dtype = torch.bfloat16\n",
+     {"mixed-condition", "device-capability"}),
+    ("capability-condition-in-a-decorator-and-an-assignment",
+     "import torch, pytest\nok = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8\n"
+     "@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0), reason='x')\n"
+     "def test():\n    torch.cuda.synchronize()\n",
+     NPU + "import torch, pytest\nok = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8\n"
+     "@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0), reason='x')\n"
+     "def test():\n    torch.npu.synchronize()\n",
+     {"mixed-condition", "device-capability"}),
+    ("availability-only-condition-is-migrated",
+     "import torch\nif torch.cuda.is_available() and torch.cuda.device_count() > 1:\n    pass\n",
+     NPU + "import torch\nif torch.npu.is_available() and torch.npu.device_count() > 1:\n    pass\n",
+     set()),
+    # the audit: what no rule handles is reported, text is not
+    ("leftovers-are-reported-text-is-not",
+     'import torch\nimport logging\nlogging.info("moving to cuda:0")\nparser.add_argument("--x", help="cuda")\n'
+     'key = "cuda"\nflag = args.cuda\nnames = {"cuda": 1}\n',
+     'import torch\nimport logging\nlogging.info("moving to cuda:0")\nparser.add_argument("--x", help="cuda")\n'
+     'key = "cuda"\nflag = args.cuda\nnames = {"cuda": 1}\n',
+     {"device-string", "cuda-leftover"}),
+]
+
+
+@pytest.mark.parametrize("source, expected, kinds", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_real_code_class(source, expected, kinds):
+    outcome = migrate_python(source, "t.py")
+    assert outcome.text == expected
+    found = {f.kind for f in outcome.findings}
+    assert kinds <= found, f"missing findings {kinds - found}; got {sorted(found)}"
+    unexpected = found & {"cuda-leftover", "mixed-condition", "ambiguous-cuda", "unsupported-api"} - kinds
+    assert not unexpected, [f for f in outcome.findings if f.kind in unexpected]
+
+
+def test_leftover_points_at_the_line_and_names_the_use():
+    outcome = migrate_python("import torch\nimport helpers\n\nhelpers.cuda()\n", "t.py")
+    (leftover,) = [f for f in outcome.findings if f.kind == "cuda-leftover"]
+    assert (leftover.line, leftover.col) == (4, 1)
+    assert "`helpers.cuda()`" in leftover.reason and leftover.severity == "warning"
+
+
+def test_mixed_condition_finding_says_which_branch_the_npu_host_takes():
+    source = CASES[[c[0] for c in CASES].index("capability-condition-kept-whole")][1]
+    (finding,) = [f for f in migrate_python(source, "t.py").findings if f.kind == "mixed-condition"]
+    assert finding.severity == "error" and finding.line == 2
+    assert "no-CUDA branch" in finding.reason
