@@ -43,7 +43,7 @@ class AuditRules:
     def _keep_mixed_conditions_whole(self, edits: list[Edit]) -> list[Edit]:
         """Drop the edits inside a condition that also holds a CUDA call left as it is (and report it)."""
         kept_spans: list[tuple[int, int]] = []
-        for start, end, kind, node in self.flag_nodes:
+        for kind, node in self.flag_nodes:
             if kind not in _LEFT_AS_CUDA:
                 continue
             condition = self._condition_around(node)
