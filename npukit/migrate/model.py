@@ -47,6 +47,7 @@ class Finding:
     code: str
     reason: str
     suggestion: str
+    end_line: int | None = None  # the last line it covers, when it reports a block (a kept if-branch)
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import bisect
+import dataclasses
 from dataclasses import dataclass
 
 from npukit.migrate.model import Change, Edit, Finding, TreeFacts
@@ -132,8 +133,8 @@ def remap_findings(findings: list[Finding], text: str, edits: list[Edit]) -> lis
     for finding in findings:
         offset = positions.line_starts[min(finding.line, len(positions.line_starts)) - 1]
         shift = sum(delta for start, delta in growth if start <= offset)
-        remapped.append(Finding(finding.path, finding.line + shift, finding.col, finding.kind, finding.severity,
-                                finding.code, finding.reason, finding.suggestion))
+        end_line = finding.end_line + shift if finding.end_line is not None else None
+        remapped.append(dataclasses.replace(finding, line=finding.line + shift, end_line=end_line))
     return remapped
 
 

@@ -59,7 +59,7 @@ class AuditRules:
                 "rewriting only part of it would crash on every host, so it was left as it was: on an NPU host "
                 "torch.cuda.is_available() is False and the condition takes its no-CUDA branch",
                 "rewrite the whole condition by hand with an NPU feature test (e.g. torch.npu.is_available() and "
-                "torch.npu.is_bf16_supported() instead of a compute-capability check)"))
+                "torch.npu.is_bf16_supported() instead of a compute-capability check)"), end_line=condition.end_lineno)
         if not kept_spans:
             return edits
         self.reported_spans.extend(kept_spans)

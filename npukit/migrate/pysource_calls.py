@@ -284,10 +284,10 @@ class CallRules:
             for test in chain_tests:
                 for sub in ast.walk(test):
                     if isinstance(sub, ast.Attribute) and self.qualname(sub) == "torch.cuda.is_available":
+                        branch = self._if_for_test(node, test)
                         self._flag(sub, Flag("dual-target", "info",
                                              "this if/elif already has an NPU branch; the CUDA branch was kept",
-                                             "nothing to do"))
-                        branch = self._if_for_test(node, test)
+                                             "nothing to do"), end_line=branch.body[-1].end_lineno)
                         self.frozen.append((self.pos.span(test)[0], self.pos.span(branch.body[-1])[1]))
         for conditional in self.conditionals:  # "cuda" if torch.cuda.is_available() else "npu" if ... else "cpu"
             text = self.pos.segment(conditional)
@@ -295,7 +295,7 @@ class CallRules:
                                      for sub in ast.walk(conditional.test)):
                 self._flag(conditional, Flag("dual-target", "info",
                                              "this expression already has an NPU choice; its CUDA choice was kept",
-                                             "nothing to do"))
+                                             "nothing to do"), end_line=conditional.end_lineno)
                 self.frozen.append(self.pos.span(conditional))
 
     @staticmethod

@@ -277,7 +277,7 @@ class SourceModel:
         col = start - self.pos.line_starts[line - 1] + 1  # where the replaced text itself starts
         self.edits.setdefault((start, end), Edit(start, end, text, rule, line, col, needs_torch_npu))
 
-    def _flag(self, node: ast.AST, flag: Flag, *, reason: str | None = None) -> None:
+    def _flag(self, node: ast.AST, flag: Flag, *, reason: str | None = None, end_line: int | None = None) -> None:
         key = (node.lineno, node.col_offset, flag.kind)
         if key in self.findings:
             return
@@ -285,6 +285,7 @@ class SourceModel:
         self.findings[key] = Finding(
             path=self.path, line=node.lineno, col=node.col_offset + 1, kind=flag.kind, severity=flag.severity,
             code=self.pos.line_text(node.lineno).strip(), reason=reason or flag.reason, suggestion=flag.suggestion,
+            end_line=end_line if end_line is not None and end_line > node.lineno else None,
         )
 
     def _in_log_call(self, node: ast.AST) -> bool:
