@@ -93,7 +93,6 @@ def _save_as_on_cuda(obj, path: Path) -> None:
 
 
 def test_migrated_classes_run_and_take_the_runtime_routes_branch(tmp_path: Path, npu_backend: None) -> None:
-
     project = tmp_path / "project"
     project.mkdir()
     (project / "model.py").write_text(_CLASSES_MODEL)
