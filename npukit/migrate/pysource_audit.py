@@ -22,6 +22,7 @@ import re
 from npukit.migrate import rules
 from npukit.migrate.model import Edit
 from npukit.migrate.pysource_model import last_name, string_value
+from npukit.migrate.pysource_names import third_party_flag
 from npukit.migrate.rules import Flag
 
 # findings about a CUDA call that stays in the code (no NPU answer): a condition holding one is kept whole
@@ -30,11 +31,13 @@ _LEFT_AS_CUDA = frozenset({"device-capability", "device-properties", "no-equival
 
 _CUDA_SEGMENT = re.compile(r"cuda|cudnn|nccl|nvtx", re.IGNORECASE)
 _CUDA_ENV = re.compile(r"(TORCH_)?(CUDA|NCCL|CUBLAS|CUDNN|CUBLASLT|NVIDIA|PYTORCH_CUDA)_[A-Z0-9_]+\Z|PYTORCH_ALLOC_CONF\Z")
+_MAYBE_CUDA_STRING = re.compile(r"cuda|nccl|CUDA|NCCL|CUBLAS|CUDNN|NVIDIA|ALLOC_CONF|nvidia")
 _TEXT_KEYWORDS = frozenset({"help", "description", "epilog", "msg", "message", "reason", "doc", "usage", "metavar"})
 _FLAG_RECEIVERS = frozenset({"args", "opt", "opts", "cfg", "config", "conf", "flags", "FLAGS", "hparams", "hp",
                              "options", "params", "settings", "self", "cls"})
 
 LEFTOVER = "cuda-leftover"
+_CUDA_DEFAULTING_NAMES = frozenset(name.rsplit(".", 1)[1] for name in rules.CUDA_DEFAULT_DEVICE_APIS)
 
 
 class AuditRules:
@@ -110,6 +113,8 @@ class AuditRules:
             if id(node) in self.docstrings or isinstance(self.parent.get(id(node)), (ast.JoinedStr, ast.FormattedValue)):
                 continue
             value = node.value
+            if len(value) > 200 or not _MAYBE_CUDA_STRING.search(value):
+                continue
             if (rules.DEVICE_TEMPLATE.match(value) or value.startswith("cuda:") or rules.BACKEND_VALUE.match(value)
                     or _CUDA_ENV.match(value) or value.lstrip().startswith("nvidia-smi")) and not self._is_text(node):
                 yield node, self.pos.span(node), f"the string {self.pos.segment(node)}"
@@ -119,6 +124,8 @@ class AuditRules:
                     and not self._is_text(node):
                 yield node, self.pos.span(node), f"the string {self.pos.segment(node)}"
         for call in self.calls:
+            if last_name(call.func) not in _CUDA_DEFAULTING_NAMES:
+                continue
             qualified = self.qualname(call.func)
             if qualified in rules.CUDA_DEFAULT_DEVICE_APIS:
                 parameter, given_at = rules.CUDA_DEFAULT_DEVICE_APIS[qualified]
@@ -129,21 +136,27 @@ class AuditRules:
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
                 [node.module, *(f"{node.module}.{a.name}" for a in node.names)] if node.level == 0 and node.module else [])
             for name in names:
-                if any(name == p or name.startswith(p + ".") for p in rules.THIRD_PARTY):
+                if third_party_flag(name) is not None:
                     yield node, self.pos.span(node), f"the CUDA-only import of {name}"
                     break
 
     def _cuda_named_chains(self):
         """Outermost torch name chains with a CUDA-named part: torch.cuda.X, torch.backends.cudnn.X, Backend.NCCL."""
-        for node in [*self.attributes, *(n for uses in self.loads.values() for n in uses)]:
+        starts = [node for node in self.attributes if _CUDA_SEGMENT.search(node.attr)]
+        starts += [use for name, uses in self.loads.items() if _CUDA_SEGMENT.search(self.bindings.get(name, ""))
+                   for use in uses]
+        seen: set[int] = set()
+        for node in starts:
             up = self.parent.get(id(node))
-            if isinstance(up, ast.Attribute) and up.value is node:
-                continue  # not the outermost part of its chain
+            while isinstance(up, ast.Attribute) and up.value is node:  # to the outermost part of its chain
+                node, up = up, self.parent.get(id(up))
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
             qualified = self.qualname(node)
             if qualified is None or not (qualified == "torch" or qualified.startswith("torch.")):
                 continue
-            root = self._root_name(node)
-            if root in self.rebound:
+            if self._root_name(node) in self.rebound:
                 continue  # its import was rewritten to the NPU module
             if any(_CUDA_SEGMENT.search(part) for part in qualified.split(".")[1:]):
                 yield node
@@ -153,8 +166,7 @@ class AuditRules:
         qualified = self.qualname(node)
         if qualified is None:
             return True
-        return not (qualified.startswith("torch.cuda") or any(
-            qualified == p or qualified.startswith(p + ".") for p in rules.THIRD_PARTY))
+        return not (qualified.startswith("torch.cuda") or third_party_flag(qualified) is not None)
 
     def _attr_name_span(self, node: ast.Attribute) -> tuple[int, int]:
         _, end = self.pos.span(node)

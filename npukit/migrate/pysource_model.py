@@ -170,6 +170,8 @@ class SourceModel:
         self.dicts: list[ast.Dict] = []
         self.decorators: list[ast.AST] = []
         self.loads: dict[str, list[ast.Name]] = {}
+        self.stores: dict[str, list[ast.Name]] = {}  # names assigned (not by import or def)
+        self.definitions: list[ast.AST] = []  # functions and classes
 
         module = self.tree
         self.assigned[id(module)] = set()
@@ -187,6 +189,7 @@ class SourceModel:
                     loads.setdefault(node.id, []).append(node)
                 else:
                     self.assigned[id(scope)].add(node.id)
+                    self.stores.setdefault(node.id, []).append(node)
             elif kind is ast.Attribute:
                 self.attributes.append(node)
             elif kind is ast.Call:
@@ -234,6 +237,7 @@ class SourceModel:
         else:
             self.assigned[id(scope)].add(getattr(node, "name", ""))
             self.scope_of[id(node)] = scope
+            self.definitions.append(node)
             self.decorators.extend(getattr(node, "decorator_list", ()))
             inner = node
         body = node.body

@@ -304,9 +304,9 @@ class NameRules:
             outermost = not (isinstance(up, ast.Attribute) and up.value is node)
             receiver = self.qualname(node.value)
             # `torch.cuda`, `numba.cuda`: a module attribute; `from m import model; model.cuda()`: a method
-            receiver_is_module = receiver is not None and receiver not in _TORCH_CLASSES_WITH_CUDA and (
-                receiver == "torch" or self._module_binding_reaches(node.value))
-            if node.attr in ("cuda", "is_cuda") and not receiver_is_module:
+            if node.attr in ("cuda", "is_cuda") and not (
+                    receiver is not None and receiver not in _TORCH_CLASSES_WITH_CUDA
+                    and (receiver == "torch" or self._module_binding_reaches(node.value))):
                 if id(node) in self.claimed:
                     continue
                 if node.attr == "is_cuda":
@@ -382,12 +382,11 @@ class NameRules:
             if self.scope_of.get(id(node), self.tree) is scope:
                 if any((alias.asname or alias.name.split(".")[0]) == name for alias in node.names):
                     sites.append((node.lineno, True))
-        for node in ast.walk(scope):
-            if isinstance(node, ast.Name) and node.id == name and not isinstance(node.ctx, ast.Load) \
-                    and self.scope_of.get(id(node)) is scope:
+        for node in self.stores.get(name, ()):
+            if self.scope_of.get(id(node)) is scope:
                 sites.append((node.lineno, False))
-            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name \
-                    and self.scope_of.get(id(node)) is scope:
+        for node in self.definitions:
+            if getattr(node, "name", None) == name and self.scope_of.get(id(node)) is scope:
                 sites.append((node.lineno, False))
         sites.sort()
         cache[key] = sites
