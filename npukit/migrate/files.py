@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from npukit.files import atomic_path
+from npukit.migrate.dependencies import is_dependency_file
 
 # never walked, never copied: version control, virtualenvs (also any folder with pyvenv.cfg), caches
 EXCLUDED_DIRS = frozenset(
@@ -26,7 +27,8 @@ VENDORED_DIRS = frozenset(
 PYTHON_SUFFIXES = (".py", ".pyw")
 SHELL_SUFFIXES = (".sh", ".bash", ".zsh")
 NATIVE_SUFFIXES = (".cu", ".cuh", ".cpp", ".cc", ".cxx", ".c", ".h", ".hpp", ".hh")
-_REQUIREMENTS = re.compile(r"(requirements|constraints)[\w.-]*\.(txt|in)\Z|.*\.requirements\.txt\Z", re.I)
+# requirements files, also pip-compile/uv export output and rye's requirements*.lock
+_REQUIREMENTS = re.compile(r"(requirements|constraints)[\w.-]*\.(txt|in|lock)\Z|.*\.requirements\.txt\Z", re.I)
 MAX_CONFIG_BYTES = 2 * 1024 * 1024  # larger JSON/YAML files are data, not configuration
 
 
@@ -46,6 +48,8 @@ def kind_of(relative: str) -> str | None:
     if lowered.endswith(".json"):
         return "json"
     if _REQUIREMENTS.match(name) or "/requirements/" in f"/{relative.lower()}" and lowered.endswith(".txt"):
+        return "requirements"
+    if is_dependency_file(name):  # pyproject.toml, uv.lock, poetry.lock, pdm.lock, pylock*.toml, Pipfile, setup.cfg
         return "requirements"
     if lowered.endswith(NATIVE_SUFFIXES):
         return "native"

@@ -9,7 +9,7 @@ from collections import Counter
 from pathlib import Path
 
 from npukit import __version__
-from npukit.migrate import rules
+from npukit.migrate import dependencies, rules
 from npukit.migrate.files import atomic_write
 from npukit.migrate.model import SEVERITIES
 from npukit.migrate.runner import MigrationRun
@@ -37,19 +37,38 @@ def summary(run: MigrationRun) -> dict:
     }
 
 
+def _minutes(kind: str, severity: str) -> int:
+    """Rough minutes one finding costs: dependency-file kinds (one-line pin/index edits, one re-lock for a group
+    of transitive CUDA wheels), then the longer kinds (kernels, extensions), else per severity."""
+    if kind in dependencies.EFFORT_MINUTES:
+        return dependencies.EFFORT_MINUTES[kind]
+    return rules.EFFORT_OVERRIDES.get(kind, rules.EFFORT_MINUTES[severity])
+
+
 def effort(run: MigrationRun) -> dict:
-    """Items that need a human, by kind, with a rough time estimate (an estimate, not a promise)."""
+    """Items that need a human, by kind, with a rough time estimate (an estimate, not a promise).
+
+    A group of transitive CUDA wheels (one per dependency file and root cause) is one item.
+    """
     by_kind: dict[str, dict] = {}
     for finding in run.findings:
         if finding.severity == "info":
             continue
         entry = by_kind.setdefault(finding.kind, {"items": 0, "severity": finding.severity, "minutes": 0})
         entry["items"] += 1
-        entry["minutes"] += rules.EFFORT_OVERRIDES.get(finding.kind, rules.EFFORT_MINUTES[finding.severity])
+        entry["minutes"] += _minutes(finding.kind, finding.severity)
     total = sum(e["minutes"] for e in by_kind.values())
     return {"items_needing_a_human": sum(e["items"] for e in by_kind.values()),
-            "estimated_hours": round(total / 60, 1), "by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1]["minutes"])),
-            "note": "rough estimate: 15 min per warning, 1 h per error, more for kernels/extensions"}
+            "estimated_minutes": total, "estimated_hours": round(total / 60, 1),
+            "by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1]["minutes"])),
+            "note": "rough estimate: 15 min per warning, 1 h per error, 2-8 h for kernels/extensions; in dependency "
+                    "files 10 min per pin or index line and 15 min per group of transitive CUDA wheels"}
+
+
+def effort_text(estimate: dict) -> str:
+    """'about 15 min' under an hour, else 'about 1.5 h'."""
+    minutes = estimate["estimated_minutes"]
+    return f"about {minutes} min" if minutes < 60 else f"about {estimate['estimated_hours']} h"
 
 
 def to_json(run: MigrationRun) -> dict:
@@ -129,7 +148,7 @@ def markdown(run: MigrationRun) -> str:
     lines += [f"| {rule} | {count} |" for rule, count in s["rewrites_by_rule"].items()] or ["| (none) | 0 |"]
     lines += ["", "## Flagged items by severity", "", "| severity | count |", "|---|---:|"]
     lines += [f"| {sev} | {count} |" for sev, count in s["findings_by_severity"].items()]
-    lines += ["", f"## Effort estimate: {e['items_needing_a_human']} items, about {e['estimated_hours']} h", "",
+    lines += ["", f"## Effort estimate (rough): {e['items_needing_a_human']} items, {effort_text(e)}", "",
               f"_{e['note']}_", "", "| kind | severity | items | minutes |", "|---|---|---:|---:|"]
     lines += [f"| {kind} | {v['severity']} | {v['items']} | {v['minutes']} |" for kind, v in e["by_kind"].items()]
     lines += ["", "## Items needing a human", "", "| where | severity | kind | code | reason | suggestion |",
@@ -201,5 +220,5 @@ def print_summary(run: MigrationRun, console) -> None:
             table.add_row(f"[{style}]{severity}[/{style}]", kind, str(count), firsts[(severity, kind)])
         console.print(table)
         e = effort(run)
-        console.print(f"Effort estimate: {_count(e['items_needing_a_human'], 'item')} needing a human, about "
-                      f"{e['estimated_hours']} h (rough). Details: --report DIR.")
+        console.print(f"Effort estimate: {_count(e['items_needing_a_human'], 'item')} needing a human, "
+                      f"{effort_text(e)} (rough). Details: --report DIR.")

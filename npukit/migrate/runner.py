@@ -17,6 +17,7 @@ from pathlib import Path
 from npukit.errors import UserError
 from npukit.migrate import files as fs
 from npukit.migrate import rules
+from npukit.migrate.dependencies import scan_dependency_file, scan_setup_py, worth_scanning
 from npukit.migrate.model import FileResult, Finding, TreeFacts
 from npukit.migrate.pysource import MigrationSyntaxError, migrate_python, remap_changes, remap_findings
 from npukit.migrate.textfiles import (
@@ -28,7 +29,6 @@ from npukit.migrate.textfiles import (
     migrate_yaml,
     native_op_names,
     scan_native_source,
-    scan_requirements,
 )
 
 # below this many candidate files a process pool costs more than it saves
@@ -113,12 +113,16 @@ def process_file(root: str, relative: str, kind: str, settings: FileSettings) ->
     try:
         new_text = text
         if kind == "python":
+            # setup.py: a literal install_requires is checked like a requirements file (flagged, never edited)
+            requirements = scan_setup_py(text, relative) if relative.rsplit("/", 1)[-1] == "setup.py" else []
             if not rules.worth_parsing(text) and not any(op in text for op in settings.facts.custom_ops):
+                result.findings = requirements
                 return result
             outcome = migrate_python(text, relative, runtime=runtime, facts=settings.facts)
-            new_text, result.changes, result.findings = outcome.text, outcome.changes, outcome.findings
+            new_text, result.changes = outcome.text, outcome.changes
+            result.findings = outcome.findings + requirements
             if settings.lines_after:
-                result.findings = remap_findings(outcome.findings, text, outcome.edits)
+                result.findings = remap_findings(result.findings, text, outcome.edits)
                 result.changes = remap_changes(outcome.changes, outcome.edits, outcome.text)
         elif kind == "notebook":
             if not rules.worth_parsing(text):
@@ -130,15 +134,17 @@ def process_file(root: str, relative: str, kind: str, settings: FileSettings) ->
         elif kind == "dockerfile":
             new_text, result.changes, result.findings = migrate_dockerfile(text, relative)
         elif kind == "yaml":
-            if not _mentions_cuda(text):
+            if not _mentions_cuda(text) and not _conda_environment_with_torch(text):
                 return result
             new_text, result.changes, result.findings = migrate_yaml(text, relative)
         elif kind == "json":
             if not _mentions_cuda(text):
                 return result
             new_text, result.changes, result.findings = migrate_json(text, relative)
-        elif kind == "requirements":
-            result.findings = scan_requirements(text, relative)
+        elif kind == "requirements":  # requirements files, pyproject.toml, lock files, setup.cfg, Pipfile
+            if not worth_scanning(text):
+                return result
+            result.findings = scan_dependency_file(text, relative)
         elif kind == "native":
             result.findings = scan_native_source(text, relative)
     except MigrationSyntaxError as exc:
@@ -173,6 +179,11 @@ def _mentions_cuda(text: str) -> bool:
     """Cheap test for configs: nothing to do unless one of these words appears."""
     lowered = text.lower()
     return any(word in lowered for word in _CONFIG_TRIGGERS)
+
+
+def _conda_environment_with_torch(text: str) -> bool:
+    """A conda environment file that installs torch (checked for torch_npu even without CUDA words)."""
+    return "torch" in text and re.search(r"^dependencies\s*:", text, re.M) is not None
 
 
 def _usable_cores() -> int:

@@ -1,7 +1,7 @@
 """CUDA -> NPU migration of the files around the Python code.
 
 Notebooks (code cells, with shell escapes and magics), shell scripts, YAML/JSON configs,
-requirements files and CUDA/C++ sources. Text rewrites here are line based and skip comments,
+requirements files (scanned in dependencies.py) and CUDA/C++ sources. Text rewrites here are line based and skip comments,
 echo/printf lines and anything that is not a command or a config value.
 """
 
@@ -11,6 +11,7 @@ import json
 import re
 
 from npukit.migrate import rules
+from npukit.migrate.dependencies import scan_conda_environment, scan_requirements
 from npukit.migrate.model import Change, Finding
 from npukit.migrate.pysource import (
     MigrationSyntaxError,
@@ -178,32 +179,6 @@ def migrate_yaml(text: str, path: str) -> tuple[str, list[Change], list[Finding]
     return new_text, changes, findings
 
 
-_CONDA_ITEM = re.compile(r"^\s*-\s+(?:[\w-]+::)?([A-Za-z0-9_.-]+)")
-_CONDA_CUDA = re.compile(r"^(cudatoolkit|pytorch-cuda|cuda-toolkit|cuda-nvcc|cuda-runtime|cudnn|nccl|cuda)\b", re.I)
-
-
-def scan_conda_environment(text: str, path: str) -> list[Finding]:
-    """conda environment files: CUDA toolkits and CUDA-only packages in `dependencies:` (reported only)."""
-    if not re.search(r"^dependencies\s*:", text, re.M):
-        return []
-    findings = []
-    for number, line in enumerate(text.splitlines(), 1):
-        match = _CONDA_ITEM.match(line[:_split_comment(line)])
-        if match is None:
-            continue
-        name = match.group(1)
-        if _CONDA_CUDA.match(name):
-            findings.append(_finding(path, number, 1, line, Flag(
-                "cuda-wheel", "error", f"{name}: a CUDA toolkit package",
-                "remove it; install the CANN toolkit and torch_npu for the NPU")))
-            continue
-        for pattern, flag in rules.REQUIREMENT_FLAGS:
-            if pattern.match(name):
-                findings.append(_finding(path, number, 1, line, flag, f"{name}: {flag.reason}"))
-                break
-    return findings
-
-
 def _yaml_parses(text: str) -> bool | None:
     """True/False, or None when PyYAML is not installed (then no validation is possible)."""
     try:
@@ -242,36 +217,6 @@ def migrate_json(text: str, path: str) -> tuple[str, list[Change], list[Finding]
     new_text = "".join(new_lines)
     json.loads(new_text)  # the replacements are inside string values; this guards the claim
     return new_text, changes, findings
-
-
-def scan_requirements(text: str, path: str) -> list[Finding]:
-    """Requirements are reported, never edited: the right torch_npu pin is the user's decision."""
-    findings = []
-    has_torch = has_torch_npu = False
-    for number, raw in enumerate(text.splitlines(), 1):
-        line = raw.split("#", 1)[0].strip() if not raw.lstrip().startswith("-") else raw.strip()
-        if not line:
-            continue
-        if rules.CUDA_INDEX_URL.search(line):
-            findings.append(_finding(path, number, 1, raw, Flag(
-                "cuda-wheel", "error", "the CUDA wheel index of PyTorch", "use the default (CPU/aarch64) torch index plus torch_npu")))
-            continue
-        name = re.split(r"[\s\[<>=!~;@]", line, maxsplit=1)[0]
-        has_torch = has_torch or name.lower() == "torch"
-        has_torch_npu = has_torch_npu or name.lower().replace("-", "_") == "torch_npu"
-        if rules.TORCH_CUDA_WHEEL.match(line):
-            findings.append(_finding(path, number, 1, raw, Flag(
-                "cuda-wheel", "error", "a CUDA build of torch (+cuXXX local version)",
-                "pin the plain torch version and add the matching torch_npu")))
-            continue
-        for pattern, flag in rules.REQUIREMENT_FLAGS:
-            if pattern.match(name):
-                findings.append(_finding(path, number, 1, raw, flag, f"{name}: {flag.reason}"))
-                break
-    if has_torch and not has_torch_npu:
-        findings.append(Finding(path, 1, 1, "torch-npu-missing", "info", "", "torch is required but torch_npu is not",
-                                "add torch_npu with the version matching torch (e.g. torch==2.6.0 -> torch_npu==2.6.0)"))
-    return findings
 
 
 _BOUND_OP = re.compile(r"""\.def\(\s*"([A-Za-z_]\w*)""")

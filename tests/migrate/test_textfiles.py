@@ -101,7 +101,7 @@ def test_requirements_are_flagged_never_edited() -> None:
     findings = scan_requirements(source, "requirements.txt")
     flagged = {(f.line, f.kind) for f in findings if f.kind != "torch-npu-missing"}
     assert flagged == {(1, "cuda-wheel"), (2, "cuda-wheel"), (3, "flash-attn"), (4, "xformers"),
-                       (5, "cuda-only-package"), (6, "cupy"), (7, "bitsandbytes")}
+                       (5, "cuda-wheel"), (6, "cupy"), (7, "bitsandbytes")}
     assert any(f.kind == "torch-npu-missing" for f in findings)
 
 
