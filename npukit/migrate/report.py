@@ -106,7 +106,7 @@ def unsupported_csv(run: MigrationRun) -> str:
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(UNSUPPORTED_COLUMNS)
     for f in run.findings:
-        writer.writerow([f.path, f.line, f.line, f.code, f.kind, f.reason, f.suggestion, f.severity, f.col])
+        writer.writerow([f.path, f.line, f.end_line or f.line, f.code, f.kind, f.reason, f.suggestion, f.severity, f.col])
     return buffer.getvalue()
 
 
@@ -115,6 +115,8 @@ def sarif(run: MigrationRun) -> dict:
     results = []
     for f in run.findings:
         region = {"startLine": f.line, "startColumn": f.col}
+        if f.end_line:
+            region["endLine"] = f.end_line
         if f.code:
             region["snippet"] = {"text": f.code}
         results.append({

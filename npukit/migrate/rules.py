@@ -428,7 +428,7 @@ REQUIREMENT_FLAGS = [
     (re.compile(r"^nvidia-dali", re.I), THIRD_PARTY["nvidia.dali"]),
     (re.compile(r"^(mamba[-_]ssm|causal[-_]conv1d|deepspeed-kernels|liger[-_]kernel|flashinfer|vllm-flash-attn)", re.I),
      Flag("cuda-only-package", "error", "this package ships CUDA kernels", "look for an Ascend port or a torch-op fallback")),
-    (re.compile(r"^nvidia-", re.I), Flag("cuda-only-package", "error", "NVIDIA CUDA runtime wheel", "remove it; the CANN toolkit provides the NPU runtime")),
+    (re.compile(r"^nvidia-", re.I), Flag("cuda-wheel", "error", "NVIDIA CUDA runtime wheel", "remove it; the CANN toolkit provides the NPU runtime")),
 ]
 TORCH_CUDA_WHEEL = re.compile(r"^(torch|torchvision|torchaudio)\s*[=~<>!]=?[^;#\s]*\+cu\d+", re.I)
 CUDA_INDEX_URL = re.compile(r"download\.pytorch\.org/whl/(cu\d+|nightly/cu\d+)")

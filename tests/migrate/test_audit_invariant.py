@@ -73,3 +73,19 @@ def test_the_checks_can_fail() -> None:
     assert {node.lineno for node, _, _ in reader._cuda_uses()} == {3, 4}
     tokens = [t.string for t in tokenize.generate_tokens(io.StringIO(text).readline)]
     assert "cuda" in tokens and "'cuda'" in tokens
+
+
+def test_a_kept_block_spans_its_lines_in_the_reports(tmp_path: Path) -> None:
+    import csv
+    import io as _io
+
+    from npukit.migrate import MigrateOptions, run_migration
+    from npukit.migrate.report import sarif, unsupported_csv
+
+    (tmp_path / "t.py").write_text("import torch\nif torch.cuda.is_available():\n    dev = 'cuda'\n    x = 1\n"
+                                   "elif torch.npu.is_available():\n    dev = 'npu'\n")
+    run = run_migration(MigrateOptions(target=tmp_path, dry_run=True, quiet=True))
+    rows = [r for r in csv.DictReader(_io.StringIO(unsupported_csv(run))) if r["API/Kind"] == "dual-target"]
+    assert [(r["Start Line"], r["End Line"]) for r in rows] == [("2", "4")]
+    (result,) = [r for r in sarif(run)["runs"][0]["results"] if r["ruleId"] == "dual-target"]
+    assert result["locations"][0]["physicalLocation"]["region"]["endLine"] == 4
