@@ -124,27 +124,34 @@ def _select_local_device() -> None:
         torch.npu.set_device(int(local_rank))
 
 
-def _session_contexts(options: RunOptions, stack: contextlib.ExitStack) -> None:
+def _session_contexts(options: RunOptions, stack: contextlib.ExitStack) -> list:
+    """Enter the sessions the options ask for; returns them (each is also on the stack)."""
+    sessions: list = []
+    _enter_sessions(options, stack, sessions)
+    return sessions
+
+
+def _enter_sessions(options: RunOptions, stack: contextlib.ExitStack, sessions: list) -> None:
     if options.replay is not None:
         from npukit.accuracy.replay import ReplaySession
 
-        stack.enter_context(ReplaySession(options.replay))
+        sessions.append(stack.enter_context(ReplaySession(options.replay)))
     if options.dump is not None:
         from npukit.accuracy.dump import DumpSession
 
-        stack.enter_context(DumpSession(options.dump, level=options.dump_level, mode=options.dump_mode,
+        sessions.append(stack.enter_context(DumpSession(options.dump, level=options.dump_level, mode=options.dump_mode,
                                         steps=options.dump_steps, scope=options.dump_scope,
-                                        names=options.dump_list))
+                                        names=options.dump_list)))
     if options.detect_overflow:
         from npukit.accuracy.overflow import OverflowSession
 
-        stack.enter_context(OverflowSession(options.overflow_dir, action=options.overflow_action,
+        sessions.append(stack.enter_context(OverflowSession(options.overflow_dir, action=options.overflow_action,
                                             max_events=options.overflow_max, level=options.overflow_level,
-                                            underflow=options.overflow_underflow))
+                                            underflow=options.overflow_underflow)))
     if options.profile is not None:
         from npukit.profiler.record import ProfileSession
 
-        stack.enter_context(ProfileSession(options.profile, steps=options.profile_steps))
+        sessions.append(stack.enter_context(ProfileSession(options.profile, steps=options.profile_steps)))
 
 
 def _run_target(options: RunOptions) -> int:
@@ -196,7 +203,7 @@ def main(options: RunOptions) -> int:
 
     exit_code = 0
     with contextlib.ExitStack() as stack:
-        _session_contexts(options, stack)
+        sessions = _session_contexts(options, stack)
         try:
             exit_code = _run_target(options)
         except SystemExit as exc:
@@ -215,6 +222,10 @@ def main(options: RunOptions) -> int:
                 tb = tb.tb_next
             traceback.print_exception(exc_type, exc, tb)
             exit_code = 1
+        if exit_code:
+            for session in sessions:  # their summaries must not describe a finished run
+                if hasattr(session, "mark_run_failed"):
+                    session.mark_run_failed()
     # Free the finished script's reference cycles (DDP/FSDP modules, process groups, collective
     # futures) while the interpreter is whole: freed during its shutdown instead, gloo's threads
     # aborted 1 two-rank run in 10 with "terminate called without an active exception".

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
-from npukit.accuracy import graph, naming
+from npukit.accuracy import eager, graph, naming
 from npukit.accuracy._stats import stats as one_pass_stats
 from npukit.accuracy.stacks import CallStacks
 from npukit.accuracy.tensor_io import strided_form, tensor_to_numpy, write_tensor
@@ -416,6 +416,7 @@ class DumpSession:
         from torch.optim import optimizer as optimizer_hooks
 
         self._active = True
+        eager.enter("the dump")
         self._handles = [
             module_hooks.register_module_forward_pre_hook(self._on_module_pre_forward),
             module_hooks.register_module_forward_hook(self._on_module_forward, with_kwargs=True, always_call=True),
@@ -444,6 +445,7 @@ class DumpSession:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        eager.leave()
         try:
             if self._record.entries:
                 self._flush()
@@ -500,7 +502,7 @@ class DumpSession:
     @unintercepted
     def _on_module_pre_forward(self, module, args) -> None:
         self._forward_seen = True
-        if self._finished or self._paused:
+        if self._finished or self._paused or naming.is_compile_wrapper(module):
             return
         if not self._module_stack and self._auto_step and not self._optimizer_seen:
             self._maybe_end_step_at_root(module)

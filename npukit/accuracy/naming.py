@@ -96,16 +96,34 @@ _MODULE_RE = re.compile(r"^(?P<base>Module\..+)\.(?P<dir>forward|backward)\.(?P<
 
 def module_path(paths: dict, module, outermost_running=None) -> str:
     """Dotted path of `module` (cached in `paths`). A module created after its parent was first
-    seen is found by re-walking the outermost module still running."""
+    seen is found by re-walking the outermost module still running.
+
+    torch.compile's wrapper (OptimizedModule) is transparent: the model inside it keeps the paths it
+    has without compile (`fc1`, not `_orig_mod.fc1`).
+    """
     path = paths.get(module)
     if path is None:
         if outermost_running is not None:
             for name, sub in outermost_running.named_modules(prefix=paths.get(outermost_running, "")):
-                paths.setdefault(sub, name)
+                paths.setdefault(sub, _without_compile_wrapper(name))
         for name, sub in module.named_modules():
-            paths.setdefault(sub, name)
+            paths.setdefault(sub, _without_compile_wrapper(name))
         path = paths[module]
     return path
+
+
+_COMPILE_WRAPPED = "_orig_mod"
+
+
+def is_compile_wrapper(module) -> bool:
+    """torch.compile(module)'s OptimizedModule: it only forwards to the module it wraps."""
+    return type(module).__name__ == "OptimizedModule" and _COMPILE_WRAPPED in module._modules
+
+
+def _without_compile_wrapper(path: str) -> str:
+    if _COMPILE_WRAPPED not in path:
+        return path
+    return ".".join(part for part in path.split(".") if part != _COMPILE_WRAPPED)
 
 
 def split_entry_name(name: str) -> tuple[str, str, int | None]:

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from npukit.accuracy import naming
+from npukit.accuracy import eager, naming
 from npukit.accuracy.dump import (
     ApiMode,
     StatsBuffer,
@@ -358,6 +358,7 @@ class OverflowSession:
         self._saturation = False
         self._bracket = False
         self._active = False
+        self._run_failed = False
         self._checking = False
         self._auto_step = True
         self._auto_ended = False  # the last step boundary was an automatic one
@@ -381,7 +382,13 @@ class OverflowSession:
         return self.start()
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None and not (exc_type is SystemExit and exc.code in (0, None)):
+            self.mark_run_failed()
         self.stop()
+
+    def mark_run_failed(self) -> None:
+        """The watched code raised: it was not checked to its end, and the summary must say so."""
+        self._run_failed = True
 
     def start(self) -> OverflowSession:
         if self._active:
@@ -390,6 +397,7 @@ class OverflowSession:
         from torch.optim import optimizer as optimizer_hooks
 
         self._active = self._checking = True
+        eager.enter("overflow detection")
         self._flag = _DeviceFlag()
         self._read_mode()
         if self._flag.per_op:
@@ -424,6 +432,7 @@ class OverflowSession:
         if not self._active:
             return
         self._active = False
+        eager.leave()
         try:
             self._resolve()
         finally:
@@ -552,7 +561,7 @@ class OverflowSession:
 
     @unintercepted
     def _on_module_pre_forward(self, module, args) -> None:
-        if self._paused:
+        if self._paused or naming.is_compile_wrapper(module):
             return
         if not self._module_stack and self._auto_step and self._optimizer_steps == 0:
             root = self._step_root() if self._step_root is not None else None
@@ -978,6 +987,10 @@ class OverflowSession:
                         f"(inputs {worst['input_zero_fraction']:.1%})")
         elif self.underflow:
             self._print("underflow: no fp16/bf16 op flushed values to zero")
+        if not self.events and self._run_failed:
+            self._print(f"overflow check: the run stopped with an error in step {self.step_index}; no overflow was "
+                        f"seen in the {steps} step(s) before it (the check did not reach the end of the run)")
+            return
         if not self.events:
             self._print(f"overflow check: no overflow in {steps} step(s) "
                         f"({'saturation' if self._saturation else 'inf_nan'} mode, {self.level} level)"

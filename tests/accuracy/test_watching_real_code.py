@@ -1,0 +1,106 @@
+"""The user's run never fails because npukit watches it, and its summary never claims a clean run
+after a failure: reproductions of what broke on real training code."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+COMPILED = textwrap.dedent("""
+    import sys
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = nn.Linear(8, 16)
+            self.fc2 = nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.fc2(torch.relu(self.fc1(x)))
+
+    model = M().npu()
+    run = torch.compile(model) if sys.argv[1] == "compiled" else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        loss = run(torch.randn(4, 8, device="npu")).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        print("step", step, "loss", round(loss.item(), 6))
+""")
+
+
+def npu_run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", "npukit.run", *args], capture_output=True, text=True, cwd=cwd,
+                          env=env, timeout=600)
+
+
+def test_dump_of_a_compiled_model_runs_eagerly_and_names_layers_as_without_compile(tmp_path):
+    (tmp_path / "train.py").write_text(COMPILED)
+    eager = npu_run("--dump", "eager", "train.py", "eager", cwd=tmp_path)
+    compiled = npu_run("--dump", "compiled", "train.py", "compiled", cwd=tmp_path)
+    assert compiled.returncode == 0, compiled.stderr[-3000:]
+    assert compiled.stderr.count("torch.compile regions run eagerly while the dump is active") == 1
+    assert "global hooks" not in compiled.stderr
+    assert compiled.stdout == eager.stdout  # the same losses: the run was not changed
+    names = {kind: list(json.loads((tmp_path / kind / "step0" / "rank0" / "dump.json").read_text())["data"])
+             for kind in ("eager", "compiled")}
+    assert names["compiled"] == names["eager"]
+    assert "Module.fc1.Linear.forward.0" in names["compiled"]
+    compare = subprocess.run([str(Path(sys.executable).with_name("npu-compare")), "eager", "compiled"],
+                             capture_output=True, text=True, cwd=tmp_path)
+    assert "No divergence found" in compare.stdout and "unmatched" not in compare.stdout, compare.stdout[-2000:]
+
+
+def test_overflow_detection_of_a_compiled_model_checks_every_step(tmp_path):
+    (tmp_path / "train.py").write_text(COMPILED)
+    result = npu_run("--detect-overflow", "train.py", "compiled", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "overflow check: no overflow in 2 step(s)" in result.stderr + result.stdout
+    assert "Traceback" not in result.stderr
+
+
+def test_compile_works_again_after_the_session(tmp_path):
+    import torch
+
+    from npukit.accuracy.dump import DumpSession
+
+    compiled_calls = []
+
+    def backend(graph_module, example_inputs):
+        compiled_calls.append(1)
+        return graph_module.forward
+
+    def f(x):
+        return torch.sin(x) + 1
+
+    with DumpSession(tmp_path / "d"):
+        torch.compile(f, backend=backend)(torch.ones(3))
+    assert not compiled_calls  # eager while the dump watched
+    torch.compile(f, backend=backend)(torch.ones(3))
+    assert compiled_calls  # compiled again afterwards
+
+
+@pytest.mark.parametrize("option", ["--detect-overflow"])
+def test_a_failed_run_is_not_summarised_as_clean(tmp_path, option):
+    (tmp_path / "fails.py").write_text(
+        "import torch\nx = torch.ones(3, device='npu')\ny = (x * 2).sum()\nraise RuntimeError('user bug')\n")
+    result = npu_run(option, "fails.py", cwd=tmp_path)
+    assert result.returncode == 1
+    assert "RuntimeError: user bug" in result.stderr
+    output = result.stderr + result.stdout
+    assert "no overflow in" not in output
+    assert "the run stopped with an error" in output
