@@ -110,6 +110,15 @@ def _torch_flop_counts(kineto_results) -> dict[tuple[int, str], float]:
     return counts
 
 
+def _frame_of(caller) -> tuple[str, int, str] | None:
+    """(file, line, function) of a Python event's frame; None when torch cannot decode its strings
+    (frames of code that Dynamo generated, under torch.compile, come back as invalid UTF-8)."""
+    try:
+        return caller.file_name, caller.line_number, caller.function_name
+    except UnicodeDecodeError:
+        return None
+
+
 def table_from_profiler(prof, module_names: dict[int, str] | None = None, meta: dict | None = None) -> EventTable:
     """Build the event table of one finished torch.profiler.profile cycle."""
     from torch._C._profiler import _EventType
@@ -126,78 +135,85 @@ def table_from_profiler(prof, module_names: dict[int, str] | None = None, meta: 
     inherited_flops: dict[int, float] = {}  # top-level row -> FLOPs of its costed descendants
     step_ranges: list[tuple[int, int, int]] = []
     torch_op, py_call, py_ccall = _EventType.TorchOp, _EventType.PyCall, _EventType.PyCCall
+    unreadable, first_error = 0, ""
 
     # Context per pending event: (parent row, stack, module, phase, top row, costed, autograd seq,
     # torch's FLOP count of the enclosing conv call, which its conv-family children share).
     pending = [(root, (-1, None, None, PHASE_OTHER, -1, False, -1, 0.0)) for root in reversed(roots)]
     while pending:
         event, (parent, stack, module, phase, top_row, costed, node_seq, conv_flops) = pending.pop()
-        tag = event.tag
-        if tag == py_call or tag == py_ccall:
-            fields = event.extra_fields
-            caller = fields.caller
-            if is_user_file(caller.file_name):
-                stack = f"{caller.file_name}:{caller.line_number} in {caller.function_name}"
-            if tag == py_call and fields.module is not None:
-                module = module_names.get(fields.module.self_ptr, fields.module.cls_name)
-                if phase == PHASE_OTHER:
-                    phase = PHASE_FORWARD
-        elif tag == torch_op:
-            fields = event.extra_fields
-            try:
-                name = event.name
-            except UnicodeDecodeError:  # seen with torch 2.13 on rare events; keep the row
-                name = "<undecodable name>"
-            scope = str(fields.scope)
-            seq = int(fields.sequence_number)
-            thread = threads.setdefault(event.start_tid, len(threads))
-            start, duration = event.start_time_ns, event.duration_time_ns
-            if name.startswith(AUTOGRAD_NODE_PREFIX) or scope.endswith("BACKWARD_FUNCTION"):
-                kind, phase, node_seq = KIND_AUTOGRAD, PHASE_BACKWARD, seq
-            elif scope.endswith("USER_SCOPE") or name.startswith((STEP_PREFIX, DATALOADER_PREFIX, *OPTIMIZER_PREFIXES)):
-                kind = KIND_GC if name.startswith(GC_ANNOTATION_PREFIX) else KIND_ANNOTATION
-                if name.startswith(STEP_PREFIX):
-                    step_ranges.append((start, start + duration, int(name[len(STEP_PREFIX):] or -1)))
-                elif name.startswith(OPTIMIZER_PREFIXES):
-                    phase = PHASE_OPTIMIZER
-                elif name.startswith(DATALOADER_PREFIX):
-                    phase = PHASE_DATALOADER
-            else:
-                kind = KIND_OP
-            row_args: dict = {}
-            if kind == KIND_OP:
-                tensors, devices, shapes, dtypes = _describe_inputs(fields.inputs)
-                key = (name, shapes, dtypes)
-                cost = cost_cache.get(key)
-                known = torch_flops.get((start, name), 0.0) or (conv_flops if name in CONV_OPS else 0.0)
-                if name in CONV_OPS:
-                    conv_flops = known
-                if cost is None or known:
-                    cost = op_cost(name, tensors, known)
-                    cost_cache[key] = cost
-                is_top = top_row < 0
-                flops = cost[0]
-                row_args = dict(
-                    shapes=shapes, dtypes=dtypes, devices=", ".join(devices), flops=flops, nbytes=cost[1],
-                    top_level=is_top,
+        context = (parent, stack, module, phase, top_row, costed, node_seq, conv_flops)
+        try:
+            tag = event.tag
+            if tag == py_call or tag == py_ccall:
+                fields = event.extra_fields
+                caller = _frame_of(fields.caller)
+                if caller is not None and is_user_file(caller[0]):
+                    stack = f"{caller[0]}:{caller[1]} in {caller[2]}"
+                if tag == py_call and fields.module is not None:
+                    module = module_names.get(fields.module.self_ptr, fields.module.cls_name)
+                    if phase == PHASE_OTHER:
+                        phase = PHASE_FORWARD
+            elif tag == torch_op:
+                fields = event.extra_fields
+                try:
+                    name = event.name
+                except UnicodeDecodeError:  # seen with torch 2.13 on rare events; keep the row
+                    name = "<undecodable name>"
+                scope = str(fields.scope)
+                seq = int(fields.sequence_number)
+                thread = threads.setdefault(event.start_tid, len(threads))
+                start, duration = event.start_time_ns, event.duration_time_ns
+                if name.startswith(AUTOGRAD_NODE_PREFIX) or scope.endswith("BACKWARD_FUNCTION"):
+                    kind, phase, node_seq = KIND_AUTOGRAD, PHASE_BACKWARD, seq
+                elif scope.endswith("USER_SCOPE") or name.startswith((STEP_PREFIX, DATALOADER_PREFIX, *OPTIMIZER_PREFIXES)):
+                    kind = KIND_GC if name.startswith(GC_ANNOTATION_PREFIX) else KIND_ANNOTATION
+                    if name.startswith(STEP_PREFIX):
+                        step_ranges.append((start, start + duration, int(name[len(STEP_PREFIX):] or -1)))
+                    elif name.startswith(OPTIMIZER_PREFIXES):
+                        phase = PHASE_OPTIMIZER
+                    elif name.startswith(DATALOADER_PREFIX):
+                        phase = PHASE_DATALOADER
+                else:
+                    kind = KIND_OP
+                row_args: dict = {}
+                if kind == KIND_OP:
+                    tensors, devices, shapes, dtypes = _describe_inputs(fields.inputs)
+                    key = (name, shapes, dtypes)
+                    cost = cost_cache.get(key)
+                    known = torch_flops.get((start, name), 0.0) or (conv_flops if name in CONV_OPS else 0.0)
+                    if name in CONV_OPS:
+                        conv_flops = known
+                    if cost is None or known:
+                        cost = op_cost(name, tensors, known)
+                        cost_cache[key] = cost
+                    is_top = top_row < 0
+                    flops = cost[0]
+                    row_args = dict(
+                        shapes=shapes, dtypes=dtypes, devices=", ".join(devices), flops=flops, nbytes=cost[1],
+                        top_level=is_top,
+                    )
+                row = builder.add(
+                    name, start_ns=start, dur_ns=duration, kind=kind, phase=phase, parent=parent,
+                    thread=thread, stack=stack, module=module, seq=seq, **row_args,
                 )
-            row = builder.add(
-                name, start_ns=start, dur_ns=duration, kind=kind, phase=phase, parent=parent,
-                thread=thread, stack=stack, module=module, seq=seq, **row_args,
-            )
-            if kind == KIND_OP:
-                if seq >= 0 and phase != PHASE_BACKWARD:
-                    forward_by_seq.setdefault(seq, row)
-                if is_top:
-                    top_row, costed = row, flops > 0
-                elif flops > 0 and not costed:
-                    inherited_flops[top_row] = inherited_flops.get(top_row, 0.0) + flops
-                    costed = True
-            else:
-                top_row, costed = -1, False
-            if node_seq >= 0 and phase == PHASE_BACKWARD:
-                backward_rows.append((row, node_seq))
-            parent = row
+                if kind == KIND_OP:
+                    if seq >= 0 and phase != PHASE_BACKWARD:
+                        forward_by_seq.setdefault(seq, row)
+                    if is_top:
+                        top_row, costed = row, flops > 0
+                    elif flops > 0 and not costed:
+                        inherited_flops[top_row] = inherited_flops.get(top_row, 0.0) + flops
+                        costed = True
+                else:
+                    top_row, costed = -1, False
+                if node_seq >= 0 and phase == PHASE_BACKWARD:
+                    backward_rows.append((row, node_seq))
+                parent = row
+        except Exception as exc:  # one bad event (undecodable strings of a dynamo frame ...) never costs the recording
+            unreadable += 1
+            first_error = first_error or f"{type(exc).__name__}: {exc}"
+            (parent, stack, module, phase, top_row, costed, node_seq, conv_flops) = context
         context = (parent, stack, module, phase, top_row, costed, node_seq, conv_flops)
         pending.extend((child, context) for child in reversed(event.children))
 
@@ -210,6 +226,8 @@ def table_from_profiler(prof, module_names: dict[int, str] | None = None, meta: 
                 if builder.get(forward, column) >= 0:
                     builder.set(row, column, builder.get(forward, column))
 
+    if unreadable:
+        meta = dict(meta or {}, unreadable_events=unreadable, unreadable_error=first_error)
     table = builder.build(meta)
     _assign_steps(table, step_ranges)
     _sort_by_start(table)

@@ -9,6 +9,7 @@ Perfetto trace per recorded cycle) and meta.json.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import os
@@ -107,14 +108,25 @@ class _GcMarker:
             gc.callbacks.remove(self._callback)
 
     def _callback(self, phase: str, info: dict) -> None:
+        import torch
         from torch.autograd.profiler import record_function
+        from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
         if phase == "start" and self._open is None:
-            self._open = record_function(f"{GC_ANNOTATION_PREFIX} gen{info.get('generation', '?')}")
-            self._open.__enter__()
+            # A collection can start while torch.compile traces (fake/proxy tensor modes): a range
+            # opened there would be traced as an op. Those pauses are left unmarked.
+            if torch.compiler.is_compiling() or is_in_torch_dispatch_mode():
+                return
+            marker = record_function(f"{GC_ANNOTATION_PREFIX} gen{info.get('generation', '?')}")
+            try:
+                marker.__enter__()
+            except Exception:  # marking is a nicety: never an error in the user's run
+                return
+            self._open = marker
         elif phase == "stop" and self._open is not None:
             marker, self._open = self._open, None
-            marker.__exit__(None, None, None)
+            with contextlib.suppress(Exception):
+                marker.__exit__(None, None, None)
 
 
 class ProfileSession:
@@ -229,6 +241,10 @@ class ProfileSession:
     def _on_trace_ready(self, prof) -> None:
         table = table_from_profiler(prof, self._namer.names)
         self.tables.append(table)
+        if table.meta.get("unreadable_events"):
+            print(f"npukit.profiler: {table.meta['unreadable_events']} profiler event(s) could not be read and were "
+                  f"left out of the table (first: {table.meta['unreadable_error']}); the rest is kept",
+                  file=sys.stderr)
         if len(table) > LARGE_PROFILE_EVENTS:
             print(
                 f"npukit.profiler: {len(table):,} events in one recording; summaries stay fast, but the trace is"

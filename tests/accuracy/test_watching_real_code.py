@@ -104,3 +104,43 @@ def test_a_failed_run_is_not_summarised_as_clean(tmp_path, option):
     output = result.stderr + result.stdout
     assert "no overflow in" not in output
     assert "the run stopped with an error" in output
+
+
+def test_profile_of_a_compiled_model_is_kept(tmp_path):
+    (tmp_path / "train.py").write_text(COMPILED)
+    result = npu_run("--profile", "prof", "train.py", "compiled", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "UnicodeDecodeError" not in result.stderr
+    shown = subprocess.run([str(Path(sys.executable).with_name("npu-profile")), "prof"], capture_output=True,
+                           text=True, cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert "aten::relu" in shown.stdout or "aten::addmm" in shown.stdout
+
+
+def test_one_unreadable_event_costs_only_itself():
+    from types import SimpleNamespace
+
+    from torch._C._profiler import _EventType
+
+    from npukit.profiler.extract import table_from_profiler
+
+    class Broken:
+        tag = _EventType.TorchOp
+        children = []
+
+        @property
+        def extra_fields(self):
+            raise UnicodeDecodeError("utf-8", b"\xf1", 0, 1, "invalid continuation byte")
+
+    import torch
+    from torch.profiler import profile
+
+    with profile() as prof:
+        torch.ones(3).add(1)
+    results = prof.profiler.kineto_results
+    good = results.experimental_event_tree()
+    fake = SimpleNamespace(kineto_results=SimpleNamespace(
+        experimental_event_tree=lambda: [Broken(), *good], events=results.events))
+    table = table_from_profiler(SimpleNamespace(profiler=fake))
+    assert table.meta["unreadable_events"] == 1 and "UnicodeDecodeError" in table.meta["unreadable_error"]
+    assert "aten::add" in {table.strings[i] for i in table.name_id.tolist()}
