@@ -271,6 +271,8 @@ def measure_rows(rows: list[Row], workers: int | None, progress=None) -> None:
             row.verdict, row.message, row.error = ERROR, f"shape {list(target.shape)} != golden {list(golden.shape)}", math.inf
             continue
         complex_data = "complex" in golden.dtype or "complex" in target.dtype  # compared by statistics
+        if golden.uninitialized or target.uninitialized:
+            continue  # garbage on at least one side: judged "not compared" without reading it
         if golden.data_path is not None and target.data_path is not None and not complex_data:
             # Missing, truncated or mislabelled files raise a UserError naming the file (from the
             # worker that opens them).
@@ -293,8 +295,8 @@ def judge_rows(rows: list[Row], thresholds: Thresholds) -> None:
     """Verdict and scalar error of every measured row; marks noise-level tensors negligible."""
     scale: dict[tuple[int, str], float] = {}
     for row in rows:
-        if row.verdict == UNMATCHED:
-            continue
+        if row.verdict == UNMATCHED or row.golden.uninitialized or row.target.uninitialized:
+            continue  # garbage must not set the scale the entry's other tensors are judged against
         golden_rms = _rms(row.golden, row.metrics.golden_stats if row.metrics else None)
         target_rms = _rms(row.target, row.metrics.target_stats if row.metrics else None)
         row.rms = max(golden_rms, target_rms)
@@ -302,6 +304,9 @@ def judge_rows(rows: list[Row], thresholds: Thresholds) -> None:
         scale[key] = max(scale.get(key, 0.0), row.rms)
     for row in rows:
         if row.verdict == UNMATCHED or row.error == math.inf and row.verdict == ERROR:
+            continue
+        if row.golden.uninitialized or row.target.uninitialized:
+            row.verdict, row.message, row.error = PASS, "uninitialized memory (or overwritten in place): not compared", None
             continue
         limits = thresholds.limits(row.dtype_class)
         entry_scale = scale.get((row.order, row.pair), 0.0)

@@ -289,6 +289,8 @@ class _StepRecord:
         self.leaves: list[tuple[dict, int]] = []
         # id(tensor) -> (weakref, version, stats slot, producing leaf name, data file name)
         self.seen: dict[int, tuple] = {}
+        # id(tensor) -> (weakref, version) of tensors holding uninitialized memory
+        self.uninitialized: dict[int, tuple] = {}
         self.stacks = CallStacks(_MAX_STACK_FRAMES)
         self.counter = naming.CallCounter()
 
@@ -613,9 +615,13 @@ class DumpSession:
             return func(*args, **kwargs)
         in_place = api.endswith("_") or api.startswith("Tensor.__i") or "out" in kwargs
         entry = _Entry(name, self._parent_name(), self._stack_id())
+        numel_before = args[0].numel() if in_place and args and isinstance(args[0], torch.Tensor) else 0
         if in_place:  # measure inputs before the op overwrites them
             entry.data["input_args"] = self._describe(args, f"{name}.input", False)
             entry.data["input_kwargs"] = self._describe_kwargs(kwargs, name)
+            if api in naming.OVERWRITES_FIRST_INPUT and entry.data["input_args"] \
+                    and isinstance(entry.data["input_args"][0], dict):
+                entry.data["input_args"][0][naming.UNINITIALIZED] = True
         output = func(*args, **kwargs)
         out_tensors = tensors_in(output)
         if not out_tensors:
@@ -623,6 +629,9 @@ class DumpSession:
         if not in_place:
             entry.data["input_args"] = self._describe(args, f"{name}.input", False)
             entry.data["input_kwargs"] = self._describe_kwargs(kwargs, name)
+        if api in naming.UNINITIALIZED_OUTPUT and not (in_place and out_tensors[0].numel() <= numel_before):
+            for tensor in out_tensors:
+                record.uninitialized[id(tensor)] = (weakref.ref(tensor), _version(tensor))
         same_as = args[0] if api in _SAME_ELEMENTS and args and isinstance(args[0], torch.Tensor) else None
         if same_as is not None and isinstance(output, torch.Tensor) and output.numel() == same_as.numel():
             entry.data["output"] = [self._tensor_leaf(output, f"{name}.output.0", True, same_values_as=same_as)]
@@ -775,6 +784,9 @@ class DumpSession:
         }
         if data_name is not None:
             leaf["data_name"] = data_name
+        garbage = record.uninitialized.get(key)
+        if garbage is not None and garbage[0]() is tensor and garbage[1] == version:
+            leaf[naming.UNINITIALIZED] = True
         if not is_output and producer != leaf_name:
             leaf["producer"] = producer
         if self.mode == "md5":

@@ -39,6 +39,7 @@ class TensorLeaf:
     md5: str | None
     producer: str | None
     suffix: str  # `input.0` / `output.1` / `parameters.weight`: what pairs leaves of matched entries
+    uninitialized: bool = False  # uninitialized memory, or an input an in-place op overwrites: not compared
 
     @property
     def numel(self) -> int:
@@ -242,6 +243,7 @@ class _LeafParser:
             md5=value.get("md5"),
             producer=producer,
             suffix=leaf_name[len(self.entry_name) + 1 :],
+            uninitialized=value.get("uninitialized") is True,
         )
         return leaf
 

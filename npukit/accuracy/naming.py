@@ -161,3 +161,19 @@ def name_matches(item: str, entry_name: str) -> bool:
     parts = entry_name.split(".")
     width = len(wanted)
     return any(parts[i : i + width] == wanted for i in range(len(parts) - width + 1))
+
+
+# Ops whose output holds whatever bytes were in memory (torch.empty & co., a growing resize_): its
+# values differ from run to run, so it is marked uninitialized in the dump and neither compared nor
+# checked for overflow.
+UNINITIALIZED_OUTPUT = frozenset(
+    {"Torch.empty", "Torch.empty_like", "Torch.empty_strided", "Tensor.new_empty", "Tensor.new_empty_strided",
+     "Tensor.new", "Tensor.resize_", "Tensor.resize_as_"}
+)
+# In-place ops that overwrite every element of their first argument: its values before the op do not
+# matter (the uninitialized buffer of `x.new().resize_(n).bernoulli_(p)`), so that input is marked too.
+OVERWRITES_FIRST_INPUT = frozenset(
+    f"Tensor.{op}" for op in ("bernoulli_", "uniform_", "normal_", "random_", "exponential_", "geometric_",
+                              "log_normal_", "cauchy_", "fill_", "zero_", "copy_")
+)
+UNINITIALIZED = "uninitialized"  # the dump.json leaf field

@@ -42,6 +42,38 @@ COMPILED = textwrap.dedent("""
 """)
 
 
+EMBEDDING_DROPOUT = '''import sys
+import torch
+from torch import nn
+torch.manual_seed(0)
+
+class EmbeddingDropout(nn.Module):
+    """awd-lstm style: a mask over embedding rows from an uninitialized buffer."""
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.out = nn.Linear(8, 2)
+    def forward(self, ids):
+        mask = self.emb.weight.new().resize_((10, 1)).bernoulli_(0.9) / 0.9
+        w = mask.expand_as(self.emb.weight) * self.emb.weight
+        noise = torch.empty_like(w).uniform_(-0.01, 0.01)
+        return self.out(nn.functional.embedding(ids, w + noise))
+
+model = EmbeddingDropout().npu()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(2):
+    if sys.argv[1] == "nan":  # leave NaNs in freed memory, as a previous step's buffers may
+        junk = [torch.full((10, 1), float("nan"), device="npu") for _ in range(8)]
+        junk += [torch.full((10, 8), float("nan"), device="npu") for _ in range(8)]
+        del junk
+    loss = model(torch.arange(4, device="npu")).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    print(round(loss.item(), 6))
+'''
+
+
 def npu_run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO))
     return subprocess.run([sys.executable, "-m", "npukit.run", *args], capture_output=True, text=True, cwd=cwd,
@@ -144,3 +176,23 @@ def test_one_unreadable_event_costs_only_itself():
     table = table_from_profiler(SimpleNamespace(profiler=fake))
     assert table.meta["unreadable_events"] == 1 and "UnicodeDecodeError" in table.meta["unreadable_error"]
     assert "aten::add" in {table.strings[i] for i in table.name_id.tolist()}
+
+
+def test_uninitialized_memory_is_marked_and_never_a_divergence(tmp_path):
+    """`w.new().resize_(n, 1).bernoulli_(p)` (awd-lstm's embedding dropout), `empty_like(x).uniform_()`:
+    the buffers hold whatever was in memory -- here zeros in one run, NaNs in the other."""
+    (tmp_path / "train.py").write_text(EMBEDDING_DROPOUT)
+    for run, garbage in (("golden", "zero"), ("npu", "nan")):
+        result = npu_run("--seed", "1", "--dump", run, "train.py", garbage, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads((tmp_path / "npu" / "step0" / "rank0" / "dump.json").read_text())["data"]
+    assert data["Tensor.resize_.0.forward"]["output"][0]["uninitialized"] is True
+    assert data["Tensor.bernoulli_.0.forward"]["input_args"][0]["uninitialized"] is True
+    assert data["Tensor.uniform_.0.forward"]["input_args"][0]["uninitialized"] is True
+    assert "uninitialized" not in data["Tensor.bernoulli_.0.forward"]["output"][0]
+    compare = subprocess.run([str(Path(sys.executable).with_name("npu-compare")), "golden", "npu"],
+                             capture_output=True, text=True, cwd=tmp_path)
+    assert compare.returncode == 0, compare.stderr
+    assert "No divergence found" in compare.stdout, compare.stdout[-3000:]
+    overflow = npu_run("--detect-overflow", "train.py", "nan", cwd=tmp_path)
+    assert "overflow check: no overflow in 2 step(s)" in overflow.stdout + overflow.stderr
