@@ -257,7 +257,7 @@ def _rms(leaf: TensorLeaf | None, metrics_stats: tuple | None = None) -> float:
         norm = leaf.stats[3]
     if norm is None or leaf is None or leaf.numel == 0 or not math.isfinite(norm):
         return 0.0
-    return norm / math.sqrt(leaf.numel)
+    return norm / math.sqrt(leaf.numel * (2 if "complex" in leaf.dtype else 1))  # complex: over its parts
 
 
 def measure_rows(rows: list[Row], workers: int | None, progress=None) -> None:
@@ -270,15 +270,17 @@ def measure_rows(rows: list[Row], workers: int | None, progress=None) -> None:
         if golden.shape != target.shape:
             row.verdict, row.message, row.error = ERROR, f"shape {list(target.shape)} != golden {list(golden.shape)}", math.inf
             continue
-        complex_data = "complex" in golden.dtype or "complex" in target.dtype  # compared by statistics
+        complex_pair = "complex" in golden.dtype and "complex" in target.dtype  # compared as their real views
+        one_complex = ("complex" in golden.dtype) != ("complex" in target.dtype)  # compared by statistics
         if golden.uninitialized or target.uninitialized:
             continue  # garbage on at least one side: judged "not compared" without reading it
-        if golden.data_path is not None and target.data_path is not None and not complex_data:
+        if golden.data_path is not None and target.data_path is not None and not one_complex:
             # Missing, truncated or mislabelled files raise a UserError naming the file (from the
             # worker that opens them).
             ulp = target.dtype if row.target_entry and _ulp_wanted_name(row.target_entry) and is_floating(target.dtype) else None
             jobs.append(PairJob(str(golden.data_path), golden.dtype, str(target.data_path), target.dtype,
-                                golden.numel, ulp, tuple(golden.shape), row.target_scale, _rms(golden)))
+                                golden.numel * (2 if complex_pair else 1), ulp, tuple(golden.shape),
+                                row.target_scale, _rms(golden)))
             job_rows.append(row)
     if jobs:
         for row, metrics in zip(job_rows, compare_pairs(jobs, workers, progress)):

@@ -153,13 +153,16 @@ def tensor_stats(tensor: torch.Tensor):
 
     Returns a list of floats on host-memory devices (no sync cost there), otherwise a float
     tensor of 6 values still on the device, to be fetched with the rest of the step
-    (StatsBuffer). None for empty and complex tensors.
+    (StatsBuffer). None for empty tensors. A complex tensor is measured as its real view (real and
+    imaginary parts side by side): Norm is its 2-norm, Max/Min/Mean are over both parts.
     """
     data = tensor.detach()
     with torch._C.DisableTorchFunction():
         data = strided_form(data)
-        if data is None or data.numel() == 0 or data.is_complex():
+        if data is None or data.numel() == 0:
             return None
+        if data.is_complex():
+            data = torch.view_as_real(data.resolve_conj())
         if not data.is_floating_point():
             data = data.to(torch.float64)
         if _host_memory(data):

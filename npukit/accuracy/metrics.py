@@ -163,14 +163,30 @@ def _max_ulp(golden: np.ndarray, abs_diff: np.ndarray, dtype: str, scratch: np.n
     return float(np.divide(abs_diff, spacing, out=scratch).max())
 
 
+_COMPLEX_PARTS = {"torch.complex64": "torch.float32", "torch.complex128": "torch.float64"}
+
+
+def real_dtype_name(dtype_name: str) -> str:
+    """The dtype of a complex dtype's parts (complex data is compared as its real view)."""
+    return _COMPLEX_PARTS.get(dtype_name, dtype_name)
+
+
+def as_real_elements(array: np.ndarray) -> np.ndarray:
+    """Flat elements; a complex array as its real and imaginary parts interleaved (a view, no copy)."""
+    flat = array.reshape(-1)
+    if np.iscomplexobj(flat):
+        flat = flat.view(flat.real.dtype)
+    return flat
+
+
 def pair_range_partial(job: PairJob, start: int, stop: int, work: Workspace | None = None) -> np.ndarray:
     """Partial over elements [start, stop) of one pair (opened memory-mapped, never read whole)."""
     work = work or Workspace()
     shape = list(job.shape) if job.shape is not None else None
-    golden = read_tensor(Path(job.golden_path), job.golden_dtype, shape).reshape(-1)
-    target = read_tensor(Path(job.target_path), job.target_dtype, shape).reshape(-1)
-    to_golden = float64_converter(job.golden_dtype)
-    to_target = float64_converter(job.target_dtype)
+    golden = as_real_elements(read_tensor(Path(job.golden_path), job.golden_dtype, shape))
+    target = as_real_elements(read_tensor(Path(job.target_path), job.target_dtype, shape))
+    to_golden = float64_converter(real_dtype_name(job.golden_dtype))
+    to_target = float64_converter(real_dtype_name(job.target_dtype))
     ulp = job.ulp_dtype if job.ulp_dtype in FLOAT_PRECISION_BITS else None
     total = empty_partial()
     for low in range(start, stop, CHUNK):

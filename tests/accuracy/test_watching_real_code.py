@@ -74,6 +74,35 @@ for step in range(2):
 '''
 
 
+ROTARY = '''import sys
+import torch
+from torch import nn
+torch.manual_seed(0)
+
+class Rotary(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+        freqs = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
+        angles = torch.outer(torch.arange(6).float(), freqs)
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles))
+    def forward(self, x):
+        q = self.q(x)
+        qc = torch.view_as_complex(q.float().reshape(*q.shape[:-1], -1, 2))
+        if sys.argv[1] == "bug":
+            qc = qc * self.freqs_cis.conj()
+        else:
+            qc = qc * self.freqs_cis
+        return torch.view_as_real(qc).flatten(-2)
+
+model = Rotary().npu()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(1):
+    loss = model(torch.randn(6, 8, device="npu")).square().mean()
+    loss.backward(); opt.step(); opt.zero_grad()
+'''
+
+
 def npu_run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO))
     return subprocess.run([sys.executable, "-m", "npukit.run", *args], capture_output=True, text=True, cwd=cwd,
@@ -196,3 +225,26 @@ def test_uninitialized_memory_is_marked_and_never_a_divergence(tmp_path):
     assert "No divergence found" in compare.stdout, compare.stdout[-3000:]
     overflow = npu_run("--detect-overflow", "train.py", "nan", cwd=tmp_path)
     assert "overflow check: no overflow in 2 step(s)" in overflow.stdout + overflow.stderr
+
+
+@pytest.mark.parametrize("mode", ["tensor", "stats"])
+def test_complex_tensors_are_measured_and_a_rotary_bug_is_named_where_it_is(tmp_path, mode):
+    """Rotary embeddings (torch.polar, view_as_complex): complex tensors get statistics and metrics;
+    the divergence is not pinned on the next real-valued op (view_as_real)."""
+    (tmp_path / "rope.py").write_text(ROTARY)
+    for run in ("ok", "again", "bug"):
+        result = npu_run("--seed", "1", "--dump", run, "--dump-mode", mode, "rope.py", "bug" if run == "bug" else "ok",
+                         cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:]
+    leaf = json.loads((tmp_path / "ok" / "step0" / "rank0" / "dump.json").read_text())["data"][
+        "Torch.view_as_complex.0.forward"]["output"][0]
+    assert leaf["dtype"] == "torch.complex64" and leaf["Norm"] > 0 and leaf["Max"] is not None
+    compare_cmd = str(Path(sys.executable).with_name("npu-compare"))
+    same = subprocess.run([compare_cmd, "ok", "again", "--csv", "same.csv"], capture_output=True, text=True,
+                          cwd=tmp_path)
+    assert "No divergence found" in same.stdout
+    rows = (tmp_path / "same.csv").read_text()
+    assert "no data to compare" not in rows
+    bug = subprocess.run([compare_cmd, "ok", "bug"], capture_output=True, text=True, cwd=tmp_path)
+    first = [line for line in bug.stdout.splitlines() if line.startswith("First divergence")]
+    assert first and "Tensor.conj.0.forward" in first[0], bug.stdout[-3000:]
