@@ -311,11 +311,13 @@ class ApiMode(TorchFunctionMode):
     ops would each pay a Python dispatch just to be ignored); restore() puts it back.
     """
 
-    def __init__(self, wanted, handle) -> None:
+    def __init__(self, wanted, handle, extra: dict | None = None) -> None:
         super().__init__()
         self._wanted = wanted
         self._handle = handle
         self._table = naming.api_name_table()
+        if extra:  # functions beyond the overridable ones (factories), func -> api name
+            self._table = {**extra, **self._table}
         self._lifted = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):

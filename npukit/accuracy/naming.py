@@ -177,3 +177,16 @@ OVERWRITES_FIRST_INPUT = frozenset(
                               "log_normal_", "cauchy_", "fill_", "zero_", "copy_")
 )
 UNINITIALIZED = "uninitialized"  # the dump.json leaf field
+
+
+def creation_table() -> dict:
+    """Factory functions torch does not list as overridable (no tensor argument), by api name.
+
+    Torch-function modes still see them; the overflow detector checks them, since a fill with
+    +-inf in fp16 sets a saturation-mode device's overflow flag (`torch.full(s, float("-inf"))`).
+    """
+    import torch
+
+    names = ("full", "tensor", "as_tensor", "scalar_tensor", "ones", "zeros", "arange", "range", "linspace",
+             "logspace", "eye", "rand", "randn", "randint", "randperm", "normal")
+    return {getattr(torch, name): f"Torch.{name}" for name in names if hasattr(torch, name)}

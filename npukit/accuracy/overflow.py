@@ -412,7 +412,7 @@ class OverflowSession:
         ]
         self._wrap_grad_scaler()
         if self.level == "api":
-            self._mode = ApiMode(lambda: not self._paused, self._run_api)
+            self._mode = ApiMode(lambda: not self._paused, self._run_api, naming.creation_table())
             self._mode.__enter__()
         return self
 

@@ -248,3 +248,19 @@ def test_complex_tensors_are_measured_and_a_rotary_bug_is_named_where_it_is(tmp_
     bug = subprocess.run([compare_cmd, "ok", "bug"], capture_output=True, text=True, cwd=tmp_path)
     first = [line for line in bug.stdout.splitlines() if line.startswith("First divergence")]
     assert first and "Tensor.conj.0.forward" in first[0], bug.stdout[-3000:]
+
+
+def test_an_infinite_fill_by_a_creation_op_is_named_with_its_line_and_hint(tmp_path):
+    (tmp_path / "fill.py").write_text(textwrap.dedent("""
+        import torch
+        x = torch.randn(4, 4, device="npu", dtype=torch.float16)
+        bias = torch.full(x.shape, float("-inf"), dtype=torch.float16, device="npu")
+        y = (x + bias.triu(1)).softmax(-1)
+    """))
+    env_run = subprocess.run([sys.executable, "-m", "npukit.run", "--detect-overflow", "fill.py"], capture_output=True,
+                             text=True, cwd=tmp_path, timeout=600,
+                             env=dict(os.environ, PYTHONPATH=str(REPO), NPUKIT_FP16_MODE="saturation"))
+    output = env_run.stdout + env_run.stderr
+    assert "does not see" not in output
+    assert "Torch.full.0.forward" in output and "fill.py, line 4" in output
+    assert "torch.finfo(x.dtype).min" in output
