@@ -62,12 +62,28 @@ def _library_roots() -> tuple[str, ...]:
     import torch
 
     paths = sysconfig.get_paths()
+    # "scripts": console-script launchers (npu-run, torchrun) are never the user's code
     roots = {
-        os.path.realpath(paths[key]) + os.sep for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in paths
+        os.path.realpath(paths[key]) + os.sep
+        for key in ("stdlib", "platstdlib", "purelib", "platlib", "scripts") if key in paths
     }
     roots.add(os.path.realpath(Path(torch.__file__).parent) + os.sep)
     roots.add(os.path.realpath(Path(__file__).parents[1]) + os.sep)  # npukit itself
     return tuple(sorted(roots))
+
+
+def _list_shapes(texts: list[str]) -> str:
+    """A tensor list's shapes on one line: `([8, 8], [8])`, or for a long list (a foreach op over every
+    parameter) `(50 tensors: [256, 256] x30, [256] x20)`, the two commonest shapes first."""
+    if len(texts) <= 3:
+        return "(" + ", ".join(texts) + ")"
+    counts: dict[str, int] = {}
+    for text in texts:
+        counts[text] = counts.get(text, 0) + 1
+    common = sorted(counts.items(), key=lambda item: -item[1])
+    shown = ", ".join(f"{text} x{count}" for text, count in common[:2])
+    rest = f", +{len(common) - 2} more shapes" if len(common) > 2 else ""
+    return f"({len(texts)} tensors: {shown}{rest})"
 
 
 def _describe_inputs(inputs) -> tuple[list[tuple[tuple[int, ...], str]], list[str], str, str]:
@@ -89,7 +105,7 @@ def _describe_inputs(inputs) -> tuple[list[tuple[tuple[int, ...], str]], list[st
             devices.append(str(meta.device))
             texts.append(str(list(shape)))
         if isinstance(item, list):
-            shape_parts.append("(" + ", ".join(texts) + ")")
+            shape_parts.append(_list_shapes(texts))
             dtype_parts.append("(" + ", ".join(sorted({d for _, d in tensors[-len(metas):]})) + ")")
         else:
             shape_parts.append(texts[0])
@@ -150,6 +166,13 @@ def table_from_profiler(prof, module_names: dict[int, str] | None = None, meta: 
                 caller = _frame_of(fields.caller)
                 if caller is not None and is_user_file(caller[0]):
                     stack = f"{caller[0]}:{caller[1]} in {caller[2]}"
+                elif tag == py_call:
+                    # Called from a launcher or library (runpy's exec of a script): ops directly in
+                    # the called user code (`x @ w` at a script's top level makes no Python call
+                    # event) belong to it; the profiler does not record their line.
+                    callee = _frame_of(fields.callsite)
+                    if callee is not None and is_user_file(callee[0]):
+                        stack = f"{callee[0]} in {callee[2]}"
                 if tag == py_call and fields.module is not None:
                     module = module_names.get(fields.module.self_ptr, fields.module.cls_name)
                     if phase == PHASE_OTHER:

@@ -111,7 +111,10 @@ def print_estimates(rows: list[EstimateRow], per_step_us: float, chip_text: str,
     for name, justify in (("op", "left"), ("input shapes", "left"), ("dtype", "left"), ("calls", "right"),
                           ("FLOP", "right"), ("bytes", "right"), ("est. NPU", "right"),
                           ("bound", "left"), ("measured here", "right")):
-        table.add_column(name, justify=justify, overflow="fold")
+        if name == "input shapes":  # one line per op: a foreach's shape list is cut, the CSV/JSON keep it
+            table.add_column(name, justify=justify, overflow="ellipsis", no_wrap=True, max_width=48)
+        else:
+            table.add_column(name, justify=justify, overflow="fold")
     for row in rows[:top]:
         table.add_row(
             row.op, escape(row.shapes), row.dtype, f"{row.calls:,}", _count(row.gflops * 1e9), _count(row.mbytes * 1e6) + "B",
