@@ -78,11 +78,49 @@ def tensors_in(value) -> list[torch.Tensor]:
 def unintercepted(function):
     """Run a hook with torch-function handling off: its own tensor accesses (.shape, .dtype, ...)
     would otherwise each go through the api mode (the mode is off only inside its own handler).
-    No functools.wraps: hooks are wrapped per op, where copying metadata is a measurable cost."""
+    No functools.wraps: hooks are wrapped per op, where copying metadata is a measurable cost.
+
+    Crash safety: an error inside the hook (a bug of npukit's, a full disk) never reaches the
+    user's run. It is reported once, naming the hook and the module it ran for, that hook is
+    switched off for the rest of the run, and the run goes on (the hook returns None: nothing of
+    the user's changes). Only errors meant for the user (OverflowStop) pass through.
+    """
+    kind = function.__qualname__
+
     def wrapper(*args, **kwargs):
-        with torch._C.DisableTorchFunction():
-            return function(*args, **kwargs)
+        if kind in _broken_hooks:
+            return None
+        try:
+            with torch._C.DisableTorchFunction():
+                return function(*args, **kwargs)
+        except Exception as exc:
+            if getattr(exc, "npukit_propagate", False):
+                raise
+            hook_failed(kind, exc, _hook_subject(args))
+            return None
     return wrapper
+
+
+_broken_hooks: set[str] = set()
+
+
+def hook_failed(kind: str, exc: BaseException, subject: str = "") -> None:
+    """Switch a hook off after an internal error and say so once (on stderr)."""
+    if kind in _broken_hooks:
+        return
+    _broken_hooks.add(kind)
+    where = f" (at {subject})" if subject else ""
+    print(f"npukit: internal error in {kind}{where}: {type(exc).__name__}: {exc}. This hook is switched off for "
+          "the rest of the run; the run goes on. Please report this to the npukit maintainers.", file=sys.stderr)
+
+
+def _hook_subject(args) -> str:
+    for arg in args[:2]:
+        if isinstance(arg, torch.nn.Module):
+            return f"module {type(arg).__name__}"
+        if isinstance(arg, str):
+            return arg
+    return ""
 
 
 def parse_steps(spec: str | None, option: str = "--dump-steps") -> frozenset[int] | None:
@@ -315,6 +353,7 @@ class ApiMode(TorchFunctionMode):
         super().__init__()
         self._wanted = wanted
         self._handle = handle
+        self._kind = getattr(handle, "__qualname__", "api handler")
         self._table = naming.api_name_table()
         if extra:  # functions beyond the overridable ones (factories), func -> api name
             self._table = {**extra, **self._table}
@@ -323,9 +362,29 @@ class ApiMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         api = self._table.get(func)
-        if api is None or not self._wanted():
+        if api is None or self._kind in _broken_hooks or not self._wanted():
             return func(*args, **kwargs)
-        return self._handle(api, func, args, kwargs)
+        # The handler runs the op itself (between measuring inputs and outputs). An error of the op
+        # is the user's and propagates; an error of the handler is npukit's: reported once, the
+        # handler switched off, and the op's result returned (the op is never run twice).
+        ran: list = []
+
+        def run_op(*op_args, **op_kwargs):
+            try:
+                result = func(*op_args, **op_kwargs)
+            except BaseException as exc:
+                ran.append(exc)
+                raise
+            ran.append(result)
+            return result
+
+        try:
+            return self._handle(api, run_op, args, kwargs)
+        except Exception as exc:
+            if getattr(exc, "npukit_propagate", False) or (ran and ran[0] is exc):
+                raise
+            hook_failed(self._kind, exc, api)
+            return ran[0] if ran else func(*args, **kwargs)
 
     def _on_top(self) -> bool:
         size = torch._C._len_torch_function_stack()
@@ -486,6 +545,7 @@ class DumpSession:
             self._optimizer_exists = any(issubclass(type(obj), optimizer) for obj in gc.get_objects())
         return self._optimizer_exists
 
+    @unintercepted
     def _on_optimizer_pre_step(self, optimizer, args, kwargs) -> None:
         self._optimizer_seen = True
         if self._modules and self._step_selected():
@@ -494,6 +554,7 @@ class DumpSession:
         if self._mode is not None:
             self._mode.lift()
 
+    @unintercepted
     def _on_optimizer_post_step(self, optimizer, args, kwargs) -> None:
         if self._mode is not None:
             self._mode.restore()

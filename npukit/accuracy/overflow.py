@@ -108,6 +108,8 @@ _RESOLVE_EVERY = 16384  # pending device scalars read early when a step runs thi
 class OverflowStop(UserError):
     """Raised by action="stop" at the first overflow event; npu-run prints it as a clean error."""
 
+    npukit_propagate = True  # the user asked the run to stop: npukit's hooks let it through
+
 
 # ---------------------------------------------------------------------------- device flag
 class _DeviceFlag:
@@ -289,6 +291,8 @@ class _OpRecord:
     module_class: str = ""
     live: tuple | None = None  # dump action: (func, args, kwargs, outputs) while the op is resolved
     infinite_scalar: bool = False  # an argument is a Python +-inf (masked_fill(mask, float("-inf")))
+    # a Python float argument is inf/nan: its inf/nan output is asked for (masking before a softmax)
+    nonfinite_scalar: bool = False
 
 
 class _StepState:
@@ -504,6 +508,7 @@ class OverflowSession:
         if self._mode is not None:
             self._mode.lift()
 
+    @unintercepted
     def _on_optimizer_post_step(self, optimizer, args, kwargs) -> None:
         if self._mode is not None:
             self._mode.restore()
@@ -517,20 +522,27 @@ class OverflowSession:
         original = scaler_cls.step
         session = self
 
+        @unintercepted
+        def check_grads_before_step() -> None:
+            session._check_parameter_grads()  # still scaled: what GradScaler is about to look at
+
+        @unintercepted
+        def end_step_after(skipped: bool, scale: float) -> None:
+            if session._auto_step and not session._in_scaler:
+                session._end_step(skipped_by_scaler=skipped, scale=scale)
+
         def step(scaler, optimizer, *args, **kwargs):
             if not session._active or not scaler.is_enabled():
                 return original(scaler, optimizer, *args, **kwargs)
             scale = scaler.get_scale()
-            with torch._C.DisableTorchFunction():
-                session._check_parameter_grads()  # still scaled: what GradScaler is about to look at
+            check_grads_before_step()
             before = session._optimizer_steps
             session._in_scaler += 1
             try:
                 result = original(scaler, optimizer, *args, **kwargs)
             finally:
                 session._in_scaler -= 1
-            if session._auto_step and not session._in_scaler:
-                session._end_step(skipped_by_scaler=session._optimizer_steps == before, scale=scale)
+            end_step_after(session._optimizer_steps == before, scale)
             return result
 
         self._scaler_step = (scaler_cls, original)
@@ -677,6 +689,7 @@ class OverflowSession:
                            None if copies else self._stack_id(), inputs, flag=flag, module_class=module_class)
         if flag:  # rare: look at the scalars only for ops that saturated
             record.infinite_scalar = _has_infinite_scalar((args, kwargs))
+        record.nonfinite_scalar = _nonfinite_scalar_argument(args, kwargs)
         if copies:
             record.outputs = self._copied_checks(inputs, outputs, api in _SAME_ELEMENTS)
         else:
@@ -822,7 +835,7 @@ class OverflowSession:
         if record.flag:
             return "saturation" if fresh_inputs else None
         outputs = [check for check in record.outputs if check is not None]
-        if any(not check.finite(values) for check in outputs):
+        if not record.nonfinite_scalar and any(not check.finite(values) for check in outputs):
             return "inf_nan"
         if self._saturation and not self._flag.per_op and fresh_inputs and any(at_limit(c) for c in outputs):
             return "saturation"  # real device: its flag is read once per step, the values tell the op
@@ -1058,6 +1071,14 @@ INFINITE_FILL_HINT = (
     "+-65504 and sets the overflow flag, and GradScaler skips every step. Fill with torch.finfo(x.dtype).min "
     "(or .max) instead of float('-inf')."
 )
+
+
+def _nonfinite_scalar_argument(args: tuple, kwargs: dict) -> bool:
+    """A top-level Python float argument that is inf or nan (cheap: runs for every op)."""
+    for value in args:
+        if type(value) is float and not math.isfinite(value):
+            return True
+    return bool(kwargs) and any(type(v) is float and not math.isfinite(v) for v in kwargs.values())
 
 
 def _has_infinite_scalar(value) -> bool:

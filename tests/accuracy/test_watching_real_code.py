@@ -264,3 +264,62 @@ def test_an_infinite_fill_by_a_creation_op_is_named_with_its_line_and_hint(tmp_p
     assert "does not see" not in output
     assert "Torch.full.0.forward" in output and "fill.py, line 4" in output
     assert "torch.finfo(x.dtype).min" in output
+
+
+def _train_losses(session_factory, steps=3):
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    with session_factory():
+        for _ in range(steps):
+            loss = model(torch.randn(4, 8)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("tool, broken", [
+    ("dump", "_tensor_leaf"),          # runs in the api handler and the module hooks
+    ("dump", "_module_path"),          # module hooks only
+    ("dump", "_hook_api_backward"),    # registers backward hooks
+    ("overflow", "_check_all"),
+    ("overflow", "_hook_module_backward"),
+])
+def test_an_internal_error_in_a_hook_is_reported_once_and_the_run_goes_on(tmp_path, monkeypatch, capsys, tool, broken):
+    import contextlib
+
+    from npukit.accuracy import dump as dump_module
+    from npukit.accuracy.dump import DumpSession
+    from npukit.accuracy.overflow import OverflowSession
+
+    session_class = DumpSession if tool == "dump" else OverflowSession
+    expected = _train_losses(contextlib.nullcontext)
+
+    def fault(*args, **kwargs):
+        raise ZeroDivisionError("injected fault")
+
+    monkeypatch.setattr(session_class, broken, fault)
+    monkeypatch.setattr(dump_module, "_broken_hooks", set())
+    factory = (lambda: DumpSession(tmp_path / "d")) if tool == "dump" else (
+        lambda: OverflowSession(tmp_path / "o", level="module" if "module" in broken else "api"))
+    assert _train_losses(factory) == expected  # the run goes on, unchanged
+    err = capsys.readouterr().err
+    reports = [line for line in err.splitlines() if line.startswith("npukit: internal error")]
+    assert reports and all("injected fault" in line for line in reports)
+    assert len(reports) == len(set(line.split(" (at")[0].split(":")[1] for line in reports))  # once per hook
+
+
+def test_the_users_own_errors_still_reach_the_user_under_the_dump(tmp_path):
+    import torch
+
+    from npukit.accuracy.dump import DumpSession
+
+    model = torch.nn.Linear(8, 2)
+    with DumpSession(tmp_path / "d"), pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        model(torch.randn(4, 7))
