@@ -16,6 +16,27 @@ import typer
 from npukit.errors import UserError
 
 
+def _hide_flag_types() -> None:
+    """typer shows `<bool>` after every flag in --help, as if it took a value, and `<list[str]>` after
+    arguments whose name already says what they take: show nothing there."""
+    core = getattr(typer, "core", None)
+    for class_name, hidden in (("TyperOption", lambda p: getattr(p, "is_flag", False)),
+                               ("TyperArgument", lambda p: getattr(p, "metavar", None) is not None)):
+        param_class = getattr(core, class_name, None)
+        original = getattr(param_class, "display_type_rich", None)
+        if original is None or getattr(original, "_npukit", False):
+            continue
+
+        def display_type_rich(self, ctx, _original=original, _hidden=hidden):
+            return None if _hidden(self) else _original(self, ctx)
+
+        display_type_rich._npukit = True
+        param_class.display_type_rich = display_type_rich
+
+
+_hide_flag_types()
+
+
 def _run_app(app: typer.Typer) -> None:
     """Run a typer app, turning UserError into a one-line message and exit code 2."""
     try:
@@ -33,8 +54,8 @@ run_app = typer.Typer(add_completion=False, help="Run a script on the emulated A
     context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
 )
 def run(
-    script: str = typer.Argument(..., help="Python script to run (or -m MODULE via --module)."),
-    args: list[str] = typer.Argument(None, help="Arguments passed to the script."),
+    script: str = typer.Argument(..., metavar="SCRIPT", help="Python script to run (or -m MODULE via --module)."),
+    args: list[str] = typer.Argument(None, metavar="ARGS", help="Arguments passed to the script."),
     module: bool = typer.Option(False, "-m", "--module", help="Run SCRIPT as a module, like python -m."),
     devices: int = typer.Option(8, "--devices", help="Number of emulated NPUs (NPUKIT_DEVICE_COUNT)."),
     emulate: bool = typer.Option(False, "--emulate", help="Use the emulator even if a real torch_npu is installed."),
@@ -83,7 +104,7 @@ migrate_app = typer.Typer(add_completion=False, help="Rewrite CUDA PyTorch code 
 # (section owned by npukit.migrate)
 @migrate_app.command()
 def migrate(
-    path: Path = typer.Argument(..., help="Repository folder or single file to migrate."),
+    path: Path = typer.Argument(..., metavar="PATH", help="Repository folder or single file to migrate."),
     out: Path | None = typer.Option(None, "--out", help="Write a migrated copy of PATH into DIR (PATH is not touched)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Analyse and report only; write nothing."),
     diff: bool = typer.Option(False, "--diff", help="Print the rewrite as a unified diff; write nothing."),
@@ -115,23 +136,22 @@ compare_app = typer.Typer(add_completion=False, help="Compare a golden dump with
 
 @compare_app.command()
 def compare(
-    golden: Path = typer.Argument(..., help="Golden dump directory (npu-run --golden --dump DIR, or msprobe)."),
-    target: Path = typer.Argument(..., help="Target (NPU) dump directory."),
+    golden: Path = typer.Argument(..., metavar="GOLDEN", help="Golden dump directory (npu-run --golden --dump DIR, or msprobe)."),
+    target: Path = typer.Argument(..., metavar="TARGET", help="Target (NPU) dump directory."),
     csv_path: Optional[Path] = typer.Option(None, "--csv", help="Write every row to this CSV (msprobe columns first)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the result as JSON."),
     html_path: Optional[Path] = typer.Option(None, "--html", help="Write one self-contained HTML report."),
     top: int = typer.Option(20, "--top", help="Rows shown in the terminal (worst first)."),
     thresholds: list[str] = typer.Option(
-        None, "--set", help="Override a limit, e.g. --set bf16.warn_rel_l2=0.05 (repeatable)."
+        None, "--set", metavar="KEY=VALUE", help="Override a limit, e.g. --set bf16.warn_rel_l2=0.05 (repeatable)."
     ),
     workers: Optional[int] = typer.Option(None, "--workers", help="Processes for tensor metrics (default: CPU count)."),
 ) -> None:
     """Compare GOLDEN and TARGET dumps; name the first op whose error is amplified. Exit 1 if one is found."""
-    from rich.console import Console
-
     from npukit.accuracy.cli_compare import run_compare
+    from npukit.console import make_console
 
-    code = run_compare(golden, target, csv_path, json_path, html_path, top, thresholds or [], workers, Console())
+    code = run_compare(golden, target, csv_path, json_path, html_path, top, thresholds or [], workers, make_console())
     sys.exit(code)
 
 

@@ -971,9 +971,9 @@ class OverflowSession:
         if not self._show:
             return
         if self._console is None:
-            from rich.console import Console
+            from npukit.console import make_console
 
-            self._console = Console(stderr=True, highlight=False, soft_wrap=True)
+            self._console = make_console(stderr=True, highlight=False, soft_wrap=True)
         self._console.print(markup)
 
     def _print_event(self, event: dict) -> None:

@@ -15,10 +15,10 @@ _PROGRESS_MIN_FILES = 100  # smaller trees finish before a bar is worth drawing
 
 def main(json_output: bool = False, **option_values) -> int:
     """Returns the exit code: 0, or 1 for --check when something would change."""
-    from rich.console import Console
+    from npukit.console import make_console
 
     options = MigrateOptions(**option_values)
-    console = Console(stderr=True)
+    console = make_console(stderr=True)
     progress_bar = None
 
     def progress_factory(total: int):
@@ -55,7 +55,7 @@ def main(json_output: bool = False, **option_values) -> int:
         except OSError as exc:
             raise UserError(f"--report {options.report_dir}: cannot write ({exc.strerror or exc})") from None
     if not options.quiet:
-        print_summary(run, Console(stderr=options.diff or json_output))
+        print_summary(run, make_console(stderr=options.diff or json_output))
         if options.out is not None:
             console.print(f"migrated copy written to {Path(options.out)}")
         if written:

@@ -6,11 +6,11 @@ from pathlib import Path
 
 from rich.console import Console
 
+from npukit.console import make_console
 from npukit.errors import UserError
 from npukit.files import write_text_atomic
 from npukit.profiler.report import (
     estimates_to_rows,
-    make_console,
     print_estimates,
     print_summary,
     rows_to_csv,

@@ -32,12 +32,6 @@ def _us(value: float) -> str:
     return f"{value:.1f} us"
 
 
-def make_console() -> Console:
-    """A console that stays readable when piped (rich would otherwise wrap at 80 columns)."""
-    console = Console()
-    return console if console.is_terminal else Console(width=160)
-
-
 def _count(value: float) -> str:
     """1234567 -> 1.23 M (FLOPs and bytes)."""
     for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):

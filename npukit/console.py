@@ -1,0 +1,18 @@
+"""One way to make the rich console npukit's commands print with."""
+
+from __future__ import annotations
+
+import os
+
+from rich.console import Console
+
+PIPED_WIDTH = 160
+
+
+def make_console(*, stderr: bool = False, **options) -> Console:
+    """A console that stays readable when piped or captured: rich would wrap tables at 80 columns
+    there. COLUMNS, when set, still wins."""
+    console = Console(stderr=stderr, **options)
+    if console.is_terminal or "COLUMNS" in os.environ:
+        return console
+    return Console(stderr=stderr, width=PIPED_WIDTH, **options)
