@@ -150,10 +150,50 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     devices = {0: "no device", 1: "1 device npu:0"}.get(count, f"{count} devices npu:0-{count - 1}")
     numerics_text = "golden numerics (policies off, autocast disabled)" if config.option.npukit_golden else (
         f"fp16 {policy.fp16_mode}, fp32 accumulate {'on' if policy.fp32_accumulate else 'off'}, "
-        f"matmul hf32 {'on' if policy.matmul_hf32 else 'off'}, conv hf32 {'on' if policy.conv_hf32 else 'off'}")
+        f"matmul hf32 {'on' if policy.matmul_hf32 else 'off'}, conv hf32 {'on' if policy.conv_hf32 else 'off'}"
+        + (", float64 matmul/conv refused as on the device (--npu-golden or NPUKIT_REJECT_FP64=0 allow them)"
+           if policy.reject_fp64 else ""))
     transfer = ", transfer_to_npu applied" if config.option.npukit_transfer else ""
     return [f"npukit: NPU emulated on the host CPU, {devices} ({activation.reason}); "
             f"import torch_npu -> npukit{transfer}; {numerics_text}"]
+
+
+_TOUCH_KEY = pytest.StashKey[list]()  # [tests run, tests that allocated on the NPU]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    """Count the tests that put a tensor on the NPU: a green run that never touched it proves nothing."""
+    if not _emulated(item.config):
+        return (yield)
+    import torch
+
+    counts = item.config.stash.setdefault(_TOUCH_KEY, [0, 0])
+    before = _allocations(torch)
+    try:
+        return (yield)
+    finally:
+        counts[0] += 1
+        counts[1] += _allocations(torch) > before
+
+
+def _allocations(torch) -> int:
+    return sum(torch.npu.memory_stats(index).get("allocation.all.allocated", 0)
+               for index in range(torch.npu.device_count()))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
+    counts = config.stash.get(_TOUCH_KEY, None)
+    if counts is None or not _emulated(config):
+        return
+    ran, touched = counts
+    line = f"npukit: {touched} of {ran} test(s) put a tensor on the emulated NPU"
+    if ran and not touched:
+        terminalreporter.write_line(line + ": none did, so this run says nothing about the NPU (do the tests pick "
+                                    "their device with torch.cuda.is_available()? use torch.npu or the npu_device "
+                                    "fixture)", yellow=True, bold=True)
+    else:
+        terminalreporter.write_line(line)
 
 
 def _emulated(config: pytest.Config) -> bool:

@@ -226,3 +226,22 @@ def test_bad_settings_are_usage_errors(pytester, monkeypatch, args, env, ini, me
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([f"*{message}"])
     assert "Traceback" not in result.stderr.str()
+
+
+def test_the_session_says_how_many_tests_touched_the_npu_and_that_fp64_matmuls_are_refused(pytester):
+    pytester.makeconftest(MIGRATED_CONFTEST)
+    pytester.makepyfile(test_model=MIGRATED_TESTS)
+    result = pytester.runpytest_subprocess("-p", "npukit.testing", timeout=SUBPROCESS_TIMEOUT)
+    result.stdout.fnmatch_lines(["npukit: NPU emulated*float64 matmul/conv refused as on the device*"])
+    ran = sum(MIGRATED_OUTCOMES.values())
+    touching = [line for line in result.outlines if "put a tensor on the emulated NPU" in line]
+    assert len(touching) == 1 and f"of {ran} test(s)" in touching[0] and not touching[0].startswith("npukit: 0 ")
+
+
+def test_a_suite_that_never_touches_the_npu_is_told_so(pytester):
+    pytester.makepyfile(test_cpu="import torch\n\ndef test_cpu_only():\n"
+                                  "    dev = 'cuda' if torch.cuda.is_available() else 'cpu'\n"
+                                  "    assert torch.ones(2, device=dev).sum() == 2\n")
+    result = pytester.runpytest_subprocess("-p", "npukit.testing", timeout=SUBPROCESS_TIMEOUT)
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["npukit: 0 of 1 test(s) put a tensor on the emulated NPU: none did*"])
