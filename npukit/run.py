@@ -63,10 +63,36 @@ def _launch_torchrun(options: RunOptions) -> int:
 
     if options.nproc_per_node < 1:
         raise UserError(f"--nproc-per-node must be at least 1, got {options.nproc_per_node}")
+    import tempfile
+
     argv = strip_option(sys.argv[1:], "--nproc-per-node")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(options.nproc_per_node),
                "--master-addr", "127.0.0.1", "-m", "npukit.run", *argv]
-    return subprocess.call(command)
+    with tempfile.TemporaryDirectory(prefix="npu-run-failures-") as failures:
+        code = subprocess.call(command, env=dict(os.environ, **{FAILURE_DIR_ENV: failures}))
+        if code:
+            # torchrun's ChildFailedError report buries the script's own error: say it again, last
+            # in the order they failed: the first is usually the cause, the others its consequence
+            reports = sorted(Path(failures).glob("rank*.txt"), key=lambda p: p.stat().st_mtime_ns)
+            for index, report in enumerate(reports):
+                when = "failed first" if index == 0 and len(reports) > 1 else "failed"
+                _err(f"{report.stem.replace('rank', 'rank ')} {when}: {report.read_text().strip()}")
+    return code
+
+
+FAILURE_DIR_ENV = "NPUKIT_FAILURE_DIR"
+
+
+def _note_failure(exc: BaseException, tb) -> None:
+    """Under npu-run --nproc-per-node: leave this rank's error where the launcher reads it."""
+    directory = os.environ.get(FAILURE_DIR_ENV)
+    if not directory:
+        return
+    frames = [f for f in traceback.extract_tb(tb) if not _is_runner_frame(f.filename)]
+    where = f" ({Path(frames[-1].filename).name}, line {frames[-1].lineno})" if frames else ""
+    rank = os.environ.get("RANK", "0")
+    with contextlib.suppress(OSError):
+        Path(directory, f"rank{rank}.txt").write_text(f"{type(exc).__name__}: {exc}{where}\n")
 
 
 def strip_option(argv: list[str], name: str) -> list[str]:
@@ -221,6 +247,7 @@ def main(options: RunOptions) -> int:
             while tb is not None and tb.tb_next is not None and _is_runner_frame(tb.tb_frame.f_code.co_filename):
                 tb = tb.tb_next
             traceback.print_exception(exc_type, exc, tb)
+            _note_failure(exc, tb)
             exit_code = 1
         if exit_code:
             for session in sessions:  # their summaries must not describe a finished run

@@ -147,3 +147,15 @@ def test_module_mode_finds_packages_in_the_current_directory_as_python_m_does(tm
                             text=True, cwd=tmp_path, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "ran __main__ ['--lr', '1'] npu:0 7" in result.stdout
+
+
+def test_a_failing_rank_is_named_last_with_its_own_error(tmp_path):
+    """torchrun's ChildFailedError report buries the script's error: npu-run repeats it at the end."""
+    script = tmp_path / "ddp_fail.py"
+    script.write_text("import torch.distributed as dist\ndist.init_process_group('hccl')\n"
+                      "if dist.get_rank() == 1:\n    raise ValueError('bad batch on rank 1')\ndist.barrier()\n")
+    result = npu_run("--nproc-per-node", "2", str(script), cwd=tmp_path)
+    assert result.returncode != 0
+    last = [line for line in result.stderr.splitlines() if line.strip()][-2:]
+    assert any("npu-run: rank 1 failed" in line and "ValueError: bad batch on rank 1 (ddp_fail.py, line 4)" in line
+               for line in last), result.stderr[-2000:]
