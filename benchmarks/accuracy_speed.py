@@ -7,6 +7,7 @@
    both. Wall time and process CPU time are both shown.
 2. Compare throughput: npu-compare (metrics in fp64, all cores) on a generated dump pair of
    >= 500 MB (both sides together), in MB/s of dump data read. Target >= 500 MB/s on 2 cores.
+   Then a pair of 4,000 small tensors a side, in files/s (real dumps are mostly small tensors).
    If msprobe is installed, `msprobe compare` runs on the same pair (as .pt files) for the ratio.
 
     python benchmarks/accuracy_speed.py [--quick]
@@ -109,10 +110,9 @@ def dump_overhead(rounds: int, steps: int) -> None:
         print(f"  {config[0]:6s} {config[1]:6s} {wall:5.2f}x {cpu:5.2f}x{target}")
 
 
-def generate_pair(root: Path, megabytes_per_side: int) -> int:
-    """A golden/target dump pair of fp32 and bf16 tensors, msprobe layout; returns total bytes."""
+def generate_pair(root: Path, megabytes_per_side: int, elements: int = 2_000_000) -> int:
+    """A golden/target dump pair of fp32 tensors (8 MB each by default), msprobe layout; returns total bytes."""
     generator = torch.Generator().manual_seed(0)
-    elements = 2_000_000  # 8 MB fp32 per tensor
     count = max(1, megabytes_per_side * 1_000_000 // (elements * 4))
     total = 0
     for side in ("golden", "target"):
@@ -152,6 +152,22 @@ def compare_throughput(megabytes_per_side: int) -> None:
         print(f"compare throughput: {total / 1e6:.0f} MB pair in {seconds:.2f} s = {rate:.0f} MB/s "
               f"on {workers} cores  (target >= 500 MB/s)")
         msprobe_ratio(root, seconds)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def compare_small_files(files_per_side: int) -> None:
+    """Real dumps hold thousands of small tensors (biases, norms, scalars): files/s matters there."""
+    root = Path(tempfile.mkdtemp(prefix="npukit-bench-"))
+    try:
+        elements = 256
+        generate_pair(root, megabytes_per_side=files_per_side * elements * 4 // 1_000_000 or 1, elements=elements)
+        files = 2 * len(list((root / "golden" / "step0" / "rank0" / "dump_tensor_data").iterdir()))
+        start = time.perf_counter()
+        compare_dirs(root / "golden", root / "target", workers=os.cpu_count() or 1)
+        seconds = time.perf_counter() - start
+        print(f"compare of small tensors: {files} files of {elements} elements in {seconds:.2f} s = "
+              f"{files / seconds:.0f} files/s ({seconds / files * 1e3:.2f} ms per file)")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -198,6 +214,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, {os.cpu_count()} cores")
     dump_overhead(rounds=2 if args.quick else 8, steps=2 if args.quick else 3)
     compare_throughput(megabytes_per_side=64 if args.quick else 256)
+    compare_small_files(files_per_side=1000 if args.quick else 4000)
 
 
 if __name__ == "__main__":

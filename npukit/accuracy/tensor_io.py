@@ -9,6 +9,7 @@ Torch is imported lazily: compare worker processes use only numpy.
 
 from __future__ import annotations
 
+import re
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -104,6 +105,47 @@ def tensor_to_numpy(tensor):
     return data.numpy()
 
 
+_NPY_HEADER = re.compile(
+    rb"\{'descr': '(?P<descr>[<>|=][a-zA-Z]\d+)', 'fortran_order': False, 'shape': \((?P<shape>[\d, ]*)\), \}")
+
+
+def _read_small_npy(path: Path) -> np.ndarray | None:
+    """A small .npy as numpy.save writes it, read in one call with its header parsed by a regex.
+
+    numpy.load parses each header with ast.literal_eval (~0.1 ms a file): a dump of thousands of
+    small tensors spent most of npu-compare there. Anything unusual (other header layouts, object
+    arrays, Fortran order) returns None and goes through numpy.load, which checks it all.
+    """
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read tensor file ({exc.strerror or exc})") from None
+    if data[:6] != b"\x93NUMPY" or len(data) < 10:
+        return None
+    major = data[6]
+    if major == 1:
+        header_len, start = int.from_bytes(data[8:10], "little"), 10
+    elif major in (2, 3):
+        header_len, start = int.from_bytes(data[8:12], "little"), 12
+    else:
+        return None
+    match = _NPY_HEADER.match(data, start, start + header_len)
+    if match is None:
+        return None
+    dtype = np.dtype(match.group("descr").decode())
+    if dtype.hasobject:
+        return None
+    shape = tuple(int(item) for item in match.group("shape").split(b",") if item.strip())
+    offset = start + header_len
+    count = 1
+    for item in shape:
+        count *= item
+    if len(data) - offset != count * dtype.itemsize:
+        raise UserError(f"{path}: corrupt or truncated tensor file (holds {len(data) - offset} data bytes, "
+                        f"its header says {count * dtype.itemsize})")
+    return np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape)
+
+
 def read_tensor(path: Path, dtype_name: str | None = None, shape: list[int] | None = None) -> np.ndarray:
     """Open a tensor file read-only (memory-mapped for .npy); `.pt` files (msprobe) load with weights_only.
 
@@ -116,11 +158,13 @@ def read_tensor(path: Path, dtype_name: str | None = None, shape: list[int] | No
         array = _read_torch_file(path)
     else:
         # Small files are read outright: setting up a memory map costs more than reading them.
-        mmap_mode = "r" if path.stat().st_size > _MMAP_MIN_BYTES else None
-        try:
-            array = np.load(path, mmap_mode=mmap_mode, allow_pickle=False)
-        except (ValueError, OSError, EOFError) as exc:
-            raise UserError(f"{path}: corrupt or truncated tensor file ({exc})") from None
+        size = path.stat().st_size
+        array = _read_small_npy(path) if size <= _MMAP_MIN_BYTES else None
+        if array is None:
+            try:
+                array = np.load(path, mmap_mode="r" if size > _MMAP_MIN_BYTES else None, allow_pickle=False)
+            except (ValueError, OSError, EOFError) as exc:
+                raise UserError(f"{path}: corrupt or truncated tensor file ({exc})") from None
         if not isinstance(array, np.ndarray):
             raise UserError(f"{path}: expected one array, found an archive")
     if dtype_name is not None and dtype_name in _STORAGE:
