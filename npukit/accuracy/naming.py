@@ -106,10 +106,53 @@ def module_path(paths: dict, module, outermost_running=None) -> str:
         if outermost_running is not None:
             for name, sub in outermost_running.named_modules(prefix=paths.get(outermost_running, "")):
                 paths.setdefault(sub, _without_compile_wrapper(name))
-        for name, sub in module.named_modules():
+        else:
+            # Nothing above it runs: a head of a container whose own forward never runs
+            # (`agent.actor(x)`), or a layer of a model whose .forward() was called directly. Its
+            # names are its attribute path from the model it belongs to, found once per such root.
+            root = _owning_root(module)
+            if root is not module and root not in paths:
+                for name, sub in root.named_modules():
+                    paths.setdefault(sub, _without_compile_wrapper(name))
+        for name, sub in module.named_modules(prefix=paths.get(module, "")):
             paths.setdefault(sub, _without_compile_wrapper(name))
         path = paths[module]
     return path
+
+
+_MAX_OWNER_DEPTH = 16
+
+
+def _owning_root(module):
+    """The outermost module that holds `module` as a (nested) submodule; the module itself if none.
+
+    Modules do not know their parents: the parent is found through the garbage collector's
+    referrers (module <- parent's `_modules` dict <- parent's `__dict__` <- parent), a few scans
+    of the heap, once per module that runs with nothing above it.
+    """
+    import gc
+
+    import torch
+
+    current = module
+    for _ in range(_MAX_OWNER_DEPTH):
+        parent = None
+        for holder in gc.get_referrers(current):
+            if type(holder) is not dict or not all(isinstance(v, torch.nn.Module) or v is None
+                                                   for v in holder.values()):
+                continue
+            for owner_dict in gc.get_referrers(holder):
+                if type(owner_dict) is dict and owner_dict.get("_modules") is holder:
+                    parent = next((owner for owner in gc.get_referrers(owner_dict)
+                                   if isinstance(owner, torch.nn.Module) and owner.__dict__ is owner_dict), None)
+                    if parent is not None:
+                        break
+            if parent is not None:
+                break
+        if parent is None:
+            return current
+        current = parent
+    return current
 
 
 _COMPILE_WRAPPED = "_orig_mod"

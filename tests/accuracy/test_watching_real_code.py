@@ -324,3 +324,43 @@ def test_the_users_own_errors_still_reach_the_user_under_the_dump(tmp_path):
     model = torch.nn.Linear(8, 2)
     with DumpSession(tmp_path / "d"), pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
         model(torch.randn(4, 7))
+
+
+def test_module_names_are_attribute_paths_when_a_parent_forward_never_runs(tmp_path):
+    """Two heads of a container called directly (`agent.actor(x)`), and a model whose .forward() is
+    called directly (generation loops): names keep the attribute path; every head's gradients kept."""
+    import torch
+    from torch import nn
+
+    from npukit.accuracy.dump import DumpSession
+
+    class Agent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.actor = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+            self.critic = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return self.fc(x)
+
+    agent, lm = Agent(), LM()
+    opt = torch.optim.SGD([*agent.parameters(), *lm.parameters()], lr=0.1)
+    with DumpSession(tmp_path / "d"):
+        x = torch.randn(3, 4)
+        (agent.actor(x).sum() + agent.critic(x).sum() + lm.forward(x).sum()).backward()
+        opt.step()
+    names = set(json.loads((tmp_path / "d" / "step0" / "rank0" / "dump.json").read_text())["data"])
+    for expected in ("Module.actor.0.Linear.forward.0", "Module.critic.0.Linear.forward.0",
+                     "Module.actor.Sequential.forward.0", "Module.layers.1.Linear.forward.0",
+                     "Module.fc.Linear.forward.0", "Module.actor.2.Linear.parameters_grad",
+                     "Module.critic.2.Linear.parameters_grad", "Module.layers.0.Linear.parameters_grad"):
+        assert expected in names, sorted(names)
+    assert not any(name.startswith(("Module.0.", "Module.Linear.")) for name in names)
