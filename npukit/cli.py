@@ -61,7 +61,7 @@ def run(
     emulate: bool = typer.Option(False, "--emulate", help="Use the emulator even if a real torch_npu is installed."),
     transfer_to_npu: bool = typer.Option(False, "--transfer-to-npu", help="Run unmigrated CUDA code: apply torch_npu.contrib.transfer_to_npu first."),
     nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", help="Launch N processes via torchrun."),
-    golden: bool = typer.Option(False, "--golden", help="Golden run: NPU numerics off, autocast disabled (fp32)."),
+    golden: bool = typer.Option(False, "--golden", help="Golden run: NPU numerics off, autocast regions computed in fp32."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed torch, numpy and random before the script runs."),
     dump: Optional[Path] = typer.Option(None, "--dump", help="Dump per-layer tensors into DIR."),
     dump_level: str = typer.Option("mix", "--dump-level", help="module | api | mix"),

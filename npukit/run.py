@@ -115,17 +115,69 @@ def strip_option(argv: list[str], name: str) -> list[str]:
     return out
 
 
-def disable_autocast() -> None:
-    """Golden run: every autocast region runs in fp32 (autocast(..., enabled=False))."""
+def golden_autocast() -> None:
+    """Golden run: every autocast region still runs, with float32 as its compute dtype.
+
+    Removing the regions would break programs that rely on autocast to mix dtypes (an fp16 module
+    called with fp32 inputs fails with "mat1 and mat2 must have the same dtype" without it). CPU
+    autocast has no float32 target: CPU regions are switched off, which is fp32 there too.
+    """
     import torch
 
     autocast_cls = torch.amp.autocast_mode.autocast
     original_init = autocast_cls.__init__
 
     def init(self, device_type, dtype=None, enabled=True, cache_enabled=None):
-        original_init(self, device_type, dtype=dtype, enabled=False, cache_enabled=cache_enabled)
+        if device_type == "cpu":
+            original_init(self, device_type, dtype=dtype, enabled=False, cache_enabled=cache_enabled)
+        else:
+            original_init(self, device_type, dtype=torch.float32, enabled=enabled, cache_enabled=cache_enabled)
 
     autocast_cls.__init__ = init
+
+
+def watch_golden_precision():
+    """Golden run: warn once at the first fp16/bf16 matmul or conv computed outside autocast.
+
+    Code that casts to a compute dtype itself (`model.to(torch.bfloat16)`) runs in low precision
+    under --golden too; the user must know the reference is not fp32. Returns the mode to enter.
+    """
+    import torch
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    watched = {F.linear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d,
+               F.scaled_dot_product_attention, torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm,
+               torch.einsum, torch.Tensor.__matmul__, torch.Tensor.matmul, torch.Tensor.mm, torch.Tensor.bmm}
+    low = (torch.float16, torch.bfloat16)
+
+    class GoldenPrecisionWatch(TorchFunctionMode):
+        warned = False
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if not self.warned and func in watched:
+                tensors = [a for a in args if isinstance(a, torch.Tensor)]
+                if any(t.dtype in low for t in tensors) and not any(
+                        torch.is_autocast_enabled(t.device.type) for t in tensors[:1]):
+                    self.warned = True
+                    frames = [f for f in traceback.extract_stack()[:-1] if _is_user_frame(f.filename)]
+                    where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+                    _err(f"warning: the golden run is not fp32: {getattr(func, '__name__', func)} computes in "
+                         f"{next(t.dtype for t in tensors if t.dtype in low)}{where} (the code casts to a compute "
+                         "dtype itself; --golden only runs autocast regions in fp32)")
+            return func(*args, **kwargs)
+
+    return GoldenPrecisionWatch()
+
+
+def _is_user_frame(filename: str) -> bool:
+    if filename.startswith("<") or _is_runner_frame(filename):
+        return False
+    import torch
+
+    return not os.path.abspath(filename).startswith((os.path.dirname(torch.__file__),
+                                                       os.path.dirname(os.path.dirname(__file__))))
 
 
 def _seed_everything(seed: int) -> None:
@@ -222,13 +274,15 @@ def main(options: RunOptions) -> int:
     if options.transfer_to_npu:
         import torch_npu.contrib.transfer_to_npu  # noqa: F401  (applies the patches)
     if options.golden:
-        disable_autocast()
+        golden_autocast()
     _select_local_device()
     if options.seed is not None:
         _seed_everything(options.seed)
 
     exit_code = 0
     with contextlib.ExitStack() as stack:
+        if options.golden:
+            stack.enter_context(watch_golden_precision())
         sessions = _session_contexts(options, stack)
         try:
             exit_code = _run_target(options)

@@ -52,7 +52,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--npu-devices", dest="npukit_devices", type=int, default=None, metavar="N",
                     help="Number of emulated NPUs (default: NPUKIT_DEVICE_COUNT / ASCEND_RT_VISIBLE_DEVICES, else 8).")
     group.addoption("--npu-golden", dest="npukit_golden", action="store_true", default=False,
-                    help="Golden numerics: NPU numeric policies off and autocast disabled, as `npu-run --golden`.")
+                    help="Golden numerics: NPU numeric policies off and autocast regions computed in fp32, as `npu-run --golden`.")
     group.addoption("--npu-transfer-to-npu", dest="npukit_transfer", action="store_true", default=False,
                     help="Tests still written for CUDA: apply torch_npu.contrib.transfer_to_npu first.")
     group.addoption("--npu-ignore-real-torch-npu", dest="npukit_ignore_real", action="store_true", default=False,
@@ -87,7 +87,7 @@ def _decide(config: pytest.Config, options) -> _Activation:
 
 def _install(options, activation: _Activation) -> None:
     from npukit.errors import UserError
-    from npukit.run import disable_autocast, real_torch_npu_installed
+    from npukit.run import golden_autocast, real_torch_npu_installed
 
     if real_torch_npu_installed() and not options.npukit_ignore_real:
         raise pytest.UsageError(
@@ -113,7 +113,7 @@ def _install(options, activation: _Activation) -> None:
     except UserError as exc:
         raise pytest.UsageError(f"npukit: {exc}") from exc
     if options.npukit_golden:
-        disable_autocast()
+        golden_autocast()
     activation.installed = True
 
 
@@ -148,7 +148,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     policy = numerics.current()
     count = torch.npu.device_count()
     devices = {0: "no device", 1: "1 device npu:0"}.get(count, f"{count} devices npu:0-{count - 1}")
-    numerics_text = "golden numerics (policies off, autocast disabled)" if config.option.npukit_golden else (
+    numerics_text = "golden numerics (policies off, autocast regions in fp32)" if config.option.npukit_golden else (
         f"fp16 {policy.fp16_mode}, fp32 accumulate {'on' if policy.fp32_accumulate else 'off'}, "
         f"matmul hf32 {'on' if policy.matmul_hf32 else 'off'}, conv hf32 {'on' if policy.conv_hf32 else 'off'}"
         + (", float64 matmul/conv refused as on the device (--npu-golden or NPUKIT_REJECT_FP64=0 allow them)"

@@ -148,6 +148,7 @@ class PairResult:
     unmatched_target: list[str]
     aligned: bool  # True when sequence alignment was needed
     loss_scale: float = 1.0  # the target's backward was scaled by this (GradScaler); compared unscaled
+    golden_low_precision: str | None = None  # the first fp16/bf16 matmul/conv of the golden run, if any
 
 
 @dataclass
@@ -285,6 +286,18 @@ def measure_rows(rows: list[Row], workers: int | None, progress=None) -> None:
     if jobs:
         for row, metrics in zip(job_rows, compare_pairs(jobs, workers, progress)):
             row.metrics = metrics
+
+
+def _first_low_precision_matmul(dump: RankDump) -> str | None:
+    """`Functional.linear.0.forward (torch.bfloat16)` when the golden run computed a matmul/conv in
+    fp16/bf16 (code that casts to a compute dtype itself: --golden only turns autocast to fp32)."""
+    for entry in dump.entries:
+        if entry.name.endswith(".backward") or not _ulp_wanted_name(entry.name):
+            continue
+        for leaf in entry.leaves():
+            if leaf.suffix.startswith("output") and leaf.dtype in ("torch.float16", "torch.bfloat16"):
+                return f"{entry.name} ({leaf.dtype})"
+    return None
 
 
 def _ulp_wanted_name(entry_name: str) -> bool:
@@ -712,6 +725,7 @@ def compare_dirs(golden_dir: Path, target_dir: Path, thresholds: Thresholds | No
             unmatched_target=[t.name for g, t in pairs if g is None],
             aligned=aligned,
             loss_scale=loss_scale,
+            golden_low_precision=_first_low_precision_matmul(golden),
         ))
     paired_golden = {g for g, _ in labels_pairs}
     paired_target = {t for _, t in labels_pairs}

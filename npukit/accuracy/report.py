@@ -154,6 +154,7 @@ def result_json(result: CompareResult) -> dict:
                 "pair": pair.pair,
                 "mode": pair.mode,
                 "aligned": pair.aligned,
+                "golden_low_precision": pair.golden_low_precision,
                 "loss_scale": pair.loss_scale,
                 "first_divergence": divergence_record(pair.divergence),
                 "unmatched_golden": pair.unmatched_golden,
@@ -203,6 +204,10 @@ def print_terminal(result: CompareResult, console, top: int = 20) -> None:
         if pair.loss_scale != 1.0:
             console.print(f"target gradients are loss-scaled by {pair.loss_scale:g}{where} (GradScaler): "
                           "backward tensors compared after unscaling")
+        if pair.golden_low_precision:
+            console.print(f"[yellow]the golden run was not fp32{where}[/]: {escape(pair.golden_low_precision)} "
+                          "(the code casts to a compute dtype itself; --golden only runs autocast regions in fp32): "
+                          "errors below are measured against a low-precision reference")
         if pair.aligned:
             console.print(
                 f"[yellow]op streams differ{where}[/]: aligned by sequence "

@@ -364,3 +364,43 @@ def test_module_names_are_attribute_paths_when_a_parent_forward_never_runs(tmp_p
                      "Module.critic.2.Linear.parameters_grad", "Module.layers.0.Linear.parameters_grad"):
         assert expected in names, sorted(names)
     assert not any(name.startswith(("Module.0.", "Module.Linear.")) for name in names)
+
+
+def test_a_golden_run_runs_programs_that_rely_on_autocast_to_mix_dtypes(tmp_path):
+    (tmp_path / "mixed.py").write_text(textwrap.dedent("""
+        import torch
+        lin = torch.nn.Linear(8, 8).half().npu()
+        x = torch.randn(2, 8, device="npu")
+        with torch.autocast("npu", dtype=torch.float16):
+            y = lin(x)
+        print("dtype", y.dtype)
+    """))
+    npu = npu_run("mixed.py", cwd=tmp_path)
+    golden = npu_run("--golden", "mixed.py", cwd=tmp_path)
+    assert npu.returncode == 0 and "dtype torch.float16" in npu.stdout
+    assert golden.returncode == 0, golden.stderr[-2000:]
+    assert "dtype torch.float32" in golden.stdout  # the region ran, computed in fp32
+    assert "not fp32" not in golden.stderr
+
+
+def test_a_golden_run_that_is_not_fp32_says_so_at_run_time_and_in_the_compare(tmp_path):
+    (tmp_path / "cast.py").write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)).npu().to(torch.bfloat16)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(4, 8, device="npu", dtype=torch.bfloat16)
+        model(x).float().square().mean().backward()
+        opt.step()
+    """))
+    golden = npu_run("--golden", "--seed", "0", "--dump", "golden", "cast.py", cwd=tmp_path)
+    assert golden.returncode == 0, golden.stderr[-2000:]
+    warnings = [line for line in golden.stderr.splitlines() if "the golden run is not fp32" in line]
+    assert len(warnings) == 1 and "torch.bfloat16" in warnings[0] and "cast.py:8" in warnings[0]
+    npu_run("--seed", "0", "--dump", "npu", "cast.py", cwd=tmp_path)
+    compare = subprocess.run([str(Path(sys.executable).with_name("npu-compare")), "golden", "npu", "--json",
+                              "c.json"], capture_output=True, text=True, cwd=tmp_path)
+    assert "the golden run was not fp32" in compare.stdout
+    pair = json.loads((tmp_path / "c.json").read_text())["pairs"][0]
+    assert pair["golden_low_precision"].startswith("Functional.linear.0.forward")
