@@ -77,3 +77,6 @@ class TreeFacts:
     cuda_method_classes: frozenset[str] = frozenset()  # classes, anywhere in the tree, with their own cuda()
     # module names other files import (--runtime only; None: unknown, then only __main__ guards count)
     imported_modules: frozenset[str] | None = None
+    # a file makes a CUDA tensor type the default (set_default_tensor_type(torch.cuda.HalfTensor)):
+    # legacy constructors anywhere in the tree made CUDA tensors
+    cuda_default_tensor_type: bool = False

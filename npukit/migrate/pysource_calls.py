@@ -37,6 +37,9 @@ class CallRules:
                     self._handle_autocast_gpu_dtype(call, qualified)
                 elif qualified in rules.CUDA_DEFAULT_DEVICE_APIS:
                     self._give_cuda_defaulting_call_a_device(call, qualified)
+                elif qualified in rules.LEGACY_CONSTRUCTORS and (call.args or call.keywords) and (
+                        self.facts.cuda_default_tensor_type or "set_default_tensor_type" in self.text):
+                    self._flag(call, rules.LEGACY_CONSTRUCTOR_CALL)
                 elif qualified == "torch.random.fork_rng" and not any(k.arg == "device_type" for k in call.keywords):
                     self._append_keyword(call, 'device_type="npu"', "fork-rng-device-type")
                 elif qualified == rules.TORCH_LOAD:
@@ -236,6 +239,7 @@ class CallRules:
         self.claimed.add(id(arg))
         self._edit(statement, f'{torch}.set_default_device("npu"){newline}{indent}{torch}.set_default_dtype({torch}.{dtype})',
                    "default-tensor-type")
+        self._flag(call, rules.LEGACY_CONSTRUCTOR_DEFAULT)
         if dtype == "float64":
             self._flag(call, rules.RENAME_NOTES["torch.cuda.DoubleTensor"])
 

@@ -326,6 +326,31 @@ ALLOC_OPTION_FLAG = Flag(
     "roundup_power2_divisions) and drop the rest",
 )
 
+# ------------------------------------------------------------------------------ legacy constructors
+# torch.set_default_tensor_type(torch.cuda.HalfTensor) made legacy constructors (torch.Tensor(4, 4),
+# as model-parallel layer libraries write them) create CUDA fp16 tensors. torch_npu refuses
+# torch.npu.HalfTensor there ("only floating-point types are supported as the default type"), and the
+# rewrite's set_default_device("npu") does not reach legacy constructors: they make CPU tensors.
+LEGACY_CONSTRUCTORS = frozenset(
+    f"torch.{name}" for name in ("Tensor", "FloatTensor", "HalfTensor", "BFloat16Tensor", "DoubleTensor")
+)
+# a legacy constructor call in a file's text (files the pre-filter would skip, in such a tree)
+LEGACY_CONSTRUCTOR_CALL_TEXT = re.compile(r"\b(?:Tensor|FloatTensor|HalfTensor|BFloat16Tensor|DoubleTensor)\(")
+LEGACY_CONSTRUCTOR_DEFAULT = Flag(
+    "legacy-constructor", "warning",
+    "rewritten to set_default_device('npu') + set_default_dtype: factories (torch.empty, torch.zeros ...) follow "
+    "it, but legacy constructors (torch.Tensor(4, 4), torch.FloatTensor(n)) do not and create CPU tensors, where "
+    "the CUDA default tensor type made them CUDA tensors; torch_npu has no NPU default tensor type",
+    "replace legacy constructors with torch.empty(...) / torch.tensor(...); each one in this tree is reported",
+)
+LEGACY_CONSTRUCTOR_CALL = Flag(
+    "legacy-constructor", "warning",
+    "a legacy constructor in a tree that made a CUDA tensor type the default: on the GPU it created a CUDA tensor, "
+    "after the migration it creates a CPU tensor (set_default_device does not reach it)",
+    "use torch.empty(sizes) for an uninitialised tensor (or torch.tensor(data) for data): they follow the default "
+    "device and dtype",
+)
+
 # ------------------------------------------------------------------------------ CUDA-defaulting APIs
 # torch APIs whose device argument defaults to "cuda" (torch 2.13): called without it they stay CUDA
 # objects (a GradScaler() disables itself on an NPU host: fp16 training silently loses loss scaling).

@@ -115,7 +115,8 @@ def process_file(root: str, relative: str, kind: str, settings: FileSettings) ->
         if kind == "python":
             # setup.py: a literal install_requires is checked like a requirements file (flagged, never edited)
             requirements = scan_setup_py(text, relative) if relative.rsplit("/", 1)[-1] == "setup.py" else []
-            if not rules.worth_parsing(text) and not any(op in text for op in settings.facts.custom_ops):
+            if not rules.worth_parsing(text) and not any(op in text for op in settings.facts.custom_ops) and not (
+                    settings.facts.cuda_default_tensor_type and rules.LEGACY_CONSTRUCTOR_CALL_TEXT.search(text)):
                 result.findings = requirements
                 return result
             outcome = migrate_python(text, relative, runtime=runtime, facts=settings.facts)
@@ -197,8 +198,10 @@ def _usable_cores() -> int:
 def _gather_tree_facts(root: Path, candidates: list[str], runtime: bool) -> TreeFacts:
     native = [c for c in candidates if fs.kind_of(c) == "native"]
     python = [c for c in candidates if fs.kind_of(c) == "python"]
-    return TreeFacts(custom_ops=_custom_cuda_ops(root, native), cuda_method_classes=_classes_with_cuda_method(root, python),
-                     imported_modules=_imported_modules(root, python) if runtime else None)
+    classes, cuda_default_type = _python_tree_facts(root, python)
+    return TreeFacts(custom_ops=_custom_cuda_ops(root, native), cuda_method_classes=classes,
+                     imported_modules=_imported_modules(root, python) if runtime else None,
+                     cuda_default_tensor_type=cuda_default_type)
 
 
 def _read_all(root: Path, files: list[str]):
@@ -224,10 +227,16 @@ def _imported_modules(root: Path, python_files: list[str]) -> frozenset[str]:
     return frozenset(names - {b"as".decode()})
 
 
-def _classes_with_cuda_method(root: Path, python_files: list[str]) -> frozenset[str]:
-    """Classes that define their own `cuda` method anywhere in the tree (GA renamed calls to them)."""
+_CUDA_DEFAULT_TENSOR_TYPE = re.compile(rb"set_default_tensor_type\(\s*['\"]?(?:torch\.)?cuda\.")
+
+
+def _python_tree_facts(root: Path, python_files: list[str]) -> tuple[frozenset[str], bool]:
+    """One read of the tree's Python files: classes that define their own `cuda` method (GA renamed
+    calls to them), and whether a file makes a CUDA tensor type the default."""
     names: set[str] = set()
+    cuda_default_type = False
     for data in _read_all(root, python_files):
+        cuda_default_type = cuda_default_type or bool(_CUDA_DEFAULT_TENSOR_TYPE.search(data))
         if b"def cuda(" not in data:
             continue
         try:
@@ -237,7 +246,7 @@ def _classes_with_cuda_method(root: Path, python_files: list[str]) -> frozenset[
         names |= {node.name for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
                   and any(isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name == "cuda"
                           for item in node.body)}
-    return frozenset(names)
+    return frozenset(names), cuda_default_type
 
 
 def _custom_cuda_ops(root: Path, native_files: list[str]) -> frozenset[str]:

@@ -145,3 +145,32 @@ def test_mixed_condition_finding_says_which_branch_the_npu_host_takes():
     (finding,) = [f for f in migrate_python(source, "t.py").findings if f.kind == "mixed-condition"]
     assert finding.severity == "error" and finding.line == 2
     assert "no-CUDA branch" in finding.reason
+
+
+def test_cuda_default_tensor_type_reports_every_legacy_constructor_in_the_tree(tmp_path):
+    """llama-style: generation code makes torch.cuda.HalfTensor the default; model-parallel layers in
+    another file build weights with torch.Tensor(out, in): on the NPU those would be CPU tensors."""
+    from npukit.migrate import MigrateOptions, run_migration
+
+    (tmp_path / "generate.py").write_text(
+        "import torch\nfrom layers import Linear\ntorch.set_default_tensor_type(torch.cuda.HalfTensor)\n"
+        "model = Linear(4, 4)\n")
+    (tmp_path / "layers.py").write_text(
+        "import torch\nfrom torch import nn\n\nclass Linear(nn.Module):\n    def __init__(self, i, o):\n"
+        "        super().__init__()\n        self.weight = nn.Parameter(torch.Tensor(o, i))\n"
+        "        self.bias = nn.Parameter(torch.empty(o))\n")
+    run = run_migration(MigrateOptions(target=tmp_path, dry_run=True, quiet=True))
+    found = {(f.path, f.line, f.kind) for f in run.findings}
+    assert ("layers.py", 7, "legacy-constructor") in found
+    assert ("generate.py", 3, "legacy-constructor") in found
+    assert not any(f.path == "layers.py" and f.line == 8 for f in run.findings)  # torch.empty follows the default
+    (changed,) = [r for r in run.changed]
+    assert changed.path == "generate.py"
+
+
+def test_legacy_constructors_are_not_reported_without_a_cuda_default_tensor_type(tmp_path):
+    from npukit.migrate import MigrateOptions, run_migration
+
+    (tmp_path / "layers.py").write_text("import torch\nw = torch.Tensor(3, 4).cuda()\n")
+    run = run_migration(MigrateOptions(target=tmp_path, dry_run=True, quiet=True))
+    assert "legacy-constructor" not in {f.kind for f in run.findings}
