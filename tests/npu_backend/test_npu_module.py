@@ -178,3 +178,15 @@ def test_memory_capacity_from_environment_and_torch_npu_submodules_import():
     assert result.stdout.split("\n")[:2] == [f"{2 << 20} True", "NPU out of memory. Tried to allocate 3.00 MiB"]
     bad = run_python("import npukit.npu_backend", env={"NPUKIT_MEMORY_CAPACITY": "lots"})
     assert bad.returncode != 0 and "NPUKIT_MEMORY_CAPACITY='lots'" in bad.stderr
+
+
+@pytest.mark.parametrize("tensor_type", ["HalfTensor", "FloatTensor", "BFloat16Tensor"])
+def test_an_npu_default_tensor_type_is_refused_as_torch_npu_refuses_it(tensor_type):
+    """torch_npu's torch.npu.<X>Tensor classes have their own metaclass (torch_npu/csrc/utils/
+    TensorType.cpp), which torch's set_default_tensor_type does not accept: npu-migrate therefore
+    rewrites set_default_tensor_type(torch.cuda.HalfTensor) to set_default_device + set_default_dtype
+    and reports the legacy constructors, instead of naming a type the device refuses."""
+    before = torch.tensor([]).type()
+    with pytest.raises(TypeError, match="only floating-point types are supported as the default type"):
+        torch.set_default_tensor_type(getattr(torch.npu, tensor_type))
+    assert torch.tensor([]).type() == before  # nothing half-set
