@@ -328,6 +328,10 @@ class SourceModel:
             return False
         names = frozenset().union(*(rules.CUDA_ONLY_DEVICE_LIBRARIES[lib] for lib in libraries))
         mentions = [name for name in names if name in self.text]
+
+        def carrier(name: str | None) -> str | None:  # sim_device, args.sim_device, sim_device_type ...
+            return name if name and any(known in name for known in names) else None
+
         current, up = node, self.parent.get(id(node))
         owner = None
         while up is not None:
@@ -335,11 +339,14 @@ class SourceModel:
                 qualified = self.qualname(up.func) or ""
                 if qualified.split(".")[0] in libraries:
                     owner = qualified
-            elif isinstance(up, ast.keyword) and up.arg in names:
-                owner = up.arg
+            elif isinstance(up, ast.keyword):
+                owner = owner or carrier(up.arg)
+            elif isinstance(up, ast.Compare):  # sim_device_type == "cuda"
+                owner = owner or next((carrier(last_name(side)) for side in (up.left, *up.comparators)
+                                       if side is not current and carrier(last_name(side))), None)
             elif isinstance(up, (ast.Assign, ast.AnnAssign)):
                 targets = up.targets if isinstance(up, ast.Assign) else [up.target]
-                owner = owner or next((last_name(t) for t in targets if last_name(t) in names), None)
+                owner = owner or next((carrier(last_name(t)) for t in targets if carrier(last_name(t))), None)
             elif isinstance(up, ast.Dict) and mentions:
                 owner = owner or next((m for m in mentions for k in up.values if m in (string_value(k) or "")), None)
             if owner or isinstance(up, ast.stmt):

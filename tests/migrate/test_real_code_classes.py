@@ -72,6 +72,14 @@ CASES = [
      'env = make_env(sim_device="cuda:0", rl_device="npu:0")\n'
      'params = [{"name": "--sim_device", "type": str, "default": "cuda:0"}]\n',
      {"cuda-only-library", "cuda-only-device"}),
+    ("isaac-gym-device-type-comparisons-kept",
+     'import torch\nfrom isaacgym import gymutil\nsim_device_type, sim_device_id = gymutil.parse_device_str(d)\n'
+     'if sim_device_type == "cuda" and pipeline:\n    pass\nif args.sim_device == "cuda":\n    pass\n'
+     'if args.rl_device == "cuda":\n    pass\n',
+     NPU + 'import torch\nfrom isaacgym import gymutil\nsim_device_type, sim_device_id = gymutil.parse_device_str(d)\n'
+     'if sim_device_type == "cuda" and pipeline:\n    pass\nif args.sim_device == "cuda":\n    pass\n'
+     'if args.rl_device == "npu":\n    pass\n',
+     {"cuda-only-library", "cuda-only-device"}),
     ("warp-device-kept",
      'import torch\nimport warp as wp\na = wp.zeros(10, device="cuda:0")\nb = torch.zeros(10, device="cuda:0")\n',
      NPU + 'import torch\nimport warp as wp\na = wp.zeros(10, device="cuda:0")\nb = torch.zeros(10, device="npu:0")\n',
