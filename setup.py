@@ -8,7 +8,7 @@ setup(
     ext_modules=[
         CppExtension(
             "npukit.npu_backend._C",
-            ["npukit/npu_backend/csrc/device.cpp"],
+            ["npukit/npu_backend/csrc/device.cpp", "npukit/npu_backend/csrc/tensor_types.cpp"],
             extra_compile_args=["-O3", "-std=c++17"],
         ),
         Extension("npukit.accuracy._stats", ["npukit/accuracy/csrc/stats.cpp"], extra_compile_args=["-O3"]),

@@ -1063,6 +1063,11 @@ py::dict memory_stats(int dev) {
 }
 }  // namespace
 
+namespace npukit {
+// tensor_types.cpp: torch.npu.FloatTensor, torch.npu.HalfTensor, ...
+py::list legacy_tensor_types();
+}  // namespace npukit
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("install", &install);
   mod.def("route_composite_ops_to_cpu_kernels", &route_composite_ops_to_cpu_kernels);
@@ -1125,4 +1130,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("get_reject_fp64", [] { return g_reject_fp64.load(); });
   mod.def("set_check_devices", [](bool on) { g_check_devices = on; });
   mod.def("round_to_hf32", [](const at::Tensor& t) { return round_to_hf32(t); });
+  mod.def("legacy_tensor_types", &npukit::legacy_tensor_types);
 }

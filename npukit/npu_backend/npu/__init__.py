@@ -442,31 +442,25 @@ def get_mm_bmm_format_nd() -> bool:
 
 
 # ---------------------------------------------------------------- legacy typed tensors
-class _LegacyTensorMeta(type):
-    def __instancecheck__(cls, obj) -> bool:
-        return isinstance(obj, torch.Tensor) and obj.device.type == "npu" and obj.dtype == cls.dtype
+# Real legacy tensor types, made as torch_npu makes them (csrc/tensor_types.cpp): a
+# "torch.tensortype" metaclass, torch's legacy constructor for the npu dispatch key, named
+# torch.npu.<Scalar>Tensor and added to torch._tensor_classes. As with torch_npu, torch's
+# set_default_tensor_type does not accept them: `torch.set_default_tensor_type(torch.npu.HalfTensor)`
+# raises TypeError ("invalid type object: only floating-point types are supported as the default
+# type"), because torch only accepts its own CPU and CUDA type objects.
+_LEGACY_TENSOR_TYPES = {tensor_type.__name__: tensor_type for tensor_type in _C.legacy_tensor_types()}
+torch._tensor_classes.update(_LEGACY_TENSOR_TYPES.values())
 
-
-def _legacy_tensor_type(name: str, dtype: torch.dtype):
-    def __new__(cls, *args, **kwargs):
-        if len(args) == 1 and not isinstance(args[0], int):
-            return torch.tensor(args[0], dtype=dtype, device="npu")
-        return torch.empty(*args, dtype=dtype, device="npu", **kwargs)
-
-    return _LegacyTensorMeta(name, (), {"dtype": dtype, "is_npu": True, "__new__": __new__,
-                                        "__module__": "torch.npu"})
-
-
-FloatTensor = _legacy_tensor_type("FloatTensor", torch.float32)
-DoubleTensor = _legacy_tensor_type("DoubleTensor", torch.float64)
-HalfTensor = _legacy_tensor_type("HalfTensor", torch.float16)
-BFloat16Tensor = _legacy_tensor_type("BFloat16Tensor", torch.bfloat16)
-ByteTensor = _legacy_tensor_type("ByteTensor", torch.uint8)
-CharTensor = _legacy_tensor_type("CharTensor", torch.int8)
-ShortTensor = _legacy_tensor_type("ShortTensor", torch.int16)
-IntTensor = _legacy_tensor_type("IntTensor", torch.int32)
-LongTensor = _legacy_tensor_type("LongTensor", torch.int64)
-BoolTensor = _legacy_tensor_type("BoolTensor", torch.bool)
+FloatTensor = _LEGACY_TENSOR_TYPES["FloatTensor"]
+DoubleTensor = _LEGACY_TENSOR_TYPES["DoubleTensor"]
+HalfTensor = _LEGACY_TENSOR_TYPES["HalfTensor"]
+BFloat16Tensor = _LEGACY_TENSOR_TYPES["BFloat16Tensor"]
+ByteTensor = _LEGACY_TENSOR_TYPES["ByteTensor"]
+CharTensor = _LEGACY_TENSOR_TYPES["CharTensor"]
+ShortTensor = _LEGACY_TENSOR_TYPES["ShortTensor"]
+IntTensor = _LEGACY_TENSOR_TYPES["IntTensor"]
+LongTensor = _LEGACY_TENSOR_TYPES["LongTensor"]
+BoolTensor = _LEGACY_TENSOR_TYPES["BoolTensor"]
 
 
 # ---------------------------------------------------------------- not emulated
