@@ -440,7 +440,7 @@ def _index_findings(text: str, path: str, *, once: bool = False) -> list[Finding
     if "download.pytorch.org" not in text:
         return findings
     for number, line in enumerate(text.splitlines(), 1):
-        if "download.pytorch.org" in line and rules.CUDA_INDEX_URL.search(line[:_comment_start(line)]):
+        if "download.pytorch.org" in line and rules.CUDA_INDEX_URL.search(line[:comment_start(line)]):
             findings.append(_finding(path, number, line, _CUDA_INDEX))
             if once:
                 break
@@ -790,7 +790,9 @@ def scan_setup_py(text: str, path: str) -> list[Finding]:
 _CONDA_SPEC = re.compile(r"^(?:[\w.-]+::)?([A-Za-z0-9_.-]+)\s*(.*)$")
 
 
-def _comment_start(line: str) -> int:
+def comment_start(line: str) -> int:
+    """Index where a shell/YAML/requirements comment starts (a # outside quotes, at line start or
+    after a space); the line's length when it has none."""
     quote = None
     for index, char in enumerate(line):
         if quote:
@@ -832,7 +834,7 @@ def scan_conda_environment(text: str, path: str) -> list[Finding]:
     in_dependencies = False
     pip_indent: int | None = None
     for number, raw in enumerate(text.splitlines(), 1):
-        line = raw[:_comment_start(raw)].rstrip()
+        line = raw[:comment_start(raw)].rstrip()
         if not line.strip():
             continue
         if not line[0].isspace() and not line.startswith("-"):  # a top-level key

@@ -11,7 +11,7 @@ import json
 import re
 
 from npukit.migrate import rules
-from npukit.migrate.dependencies import scan_conda_environment, scan_requirements
+from npukit.migrate.dependencies import comment_start, scan_conda_environment, scan_requirements
 from npukit.migrate.model import Change, Finding
 from npukit.migrate.pysource import (
     MigrationSyntaxError,
@@ -55,20 +55,6 @@ class TextEdit:
         self.line, self.start, self.end, self.text, self.rule = line, start, end, text, rule
 
 
-def _split_comment(line: str) -> int:
-    """Index where a shell/YAML comment starts (a # outside quotes, at line start or after a space)."""
-    quote = None
-    for index, char in enumerate(line):
-        if quote:
-            if char == quote:
-                quote = None
-        elif char in "\"'":
-            quote = char
-        elif char == "#" and (index == 0 or line[index - 1] in " \t"):
-            return index
-    return len(line)
-
-
 def _finding(path: str, line_no: int, col: int, line: str, flag: Flag, reason: str | None = None) -> Finding:
     return Finding(path, line_no, col, flag.kind, flag.severity, line.strip(), reason or flag.reason, flag.suggestion)
 
@@ -76,7 +62,7 @@ def _finding(path: str, line_no: int, col: int, line: str, flag: Flag, reason: s
 def _command_line_edits(line: str, line_no: int, path: str, findings: list[Finding],
                         env_pattern: re.Pattern[str] = _ENV_RENAME) -> list[TextEdit]:
     """Env var names, --device cuda, --backend nccl, and nvidia-smi in one shell-like line."""
-    code = line[:_split_comment(line)]
+    code = line[:comment_start(line)]
     if not code.strip() or _LOG_COMMAND.match(code):
         return []
     edits: list[TextEdit] = []
@@ -158,7 +144,7 @@ def migrate_yaml(text: str, path: str) -> tuple[str, list[Change], list[Finding]
     edits: list[TextEdit] = []
     for number, line in enumerate(lines, 1):
         body = line.rstrip("\r\n")
-        code = body[:_split_comment(body)]
+        code = body[:comment_start(body)]
         match = _YAML_ITEM.match(code.rstrip())
         if match:
             key, value = match.group("key").lower(), match.group("value")
