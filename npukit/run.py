@@ -146,6 +146,8 @@ def watch_golden_precision():
     import torch.nn.functional as F
     from torch.overrides import TorchFunctionMode
 
+    from npukit.accuracy.stacks import CallStacks
+
     watched = {F.linear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d,
                F.scaled_dot_product_attention, torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm,
                torch.einsum, torch.Tensor.__matmul__, torch.Tensor.matmul, torch.Tensor.mm, torch.Tensor.bmm}
@@ -161,23 +163,15 @@ def watch_golden_precision():
                 if any(t.dtype in low for t in tensors) and not any(
                         torch.is_autocast_enabled(t.device.type) for t in tensors[:1]):
                     self.warned = True
-                    frames = [f for f in traceback.extract_stack()[:-1] if _is_user_frame(f.filename)]
-                    where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+                    stacks = CallStacks(max_frames=1)  # the user's innermost frame, as the dump records it
+                    frames = stacks.frames(stacks.capture(1))  # past this handler (run.py stops the walk)
+                    where = f" at {frames[0][0]}:{frames[0][1]}" if frames else ""
                     _err(f"warning: the golden run is not fp32: {getattr(func, '__name__', func)} computes in "
                          f"{next(t.dtype for t in tensors if t.dtype in low)}{where} (the code casts to a compute "
                          "dtype itself; --golden only runs autocast regions in fp32)")
             return func(*args, **kwargs)
 
     return GoldenPrecisionWatch()
-
-
-def _is_user_frame(filename: str) -> bool:
-    if filename.startswith("<") or _is_runner_frame(filename):
-        return False
-    import torch
-
-    return not os.path.abspath(filename).startswith((os.path.dirname(torch.__file__),
-                                                       os.path.dirname(os.path.dirname(__file__))))
 
 
 def _seed_everything(seed: int) -> None:
