@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import bisect
+import functools
 import re
 import warnings
 
@@ -149,6 +150,7 @@ class SourceModel:
         self.reported_spans: list[tuple[int, int]] = []  # spans left as they were with one finding for all
         self.flag_nodes: list[tuple[str, ast.AST]] = []  # (kind, node) of each finding
         self._qualname_cache: dict[int, str | None] = {}
+        self._binding_site_cache: dict[tuple[str, int], list[tuple[int, bool]]] = {}
         self._collect()
 
     def _collect(self) -> None:
@@ -362,18 +364,15 @@ class SourceModel:
             "part on a CUDA host; see the cuda-only-library finding at its import"))
         return True
 
-    @property
+    @functools.cached_property
     def cuda_only_device_libraries(self) -> frozenset[str]:
-        cached = self.__dict__.get("_cuda_only_device_libraries")
-        if cached is None:
-            roots = set()
-            for node in self.imports:
-                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                    ([node.module] if node.level == 0 and node.module else [])
-                roots |= {name.split(".")[0] for name in names}
-            cached = frozenset(roots & set(rules.CUDA_ONLY_DEVICE_LIBRARIES))
-            self.__dict__["_cuda_only_device_libraries"] = cached
-        return cached
+        """The CUDA-only libraries taking device strings that this file imports (isaacgym, warp ...)."""
+        roots = set()
+        for node in self.imports:
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                ([node.module] if node.level == 0 and node.module else [])
+            roots |= {name.split(".")[0] for name in names}
+        return frozenset(roots & set(rules.CUDA_ONLY_DEVICE_LIBRARIES))
 
     def _rewrite_string_value(self, node: ast.Constant, new_value: str, rule: str, *, needs_torch_npu: bool = True) -> bool:
         """Replace the whole value of a simple (escape-free) string literal, keeping prefix and quotes."""

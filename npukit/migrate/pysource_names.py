@@ -370,7 +370,7 @@ class NameRules:
 
     def _binding_sites(self, name: str, scope: ast.AST) -> list[tuple[int, bool]]:
         """(line, is an import) of every binding of `name` directly in `scope`, in source order."""
-        cache = self.__dict__.setdefault("_binding_site_cache", {})
+        cache = self._binding_site_cache
         key = (name, id(scope))
         if key in cache:
             return cache[key]
