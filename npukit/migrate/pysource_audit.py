@@ -21,7 +21,8 @@ import re
 
 from npukit.migrate import rules
 from npukit.migrate.model import Edit
-from npukit.migrate.pysource_model import last_name, string_value
+from npukit.migrate.pysource_calls import lacks_device_argument
+from npukit.migrate.pysource_model import imported_names, last_name, string_value
 from npukit.migrate.pysource_names import third_party_flag
 from npukit.migrate.rules import Flag
 
@@ -127,15 +128,11 @@ class AuditRules:
             if last_name(call.func) not in _CUDA_DEFAULTING_NAMES:
                 continue
             qualified = self.qualname(call.func)
-            if qualified in rules.CUDA_DEFAULT_DEVICE_APIS:
-                parameter, given_at = rules.CUDA_DEFAULT_DEVICE_APIS[qualified]
-                if len(call.args) < given_at and not any(k.arg in (parameter, None) for k in call.keywords):
-                    yield call, (self.pos.span(call.func)[1], self.pos.span(call)[1]), \
-                        f"`{self.pos.segment(call.func)}(...)` without a device (it defaults to CUDA)"
+            if qualified in rules.CUDA_DEFAULT_DEVICE_APIS and lacks_device_argument(call, qualified, starred_may_give_it=False):
+                yield call, (self.pos.span(call.func)[1], self.pos.span(call)[1]), \
+                    f"`{self.pos.segment(call.func)}(...)` without a device (it defaults to CUDA)"
         for node in self.imports:
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module, *(f"{node.module}.{a.name}" for a in node.names)] if node.level == 0 and node.module else [])
-            for name in names:
+            for name in imported_names(node):
                 if third_party_flag(name) is not None:
                     yield node, self.pos.span(node), f"the CUDA-only import of {name}"
                     break

@@ -20,6 +20,18 @@ _AUTOCAST_CALLS = frozenset({"torch.autocast", "torch.amp.autocast", "torch.cuda
 _DDP_CLASSES = frozenset({"torch.nn.parallel.DistributedDataParallel", "torch.nn.parallel.distributed.DistributedDataParallel"})
 
 
+def lacks_device_argument(call: ast.Call, qualified: str, *, starred_may_give_it: bool = True) -> bool:
+    """A call of a torch API whose device defaults to CUDA (rules.CUDA_DEFAULT_DEVICE_APIS) made without it.
+
+    starred_may_give_it: `f(*args)` may pass the device (the rewrite leaves it alone); the audit,
+    which must not miss one, passes False.
+    """
+    parameter, given_at = rules.CUDA_DEFAULT_DEVICE_APIS[qualified]
+    if starred_may_give_it and any(isinstance(a, ast.Starred) for a in call.args):
+        return False
+    return len(call.args) < given_at and not any(k.arg in (parameter, None) for k in call.keywords)
+
+
 class CallRules:
     """Mixin for PythonMigrator: API-specific call rewrites and checks, decorators, dual-target code."""
 
@@ -93,11 +105,8 @@ class CallRules:
 
     def _give_cuda_defaulting_call_a_device(self, call: ast.Call, qualified: str) -> None:
         """`torch.amp.GradScaler()` is a CUDA scaler (it disables itself on an NPU host): pass "npu"."""
-        parameter, given_at = rules.CUDA_DEFAULT_DEVICE_APIS[qualified]
-        if len(call.args) >= given_at or any(k.arg in (parameter, None) for k in call.keywords) \
-                or any(isinstance(a, ast.Starred) for a in call.args):
-            return
-        self._insert_first_arg(call, '"npu"', "cuda-default-device")
+        if lacks_device_argument(call, qualified):
+            self._insert_first_arg(call, '"npu"', "cuda-default-device")
 
     def _is_infinite(self, node: ast.AST) -> bool:
         """float("-inf"), -math.inf, torch.inf, np.inf."""

@@ -75,6 +75,15 @@ def string_value(node: ast.AST) -> str | None:
     return None
 
 
+def imported_names(node: ast.Import | ast.ImportFrom) -> list[str]:
+    """Dotted names an absolute import statement names: `import a.b` -> [a.b]; `from a import b` -> [a.b, a]."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if node.level == 0 and node.module:
+        return [*(f"{node.module}.{alias.name}" for alias in node.names), node.module]
+    return []
+
+
 def last_name(node: ast.AST) -> str | None:
     if isinstance(node, ast.Name):
         return node.id
@@ -367,11 +376,7 @@ class SourceModel:
     @functools.cached_property
     def cuda_only_device_libraries(self) -> frozenset[str]:
         """The CUDA-only libraries taking device strings that this file imports (isaacgym, warp ...)."""
-        roots = set()
-        for node in self.imports:
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                ([node.module] if node.level == 0 and node.module else [])
-            roots |= {name.split(".")[0] for name in names}
+        roots = {name.split(".")[0] for node in self.imports for name in imported_names(node)}
         return frozenset(roots & set(rules.CUDA_ONLY_DEVICE_LIBRARIES))
 
     def _rewrite_string_value(self, node: ast.Constant, new_value: str, rule: str, *, needs_torch_npu: bool = True) -> bool:

@@ -11,7 +11,7 @@ import ast
 import re
 
 from npukit.migrate import rules
-from npukit.migrate.pysource_model import last_name
+from npukit.migrate.pysource_model import imported_names, last_name
 from npukit.migrate.rules import Flag
 from npukit.migrate.unsupported_apis import UNSUPPORTED_TORCH_APIS
 
@@ -186,12 +186,7 @@ class NameRules:
                 self._edit(alias, text, rule)
 
     def _flag_third_party_import(self, node: ast.AST) -> None:
-        names: list[str] = []
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif node.level == 0 and node.module:
-            names = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
-        for name in names:
+        for name in imported_names(node):
             flag = third_party_flag(name)
             if flag is not None:
                 self._flag(node, flag)
