@@ -681,7 +681,10 @@ class DumpSession:
             return func(*args, **kwargs)
         in_place = api.endswith("_") or api.startswith("Tensor.__i") or "out" in kwargs
         entry = _Entry(name, self._parent_name(), self._stack_id())
-        numel_before = args[0].numel() if in_place and args and isinstance(args[0], torch.Tensor) else 0
+        uninitialized_output = api in naming.UNINITIALIZED_OUTPUT
+        # a resize_ that does not grow keeps initialized elements: its size before tells
+        numel_before = args[0].numel() if uninitialized_output and in_place and args \
+            and isinstance(args[0], torch.Tensor) else 0
         if in_place:  # measure inputs before the op overwrites them
             entry.data["input_args"] = self._describe(args, f"{name}.input", False)
             entry.data["input_kwargs"] = self._describe_kwargs(kwargs, name)
@@ -695,7 +698,7 @@ class DumpSession:
         if not in_place:
             entry.data["input_args"] = self._describe(args, f"{name}.input", False)
             entry.data["input_kwargs"] = self._describe_kwargs(kwargs, name)
-        if api in naming.UNINITIALIZED_OUTPUT and not (in_place and out_tensors[0].numel() <= numel_before):
+        if uninitialized_output and not (in_place and out_tensors[0].numel() <= numel_before):
             for tensor in out_tensors:
                 record.uninitialized[id(tensor)] = (weakref.ref(tensor), _version(tensor))
         same_as = args[0] if api in _SAME_ELEMENTS and args and isinstance(args[0], torch.Tensor) else None
