@@ -12,18 +12,21 @@ from __future__ import annotations
 
 import torch
 
-_MAX_NODES_PER_OP = 64  # a bound on the graph walk of one op (a composite op makes a few dozen at most)
+# A bound on the graph walk of one op. A composite op makes as many nodes as the work it does
+# (an LSTM: several per time step and layer), so the bound is only a guard against runaway walks.
+_MAX_NODES_PER_OP = 50_000
 
 
 def nodes_after(floor: int, outputs: list[torch.Tensor], limit: int, exclude: set[int] = frozenset()) -> list:
     """The autograd nodes behind `outputs` made after sequence number `floor`: walking back from
     the outputs' nodes, a node older than that (an input's node) or an AccumulateGrad (a leaf) ends
-    the walk. `exclude`: ids of output tensors whose node is not theirs (an input passed through)."""
+    the walk. `exclude`: ids of output tensors whose node is not theirs (an input passed through).
+    No nodes when there are more than `limit`: a part of the graph would give partial gradient sums."""
     pending = [t.grad_fn for t in outputs if t.grad_fn is not None and id(t) not in exclude]
     visited: list = []  # keeps every visited node alive so ids stay unique during the walk
     seen: set[int] = set()
     nodes = []
-    while pending and len(nodes) < limit:
+    while pending:
         node = pending.pop()
         if node is None or id(node) in seen:
             continue
@@ -32,6 +35,8 @@ def nodes_after(floor: int, outputs: list[torch.Tensor], limit: int, exclude: se
         if type(node).__name__ == "AccumulateGrad" or node._sequence_nr() <= floor:
             continue
         nodes.append(node)
+        if len(nodes) > limit:
+            return []
         pending.extend(next_node for next_node, _ in node.next_functions)
     return nodes
 

@@ -144,6 +144,22 @@ def test_an_api_backward_holds_the_gradient_of_each_argument_whatever_kernel_ran
             assert leaf["Norm"] == pytest.approx(float(grad.norm()), rel=1e-5)
 
 
+
+def test_an_api_backward_sums_every_edge_of_a_composite_op_over_many_time_steps(tmp_path, npu):
+    """torch.lstm on a device without a fused kernel makes several autograd nodes per time step
+    and layer (hundreds here): each weight's gradient is the sum over all of them, as .grad is."""
+    torch.manual_seed(0)
+    rnn = nn.LSTM(6, 8, num_layers=2).to(npu)
+    with DumpSession(tmp_path, level="api", mode="stats") as session:
+        out, _ = rnn(torch.randn(30, 2, 6, device=npu))
+        out.square().sum().backward()
+        session.step()
+    outputs = load(tmp_path)["data"]["Torch.lstm.0.backward"]["output"]
+    weights = outputs[3:]  # after the input and the two initial states (zeros: no gradient)
+    assert outputs[:3] == [None, None, None]
+    assert [leaf["Norm"] for leaf in weights] == pytest.approx([float(w.grad.norm()) for w in rnn._flat_weights],
+                                                               rel=1e-5)
+
 def test_a_module_backward_holds_its_own_share_of_a_residual_inputs_gradient(tmp_path):
     """x feeds the layer and a residual add: the layer's backward output is the gradient through
     the layer only (msprobe's full backward hook), not x's whole gradient."""
