@@ -149,6 +149,9 @@ class PairResult:
     aligned: bool  # True when sequence alignment was needed
     loss_scale: float = 1.0  # the target's backward was scaled by this (GradScaler); compared unscaled
     golden_low_precision: str | None = None  # the first fp16/bf16 matmul/conv of the golden run, if any
+    # "target", "golden" or "both": GradScaler skipped that side's update (its gradients overflowed
+    # under loss scaling, which GradScaler handles): the backward has no consequence and is not searched.
+    skipped_by_grad_scaler: str | None = None
 
 
 @dataclass
@@ -343,6 +346,7 @@ def _judge_tensor(row: Row, limits: DtypeLimits, thresholds: Thresholds) -> None
     m = row.metrics
     floating = is_floating(row.target.dtype) or is_floating(row.golden.dtype)
     if m.nan_inf_mismatch:
+        row.negligible = False  # a non-finite value is never noise, whatever the magnitudes say
         row.error = math.inf
         row.verdict = ERROR
         row.message = f"{m.nan_inf_mismatch} nan/inf mismatches (target has {m.target_nonfinite} non-finite, golden {m.golden_nonfinite})"
@@ -376,6 +380,7 @@ def _judge_stats(row: Row, limits: DtypeLimits, thresholds: Thresholds) -> None:
         diffs[label] = (tv - gv) if gv is not None and tv is not None else None
     row.stat_diffs = diffs
     if golden_bad != target_bad:
+        row.negligible = False
         row.error, row.verdict = math.inf, ERROR
         row.message = "non-finite values in " + ("target only" if target_bad else "golden only")
         return
@@ -438,8 +443,9 @@ def _err(row: Row) -> float:
 
 
 def find_divergence(pair_label: str, pairs: list, rows: list[Row], golden: RankDump, target: RankDump,
-                    thresholds: Thresholds) -> Divergence | None:
-    """The first op, in the target's execution order, where the two runs start to differ."""
+                    thresholds: Thresholds, search_backward: bool = True) -> Divergence | None:
+    """The first op, in the target's execution order, where the two runs start to differ.
+    search_backward=False: forward ops only (the gradients of a step GradScaler skipped)."""
     rows_by_entry: dict[int, list[Row]] = {}
     for row in rows:
         rows_by_entry.setdefault(row.order, []).append(row)
@@ -456,6 +462,8 @@ def find_divergence(pair_label: str, pairs: list, rows: list[Row], golden: RankD
             continue
         if target_entry.direction == naming.PARAMETERS_GRAD:
             continue
+        if target_entry.direction == naming.BACKWARD and not search_backward:
+            break  # the backward follows the whole forward
         entry_rows = rows_by_entry.get(order, [])
         warn = thresholds.limits(_weakest(_entry_class(target_entry), run_class)).warn_rel_l2
         outputs = [row for row in entry_rows if row.role == "output" and row.error is not None]
@@ -677,6 +685,30 @@ def _is_backward(entry_name: str | None) -> bool:
     return entry_name is not None and naming.split_entry_name(entry_name)[1] == naming.BACKWARD
 
 
+def _step_and_rank(label: str) -> tuple[int | None, str]:
+    """"step3/rank0" -> (3, "rank0"); a dump without step folders has no step number."""
+    first, _, rest = label.partition("/")
+    if first.startswith("step") and first[4:].isdigit():
+        return int(first[4:]), rest
+    return None, label
+
+
+def _skipped_side(golden: RankDump, target: RankDump) -> str | None:
+    sides = [side for side, dump in (("golden", golden), ("target", target)) if dump.skipped_at_loss_scale is not None]
+    return "both" if len(sides) == 2 else (sides[0] if sides else None)
+
+
+def _accept_loss_scaling_overflows(rows: list[Row]) -> None:
+    """Non-finite gradients of a step GradScaler skipped are what loss scaling expects: no update
+    used them. They stay visible, as warnings."""
+    for row in rows:
+        entry = row.target_entry or row.golden_entry
+        if row.verdict == ERROR and row.error == math.inf and naming.split_entry_name(entry)[1] in (
+                naming.BACKWARD, naming.PARAMETERS_GRAD):
+            row.verdict = WARN
+            row.message = f"{row.message}; overflow under loss scaling: GradScaler skipped this step's update"
+
+
 # ---------------------------------------------------------------------------- entry point
 def compare_dirs(golden_dir: Path, target_dir: Path, thresholds: Thresholds | None = None,
                  workers: int | None = None, progress=None) -> CompareResult:
@@ -712,8 +744,22 @@ def compare_dirs(golden_dir: Path, target_dir: Path, thresholds: Thresholds | No
         prepared.append((label, golden, target, pairs, aligned, rows, loss_scale))
     measure_rows(all_rows, workers, progress)
     judge_rows(all_rows, thresholds)
+    one_sided_skips = {}  # rank -> (step, side) of its first step GradScaler skipped in one run only
+    for label, golden, target, *_ in prepared:
+        step, rank = _step_and_rank(label)
+        side = _skipped_side(golden, target)
+        if side in ("golden", "target") and step is not None and rank not in one_sided_skips:
+            one_sided_skips[rank] = (step, side)
     for label, golden, target, pairs, aligned, rows, loss_scale in prepared:
-        divergence = find_divergence(label, pairs, rows, golden, target, thresholds)
+        skipped = _skipped_side(golden, target)
+        if skipped:
+            _accept_loss_scaling_overflows(rows)
+        divergence = find_divergence(label, pairs, rows, golden, target, thresholds, search_backward=not skipped)
+        step, rank = _step_and_rank(label)
+        earlier = one_sided_skips.get(rank)
+        if divergence is not None and step is not None and earlier and earlier[0] < step:
+            divergence.reason += (f"; GradScaler skipped step {earlier[0]} in the {earlier[1]} only,"
+                                  " so the two runs' weights differ from the step after it")
         results.append(PairResult(
             pair=label,
             golden_dir=golden.path,
@@ -726,6 +772,7 @@ def compare_dirs(golden_dir: Path, target_dir: Path, thresholds: Thresholds | No
             aligned=aligned,
             loss_scale=loss_scale,
             golden_low_precision=_first_low_precision_matmul(golden),
+            skipped_by_grad_scaler=skipped,
         ))
     paired_golden = {g for g, _ in labels_pairs}
     paired_target = {t for _, t in labels_pairs}

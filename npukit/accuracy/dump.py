@@ -32,6 +32,7 @@ from torch.overrides import TorchFunctionMode
 
 from npukit.accuracy import eager, graph, naming
 from npukit.accuracy._stats import stats as one_pass_stats
+from npukit.accuracy.scaler_steps import GradScalerStepWatch
 from npukit.accuracy.stacks import CallStacks
 from npukit.accuracy.tensor_io import strided_form, tensor_to_numpy, write_tensor
 from npukit.errors import UserError
@@ -334,6 +335,7 @@ class _StepRecord:
         self.uninitialized: dict[int, tuple] = {}
         self.stacks = CallStacks(_MAX_STACK_FRAMES)
         self.counter = naming.CallCounter()
+        self.skipped_at_loss_scale: float | None = None  # GradScaler skipped the optimizer step
 
     def place(self, entry: _Entry) -> None:
         if not entry.placed:
@@ -466,6 +468,7 @@ class DumpSession:
         self._pending_writes: list = []
         self._record = _StepRecord()
         self._op_nodes = graph.OpNodes()
+        self._scaler_steps = GradScalerStepWatch(lambda: self._active, lambda: None, self._after_scaler_step)
 
     # ------------------------------------------------------------------ public API
     def __enter__(self) -> DumpSession:
@@ -489,6 +492,7 @@ class DumpSession:
             optimizer_hooks.register_optimizer_step_pre_hook(self._on_optimizer_pre_step),
             optimizer_hooks.register_optimizer_step_post_hook(self._on_optimizer_post_step),
         ]
+        self._scaler_steps.install()
         # Files are written by one thread, in order, while training goes on.
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="npukit-dump")
         if self._apis:
@@ -511,6 +515,7 @@ class DumpSession:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._scaler_steps.remove()
         eager.leave()
         try:
             if self._record.entries:
@@ -526,7 +531,8 @@ class DumpSession:
         return not self._finished and (self.steps is None or self.step_index in self.steps)
 
     def _recording_api(self) -> bool:
-        return self._active and self._forward_seen and not self._paused and self._step_selected()
+        return (self._active and self._forward_seen and not self._paused and not self._scaler_steps.inside
+                and self._step_selected())
 
     def _end_step(self) -> None:
         if self._record.entries:
@@ -559,7 +565,17 @@ class DumpSession:
         if self._mode is not None:
             self._mode.restore()
         self._paused = max(0, self._paused - 1)
-        if self._auto_step and self._paused == 0:
+        if self._auto_step and self._paused == 0 and not self._scaler_steps.inside:
+            self._end_step()
+
+    @unintercepted
+    def _after_scaler_step(self, skipped: bool, scale: float) -> None:
+        self._optimizer_seen = True
+        if skipped and self._step_selected():
+            self._record.skipped_at_loss_scale = scale
+            if self._modules:  # no optimizer pre-hook ran: the (unscaled, non-finite) gradients now
+                self._record_parameter_grads()
+        if self._auto_step and not self._scaler_steps.inside:  # the outermost of nested GradScaler.steps
             self._end_step()
 
     # ------------------------------------------------------------------ modules
@@ -933,6 +949,8 @@ class DumpSession:
             "dump_data_dir": str(rank_dir / TENSOR_DATA_DIR) if self.mode == "tensor" else None,
             "data": {entry.name: entry.data for entry in record.entries},
         }
+        if record.skipped_at_loss_scale is not None:  # npukit's own key; msprobe ignores it
+            dump["step_skipped_by_grad_scaler"] = {"loss_scale": record.skipped_at_loss_scale}
         grouped: dict[int, list[str]] = {}
         for entry in record.entries:
             if entry.stack_id is not None:

@@ -81,6 +81,7 @@ class RankDump:
     task: str
     entries: list[DumpEntry]
     has_producers: bool
+    skipped_at_loss_scale: float | None = None  # GradScaler skipped this step's optimizer update
 
     def by_name(self) -> dict[str, DumpEntry]:
         return {entry.name: entry for entry in self.entries}
@@ -145,7 +146,18 @@ def load_rank_dump(rank_dir: Path, label: str = "") -> RankDump:
         if not isinstance(body, dict):
             raise UserError(f"{dump_path}: entry {name!r} is not an object")
         entries.append(parser.entry(name, body, construct.get(name), stacks.get(name, [])))
-    return RankDump(rank_dir, label, str(payload.get("task", "")), entries, parser.saw_producer)
+    return RankDump(rank_dir, label, str(payload.get("task", "")), entries, parser.saw_producer,
+                    _skipped_at_loss_scale(payload, dump_path))
+
+
+def _skipped_at_loss_scale(payload: dict, dump_path: Path) -> float | None:
+    skipped = payload.get("step_skipped_by_grad_scaler")
+    if skipped is None:
+        return None
+    scale = skipped.get("loss_scale") if isinstance(skipped, dict) else None
+    if isinstance(scale, bool) or not isinstance(scale, int | float):
+        raise UserError(f"{dump_path}: \"step_skipped_by_grad_scaler\" must be an object with a numeric \"loss_scale\"")
+    return float(scale)
 
 
 def _load_stacks(path: Path) -> dict[str, list[str]]:

@@ -56,6 +56,7 @@ from npukit.accuracy.dump import (
     write_json,
 )
 from npukit.accuracy.graph import OpNodes
+from npukit.accuracy.scaler_steps import GradScalerStepWatch
 from npukit.accuracy.stacks import CallStacks
 from npukit.accuracy.tensor_io import strided_form, write_tensor
 from npukit.errors import UserError
@@ -368,7 +369,8 @@ class OverflowSession:
         self._auto_ended = False  # the last step boundary was an automatic one
         self._paused = 0  # > 0 inside optimizer.step(): its update ops are not the model's
         self._optimizer_steps = 0
-        self._in_scaler = 0
+        self._scaler_steps = GradScalerStepWatch(lambda: self._active, self._before_scaler_step,
+                                                 self._after_scaler_step)
         self._optimizer_exists: bool | None = None
         self._step_root: weakref.ref | None = None
         self._paths: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -378,7 +380,6 @@ class OverflowSession:
         self._op_nodes = OpNodes()
         self._handles: list = []
         self._mode: ApiMode | None = None
-        self._scaler_step = None
         self._state = _StepState(self.underflow)
 
     # ------------------------------------------------------------------ public API
@@ -414,9 +415,10 @@ class OverflowSession:
             optimizer_hooks.register_optimizer_step_pre_hook(self._on_optimizer_pre_step),
             optimizer_hooks.register_optimizer_step_post_hook(self._on_optimizer_post_step),
         ]
-        self._wrap_grad_scaler()
+        self._scaler_steps.install()
         if self.level == "api":
-            self._mode = ApiMode(lambda: not self._paused, self._run_api, naming.creation_table())
+            self._mode = ApiMode(lambda: not self._paused and not self._scaler_steps.inside, self._run_api,
+                                 naming.creation_table())
             self._mode.__enter__()
         return self
 
@@ -445,7 +447,7 @@ class OverflowSession:
             for handle in self._handles:
                 handle.remove()
             self._handles = []
-            self._unwrap_grad_scaler()
+            self._scaler_steps.remove()
             self._write_report()
             self._print_summary()
 
@@ -500,7 +502,7 @@ class OverflowSession:
     def _on_optimizer_pre_step(self, optimizer, args, kwargs) -> None:
         self._optimizer_steps += 1
         if self._paused == 0:
-            if not self._in_scaler:
+            if not self._scaler_steps.inside:
                 self._check_parameter_grads()
             # Read before the update: with action="stop" the weights never see the overflow.
             self._resolve()
@@ -513,46 +515,17 @@ class OverflowSession:
         if self._mode is not None:
             self._mode.restore()
         self._paused = max(0, self._paused - 1)
-        if self._auto_step and self._paused == 0 and not self._in_scaler:
+        if self._auto_step and self._paused == 0 and not self._scaler_steps.inside:
             self._end_step()
 
-    def _wrap_grad_scaler(self) -> None:
-        """GradScaler.step may skip optimizer.step (inf/nan grads): that still ends a step."""
-        scaler_cls = torch.amp.GradScaler
-        original = scaler_cls.step
-        session = self
+    @unintercepted
+    def _before_scaler_step(self) -> None:
+        self._check_parameter_grads()  # still scaled: what GradScaler is about to look at
 
-        @unintercepted
-        def check_grads_before_step() -> None:
-            session._check_parameter_grads()  # still scaled: what GradScaler is about to look at
-
-        @unintercepted
-        def end_step_after(skipped: bool, scale: float) -> None:
-            if session._auto_step and not session._in_scaler:
-                session._end_step(skipped_by_scaler=skipped, scale=scale)
-
-        def step(scaler, optimizer, *args, **kwargs):
-            if not session._active or not scaler.is_enabled():
-                return original(scaler, optimizer, *args, **kwargs)
-            scale = scaler.get_scale()
-            check_grads_before_step()
-            before = session._optimizer_steps
-            session._in_scaler += 1
-            try:
-                result = original(scaler, optimizer, *args, **kwargs)
-            finally:
-                session._in_scaler -= 1
-            end_step_after(session._optimizer_steps == before, scale)
-            return result
-
-        self._scaler_step = (scaler_cls, original)
-        scaler_cls.step = step
-
-    def _unwrap_grad_scaler(self) -> None:
-        if self._scaler_step is not None:
-            owner, original = self._scaler_step
-            owner.step = original
-            self._scaler_step = None
+    @unintercepted
+    def _after_scaler_step(self, skipped: bool, scale: float) -> None:
+        if self._auto_step and not self._scaler_steps.inside:  # the outermost of nested GradScaler.steps
+            self._end_step(skipped_by_scaler=skipped, scale=scale)
 
     def _stop_checking(self) -> None:
         """max_events reached or the run stops: no more per-op work; steps are still counted.

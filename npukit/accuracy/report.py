@@ -156,6 +156,7 @@ def result_json(result: CompareResult) -> dict:
                 "aligned": pair.aligned,
                 "golden_low_precision": pair.golden_low_precision,
                 "loss_scale": pair.loss_scale,
+                "skipped_by_grad_scaler": pair.skipped_by_grad_scaler,
                 "first_divergence": divergence_record(pair.divergence),
                 "unmatched_golden": pair.unmatched_golden,
                 "unmatched_target": pair.unmatched_target,
@@ -204,6 +205,10 @@ def print_terminal(result: CompareResult, console, top: int = 20) -> None:
         if pair.loss_scale != 1.0:
             console.print(f"target gradients are loss-scaled by {pair.loss_scale:g}{where} (GradScaler): "
                           "backward tensors compared after unscaling")
+        if pair.skipped_by_grad_scaler:
+            side = {"both": "both runs", "golden": "the golden run", "target": "the target"}[pair.skipped_by_grad_scaler]
+            console.print(f"[yellow]GradScaler skipped this step in {side}{where}[/]: its gradients overflowed under"
+                          " loss scaling and no update used them; the backward is shown but not searched for a divergence")
         if pair.golden_low_precision:
             console.print(f"[yellow]the golden run was not fp32{where}[/]: {escape(pair.golden_low_precision)} "
                           "(the code casts to a compute dtype itself; --golden only runs autocast regions in fp32): "

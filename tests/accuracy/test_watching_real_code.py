@@ -404,3 +404,54 @@ def test_a_golden_run_that_is_not_fp32_says_so_at_run_time_and_in_the_compare(tm
     assert "the golden run was not fp32" in compare.stdout
     pair = json.loads((tmp_path / "c.json").read_text())["pairs"][0]
     assert pair["golden_low_precision"].startswith("Functional.linear.0.forward")
+
+
+SKIPPED_BY_SCALER = textwrap.dedent("""
+    import torch
+    from torch import nn
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1)).npu()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    # fp16 autocast with the default loss scale: the first step's gradients overflow and GradScaler
+    # skips it (in a golden run they fit in fp32 and the step is taken)
+    scaler = torch.amp.GradScaler("npu")
+    for step in range(3):
+        x, y = torch.randn(64, 8, device="npu"), torch.randn(64, 1, device="npu") * 10
+        with torch.autocast("npu", dtype=torch.float16):
+            loss = nn.functional.mse_loss(model(x).float(), y)
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        print("step", step, "scale", scaler.get_scale())
+""")
+
+
+def test_a_step_gradscaler_skipped_ends_there_and_its_overflow_is_not_a_divergence(tmp_path):
+    (tmp_path / "scaled.py").write_text(SKIPPED_BY_SCALER)
+    for side, golden in (("npu", ()), ("golden", ("--golden",))):
+        run = npu_run(*golden, "--seed", "0", "--replay", "r", "--dump", side, "--dump-mode", "tensor",
+                      "scaled.py", cwd=tmp_path)
+        assert run.returncode == 0, run.stderr[-2000:]
+    assert "step 0 scale 32768.0" in npu_run("--seed", "0", "scaled.py", cwd=tmp_path).stdout  # skipped: halved
+    npu_step0 = json.loads((tmp_path / "npu/step0/rank0/dump.json").read_text())
+    assert npu_step0["step_skipped_by_grad_scaler"] == {"loss_scale": 65536.0}
+    golden_step0 = json.loads((tmp_path / "golden/step0/rank0/dump.json").read_text())
+    assert "step_skipped_by_grad_scaler" not in golden_step0
+    # the skipped step ended at scaler.step: one forward of the model, as in the golden step
+    assert [name for name in npu_step0["data"] if name.startswith("Module.Sequential.forward")] == \
+        ["Module.Sequential.forward.0"]
+    assert sorted(p.name for p in (tmp_path / "npu").iterdir()) == ["step0", "step1", "step2"]
+
+    from npukit.accuracy.compare import ERROR, compare_dirs
+
+    result = compare_dirs(tmp_path / "golden", tmp_path / "npu", workers=1)
+    step0 = result.pairs[0]
+    assert step0.pair == "step0/rank0" and step0.skipped_by_grad_scaler == "target"
+    assert step0.divergence is None
+    overflowed = [row for row in step0.rows if row.metrics and row.metrics.nan_inf_mismatch]
+    assert overflowed and all("GradScaler skipped" in row.message for row in overflowed)
+    assert not [row for row in step0.rows if row.verdict == ERROR]
+    # the next step starts from weights only the golden run updated: said where it is named
+    later = [pair.divergence for pair in result.pairs[1:] if pair.divergence is not None]
+    assert later and all("GradScaler skipped step 0 in the target only" in d.reason for d in later)
