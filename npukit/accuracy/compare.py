@@ -53,8 +53,9 @@ class Thresholds:
     error_cosine: float = 0.9
     error_rel_l2: float = 0.3
     amplification: float = 10.0
-    # A tensor whose RMS is below this fraction of the largest RMS in its entry is noise-level
-    # (e.g. the gradient of a bias that a LayerNorm cancels): its relative error means nothing.
+    # A gradient whose norm is below this fraction of the largest gradient norm of its backward op
+    # (or of all parameters) is noise-level (e.g. the gradient of a bias that a BatchNorm cancels):
+    # its relative error means nothing.
     negligible: float = 1e-3
 
     def limits(self, dtype_class: str) -> DtypeLimits:
@@ -115,7 +116,7 @@ class Row:
     negligible: bool = False
     stat_diffs: dict | None = None
     target_scale: float = 1.0  # 1/loss scale for loss-scaled backward tensors of the target
-    rms: float = 0.0  # larger RMS of the two sides: the magnitude `negligible` is judged on
+    norm: float = 0.0  # larger L2 norm of the two sides: the magnitude `negligible` is judged on
 
     @property
     def name(self) -> str:
@@ -264,6 +265,11 @@ def _rms(leaf: TensorLeaf | None, metrics_stats: tuple | None = None) -> float:
     return norm / math.sqrt(leaf.numel * (2 if "complex" in leaf.dtype else 1))  # complex: over its parts
 
 
+def _norm(leaf: TensorLeaf | None, metrics_stats: tuple | None = None) -> float:
+    norm = metrics_stats[3] if metrics_stats is not None else (leaf.stats[3] if leaf is not None and leaf.stats else None)
+    return norm if norm is not None and math.isfinite(norm) else 0.0
+
+
 def measure_rows(rows: list[Row], workers: int | None, progress=None) -> None:
     """Fill metrics for rows with tensor data on both sides; statistics or md5 otherwise."""
     jobs, job_rows = [], []
@@ -310,16 +316,17 @@ def _ulp_wanted_name(entry_name: str) -> bool:
 
 
 def judge_rows(rows: list[Row], thresholds: Thresholds) -> None:
-    """Verdict and scalar error of every measured row; marks noise-level tensors negligible."""
-    scale: dict[tuple[int, str], float] = {}
+    """Verdict and scalar error of every measured row; marks noise-level gradients negligible."""
+    scale: dict[tuple, float] = {}
+    keys = _gradient_scale_keys(rows)
     for row in rows:
         if row.verdict == UNMATCHED or row.golden.uninitialized or row.target.uninitialized:
             continue  # garbage must not set the scale the entry's other tensors are judged against
-        golden_rms = _rms(row.golden, row.metrics.golden_stats if row.metrics else None)
-        target_rms = _rms(row.target, row.metrics.target_stats if row.metrics else None)
-        row.rms = max(golden_rms, target_rms)
-        key = (row.order, row.pair)
-        scale[key] = max(scale.get(key, 0.0), row.rms)
+        row.norm = max(_norm(row.golden, row.metrics.golden_stats if row.metrics else None),
+                       _norm(row.target, row.metrics.target_stats if row.metrics else None))
+        key = keys.get(id(row))
+        if key is not None:
+            scale[key] = max(scale.get(key, 0.0), row.norm)
     for row in rows:
         if row.verdict == UNMATCHED or row.error == math.inf and row.verdict == ERROR:
             continue
@@ -327,8 +334,8 @@ def judge_rows(rows: list[Row], thresholds: Thresholds) -> None:
             row.verdict, row.message, row.error = PASS, "uninitialized memory (or overwritten in place): not compared", None
             continue
         limits = thresholds.limits(row.dtype_class)
-        entry_scale = scale.get((row.order, row.pair), 0.0)
-        row.negligible = entry_scale > 0 and row.rms < thresholds.negligible * entry_scale
+        gradient_scale = scale.get(keys.get(id(row)), 0.0)
+        row.negligible = gradient_scale > 0 and row.norm < thresholds.negligible * gradient_scale
         if row.metrics is not None:
             _judge_tensor(row, limits, thresholds)
         elif row.golden.md5 is not None and row.target.md5 is not None:
@@ -340,6 +347,37 @@ def judge_rows(rows: list[Row], thresholds: Thresholds) -> None:
         else:
             row.verdict, row.message = PASS, "no data to compare"
             row.error = None
+
+
+def _gradient_scale_keys(rows: list[Row]) -> dict[int, tuple]:
+    """What each gradient's magnitude is judged against (by id of its row): the gradients of its
+    backward op (incoming and outgoing), or for a weight's gradient -- a parameter's, or an op's
+    gradient for an argument no dumped op produced -- those of every weight. A gradient far below
+    that (a sum that cancels: the bias before a BatchNorm, a gain a following norm removes) is
+    rounding noise in both runs and reaches no update that matters. Forward values have no such
+    scale: a small result of a large input (a cancellation) is what the next ops compute with."""
+    sources = set()  # (pair, forward entry, input suffix) of inputs no dumped op produced
+    pairs_with_producers = set()
+    for row in rows:
+        if row.target is not None and row.target.producer is not None:
+            pairs_with_producers.add(row.pair)
+    for row in rows:
+        if row.role == "input" and row.target is not None and row.target.producer is None:
+            sources.add((row.pair, row.target_entry, row.target.suffix))
+    keys = {}
+    for row in rows:
+        entry = row.target_entry or row.golden_entry
+        direction = naming.split_entry_name(entry)[1]
+        weights = (row.pair, naming.PARAMETERS_GRAD)
+        if direction == naming.PARAMETERS_GRAD:
+            keys[id(row)] = weights
+        elif direction == naming.BACKWARD:
+            leaf = row.target or row.golden
+            argument = "input." + leaf.suffix.partition(".")[2]
+            is_weight = (row.role == "output" and row.pair in pairs_with_producers
+                         and (row.pair, _forward_of(entry), argument) in sources)
+            keys[id(row)] = weights if is_weight else (row.pair, row.order)
+    return keys
 
 
 def _judge_tensor(row: Row, limits: DtypeLimits, thresholds: Thresholds) -> None:
@@ -447,8 +485,11 @@ def find_divergence(pair_label: str, pairs: list, rows: list[Row], golden: RankD
     """The first op, in the target's execution order, where the two runs start to differ.
     search_backward=False: forward ops only (the gradients of a step GradScaler skipped)."""
     rows_by_entry: dict[int, list[Row]] = {}
+    rows_by_target_entry: dict[str, list[Row]] = {}
     for row in rows:
         rows_by_entry.setdefault(row.order, []).append(row)
+        if row.target_entry is not None:
+            rows_by_target_entry.setdefault(row.target_entry, []).append(row)
     leaf_error = {row.target.name: _err(row) for row in rows if row.target is not None and row.error is not None}
     only_target = {t.name for g, t in pairs if g is None and t is not None}
     only_golden = {g.name for g, t in pairs if t is None and g is not None}
@@ -494,7 +535,16 @@ def find_divergence(pair_label: str, pairs: list, rows: list[Row], golden: RankD
             return _divergence(pair_label, found, golden, target, out_err)
         in_err = max(activation_errors, default=0.0)
         source_err = max(source_errors, default=0.0)
-        if out_err <= warn:
+        limit = warn
+        if target_entry.direction == naming.BACKWARD:
+            forward_rows = rows_by_target_entry.get(_forward_name(target_entry), [])
+            if run_class != "fp32" or any(_err(row) > 0 for row in forward_rows if row.role in ("input", "param")):
+                # The backward ran on other forward values (low-precision activations): a relu's or
+                # max-pool's mask, a BatchNorm's statistics turn them into gradient differences of a
+                # few percent, as every mixed-precision run has (and statistics dumps underestimate
+                # the incoming part). Only an error-sized difference is a divergence.
+                limit = thresholds.error_rel_l2
+        if out_err <= limit:
             continue
         if in_err <= warn and source_err > warn:
             reason = (f"a weight or input that no dumped op produced differs (error {_fmt(source_err)});"
@@ -509,9 +559,59 @@ def find_divergence(pair_label: str, pairs: list, rows: list[Row], golden: RankD
                     if origin.suffix.startswith("output") and _entry_of_leaf(origin.name) in only_target:
                         return _divergence(pair_label, (_entry_of_leaf(origin.name), "target-only", row),
                                            golden, target, out_err)
-            reason = f"{_amplification_text(out_err, in_err)} (warn limit {warn:g})"
+            if target_entry.direction != naming.BACKWARD and target.has_producers:
+                revealed = _revealed_by_cancellation(outputs, inputs, target_lineage, limit)
+                if revealed is not None:
+                    return _cancellation_divergence(pair_label, revealed, target_entry, target, out_err)
+            reason = f"{_amplification_text(out_err, in_err)} ({'warn' if limit == warn else 'error'} limit {limit:g})"
             return _make_divergence(pair_label, target_entry, golden_entry, reason, target, in_err, out_err)
     return None
+
+
+def _revealed_by_cancellation(outputs: list[Row], inputs: list[Row], lineage: _Lineage,
+                              limit: float) -> tuple[Row, Row, TensorLeaf] | None:
+    """(input row, output row, the input's producing leaf) when the op only revealed an error it was given: its output is far
+    smaller than its inputs (a difference of nearly equal values) and carries about the absolute
+    error they brought, so a small relative error of the input became a large one of the output.
+    The signal was lost where that input was rounded: its producer."""
+    for out in outputs:
+        if _err(out) <= limit or not out.norm or out.target is None:
+            continue
+        carried = []
+        for row in inputs:
+            if row.role != "input" or row.error is None or row.target is None or not row.target.numel:
+                continue
+            broadcast = math.sqrt(max(out.target.numel / row.target.numel, 1.0))  # a row of a broadcast input
+            carried.append((row.error * row.norm * broadcast, row.norm * broadcast, row))
+        if not carried:
+            return None
+        largest_input = max(size for _, size, _ in carried)
+        absolute_in = sum(error for error, _, _ in carried)
+        if out.norm < 0.1 * largest_input and out.error * out.norm <= 2 * absolute_in:
+            _, _, culprit = max(carried, key=lambda item: item[0])
+            origin = lineage.origin(culprit.target)
+            if origin.suffix.startswith("output"):
+                return culprit, out, origin
+    return None
+
+
+def _cancellation_divergence(pair_label, revealed, consumer, dump, out_err) -> Divergence:
+    input_row, output_row, origin = revealed
+    producer = dump.by_name()[_entry_of_leaf(origin.name)]
+    reason = (f"its output (relative error {_fmt(input_row.error)}) loses the signal it carries: "
+              f"{consumer.name} subtracts nearly equal values (its output is {output_row.norm / input_row.norm:.2g}x "
+              f"the size of this input) and its relative error becomes {_fmt(out_err)}. "
+              "Compute this op and the cancellation in fp32, or remove the large common offset")
+    return Divergence(
+        pair=pair_label,
+        entry=producer.name,
+        golden_entry=None,
+        reason=reason,
+        module_path=_module_path(producer, dump),
+        stack=_stack(producer, dump),
+        input_error=0.0,
+        output_error=out_err,
+    )
 
 
 def _input_kind(row, entry, target_lineage, golden_lineage, only_target, only_golden, leaf_error, warn,
@@ -620,11 +720,13 @@ def _make_divergence(pair_label, target_entry, golden_entry, reason, target, in_
 
 
 def _forward_name(entry: DumpEntry) -> str:
-    if entry.direction != naming.BACKWARD:
-        return entry.name
-    if entry.name.startswith("Module."):
-        return entry.name.replace(".backward.", ".forward.")
-    return entry.name[: -len("backward")] + "forward"
+    return _forward_of(entry.name) if entry.direction == naming.BACKWARD else entry.name
+
+
+def _forward_of(backward_name: str) -> str:
+    if backward_name.startswith("Module."):
+        return backward_name.replace(".backward.", ".forward.")
+    return backward_name[: -len("backward")] + "forward"
 
 
 def _module_path(entry: DumpEntry, dump: RankDump) -> str | None:

@@ -1,0 +1,147 @@
+"""Correct mixed-precision training of six small models, each dumped in tensor and statistics mode.
+Run it under `npu-run` (the NPU run) and `npu-run --golden`: npu-compare must find no divergence,
+except in `offset`, where fp16/bf16 loses a real signal (tests/accuracy/test_false_alarms.py)."""
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from npukit.accuracy.dump import DumpSession
+
+out, dtype_name = Path(sys.argv[1]), sys.argv[2]
+dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype_name]
+
+
+class Block(nn.Module):
+    def __init__(self, w):
+        super().__init__()
+        self.norm1, self.attn = nn.LayerNorm(w), nn.MultiheadAttention(w, 4, batch_first=True)
+        self.norm2, self.fc1, self.fc2 = nn.LayerNorm(w), nn.Linear(w, 4 * w), nn.Linear(4 * w, w)
+
+    def forward(self, x):
+        h = self.norm1(x)
+        mask = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device), 1)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class Transformer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.pos = nn.Embedding(64, 32), nn.Parameter(torch.randn(16, 32) * 0.02)
+        self.blocks, self.head = nn.ModuleList([Block(32) for _ in range(2)]), nn.Linear(32, 64)
+
+    def forward(self, t):
+        x = self.emb(t) + self.pos
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class CNN(nn.Module):
+    """Conv biases before BatchNorm: their gradient is ~0 by cancellation; relu masks flip."""
+    def __init__(self):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16)
+        self.c2, self.b2, self.fc = nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.Linear(32, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.b1(self.c1(x))), 2)
+        return self.fc(F.relu(self.b2(self.c2(x))).mean((2, 3)))
+
+
+class LSTM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.rnn, self.out = nn.Embedding(64, 32), nn.LSTM(32, 48, num_layers=2, batch_first=True), nn.Linear(48, 64)
+
+    def forward(self, t):
+        return self.out(self.rnn(self.emb(t))[0])
+
+
+class Policy(nn.Module):
+    """An actor-critic whose two heads are called on their own."""
+    def __init__(self):
+        super().__init__()
+        self.actor = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
+        self.critic = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 1))
+        self.log_std = nn.Parameter(torch.zeros(4))
+
+    def forward(self, obs):
+        dist = torch.distributions.Normal(self.actor(obs), self.log_std.exp())
+        return dist.log_prob(dist.mean + 0.5).sum(-1), self.critic(obs).squeeze(-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, w):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(w))
+
+    def forward(self, x):
+        x = x.float()
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class Gain(nn.Module):
+    """A scalar gain the following RMSNorm removes: its gradient is ~1e-10 from terms of ~0.1."""
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.gain = nn.Linear(64, 64), nn.Parameter(torch.tensor(1.0))
+        self.norm, self.head = RMSNorm(64), nn.Linear(64, 16)
+
+    def forward(self, x):
+        return self.head(self.norm(self.fc1(x) * self.gain))
+
+
+class Offset(nn.Module):
+    """A small signal on a large offset (bias 3000), centred by the next line: fp16/bf16 rounding
+    of fc1's output loses the signal, and the subtraction reveals it."""
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.head = nn.Linear(64, 64), nn.Linear(64, 16)
+        with torch.no_grad():
+            self.fc1.bias.fill_(3000.0)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        return self.head(h - h.mean(-1, keepdim=True))
+
+
+def batch(kind):
+    if kind in ("transformer", "lstm"):
+        t = torch.randint(0, 64, (4, 16), device="npu")
+        return t, t.flatten()
+    if kind == "cnn":
+        return torch.randn(8, 3, 16, 16, device="npu"), torch.randint(0, 10, (8,), device="npu")
+    if kind == "policy":
+        return torch.randn(32, 8, device="npu"), torch.randn(32, device="npu")
+    return torch.randn(32, 64, device="npu"), torch.randint(0, 16, (32,), device="npu")
+
+
+def loss_of(kind, model, x, y):
+    if kind == "policy":
+        logp, value = model(x)
+        return -(logp * (y - value.detach())).mean() + F.mse_loss(value.float(), y)
+    logits = model(x)
+    return F.cross_entropy(logits.flatten(0, -2).float() if logits.dim() > 2 else logits.float(), y)
+
+
+MODELS = {"transformer": Transformer, "cnn": CNN, "lstm": LSTM, "policy": Policy, "gain": Gain, "offset": Offset}
+for kind, cls in MODELS.items():
+    for mode in ("tensor", "stats"):
+        torch.manual_seed(0)
+        model = cls().npu()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        # fp16 with loss scaling, at a scale no step skips (skipped steps have their own test)
+        scaler = torch.amp.GradScaler("npu", init_scale=256.0, enabled=dtype == torch.float16)
+        with DumpSession(out / kind / mode, level="mix", mode=mode):
+            for _step in range(2):
+                x, y = batch(kind)
+                with torch.autocast("npu", dtype=dtype):
+                    loss = loss_of(kind, model, x, y)
+                opt.zero_grad()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
