@@ -14,6 +14,7 @@ import datetime
 import gc
 import os
 import sys
+import tempfile
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,32 @@ from npukit.profiler.extract import GC_ANNOTATION_PREFIX, table_from_profiler
 from npukit.profiler.table import EVENTS_FILE, META_FILE, EventTable, write_meta
 
 LARGE_PROFILE_EVENTS = 100_000
+
+
+@contextlib.contextmanager
+def _without_kineto_markers():
+    """libkineto writes `USDT: ... profiler_start` / `profiler_stop` trace markers to stderr each
+    time a recording starts or stops; no KINETO_LOG_LEVEL hides them without hiding its errors too.
+    Around those calls stderr is caught and every other line passed on."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no usable stderr: nothing to filter
+        yield
+        return
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError, ValueError):
+                sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            kept = [line for line in caught.read().splitlines(keepends=True) if not line.startswith(b"USDT:")]
+            if kept:
+                os.write(2, b"".join(kept))
 
 
 @dataclass(frozen=True)
@@ -204,12 +231,14 @@ class ProfileSession:
         self._hooks.append(register_optimizer_step_post_hook(self._on_optimizer_step))
         self._namer.install()
         self._gc.install()
-        self._profiler.__enter__()
+        with _without_kineto_markers():
+            self._profiler.__enter__()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
-            self._profiler.__exit__(exc_type, exc, tb)
+            with _without_kineto_markers():
+                self._profiler.__exit__(exc_type, exc, tb)
         finally:
             for hook in self._hooks:
                 hook.remove()
@@ -236,7 +265,8 @@ class ProfileSession:
 
     def _advance(self) -> None:
         self.steps_taken += 1
-        self._profiler.step()
+        with _without_kineto_markers():
+            self._profiler.step()
 
     def _on_trace_ready(self, prof) -> None:
         table = table_from_profiler(prof, self._namer.names)

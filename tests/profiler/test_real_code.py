@@ -30,6 +30,7 @@ def test_top_level_script_ops_belong_to_the_script_not_the_launcher(tmp_path):
     run = subprocess.run([str(bin_dir / "npu-run"), "--profile", "prof", "train.py"], capture_output=True, text=True,
                          cwd=tmp_path, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
+    assert "USDT:" not in run.stderr and "profiler_start" not in run.stderr  # libkineto's trace markers
     shown = subprocess.run([str(bin_dir / "npu-profile"), "prof", "--group-by", "stack", "--json", "p.json"],
                            capture_output=True, text=True, cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr[-2000:]
@@ -38,6 +39,20 @@ def test_top_level_script_ops_belong_to_the_script_not_the_launcher(tmp_path):
     text = json.dumps(stacks)
     assert "npu-run:" not in text and "train.py in <module>" in text  # x @ w: the script, line unknown
     assert "train.py:8 in <module>" in text  # .square() is a call: its line is known
+
+
+def test_only_the_trace_markers_are_taken_from_stderr_around_a_recording_start(capfd):
+    import os
+
+    from npukit.profiler.record import _without_kineto_markers
+
+    with _without_kineto_markers():
+        os.write(2, b"USDT:2026-11-24 12:00:00 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"ERROR: something the user must see\n")
+        print("a Python warning", file=sys.stderr)
+    err = capfd.readouterr().err
+    assert "USDT" not in err
+    assert "ERROR: something the user must see" in err and "a Python warning" in err
 
 
 def test_a_long_tensor_list_is_summarised_on_one_line():
