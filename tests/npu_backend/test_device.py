@@ -96,6 +96,67 @@ def test_mixing_devices_raises_like_cuda():
     assert (torch.ones(3, device="npu") + torch.tensor(2.0)).cpu().tolist() == [3, 3, 3]
 
 
+def test_a_written_argument_must_be_on_the_npu_even_0_dim_like_cuda():
+    x = torch.ones(3, device="npu")
+    for run in (lambda: torch.add(x, 1, out=torch.tensor(0.0)), lambda: torch.sum(x, 0, out=torch.tensor(0.0))):
+        with pytest.raises(RuntimeError, match=r"Expected out tensor to have device npu:0, but got cpu instead"):
+            run()
+
+
+def test_an_input_passed_again_as_out_is_seen_as_the_same_tensor():
+    """One CPU alias per npu tensor per call: the kernel sees the overlap, as on the CPU, and
+    refuses to resize an output that is also an input (it resized the user's x to 5x5)."""
+    x = torch.ones(5, 1, device="npu")
+    with pytest.raises(RuntimeError, match=r"output with shape \[5, 1\] doesn't match the broadcast shape \[5, 5\]"):
+        torch.add(x, torch.ones(5, 5, device="npu"), out=x)
+    assert x.shape == (5, 1)
+    w = torch.ones(4, device="npu")
+    with pytest.raises(RuntimeError, match=r"output with shape \[3\] doesn't match the broadcast shape \[4, 3\]"):
+        w[:3].ldexp_(torch.ones(4, 3, device="npu"))
+    y = torch.tensor([1.0, 2.0], device="npu")
+    torch.mul(y, y, out=y)
+    assert y.cpu().tolist() == [1.0, 4.0]
+
+
+def test_zero_tensors_have_no_memory_and_are_read_as_zeros():
+    zero = torch._efficientzerotensor(4, device="npu")
+    assert zero._is_zerotensor() and zero.device.type == "npu"
+    assert zero.sum().item() == 0 and (zero + 1).cpu().tolist() == [1.0] * 4
+    # sgn's backward returns a zero tensor for real inputs: this crashed the process.
+    x = torch.randn(5, device="npu", requires_grad=True)
+    torch.sgn(x).sum().backward()
+    assert x.grad.cpu().tolist() == [0.0] * 5
+
+
+def test_out_variants_that_check_the_device_type_run_on_npu():
+    a = torch.tensor([[1.0, 1.0, 2.0], [3.0, 0.0, 0.0]], device="npu")
+    values, indices = torch.empty(2, device="npu"), torch.empty(2, dtype=torch.long, device="npu")
+    torch.mode(a, out=(values, indices))
+    assert values.cpu().tolist() == [1.0, 0.0] and values.device.type == "npu"
+
+
+@pytest.mark.filterwarnings("ignore:TypedStorage is deprecated")
+def test_legacy_storage_classes_are_classes_for_every_dtype():
+    assert torch.ones(2, device="npu").storage_type() is torch.npu.FloatStorage
+    assert torch.ones(2, device="npu").half().storage_type() is torch.npu.HalfStorage
+    assert torch.ones(2, device="npu", dtype=torch.complex64).storage_type() is torch.npu.ComplexFloatStorage
+    storage = torch.npu.FloatStorage(3)
+    assert storage.device.type == "npu" and storage.dtype == torch.float32 and len(storage) == 3
+    assert isinstance(torch.ones(2, device="npu").storage(), torch.npu.FloatStorage)
+    assert not isinstance(torch.ones(2).storage(), torch.npu.FloatStorage)
+
+
+def test_float64_matmul_is_refused_with_the_way_to_run_gradchecks():
+    x = torch.ones(3, device="npu", dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=r"aten::dot: float64 is not supported .* npu-run --golden, pytest --npu-golden"):
+        torch.dot(x, x)
+    from npukit.npu_backend import numerics
+
+    with numerics.golden():  # gradcheck in float64 runs with the NPU numerics off
+        w = torch.randn(3, 3, device="npu", dtype=torch.float64, requires_grad=True)
+        assert torch.autograd.gradcheck(lambda m: (m @ m).sum(), (w,))
+
+
 def test_conj_and_neg_bits_are_resolved_on_device():
     z = torch.tensor([1 + 2j, 3 - 1j], device="npu")
     assert torch.equal(z.conj().resolve_conj().cpu(), torch.tensor([1 - 2j, 3 + 1j]))

@@ -14,6 +14,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <ATen/native/Resize.h>
+#include <ATen/native/TensorFactories.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/_reshape_alias_native.h>
 #include <ATen/ops/as_strided_native.h>
@@ -31,6 +32,7 @@
 #include <chrono>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <unordered_set>
 
 namespace npukit {
@@ -300,7 +302,7 @@ struct Translation {
                                                             // a freed alias address is never reused
   std::vector<std::pair<at::Tensor, at::Tensor>> written;              // (npu arg, cpu alias)
   bool has_cpu_tensor = false;
-  c10::Device cpu_tensor_device{DeviceType::CPU};
+  std::optional<c10::Device> written_elsewhere;  // a written argument (out=, in-place) not on the npu
 
   void note_device(const at::Tensor& t) {
     if (device < 0) {
@@ -315,10 +317,22 @@ struct Translation {
   at::Tensor to_cpu(const at::Tensor& t, bool is_write) {
     if (!t.defined()) return t;
     if (!t.is_privateuseone()) {
-      if (t.device().is_cpu() && t.dim() > 0) has_cpu_tensor = true;
+      // 0-dim CPU tensors are accepted as inputs (scalars), as on CUDA; never as a written argument.
+      if (is_write) {
+        if (!written_elsewhere) written_elsewhere = t.device();
+      } else if (t.device().is_cpu() && t.dim() > 0) {
+        has_cpu_tensor = true;
+      }
       return t;
     }
     note_device(t);
+    // The same tensor passed twice (an input that is also out=, x.mul_(x)) gets one CPU alias, so
+    // the CPU kernel sees the overlap: it refuses to resize an output that is also an input.
+    for (auto& [alias, npu] : alias_of)
+      if (npu.unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) {
+        if (is_write) written.emplace_back(t, alias);
+        return alias;
+      }
     c10::StorageImpl* key = t.storage().unsafeGetStorageImpl();
     c10::Storage cpu_storage;
     for (auto& [npu_impl, cpu] : npu_to_cpu)
@@ -486,6 +500,10 @@ void run_on_cpu(const c10::OperatorHandle& op, torch::jit::Stack* stack, Policy 
                          "two devices, npu:", int(tr.device), " and cpu! (when running ",
                 schema.name(), ")");
   }
+  if (tr.written_elsewhere && g_check_devices) {
+    TORCH_CHECK(false, "Expected out tensor to have device ", c10::Device(kNpu, tr.device), ", but got ",
+                *tr.written_elsewhere, " instead (when running ", schema.name(), ")");
+  }
   for (size_t slot : default_generator_slots)
     (*stack)[slot] = cpu_generator_for(default_generator(tr.device));
 
@@ -501,8 +519,10 @@ void run_on_cpu(const c10::OperatorHandle& op, torch::jit::Stack* stack, Policy 
     }
     if (dtype == at::kDouble && g_reject_fp64) {
       TORCH_CHECK(false, schema.name(), ": float64 is not supported by the NPU cube unit "
-                  "(matmul/convolution); cast the inputs to float32 (torch.float64 tensors run "
-                  "on the NPU's AI CPU at a fraction of the speed) [npukit emulated device]");
+                  "(matmul/convolution; CANN's aclnnDot/aclnnMm take fp16/bf16/fp32 only); cast the "
+                  "inputs to float32. For float64 checks such as torch.autograd.gradcheck, run with "
+                  "the NPU numerics off: npu-run --golden, pytest --npu-golden, NPUKIT_GOLDEN=1 or "
+                  "`with npukit.npu_backend.numerics.golden():` [npukit emulated device]");
     }
     bool reduced = dtype == at::kHalf || dtype == at::kBFloat16;
     if (policy == Policy::Matmul && ((reduced && g_fp32_accumulate) || (dtype == at::kFloat && g_matmul_hf32))) {
@@ -581,6 +601,19 @@ at::Tensor empty_strided(c10::SymIntArrayRef size, c10::SymIntArrayRef stride,
                                            allocator_for(dev),
                                            c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
                                            c10::dtype_or_default(dtype));
+}
+
+// A ZeroTensor (what sgn's and other backwards return for "no gradient") has no memory: it carries
+// the ZeroTensor key, so the ZeroTensor fallback materialises it before any kernel reads it.
+at::Tensor efficient_zero_tensor(at::IntArrayRef size, std::optional<at::ScalarType> dtype,
+                                 std::optional<at::Layout> layout, std::optional<c10::Device> device,
+                                 std::optional<bool> pin_memory) {
+  c10::DeviceIndex index = device && device->has_index() ? device->index() : t_current_device;
+  check_index(index);
+  at::native::ZeroTensorAllocator allocator(c10::Device(kNpu, index));
+  auto keys = c10::DispatchKeySet(c10::DispatchKey::PrivateUse1) | c10::DispatchKeySet(c10::DispatchKey::ZeroTensor);
+  return at::detail::empty_generic(size, &allocator, keys, dtype.value_or(c10::get_default_dtype_as_scalartype()),
+                                   std::nullopt);
 }
 
 at::Tensor as_strided(const at::Tensor& self, c10::SymIntArrayRef size, c10::SymIntArrayRef stride,
@@ -963,6 +996,10 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("convolution_overrideable", convolution_overrideable);
   m.impl("convolution_backward_overrideable", convolution_backward_overrideable);
   m.impl("_has_compatible_shallow_copy_type", has_compatible_shallow_copy_type);
+  m.impl("_efficientzerotensor", efficient_zero_tensor);
+  // Out variants whose composite kernel accepts only CPU/CUDA/XPU tensors: run on the CPU aliases.
+  for (const char* name : {"mode.values"})
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&npu_fallback>());
   // Work is synchronous, so a tensor never needs to be kept alive for another stream.
   m.impl("record_stream", [](at::Tensor&, c10::Stream) {});
   m.impl("_thnn_fused_lstm_cell", fused_lstm_cell);

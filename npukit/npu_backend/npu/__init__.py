@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from npukit.npu_backend import _C, numerics
-from npukit.npu_backend.npu import amp, memory, mstx, random, utils  # noqa: F401 (submodules)
+from npukit.npu_backend.npu import amp, memory, mstx, random, storage, utils  # noqa: F401 (submodules)
 from npukit.npu_backend.npu._device import device_index
 from npukit.npu_backend.npu.memory import (  # noqa: F401 (re-exported API)
     caching_allocator_alloc,
@@ -50,9 +50,12 @@ from npukit.npu_backend.npu.random import (  # noqa: F401 (re-exported API)
     set_rng_state,
     set_rng_state_all,
 )
+from npukit.npu_backend.npu.storage import STORAGE_CLASSES
+
+globals().update(STORAGE_CLASSES)  # torch.npu.FloatStorage & co.
 
 # Submodules importable as torch.npu.<name> and torch_npu.npu.<name>.
-SUBMODULES = ("amp", "utils", "memory", "random", "mstx")
+SUBMODULES = ("amp", "utils", "memory", "random", "mstx", "storage")
 
 default_generators: tuple = ()
 
@@ -491,10 +494,6 @@ _NOT_EMULATED = {
     "register_npu_graph_handler": "graph capture", "super_kernel_scope_begin": "super kernels",
     "super_kernel_scope_end": "super kernels", "obfuscation_initialize": "model obfuscation",
     "obfuscation_finalize": "model obfuscation", "obfuscation_calculate": "model obfuscation",
-    "BoolStorage": "legacy typed storages", "ByteStorage": "legacy typed storages", "ShortStorage": "legacy typed storages",
-    "LongStorage": "legacy typed storages", "IntStorage": "legacy typed storages", "HalfStorage": "legacy typed storages",
-    "CharStorage": "legacy typed storages", "DoubleStorage": "legacy typed storages", "FloatStorage": "legacy typed storages",
-    "BFloat16Storage": "legacy typed storages",
 }
 
 
@@ -528,6 +527,6 @@ __all__ = [
     "clear_npu_overflow_flag", "is_current_stream_capturing", "mstx",
     "FloatTensor", "DoubleTensor", "HalfTensor", "BFloat16Tensor", "ByteTensor", "CharTensor",
     "ShortTensor", "IntTensor", "LongTensor", "BoolTensor",
-    *memory.__all__, *random.__all__, *_NOT_EMULATED,
+    *memory.__all__, *random.__all__, *storage.__all__, *_NOT_EMULATED,
 ]
 
