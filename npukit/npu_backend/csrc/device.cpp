@@ -24,6 +24,7 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/SmallVector.h>
 #include <torch/library.h>
 
 #include <array>
@@ -296,11 +297,12 @@ at::Tensor make_tensor_on(const c10::Storage& storage, c10::DispatchKey key,
 struct Translation {
   c10::DeviceIndex device = -1;
   c10::Device first_device{DeviceType::CPU};
-  std::vector<std::pair<c10::StorageImpl*, c10::Storage>> npu_to_cpu;  // npu impl -> cpu
-  std::vector<std::pair<c10::StorageImpl*, c10::Storage>> cpu_to_npu;  // cpu impl -> npu
-  std::vector<std::pair<at::Tensor, at::Tensor>> alias_of;  // (cpu alias, npu arg); kept alive so
+  // Inline capacity for the common op (a few tensors): no heap allocation per call for the maps.
+  c10::SmallVector<std::pair<c10::StorageImpl*, c10::Storage>, 4> npu_to_cpu;  // npu impl -> cpu
+  c10::SmallVector<std::pair<c10::StorageImpl*, c10::Storage>, 4> cpu_to_npu;  // cpu impl -> npu
+  c10::SmallVector<std::pair<at::Tensor, at::Tensor>, 4> alias_of;  // (cpu alias, npu arg); kept alive so
                                                             // a freed alias address is never reused
-  std::vector<std::pair<at::Tensor, at::Tensor>> written;              // (npu arg, cpu alias)
+  c10::SmallVector<std::pair<at::Tensor, at::Tensor>, 2> written;        // (npu arg, cpu alias)
   bool has_cpu_tensor = false;
   std::optional<c10::Device> written_elsewhere;  // a written argument (out=, in-place) not on the npu
 
@@ -456,7 +458,7 @@ void run_on_cpu(const c10::OperatorHandle& op, torch::jit::Stack* stack, Policy 
   const size_t begin = stack->size() - num_args;
   Translation tr;
   tr.op_name = schema.name().c_str();
-  std::vector<size_t> default_generator_slots;
+  c10::SmallVector<size_t, 2> default_generator_slots;
   c10::DeviceIndex device_from_arg = -1;
 
   for (size_t i = 0; i < num_args; ++i) {
@@ -507,7 +509,7 @@ void run_on_cpu(const c10::OperatorHandle& op, torch::jit::Stack* stack, Policy 
   for (size_t slot : default_generator_slots)
     (*stack)[slot] = cpu_generator_for(default_generator(tr.device));
 
-  std::vector<std::pair<size_t, c10::ScalarType>> downcast_returns;
+  c10::SmallVector<std::pair<size_t, c10::ScalarType>, 1> downcast_returns;
   if (policy != Policy::None) {
     c10::ScalarType dtype = c10::ScalarType::Undefined;
     for (size_t i = 0; i < num_args; ++i) {
