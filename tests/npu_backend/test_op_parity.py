@@ -1,25 +1,12 @@
 """Op parity: every OpInfo op (forward, fp32, one sample) gives the same result on npu as on CPU."""
 
 import torch
-from torch.utils._pytree import tree_map
 
 from npukit.npu_backend import numerics
+from tests.npu_backend.op_db_variants import moved
 
 # The ratio the issue asks for: >= 99% of the ops that run on CPU must match on npu.
 REQUIRED_MATCH_RATIO = 0.99
-
-
-def _to_device(value, device):
-    """Tensors and CPU device arguments (of factory ops) move to `device`."""
-
-    def move(v):
-        if isinstance(v, torch.Tensor):
-            return v.to(device)
-        if isinstance(v, torch.device) and v.type == "cpu" or v == "cpu":
-            return torch.device(device)
-        return v
-
-    return tree_map(move, value)
 
 
 def _first_sample(op):
@@ -30,9 +17,9 @@ def _first_sample(op):
 
 
 def _run(op, sample, device):
-    sample_input = _to_device(sample.input, device)
-    args = _to_device(sample.args, device)
-    kwargs = _to_device(sample.kwargs, device)
+    sample_input = moved(sample.input, device)
+    args = moved(sample.args, device)
+    kwargs = moved(sample.kwargs, device)
     return op(sample_input, *args, **kwargs)
 
 
