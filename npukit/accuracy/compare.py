@@ -140,6 +140,7 @@ class Divergence:
 @dataclass
 class PairResult:
     pair: str
+    golden_pair: str  # the golden step/rank compared with it (another one when both dirs hold one dump)
     golden_dir: Path
     target_dir: Path
     mode: str  # tensor | statistics | md5
@@ -811,6 +812,27 @@ def _accept_loss_scaling_overflows(rows: list[Row]) -> None:
             row.message = f"{row.message}; overflow under loss scaling: GradScaler skipped this step's update"
 
 
+def _require_compared_data(rows, golden_dumps, target_dumps, labels_pairs, golden_dir, target_dir) -> None:
+    """A verdict needs compared data: no paired tensor with values, statistics or checksums on
+    both sides is an error that says why, never "no divergence"."""
+    compared = [row for row in rows if row.verdict != UNMATCHED and (
+        row.metrics is not None or row.stat_diffs is not None or row.error is not None)]
+    if compared:
+        return
+    entries = {side: sum(len(dumps[label].entries) for label in labels)
+               for side, dumps, labels in (("golden", golden_dumps, {g for g, _ in labels_pairs}),
+                                           ("target", target_dumps, {t for _, t in labels_pairs}))}
+    if not entries["golden"] or not entries["target"]:
+        empty = golden_dir if not entries["golden"] else target_dir
+        why = f"{empty} holds no dumped entries (its dump.json \"data\" is empty)"
+    elif not any(row.verdict != UNMATCHED for row in rows):
+        why = (f"none of the target's {entries['target']} entries has a counterpart among the golden run's"
+               f" {entries['golden']} (different models, levels or scopes?)")
+    else:
+        why = "the paired entries hold no tensor values, statistics or checksums on both sides"
+    raise UserError(f"nothing to compare between {golden_dir} and {target_dir}: {why}")
+
+
 # ---------------------------------------------------------------------------- entry point
 def compare_dirs(golden_dir: Path, target_dir: Path, thresholds: Thresholds | None = None,
                  workers: int | None = None, progress=None) -> CompareResult:
@@ -846,6 +868,7 @@ def compare_dirs(golden_dir: Path, target_dir: Path, thresholds: Thresholds | No
         prepared.append((label, golden, target, pairs, aligned, rows, loss_scale))
     measure_rows(all_rows, workers, progress)
     judge_rows(all_rows, thresholds)
+    _require_compared_data(all_rows, golden_dumps, target_dumps, labels_pairs, golden_dir, target_dir)
     one_sided_skips = {}  # rank -> (step, side) of its first step GradScaler skipped in one run only
     for label, golden, target, *_ in prepared:
         step, rank = _step_and_rank(label)
@@ -864,6 +887,7 @@ def compare_dirs(golden_dir: Path, target_dir: Path, thresholds: Thresholds | No
                                   " so the two runs' weights differ from the step after it")
         results.append(PairResult(
             pair=label,
+            golden_pair=golden.label or label,
             golden_dir=golden.path,
             target_dir=target.path,
             mode=target.task or golden.task,

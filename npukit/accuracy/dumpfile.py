@@ -18,6 +18,7 @@ from pathlib import Path
 
 from npukit.accuracy import naming
 from npukit.errors import UserError
+from npukit.files import ContainedPaths
 
 _RANK_DIR = re.compile(r"^(rank\d*|proc\d+)$")
 _STEP_DIR = re.compile(r"^step(\d+)$")
@@ -129,18 +130,21 @@ def load_json(path: Path):
         raise UserError(f"{path}: cannot read ({exc.strerror})") from None
 
 
-def load_rank_dump(rank_dir: Path, label: str = "") -> RankDump:
-    dump_path = rank_dir / "dump.json"
+def load_rank_dump(rank_dir: Path, label: str = "", contained: ContainedPaths | None = None) -> RankDump:
+    """One rank's dump. Every file it reads (its JSON files, each data_name) must lie inside
+    `contained`'s folder (by default the rank folder) once symlinks are resolved."""
+    contained = contained or ContainedPaths(rank_dir)
+    dump_path = contained.resolve(rank_dir / "dump.json", rank_dir / "dump.json")
     payload = load_json(dump_path)
     if not isinstance(payload, dict) or not isinstance(payload.get("data"), dict):
         raise UserError(f"{dump_path}: not a dump.json (no \"data\" object)")
     data_dir = rank_dir / TENSOR_DATA_DIR
-    stacks = _load_stacks(rank_dir / "stack.json")
-    construct_path = rank_dir / "construct.json"
+    stacks = _load_stacks(contained.resolve(rank_dir / "stack.json", rank_dir / "stack.json"))
+    construct_path = contained.resolve(rank_dir / "construct.json", rank_dir / "construct.json")
     construct = load_json(construct_path) if construct_path.is_file() else {}
     if not isinstance(construct, dict):
         raise UserError(f"{construct_path}: expected an object mapping entry names to parents")
-    parser = _LeafParser(dump_path, data_dir)
+    parser = _LeafParser(dump_path, data_dir, contained)
     entries = []
     for name, body in payload["data"].items():
         if not isinstance(body, dict):
@@ -181,9 +185,10 @@ def _load_stacks(path: Path) -> dict[str, list[str]]:
 
 
 class _LeafParser:
-    def __init__(self, dump_path: Path, data_dir: Path) -> None:
+    def __init__(self, dump_path: Path, data_dir: Path, contained: ContainedPaths) -> None:
         self.dump_path = dump_path
         self.data_dir = data_dir
+        self.contained = contained
         self.saw_producer = False
         self.entry_name = ""
 
@@ -239,7 +244,7 @@ class _LeafParser:
         data_name = value.get("data_name")
         data_path = None
         if isinstance(data_name, str) and data_name not in ("", "-1"):
-            data_path = self.data_dir / data_name
+            data_path = self.contained.child(self.data_dir, data_name, f"{self.dump_path} ({leaf_name})")
         producer = value.get("producer")
         if producer is not None:
             self.saw_producer = True
@@ -276,4 +281,8 @@ def _number(value, path: Path, leaf_name: str):
 
 
 def load_dump_dir(root: Path) -> dict[str, RankDump]:
-    return {label: load_rank_dump(path, label) for label, path in find_rank_dirs(root).items()}
+    """Every step/rank dump under root; nothing read from outside root (a symlinked step or rank
+    folder, data file or data_name that leads out is refused)."""
+    rank_dirs = find_rank_dirs(root)
+    contained = ContainedPaths(root if Path(root).is_dir() else Path(root).parent)
+    return {label: load_rank_dump(path, label, contained) for label, path in rank_dirs.items()}

@@ -36,7 +36,7 @@ import torch
 
 from npukit.accuracy.tensor_io import read_tensor, write_tensor
 from npukit.errors import UserError
-from npukit.files import write_text_atomic
+from npukit.files import ContainedPaths, write_text_atomic
 
 MANIFEST = "replay.json"
 _FORMAT_VERSION = 2  # 2: forward calls are counted per root module, activations are not stored
@@ -128,7 +128,10 @@ class ReplaySession:
             )
 
     def _load_manifest(self) -> dict:
-        path = self.directory / MANIFEST
+        # Every file the manifest names must lie inside the replay folder (no .., absolute names or
+        # symlinks leading out): weights are never loaded from elsewhere.
+        self._contained = ContainedPaths(self.root_directory)
+        path = self._contained.resolve(self.directory / MANIFEST, self.directory / MANIFEST)
         try:
             manifest = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -287,7 +290,10 @@ class ReplaySession:
         return {"other": type(value).__name__}
 
     def _decode(self, encoded: dict, live: torch.Tensor) -> torch.Tensor:
-        path = self.directory / encoded["tensor"]
+        name = encoded.get("tensor")
+        if not isinstance(name, str):
+            raise UserError(f"{self.directory / MANIFEST}: a tensor entry has no file name ({name!r})")
+        path = self._contained.child(self.directory, name, self.directory / MANIFEST)
         array = read_tensor(path, encoded["dtype"], encoded["shape"])
         dtype = _torch_dtype(encoded["dtype"])
         with torch._C.DisableTorchFunction():

@@ -152,6 +152,7 @@ def result_json(result: CompareResult) -> dict:
         "pairs": [
             {
                 "pair": pair.pair,
+                "golden_pair": pair.golden_pair,
                 "mode": pair.mode,
                 "aligned": pair.aligned,
                 "golden_low_precision": pair.golden_low_precision,
@@ -205,6 +206,9 @@ def print_terminal(result: CompareResult, console, top: int = 20) -> None:
         if pair.loss_scale != 1.0:
             console.print(f"target gradients are loss-scaled by {pair.loss_scale:g}{where} (GradScaler): "
                           "backward tensors compared after unscaling")
+        if pair.golden_pair != pair.pair:
+            console.print(f"[yellow]compared the golden run's {escape(pair.golden_pair)} with the target's "
+                          f"{escape(pair.pair)}[/]: each folder holds one dump, of different steps or ranks")
         if pair.skipped_by_grad_scaler:
             side = {"both": "both runs", "golden": "the golden run", "target": "the target"}[pair.skipped_by_grad_scaler]
             console.print(f"[yellow]GradScaler skipped this step in {side}{where}[/]: its gradients overflowed under"

@@ -1,0 +1,188 @@
+"""Dumps and replays from someone else: reads stay inside the folder given, and a verdict needs data.
+
+Each case starts from a correct tensor-mode dump pair (or a recorded replay), breaks it the way a
+crafted or careless input would, and expects exit 2 with a message naming the file -- never a
+read outside the folder, never "no divergence" without compared data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from npukit.accuracy.compare import compare_dirs
+from npukit.accuracy.dump import DumpSession
+from npukit.accuracy.replay import ReplaySession
+from npukit.errors import UserError
+
+RANK = Path("step0/rank0")
+
+
+def _dump(out: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    with DumpSession(out, level="mix", mode="tensor") as session:
+        model(torch.randn(3, 4)).sum().backward()
+        session.step()
+
+
+@pytest.fixture
+def pair(tmp_path):
+    for side in ("golden", "target"):
+        _dump(tmp_path / side)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    np.save(outside / "x.npy", np.full((3, 4), 1e6, dtype=np.float32))  # would decide the verdict if read
+    return tmp_path
+
+
+def _rank_dir(root: Path) -> Path:
+    return root / "target" / RANK
+
+
+def _first_data_name(dump: dict) -> tuple[str, dict]:
+    for name, entry in dump["data"].items():
+        for leaf in entry.get("input_args", []):
+            if isinstance(leaf, dict) and leaf.get("data_name"):
+                return name, leaf
+    raise AssertionError("no tensor file in the dump")
+
+
+def _set_data_name(root: Path, value) -> None:
+    path = _rank_dir(root) / "dump.json"
+    dump = json.loads(path.read_text())
+    _, leaf = _first_data_name(dump)
+    leaf["data_name"] = value(root) if callable(value) else value
+    path.write_text(json.dumps(dump))
+
+
+def _symlink_data_file(root: Path) -> None:
+    dump = json.loads((_rank_dir(root) / "dump.json").read_text())
+    _, leaf = _first_data_name(dump)
+    data_file = _rank_dir(root) / "dump_tensor_data" / leaf["data_name"]
+    data_file.unlink()
+    data_file.symlink_to(root / "outside" / "x.npy")
+
+
+def _symlink_folder(relative: str):
+    def breaker(root: Path) -> None:
+        original = root / "target" / relative
+        moved = root / "outside" / original.name
+        shutil.move(original, moved)
+        original.symlink_to(moved, target_is_directory=moved.is_dir())
+    return breaker
+
+
+def _empty_data(root: Path) -> None:
+    path = _rank_dir(root) / "dump.json"
+    dump = json.loads(path.read_text())
+    dump["data"] = {}
+    path.write_text(json.dumps(dump))
+
+
+def _rename_entries(root: Path) -> None:
+    path = _rank_dir(root) / "dump.json"
+    dump = json.loads(path.read_text())
+    dump["data"] = {f"Other.{name}": entry for name, entry in dump["data"].items()}
+    path.write_text(json.dumps(dump))
+
+
+OUTSIDE = r"leads outside|names a file outside"
+DUMP_CASES = {
+    "data_name with ..": (lambda root: _set_data_name(root, "../../../../outside/x.npy"), OUTSIDE),
+    "absolute data_name": (lambda root: _set_data_name(root, lambda r: str(r / "outside" / "x.npy")), OUTSIDE),
+    "symlinked data file": (_symlink_data_file, OUTSIDE),
+    "symlinked dump_tensor_data": (_symlink_folder(f"{RANK}/dump_tensor_data"), OUTSIDE),
+    "symlinked dump.json": (_symlink_folder(f"{RANK}/dump.json"), OUTSIDE),
+    "symlinked rank folder": (_symlink_folder(str(RANK)), OUTSIDE),
+    "empty data": (_empty_data, r"nothing to compare .* holds no dumped entries"),
+    "no entry in common": (_rename_entries, r"nothing to compare .* none of the target's \d+ entries has a counterpart"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DUMP_CASES))
+def test_a_broken_or_crafted_dump_is_refused_by_name(pair, case):
+    breaker, message = DUMP_CASES[case]
+    breaker(pair)
+    with pytest.raises(UserError, match=message):
+        compare_dirs(pair / "golden", pair / "target", workers=1)
+
+
+def test_the_unbroken_pair_compares_clean(pair):
+    result = compare_dirs(pair / "golden", pair / "target", workers=1)
+    assert [p.divergence for p in result.pairs] == [None] and result.counts()["pass"] > 10
+
+
+@pytest.mark.parametrize("case", ["absolute data_name", "no entry in common"])
+def test_npu_compare_exits_2_with_one_line_and_no_traceback(pair, case):
+    DUMP_CASES[case][0](pair)
+    run = subprocess.run([str(Path(sys.executable).with_name("npu-compare")), "golden", "target"],
+                         capture_output=True, text=True, cwd=pair)
+    assert run.returncode == 2
+    assert "Traceback" not in run.stderr + run.stdout and "No divergence" not in run.stdout
+
+
+# ---------------------------------------------------------------------------- replay
+def _record_replay(directory: Path) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    with ReplaySession(directory):
+        model(torch.randn(4, 3))
+    return model
+
+
+def _point_first_tensor(to):
+    def breaker(directory: Path) -> None:
+        manifest = json.loads((directory / "replay.json").read_text())
+        manifest["modules"][0]["state"]["weight"]["tensor"] = to(directory)
+        (directory / "replay.json").write_text(json.dumps(manifest))
+    return breaker
+
+
+def _symlink_first_tensor(directory: Path) -> None:
+    outside = directory.parent / "outside.npy"
+    np.save(outside, np.full((2, 3), 1e6, dtype=np.float32))
+    target = directory / "tensors" / "000001.npy"
+    target.unlink()
+    target.symlink_to(outside)
+
+
+REPLAY_CASES = {
+    "tensor path with ..": _point_first_tensor(lambda d: "../outside.npy"),
+    "absolute tensor path": _point_first_tensor(lambda d: str(d.parent / "outside.npy")),
+    "symlink in tensors/": _symlink_first_tensor,
+    "tensor path not a string": _point_first_tensor(lambda d: 7),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REPLAY_CASES))
+def test_a_replay_never_loads_weights_from_outside_its_folder(tmp_path, case):
+    directory = tmp_path / "replay"
+    _record_replay(directory)
+    np.save(tmp_path / "outside.npy", np.full((2, 3), 1e6, dtype=np.float32))
+    REPLAY_CASES[case](directory)
+    model = torch.nn.Linear(3, 2)
+    before = model.weight.detach().clone()
+    with pytest.raises(UserError, match=r"replay\.json") as error:
+        with ReplaySession(directory):
+            model(torch.randn(4, 3))
+    assert "outside" in str(error.value) or "no file name" in str(error.value)
+    assert torch.equal(model.weight.detach(), before)  # nothing was loaded
+
+
+def test_a_symlink_that_stays_inside_the_folder_is_followed(pair):
+    data_dir = _rank_dir(pair) / "dump_tensor_data"
+    first = sorted(data_dir.iterdir())[0]
+    copy = data_dir / "copy.npy"
+    shutil.copy(first, copy)
+    first.unlink()
+    os.symlink(copy.name, first)  # relative link inside the folder
+    assert compare_dirs(pair / "golden", pair / "target", workers=1).pairs[0].divergence is None
