@@ -9,6 +9,7 @@ Torch is imported lazily: compare worker processes use only numpy.
 
 from __future__ import annotations
 
+import pickle
 import re
 import zipfile
 from collections.abc import Callable
@@ -163,7 +164,12 @@ def read_tensor(path: Path, dtype_name: str | None = None, shape: list[int] | No
         if array is None:
             try:
                 array = np.load(path, mmap_mode="r" if size > _MMAP_MIN_BYTES else None, allow_pickle=False)
-            except (ValueError, OSError, EOFError) as exc:
+            except ValueError as exc:
+                if "pickle" in str(exc):  # numpy's message advises allow_pickle: never for a file from elsewhere
+                    raise UserError(f"{path}: holds pickled Python objects, which npukit never loads "
+                                    "(a tensor file holds one plain array)") from None
+                raise UserError(f"{path}: corrupt or truncated tensor file ({exc})") from None
+            except (OSError, EOFError) as exc:
                 raise UserError(f"{path}: corrupt or truncated tensor file ({exc})") from None
         if not isinstance(array, np.ndarray):
             raise UserError(f"{path}: expected one array, found an archive")
@@ -185,6 +191,9 @@ def _read_torch_file(path: Path) -> np.ndarray:
         raise UserError(f"{path}: corrupt or truncated .pt file (not a zip archive)")
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:  # torch's message advises weights_only=False: never for a file from elsewhere
+        raise UserError(f"{path}: holds Python objects other than tensors, which npukit never unpickles "
+                        "(a tensor file from a dump holds one tensor)") from None
     except Exception as exc:  # torch raises many types for corrupt archives
         raise UserError(f"{path}: cannot load tensor ({type(exc).__name__}: {exc})") from None
     if not isinstance(loaded, torch.Tensor):

@@ -186,3 +186,23 @@ def test_a_symlink_that_stays_inside_the_folder_is_followed(pair):
     first.unlink()
     os.symlink(copy.name, first)  # relative link inside the folder
     assert compare_dirs(pair / "golden", pair / "target", workers=1).pairs[0].divergence is None
+
+
+class _Payload:
+    def __reduce__(self):  # would run on unpickling
+        return (os.system, ("touch pwned",))
+
+
+@pytest.mark.parametrize("suffix", [".npy", ".pt"])
+def test_a_pickled_tensor_file_is_refused_without_recommending_unsafe_loading(tmp_path, suffix):
+    from npukit.accuracy.tensor_io import read_tensor
+
+    path = tmp_path / f"evil{suffix}"
+    if suffix == ".npy":
+        np.save(path, np.array([_Payload()], dtype=object), allow_pickle=True)
+    else:
+        torch.save({"x": _Payload()}, path)
+    with pytest.raises(UserError, match=r"npukit never (loads|unpickles)") as error:
+        read_tensor(path, "torch.float32", [1])
+    assert "allow_pickle" not in str(error.value) and "weights_only" not in str(error.value)
+    assert not (tmp_path / "pwned").exists() and not Path("pwned").exists()
