@@ -109,3 +109,57 @@ class ContainedPaths:
         if resolved != self._root and not resolved.is_relative_to(self._root):
             raise UserError(f"{named_by}: {path} leads outside {self.root} (to {resolved}); refusing to read it")
         return resolved
+
+
+def output_folder(root: Path | str, *parts: str) -> Path:
+    """root/parts... as a folder, created as needed. An existing component under root that is a
+    symbolic link (or not a folder) is refused: outputs land inside root, never through a link a
+    previous run or someone else left there (`D/step0 -> /elsewhere`). root itself is the user's
+    choice and may be a link."""
+    path = Path(root)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise UserError(f"{path}: exists and is not a folder") from None
+    except OSError as exc:
+        raise UserError(f"{path}: cannot create the output folder ({exc.strerror or exc})") from None
+    for part in parts:
+        path = path / part
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            try:
+                path.mkdir()
+            except FileExistsError:  # made meanwhile by another rank or thread
+                mode = os.lstat(path).st_mode
+            except OSError as exc:
+                raise UserError(f"{path}: cannot create the output folder ({exc.strerror or exc})") from None
+            else:
+                continue
+        if stat.S_ISLNK(mode):
+            raise UserError(f"{path}: is a symbolic link; npukit writes only inside {root} "
+                            "(remove the link or choose another output folder)")
+        if not stat.S_ISDIR(mode):
+            raise UserError(f"{path}: exists and is not a folder")
+    return path
+
+
+def refuse_links_inside(root: Path | str, option: str, depth: int = 3) -> None:
+    """Before a run writes into root: a symbolic link among its existing sub-folders (to `depth`
+    levels) is refused now, not after a training step ran (output_folder refuses it again at write
+    time, for links made meanwhile)."""
+    pending = [(Path(root), 0)]
+    while pending:
+        folder, level = pending.pop()
+        try:
+            entries = list(os.scandir(folder))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except OSError as exc:
+            raise UserError(f"{option}: cannot read {folder} ({exc.strerror or exc})") from None
+        for entry in entries:
+            if entry.is_symlink():
+                raise UserError(f"{option}: {entry.path} is a symbolic link; npukit writes only inside {root} "
+                                "(remove the link or choose another output folder)")
+            if level + 1 < depth and entry.is_dir(follow_symlinks=False):
+                pending.append((Path(entry.path), level + 1))

@@ -36,7 +36,7 @@ from npukit.accuracy.scaler_steps import GradScalerStepWatch
 from npukit.accuracy.stacks import CallStacks
 from npukit.accuracy.tensor_io import strided_form, tensor_to_numpy, write_tensor
 from npukit.errors import UserError
-from npukit.files import write_text_atomic
+from npukit.files import output_folder, refuse_links_inside, write_text_atomic
 
 LEVELS = ("module", "api", "mix")
 MODES = ("stats", "tensor", "md5")
@@ -469,6 +469,7 @@ class DumpSession:
         self._record = _StepRecord()
         self._op_nodes = graph.OpNodes()
         self._scaler_steps = GradScalerStepWatch(lambda: self._active, lambda: None, self._after_scaler_step)
+        self._data_dirs: dict[int, Path] = {}  # step -> its tensor data folder, once made
 
     # ------------------------------------------------------------------ public API
     def __enter__(self) -> DumpSession:
@@ -484,6 +485,7 @@ class DumpSession:
         from torch.nn.modules import module as module_hooks
         from torch.optim import optimizer as optimizer_hooks
 
+        refuse_links_inside(self.out_dir, "--dump")
         self._active = True
         eager.enter("the dump")
         self._handles = [
@@ -887,8 +889,10 @@ class DumpSession:
 
     def _write_data(self, tensor: torch.Tensor, leaf_name: str) -> str:
         data_name = f"{leaf_name}.npy"
-        directory = self._rank_dir(self.step_index) / TENSOR_DATA_DIR
-        directory.mkdir(parents=True, exist_ok=True)
+        directory = self._data_dirs.get(self.step_index)
+        if directory is None:
+            directory = output_folder(self.out_dir, f"step{self.step_index}", f"rank{self.rank}", TENSOR_DATA_DIR)
+            self._data_dirs = {self.step_index: directory}
         # Copy now: the tensor may be changed in place before the writer thread runs.
         with torch._C.DisableTorchFunction():
             snapshot = tensor.detach().to("cpu", copy=True)
@@ -914,9 +918,6 @@ class DumpSession:
         return self._record.stacks.capture(3) if self.capture_stack else None
 
     # ------------------------------------------------------------------ writing
-    def _rank_dir(self, step: int) -> Path:
-        return self.out_dir / f"step{step}" / f"rank{self.rank}"
-
     def _flush(self) -> None:
         """Resolve the step's statistics here (one device sync); put them in the leaves and write
         the files in the writer thread while the next step runs."""
@@ -940,8 +941,7 @@ class DumpSession:
         values = record.stats.resolve()  # resolved by _flush: only host floats here
         for leaf, slot in record.leaves:
             fill_stats(leaf, values[slot])
-        rank_dir = self._rank_dir(step)
-        rank_dir.mkdir(parents=True, exist_ok=True)
+        rank_dir = output_folder(self.out_dir, f"step{step}", f"rank{self.rank}")
         dump = {
             "task": _TASK_NAMES[self.mode],
             "level": _LEVEL_NAMES[self.level],

@@ -36,7 +36,7 @@ import torch
 
 from npukit.accuracy.tensor_io import read_tensor, write_tensor
 from npukit.errors import UserError
-from npukit.files import ContainedPaths, write_text_atomic
+from npukit.files import ContainedPaths, output_folder, refuse_links_inside, write_text_atomic
 
 MANIFEST = "replay.json"
 _FORMAT_VERSION = 2  # 2: forward calls are counted per root module, activations are not stored
@@ -95,7 +95,9 @@ class ReplaySession:
         from torch.nn.modules import module as module_hooks
 
         if not self.replaying:
-            (self.directory / "tensors").mkdir(parents=True, exist_ok=True)
+            refuse_links_inside(self.root_directory, "--replay", depth=2)
+            rank = () if self.rank is None else (f"rank{self.rank}",)
+            output_folder(self.root_directory, *rank, "tensors")
         self._handles = [
             module_hooks.register_module_forward_pre_hook(self._on_pre_forward),
             module_hooks.register_module_forward_hook(self._on_forward, always_call=True),

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from npukit.errors import UserError
-from npukit.files import atomic_path
+from npukit.files import atomic_path, output_folder, refuse_links_inside
 from npukit.profiler.extract import GC_ANNOTATION_PREFIX, table_from_profiler
 from npukit.profiler.table import EVENTS_FILE, META_FILE, EventTable, write_meta
 
@@ -212,6 +212,7 @@ class ProfileSession:
         from torch.optim.optimizer import register_optimizer_step_post_hook
         from torch.profiler import ProfilerAction, ProfilerActivity, profile, schedule
 
+        refuse_links_inside(self.root, "--profile", depth=1)
         self._clear_previous_output()
         if self.schedule is not None:
             s = self.schedule
@@ -282,7 +283,7 @@ class ProfileSession:
                 file=sys.stderr,
             )
         if self.write_trace:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            output_folder(self.root, self.directory.name)
             target = self.directory / f"trace_{len(self.tables) - 1}.json"
             with atomic_path(target) as tmp:
                 prof.export_chrome_trace(str(tmp))
@@ -318,6 +319,7 @@ class ProfileSession:
             "with_stack": self.with_stack,
         }
         table.meta = meta
+        output_folder(self.root, self.directory.name)
         table.save(self.directory)
         write_meta(self.directory, meta)
 

@@ -206,3 +206,34 @@ def test_a_pickled_tensor_file_is_refused_without_recommending_unsafe_loading(tm
         read_tensor(path, "torch.float32", [1])
     assert "allow_pickle" not in str(error.value) and "weights_only" not in str(error.value)
     assert not (tmp_path / "pwned").exists() and not Path("pwned").exists()
+
+
+# ---------------------------------------------------------------------------- outputs
+LINK_LEFT_IN_OUTPUT = {"--dump": "step0", "--replay": "tensors", "--profile": "rank0"}
+
+
+@pytest.mark.parametrize("option", sorted(LINK_LEFT_IN_OUTPUT))
+def test_outputs_never_go_through_a_link_left_in_the_output_folder_and_the_script_does_not_run(tmp_path, option):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / LINK_LEFT_IN_OUTPUT[option]).symlink_to(elsewhere, target_is_directory=True)
+    (tmp_path / "train.py").write_text("import torch\nprint('RAN')\nm = torch.nn.Linear(2, 2)\nm(torch.ones(1, 2))\n")
+    run = subprocess.run([str(Path(sys.executable).with_name("npu-run")), option, "out", "train.py"],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "is a symbolic link" in run.stderr and "Traceback" not in run.stderr
+    assert "RAN" not in run.stdout  # refused before the run, not after it
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_a_link_made_during_the_run_is_refused_when_writing(tmp_path):
+    from npukit.files import output_folder
+
+    (tmp_path / "out").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "out" / "step3").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    with pytest.raises(UserError, match=r"out/step3: is a symbolic link"):
+        output_folder(tmp_path / "out", "step3", "rank0")
+    assert output_folder(tmp_path / "out", "step4", "rank0") == tmp_path / "out" / "step4" / "rank0"
