@@ -71,6 +71,8 @@ class Thresholds:
                 number = None
             if not sep or number is None:
                 raise UserError(f"{option}: {item!r} is not NAME=NUMBER (e.g. bf16.warn_rel_l2=0.05)")
+            if not math.isfinite(number) or number < 0:
+                raise UserError(f"{option}: {item!r}: a threshold is a finite number >= 0")
             target, _, attr = key.strip().rpartition(".")
             holder = getattr(result, target, None) if target else result
             if holder is None or attr not in {f.name for f in fields(holder)} or isinstance(getattr(holder, attr), DtypeLimits):

@@ -124,6 +124,10 @@ def _hook_subject(args) -> str:
     return ""
 
 
+_MAX_STEP = 10**9
+_MAX_SELECTED = 10**6
+
+
 def parse_steps(spec: str | None, option: str = "--dump-steps") -> frozenset[int] | None:
     """`"0,2-4"` -> {0, 2, 3, 4}; None means every step (also used for rank lists)."""
     if spec is None or not str(spec).strip():
@@ -136,14 +140,17 @@ def parse_steps(spec: str | None, option: str = "--dump-steps") -> frozenset[int
                 low, high = (int(value) for value in part.split("-", 1))
                 if low < 0 or high < low:
                     raise ValueError
-                steps.update(range(low, high + 1))
             else:
-                value = int(part)
-                if value < 0:
+                low = high = int(part)
+                if low < 0:
                     raise ValueError
-                steps.add(value)
         except ValueError:
             raise UserError(f"{option}: {part!r} is not a number or range (expected e.g. 0,2-4)") from None
+        if high > _MAX_STEP:
+            raise UserError(f"{option}: {part!r}: numbers above {_MAX_STEP:,} are not steps or ranks a run reaches")
+        if high - low >= _MAX_SELECTED:
+            raise UserError(f"{option}: {part!r} selects more than {_MAX_SELECTED:,}; select fewer")
+        steps.update(range(low, high + 1))
     return frozenset(steps)
 
 
@@ -527,6 +534,11 @@ class DumpSession:
             self._writer.shutdown(wait=True)
             self._writer = None
             self._pending_writes = []
+        if self.steps is not None and not self.written_steps:
+            selected = ", ".join(str(step) for step in sorted(self.steps)[:5]) + (" ..." if len(self.steps) > 5 else "")
+            print(f"npukit: nothing dumped into {self.out_dir}: --dump-steps selected step(s) {selected}, and the "
+                  f"run ended in step {self.step_index} (steps count from 0 and end at optimizer.step)",
+                  file=sys.stderr)
 
     # ------------------------------------------------------------------ step logic
     def _step_selected(self) -> bool:

@@ -23,6 +23,9 @@ from npukit.files import ContainedPaths
 _RANK_DIR = re.compile(r"^(rank\d*|proc\d+)$")
 _STEP_DIR = re.compile(r"^step(\d+)$")
 TENSOR_DATA_DIR = "dump_tensor_data"
+# torch dtype names (msprobe writes them with or without "torch."): float*, bfloat16, int*, uint*,
+# complex*, bool, the quantized and bit types.
+_DTYPE_NAME = re.compile(r"(torch\.)?(float|bfloat|int|uint|complex|bool|qint|quint|bits|half|double|long|short)\w*")
 
 
 @dataclass
@@ -124,6 +127,8 @@ def load_json(path: Path):
             return json.load(handle)
     except json.JSONDecodeError as exc:
         raise UserError(f"{path}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+    except RecursionError:
+        raise UserError(f"{path}: JSON nested too deeply to be a dump, replay or profile file") from None
     except UnicodeDecodeError as exc:
         raise UserError(f"{path}: not a text file ({exc.reason})") from None
     except OSError as exc:
@@ -149,7 +154,10 @@ def load_rank_dump(rank_dir: Path, label: str = "", contained: ContainedPaths | 
     for name, body in payload["data"].items():
         if not isinstance(body, dict):
             raise UserError(f"{dump_path}: entry {name!r} is not an object")
-        entries.append(parser.entry(name, body, construct.get(name), stacks.get(name, [])))
+        try:
+            entries.append(parser.entry(name, body, construct.get(name), stacks.get(name, [])))
+        except RecursionError:
+            raise UserError(f"{dump_path}: entry {name!r} is nested too deeply to be a dump entry") from None
     return RankDump(rank_dir, label, str(payload.get("task", "")), entries, parser.saw_producer,
                     _skipped_at_loss_scale(payload, dump_path))
 
@@ -202,6 +210,10 @@ class _LeafParser:
             return entry
         # forward: input_args / input_kwargs / output / parameters;
         # backward: input (grads of outputs) / output (grads of inputs); older dumps say grad_*.
+        for key in ("input_args", "input", "grad_output", "output", "grad_input", "input_kwargs", "parameters"):
+            if body.get(key) is not None and not isinstance(body[key], list | dict):
+                raise UserError(f"{self.dump_path}: entry {name}: \"{key}\" must be a list or an object, "
+                                f"found {type(body[key]).__name__} {body[key]!r:.40}")
         for key in ("input_args", "input", "grad_output"):
             if key in body:
                 self._collect(body[key], f"{name}.input", entry.inputs)
@@ -233,15 +245,21 @@ class _LeafParser:
         dtype = value.get("dtype")
         shape = value.get("shape")
         if not isinstance(dtype, str) or not isinstance(shape, list) or not all(
-            isinstance(size, int) and not isinstance(size, bool) for size in shape
+            isinstance(size, int) and not isinstance(size, bool) and size >= 0 for size in shape
         ):
-            raise UserError(f"{self.dump_path}: tensor {leaf_name} has no dtype/shape (or a malformed one)")
+            raise UserError(f"{self.dump_path}: tensor {leaf_name} has no dtype/shape (or a malformed one: "
+                            f"dtype {dtype!r}, shape {shape!r})")
+        if not _DTYPE_NAME.fullmatch(dtype):
+            raise UserError(f"{self.dump_path}: tensor {leaf_name} has an unknown dtype {dtype!r}")
+        data_name = value.get("data_name")
+        if data_name is not None and not isinstance(data_name, str):
+            raise UserError(f"{self.dump_path}: tensor {leaf_name} has a data_name that is not a file name "
+                            f"({data_name!r})")
         stats = None
         if "Max" in value:
             stats = tuple(_number(value.get(key), self.dump_path, leaf_name) for key in ("Max", "Min", "Mean", "Norm"))
             if all(item is None for item in stats):
                 stats = None
-        data_name = value.get("data_name")
         data_path = None
         if isinstance(data_name, str) and data_name not in ("", "-1"):
             data_path = self.contained.child(self.data_dir, data_name, f"{self.dump_path} ({leaf_name})")

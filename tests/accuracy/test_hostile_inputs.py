@@ -237,3 +237,69 @@ def test_a_link_made_during_the_run_is_refused_when_writing(tmp_path):
     with pytest.raises(UserError, match=r"out/step3: is a symbolic link"):
         output_folder(tmp_path / "out", "step3", "rank0")
     assert output_folder(tmp_path / "out", "step4", "rank0") == tmp_path / "out" / "step4" / "rank0"
+
+
+def _first_leaf_field(field, value):
+    def breaker(root: Path) -> None:
+        path = _rank_dir(root) / "dump.json"
+        dump = json.loads(path.read_text())
+        _, leaf = _first_data_name(dump)
+        leaf[field] = value
+        path.write_text(json.dumps(dump))
+    return breaker
+
+
+def _entry_field(field, value):
+    def breaker(root: Path) -> None:
+        path = _rank_dir(root) / "dump.json"
+        dump = json.loads(path.read_text())
+        name, _ = _first_data_name(dump)
+        dump["data"][name][field] = value
+        path.write_text(json.dumps(dump))
+    return breaker
+
+
+def _deep_json(root: Path) -> None:
+    (_rank_dir(root) / "dump.json").write_text('{"data": ' + "[" * 100_000 + "]" * 100_000 + "}")
+
+
+MALFORMED_CASES = {
+    "unknown dtype": (_first_leaf_field("dtype", "torch.evil"), r"unknown dtype 'torch.evil'"),
+    "data_name not a string": (_first_leaf_field("data_name", 123), r"data_name that is not a file name \(123\)"),
+    "negative size": (_first_leaf_field("shape", [3, -4]), r"malformed one: dtype 'torch.float32', shape \[3, -4\]"),
+    "output not a list": (_entry_field("output", 5), r'"output" must be a list or an object, found int 5'),
+    "JSON nested 100k deep": (_deep_json, r"nested too deeply"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED_CASES))
+def test_a_malformed_dump_field_is_named_not_skipped(pair, case):
+    breaker, message = MALFORMED_CASES[case]
+    breaker(pair)
+    with pytest.raises(UserError, match=message):
+        compare_dirs(pair / "golden", pair / "target", workers=1)
+
+
+@pytest.mark.parametrize("setting", ["amplification=nan", "bf16.warn_rel_l2=inf", "negligible=-1"])
+def test_a_threshold_must_be_a_finite_non_negative_number(setting):
+    from npukit.accuracy.compare import Thresholds
+
+    with pytest.raises(UserError, match=r"--set: .* a threshold is a finite number >= 0"):
+        Thresholds().with_overrides([setting])
+
+
+@pytest.mark.parametrize("spec", ["99999999999999999999", "0-99999999999"])
+def test_dump_steps_out_of_reach_are_refused_at_once(spec):
+    from npukit.accuracy.dump import parse_steps
+
+    with pytest.raises(UserError, match=r"--dump-steps: .*(not steps or ranks a run reaches|select fewer)"):
+        parse_steps(spec)
+
+
+def test_a_dump_that_wrote_nothing_says_so(tmp_path, capsys):
+    with DumpSession(tmp_path / "d", level="mix", mode="stats", steps="5") as session:
+        torch.nn.Linear(2, 2)(torch.ones(1, 2)).sum().backward()
+        session.step()
+    err = capsys.readouterr().err
+    assert "nothing dumped into" in err and "selected step(s) 5" in err and "ended in step 1" in err
+    assert not (tmp_path / "d").exists() or not any((tmp_path / "d").iterdir())
