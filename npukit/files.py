@@ -7,6 +7,7 @@ Ctrl-C never leaves a half-written file for the next command to choke on.
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import tempfile
@@ -163,3 +164,18 @@ def refuse_links_inside(root: Path | str, option: str, depth: int = 3) -> None:
                                 "(remove the link or choose another output folder)")
             if level + 1 < depth and entry.is_dir(follow_symlinks=False):
                 pending.append((Path(entry.path), level + 1))
+
+
+def load_json(path: Path | str):
+    """A JSON file from elsewhere, or a UserError naming it (invalid, not text, too deep, unreadable)."""
+    try:
+        with open(path) as handle:
+            return json.load(handle)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+    except RecursionError:
+        raise UserError(f"{path}: JSON nested too deeply to be a dump, replay or profile file") from None
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}: not a text file ({exc.reason})") from None
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read ({exc.strerror})") from None

@@ -11,14 +11,13 @@ Every problem (bad JSON, a leaf without dtype, a missing data file) is a UserErr
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from npukit.accuracy import naming
 from npukit.errors import UserError
-from npukit.files import ContainedPaths
+from npukit.files import ContainedPaths, load_json
 
 _RANK_DIR = re.compile(r"^(rank\d*|proc\d+)$")
 _STEP_DIR = re.compile(r"^step(\d+)$")
@@ -119,20 +118,6 @@ def find_rank_dirs(root: Path) -> dict[str, Path]:
 
 def _label_sort_key(label: str):
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", label)]
-
-
-def load_json(path: Path):
-    try:
-        with open(path) as handle:
-            return json.load(handle)
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
-    except RecursionError:
-        raise UserError(f"{path}: JSON nested too deeply to be a dump, replay or profile file") from None
-    except UnicodeDecodeError as exc:
-        raise UserError(f"{path}: not a text file ({exc.reason})") from None
-    except OSError as exc:
-        raise UserError(f"{path}: cannot read ({exc.strerror})") from None
 
 
 def load_rank_dump(rank_dir: Path, label: str = "", contained: ContainedPaths | None = None) -> RankDump:

@@ -36,7 +36,7 @@ import torch
 
 from npukit.accuracy.tensor_io import read_tensor, write_tensor
 from npukit.errors import UserError
-from npukit.files import ContainedPaths, output_folder, refuse_links_inside, write_text_atomic
+from npukit.files import ContainedPaths, load_json, output_folder, refuse_links_inside, write_text_atomic
 
 MANIFEST = "replay.json"
 _FORMAT_VERSION = 2  # 2: forward calls are counted per root module, activations are not stored
@@ -134,10 +134,7 @@ class ReplaySession:
         # symlinks leading out): weights are never loaded from elsewhere.
         self._contained = ContainedPaths(self.root_directory)
         path = self._contained.resolve(self.directory / MANIFEST, self.directory / MANIFEST)
-        try:
-            manifest = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise UserError(f"{path}: not a valid replay manifest ({exc})") from None
+        manifest = load_json(path)
         if not isinstance(manifest, dict) or manifest.get("version") != _FORMAT_VERSION:
             raise UserError(f"{path}: not a replay manifest of format version {_FORMAT_VERSION}")
         return manifest

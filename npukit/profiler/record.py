@@ -179,6 +179,8 @@ class ProfileSession:
         self.schedule = parse_steps(steps)
         self.rank = rank_from_env() if rank is None else rank
         self.directory = self.root / f"rank{self.rank}"
+        if self.root.exists() and not self.root.is_dir():
+            raise UserError(f"--profile: {self.root} exists and is not a directory")
         if self.directory.exists() and not self.directory.is_dir():
             raise UserError(f"--profile {self.root}: {self.directory} exists and is not a directory")
         self.with_stack = with_stack

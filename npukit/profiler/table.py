@@ -9,13 +9,14 @@ string pool; the *_id columns index into it, -1 meaning "none".
 from __future__ import annotations
 
 import json
+import zipfile
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
 
 from npukit.errors import UserError
-from npukit.files import atomic_open
+from npukit.files import atomic_open, load_json
 
 SCHEMA_VERSION = 1
 EVENTS_FILE = "events.npz"
@@ -129,8 +130,12 @@ class EventTable:
                     raise UserError(f"{path}: event table schema {version}, this npukit reads schema {SCHEMA_VERSION}; re-record the profile")
                 columns = {name: data[name] for name in cls.column_names()}
                 strings = data["strings"].tolist()
-        except (OSError, ValueError, KeyError) as exc:
-            raise UserError(f"{path}: not a readable npukit event table ({exc})") from None
+        except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as exc:
+            reason = str(exc) or type(exc).__name__
+            if "pickle" in reason:  # numpy's message would advise loading it unsafely
+                reason = "it holds pickled Python objects, which npukit never loads"
+            raise UserError(f"{path}: not a readable npukit event table ({reason})") from None
+        _check_columns(path, columns, strings)
         meta = read_meta(directory)
         return cls(strings=strings, meta=meta, **columns)
 
@@ -160,6 +165,31 @@ class EventTable:
         return cls(strings=strings, meta=meta, **columns)
 
 
+def _check_columns(path: Path, columns: dict[str, np.ndarray], strings: list) -> None:
+    """A table from elsewhere: every column of the right kind and length, every id inside the
+    string pool and every parent a row (a crafted table must not show another op's name)."""
+    rows = None
+    for name, column in columns.items():
+        expected = np.dtype(COLUMN_DTYPES[name])
+        if column.ndim != 1 or column.dtype.kind != expected.kind:
+            raise UserError(f"{path}: column {name} holds {column.dtype}{list(column.shape)}, expected a 1-d {expected}")
+        rows = len(column) if rows is None else rows
+        if len(column) != rows:
+            raise UserError(f"{path}: column {name} has {len(column)} rows, other columns {rows}")
+    if not all(isinstance(text, str) for text in strings):
+        raise UserError(f"{path}: the string pool holds non-text values")
+    for name, column in columns.items():
+        if not len(column):
+            continue
+        if name.endswith("_id"):
+            low = 0 if name == "name_id" else -1
+            if column.min() < low or column.max() >= len(strings):
+                raise UserError(f"{path}: column {name} refers to strings outside the pool of {len(strings)}"
+                                f" (values {column.min()} to {column.max()})")
+        elif name == "parent" and (column.min() < -1 or column.max() >= rows):
+            raise UserError(f"{path}: column parent refers to rows outside the table of {rows}")
+
+
 def write_meta(directory: Path, meta: dict) -> None:
     with atomic_open(directory / META_FILE) as handle:
         json.dump(meta, handle, indent=2)
@@ -169,10 +199,10 @@ def read_meta(directory: Path) -> dict:
     path = directory / META_FILE
     if not path.is_file():
         return {}
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path}: invalid JSON ({exc})") from None
+    meta = load_json(path)
+    if not isinstance(meta, dict):
+        raise UserError(f"{path}: expected an object, found {type(meta).__name__}")
+    return meta
 
 
 class TableBuilder:
