@@ -8,7 +8,7 @@ from pathlib import Path
 
 from npukit.errors import UserError
 from npukit.migrate.report import print_summary, to_json, write_reports
-from npukit.migrate.runner import MigrateOptions, run_migration, unified_diff
+from npukit.migrate.runner import MigrateOptions, MigrationInterrupted, run_migration, unified_diff
 
 _PROGRESS_MIN_FILES = 100  # smaller trees finish before a bar is worth drawing
 
@@ -41,6 +41,9 @@ def main(json_output: bool = False, **option_values) -> int:
 
     try:
         run = run_migration(options, progress_factory=progress_factory)
+    except MigrationInterrupted as interrupted:
+        console.print(f"[red]npu-migrate: {interrupted}[/red]")
+        return 130
     finally:
         if progress_bar is not None:
             progress_bar.stop()

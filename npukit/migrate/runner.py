@@ -328,6 +328,18 @@ def _validate(options: MigrateOptions) -> None:
             )
 
 
+class MigrationInterrupted(Exception):
+    """Ctrl-C while an in-place run was writing: which files were written (each whole) and which not."""
+
+    def __init__(self, written: list[str], remaining: list[str]) -> None:
+        self.written, self.remaining = written, remaining
+        shown = ", ".join(remaining[:5]) + (f" and {len(remaining) - 5} more" if len(remaining) > 5 else "")
+        super().__init__(
+            f"interrupted while writing: {len(written)} of {len(written) + len(remaining)} changed files were "
+            f"written (each whole), not yet: {shown}. Run the same command again to finish (add --force in a git "
+            "tree: it now has uncommitted changes); files already migrated are left as they are")
+
+
 def run_migration(options: MigrateOptions, progress_factory=None) -> MigrationRun:
     """Run one migration. progress_factory(total) -> callable(advance) draws a progress bar."""
     _validate(options)
@@ -353,20 +365,32 @@ def run_migration(options: MigrateOptions, progress_factory=None) -> MigrationRu
 def _write(options: MigrateOptions, root: Path, discovery: fs.Discovery, results: list[FileResult]) -> None:
     changed = {r.path: r for r in results if r.changed}
     if options.out is None:
-        for relative, result in changed.items():
-            path = root / relative
-            if not fs.inside(path, root):  # a path that escapes through a symlinked parent
-                result.findings.append(Finding(relative, 1, 1, "outside-target", "warning", "",
-                                               "resolves outside the target; not written", "migrate it where it lives"))
-                result.new_bytes = None
-                continue
-            try:
-                fs.atomic_write(path, result.new_bytes, mode_from=path)
-            except OSError as exc:  # this file stays as it was; the others are still migrated
-                result.new_bytes = None
-                result.error = f"could not be written ({exc.strerror or exc})"
-                result.findings.append(Finding(relative, 1, 1, "unwritable", "error", "",
-                                               f"{result.error}; left unchanged", "fix its permissions and run again"))
+        written: list[str] = []
+        try:
+            for relative, result in changed.items():
+                path = root / relative
+                if not fs.inside(path, root):  # a path that escapes through a symlinked parent
+                    result.findings.append(Finding(relative, 1, 1, "outside-target", "warning", "",
+                                                   "resolves outside the target; not written", "migrate it where it lives"))
+                    result.new_bytes = None
+                    continue
+                # Read-only by its mode (even for root, whom os.access lets write): respected, not replaced.
+                read_only = not os.stat(path).st_mode & 0o222 or not os.access(path, os.W_OK)
+                problem = "the file is read-only" if read_only else None
+                if problem is None:
+                    try:
+                        fs.atomic_write(path, result.new_bytes, mode_from=path)
+                    except (OSError, UserError) as exc:
+                        problem = getattr(exc, "strerror", None) or str(exc)
+                if problem is not None:  # this file stays as it was; the others are still migrated
+                    result.new_bytes = None
+                    result.error = f"could not be written ({problem})"
+                    result.findings.append(Finding(relative, 1, 1, "unwritable", "error", "", f"{result.error}; left "
+                                                   "unchanged", "fix its permissions and run again"))
+                    continue
+                written.append(relative)
+        except KeyboardInterrupt:
+            raise MigrationInterrupted(written, [r for r in changed if r not in written]) from None
         return
     out = options.out
     try:

@@ -363,3 +363,48 @@ def test_real_corpus_torch_distributed_migrates_cleanly_and_idempotently() -> No
         text = result.new_bytes.decode("utf-8")
         ast.parse(text)
         assert migrate_python(text, result.path).text == text, result.path
+
+
+def _tree(root: Path, count: int) -> list[Path]:
+    root.mkdir()
+    paths = [root / f"train{i}.py" for i in range(count)]
+    for path in paths:
+        path.write_text(TRAIN)
+    return paths
+
+
+def test_a_read_only_file_in_the_middle_is_reported_and_the_others_are_migrated(tmp_path: Path) -> None:
+    paths = _tree(tmp_path / "tree", 3)
+    paths[1].chmod(0o444)
+    run = run_migration(MigrateOptions(target=tmp_path / "tree"))
+    assert paths[1].read_text() == TRAIN and stat.S_IMODE(paths[1].stat().st_mode) == 0o444
+    assert ".npu()" in paths[0].read_text() and ".npu()" in paths[2].read_text()
+    unwritable = [f for r in run.results for f in r.findings if f.kind == "unwritable"]
+    assert [(f.path, f.severity) for f in unwritable] == [("train1.py", "error")]
+    assert "read-only" in unwritable[0].reason
+
+
+def test_an_interrupt_while_writing_says_what_was_written_and_a_rerun_finishes(tmp_path: Path, monkeypatch,
+                                                                                capsys) -> None:
+    from npukit.migrate import files as fs
+    from npukit.migrate.cli_support import main
+
+    paths = _tree(tmp_path / "tree", 4)
+    real_write, writes = fs.atomic_write, []
+
+    def interrupted_write(path, data, **kwargs):
+        if len(writes) == 2:
+            raise KeyboardInterrupt  # Ctrl-C between the second and the third file
+        writes.append(path)
+        real_write(path, data, **kwargs)
+
+    monkeypatch.setattr(fs, "atomic_write", interrupted_write)
+    assert main(target=tmp_path / "tree") == 130
+    message = " ".join(capsys.readouterr().err.split())
+    assert "interrupted while writing: 2 of 4 changed files were written (each whole)" in message
+    assert "train2.py, train3.py" in message and "Run the same command again to finish" in message
+    assert [".npu()" in p.read_text() for p in paths] == [True, True, False, False]
+    monkeypatch.setattr(fs, "atomic_write", real_write)
+    assert main(target=tmp_path / "tree") == 0
+    assert all(".npu()" in p.read_text() for p in paths)
+    assert paths[0].read_text() == paths[3].read_text()  # the written ones were left as they were
