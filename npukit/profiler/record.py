@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from npukit.errors import UserError
-from npukit.files import atomic_path, output_folder, refuse_links_inside
+from npukit.files import atomic_path, check_output_location, output_folder, refuse_links_inside
 from npukit.profiler.extract import GC_ANNOTATION_PREFIX, table_from_profiler
 from npukit.profiler.table import EVENTS_FILE, META_FILE, EventTable, write_meta
 
@@ -122,12 +122,26 @@ class _ModuleNamer:
 
 
 class _GcMarker:
-    """Marks Python garbage-collection pauses as "Python GC gen<N>" ranges in the profile."""
+    """Marks Python garbage-collection pauses as "Python GC gen<N>" ranges in the profile.
+
+    The callback imports nothing: a collection can start in the middle of an import (torch's lazy
+    imports as the profiler starts), and importing from inside it corrupts the import locks
+    (`KeyError` in `_find_and_load`, then "import ... halted; None in sys.modules")."""
 
     def __init__(self) -> None:
         self._open = None
+        self._record_function = None
+        self._is_compiling = None
+        self._in_dispatch_mode = None
 
     def install(self) -> None:
+        import torch
+        from torch.autograd.profiler import record_function
+        from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+        self._record_function = record_function
+        self._is_compiling = torch.compiler.is_compiling
+        self._in_dispatch_mode = is_in_torch_dispatch_mode
         gc.callbacks.append(self._callback)
 
     def remove(self) -> None:
@@ -135,16 +149,12 @@ class _GcMarker:
             gc.callbacks.remove(self._callback)
 
     def _callback(self, phase: str, info: dict) -> None:
-        import torch
-        from torch.autograd.profiler import record_function
-        from torch.utils._python_dispatch import is_in_torch_dispatch_mode
-
         if phase == "start" and self._open is None:
             # A collection can start while torch.compile traces (fake/proxy tensor modes): a range
             # opened there would be traced as an op. Those pauses are left unmarked.
-            if torch.compiler.is_compiling() or is_in_torch_dispatch_mode():
+            if self._is_compiling() or self._in_dispatch_mode():
                 return
-            marker = record_function(f"{GC_ANNOTATION_PREFIX} gen{info.get('generation', '?')}")
+            marker = self._record_function(f"{GC_ANNOTATION_PREFIX} gen{info.get('generation', '?')}")
             try:
                 marker.__enter__()
             except Exception:  # marking is a nicety: never an error in the user's run
@@ -179,8 +189,7 @@ class ProfileSession:
         self.schedule = parse_steps(steps)
         self.rank = rank_from_env() if rank is None else rank
         self.directory = self.root / f"rank{self.rank}"
-        if self.root.exists() and not self.root.is_dir():
-            raise UserError(f"--profile: {self.root} exists and is not a directory")
+        check_output_location(self.root, "--profile")
         if self.directory.exists() and not self.directory.is_dir():
             raise UserError(f"--profile {self.root}: {self.directory} exists and is not a directory")
         self.with_stack = with_stack
