@@ -179,3 +179,20 @@ def load_json(path: Path | str):
         raise UserError(f"{path}: not a text file ({exc.reason})") from None
     except OSError as exc:
         raise UserError(f"{path}: cannot read ({exc.strerror})") from None
+
+
+def check_output_location(path: Path | str, option: str) -> None:
+    """Before a run: the folder `path` can be created (or is a folder) and written, so that a
+    training step never runs to fail on its output (a file in the way, a read-only file system)."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{option}: {path} exists and is not a directory")
+    existing = path
+    while not existing.exists():
+        if existing.parent == existing:
+            break
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"{option}: {path} cannot be created: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{option}: {path} cannot be written ({existing} is read-only or not writable)")

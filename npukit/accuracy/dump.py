@@ -36,7 +36,7 @@ from npukit.accuracy.scaler_steps import GradScalerStepWatch
 from npukit.accuracy.stacks import CallStacks
 from npukit.accuracy.tensor_io import strided_form, tensor_to_numpy, write_tensor
 from npukit.errors import UserError
-from npukit.files import output_folder, refuse_links_inside, write_text_atomic
+from npukit.files import check_output_location, output_folder, refuse_links_inside, write_text_atomic
 
 LEVELS = ("module", "api", "mix")
 MODES = ("stats", "tensor", "md5")
@@ -441,8 +441,7 @@ class DumpSession:
         if mode not in MODES:
             raise UserError(f"--dump-mode: {mode!r} is not one of {', '.join(MODES)}")
         self.out_dir = Path(out_dir)
-        if self.out_dir.exists() and not self.out_dir.is_dir():
-            raise UserError(f"--dump: {self.out_dir} exists and is not a directory")
+        check_output_location(self.out_dir, "--dump")
         self.level = level
         self.mode = mode
         self.steps = parse_steps(steps)

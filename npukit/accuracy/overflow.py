@@ -60,6 +60,7 @@ from npukit.accuracy.scaler_steps import GradScalerStepWatch
 from npukit.accuracy.stacks import CallStacks
 from npukit.accuracy.tensor_io import strided_form, write_tensor
 from npukit.errors import UserError
+from npukit.files import check_output_location
 
 ACTIONS = ("report", "dump", "stop")
 LEVELS = ("api", "module")
@@ -342,8 +343,7 @@ class OverflowSession:
         self.underflow_threshold = underflow_threshold
         self.underflows: dict[str, dict] = {}  # op name -> its worst underflow finding
         self.out_dir = Path(out_dir)
-        if self.out_dir.exists() and not self.out_dir.is_dir():
-            raise UserError(f"--overflow-dir: {self.out_dir} exists and is not a directory")
+        check_output_location(self.out_dir, "--overflow-dir")
         self.action = action
         self.max_events = max_events
         self.level = level

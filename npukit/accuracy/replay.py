@@ -36,7 +36,14 @@ import torch
 
 from npukit.accuracy.tensor_io import read_tensor, write_tensor
 from npukit.errors import UserError
-from npukit.files import ContainedPaths, load_json, output_folder, refuse_links_inside, write_text_atomic
+from npukit.files import (
+    ContainedPaths,
+    check_output_location,
+    load_json,
+    output_folder,
+    refuse_links_inside,
+    write_text_atomic,
+)
 
 MANIFEST = "replay.json"
 _FORMAT_VERSION = 2  # 2: forward calls are counted per root module, activations are not stored
@@ -74,6 +81,7 @@ class ReplaySession:
         self.batches = batches
         self.replaying = (self.directory / MANIFEST).is_file()
         if not self.replaying:
+            check_output_location(root, "--replay")
             self._check_layout(root)
         self._manifest = self._load_manifest() if self.replaying else {
             "version": _FORMAT_VERSION, "modules": [], "forward_inputs": [], "batches": [],

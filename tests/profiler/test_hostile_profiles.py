@@ -78,3 +78,15 @@ def test_an_output_that_is_a_file_is_refused_before_the_script_runs(tmp_path, op
                          capture_output=True, text=True, cwd=tmp_path)
     assert run.returncode == 2 and "afile" in run.stderr and "not a directory" in run.stderr
     assert "RAN" not in run.stdout and "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize("option", ["--profile", "--dump", "--replay", "--overflow-dir"])
+def test_an_output_below_a_file_is_refused_before_the_script_runs(tmp_path, option):
+    (tmp_path / "afile").write_text("not a folder")
+    (tmp_path / "train.py").write_text("print('RAN')\n")
+    extra = ["--detect-overflow"] if option == "--overflow-dir" else []
+    run = subprocess.run([str(Path(sys.executable).with_name("npu-run")), *extra, option, "afile/sub", "train.py"],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "afile/sub cannot be created: afile is not a directory" in run.stderr
+    assert "RAN" not in run.stdout and "Traceback" not in run.stderr
