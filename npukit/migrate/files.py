@@ -30,6 +30,9 @@ NATIVE_SUFFIXES = (".cu", ".cuh", ".cpp", ".cc", ".cxx", ".c", ".h", ".hpp", ".h
 # requirements files, also pip-compile/uv export output and rye's requirements*.lock
 _REQUIREMENTS = re.compile(r"(requirements|constraints)[\w.-]*\.(txt|in|lock)\Z|.*\.requirements\.txt\Z", re.I)
 MAX_CONFIG_BYTES = 2 * 1024 * 1024  # larger JSON/YAML files are data, not configuration
+# Larger sources are generated code: analysing one costs ~200x its size in memory (a 50 MB file took
+# 10 GB and 135 s); it is reported, not analysed.
+MAX_SOURCE_BYTES = 8 * 1024 * 1024
 
 
 def kind_of(relative: str) -> str | None:

@@ -185,7 +185,8 @@ def write_reports(run: MigrationRun, directory: Path) -> list[Path]:
     written = []
     for name, content in outputs.items():
         path = directory / name
-        atomic_write(path, content.encode("utf-8"))
+        # A file name with undecodable bytes (kept as surrogates) is written as \xNN: reports stay UTF-8.
+        atomic_write(path, content.encode("utf-8", "backslashreplace"))
         written.append(path)
     return written
 

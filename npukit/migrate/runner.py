@@ -102,12 +102,18 @@ def process_file(root: str, relative: str, kind: str, settings: FileSettings) ->
         result.error = f"cannot be read ({exc.strerror})"
         return result
     if kind in ("yaml", "json") and len(data) > fs.MAX_CONFIG_BYTES:
+        if b"cuda" in data.lower():  # data, not configuration; but it mentions CUDA: say so
+            result.findings.append(Finding(relative, 1, 1, "too-large", "info", "", f"larger than "
+                                           f"{fs.MAX_CONFIG_BYTES >> 20} MB, read as data: not scanned, and it "
+                                           "mentions cuda", "check it by hand if it is configuration"))
+        return result
+    if len(data) > fs.MAX_SOURCE_BYTES:
+        result.error = f"is larger than {fs.MAX_SOURCE_BYTES >> 20} MB (generated code?): not analysed"
         return result
     try:
         decoded = fs.decode(data, kind)
     except fs.UndecodableError as exc:
-        if kind in ("python", "notebook", "shell", "dockerfile"):
-            result.error = str(exc)
+        result.error = str(exc)  # every kind: reported as unparsable, never skipped in silence
         return result
     text = decoded.text
     try:

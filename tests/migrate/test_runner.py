@@ -408,3 +408,31 @@ def test_an_interrupt_while_writing_says_what_was_written_and_a_rerun_finishes(t
     assert main(target=tmp_path / "tree") == 0
     assert all(".npu()" in p.read_text() for p in paths)
     assert paths[0].read_text() == paths[3].read_text()  # the written ones were left as they were
+
+
+def test_undecodable_config_and_oversized_sources_are_reported_not_skipped(tmp_path: Path, monkeypatch) -> None:
+    from npukit.migrate import files as fs
+
+    root = tmp_path / "tree"
+    root.mkdir()
+    (root / "conf.yaml").write_bytes(b"device: cuda\nname: \xff\xfe\n")
+    (root / "generated.py").write_text("import torch\n" + "x = torch.zeros(1).cuda()\n" * 50)
+    monkeypatch.setattr(fs, "MAX_SOURCE_BYTES", 1000)  # the real bound is 8 MB
+    run = run_migration(MigrateOptions(target=root, dry_run=True))
+    reported = {f.path: f.reason for r in run.results for f in r.findings if f.kind == "unparsable"}
+    assert set(reported) == {"conf.yaml", "generated.py"}
+    assert "cannot be decoded as utf-8" in reported["conf.yaml"]
+    assert "larger than 0 MB (generated code?): not analysed" in reported["generated.py"]
+
+
+def test_a_file_name_that_is_not_utf8_is_written_in_every_report(tmp_path: Path) -> None:
+    from npukit.migrate.cli_support import main
+
+    root = tmp_path / "tree"
+    root.mkdir()
+    with open(os.path.join(os.fsencode(root), b"n\xffame.py"), "wb") as handle:
+        handle.write(TRAIN.encode())
+    assert main(target=root, dry_run=True, report_dir=tmp_path / "report", quiet=True) == 0
+    texts = {report.name: report.read_text(encoding="utf-8") for report in (tmp_path / "report").iterdir()}
+    assert len(texts) == 5  # every report written, each valid UTF-8
+    assert all("ame.py" in texts[name] for name in ("change_list.csv", "report.json"))
