@@ -184,7 +184,13 @@ def cases(op, sample):
                     x = x.clone()
                     result = op(x, *args, **kwargs, out=x)
                     return result, x
-                yield "out_alias", out_alias
+
+                # Only where the CPU defines the result: it raises, or gives what it gives without
+                # the alias. Otherwise the kernel reads an input it already overwrote (linalg.ldl_solve)
+                # and the values depend on its internals (threads), on any device.
+                aliased_ok, aliased = attempt(lambda: out_alias("cpu"))
+                if not aliased_ok or same(reference, aliased[0], False, "cpu") is None:
+                    yield "out_alias", out_alias
 
     noncontiguous = sample.noncontiguous()
 
