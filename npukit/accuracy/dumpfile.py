@@ -102,18 +102,25 @@ def find_rank_dirs(root: Path) -> dict[str, Path]:
     if (root / "dump.json").is_file():
         return {"": root}
     found: dict[str, Path] = {}
-    for child in sorted(root.iterdir()):
+    for child in _listing(root):
         if not child.is_dir():
             continue
         if _RANK_DIR.match(child.name) and (child / "dump.json").is_file():
             found[child.name] = child
         elif _STEP_DIR.match(child.name):
-            for rank_dir in sorted(child.iterdir()):
+            for rank_dir in _listing(child):
                 if rank_dir.is_dir() and _RANK_DIR.match(rank_dir.name) and (rank_dir / "dump.json").is_file():
                     found[f"{child.name}/{rank_dir.name}"] = rank_dir
     if not found:
         raise UserError(f"{root}: no dump.json found (expected DIR/step*/rank*/dump.json)")
     return dict(sorted(found.items(), key=lambda item: _label_sort_key(item[0])))
+
+
+def _listing(folder: Path) -> list[Path]:
+    try:
+        return sorted(folder.iterdir())
+    except OSError as exc:
+        raise UserError(f"{folder}: cannot read this folder ({exc.strerror or exc})") from None
 
 
 def _label_sort_key(label: str):

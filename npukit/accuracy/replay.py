@@ -145,6 +145,7 @@ class ReplaySession:
         manifest = load_json(path)
         if not isinstance(manifest, dict) or manifest.get("version") != _FORMAT_VERSION:
             raise UserError(f"{path}: not a replay manifest of format version {_FORMAT_VERSION}")
+        _check_manifest(manifest, path)
         return manifest
 
     # ---------------------------------------------------------------- module hooks
@@ -345,3 +346,52 @@ class ReplaySession:
             return type(live)((key, self._replace(item, items[str(key)], what, inputs)) for key, item in live.items())
         return live
 
+
+def _check_manifest(manifest: dict, path: Path) -> None:
+    """Every field the replay reads has the type it expects, so that a broken or hand-edited
+    replay.json is named here (field by field) instead of failing inside the user's script."""
+
+    def fail(where: str, what: str):
+        raise UserError(f"{path}: {where}: {what}")
+
+    def encoded(value, where: str, depth: int = 0) -> None:
+        if depth > 64 or not isinstance(value, dict):
+            fail(where, "expected an encoded value (an object with tensor, list, dict or other)")
+        if "tensor" in value or value.get("activation") is True:  # an activation is described, not stored
+            shape = value.get("shape")
+            if "tensor" in value and not isinstance(value["tensor"], str) or not isinstance(value.get("dtype"), str):
+                fail(where, "a tensor needs a file name and a dtype (strings)")
+            if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                                       for n in shape):
+                fail(where, f"shape {shape!r} is not a list of sizes >= 0")
+        elif "list" in value:
+            if not isinstance(value["list"], list):
+                fail(where, "\"list\" must be a list")
+            for index, item in enumerate(value["list"]):
+                encoded(item, f"{where}[{index}]", depth + 1)
+        elif "dict" in value:
+            if not isinstance(value["dict"], dict):
+                fail(where, "\"dict\" must be an object")
+            for key, item in value["dict"].items():
+                encoded(item, f"{where}[{key!r}]", depth + 1)
+        elif not isinstance(value.get("other"), str):
+            fail(where, "expected one of tensor, list, dict or other")
+
+    for field in ("modules", "forward_inputs", "batches"):
+        if not isinstance(manifest.get(field, []), list):
+            fail(field, "must be a list")
+    for index, module in enumerate(manifest.get("modules", [])):
+        where = f"modules[{index}]"
+        if not isinstance(module, dict) or not isinstance(module.get("class"), str) \
+                or not isinstance(module.get("state"), dict):
+            fail(where, "expected an object with a class name and a state object")
+        for key, value in module["state"].items():
+            encoded(value, f"{where}.state[{key!r}]")
+    for index, item in enumerate(manifest.get("forward_inputs", [])):
+        where = f"forward_inputs[{index}]"
+        if not isinstance(item, dict) or not all(isinstance(item.get(key), int) and not isinstance(item.get(key), bool)
+                                                 for key in ("module", "call")):
+            fail(where, "expected an object with integer module and call")
+        encoded(item.get("args"), f"{where}.args")
+    for index, batch in enumerate(manifest.get("batches", [])):
+        encoded(batch, f"batches[{index}]")

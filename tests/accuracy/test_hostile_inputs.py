@@ -174,7 +174,7 @@ def test_a_replay_never_loads_weights_from_outside_its_folder(tmp_path, case):
     with pytest.raises(UserError, match=r"replay\.json") as error:
         with ReplaySession(directory):
             model(torch.randn(4, 3))
-    assert "outside" in str(error.value) or "no file name" in str(error.value)
+    assert "outside" in str(error.value) or "a tensor needs a file name" in str(error.value)
     assert torch.equal(model.weight.detach(), before)  # nothing was loaded
 
 
@@ -303,3 +303,39 @@ def test_a_dump_that_wrote_nothing_says_so(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "nothing dumped into" in err and "selected step(s) 5" in err and "ended in step 1" in err
     assert not (tmp_path / "d").exists() or not any((tmp_path / "d").iterdir())
+
+
+REPLAY_FIELD_CASES = {
+    "modules not a list": (lambda m: m.update(modules={"a": 1}), r"modules: must be a list"),
+    "state not an object": (lambda m: m["modules"][0].update(state=[1]), r"modules\[0\]: expected an object"),
+    "shape of text": (lambda m: m["modules"][0]["state"]["weight"].update(shape="2x3"), r"shape '2x3' is not a list"),
+    "call not an integer": (lambda m: m["forward_inputs"][0].update(call="0"), r"forward_inputs\[0\]: expected .*"
+                            r"integer module and call"),
+    "args an unknown kind": (lambda m: m["forward_inputs"][0].update(args={"weird": 1}), r"forward_inputs\[0\]\.args: "
+                             r"expected one of tensor, list, dict or other"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REPLAY_FIELD_CASES))
+def test_a_wrongly_typed_replay_field_is_named_before_the_script_runs(tmp_path, case):
+    directory = tmp_path / "replay"
+    _record_replay(directory)
+    manifest = json.loads((directory / "replay.json").read_text())
+    change, message = REPLAY_FIELD_CASES[case]
+    change(manifest)
+    (directory / "replay.json").write_text(json.dumps(manifest))
+    with pytest.raises(UserError, match=message):
+        ReplaySession(directory)  # at construction: before any module of the script runs
+
+
+def test_an_unreadable_step_folder_is_named(pair, monkeypatch):
+    original = Path.iterdir
+
+    def iterdir(self):
+        if self.name == "step0" and "target" in self.parts:
+            raise PermissionError(13, "Permission denied")
+        return original(self)
+
+    monkeypatch.setattr(Path, "iterdir", iterdir)
+    with pytest.raises(UserError, match=r"target/step0: cannot read this folder \(Permission denied\)"):
+        compare_dirs(pair / "golden", pair / "target", workers=1)
