@@ -366,6 +366,38 @@ def test_module_names_are_attribute_paths_when_a_parent_forward_never_runs(tmp_p
     assert not any(name.startswith(("Module.0.", "Module.Linear.")) for name in names)
 
 
+def test_the_owner_of_a_head_is_searched_once_per_process_not_per_session(tmp_path, monkeypatch):
+    """The heap scan that finds a head's container (~20 ms on a loaded interpreter) is not repeated
+    by every session (one per test under pytest --npu, one per repeat in the benchmarks)."""
+    import gc
+
+    import torch
+    from torch import nn
+
+    from npukit.accuracy.dump import DumpSession
+
+    agent = nn.Module()
+    agent.actor = nn.Sequential(nn.Linear(4, 2))
+    scans = []
+    real_referrers = gc.get_referrers
+    monkeypatch.setattr(gc, "get_referrers", lambda *objs: scans.append(objs) or real_referrers(*objs))
+    for session in range(3):
+        with DumpSession(tmp_path / str(session)):
+            agent.actor(torch.randn(1, 4)).sum().backward()
+        names = json.loads((tmp_path / str(session) / "step0" / "rank0" / "dump.json").read_text())["data"]
+        assert "Module.actor.0.Linear.forward.0" in names
+        if session == 0:
+            first_scans = len(scans)
+    assert first_scans > 0 and len(scans) == first_scans
+    spare = nn.Module()  # moved into another container: searched again
+    spare.head = agent.actor
+    del agent.actor
+    with DumpSession(tmp_path / "moved"):
+        spare.head(torch.randn(1, 4)).sum().backward()
+    names = json.loads((tmp_path / "moved" / "step0" / "rank0" / "dump.json").read_text())["data"]
+    assert "Module.head.0.Linear.forward.0" in names and len(scans) > first_scans
+
+
 def test_a_golden_run_runs_programs_that_rely_on_autocast_to_mix_dtypes(tmp_path):
     (tmp_path / "mixed.py").write_text(textwrap.dedent("""
         import torch
