@@ -124,9 +124,10 @@ class _ModuleNamer:
 class _GcMarker:
     """Marks Python garbage-collection pauses as "Python GC gen<N>" ranges in the profile.
 
-    The callback imports nothing: a collection can start in the middle of an import (torch's lazy
-    imports as the profiler starts), and importing from inside it corrupts the import locks
-    (`KeyError` in `_find_and_load`, then "import ... halted; None in sys.modules")."""
+    The callback imports nothing, not even through record_function's lazily loaded ops (warmed up
+    at install, after the profiler's own start): a collection can start in the middle of an import
+    (torch's lazy imports as the profiler starts), and an import from inside it corrupts the import
+    locks (`KeyError` in `_find_and_load`, then "import ... halted; None in sys.modules")."""
 
     def __init__(self) -> None:
         self._open = None
@@ -134,7 +135,8 @@ class _GcMarker:
         self._is_compiling = None
         self._in_dispatch_mode = None
 
-    def install(self) -> None:
+    def prepare(self) -> None:
+        """Before the profiler starts: everything the callback uses, loaded (outside any profile)."""
         import torch
         from torch.autograd.profiler import record_function
         from torch.utils._python_dispatch import is_in_torch_dispatch_mode
@@ -142,6 +144,11 @@ class _GcMarker:
         self._record_function = record_function
         self._is_compiling = torch.compiler.is_compiling
         self._in_dispatch_mode = is_in_torch_dispatch_mode
+        with record_function("npukit warm-up"):  # its ops load lazily: load them now
+            pass
+
+    def install(self) -> None:
+        """After the profiler's start, which imports much of torch lazily."""
         gc.callbacks.append(self._callback)
 
     def remove(self) -> None:
@@ -242,9 +249,10 @@ class ProfileSession:
         )
         self._hooks.append(register_optimizer_step_post_hook(self._on_optimizer_step))
         self._namer.install()
-        self._gc.install()
+        self._gc.prepare()
         with _without_kineto_markers():
             self._profiler.__enter__()
+        self._gc.install()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -59,3 +59,14 @@ def test_a_long_tensor_list_is_summarised_on_one_line():
     assert _list_shapes(["[2]", "[3]"]) == "([2], [3])"
     shapes = ["[64, 64]"] * 20 + ["[64]"] * 18 + ["[3]", "[5]"]
     assert _list_shapes(shapes) == "(40 tensors: [64, 64] x20, [64] x18, +2 more shapes)"
+
+
+def test_a_garbage_collection_during_the_profilers_start_costs_nothing(tmp_path):
+    """Collections as often as possible: one lands inside torch's lazy imports as the profiler
+    starts. The GC marker must not import there (it corrupted the import locks: KeyError in
+    _find_and_load, the run and its profile lost)."""
+    (tmp_path / "train.py").write_text("import gc\ngc.set_threshold(3, 1, 1)\n" + SCRIPT)
+    run = subprocess.run([str(Path(sys.executable).parent / "npu-run"), "--profile", "prof", "train.py"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "halted" not in run.stderr and (tmp_path / "prof" / "rank0" / "events.npz").is_file()
