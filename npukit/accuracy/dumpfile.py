@@ -11,6 +11,8 @@ Every problem (bad JSON, a leaf without dtype, a missing data file) is a UserErr
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +29,7 @@ TENSOR_DATA_DIR = "dump_tensor_data"
 _DTYPE_NAME = re.compile(r"(torch\.)?(float|bfloat|int|uint|complex|bool|qint|quint|bits|half|double|long|short)\w*")
 
 
-@dataclass
+@dataclass(slots=True)
 class TensorLeaf:
     """One tensor of one entry: `Functional.conv2d.0.forward.input.0`."""
 
@@ -52,7 +54,7 @@ class TensorLeaf:
         return count
 
 
-@dataclass
+@dataclass(slots=True)
 class DumpEntry:
     name: str
     base: str  # name without call index: the alignment key
@@ -77,7 +79,7 @@ class DumpEntry:
         yield from self.outputs
 
 
-@dataclass
+@dataclass(slots=True)
 class RankDump:
     path: Path  # the directory holding dump.json
     label: str  # "step0/rank0"
@@ -132,9 +134,7 @@ def load_rank_dump(rank_dir: Path, label: str = "", contained: ContainedPaths | 
     `contained`'s folder (by default the rank folder) once symlinks are resolved."""
     contained = contained or ContainedPaths(rank_dir)
     dump_path = contained.resolve(rank_dir / "dump.json", rank_dir / "dump.json")
-    payload = load_json(dump_path)
-    if not isinstance(payload, dict) or not isinstance(payload.get("data"), dict):
-        raise UserError(f"{dump_path}: not a dump.json (no \"data\" object)")
+    _check_memory_for(dump_path)
     data_dir = rank_dir / TENSOR_DATA_DIR
     stacks = _load_stacks(contained.resolve(rank_dir / "stack.json", rank_dir / "stack.json"))
     construct_path = contained.resolve(rank_dir / "construct.json", rank_dir / "construct.json")
@@ -143,15 +143,112 @@ def load_rank_dump(rank_dir: Path, label: str = "", contained: ContainedPaths | 
         raise UserError(f"{construct_path}: expected an object mapping entry names to parents")
     parser = _LeafParser(dump_path, data_dir, contained)
     entries = []
-    for name, body in payload["data"].items():
+    header: dict = {}
+    saw_data = False
+    for kind, name, body in _stream_dump(dump_path):
+        if kind == "header":
+            header[name] = body
+            continue
+        saw_data = True
+        if name is None:
+            continue  # an empty "data" object
         if not isinstance(body, dict):
             raise UserError(f"{dump_path}: entry {name!r} is not an object")
         try:
             entries.append(parser.entry(name, body, construct.get(name), stacks.get(name, [])))
         except RecursionError:
             raise UserError(f"{dump_path}: entry {name!r} is nested too deeply to be a dump entry") from None
-    return RankDump(rank_dir, label, str(payload.get("task", "")), entries, parser.saw_producer,
-                    _skipped_at_loss_scale(payload, dump_path))
+    if not saw_data:
+        raise UserError(f"{dump_path}: not a dump.json (no \"data\" object)")
+    return RankDump(rank_dir, label, str(header.get("task", "")), entries, parser.saw_producer,
+                    _skipped_at_loss_scale(header, dump_path))
+
+
+_SPACE = re.compile(r"[ \t\n\r]*")
+# Parsed entries take about this many times the size of their dump.json (measured: 746 MB for a
+# 135 MB file of 200,000 entries).
+_MEMORY_PER_BYTE = 6
+
+
+def _available_memory() -> int | None:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _check_memory_for(dump_path: Path) -> None:
+    """Refuse, naming the file, a dump.json this machine cannot hold parsed, rather than exhaust it."""
+    try:
+        size = dump_path.stat().st_size
+    except OSError:
+        return  # missing or unreadable: the reader names it
+    available = _available_memory()
+    need = size * _MEMORY_PER_BYTE
+    if available is not None and need > 0.8 * available:
+        raise UserError(f"{dump_path}: {size / 2**20:.0f} MB of entries need about {need / 2**30:.1f} GB to compare"
+                        f" and {available / 2**30:.1f} GB are free; dump fewer entries (--dump-scope, --dump-list,"
+                        " --dump-steps) or compare on a machine with more memory")
+
+
+def _stream_dump(path: Path):
+    """dump.json's top-level fields, ("header", key, value), and its "data" entries one at a time,
+    ("entry", name, body) -- ("entry", None, None) for an empty "data" -- so that a dump of a million
+    entries is never held as one dict next to the parsed entries (3.5 GB for a 300 MB file)."""
+    try:
+        text = Path(path).read_text()
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}: not a text file ({exc.reason})") from None
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read ({exc.strerror})") from None
+    decoder = json.JSONDecoder()
+
+    def value_at(position: int):
+        try:
+            return decoder.raw_decode(text, position)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+        except RecursionError:
+            raise UserError(f"{path}: JSON nested too deeply to be a dump, replay or profile file") from None
+
+    def expect(position: int, characters: str) -> tuple[str, int]:
+        position = _SPACE.match(text, position).end()
+        if position >= len(text) or text[position] not in characters:
+            found = text[position:position + 1] or "the end of the file"
+            line = text.count("\n", 0, position) + 1
+            raise UserError(f"{path}: invalid JSON at line {line}: expected {' or '.join(characters)}, found {found!r}")
+        return text[position], position + 1
+
+    def key_at(position: int) -> tuple[str, int]:
+        """`"key" :` from position: the key and the position of its value."""
+        _, position = expect(position, '"')
+        key, position = value_at(position - 1)
+        _, position = expect(position, ":")
+        return key, _SPACE.match(text, position).end()
+
+    character, position = expect(0, "{")
+    character, position = expect(position, '}"')
+    while character != "}":
+        key, position = key_at(position - 1)
+        if key == "data" and text.startswith("{", position):
+            character, position = expect(position + 1, '}"')
+            if character == "}":
+                yield "entry", None, None
+            while character != "}":
+                name, position = key_at(position - 1)
+                body, position = value_at(position)
+                yield "entry", name, body
+                character, position = expect(position, ",}")
+                if character == ",":
+                    character, position = expect(position, '"')
+        else:
+            value, position = value_at(position)
+            yield "header", key, value
+        character, position = expect(position, ",}")
+        if character == ",":
+            character, position = expect(position, '"')
+    if text[position:].strip():
+        raise UserError(f"{path}: invalid JSON: more text after the top-level object")
 
 
 def _skipped_at_loss_scale(payload: dict, dump_path: Path) -> float | None:

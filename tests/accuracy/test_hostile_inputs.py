@@ -339,3 +339,30 @@ def test_an_unreadable_step_folder_is_named(pair, monkeypatch):
     monkeypatch.setattr(Path, "iterdir", iterdir)
     with pytest.raises(UserError, match=r"target/step0: cannot read this folder \(Permission denied\)"):
         compare_dirs(pair / "golden", pair / "target", workers=1)
+
+
+def test_a_dump_too_large_for_this_machine_is_refused_by_name(pair, monkeypatch):
+    from npukit.accuracy import dumpfile
+
+    size = (_rank_dir(pair) / "dump.json").stat().st_size
+    monkeypatch.setattr(dumpfile, "_available_memory", lambda: size * 3)  # less than the ~6x it needs
+    with pytest.raises(UserError, match=r"golden/step0/rank0/dump.json: .* need about .* GB to compare .* are free; "
+                                        r"dump fewer entries"):
+        compare_dirs(pair / "golden", pair / "target", workers=1)
+
+
+def test_dump_json_is_read_entry_by_entry_with_its_fields_in_any_order(tmp_path):
+    from npukit.accuracy.dumpfile import load_rank_dump
+
+    leaf = {"type": "torch.Tensor", "dtype": "torch.float32", "shape": [2], "Max": 1, "Min": 0, "Mean": 0.5,
+            "Norm": 1.0}
+    text = ('{"data": {"Functional.relu.0.forward": {"input_args": [%s], "output": [%s]}},\n'
+            ' "task": "statistics", "step_skipped_by_grad_scaler": {"loss_scale": 1024}}' % (json.dumps(leaf),
+                                                                                          json.dumps(leaf)))
+    (tmp_path / "dump.json").write_text(text)
+    dump = load_rank_dump(tmp_path)
+    assert [e.name for e in dump.entries] == ["Functional.relu.0.forward"]
+    assert dump.task == "statistics" and dump.skipped_at_loss_scale == 1024.0
+    (tmp_path / "dump.json").write_text(text[:-40])
+    with pytest.raises(UserError, match=r"dump.json: invalid JSON"):
+        load_rank_dump(tmp_path)
