@@ -356,9 +356,9 @@ def test_dump_json_is_read_entry_by_entry_with_its_fields_in_any_order(tmp_path)
 
     leaf = {"type": "torch.Tensor", "dtype": "torch.float32", "shape": [2], "Max": 1, "Min": 0, "Mean": 0.5,
             "Norm": 1.0}
-    text = ('{"data": {"Functional.relu.0.forward": {"input_args": [%s], "output": [%s]}},\n'
-            ' "task": "statistics", "step_skipped_by_grad_scaler": {"loss_scale": 1024}}' % (json.dumps(leaf),
-                                                                                          json.dumps(leaf)))
+    entry = json.dumps({"input_args": [leaf], "output": [leaf]})
+    text = ('{"data": {"Functional.relu.0.forward": ' + entry + '},\n'
+            ' "task": "statistics", "step_skipped_by_grad_scaler": {"loss_scale": 1024}}')
     (tmp_path / "dump.json").write_text(text)
     dump = load_rank_dump(tmp_path)
     assert [e.name for e in dump.entries] == ["Functional.relu.0.forward"]

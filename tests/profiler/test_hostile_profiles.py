@@ -90,3 +90,18 @@ def test_an_output_below_a_file_is_refused_before_the_script_runs(tmp_path, opti
     assert run.returncode == 2, run.stderr[-2000:]
     assert "afile/sub cannot be created: afile is not a directory" in run.stderr
     assert "RAN" not in run.stdout and "Traceback" not in run.stderr
+
+
+def test_an_output_on_a_read_only_file_system_is_refused_at_once(tmp_path, monkeypatch):
+    import os
+
+    from npukit.accuracy.dump import DumpSession
+    from npukit.accuracy.replay import ReplaySession
+    from npukit.profiler.record import ProfileSession
+
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: False if Path(path) == tmp_path else real_access(path, mode))
+    for make, option in ((lambda: DumpSession(tmp_path / "d"), "--dump"), (lambda: ProfileSession(tmp_path / "p"), "--profile"),
+                         (lambda: ReplaySession(tmp_path / "r"), "--replay")):
+        with pytest.raises(UserError, match=rf"{option}: .* cannot be written \(.* is read-only or not writable\)"):
+            make()
