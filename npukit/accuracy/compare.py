@@ -355,7 +355,8 @@ def judge_rows(rows: list[Row], thresholds: Thresholds) -> None:
 def _gradient_scale_keys(rows: list[Row]) -> dict[int, tuple]:
     """What each gradient's magnitude is judged against (by id of its row): the gradients of its
     backward op (incoming and outgoing), or for a weight's gradient -- a parameter's, or an op's
-    gradient for an argument no dumped op produced -- those of every weight. A gradient far below
+    gradient for an argument no dumped op produced -- those of every weight; values computed from
+    the gradients after the backward, against the largest of them. A gradient far below
     that (a sum that cancels: the bias before a BatchNorm, a gain a following norm removes) is
     rounding noise in both runs and reaches no update that matters. Forward values have no such
     scale: a small result of a large input (a cancellation) is what the next ops compute with."""
@@ -367,6 +368,10 @@ def _gradient_scale_keys(rows: list[Row]) -> dict[int, tuple]:
     for row in rows:
         if row.role == "input" and row.target is not None and row.target.producer is None:
             sources.add((row.pair, row.target_entry, row.target.suffix))
+    first_backward: dict[str, int] = {}  # pair -> order of its first backward entry
+    for row in rows:
+        if naming.split_entry_name(row.target_entry or row.golden_entry)[1] == naming.BACKWARD:
+            first_backward[row.pair] = min(first_backward.get(row.pair, row.order), row.order)
     keys = {}
     for row in rows:
         entry = row.target_entry or row.golden_entry
@@ -374,6 +379,10 @@ def _gradient_scale_keys(rows: list[Row]) -> dict[int, tuple]:
         weights = (row.pair, naming.PARAMETERS_GRAD)
         if direction == naming.PARAMETERS_GRAD:
             keys[id(row)] = weights
+        elif direction == naming.FORWARD and row.order > first_backward.get(row.pair, math.inf):
+            # User code on the gradients between backward and the update (clip_grad_norm_'s
+            # per-parameter norms): judged against the largest of those values, like gradients.
+            keys[id(row)] = (row.pair, "after-backward")
         elif direction == naming.BACKWARD:
             leaf = row.target or row.golden
             argument = "input." + leaf.suffix.partition(".")[2]
@@ -500,14 +509,17 @@ def find_divergence(pair_label: str, pairs: list, rows: list[Row], golden: RankD
     run_class = _run_class(target)
     last_unmatched = None
 
+    after_backward = False  # user code between backward and the update (clip_grad_norm_) works on gradients
     for order, (golden_entry, target_entry) in enumerate(pairs):
+        entry = target_entry or golden_entry
+        after_backward = after_backward or entry.direction == naming.BACKWARD
         if golden_entry is None or target_entry is None:
             last_unmatched = (golden_entry, target_entry)
             continue
         if target_entry.direction == naming.PARAMETERS_GRAD:
             continue
-        if target_entry.direction == naming.BACKWARD and not search_backward:
-            break  # the backward follows the whole forward
+        if after_backward and not search_backward:
+            break  # the backward (and what follows it) comes after the whole forward
         entry_rows = rows_by_entry.get(order, [])
         warn = thresholds.limits(_weakest(_entry_class(target_entry), run_class)).warn_rel_l2
         outputs = [row for row in entry_rows if row.role == "output" and row.error is not None]
@@ -539,7 +551,13 @@ def find_divergence(pair_label: str, pairs: list, rows: list[Row], golden: RankD
         in_err = max(activation_errors, default=0.0)
         source_err = max(source_errors, default=0.0)
         limit = warn
-        if target_entry.direction == naming.BACKWARD:
+        if after_backward and target_entry.direction != naming.BACKWARD:
+            # Ops on gradients after the backward (a gradient norm, a clip coefficient): their inputs
+            # come from gradients no dumped op produced, and carry the backward's differences.
+            in_err, source_err = max(in_err, source_err), 0.0
+            if run_class != "fp32":
+                limit = thresholds.error_rel_l2
+        elif target_entry.direction == naming.BACKWARD:
             forward_rows = rows_by_target_entry.get(_forward_name(target_entry), [])
             if run_class != "fp32" or any(_err(row) > 0 for row in forward_rows if row.role in ("input", "param")):
                 # The backward ran on other forward values (low-precision activations): a relu's or

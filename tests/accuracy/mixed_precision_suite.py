@@ -143,5 +143,7 @@ for kind, cls in MODELS.items():
                     loss = loss_of(kind, model, x, y)
                 opt.zero_grad()
                 scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # user code on the gradients
                 scaler.step(opt)
                 scaler.update()
