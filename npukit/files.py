@@ -88,13 +88,7 @@ class ContainedPaths:
         if folder is None:
             folder = self._inside(path.parent, named_by)
             self._checked_folders[path.parent] = folder
-        resolved = folder / path.name
-        try:
-            if stat.S_ISLNK(os.lstat(resolved).st_mode):
-                return self._inside(resolved, named_by)
-        except OSError:
-            pass  # missing: the reader names it
-        return resolved
+        return self._file_in(folder, path.name, named_by)
 
     def child(self, folder: Path | str, name: str, named_by: Path | str) -> Path:
         """`folder / name` for a name read from a file: a plain file name, or refused."""
@@ -105,14 +99,18 @@ class ContainedPaths:
             checked = self._checked_folders.get(folder)
             if checked is None:
                 checked = self._checked_folders[folder] = self._inside(Path(folder), named_by)
-            resolved = os.path.join(checked, name)
-            try:
-                if stat.S_ISLNK(os.lstat(resolved).st_mode):
-                    return self._inside(Path(resolved), named_by)
-            except OSError:
-                pass  # missing: the reader names it
-            return Path(resolved)
+            return self._file_in(checked, name, named_by)
         return self.resolve(Path(folder) / name, named_by)
+
+    def _file_in(self, checked_folder: Path, name: str, named_by: Path | str) -> Path:
+        """A file of a folder already found inside root: one lstat, and a symlink is followed and checked."""
+        resolved = os.path.join(checked_folder, name)
+        try:
+            if stat.S_ISLNK(os.lstat(resolved).st_mode):
+                return self._inside(Path(resolved), named_by)
+        except OSError:
+            pass  # missing: the reader names it
+        return Path(resolved)
 
     def _inside(self, path: Path, named_by: Path | str) -> Path:
         try:
