@@ -792,6 +792,9 @@ class DumpSession:
             for _, position in pairs:
                 expected[position] = expected.get(position, 0) + 1
         arrived: dict[int, list] = {}  # position -> [gradients so far]; summed once all are in
+        # A gradient taken where it enters a weight's cast is in the cast's dtype; autograd hands
+        # the weight its own dtype.
+        dtypes = [tensor.dtype for tensor in inputs]
 
         # The hooks hold neither nodes nor tensors of the graph: a node's hook holding that node
         # is a cycle that keeps the graph alive.
@@ -815,6 +818,8 @@ class DumpSession:
                     grad = present[0]
                     for more in present[1:]:  # the hook runs with torch-function handling off
                         grad = grad + more
+                    if grad.dtype != dtypes[position] and grad.is_floating_point():
+                        grad = grad.to(dtypes[position])
                     arriving = grad_outputs[0] if len(grad_outputs) == 1 else None
                     reuse = reshapes and isinstance(arriving, torch.Tensor) and arriving.numel() == grad.numel()
                     entry.data["output"][position] = self._tensor_leaf(

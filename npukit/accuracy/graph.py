@@ -22,7 +22,8 @@ def nodes_after(floor: int, outputs: list[torch.Tensor], limit: int, exclude: se
     the outputs' nodes, a node older than that (an input's node) or an AccumulateGrad (a leaf) ends
     the walk. `exclude`: ids of output tensors whose node is not theirs (an input passed through).
     No nodes when there are more than `limit`: a part of the graph would give partial gradient sums."""
-    pending = [t.grad_fn for t in outputs if t.grad_fn is not None and id(t) not in exclude]
+    own = [t.grad_fn for t in outputs if t.grad_fn is not None and id(t) not in exclude]
+    pending = list(own)
     visited: list = []  # keeps every visited node alive so ids stay unique during the walk
     seen: set[int] = set()
     nodes = []
@@ -34,11 +35,25 @@ def nodes_after(floor: int, outputs: list[torch.Tensor], limit: int, exclude: se
         visited.append(node)
         if type(node).__name__ == "AccumulateGrad" or node._sequence_nr() <= floor:
             continue
+        if cast_leaf(node) is not None and all(node is not mine for mine in own):
+            continue  # the weight's cast: the call's gradient for the weight is what enters it
         nodes.append(node)
         if len(nodes) > limit:
             return []
         pending.extend(next_node for next_node, _ in node.next_functions)
     return nodes
+
+
+def cast_leaf(node):
+    """The leaf tensor (a weight) that `node` casts to another dtype, or None. Autocast casts a
+    weight once per region and every later call reuses that cast, so its node sums the gradients
+    of all the calls: the one call's gradient for the weight is the one that enters the cast."""
+    if type(node).__name__ != "ToCopyBackward0":
+        return None
+    following = node.next_functions
+    if len(following) == 1 and following[0][0] is not None and type(following[0][0]).__name__ == "AccumulateGrad":
+        return following[0][0].variable
+    return None
 
 
 def newest_input_node(inputs: list[torch.Tensor]) -> int:
@@ -77,10 +92,8 @@ def input_edges(nodes: list, inputs: list[torch.Tensor]) -> dict[int, list[tuple
         for edge, (target, input_nr) in enumerate(node.next_functions):
             if target is None or id(target) in inside:
                 continue
-            if type(target).__name__ == "AccumulateGrad":
-                key = ("leaf", id(target.variable))
-            else:
-                key = ("node", id(target), input_nr)
+            leaf = target.variable if type(target).__name__ == "AccumulateGrad" else cast_leaf(target)
+            key = ("leaf", id(leaf)) if leaf is not None else ("node", id(target), input_nr)
             positions = wanted.get(key)
             if positions is None:
                 continue

@@ -145,6 +145,35 @@ def test_an_api_backward_holds_the_gradient_of_each_argument_whatever_kernel_ran
 
 
 
+def test_each_call_of_a_layer_autocast_casts_once_gets_its_own_weight_gradient(tmp_path):
+    """Autocast casts a weight once per region and every call reuses the cast, whose autograd
+    node sums all the calls' gradients. Each call's backward holds its own gradient, in the
+    weight's dtype, as a golden run without autocast records it (pytorch/examples' actor-critic
+    calls its value head once per state: the first call showed the sum of all of them)."""
+    class OneStatePerCall(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(4, 3)
+
+        def forward(self, states):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return [self.head(state) for state in states]
+
+    torch.manual_seed(0)
+    model = OneStatePerCall()
+    xs = [torch.randn(2, 4) for _ in range(3)]
+    with DumpSession(tmp_path, level="api", mode="stats") as session:
+        sum(out.float().sum() * (i + 1) for i, out in enumerate(model(xs))).backward()
+        session.step()
+    data = load(tmp_path)["data"]
+    for i, x in enumerate(xs):
+        weight, bias = data[f"Functional.linear.{i}.backward"]["output"][1:]
+        assert weight["dtype"] == bias["dtype"] == "torch.float32"
+        expected_weight = (i + 1) * torch.ones(2, 3).T @ x.to(torch.bfloat16).float()
+        assert weight["Norm"] == pytest.approx(float(expected_weight.norm()), rel=1e-2)
+        assert bias["Norm"] == pytest.approx(float(torch.full((3,), 2.0 * (i + 1)).norm()), rel=1e-6)
+
+
 def test_an_api_backward_sums_every_edge_of_a_composite_op_over_many_time_steps(tmp_path, npu):
     """torch.lstm on a device without a fused kernel makes several autograd nodes per time step
     and layer (hundreds here): each weight's gradient is the sum over all of them, as .grad is."""
