@@ -515,9 +515,21 @@ def find_divergence(pair_label: str, pairs: list, rows: list[Row], golden: RankD
     has_api_entries = any(not entry.name.startswith("Module.") for entry in target.entries)
     consumers: dict[str, list[DumpEntry]] = {}  # output leaf name -> entries that took it as input
     for entry in target.entries:
+        if has_api_entries and entry.name.startswith("Module."):
+            continue  # a mix-level dump: the api entries inside a module are the ops that use a value
         for leaf in entry.inputs:
             if leaf.producer is not None:
                 consumers.setdefault(leaf.producer, []).append(entry)
+    golden_items, target_items = _single_values(golden), _single_values(target)
+    # In mixed precision a result (a loss, an output) differs by more than one op's rounding: an
+    # amplified error that leaves results within the error limit has not changed what is computed.
+    absorbed_limit = thresholds.error_rel_l2 if run_class != "fp32" else None
+    # What the training computes from the step: an amplified error that leaves the whole gradient
+    # (all weights' gradients as one vector, as clip_grad_norm_ sees it) within what the run's
+    # precision explains changed nothing the step updates.
+    update_error = _gradient_error(rows)
+    update_limit = thresholds.amplification * thresholds.limits(run_class).warn_rel_l2
+    consequential = update_error > update_limit
     for order, (golden_entry, target_entry) in enumerate(pairs):
         entry = target_entry or golden_entry
         after_backward = after_backward or entry.direction == naming.BACKWARD
@@ -538,6 +550,14 @@ def find_divergence(pair_label: str, pairs: list, rows: list[Row], golden: RankD
         found = None  # (culprit entry name, side, reason)
         activation_errors = []
         source_errors = []
+        number_error, number = _number_error(golden_entry, target_entry, golden_items, target_items)
+        if number is not None and number_error > warn and out_err > warn:
+            suffix, golden_value, target_value = number
+            reason = (f"its argument {suffix} is {golden_value:.6g} in the golden run and {target_value:.6g} in the"
+                      f" target; output error {_fmt(out_err)}")
+            return _make_divergence(pair_label, target_entry, golden_entry, reason, target, 0.0, out_err)
+        if number_error:
+            activation_errors.append(number_error)  # a tensor's value (.item()) or a rounding-sized difference
         for row in inputs:
             kind, culprit = _input_kind(row, target_entry, target_lineage, golden_lineage, only_target,
                                         only_golden, leaf_error, warn, target.has_producers)
@@ -584,12 +604,19 @@ def find_divergence(pair_label: str, pairs: list, rows: list[Row], golden: RankD
             reason = (f"a weight or input that no dumped op produced differs (error {_fmt(source_err)});"
                       f" output error {_fmt(out_err)}")
             return _make_divergence(pair_label, target_entry, golden_entry, reason, target, in_err, out_err)
-        if out_err > thresholds.amplification * in_err and target_entry.direction != naming.BACKWARD \
-                and target.has_producers and _absorbed(target_entry, consumers, rows_by_target_entry, limit):
-            continue  # its relative error is large but its consumers' results do not carry it (a sum near 0)
+        # A product whose result is far smaller than its operands (a 128->1 value head near 0) grows
+        # their relative error by that ratio: the error it is expected to give.
+        explained = in_err * _product_condition(target_entry, inputs, outputs)
+        amplified = out_err > thresholds.amplification * explained
+        if amplified and target_entry.direction != naming.BACKWARD \
+                and target.has_producers and not consequential \
+                and _absorbed(target_entry, consumers, rows_by_target_entry, absorbed_limit or limit, set()):
+            continue  # its relative error is large but what uses it does not carry it (a sum near 0)
+        if amplified and target_entry.direction == naming.BACKWARD and run_class != "fp32" and not consequential:
+            continue  # a gradient a cancellation made noisy (a loss term near 0) that the update does not carry
         if has_api_entries and target_entry.name.startswith("Module.") and target_entry.direction != naming.BACKWARD:
             continue  # a mix-level dump: the api entries inside the module say where (and see its weights)
-        if out_err > thresholds.amplification * in_err:
+        if amplified:
             for row in inputs:
                 # Statistics cannot see some changes (a transpose keeps max/min/mean/norm): a call
                 # only the target makes, feeding this op, is then the better suspect.
@@ -612,25 +639,81 @@ _PASS_THROUGH = frozenset({"view", "reshape", "transpose", "permute", "t", "flat
                            "expand", "expand_as", "__getitem__", "select", "narrow", "chunk", "split"})
 
 
-def _absorbed(entry: DumpEntry, consumers: dict, rows_by_target_entry: dict, limit: float, depth: int = 0) -> bool:
-    """True when an error this op's outputs carry does not reach further: every op that uses them
-    (looking through views and casts) has an output error within `limit` -- a sum that is ~0 by
-    construction next to a larger loss term. An output no dumped op uses is a result: not absorbed."""
+def _absorbed(entry: DumpEntry, consumers: dict, rows_by_target_entry: dict, limit: float, seen: set,
+              depth: int = 0) -> bool:
+    """True when an error this op's outputs carry does not reach a result: along every chain of ops
+    that use them, an op's output error falls back within `limit` before the chain ends (a sum that
+    is ~0 by construction next to a larger loss term; one advantage among an episode's, stacked
+    and summed). An output no dumped op uses is a result: not absorbed."""
     users = [user for leaf in entry.outputs for user in consumers.get(leaf.name, [])]
-    if not users or depth > 8:
+    if not users or depth > 16:
         return False
     for user in users:
-        base, direction, _ = naming.split_entry_name(user.name)
-        if direction != naming.FORWARD:
+        if user.direction != naming.FORWARD or user.name in seen:
             continue
-        if base.rpartition(".")[2] in _PASS_THROUGH:
-            if not _absorbed(user, consumers, rows_by_target_entry, limit, depth + 1):
-                return False
-            continue
+        seen.add(user.name)
         errors = [_err(row) for row in rows_by_target_entry.get(user.name, []) if row.role == "output"]
-        if not errors or max(errors) > limit:
+        if not errors and user.base.rpartition(".")[2] not in _PASS_THROUGH:
+            return False
+        carries = not errors or max(errors) > limit  # a view or cast passes it on whatever it measured
+        if carries and not _absorbed(user, consumers, rows_by_target_entry, limit, seen, depth + 1):
             return False
     return True
+
+
+# Products and where their two operands are: (first, second) argument suffixes.
+_PRODUCTS = {name: ("input.0", "input.1") for name in ("linear", "matmul", "__matmul__", "mm", "bmm", "mv", "dot",
+                                                      "inner", "vdot")}
+_PRODUCTS.update({name: ("input.1", "input.2") for name in ("addmm", "baddbmm", "addmv", "addbmm")})
+
+
+def _product_condition(entry: DumpEntry, inputs: list[Row], outputs: list[Row]) -> float:
+    """||a||·||b|| / (||a·b||·sqrt(K)) for a product of operands a, b over K terms, at least 1: about 1
+    for a result of the size its operands make it, large when the sums cancel."""
+    operands = _PRODUCTS.get(entry.base.rpartition(".")[2]) if entry.direction == naming.FORWARD else None
+    if operands is None:
+        return 1.0
+    by_suffix = {row.target.suffix: row for row in inputs if row.target is not None}
+    first, second = by_suffix.get(operands[0]), by_suffix.get(operands[1])
+    result = max((row.norm for row in outputs), default=0.0)
+    if first is None or second is None or not first.target.shape or not result:
+        return 1.0
+    terms = first.target.shape[-1]
+    return max(1.0, first.norm * second.norm / (result * math.sqrt(max(terms, 1))))
+
+
+def _gradient_error(rows: list[Row]) -> float:
+    """Relative error of the step's whole gradient: every weight's gradient as one vector."""
+    error = size = 0.0
+    for row in rows:
+        if row.error is not None and row.target_entry is not None and row.norm \
+                and naming.split_entry_name(row.target_entry)[1] == naming.PARAMETERS_GRAD:
+            error += (_err(row) * row.norm) ** 2
+            size += row.norm ** 2
+    return math.sqrt(error / size) if size else 0.0
+
+
+def _single_values(dump: RankDump) -> set[float]:
+    """The values of the one-element tensors a run's ops produced: what `.item()` can return."""
+    return {leaf.stats[0] for entry in dump.entries for leaf in entry.outputs
+            if leaf.numel == 1 and leaf.stats is not None and leaf.stats[0] is not None}
+
+
+def _number_error(golden: DumpEntry, target: DumpEntry, golden_items: set, target_items: set) -> tuple[float, tuple | None]:
+    """The largest relative difference of the Python floats both runs passed to this op, and
+    (argument, golden value, target value) when that number is a constant of the program. A number
+    each run took out of one of its tensors (`R - value.item()`) carries that tensor's difference,
+    judged where the tensor was made: an input error, returned with no location."""
+    worst, constant_error, where = 0.0, 0.0, None
+    for suffix, value in target.numbers.items():
+        other = golden.numbers.get(suffix)
+        if other is None or other == value:
+            continue
+        error = abs(value - other) / max(abs(other), abs(value))
+        worst = max(worst, error)
+        if (other not in golden_items or value not in target_items) and error > constant_error:
+            constant_error, where = error, (suffix, other, value)
+    return (constant_error, where) if where is not None else (worst, None)
 
 
 def _revealed_by_cancellation(outputs: list[Row], inputs: list[Row], lineage: _Lineage,

@@ -12,6 +12,7 @@ Every problem (bad JSON, a leaf without dtype, a missing data file) is a UserErr
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -64,6 +65,9 @@ class DumpEntry:
     params: list[TensorLeaf] = field(default_factory=list)
     parent: str | None = None
     stack: list[str] = field(default_factory=list)
+    # Python floats among the inputs, by suffix (`input.1`): a value taken out of a tensor with
+    # .item() and passed back (`R - value.item()`) carries that tensor's difference with it.
+    numbers: dict[str, float] = field(default_factory=dict)
 
     @property
     def key(self) -> str:
@@ -303,13 +307,14 @@ class _LeafParser:
             if body.get(key) is not None and not isinstance(body[key], list | dict):
                 raise UserError(f"{self.dump_path}: entry {name}: \"{key}\" must be a list or an object, "
                                 f"found {type(body[key]).__name__} {body[key]!r:.40}")
+        numbers = entry.numbers if direction == naming.FORWARD else None
         for key in ("input_args", "input", "grad_output"):
             if key in body:
-                self._collect(body[key], f"{name}.input", entry.inputs)
+                self._collect(body[key], f"{name}.input", entry.inputs, numbers)
         kwargs = body.get("input_kwargs")
         if isinstance(kwargs, dict):
             for key, value in kwargs.items():
-                self._collect(value, f"{name}.input.{key}", entry.inputs)
+                self._collect(value, f"{name}.input.{key}", entry.inputs, numbers)
         for key in ("output", "grad_input"):
             if key in body:
                 self._collect(body[key], f"{name}.output", entry.outputs)
@@ -319,16 +324,21 @@ class _LeafParser:
                 self._collect(value, f"{name}.parameters.{key}", entry.params)
         return entry
 
-    def _collect(self, value, leaf_name: str, into: list) -> None:
+    def _collect(self, value, leaf_name: str, into: list, numbers: dict | None = None) -> None:
         if isinstance(value, list):
             for index, item in enumerate(value):
-                self._collect(item, f"{leaf_name}.{index}", into)
+                self._collect(item, f"{leaf_name}.{index}", into, numbers)
         elif isinstance(value, dict):
-            if value.get("type") in ("torch.Tensor", "mindspore.Tensor", "numpy.ndarray"):
+            kind = value.get("type")
+            if kind in ("torch.Tensor", "mindspore.Tensor", "numpy.ndarray"):
                 into.append(self._tensor(value, leaf_name))
+            elif kind == "float" and numbers is not None:
+                number = value.get("value")
+                if isinstance(number, int | float) and not isinstance(number, bool) and math.isfinite(number):
+                    numbers[leaf_name[len(self.entry_name) + 1:]] = float(number)
             elif "type" not in value:
                 for key, item in value.items():
-                    self._collect(item, f"{leaf_name}.{key}", into)
+                    self._collect(item, f"{leaf_name}.{key}", into, numbers)
 
     def _tensor(self, value: dict, leaf_name: str) -> TensorLeaf:
         dtype = value.get("dtype")

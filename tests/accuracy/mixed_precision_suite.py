@@ -1,4 +1,4 @@
-"""Correct mixed-precision training of six small models, each dumped in tensor and statistics mode.
+"""Correct mixed-precision training of seven small models, each dumped in tensor and statistics mode.
 Run it under `npu-run` (the NPU run) and `npu-run --golden`: npu-compare must find no divergence,
 except in `offset`, where fp16/bf16 loses a real signal (tests/accuracy/test_false_alarms.py)."""
 import sys
@@ -109,7 +109,34 @@ class Offset(nn.Module):
         return self.head(h - h.mean(-1, keepdim=True))
 
 
+class Episode(nn.Module):
+    """pytorch/examples' actor-critic: one state at a time, a 128->1 value head, and advantages taken
+    from `value.item()` (Python floats carrying the head's rounding) by a critic that predicts the
+    returns well, so `R - value.item()` cancels."""
+    def __init__(self):
+        super().__init__()
+        self.affine, self.action_head, self.value_head = nn.Linear(4, 128), nn.Linear(128, 2), nn.Linear(128, 1)
+
+    def forward(self, state):
+        x = F.relu(self.affine(state))
+        return F.softmax(self.action_head(x), dim=-1), self.value_head(x)
+
+
+def episode_loss(model, states, actions):
+    with torch.no_grad(), torch.autocast("npu", enabled=False):
+        returns = model(states)[1].squeeze(-1) + 0.1 * torch.randn(len(states), device="npu")
+    policy_losses, value_losses = [], []
+    for state, action, R in zip(states, actions, returns):
+        probs, value = model(state)
+        advantage = R - value.item()
+        policy_losses.append(-torch.distributions.Categorical(probs).log_prob(action) * advantage)
+        value_losses.append(F.smooth_l1_loss(value, R.reshape(1)))
+    return torch.stack(policy_losses).sum() + torch.stack(value_losses).sum()
+
+
 def batch(kind):
+    if kind == "episode":
+        return torch.randn(24, 4, device="npu"), torch.randint(0, 2, (24,), device="npu")
     if kind in ("transformer", "lstm"):
         t = torch.randint(0, 64, (4, 16), device="npu")
         return t, t.flatten()
@@ -121,6 +148,8 @@ def batch(kind):
 
 
 def loss_of(kind, model, x, y):
+    if kind == "episode":
+        return episode_loss(model, x, y)
     if kind == "policy":
         logp, value = model(x)
         return -(logp * (y - value.detach())).mean() + F.mse_loss(value.float(), y)
@@ -128,7 +157,8 @@ def loss_of(kind, model, x, y):
     return F.cross_entropy(logits.flatten(0, -2).float() if logits.dim() > 2 else logits.float(), y)
 
 
-MODELS = {"transformer": Transformer, "cnn": CNN, "lstm": LSTM, "policy": Policy, "gain": Gain, "offset": Offset}
+MODELS = {"transformer": Transformer, "cnn": CNN, "lstm": LSTM, "policy": Policy, "gain": Gain, "offset": Offset,
+          "episode": Episode}
 for kind, cls in MODELS.items():
     for mode in ("tensor", "stats"):
         torch.manual_seed(0)

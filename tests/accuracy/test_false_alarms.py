@@ -1,12 +1,15 @@
 """A correct mixed-precision run gets no divergence; a real precision loss is named where it arises.
 
-Six small models (transformer, CNN with BatchNorm, LSTM, actor-critic policy, a gain a norm
-cancels, a signal on a large offset) train two steps in fp16 (with GradScaler) and bf16 autocast,
+Seven small models (transformer, CNN with BatchNorm, LSTM, actor-critic policy, a gain a norm
+cancels, a signal on a large offset, and pytorch/examples' one-state-per-call actor-critic whose
+advantages `R - value.item()` cancel) train two steps in fp16 (with GradScaler) and bf16 autocast,
 under `npu-run` and `npu-run --golden`, each dumped in tensor and statistics mode
 (mixed_precision_suite.py). What used to be reported as first divergences of these correct runs:
 a relu's backward whose mask flips where its input crosses 0, conv biases before a BatchNorm and a
 cancelled gain whose gradients are ~0 by cancellation (relative errors of 1000), and the LSTM's
-weight gradients summed over the last time steps only.
+weight gradients summed over the last time steps only; in the episode, the subtraction of a Python
+float taken from a bf16 tensor ("inputs match exactly"), the 128->1 value head's output near 0, and
+the gradient of a loss term near 0 (smooth_l1 of a critic that predicts its return well).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from npukit.accuracy.compare import ERROR, compare_dirs
 
 REPO = Path(__file__).resolve().parents[2]
 SUITE = Path(__file__).with_name("mixed_precision_suite.py")
-CORRECT = ("transformer", "cnn", "lstm", "policy", "gain")
+CORRECT = ("transformer", "cnn", "lstm", "policy", "gain", "episode")
 MODES = ("tensor", "stats")
 
 
