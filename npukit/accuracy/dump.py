@@ -319,7 +319,7 @@ def describe_value(value) -> object:
 
 
 class _Entry:
-    __slots__ = ("name", "data", "parent", "stack_id", "placed")
+    __slots__ = ("name", "data", "parent", "stack_id", "placed", "producers")
 
     def __init__(self, name: str, parent: str | None, stack_id: int | None) -> None:
         self.name = name
@@ -327,6 +327,7 @@ class _Entry:
         self.parent = parent
         self.stack_id = stack_id
         self.placed = False
+        self.producers: list | None = None  # a module's inputs' producers, until its forward ends
 
 
 class _StepRecord:
@@ -614,6 +615,8 @@ class DumpSession:
             entry = _Entry(name, self._parent_name(), self._stack_id())
             entry.data["input_args"] = self._describe(args, f"{name}.input", False)
             entry.data["input_kwargs"] = {}
+            if torch.is_grad_enabled():  # a layer that changes its input in place gives it a new node
+                entry.producers = graph.producers(tensors_in(args))
         self._module_stack.append((path, entry, module))
 
     def _maybe_end_step_at_root(self, module) -> None:
@@ -633,6 +636,7 @@ class DumpSession:
         # always_call: torch also calls this hook, as hook(module, args, None), when forward raised.
         if entry is None or output is _RAISED:
             return
+        before, entry.producers = entry.producers, None  # nodes: not kept until the step is written
         name = entry.name
         if kwargs:
             entry.data["input_kwargs"] = {
@@ -648,9 +652,9 @@ class DumpSession:
             entry.data["parameters"] = params
         self._record.place(entry)
         if torch.is_grad_enabled():
-            self._hook_module_backward(path, type(module).__name__, name, args, kwargs, output)
+            self._hook_module_backward(path, type(module).__name__, name, args, kwargs, output, before)
 
-    def _hook_module_backward(self, path, class_name, forward_name, args, kwargs, output) -> None:
+    def _hook_module_backward(self, path, class_name, forward_name, args, kwargs, output, before=None) -> None:
         """`input`: the gradients of the module's outputs; `output`: the module's own gradient for
         each tensor argument (as msprobe's full backward hook gives it: an input also used outside
         the module, a residual, gets only the module's share)."""
@@ -680,9 +684,12 @@ class DumpSession:
 
         for position, tensor in enumerate(outputs):
             tensor.register_hook(grad_output_hook(position))
+        if before is not None:  # the keyword arguments' tensors come after the positional ones
+            before = before + graph.producers(inputs[len(before):])
         if any(t.requires_grad for t in inputs):
-            nodes = graph.nodes_after(graph.newest_input_node(inputs), outputs, _MAX_MODULE_NODES)
-            placed_with_outputs[0] = not self._hook_input_grads(record, entry, nodes, inputs, backward_name)
+            nodes = graph.nodes_after(graph.newest_input_node(inputs, before), outputs, _MAX_MODULE_NODES)
+            placed_with_outputs[0] = not self._hook_input_grads(record, entry, nodes, inputs, backward_name,
+                                                                before=before)
 
     def _record_parameter_grads(self) -> None:
         for module, path in list(self._paths.items()):
@@ -708,13 +715,16 @@ class DumpSession:
         path = self._module_stack[-1][0] if self._module_stack else ""
         if not (self._in_scope(path) and self._name_selected(name)):
             return func(*args, **kwargs)
-        in_place = api.endswith("_") or api.startswith("Tensor.__i") or "out" in kwargs
+        in_place = naming.writes_its_input(api, args, kwargs)
         entry = _Entry(name, self._parent_name(), self._stack_id())
         uninitialized_output = api in naming.UNINITIALIZED_OUTPUT
         # a resize_ that does not grow keeps initialized elements: its size before tells
         numel_before = args[0].numel() if uninitialized_output and in_place and args \
             and isinstance(args[0], torch.Tensor) else 0
+        before = None
         if in_place:  # measure inputs before the op overwrites them
+            if torch.is_grad_enabled():  # and see where they came from: the op gives them new nodes
+                before = graph.producers(tensors_in((args, kwargs)))
             entry.data["input_args"] = self._describe(args, f"{name}.input", False)
             entry.data["input_kwargs"] = self._describe_kwargs(kwargs, name)
             if api in naming.OVERWRITES_FIRST_INPUT and entry.data["input_args"] \
@@ -737,15 +747,15 @@ class DumpSession:
             entry.data["output"] = self._describe_output(output, name)
         record.place(entry)
         if torch.is_grad_enabled():
-            self._hook_api_backward(api, index, args, kwargs, out_tensors)
+            self._hook_api_backward(api, index, args, kwargs, out_tensors, before)
         return output
 
-    def _hook_api_backward(self, api, index, args, kwargs, out_tensors) -> None:
+    def _hook_api_backward(self, api, index, args, kwargs, out_tensors, before=None) -> None:
         """One backward entry per api call, whatever autograd nodes it made (which can differ
         between a golden and an NPU run: another kernel, another graph): `input` the gradients
         arriving at its outputs, `output` its gradient for each tensor argument."""
         inputs = tensors_in((args, kwargs))
-        nodes = self._op_nodes.created(inputs, out_tensors)
+        nodes = self._op_nodes.created(inputs, out_tensors, before)
         if not nodes:
             return
         created = {id(node) for node in nodes}
@@ -773,10 +783,10 @@ class DumpSession:
                 node.register_prehook(incoming)
         reshapes = api in _SAME_ELEMENTS and one_node and len(inputs) == 1
         # One node (most calls): its one hook also takes the incoming gradients.
-        self._hook_input_grads(record, entry, nodes, inputs, name, reshapes, incoming if one_node else None)
+        self._hook_input_grads(record, entry, nodes, inputs, name, reshapes, incoming if one_node else None, before)
 
     def _hook_input_grads(self, record: _StepRecord, entry: _Entry, nodes: list, inputs: list, name: str,
-                          reshapes: bool = False, incoming=None) -> bool:
+                          reshapes: bool = False, incoming=None, before=None) -> bool:
         """Fill entry's `output.i` with the gradient for inputs[i] that leaves `nodes` (summed over
         the edges that carry it); place the entry when the first one arrives. False when no
         edge was found (nothing hooked).
@@ -784,7 +794,7 @@ class DumpSession:
         reshapes: one node that only reorders its input's elements; its gradient's statistics are
         those of the incoming gradient. incoming: for a one-node call, called first with the
         node's incoming gradients."""
-        edges = graph.input_edges(nodes, inputs)
+        edges = graph.input_edges(nodes, inputs, before)
         if incoming is not None:
             edges.setdefault(0, [])
         expected: dict[int, int] = {}

@@ -56,9 +56,16 @@ def cast_leaf(node):
     return None
 
 
-def newest_input_node(inputs: list[torch.Tensor]) -> int:
+def producers(inputs: list[torch.Tensor]) -> list[tuple]:
+    """(node, output_nr, requires_grad) of each input as it is now. Taken before a call that
+    changes an input in place: that gives the tensor a new node, made by the call."""
+    return [(t.grad_fn, t.output_nr, t.requires_grad) for t in inputs]
+
+
+def newest_input_node(inputs: list[torch.Tensor], before: list[tuple] | None = None) -> int:
     """Sequence number of the newest node among the inputs' producers (-1 for none)."""
-    return max((t.grad_fn._sequence_nr() for t in inputs if t.grad_fn is not None), default=-1)
+    nodes = [node for node, _, _ in before] if before is not None else [t.grad_fn for t in inputs]
+    return max((node._sequence_nr() for node in nodes if node is not None), default=-1)
 
 
 class OpNodes:
@@ -68,22 +75,25 @@ class OpNodes:
     def __init__(self) -> None:
         self.floor = -1  # sequence number of the newest node of an earlier op
 
-    def created(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> list:
-        floor = max(self.floor, newest_input_node(inputs))
+    def created(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor], before: list[tuple] | None = None) -> list:
+        """before: the inputs' producers() taken before an in-place call."""
+        floor = max(self.floor, newest_input_node(inputs, before))
         # An op returning its input unchanged shares the producer's node: not its own.
-        nodes = nodes_after(floor, outputs, _MAX_NODES_PER_OP, exclude={id(t) for t in inputs})
+        unchanged = {id(t) for t, (node, _, _) in zip(inputs, before or producers(inputs)) if t.grad_fn is node}
+        nodes = nodes_after(floor, outputs, _MAX_NODES_PER_OP, exclude=unchanged)
         if nodes:
             self.floor = max(floor, max(node._sequence_nr() for node in nodes))
         return nodes
 
 
-def input_edges(nodes: list, inputs: list[torch.Tensor]) -> dict[int, list[tuple[int, int]]]:
+def input_edges(nodes: list, inputs: list[torch.Tensor], before: list[tuple] | None = None) -> dict[int, list[tuple[int, int]]]:
     """For each node (by index in `nodes`): [(edge index, input position)] of the edges that carry
-    the op's gradient to one of its inputs. An input passed twice (x * x) gets its edges in order."""
+    the op's gradient to one of its inputs. An input passed twice (x * x) gets its edges in order.
+    before: the inputs' producers() taken before an in-place call."""
     wanted: dict[tuple, list[int]] = {}  # producer key -> input positions, in argument order
-    for position, tensor in enumerate(inputs):
-        if tensor.requires_grad:
-            key = ("node", id(tensor.grad_fn), tensor.output_nr) if tensor.grad_fn is not None else ("leaf", id(tensor))
+    for position, (tensor, (node, output_nr, requires_grad)) in enumerate(zip(inputs, before or producers(inputs))):
+        if requires_grad:
+            key = ("node", id(node), output_nr) if node is not None else ("leaf", id(tensor))
             wanted.setdefault(key, []).append(position)
     inside = {id(node) for node in nodes}
     taken: dict[tuple, int] = {}

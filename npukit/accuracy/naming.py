@@ -11,6 +11,7 @@ Leaves append `.input.0`, `.input.<kwarg>`, `.output.0`, `.parameters.weight` (n
 
 from __future__ import annotations
 
+import inspect
 import re
 import weakref
 from collections import defaultdict
@@ -242,3 +243,30 @@ def creation_table() -> dict:
     names = ("full", "tensor", "as_tensor", "scalar_tensor", "ones", "zeros", "arange", "range", "linspace",
              "logspace", "eye", "rand", "randn", "randint", "randperm", "normal")
     return {getattr(torch, name): f"Torch.{name}" for name in names if hasattr(torch, name)}
+
+
+def writes_its_input(api: str, args: tuple, kwargs: dict) -> bool:
+    """The call changes a tensor argument in place: `add_`, `__iadd__`, `out=`, or a functional
+    asked to (`F.leaky_relu(x, 0.2, True)`, as nn.LeakyReLU(inplace=True) calls it)."""
+    if api.endswith("_") or api.startswith("Tensor.__i") or "out" in kwargs:
+        return True
+    if "inplace" in kwargs:
+        return kwargs["inplace"] is True
+    position = _inplace_positions().get(api)
+    return position is not None and len(args) > position and args[position] is True
+
+
+@lru_cache(maxsize=1)
+def _inplace_positions() -> dict[str, int]:
+    """api name -> position of its `inplace` argument, for the apis that have one (functionals)."""
+    positions = {}
+    for func, api in api_name_table().items():
+        if not api.startswith("Functional."):
+            continue
+        try:
+            names = list(inspect.signature(func).parameters)
+        except (TypeError, ValueError):  # a builtin without a signature
+            continue
+        if "inplace" in names:
+            positions[api] = names.index("inplace")
+    return positions

@@ -643,7 +643,7 @@ class OverflowSession:
         state = self._state
         index = state.counter.next(api)
         inputs = self._check_all((args, kwargs), "input")
-        in_place = api.endswith("_") or api.startswith("Tensor.__i") or "out" in kwargs
+        in_place = naming.writes_its_input(api, args, kwargs)
         live_args = args
         if self._eager and in_place:  # the op overwrites its inputs: keep them for the dump
             with torch._C.DisableTorchFunction():

@@ -174,6 +174,28 @@ def test_each_call_of_a_layer_autocast_casts_once_gets_its_own_weight_gradient(t
         assert bias["Norm"] == pytest.approx(float(torch.full((3,), 2.0 * (i + 1)).norm()), rel=1e-6)
 
 
+def test_a_layer_that_works_in_place_gets_its_backward_and_its_input_before_the_write(tmp_path):
+    """nn.LeakyReLU(inplace=True) (pytorch/examples' DCGAN) calls F.leaky_relu(x, 0.2, True): its
+    input is measured before it is overwritten, and its api and module backward entries hold the
+    gradient for that input (they were missing: a bf16 compare then named the BatchNorm before it,
+    'the gradient arriving at this backward differs ... changed outside the dumped ops')."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.LeakyReLU(0.2, inplace=True), nn.Linear(6, 1))
+    x = torch.randn(5, 4)
+    with DumpSession(tmp_path, level="mix", mode="stats") as session:
+        net(x).sum().backward()
+        session.step()
+    data = load(tmp_path)["data"]
+    hidden = net[0](x).detach().requires_grad_()
+    net[2](F.leaky_relu(hidden, 0.2)).sum().backward()
+    lowest = float(hidden.detach().min())
+    assert lowest < 0
+    for name in ("Functional.leaky_relu.0.forward", "Module.1.LeakyReLU.forward.0"):
+        assert data[name]["input_args"][0]["Min"] == pytest.approx(lowest, rel=1e-6)
+    for name in ("Functional.leaky_relu.0.backward", "Module.1.LeakyReLU.backward.0"):
+        assert data[name]["output"][0]["Norm"] == pytest.approx(float(hidden.grad.norm()), rel=1e-6)
+
+
 def test_an_api_backward_sums_every_edge_of_a_composite_op_over_many_time_steps(tmp_path, npu):
     """torch.lstm on a device without a fused kernel makes several autograd nodes per time step
     and layer (hundreds here): each weight's gradient is the sum over all of them, as .grad is."""
