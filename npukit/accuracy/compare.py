@@ -13,6 +13,7 @@ call present on one side only, or outside the dumped ops).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
@@ -156,6 +157,7 @@ class PairResult:
     # "target", "golden" or "both": GradScaler skipped that side's update (its gradients overflowed
     # under loss scaling, which GradScaler handles): the backward has no consequence and is not searched.
     skipped_by_grad_scaler: str | None = None
+    cross_tool: str | None = None  # what was left out of a pair whose dumps two different tools wrote
 
 
 @dataclass
@@ -180,7 +182,20 @@ class CompareResult:
 
 # ---------------------------------------------------------------------------- alignment
 def align(golden: list[DumpEntry], target: list[DumpEntry], max_edits: int = 4000) -> tuple[list, bool]:
-    """Pairs (golden or None, target or None) in execution order, and whether alignment was needed."""
+    """Pairs (golden or None, target or None) in execution order, and whether alignment was needed.
+    Parameter gradients pair by module, after the rest: one tool writes them as each module's
+    backward ends (msprobe), the other when the optimizer starts (npukit)."""
+    golden_grads = [entry for entry in golden if entry.direction == naming.PARAMETERS_GRAD]
+    target_grads = [entry for entry in target if entry.direction == naming.PARAMETERS_GRAD]
+    if golden_grads or target_grads:
+        pairs, aligned = align([e for e in golden if e.direction != naming.PARAMETERS_GRAD],
+                               [e for e in target if e.direction != naming.PARAMETERS_GRAD], max_edits)
+        by_key = {entry.key: entry for entry in golden_grads}
+        for entry in target_grads:
+            pairs.append((by_key.pop(entry.key, None), entry))
+        pairs += [(entry, None) for entry in by_key.values()]
+        in_order = [e.name for e in golden] == [g.name for g, _ in pairs if g is not None]
+        return pairs, aligned or not in_order
     golden_keys = [entry.key for entry in golden]
     target_keys = [entry.key for entry in target]
     if golden_keys == target_keys:
@@ -982,14 +997,57 @@ def _require_compared_data(rows, golden_dumps, target_dumps, labels_pairs, golde
     raise UserError(f"nothing to compare between {golden_dir} and {target_dir}: {why}")
 
 
+def _comparable_entries(golden: RankDump, target: RankDump) -> tuple[list, list, str | None]:
+    """The entries of a pair that mean the same in both dumps. Dumps of one tool: all of them. An
+    msprobe dump against an npukit one: forward api entries of the apis both tools record, module
+    entries (both record a module's backward as a full backward hook gives it) and parameter
+    gradients. An api's backward is left out: msprobe records the gradients of the op's last
+    autograd node, npukit the op's gradient for each of its arguments."""
+    if golden.by_npukit == target.by_npukit:
+        return golden.entries, target.entries, None
+    # apis (Tensor.flatten: npukit only; an optimizer's Tensor.add_: msprobe only) and modules (the
+    # root module: npukit only) one tool records and the other never does
+    keys = [{entry.key for entry in dump.entries} for dump in (golden, target)]
+    shared = keys[0] & keys[1]
+    kept, backward, one_tool = [], 0, set()
+    for entries in (golden.entries, target.entries):
+        keep = []
+        for entry in entries:
+            if entry.direction == naming.BACKWARD and not entry.name.startswith("Module."):
+                backward += 1
+            elif entry.key in shared:
+                keep.append(entry)
+            else:
+                one_tool.add(entry.base)
+        kept.append(keep)
+    writers = ("npukit" if golden.by_npukit else "msprobe", "npukit" if target.by_npukit else "msprobe")
+    note = (f"golden dumped by {writers[0]}, target by {writers[1]}: forward, module and parameter-gradient"
+            f" entries compared; {backward} api backward entries left out (msprobe records the gradients of"
+            " an op's last autograd node, npukit the op's gradient for each argument)")
+    if one_tool:
+        note += f"; what only one tool records left out: {', '.join(sorted(one_tool))}"
+    return kept[0], kept[1], note
+
+
+def _process_labels(dumps: dict) -> dict[str, str]:
+    """Pairing key -> label. A run without torch.distributed is rank 0: msprobe names its folder
+    proc<pid> (a new name every run), npukit rank0; when a side has one process per step, both are
+    rank0 for pairing."""
+    keys = {label: re.sub(r"(^|/)(proc\d+|rank)$", r"\1rank0", label) for label in dumps}
+    if len(set(keys.values())) < len(keys):  # several processes per step: their own names
+        keys = {label: label for label in dumps}
+    return {key: label for label, key in keys.items()}
+
+
 # ---------------------------------------------------------------------------- entry point
 def compare_dirs(golden_dir: Path, target_dir: Path, thresholds: Thresholds | None = None,
                  workers: int | None = None, progress=None) -> CompareResult:
     thresholds = thresholds or Thresholds()
     golden_dumps = load_dump_dir(Path(golden_dir))
     target_dumps = load_dump_dir(Path(target_dir))
-    labels = [label for label in target_dumps if label in golden_dumps]
-    if not labels:
+    golden_keys, target_keys = _process_labels(golden_dumps), _process_labels(target_dumps)
+    labels_pairs = [(golden_keys[key], label) for key, label in target_keys.items() if key in golden_keys]
+    if not labels_pairs:
         if len(golden_dumps) == 1 and len(target_dumps) == 1:
             labels_pairs = [(next(iter(golden_dumps)), next(iter(target_dumps)))]
         else:
@@ -997,14 +1055,13 @@ def compare_dirs(golden_dir: Path, target_dir: Path, thresholds: Thresholds | No
                 f"{target_dir}: no step/rank in common with {golden_dir} "
                 f"(golden has {', '.join(golden_dumps) or 'none'}; target has {', '.join(target_dumps) or 'none'})"
             )
-    else:
-        labels_pairs = [(label, label) for label in labels]
     results = []
     all_rows = []
     prepared = []
     for golden_label, target_label in labels_pairs:
         golden, target = golden_dumps[golden_label], target_dumps[target_label]
-        pairs, aligned = align(golden.entries, target.entries)
+        golden_entries, target_entries, cross_tool = _comparable_entries(golden, target)
+        pairs, aligned = align(golden_entries, target_entries)
         label = target_label or golden_label or "."
         rows = build_rows(label, pairs)
         run_class = _run_class(target)
@@ -1014,7 +1071,7 @@ def compare_dirs(golden_dir: Path, target_dir: Path, thresholds: Thresholds | No
             if loss_scale != 1.0 and _is_backward(row.target_entry):
                 row.target_scale = 1.0 / loss_scale
         all_rows += rows
-        prepared.append((label, golden, target, pairs, aligned, rows, loss_scale))
+        prepared.append((label, golden, target, pairs, aligned, rows, loss_scale, cross_tool))
     measure_rows(all_rows, workers, progress)
     judge_rows(all_rows, thresholds)
     _require_compared_data(all_rows, golden_dumps, target_dumps, labels_pairs, golden_dir, target_dir)
@@ -1024,7 +1081,7 @@ def compare_dirs(golden_dir: Path, target_dir: Path, thresholds: Thresholds | No
         side = _skipped_side(golden, target)
         if side in ("golden", "target") and step is not None and rank not in one_sided_skips:
             one_sided_skips[rank] = (step, side)
-    for label, golden, target, pairs, aligned, rows, loss_scale in prepared:
+    for label, golden, target, pairs, aligned, rows, loss_scale, cross_tool in prepared:
         skipped = _skipped_side(golden, target)
         if skipped:
             _accept_loss_scaling_overflows(rows)
@@ -1048,6 +1105,7 @@ def compare_dirs(golden_dir: Path, target_dir: Path, thresholds: Thresholds | No
             loss_scale=loss_scale,
             golden_low_precision=_first_low_precision_matmul(golden),
             skipped_by_grad_scaler=skipped,
+            cross_tool=cross_tool,
         ))
     paired_golden = {g for g, _ in labels_pairs}
     paired_target = {t for _, t in labels_pairs}

@@ -32,6 +32,7 @@ from torch.overrides import TorchFunctionMode
 
 from npukit.accuracy import eager, graph, naming
 from npukit.accuracy._stats import stats as one_pass_stats
+from npukit.accuracy.dumpfile import DUMPED_BY
 from npukit.accuracy.scaler_steps import GradScalerStepWatch
 from npukit.accuracy.stacks import CallStacks
 from npukit.accuracy.tensor_io import strided_form, tensor_to_numpy, write_tensor
@@ -975,7 +976,8 @@ class DumpSession:
             "dump_data_dir": str(rank_dir / TENSOR_DATA_DIR) if self.mode == "tensor" else None,
             "data": {entry.name: entry.data for entry in record.entries},
         }
-        if record.skipped_at_loss_scale is not None:  # npukit's own key; msprobe ignores it
+        dump[DUMPED_BY] = "npukit"  # npukit's own keys; msprobe ignores them
+        if record.skipped_at_loss_scale is not None:
             dump["step_skipped_by_grad_scaler"] = {"loss_scale": record.skipped_at_loss_scale}
         grouped: dict[int, list[str]] = {}
         for entry in record.entries:

@@ -75,7 +75,7 @@ class DumpEntry:
         class differs between the runs (a fused NPU replacement, a patched layer) still pairs."""
         if self.name.startswith("Module.") and self.base.count(".") >= 2:
             return f"{self.base.rpartition('.')[0]}.{self.direction}"
-        return f"{self.base}.{self.direction}"
+        return f"{naming.operator_op(self.base)}.{self.direction}"
 
     def leaves(self):
         yield from self.inputs
@@ -91,6 +91,7 @@ class RankDump:
     entries: list[DumpEntry]
     has_producers: bool
     skipped_at_loss_scale: float | None = None  # GradScaler skipped this step's optimizer update
+    by_npukit: bool = True  # False: another tool wrote it (msprobe): its api backward entries mean other things
 
     def by_name(self) -> dict[str, DumpEntry]:
         return {entry.name: entry for entry in self.entries}
@@ -164,9 +165,13 @@ def load_rank_dump(rank_dir: Path, label: str = "", contained: ContainedPaths | 
             raise UserError(f"{dump_path}: entry {name!r} is nested too deeply to be a dump entry") from None
     if not saw_data:
         raise UserError(f"{dump_path}: not a dump.json (no \"data\" object)")
+    # Dumps from before the DUMPED_BY key are npukit's when they hold producer links (msprobe writes none).
+    by_npukit = header.get(DUMPED_BY) == "npukit" or parser.saw_producer
     return RankDump(rank_dir, label, str(header.get("task", "")), entries, parser.saw_producer,
-                    _skipped_at_loss_scale(header, dump_path))
+                    _skipped_at_loss_scale(header, dump_path), by_npukit)
 
+
+DUMPED_BY = "dumped_by"  # dump.json key naming the writer
 
 _SPACE = re.compile(r"[ \t\n\r]*")
 # Parsed entries take about this many times the size of their dump.json (measured: 746 MB for a
@@ -299,6 +304,8 @@ class _LeafParser:
         entry = DumpEntry(name, base, direction, parent=parent if isinstance(parent, str) else None, stack=stack)
         if direction == naming.PARAMETERS_GRAD:
             for key, value in body.items():
+                if isinstance(value, list) and len(value) == 1:
+                    value = value[0]  # msprobe's {"weight": [leaf]}: the same leaf as npukit's {"weight": leaf}
                 self._collect(value, f"{name}.{key}", entry.params)
             return entry
         # forward: input_args / input_kwargs / output / parameters;
@@ -314,7 +321,8 @@ class _LeafParser:
         kwargs = body.get("input_kwargs")
         if isinstance(kwargs, dict):
             for key, value in kwargs.items():
-                self._collect(value, f"{name}.input.{key}", entry.inputs, numbers)
+                position = naming.argument_position(base, key) if kwargs and base.startswith("Functional.") else None
+                self._collect(value, f"{name}.input.{key if position is None else position}", entry.inputs, numbers)
         for key in ("output", "grad_input"):
             if key in body:
                 self._collect(body[key], f"{name}.output", entry.outputs)

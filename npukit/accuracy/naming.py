@@ -94,6 +94,23 @@ def module_params_grad_name(path: str, class_name: str) -> str:
 
 _API_RE = re.compile(r"^(?P<base>.+)\.(?P<index>\d+)\.(?P<dir>forward|backward)$")
 _MODULE_RE = re.compile(r"^(?P<base>Module\..+)\.(?P<dir>forward|backward)\.(?P<index>\d+)$")
+# msprobe numbers each step's parameter gradients of a module: Module.fc.Linear.parameters_grad.0
+_PARAMS_GRAD_RE = re.compile(r"^(?P<base>.+)\.parameters_grad(\.(?P<index>\d+))?$")
+
+
+# Python operators msprobe names by their dunder method (it wraps Tensor.__add__ itself) and
+# npukit by the op torch hands to __torch_function__ for them (x + y arrives as Tensor.add):
+# one alignment key for both.
+_OPERATOR_OPS = {"__add__": "add", "__radd__": "add", "__iadd__": "add_", "__sub__": "sub", "__isub__": "sub_",
+                 "__mul__": "mul", "__rmul__": "mul", "__imul__": "mul_", "__truediv__": "div",
+                 "__itruediv__": "div_", "__matmul__": "matmul", "__neg__": "neg", "__pow__": "pow"}
+
+
+def operator_op(base: str) -> str:
+    """`Tensor.__add__` -> `Tensor.add`; any other api name unchanged."""
+    prefix, _, name = base.rpartition(".")
+    op = _OPERATOR_OPS.get(name)
+    return f"{prefix}.{op}" if op and prefix == "Tensor" else base
 
 
 def module_path(paths: dict, module, outermost_running=None) -> str:
@@ -189,8 +206,9 @@ def split_entry_name(name: str) -> tuple[str, str, int | None]:
     if match is None:
         match = _API_RE.match(name)
     if match is None:
-        if name.endswith("." + PARAMETERS_GRAD):
-            return name[: -len(PARAMETERS_GRAD) - 1], PARAMETERS_GRAD, None
+        match = _PARAMS_GRAD_RE.match(name)
+        if match is not None:
+            return match["base"], PARAMETERS_GRAD, int(match["index"]) if match["index"] else None
         return name, "", None
     return match["base"], match["dir"], int(match["index"])
 
@@ -259,14 +277,26 @@ def writes_its_input(api: str, args: tuple, kwargs: dict) -> bool:
 @lru_cache(maxsize=1)
 def _inplace_positions() -> dict[str, int]:
     """api name -> position of its `inplace` argument, for the apis that have one (functionals)."""
-    positions = {}
+    return {api: names.index("inplace") for api, names in functional_parameters().items() if "inplace" in names}
+
+
+@lru_cache(maxsize=1)
+def functional_parameters() -> dict[str, list[str]]:
+    """Functional api name -> its parameter names in order (torch.nn.functional's Python functions)."""
+    parameters = {}
     for func, api in api_name_table().items():
         if not api.startswith("Functional."):
             continue
         try:
-            names = list(inspect.signature(func).parameters)
+            parameters[api] = list(inspect.signature(func).parameters)
         except (TypeError, ValueError):  # a builtin without a signature
             continue
-        if "inplace" in names:
-            positions[api] = names.index("inplace")
-    return positions
+    return parameters
+
+
+def argument_position(api: str, keyword: str) -> int | None:
+    """Where a keyword argument of a functional sits among its parameters: F.layer_norm's weight
+    is argument 2 whether a caller passed it by position (msprobe records what the caller wrote) or
+    by name (torch's __torch_function__ hands it over by name)."""
+    names = functional_parameters().get(api) if api.startswith("Functional.") else None
+    return names.index(keyword) if names and keyword in names else None

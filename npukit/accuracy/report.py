@@ -207,8 +207,13 @@ def print_terminal(result: CompareResult, console, top: int = 20) -> None:
             console.print(f"target gradients are loss-scaled by {pair.loss_scale:g}{where} (GradScaler): "
                           "backward tensors compared after unscaling")
         if pair.golden_pair != pair.pair:
+            same_step = pair.golden_pair.partition("/")[0] == pair.pair.partition("/")[0] and "/" in pair.pair
+            why = ("one process per step on each side, rank 0 (msprobe names it proc<pid>)" if same_step
+                   else "each folder holds one dump, of different steps or ranks")
             console.print(f"[yellow]compared the golden run's {escape(pair.golden_pair)} with the target's "
-                          f"{escape(pair.pair)}[/]: each folder holds one dump, of different steps or ranks")
+                          f"{escape(pair.pair)}[/]: {why}")
+        if pair.cross_tool:
+            console.print(f"[yellow]{escape(pair.cross_tool)}[/]{where}")
         if pair.skipped_by_grad_scaler:
             side = {"both": "both runs", "golden": "the golden run", "target": "the target"}[pair.skipped_by_grad_scaler]
             console.print(f"[yellow]GradScaler skipped this step in {side}{where}[/]: its gradients overflowed under"

@@ -1,0 +1,68 @@
+"""One model (a conv net, a transformer-style block, an MLP head) trained for one step and dumped
+by the real msprobe or by npukit: `python msprobe_interop_model.py TOOL TASK LEVEL DTYPE OUT`.
+
+TOOL msprobe | npukit; TASK statistics | tensor; LEVEL L1 | mix (npukit: api | mix); DTYPE fp32 | bf16
+(CPU autocast). Used by test_msprobe_interop.py."""
+import json
+import sys
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+tool, task, level, dtype, out = sys.argv[1:6]
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.norm = nn.LayerNorm(16)
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        h = self.norm(F.relu(self.conv(x)).flatten(2).mean(1))
+        return h + self.fc2(F.gelu(self.fc1(h))) * 0.5
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block, self.head = Block(), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.block(x))
+
+
+torch.manual_seed(0)
+model = Model()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+x, y = torch.randn(4, 3, 4, 4), torch.randint(0, 4, (4,))
+
+
+def train_step():
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+        loss = F.cross_entropy(model(x).float(), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+if tool == "msprobe":
+    from msprobe.pytorch import PrecisionDebugger
+
+    config = {"task": task, "dump_path": out, "rank": [], "step": [0], "level": level,
+              "statistics": {"scope": [], "list": [], "data_mode": ["all"], "summary_mode": "statistics"},
+              "tensor": {"scope": [], "list": [], "data_mode": ["all"]}}
+    with open(out + ".json", "w") as file:
+        json.dump(config, file)
+    debugger = PrecisionDebugger(config_path=out + ".json")
+    debugger.start(model)
+    train_step()
+    debugger.stop()
+    debugger.step()
+else:
+    from npukit.accuracy.dump import DumpSession
+
+    with DumpSession(out, level={"L1": "api", "mix": "mix"}[level], mode={"statistics": "stats"}.get(task, task)):
+        train_step()

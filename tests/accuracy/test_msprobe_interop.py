@@ -1,0 +1,83 @@
+"""npu-compare against the real MindStudio Probe (mindstudio-probe 26.2.0, a dev dependency): dumps
+of one model written by msprobe and by npukit, compared across tools in both directions.
+
+What the two tools record differently is left out of a cross-tool pair and said in the report: an
+api's backward (msprobe: the gradients of the op's last autograd node; npukit: the op's gradient
+for each argument), apis and modules only one tool records (Tensor.flatten, the root module,
+msprobe's optimizer ops). Everything else pairs: forward api entries (x + y is msprobe's
+Tensor.__add__ and npukit's Tensor.add; F.layer_norm's weight is msprobe's positional input.2 and
+arrives by keyword in npukit), module entries, and parameter gradients (msprobe's
+Module.X.parameters_grad.0 with {"weight": [leaf]}, written as each backward ends)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from npukit.accuracy.compare import ERROR, PASS, UNMATCHED, compare_dirs
+
+MODEL = Path(__file__).with_name("msprobe_interop_model.py")
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def dumps(tmp_path_factory):
+    root = tmp_path_factory.mktemp("interop")
+    made = {}
+
+    def dump(tool, task, level, dtype):
+        key = (tool, task, level, dtype)
+        if key not in made:
+            out = root / "_".join(key)
+            run = subprocess.run([sys.executable, str(MODEL), tool, task, level, dtype, str(out)],
+                                 capture_output=True, text=True, timeout=300,
+                                 env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=root)
+            assert run.returncode == 0, run.stderr[-3000:]
+            made[key] = out
+        return made[key]
+    return dump
+
+
+@pytest.mark.parametrize("task", ["statistics", "tensor"])
+@pytest.mark.parametrize("level", ["L1", "mix"])
+@pytest.mark.parametrize("golden_tool", ["msprobe", "npukit"])
+def test_the_same_model_dumped_by_both_tools_pairs_every_comparable_entry(dumps, task, level, golden_tool):
+    target_tool = "npukit" if golden_tool == "msprobe" else "msprobe"
+    result = compare_dirs(dumps(golden_tool, task, level, "fp32"), dumps(target_tool, task, level, "fp32"),
+                          workers=1)
+    [pair] = result.pairs  # msprobe's step0/proc<pid> is npukit's step0/rank0
+    assert pair.divergence is None
+    assert [row.name for row in pair.rows if row.verdict in (ERROR, UNMATCHED)] == []
+    assert f"golden dumped by {golden_tool}, target by {target_tool}" in pair.cross_tool
+    assert "api backward entries left out" in pair.cross_tool
+    names = {row.name for row in pair.rows}
+    assert {"Functional.layer_norm.0.forward.input.2", "Functional.conv2d.0.forward.output.0"} <= names
+    assert any(name.startswith("Tensor.") and ".forward.input.1" in name and ("add" in name) for name in names)
+    if level == "mix":
+        grads = [row for row in pair.rows if ".parameters_grad" in row.name]
+        assert len(grads) == 10 and all(row.verdict == PASS for row in grads)  # 5 layers x weight, bias
+        assert "Module.Model" in pair.cross_tool  # the root module: npukit only
+    values = [row for row in pair.rows if row.metrics is not None or row.stat_diffs is not None]
+    assert len(values) == len(pair.rows)
+
+
+@pytest.mark.parametrize("task", ["statistics", "tensor"])
+def test_a_correct_bf16_run_against_an_msprobe_fp32_golden_has_no_divergence(dumps, task):
+    result = compare_dirs(dumps("msprobe", task, "mix", "fp32"), dumps("npukit", task, "mix", "bf16"), workers=1)
+    [pair] = result.pairs
+    assert pair.divergence is None
+    assert [row.name for row in pair.rows if row.verdict in (ERROR, UNMATCHED)] == []
+    assert any(row.target.dtype == "torch.bfloat16" for row in pair.rows)
+
+
+def test_msprobe_dumps_compare_with_each_other_with_their_parameter_gradients(dumps):
+    result = compare_dirs(dumps("msprobe", "tensor", "mix", "fp32"), dumps("msprobe", "tensor", "mix", "bf16"),
+                          workers=1)
+    [pair] = result.pairs
+    assert pair.cross_tool is None and pair.divergence is None
+    grads = [row for row in pair.rows if ".parameters_grad.0." in row.name]
+    assert len(grads) == 10 and all(row.metrics is not None for row in grads)
