@@ -66,6 +66,7 @@ def run(
     dump: Optional[Path] = typer.Option(None, "--dump", help="Dump per-layer tensors into DIR."),
     dump_level: str = typer.Option("mix", "--dump-level", help="module | api | mix"),
     dump_mode: str = typer.Option("stats", "--dump-mode", help="stats | tensor | md5"),
+    dump_tensor_format: str = typer.Option("npy", "--dump-tensor-format", help="npy | pt (for msprobe compare) tensor files"),
     dump_steps: Optional[str] = typer.Option(None, "--dump-steps", help="Steps to dump, e.g. 0,2-4."),
     dump_scope: Optional[str] = typer.Option(None, "--dump-scope", help="Only names under these scopes (comma list)."),
     dump_list: Optional[str] = typer.Option(None, "--dump-list", help="Only these module/op names (comma list)."),
@@ -84,7 +85,7 @@ def run(
     options = RunOptions(
         script=script, args=list(args or []), module=module, devices=devices, emulate=emulate, transfer_to_npu=transfer_to_npu,
         nproc_per_node=nproc_per_node, golden=golden, seed=seed,
-        dump=dump, dump_level=dump_level, dump_mode=dump_mode, dump_steps=dump_steps,
+        dump=dump, dump_level=dump_level, dump_mode=dump_mode, dump_tensor_format=dump_tensor_format, dump_steps=dump_steps,
         dump_scope=dump_scope, dump_list=dump_list, replay=replay,
         detect_overflow=detect_overflow, overflow_action=overflow_action,
         overflow_max=overflow_max, overflow_dir=overflow_dir, overflow_level=overflow_level,

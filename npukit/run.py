@@ -35,6 +35,7 @@ class RunOptions:
     dump: Path | None = None
     dump_level: str = "mix"
     dump_mode: str = "stats"
+    dump_tensor_format: str = "npy"
     dump_steps: str | None = None
     dump_scope: str | None = None
     dump_list: str | None = None
@@ -213,7 +214,7 @@ def _enter_sessions(options: RunOptions, stack: contextlib.ExitStack, sessions: 
 
         sessions.append(stack.enter_context(DumpSession(options.dump, level=options.dump_level, mode=options.dump_mode,
                                         steps=options.dump_steps, scope=options.dump_scope,
-                                        names=options.dump_list)))
+                                        names=options.dump_list, tensor_format=options.dump_tensor_format)))
     if options.detect_overflow:
         from npukit.accuracy.overflow import OverflowSession
 

@@ -71,7 +71,20 @@ def is_floating(dtype_name: str) -> bool:
 
 
 def write_tensor(path: Path, tensor) -> None:
-    """Write one tensor (any device) to `path` as .npy; atomically, so a crash leaves no partial file."""
+    """Write one tensor (any device) to `path`, as .npy or, for a `.pt` path, as a bare CPU tensor
+    (torch.load(weights_only=True) reads it, as msprobe does); atomically, so a crash leaves no
+    partial file."""
+    if path.suffix == ".pt":
+        import torch
+
+        with torch._C.DisableTorchFunction():
+            compact = tensor.detach().to("cpu")
+            if compact.untyped_storage().nbytes() != compact.numel() * compact.element_size() \
+                    or not compact.is_contiguous():
+                compact = compact.contiguous().clone()  # torch.save writes a view's whole storage
+        with atomic_open(path, "wb") as handle:
+            torch.save(compact, handle)
+        return
     array = tensor_to_numpy(tensor)
     with atomic_open(path, "wb") as handle:
         np.lib.format.write_array(handle, array, allow_pickle=False)

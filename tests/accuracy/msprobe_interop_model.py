@@ -64,5 +64,6 @@ if tool == "msprobe":
 else:
     from npukit.accuracy.dump import DumpSession
 
-    with DumpSession(out, level={"L1": "api", "mix": "mix"}[level], mode={"statistics": "stats"}.get(task, task)):
+    with DumpSession(out, level={"L1": "api", "mix": "mix"}[level], mode={"statistics": "stats"}.get(task, task),
+                     tensor_format=sys.argv[6] if len(sys.argv) > 6 else "npy"):
         train_step()

@@ -11,6 +11,7 @@ Module.X.parameters_grad.0 with {"weight": [leaf]}, written as each backward end
 
 from __future__ import annotations
 
+import csv
 import os
 import subprocess
 import sys
@@ -29,11 +30,11 @@ def dumps(tmp_path_factory):
     root = tmp_path_factory.mktemp("interop")
     made = {}
 
-    def dump(tool, task, level, dtype):
-        key = (tool, task, level, dtype)
+    def dump(tool, task, level, dtype, tensor_format="npy"):
+        key = (tool, task, level, dtype, tensor_format)
         if key not in made:
             out = root / "_".join(key)
-            run = subprocess.run([sys.executable, str(MODEL), tool, task, level, dtype, str(out)],
+            run = subprocess.run([sys.executable, str(MODEL), tool, task, level, dtype, str(out), tensor_format],
                                  capture_output=True, text=True, timeout=300,
                                  env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=root)
             assert run.returncode == 0, run.stderr[-3000:]
@@ -81,3 +82,29 @@ def test_msprobe_dumps_compare_with_each_other_with_their_parameter_gradients(du
     assert pair.cross_tool is None and pair.divergence is None
     grads = [row for row in pair.rows if ".parameters_grad.0." in row.name]
     assert len(grads) == 10 and all(row.metrics is not None for row in grads)
+
+
+@pytest.mark.parametrize("task", ["statistics", "tensor"])
+def test_msprobe_compare_reads_npukit_dumps_written_for_it(dumps, tmp_path, task):
+    """`--dump-tensor-format pt`: a bare tensor per leaf, a file per leaf (msprobe compare pairs
+    rows by data file: files shared by several leaves gave duplicated, mislabelled rows)."""
+    golden = dumps("npukit", task, "mix", "fp32", "pt")
+    target = dumps("npukit", task, "mix", "bf16", "pt")
+    msprobe = Path(sys.executable).with_name("msprobe")
+    run = subprocess.run([str(msprobe), "compare", "-gp", str(golden / "step0"), "-tp", str(target / "step0"),
+                          "-o", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    [table] = tmp_path.glob("compare_result_*.csv")
+    rows = list(csv.DictReader(table.open()))
+    names = [row["NPU Name"] for row in rows]
+    assert len(names) == len(set(names))
+    metric = "Cosine" if task == "tensor" else "NormRelativeErr"
+    # every paired tensor of one dimension or more (msprobe itself lists numbers and 0-d tensors
+    # unsupported; Tensor.float's backward exists in the bf16 run only)
+    tensors = [row for row in rows if row["NPU Dtype"].startswith("torch.") and row["NPU Tensor Shape"] != "[]"
+               and row["Bench Name"] != "N/A"]
+    assert len(tensors) > 100
+    assert [row["NPU Name"] for row in tensors if row[metric] in ("", "N/A", "unsupported")] == []
+    if task == "tensor":
+        assert all(path.suffix == ".pt" for path in (golden / "step0" / "rank0" / "dump_tensor_data").iterdir())
+    assert compare_dirs(golden, target, workers=1).pairs[0].divergence is None
