@@ -19,7 +19,7 @@ from pathlib import Path
 
 from npukit.accuracy import naming
 from npukit.accuracy.dumpfile import DumpEntry, RankDump, TensorLeaf, load_dump_dir
-from npukit.accuracy.metrics import PairJob, PairMetrics, compare_pairs
+from npukit.accuracy.metrics import FLOAT32_EPS, FLOAT64_EPS, PairJob, PairMetrics, compare_pairs
 from npukit.accuracy.tensor_io import is_floating
 from npukit.alignment import myers_alignment
 from npukit.errors import UserError
@@ -308,11 +308,15 @@ def measure_rows(rows: list[Row], workers: int | None, progress=None) -> None:
             ulp = target.dtype if row.target_entry and _ulp_wanted_name(row.target_entry) and is_floating(target.dtype) else None
             jobs.append(PairJob(str(golden.data_path), golden.dtype, str(target.data_path), target.dtype,
                                 golden.numel * (2 if complex_pair else 1), ulp, tuple(golden.shape),
-                                row.target_scale, _rms(golden)))
+                                row.target_scale, _rms(golden),
+                                FLOAT64_EPS if {golden.dtype, target.dtype} & _DOUBLE else FLOAT32_EPS))
             job_rows.append(row)
     if jobs:
         for row, metrics in zip(job_rows, compare_pairs(jobs, workers, progress)):
             row.metrics = metrics
+
+
+_DOUBLE = frozenset({"torch.float64", "torch.complex128"})
 
 
 def _first_low_precision_matmul(dump: RankDump) -> str | None:

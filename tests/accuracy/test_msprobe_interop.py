@@ -105,6 +105,20 @@ def test_msprobe_compare_reads_npukit_dumps_written_for_it(dumps, tmp_path, task
                and row["Bench Name"] != "N/A"]
     assert len(tensors) > 100
     assert [row["NPU Name"] for row in tensors if row[metric] in ("", "N/A", "unsupported")] == []
+    ours = compare_dirs(golden, target, workers=1).pairs[0]
+    assert ours.divergence is None
     if task == "tensor":
         assert all(path.suffix == ".pt" for path in (golden / "step0" / "rank0" / "dump_tensor_data").iterdir())
-    assert compare_dirs(golden, target, workers=1).pairs[0].divergence is None
+        # the metrics both tools compute agree on every paired tensor (msprobe prints cosine to 6 digits)
+        theirs = {row["NPU Name"]: row for row in tensors}
+        columns = {"Cosine": "cosine", "EucDist": "euc_dist", "MaxAbsErr": "max_abs", "MaxRelativeErr": "max_rel",
+                   "One Thousandth Err Ratio": "within_1e3", "Five Thousandths Err Ratio": "within_5e3"}
+        checked = 0
+        for row in ours.rows:
+            if row.metrics is None or row.name not in theirs:
+                continue
+            for column, field in columns.items():
+                assert getattr(row.metrics, field) == pytest.approx(float(theirs[row.name][column]), rel=1e-6, abs=1e-6), \
+                    (row.name, column)
+            checked += 1
+        assert checked > 100
