@@ -321,8 +321,14 @@ class _LeafParser:
         kwargs = body.get("input_kwargs")
         if isinstance(kwargs, dict):
             for key, value in kwargs.items():
-                position = naming.argument_position(base, key) if kwargs and base.startswith("Functional.") else None
-                self._collect(value, f"{name}.input.{key if position is None else position}", entry.inputs, numbers)
+                first = len(entry.inputs)
+                self._collect(value, f"{name}.input.{key}", entry.inputs, numbers)
+                position = naming.argument_position(base, key) if base.startswith("Functional.") else None
+                if position is not None:  # pairs with the same argument given by position
+                    for leaf in entry.inputs[first:]:
+                        leaf.suffix = f"input.{position}" + leaf.suffix[len(f"input.{key}"):]
+                    if f"input.{key}" in entry.numbers:
+                        entry.numbers[f"input.{position}"] = entry.numbers.pop(f"input.{key}")
         for key in ("output", "grad_input"):
             if key in body:
                 self._collect(body[key], f"{name}.output", entry.outputs)

@@ -13,13 +13,16 @@ from npukit.files import atomic_open, write_text_atomic
 
 _SEVERITY = {ERROR: 0, WARN: 1, UNMATCHED: 2, PASS: 3}
 
-# msprobe's compare_result columns (NPU = target, Bench = golden), then npukit's own.
+# msprobe 26.2's compare_result columns of both modes (NPU = target, Bench = golden), then npukit's
+# own. MaxRelativeErr is what msprobe puts there: the largest element's relative error for a row
+# with tensor data, the relative difference of the maxima (a percentage) for a statistics row.
 CSV_COLUMNS = [
     "NPU Name", "Bench Name", "NPU Dtype", "Bench Dtype", "NPU Tensor Shape", "Bench Tensor Shape",
+    "NPU Requires_grad", "Bench Requires_grad",
     "Cosine", "EucDist", "MaxAbsErr", "MaxRelativeErr", "One Thousandth Err Ratio", "Five Thousandths Err Ratio",
-    "Max diff", "Min diff", "Mean diff", "L2norm diff",
+    "Max diff", "Min diff", "Mean diff", "L2norm diff", "MinRelativeErr", "MeanRelativeErr", "NormRelativeErr",
     "NPU max", "NPU min", "NPU mean", "NPU l2norm", "Bench max", "Bench min", "Bench mean", "Bench l2norm",
-    "Result", "Err_message", "NPU_Stack_Info", "Data_name",
+    "Requires_grad Consistent", "Result", "Err_message", "NPU_Stack_Info", "Data_name",
     "Step/Rank", "Order", "Role", "Dtype Class", "RelativeL2", "SQNR(dB)", "MaxULP", "NanInf Mismatch",
     "Negligible", "First Divergence",
 ]
@@ -35,6 +38,19 @@ def _number(value) -> str:
             return "inf" if value > 0 else "-inf"
         return f"{value:.6g}"
     return str(value)
+
+
+def _statistic_relative(diff, bench) -> str | None:
+    """msprobe's statistics-mode relative error: |diff / bench| as a percentage; "inf" over a 0."""
+    if diff is None or bench is None:
+        return None
+    if diff == 0:
+        return "0"
+    return "inf" if bench == 0 else f"{abs(diff / bench * 100)!r}%"
+
+
+def _requires_grad(leaf) -> str:
+    return "N/A" if leaf is None or leaf.requires_grad is None else str(leaf.requires_grad)
 
 
 def _stats(row: Row, side: str):
@@ -67,18 +83,24 @@ def row_record(row: Row, divergent: set, stacks: dict) -> dict:
         "Bench Dtype": golden.dtype if golden else "",
         "NPU Tensor Shape": list(target.shape) if target else "",
         "Bench Tensor Shape": list(golden.shape) if golden else "",
+        "NPU Requires_grad": _requires_grad(target),
+        "Bench Requires_grad": _requires_grad(golden),
         "Cosine": m.cosine if m else None,
         "EucDist": m.euc_dist if m else None,
         "MaxAbsErr": m.max_abs if m else None,
-        "MaxRelativeErr": m.max_rel if m else None,
+        "MaxRelativeErr": m.max_rel if m else _statistic_relative(diffs.get("Max"), g_stats[0]),
         "One Thousandth Err Ratio": m.within_1e3 if m else None,
         "Five Thousandths Err Ratio": m.within_5e3 if m else None,
         "Max diff": diffs.get("Max"),
         "Min diff": diffs.get("Min"),
         "Mean diff": diffs.get("Mean"),
         "L2norm diff": diffs.get("Norm"),
+        "MinRelativeErr": None if m else _statistic_relative(diffs.get("Min"), g_stats[1]),
+        "MeanRelativeErr": None if m else _statistic_relative(diffs.get("Mean"), g_stats[2]),
+        "NormRelativeErr": None if m else _statistic_relative(diffs.get("Norm"), g_stats[3]),
         "NPU max": t_stats[0], "NPU min": t_stats[1], "NPU mean": t_stats[2], "NPU l2norm": t_stats[3],
         "Bench max": g_stats[0], "Bench min": g_stats[1], "Bench mean": g_stats[2], "Bench l2norm": g_stats[3],
+        "Requires_grad Consistent": str(_requires_grad(target) == _requires_grad(golden)),
         "Result": row.verdict,
         "Err_message": row.message,
         "NPU_Stack_Info": stacks.get((row.pair, row.target_entry), ""),

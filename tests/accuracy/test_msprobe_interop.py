@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from npukit.accuracy.compare import ERROR, PASS, UNMATCHED, compare_dirs
+from npukit.accuracy.report import write_csv
 
 MODEL = Path(__file__).with_name("msprobe_interop_model.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -56,7 +57,12 @@ def test_the_same_model_dumped_by_both_tools_pairs_every_comparable_entry(dumps,
     assert f"golden dumped by {golden_tool}, target by {target_tool}" in pair.cross_tool
     assert "api backward entries left out" in pair.cross_tool
     names = {row.name for row in pair.rows}
-    assert {"Functional.layer_norm.0.forward.input.2", "Functional.conv2d.0.forward.output.0"} <= names
+    assert "Functional.conv2d.0.forward.output.0" in names
+    # F.layer_norm's weight: msprobe's input.2 (as nn.LayerNorm passes it), npukit's input.weight
+    weight = {(row.golden.name, row.target.name) for row in pair.rows if "layer_norm.0.forward.input.weight" in row.name
+              or "layer_norm.0.forward.input.2" in row.name}
+    assert weight == {tuple(f"Functional.layer_norm.0.forward.input.{suffix}" for suffix in
+                            (("2", "weight") if golden_tool == "msprobe" else ("weight", "2")))}
     assert any(name.startswith("Tensor.") and ".forward.input.1" in name and ("add" in name) for name in names)
     if level == "mix":
         grads = [row for row in pair.rows if ".parameters_grad" in row.name]
@@ -105,8 +111,23 @@ def test_msprobe_compare_reads_npukit_dumps_written_for_it(dumps, tmp_path, task
                and row["Bench Name"] != "N/A"]
     assert len(tensors) > 100
     assert [row["NPU Name"] for row in tensors if row[metric] in ("", "N/A", "unsupported")] == []
-    ours = compare_dirs(golden, target, workers=1).pairs[0]
+    result = compare_dirs(golden, target, workers=1)
+    ours = result.pairs[0]
     assert ours.divergence is None
+    write_csv(result, tmp_path / "ours.csv")
+    with (tmp_path / "ours.csv").open() as handle:
+        our_table = list(csv.DictReader(handle))
+    assert set(rows[0]) - set(our_table[0]) == set()  # every msprobe column, in both modes
+    if task == "statistics":
+        ours_by_name = {row["NPU Name"]: row for row in our_table}
+        for row in tensors:
+            for column in ("MaxRelativeErr", "MinRelativeErr", "MeanRelativeErr", "NormRelativeErr",
+                           "NPU Requires_grad", "Bench Requires_grad", "Requires_grad Consistent"):
+                mine, theirs = ours_by_name[row["NPU Name"]][column], row[column]
+                if theirs.endswith("%"):
+                    assert float(mine.rstrip("%")) == pytest.approx(float(theirs.rstrip("%")), rel=1e-6), column
+                else:
+                    assert mine == theirs, (row["NPU Name"], column)
     if task == "tensor":
         assert all(path.suffix == ".pt" for path in (golden / "step0" / "rank0" / "dump_tensor_data").iterdir())
         # the metrics both tools compute agree on every paired tensor (msprobe prints cosine to 6 digits)
