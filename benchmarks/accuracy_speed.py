@@ -173,7 +173,9 @@ def compare_small_files(files_per_side: int) -> None:
 
 
 def msprobe_ratio(root: Path, npukit_seconds: float) -> None:
-    if shutil.which("msprobe") is None:
+    beside = Path(sys.executable).with_name("msprobe")  # the venv's, when its python runs this
+    msprobe = str(beside) if beside.exists() else shutil.which("msprobe")
+    if msprobe is None:
         print("msprobe compare: not installed (pip install mindstudio-probe), ratio skipped")
         return
     import numpy as np
@@ -188,15 +190,9 @@ def msprobe_ratio(root: Path, npukit_seconds: float) -> None:
             leaf["data_name"] = leaf["data_name"].replace(".npy", ".pt")
             torch.save(torch.from_numpy(array), rank_dir / "dump_tensor_data" / leaf["data_name"])
         (rank_dir / "dump.json").write_text(json.dumps(dump))
-    config = root / "compare.json"
-    config.write_text(json.dumps({
-        "npu_path": str(root / "target/step0/rank0/dump.json"),
-        "bench_path": str(root / "golden/step0/rank0/dump.json"),
-        "is_print_compare_log": False,
-    }))
     start = time.perf_counter()
-    done = subprocess.run(["msprobe", "-f", "pytorch", "compare", "-i", str(config), "-o", str(root / "out")],
-                          capture_output=True, text=True)
+    done = subprocess.run([msprobe, "compare", "-gp", str(root / "golden/step0"), "-tp", str(root / "target/step0"),
+                           "-o", str(root / "out")], capture_output=True, text=True)
     seconds = time.perf_counter() - start
     if done.returncode != 0:
         print(f"msprobe compare failed (exit {done.returncode}): {done.stderr.strip()[-300:]}")
