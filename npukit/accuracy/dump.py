@@ -294,19 +294,10 @@ def fill_stats(leaf: dict, values) -> None:
             leaf[key] = None
         return
     for key, value in zip(_STAT_NAMES, values):
-        leaf[key] = _json_float(value)
+        leaf[key] = value  # a non-finite one is written bare (NaN, Infinity), as msprobe's json.dump does
     if values[4] or values[5]:
         leaf["nan_count"] = int(values[4])
         leaf["inf_count"] = int(values[5])
-
-
-def _json_float(value: float):
-    # JSON has no inf/nan; msprobe writes them as strings too.
-    if value != value:
-        return "nan"
-    if value in (float("inf"), float("-inf")):
-        return "inf" if value > 0 else "-inf"
-    return value
 
 
 def describe_value(value) -> object:
@@ -314,7 +305,7 @@ def describe_value(value) -> object:
     if value is None:
         return None
     if isinstance(value, bool | int | float | str):
-        return {"type": type(value).__name__, "value": _json_float(value) if isinstance(value, float) else value}
+        return {"type": type(value).__name__, "value": value}
     if isinstance(value, torch.dtype | torch.device | torch.Size | torch.memory_format | torch.layout):
         return {"type": f"torch.{type(value).__name__}", "value": str(value) if not isinstance(value, torch.Size) else list(value)}
     if isinstance(value, slice):

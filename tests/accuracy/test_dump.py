@@ -279,6 +279,9 @@ def test_nan_and_inf_are_counted(tmp_path):
         torch.neg(x)
     leaf = load(tmp_path)["data"]["Torch.neg.0.forward"]["output"][0]
     assert leaf["nan_count"] == 1 and leaf["inf_count"] == 1
+    # non-finite statistics are bare JSON numbers (NaN, Infinity), as msprobe writes them
+    text = next(tmp_path.rglob("dump.json")).read_text()
+    assert '"Max":NaN' in text and '"nan"' not in text
 
 
 def test_module_level_has_no_api_entries_and_api_level_no_modules(tmp_path):
