@@ -40,6 +40,9 @@ def _number(value) -> str:
     return str(value)
 
 
+_UNSUPPORTED = "unsupported"
+
+
 def _statistic_relative(diff, bench) -> str | None:
     """msprobe's statistics-mode relative error: |diff / bench| as a percentage; "inf" over a 0."""
     if diff is None or bench is None:
@@ -76,6 +79,9 @@ def row_record(row: Row, divergent: set, stacks: dict) -> dict:
             for key, t, g in zip(("Max", "Min", "Mean", "Norm"), t_stats, g_stats)
         }
     data_names = [leaf.data_path.name if leaf and leaf.data_path else "" for leaf in (target, golden)]
+    # msprobe gives a 0-d tensor no cosine, distance or ratios ("unsupported"); npukit's own
+    # columns (RelativeL2 ...) and the verdict still judge it.
+    scalar = m is not None and target is not None and target.shape == ()
     return {
         "NPU Name": target.name if target else "",
         "Bench Name": golden.name if golden else "",
@@ -85,12 +91,12 @@ def row_record(row: Row, divergent: set, stacks: dict) -> dict:
         "Bench Tensor Shape": list(golden.shape) if golden else "",
         "NPU Requires_grad": _requires_grad(target),
         "Bench Requires_grad": _requires_grad(golden),
-        "Cosine": m.cosine if m else None,
-        "EucDist": m.euc_dist if m else None,
+        "Cosine": _UNSUPPORTED if scalar else m.cosine if m else None,
+        "EucDist": _UNSUPPORTED if scalar else m.euc_dist if m else None,
         "MaxAbsErr": m.max_abs if m else None,
         "MaxRelativeErr": m.max_rel if m else _statistic_relative(diffs.get("Max"), g_stats[0]),
-        "One Thousandth Err Ratio": m.within_1e3 if m else None,
-        "Five Thousandths Err Ratio": m.within_5e3 if m else None,
+        "One Thousandth Err Ratio": _UNSUPPORTED if scalar else m.within_1e3 if m else None,
+        "Five Thousandths Err Ratio": _UNSUPPORTED if scalar else m.within_5e3 if m else None,
         "Max diff": diffs.get("Max"),
         "Min diff": diffs.get("Min"),
         "Mean diff": diffs.get("Mean"),

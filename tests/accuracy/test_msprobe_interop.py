@@ -134,6 +134,13 @@ def test_msprobe_compare_reads_npukit_dumps_written_for_it(dumps, tmp_path, task
         theirs = {row["NPU Name"]: row for row in tensors}
         columns = {"Cosine": "cosine", "EucDist": "euc_dist", "MaxAbsErr": "max_abs", "MaxRelativeErr": "max_rel",
                    "One Thousandth Err Ratio": "within_1e3", "Five Thousandths Err Ratio": "within_5e3"}
+        scalars = [row for row in rows if row["NPU Tensor Shape"] == "[]" and row["NPU Dtype"].startswith("torch.")
+                   and row["Bench Name"] != "N/A"]
+        ours_by_name = {row["NPU Name"]: row for row in our_table}
+        assert scalars  # the loss: msprobe gives 0-d tensors no cosine, distance or ratios; npukit's CSV neither
+        for row in scalars:
+            for column in ("Cosine", "EucDist", "One Thousandth Err Ratio", "Five Thousandths Err Ratio"):
+                assert ours_by_name[row["NPU Name"]][column] == row[column] == "unsupported"
         checked = 0
         for row in ours.rows:
             if row.metrics is None or row.name not in theirs:
