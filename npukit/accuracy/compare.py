@@ -158,6 +158,7 @@ class PairResult:
     # under loss scaling, which GradScaler handles): the backward has no consequence and is not searched.
     skipped_by_grad_scaler: str | None = None
     cross_tool: str | None = None  # what was left out of a pair whose dumps two different tools wrote
+    unsearched: str | None = None  # why no divergence was searched for (the runs' weights differ by design)
 
 
 @dataclass
@@ -1089,12 +1090,19 @@ def compare_dirs(golden_dir: Path, target_dir: Path, thresholds: Thresholds | No
         skipped = _skipped_side(golden, target)
         if skipped:
             _accept_loss_scaling_overflows(rows)
-        divergence = find_divergence(label, pairs, rows, golden, target, thresholds, search_backward=not skipped)
         step, rank = _step_and_rank(label)
         earlier = one_sided_skips.get(rank)
-        if divergence is not None and step is not None and earlier and earlier[0] < step:
-            divergence.reason += (f"; GradScaler skipped step {earlier[0]} in the {earlier[1]} only,"
-                                  " so the two runs' weights differ from the step after it")
+        unsearched = None
+        if step is not None and earlier and earlier[0] < step:
+            # One run updated its weights at that step and the other did not: from then on they
+            # train different models, and the first op that shows it is not a divergence.
+            divergence = None
+            unsearched = (f"not searched for a divergence: GradScaler skipped step {earlier[0]} in the {earlier[1]}"
+                          " only, so the two runs train from different weights after it. Compare the steps up to"
+                          f" {earlier[0]}, or start GradScaler at a scale the target does not overflow at"
+                          " (init_scale=...) so that both runs update at every step")
+        else:
+            divergence = find_divergence(label, pairs, rows, golden, target, thresholds, search_backward=not skipped)
         results.append(PairResult(
             pair=label,
             golden_pair=golden.label or label,
@@ -1110,6 +1118,7 @@ def compare_dirs(golden_dir: Path, target_dir: Path, thresholds: Thresholds | No
             golden_low_precision=_first_low_precision_matmul(golden),
             skipped_by_grad_scaler=skipped,
             cross_tool=cross_tool,
+            unsearched=unsearched,
         ))
     paired_golden = {g for g, _ in labels_pairs}
     paired_target = {t for _, t in labels_pairs}

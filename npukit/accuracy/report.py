@@ -186,6 +186,8 @@ def result_json(result: CompareResult) -> dict:
                 "golden_low_precision": pair.golden_low_precision,
                 "loss_scale": pair.loss_scale,
                 "skipped_by_grad_scaler": pair.skipped_by_grad_scaler,
+                "cross_tool": pair.cross_tool,
+                "not_searched": pair.unsearched,
                 "first_divergence": divergence_record(pair.divergence),
                 "unmatched_golden": pair.unmatched_golden,
                 "unmatched_target": pair.unmatched_target,
@@ -242,6 +244,8 @@ def print_terminal(result: CompareResult, console, top: int = 20) -> None:
                           f"{escape(pair.pair)}[/]: {why}")
         if pair.cross_tool:
             console.print(f"[yellow]{escape(pair.cross_tool)}[/]{where}")
+        if pair.unsearched:
+            console.print(f"[yellow]{escape(pair.pair)}[/]: {escape(pair.unsearched)}")
         if pair.skipped_by_grad_scaler:
             side = {"both": "both runs", "golden": "the golden run", "target": "the target"}[pair.skipped_by_grad_scaler]
             console.print(f"[yellow]GradScaler skipped this step in {side}{where}[/]: its gradients overflowed under"
@@ -423,6 +427,8 @@ def write_html(result: CompareResult, path: Path) -> None:
                        f"<code>{html.escape(d.entry)}</code>"
                        + (f" in module <code>{html.escape(d.module_path)}</code>" if d.module_path else "")
                        + f"<br>{html.escape(d.reason)}{_stack_html(d.stack)}</div>")
+        elif pair.unsearched:
+            out.append(f"<div class='box'>{html.escape(pair.unsearched)}</div>")
         else:
             out.append("<div class='ok'>No divergence found.</div>")
         out.append(_chart_svg(result, index))

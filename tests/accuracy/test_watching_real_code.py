@@ -484,6 +484,8 @@ def test_a_step_gradscaler_skipped_ends_there_and_its_overflow_is_not_a_divergen
     overflowed = [row for row in step0.rows if row.metrics and row.metrics.nan_inf_mismatch]
     assert overflowed and all("GradScaler skipped" in row.message for row in overflowed)
     assert not [row for row in step0.rows if row.verdict == ERROR]
-    # the next step starts from weights only the golden run updated: said where it is named
-    later = [pair.divergence for pair in result.pairs[1:] if pair.divergence is not None]
-    assert later and all("GradScaler skipped step 0 in the target only" in d.reason for d in later)
+    # the next steps start from weights only the golden run updated: no op is to blame for what
+    # differs there, and the report says why they were not searched
+    for pair in result.pairs[1:]:
+        assert pair.divergence is None
+        assert pair.unsearched.startswith("not searched for a divergence: GradScaler skipped step 0 in the target only")
