@@ -725,7 +725,7 @@ class DumpSession:
             if torch.is_grad_enabled():  # and see where they came from: the op gives them new nodes
                 before = graph.producers(tensors_in((args, kwargs)))
             entry.data["input_args"] = self._describe(args, f"{name}.input", False)
-            entry.data["input_kwargs"] = self._describe_kwargs(kwargs, name)
+            entry.data["input_kwargs"] = self._describe_kwargs(naming.caller_kwargs(api, kwargs), name)
             if api in naming.OVERWRITES_FIRST_INPUT and entry.data["input_args"] \
                     and isinstance(entry.data["input_args"][0], dict):
                 entry.data["input_args"][0][naming.UNINITIALIZED] = True
@@ -735,7 +735,7 @@ class DumpSession:
             return output
         if not in_place:
             entry.data["input_args"] = self._describe(args, f"{name}.input", False)
-            entry.data["input_kwargs"] = self._describe_kwargs(kwargs, name)
+            entry.data["input_kwargs"] = self._describe_kwargs(naming.caller_kwargs(api, kwargs), name)
         if uninitialized_output and not (in_place and out_tensors[0].numel() <= numel_before):
             for tensor in out_tensors:
                 record.uninitialized[id(tensor)] = (weakref.ref(tensor), _version(tensor))

@@ -280,6 +280,33 @@ def _inplace_positions() -> dict[str, int]:
     return {api: names.index("inplace") for api, names in functional_parameters().items() if "inplace" in names}
 
 
+def caller_kwargs(api: str, kwargs: dict) -> dict:
+    """The keyword arguments a caller can have written, as msprobe records them: torch's functionals
+    hand __torch_function__ their private plumbing (`_stacklevel`) and their unset optional
+    arguments (`dtype=None`) too."""
+    if not kwargs or not api.startswith("Functional."):
+        return kwargs
+    unset = _unset_defaults().get(api, ())
+    return {key: value for key, value in kwargs.items()
+            if not key.startswith("_") and not (value is None and key in unset)}
+
+
+@lru_cache(maxsize=1)
+def _unset_defaults() -> dict[str, frozenset]:
+    """Functional api name -> its parameters whose default is None."""
+    import torch.nn.functional as F
+
+    unset = {}
+    for api in functional_parameters():
+        func = getattr(F, api.partition(".")[2], None)
+        try:
+            parameters = inspect.signature(func).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        unset[api] = frozenset(p.name for p in parameters if p.default is None)
+    return unset
+
+
 @lru_cache(maxsize=1)
 def functional_parameters() -> dict[str, list[str]]:
     """Functional api name -> its parameter names in order (torch.nn.functional's Python functions)."""

@@ -460,3 +460,15 @@ def test_a_forward_that_raises_leaves_module_tracking_intact(tmp_path):
     assert construct["Functional.linear.0.forward"] == "Module.inner.Linear.forward.0"
     assert construct["Module.inner.Linear.forward.0"] == "Module.Flaky.forward.0"
     assert construct["Module.Flaky.forward.0"] is None
+
+
+def test_keyword_arguments_are_recorded_as_the_caller_can_have_written_them(tmp_path):
+    """F.softmax(x, dim=-1) reaches __torch_function__ with torch's own `_stacklevel` and its unset
+    `dtype=None`; msprobe records `{"dim": -1}` alone, and so does the dump."""
+    with DumpSession(tmp_path, level="api", mode="stats"):
+        nn.Identity()(torch.zeros(1))  # the first module forward starts api recording
+        F.softmax(torch.randn(3), dim=-1)
+        F.softmax(torch.randn(3), dim=-1, dtype=torch.float64)
+    data = load(tmp_path)["data"]
+    assert data["Functional.softmax.0.forward"]["input_kwargs"] == {"dim": {"type": "int", "value": -1}}
+    assert set(data["Functional.softmax.1.forward"]["input_kwargs"]) == {"dim", "dtype"}
