@@ -221,6 +221,14 @@ class _Checks:
         self.remember(tensor, slots, zero_slot)
         return slots, zero_slot
 
+    def minimum(self, tensor: torch.Tensor) -> int | None:
+        """Slot of the tensor's smallest element (floating tensors only)."""
+        if not tensor.is_floating_point() or tensor.numel() == 0 or tensor.is_nested:
+            return None
+        with torch._C.DisableTorchFunction():
+            self.pending.append(tensor.detach().amin())
+        return len(self.values) + len(self.pending) - 1
+
     def remember(self, tensor: torch.Tensor, slots: tuple[int, ...], zero_slot: int | None = None) -> None:
         with contextlib.suppress(TypeError):
             self.seen[id(tensor)] = (weakref.ref(tensor), _version(tensor), slots, zero_slot)
@@ -295,6 +303,22 @@ class _OpRecord:
     infinite_scalar: bool = False  # an argument is a Python +-inf (masked_fill(mask, float("-inf")))
     # a Python float argument is inf/nan: its inf/nan output is asked for (masking before a softmax)
     nonfinite_scalar: bool = False
+    input_minimum: int | None = None  # a logarithm's: slot of its input's smallest element
+
+
+_LOGARITHMS = frozenset({"log", "log2", "log10", "log_", "log2_", "log10_"})
+
+
+def _log_of_exact_zeros(record: _OpRecord, outputs: list[_TensorCheck], values: list[float]) -> bool:
+    """A logarithm whose only non-finite results are -inf from inputs that are exactly 0 and none
+    negative: log(0) = -inf as written, not an overflow (`torch.log(torch.tril(ones))` is how
+    pytorch/examples' word_language_model builds its causal mask). Its gradient at 0 is infinite:
+    a log of zeros that is differentiated is found in the backward."""
+    if record.input_minimum is None or values[record.input_minimum] != 0.0:
+        return False
+    # min/max (fp16/bf16) or a sum (fp32): -inf and only -inf (a nan or +inf makes the sum nan)
+    return all(values[check.slots[0]] == -math.inf and math.isfinite(values[check.slots[-1]]) if len(check.slots) == 2
+               else values[check.slots[0]] == -math.inf for check in outputs if check.slots)
 
 
 class _StepState:
@@ -373,7 +397,7 @@ class OverflowSession:
                                                  self._after_scaler_step)
         self._optimizer_exists: bool | None = None
         self._step_root: weakref.ref | None = None
-        self._paths: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._paths = naming.ModulePaths()
         # (path, module, record (module level), flag value before the module ran)
         self._module_stack: list[tuple[str, object, _OpRecord | None, bool]] = []
         self._stacks = CallStacks(_MAX_STACK_FRAMES)
@@ -663,6 +687,8 @@ class OverflowSession:
         if flag:  # rare: look at the scalars only for ops that saturated
             record.infinite_scalar = _has_infinite_scalar((args, kwargs))
         record.nonfinite_scalar = _nonfinite_scalar_argument(args, kwargs)
+        if api.rpartition(".")[2] in _LOGARITHMS and args and isinstance(args[0], torch.Tensor):
+            record.input_minimum = state.checks.minimum(args[0] if not in_place else live_args[0])
         if copies:
             record.outputs = self._copied_checks(inputs, outputs, api in _SAME_ELEMENTS)
         else:
@@ -679,6 +705,9 @@ class OverflowSession:
         state = self._state
         name = naming.api_entry_name(api, index, naming.BACKWARD)
         flags: list[bool] = []
+        # A logarithm's gradient (grad / x) reads only its input: its -inf output at x = 0 is no
+        # earlier overflow the gradient merely passes on.
+        logarithm = forward.input_minimum is not None
 
         @unintercepted
         def pre_hook(grad_outputs):
@@ -700,7 +729,8 @@ class OverflowSession:
                     return
                 record = _OpRecord(name, naming.BACKWARD, forward.module, forward.stack_id, incoming,
                                    self._check_list(grad_inputs, "output"), flag=flag,
-                                   context=forward.inputs + forward.outputs, module_class=forward.module_class)
+                                   context=forward.inputs + ([] if logarithm else forward.outputs),
+                                   module_class=forward.module_class)
                 self._add_record(record, (None, grad_outputs, {}, grad_inputs))
             return hook
 
@@ -808,7 +838,8 @@ class OverflowSession:
         if record.flag:
             return "saturation" if fresh_inputs else None
         outputs = [check for check in record.outputs if check is not None]
-        if not record.nonfinite_scalar and any(not check.finite(values) for check in outputs):
+        if not record.nonfinite_scalar and any(not check.finite(values) for check in outputs) \
+                and not _log_of_exact_zeros(record, outputs, values):
             return "inf_nan"
         if self._saturation and not self._flag.per_op and fresh_inputs and any(at_limit(c) for c in outputs):
             return "saturation"  # real device: its flag is read once per step, the values tell the op

@@ -420,3 +420,22 @@ def test_sparse_quantized_and_nested_tensors_do_not_stop_the_detector(tmp_path):
     with OverflowSession(tmp_path, console=False) as session:
         UnusualLayouts()(torch.randn(3, 4)).backward()
     assert session.events == [] and (tmp_path / "overflow.json").is_file()
+
+
+def test_a_log_of_exact_zeros_is_not_an_overflow_but_its_infinite_gradient_is(tmp_path, npu):
+    # pytorch/examples' word_language_model builds its causal mask as torch.log(torch.tril(ones)):
+    # -inf above the diagonal, as written. Differentiated at 0, the log's gradient is infinite.
+    scores = torch.randn(4, 4, device=npu)
+    with OverflowSession(tmp_path, console=False) as session:
+        mask = torch.log(torch.tril(torch.ones(4, 4, device=npu)))
+        F.softmax(scores + mask, dim=-1).sum()
+    assert session.events == []
+
+    probabilities = torch.tensor([0.0, 0.5, 1.0], device=npu, requires_grad=True)
+    with OverflowSession(tmp_path / "differentiated", console=False) as session:
+        torch.log(probabilities).clamp(min=-100).sum().backward()
+    assert [(event["name"], event["direction"]) for event in session.events] == [("Torch.log.0.backward", "backward")]
+
+    with OverflowSession(tmp_path / "negative", console=False) as session:
+        torch.log(torch.tensor([-1.0, 1.0], device=npu))  # nan: a domain error, not a mask
+    assert [event["name"] for event in session.events] == ["Torch.log.0.forward"]
