@@ -50,6 +50,9 @@ class Thresholds:
 
     fp32: DtypeLimits = field(default_factory=lambda: DtypeLimits(1e-5, 0.99999, 1e-4))
     fp16: DtypeLimits = field(default_factory=lambda: DtypeLimits(1e-3, 0.9999, 5e-3))
+    # fp32 matmul/conv whose inputs the NPU rounds to HF32 (10 mantissa bits, as fp16's):
+    # conv.allow_hf32 is on by default in torch_npu, so an fp32 CNN's convolutions differ by ~3e-4.
+    hf32: DtypeLimits = field(default_factory=lambda: DtypeLimits(1e-3, 0.9999, 5e-3))
     bf16: DtypeLimits = field(default_factory=lambda: DtypeLimits(8e-3, 0.999, 3e-2))
     error_cosine: float = 0.9
     error_rel_l2: float = 0.3
@@ -63,7 +66,8 @@ class Thresholds:
         return getattr(self, dtype_class)
 
     def with_overrides(self, overrides: list[str] | None, option: str = "--set") -> Thresholds:
-        result = replace(self, fp32=replace(self.fp32), fp16=replace(self.fp16), bf16=replace(self.bf16))
+        result = replace(self, fp32=replace(self.fp32), fp16=replace(self.fp16), bf16=replace(self.bf16),
+                         hf32=replace(self.hf32))
         for item in overrides or []:
             key, sep, value = item.partition("=")
             try:
@@ -83,11 +87,11 @@ class Thresholds:
 
 
 def threshold_names() -> list[str]:
-    names = [f"{cls}.{f.name}" for cls in ("fp32", "fp16", "bf16") for f in fields(DtypeLimits)]
+    names = [f"{cls}.{f.name}" for cls in ("fp32", "hf32", "fp16", "bf16") for f in fields(DtypeLimits)]
     return names + ["error_cosine", "error_rel_l2", "amplification", "negligible"]
 
 
-_PRECISION = {"fp32": 3, "fp16": 2, "bf16": 1}
+_PRECISION = {"fp32": 3, "hf32": 2.5, "fp16": 2, "bf16": 1}
 
 
 def dtype_class(dtype: str) -> str | None:
@@ -191,10 +195,17 @@ def align(golden: list[DumpEntry], target: list[DumpEntry], max_edits: int = 400
     if golden_grads or target_grads:
         pairs, aligned = align([e for e in golden if e.direction != naming.PARAMETERS_GRAD],
                                [e for e in target if e.direction != naming.PARAMETERS_GRAD], max_edits)
-        by_key = {entry.key: entry for entry in golden_grads}
-        for entry in target_grads:
-            pairs.append((by_key.pop(entry.key, None), entry))
-        pairs += [(entry, None) for entry in by_key.values()]
+        # By name (class included: two models' `main.0` are a Conv2d and a ConvTranspose2d); then
+        # by path alone, for a module whose class differs between the runs.
+        by_name = {entry.name: entry for entry in golden_grads}
+        matched = [by_name.pop(entry.name, None) for entry in target_grads]
+        by_key: dict[str, list[DumpEntry]] = {}
+        for entry in by_name.values():
+            by_key.setdefault(entry.key, []).append(entry)
+        for golden_entry, entry in zip(matched, target_grads):
+            same_path = by_key.get(entry.key) if golden_entry is None else None
+            pairs.append((same_path.pop(0) if same_path else golden_entry, entry))
+        pairs += [(entry, None) for left in by_key.values() for entry in left]
         in_order = [e.name for e in golden] == [g.name for g, _ in pairs if g is not None]
         return pairs, aligned or not in_order
     golden_keys = [entry.key for entry in golden]
@@ -226,7 +237,9 @@ def align(golden: list[DumpEntry], target: list[DumpEntry], max_edits: int = 400
 
 
 # ---------------------------------------------------------------------------- rows
-def _entry_class(entry: DumpEntry | None) -> str:
+def _entry_class(entry: DumpEntry | None, hf32: frozenset = frozenset()) -> str:
+    """The loosest precision of the entry's tensors; "hf32" for an fp32 conv or matmul that the run
+    computed in HF32 (`hf32`: the op kinds, "conv" and/or "matmul", the dump header says were on)."""
     best = "fp32"
     if entry is None:
         return best
@@ -234,7 +247,18 @@ def _entry_class(entry: DumpEntry | None) -> str:
         cls = dtype_class(leaf.dtype)
         if cls is not None and _PRECISION[cls] < _PRECISION[best]:
             best = cls
+    if best == "fp32" and hf32 and _hf32_kind(entry.name) in hf32:
+        return "hf32"
     return best
+
+
+def _hf32_kind(entry_name: str) -> str | None:
+    """"conv" or "matmul" for the ops each of torch_npu's allow_hf32 switches governs."""
+    if not _ulp_wanted_name(entry_name):
+        return None
+    base, _, _ = naming.split_entry_name(entry_name)
+    parts = base.split(".")
+    return "conv" if any(part.lower().startswith("conv") for part in parts[-1:] + parts[1:2]) else "matmul"
 
 
 def _leaf_roles(entry: DumpEntry | None) -> dict[str, tuple[str, TensorLeaf]]:
@@ -247,11 +271,11 @@ def _leaf_roles(entry: DumpEntry | None) -> dict[str, tuple[str, TensorLeaf]]:
     return roles
 
 
-def build_rows(pair_label: str, pairs: list) -> list[Row]:
+def build_rows(pair_label: str, pairs: list, hf32: frozenset = frozenset()) -> list[Row]:
     """One row per tensor of each paired entry (and unmatched rows for one-sided entries)."""
     rows = []
     for order, (golden, target) in enumerate(pairs):
-        cls = _entry_class(target if target is not None else golden)
+        cls = _entry_class(target if target is not None else golden, hf32)
         golden_leaves = _leaf_roles(golden)
         target_leaves = _leaf_roles(target)
         for suffix in list(target_leaves) + [s for s in golden_leaves if s not in target_leaves]:
@@ -526,7 +550,8 @@ def find_divergence(pair_label: str, pairs: list, rows: list[Row], golden: RankD
     only_target = {t.name for g, t in pairs if g is None and t is not None}
     only_golden = {g.name for g, t in pairs if t is None and g is not None}
     target_lineage, golden_lineage = _Lineage(target), _Lineage(golden)
-    run_class = _run_class(target)
+    hf32 = golden.hf32 ^ target.hf32
+    run_class = _run_class(target, hf32)
     last_unmatched = None
 
     after_backward = False  # user code between backward and the update (clip_grad_norm_) works on gradients
@@ -561,7 +586,7 @@ def find_divergence(pair_label: str, pairs: list, rows: list[Row], golden: RankD
         if after_backward and not search_backward:
             break  # the backward (and what follows it) comes after the whole forward
         entry_rows = rows_by_entry.get(order, [])
-        warn = thresholds.limits(_weakest(_entry_class(target_entry), run_class)).warn_rel_l2
+        warn = thresholds.limits(_weakest(_entry_class(target_entry, hf32), run_class)).warn_rel_l2
         outputs = [row for row in entry_rows if row.role == "output" and row.error is not None]
         inputs = [row for row in entry_rows if row.role in ("input", "param") and row.error is not None]
         if not outputs and target_entry.direction != naming.BACKWARD:
@@ -816,11 +841,11 @@ def _input_kind(row, entry, target_lineage, golden_lineage, only_target, only_go
     return "source", None
 
 
-def _run_class(dump: RankDump) -> str:
+def _run_class(dump: RankDump, hf32: frozenset = frozenset()) -> str:
     """Lowest float precision used anywhere in the run: ops downstream of bf16 inherit its noise."""
     best = "fp32"
     for entry in dump.entries:
-        best = _weakest(best, _entry_class(entry))
+        best = _weakest(best, _entry_class(entry, hf32))
     return best
 
 
@@ -1068,8 +1093,9 @@ def compare_dirs(golden_dir: Path, target_dir: Path, thresholds: Thresholds | No
         golden_entries, target_entries, cross_tool = _comparable_entries(golden, target)
         pairs, aligned = align(golden_entries, target_entries)
         label = target_label or golden_label or "."
-        rows = build_rows(label, pairs)
-        run_class = _run_class(target)
+        hf32 = golden.hf32 ^ target.hf32  # an op kind both runs computed in HF32 is compared like for like
+        rows = build_rows(label, pairs, hf32)
+        run_class = _run_class(target, hf32)
         loss_scale = detect_loss_scale(pairs)
         for row in rows:
             row.dtype_class = _weakest(row.dtype_class, run_class)

@@ -32,7 +32,7 @@ from torch.overrides import TorchFunctionMode
 
 from npukit.accuracy import eager, graph, naming
 from npukit.accuracy._stats import stats as one_pass_stats
-from npukit.accuracy.dumpfile import DUMPED_BY
+from npukit.accuracy.dumpfile import DUMPED_BY, HF32_OPS
 from npukit.accuracy.scaler_steps import GradScalerStepWatch
 from npukit.accuracy.stacks import CallStacks
 from npukit.accuracy.tensor_io import strided_form, tensor_to_numpy, write_tensor
@@ -413,6 +413,14 @@ class ApiMode(TorchFunctionMode):
             self.__exit__(None, None, None)
 
 
+def hf32_ops_on() -> list[str]:
+    """The fp32 op kinds the device computes in HF32 now: torch_npu's (and the emulated NPU's)
+    `torch.npu.conv.allow_hf32` / `torch.npu.matmul.allow_hf32`. npu-compare judges those ops
+    by HF32's limits, not fp32's."""
+    npu = getattr(torch, "npu", None)
+    return [kind for kind in ("conv", "matmul") if getattr(getattr(npu, kind, None), "allow_hf32", False) is True]
+
+
 class DumpSession:
     """Dump per-layer statistics or tensors to `out_dir/step{S}/rank{R}/dump.json`.
 
@@ -466,7 +474,7 @@ class DumpSession:
         self._optimizer_seen = False
         self._optimizer_exists: bool | None = None
         self._step_root: weakref.ref | None = None
-        self._paths: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._paths = naming.ModulePaths()
         self._module_stack: list[tuple[str, _Entry | None, torch.nn.Module]] = []  # path, entry, module
         self._handles: list = []
         self._mode: ApiMode | None = None
@@ -979,6 +987,7 @@ class DumpSession:
             "data": {entry.name: entry.data for entry in record.entries},
         }
         dump[DUMPED_BY] = "npukit"  # npukit's own keys; msprobe ignores them
+        dump[HF32_OPS] = hf32_ops_on()
         if record.skipped_at_loss_scale is not None:
             dump["step_skipped_by_grad_scaler"] = {"loss_scale": record.skipped_at_loss_scale}
         grouped: dict[int, list[str]] = {}

@@ -92,6 +92,7 @@ class RankDump:
     has_producers: bool
     skipped_at_loss_scale: float | None = None  # GradScaler skipped this step's optimizer update
     by_npukit: bool = True  # False: another tool wrote it (msprobe): its api backward entries mean other things
+    hf32: frozenset = frozenset()  # op kinds ("conv", "matmul") the run computed in HF32 when fp32
 
     def by_name(self) -> dict[str, DumpEntry]:
         return {entry.name: entry for entry in self.entries}
@@ -168,10 +169,18 @@ def load_rank_dump(rank_dir: Path, label: str = "", contained: ContainedPaths | 
     # Dumps from before the DUMPED_BY key are npukit's when they hold producer links (msprobe writes none).
     by_npukit = header.get(DUMPED_BY) == "npukit" or parser.saw_producer
     return RankDump(rank_dir, label, str(header.get("task", "")), entries, parser.saw_producer,
-                    _skipped_at_loss_scale(header, dump_path), by_npukit)
+                    _skipped_at_loss_scale(header, dump_path), by_npukit, _hf32_ops(header, dump_path))
 
 
 DUMPED_BY = "dumped_by"  # dump.json key naming the writer
+HF32_OPS = "hf32"  # dump.json key: the op kinds computed in HF32 (["conv"] at torch_npu's defaults)
+
+
+def _hf32_ops(header: dict, dump_path: Path) -> frozenset:
+    kinds = header.get(HF32_OPS, [])
+    if not isinstance(kinds, list) or not set(kinds) <= {"conv", "matmul"}:
+        raise UserError(f"{dump_path}: \"{HF32_OPS}\" is {kinds!r}; expected a list of \"conv\", \"matmul\"")
+    return frozenset(kinds)
 
 _SPACE = re.compile(r"[ \t\n\r]*")
 # Parsed entries take about this many times the size of their dump.json (measured: 746 MB for a

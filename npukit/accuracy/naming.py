@@ -113,7 +113,31 @@ def operator_op(base: str) -> str:
     return f"{prefix}.{op}" if op and prefix == "Tensor" else base
 
 
-def module_path(paths: dict, module, outermost_running=None) -> str:
+class ModulePaths(weakref.WeakKeyDictionary):
+    """module -> dotted path, for every module a dump or overflow check has seen run.
+
+    Several models in one script (a GAN's generator and discriminator, an actor and a critic) can
+    hold submodules at the same path (`main.0`): the second and later models whose paths would
+    collide are numbered as msprobe numbers a model list (`1.main.0`), so no two modules share a
+    name and no gradient of one is written over the other's.
+    """
+
+    def add_model(self, root, prefix: str = "") -> None:
+        """Name `root` and its submodules (those not named already), `root` at `prefix`."""
+        named = [(name, sub) for name, sub in root.named_modules() if sub not in self]
+        if not prefix and root not in self:
+            taken = {path.split(".", 1)[0] for path in self.values() if path}
+            if any(name and name.split(".", 1)[0] in taken for name, _ in named):
+                index = 1
+                while str(index) in taken:
+                    index += 1
+                prefix = str(index)
+        for name, sub in named:
+            full = f"{prefix}.{name}" if prefix and name else (prefix or name)
+            self.setdefault(sub, _without_compile_wrapper(full))
+
+
+def module_path(paths: ModulePaths, module, outermost_running=None) -> str:
     """Dotted path of `module` (cached in `paths`). A module created after its parent was first
     seen is found by re-walking the outermost module still running.
 
@@ -123,18 +147,15 @@ def module_path(paths: dict, module, outermost_running=None) -> str:
     path = paths.get(module)
     if path is None:
         if outermost_running is not None:
-            for name, sub in outermost_running.named_modules(prefix=paths.get(outermost_running, "")):
-                paths.setdefault(sub, _without_compile_wrapper(name))
+            paths.add_model(outermost_running, paths.get(outermost_running, ""))
         else:
             # Nothing above it runs: a head of a container whose own forward never runs
             # (`agent.actor(x)`), or a layer of a model whose .forward() was called directly. Its
             # names are its attribute path from the model it belongs to, found once per such root.
             root = _owning_root(module)
             if root is not module and root not in paths:
-                for name, sub in root.named_modules():
-                    paths.setdefault(sub, _without_compile_wrapper(name))
-        for name, sub in module.named_modules(prefix=paths.get(module, "")):
-            paths.setdefault(sub, _without_compile_wrapper(name))
+                paths.add_model(root)
+        paths.add_model(module, paths.get(module, ""))
         path = paths[module]
     return path
 

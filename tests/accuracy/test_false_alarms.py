@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from npukit.accuracy.compare import ERROR, compare_dirs
 
@@ -63,3 +64,81 @@ def test_a_signal_lost_on_a_large_offset_is_named_where_it_was_rounded(dumps, mo
     assert divergence.entry == "Functional.linear.0.forward" and divergence.module_path == "fc1"
     assert "Tensor.sub.0.forward subtracts nearly equal values" in divergence.reason
     assert any("h - h.mean(-1, keepdim=True)" in line or "self.fc1(x)" in line for line in divergence.stack)
+
+
+class _Generator(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.main = torch.nn.Sequential(torch.nn.ConvTranspose2d(8, 4, 4, 2, 1), torch.nn.BatchNorm2d(4),
+                                        torch.nn.ReLU(), torch.nn.ConvTranspose2d(4, 3, 4, 2, 1), torch.nn.Tanh())
+
+    def forward(self, z):
+        return self.main(z)
+
+
+class _Discriminator(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.main = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 4, 2, 1), torch.nn.LeakyReLU(0.2),
+                                        torch.nn.Conv2d(4, 1, 4, 2, 1), torch.nn.Flatten(), torch.nn.Sigmoid())
+
+    def forward(self, x):
+        return self.main(x).mean(1)
+
+
+def _train_gan(out, golden_run: bool):
+    """pytorch/examples' dcgan in fp32, shrunk: two models whose layers are both at `main.N`."""
+    import contextlib
+
+    import torch.nn.functional as F
+
+    from npukit.accuracy.dump import DumpSession
+    from npukit.npu_backend import numerics
+
+    torch.manual_seed(0)
+    generator, discriminator = _Generator().npu(), _Discriminator().npu()
+    opt_g = torch.optim.Adam(generator.parameters(), 1e-3)
+    opt_d = torch.optim.Adam(discriminator.parameters(), 1e-3)
+    with numerics.golden() if golden_run else contextlib.nullcontext(), DumpSession(out, mode="tensor"):
+        for _ in range(2):
+            real, z = torch.randn(4, 3, 8, 8, device="npu"), torch.randn(4, 8, 2, 2, device="npu")
+            discriminator.zero_grad()
+            F.binary_cross_entropy(discriminator(real), torch.ones(4, device="npu")).backward()
+            fake = generator(z)
+            F.binary_cross_entropy(discriminator(fake.detach()), torch.zeros(4, device="npu")).backward()
+            opt_d.step()
+            generator.zero_grad()
+            F.binary_cross_entropy(discriminator(fake), torch.ones(4, device="npu")).backward()
+            opt_g.step()
+
+
+def test_two_models_with_the_same_layer_paths_keep_apart_and_fp32_convolutions_in_hf32_pass(tmp_path, npu):
+    """dcgan: netG and netD both hold `main.0`. Their layers were paired across models (a Conv2d's
+    gradient against a ConvTranspose2d's: shape errors, 'op streams differ'), and the NPU default
+    conv HF32 (on in torch_npu) was a first divergence 'while its inputs match exactly' by fp32
+    limits. The second model's layers are numbered as msprobe numbers a model list (`1.main.0`)."""
+    import json as json_module
+
+    _train_gan(tmp_path / "golden", golden_run=True)
+    _train_gan(tmp_path / "npu", golden_run=False)
+    dump = json_module.loads((tmp_path / "npu" / "step1" / "rank0" / "dump.json").read_text())
+    assert dump["hf32"] == ["conv"]
+    grads = sorted(name for name in dump["data"] if name.endswith("parameters_grad"))
+    assert grads == ["Module.1.main.0.ConvTranspose2d.parameters_grad", "Module.1.main.1.BatchNorm2d.parameters_grad",
+                     "Module.1.main.3.ConvTranspose2d.parameters_grad", "Module.main.0.Conv2d.parameters_grad",
+                     "Module.main.2.Conv2d.parameters_grad"]
+    result = compare_dirs(tmp_path / "golden", tmp_path / "npu", workers=1)
+    assert [pair.divergence for pair in result.pairs] == [None] * 4, \
+        [pair.divergence.reason for pair in result.pairs if pair.divergence]
+    assert not any(pair.aligned for pair in result.pairs)  # same op streams: paired one to one
+    assert [row.message for row in result.rows if row.verdict == ERROR] == []
+    conv_rows = [row for row in result.rows if row.target_entry.startswith("Functional.conv") and row.metrics]
+    assert conv_rows and {row.dtype_class for row in conv_rows} == {"hf32"}
+    # Judged by fp32 limits again (as before the dump recorded HF32), the same convolution is named.
+    for side in ("golden", "npu"):
+        for path in (tmp_path / side).glob("step*/rank0/dump.json"):
+            data = json_module.loads(path.read_text())
+            del data["hf32"]
+            path.write_text(json_module.dumps(data))
+    divergence = compare_dirs(tmp_path / "golden", tmp_path / "npu", workers=1).pairs[0].divergence
+    assert divergence is not None and divergence.entry == "Functional.conv_transpose2d.0.forward"
