@@ -919,9 +919,7 @@ def _forward_name(entry: DumpEntry) -> str:
 
 
 def _forward_of(backward_name: str) -> str:
-    if backward_name.startswith("Module."):
-        return backward_name.replace(".backward.", ".forward.")
-    return backward_name[: -len("backward")] + "forward"
+    return naming.with_direction(backward_name, naming.FORWARD)
 
 
 def _module_path(entry: DumpEntry, dump: RankDump) -> str | None:

@@ -348,7 +348,8 @@ class _StepRecord:
 
 class ApiMode(TorchFunctionMode):
     """Hands each torch / functional / Tensor api call to `handle(api, func, args, kwargs)` while
-    `wanted()` is true (torch itself is never patched); used by the dump and the overflow detector.
+    `wanted()` is true (torch's functions are not patched; only the Tensor operators are wrapped, to
+    name them as msprobe does: naming.OperatorNames); used by the dump and the overflow detector.
 
     lift() takes it off the torch-function stack while an optimizer runs (its hundreds of update
     ops would each pay a Python dispatch just to be ignored); restore() puts it back.
@@ -363,12 +364,19 @@ class ApiMode(TorchFunctionMode):
         if extra:  # functions beyond the overridable ones (factories), func -> api name
             self._table = {**extra, **self._table}
         self._lifted = False
+        self._names_operators = False
+
+    def __enter__(self):
+        naming.OperatorNames.install()
+        self._names_operators = True
+        return super().__enter__()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         api = self._table.get(func)
         if api is None or self._kind in _broken_hooks or not self._wanted():
             return func(*args, **kwargs)
+        api = naming.OperatorNames.take(api)
         # The handler runs the op itself (between measuring inputs and outputs). An error of the op
         # is the user's and propagates; an error of the handler is npukit's: reported once, the
         # handler switched off, and the op's result returned (the op is never run twice).
@@ -411,6 +419,9 @@ class ApiMode(TorchFunctionMode):
         self.restore()
         if self._on_top():
             self.__exit__(None, None, None)
+        if self._names_operators:
+            naming.OperatorNames.uninstall()
+            self._names_operators = False
 
 
 def hf32_ops_on() -> list[str]:
@@ -711,7 +722,8 @@ class DumpSession:
             if not self._name_selected(name):
                 continue
             entry = _Entry(name, None, None)
-            entry.data = {key: self._tensor_leaf(grad, f"{name}.{key}", False) for key, grad in grads.items()}
+            # msprobe's form: a list per parameter ({"weight": [leaf]})
+            entry.data = {key: [self._tensor_leaf(grad, f"{name}.{key}", False)] for key, grad in grads.items()}
             self._record.place(entry)
 
     # ------------------------------------------------------------------ apis
@@ -732,8 +744,9 @@ class DumpSession:
         if in_place:  # measure inputs before the op overwrites them
             if torch.is_grad_enabled():  # and see where they came from: the op gives them new nodes
                 before = graph.producers(tensors_in((args, kwargs)))
-            entry.data["input_args"] = self._describe(args, f"{name}.input", False)
-            entry.data["input_kwargs"] = self._describe_kwargs(naming.caller_kwargs(api, kwargs), name)
+            written_args, written_kwargs = naming.caller_arguments(api, args, kwargs)
+            entry.data["input_args"] = self._describe(written_args, f"{name}.input", False)
+            entry.data["input_kwargs"] = self._describe_kwargs(written_kwargs, name)
             if api in naming.OVERWRITES_FIRST_INPUT and entry.data["input_args"] \
                     and isinstance(entry.data["input_args"][0], dict):
                 entry.data["input_args"][0][naming.UNINITIALIZED] = True
@@ -742,8 +755,9 @@ class DumpSession:
         if not out_tensors:
             return output
         if not in_place:
-            entry.data["input_args"] = self._describe(args, f"{name}.input", False)
-            entry.data["input_kwargs"] = self._describe_kwargs(naming.caller_kwargs(api, kwargs), name)
+            written_args, written_kwargs = naming.caller_arguments(api, args, kwargs)
+            entry.data["input_args"] = self._describe(written_args, f"{name}.input", False)
+            entry.data["input_kwargs"] = self._describe_kwargs(written_kwargs, name)
         if uninitialized_output and not (in_place and out_tensors[0].numel() <= numel_before):
             for tensor in out_tensors:
                 record.uninitialized[id(tensor)] = (weakref.ref(tensor), _version(tensor))
@@ -983,7 +997,7 @@ class DumpSession:
             "task": _TASK_NAMES[self.mode],
             "level": _LEVEL_NAMES[self.level],
             "framework": "pytorch",
-            "dump_data_dir": str(rank_dir / TENSOR_DATA_DIR) if self.mode == "tensor" else None,
+            "dump_data_dir": str((rank_dir / TENSOR_DATA_DIR).absolute()) if self.mode == "tensor" else None,
             "data": {entry.name: entry.data for entry in record.entries},
         }
         dump[DUMPED_BY] = "npukit"  # npukit's own keys; msprobe ignores them
@@ -999,10 +1013,27 @@ class DumpSession:
                              for file, line, function, source in record.stacks.frames(stack_id)]]
             for i, (stack_id, names) in enumerate(grouped.items())
         }
-        construct = {entry.name: entry.parent for entry in record.entries if "forward" in entry.name}
         write_json(rank_dir / "dump.json", dump)
         write_json(rank_dir / "stack.json", stack)
-        write_json(rank_dir / "construct.json", construct)
+        write_json(rank_dir / "construct.json", _construct(record.entries))
+
+
+def _construct(entries: list[_Entry]) -> dict[str, str | None]:
+    """msprobe's construct.json: each forward and backward entry -> the module entry it ran in (a
+    backward entry: that module's backward entry, when it has one), None at the top."""
+    names = {entry.name for entry in entries}
+    parents = {entry.name: entry.parent for entry in entries if naming.split_entry_name(entry.name)[1] == naming.FORWARD}
+    construct: dict[str, str | None] = {}
+    for entry in entries:
+        direction = naming.split_entry_name(entry.name)[1]
+        if direction == naming.FORWARD:
+            construct[entry.name] = entry.parent
+        elif direction == naming.BACKWARD:
+            forward = naming.with_direction(entry.name, naming.FORWARD)
+            parent = parents.get(forward)
+            backward_parent = naming.with_direction(parent, naming.BACKWARD) if parent else None
+            construct[entry.name] = backward_parent if backward_parent in names else None
+    return construct
 
 
 def write_json(path: Path, payload) -> None:

@@ -4,7 +4,7 @@
     Tensor.add.1.backward                  backward of the second Tensor.add call
     Torch.matmul.0.forward                 torch.* function
     Module.layer1.0.conv1.Conv2d.forward.0 nn.Module call: path, class, direction, call index
-    Module.layer1.0.conv1.Conv2d.parameters_grad
+    Module.layer1.0.conv1.Conv2d.parameters_grad.0
 
 Leaves append `.input.0`, `.input.<kwarg>`, `.output.0`, `.parameters.weight` (nested: `.input.0.1`).
 """
@@ -89,7 +89,19 @@ def module_entry_name(path: str, class_name: str, index: int, direction: str = F
 
 
 def module_params_grad_name(path: str, class_name: str) -> str:
-    return f"Module.{path}.{class_name}.{PARAMETERS_GRAD}" if path else f"Module.{class_name}.{PARAMETERS_GRAD}"
+    """`Module.fc.Linear.parameters_grad.0`, as msprobe 26.2 names a module's parameter gradients
+    (its index counts the step's backwards that reached the module; npukit writes the gradients the
+    optimizer sees, once per step). Names without the index (npukit before) are read too."""
+    return f"Module.{path}.{class_name}.{PARAMETERS_GRAD}.0" if path else f"Module.{class_name}.{PARAMETERS_GRAD}.0"
+
+
+def with_direction(name: str, direction: str) -> str:
+    """The forward entry of a backward entry or the other way: `Tensor.add.0.backward` <->
+    `Tensor.add.0.forward`, `Module.fc.Linear.backward.0` <-> `Module.fc.Linear.forward.0`."""
+    if name.startswith("Module."):
+        base, _, index = name.rpartition(".")
+        return f"{base.rpartition('.')[0]}.{direction}.{index}"
+    return f"{name.rpartition('.')[0]}.{direction}"
 
 
 _API_RE = re.compile(r"^(?P<base>.+)\.(?P<index>\d+)\.(?P<dir>forward|backward)$")
@@ -104,6 +116,77 @@ _PARAMS_GRAD_RE = re.compile(r"^(?P<base>.+)\.parameters_grad(\.(?P<index>\d+))?
 _OPERATOR_OPS = {"__add__": "add", "__radd__": "add", "__iadd__": "add_", "__sub__": "sub", "__isub__": "sub_",
                  "__mul__": "mul", "__rmul__": "mul", "__imul__": "mul_", "__truediv__": "div",
                  "__itruediv__": "div_", "__matmul__": "matmul", "__neg__": "neg", "__pow__": "pow"}
+
+
+# The Tensor operators msprobe 26.2 wraps (its support_wrap_ops.yaml) and names by their dunder,
+# less those Python never calls (__div__) or that only convert (__bool__).
+MSPROBE_OPERATORS = (
+    "__add__", "__radd__", "__iadd__", "__sub__", "__rsub__", "__isub__", "__mul__", "__rmul__", "__imul__",
+    "__truediv__", "__floordiv__", "__ifloordiv__", "__mod__", "__rmod__", "__imod__", "__pow__", "__rpow__",
+    "__ipow__", "__matmul__", "__and__", "__iand__", "__or__", "__ror__", "__ior__", "__xor__", "__rxor__",
+    "__ixor__", "__lshift__", "__ilshift__", "__rshift__", "__irshift__", "__eq__", "__ne__", "__lt__",
+    "__le__", "__gt__", "__ge__",
+)
+
+
+class OperatorNames:
+    """Names `x + y` Tensor.__add__ (as msprobe does) rather than Tensor.add, the method torch hands
+    __torch_function__ for it: while installed, each operator of MSPROBE_OPERATORS is a thin wrapper
+    that marks the call it makes (`take()` in __torch_function__ reads and clears the mark).
+    Installed by the first active dump or overflow session, removed by the last."""
+
+    _installed = 0
+    _originals: dict[str, object] = {}
+    _pending: str | None = None
+
+    @classmethod
+    def install(cls) -> None:
+        import torch
+
+        cls._installed += 1
+        if cls._installed > 1:
+            return
+        for dunder in MSPROBE_OPERATORS:
+            original = getattr(torch.Tensor, dunder, None)
+            if original is None:
+                continue
+            cls._originals[dunder] = torch.Tensor.__dict__.get(dunder)
+            setattr(torch.Tensor, dunder, cls._wrapper(dunder, original))
+
+    @classmethod
+    def uninstall(cls) -> None:
+        import torch
+
+        cls._installed = max(cls._installed - 1, 0)
+        if cls._installed:
+            return
+        for dunder, own in cls._originals.items():
+            if own is None:
+                delattr(torch.Tensor, dunder)  # inherited from TensorBase again
+            else:
+                setattr(torch.Tensor, dunder, own)
+        cls._originals = {}
+        cls._pending = None
+
+    @classmethod
+    def _wrapper(cls, dunder: str, original):
+        def operator(self, *args):
+            cls._pending = dunder
+            try:
+                return original(self, *args)
+            finally:
+                cls._pending = None
+        operator.__name__ = operator.__qualname__ = dunder
+        return operator
+
+    @classmethod
+    def take(cls, api: str) -> str:
+        """`api` as msprobe names it: `Tensor.__add__` inside an operator, else `api`."""
+        dunder = cls._pending
+        if dunder is None:
+            return api
+        cls._pending = None  # only the operator's own call: not what runs inside it
+        return f"Tensor.{dunder}" if api.startswith("Tensor.") else api
 
 
 def operator_op(base: str) -> str:
@@ -312,20 +395,54 @@ def caller_kwargs(api: str, kwargs: dict) -> dict:
             if not key.startswith("_") and not (value is None and key in unset)}
 
 
+def caller_arguments(api: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """(args, kwargs) of a functional as its caller most likely wrote them, which is what msprobe
+    records: torch's Python functionals hand every optional argument to __torch_function__ by name.
+
+    - Tensors by name (F.layer_norm's weight and bias) were passed by position: nn.LayerNorm,
+      nn.GroupNorm, nn.BatchNorm* write `F.layer_norm(x, shape, self.weight, self.bias, self.eps)`.
+      They and the arguments between them become positional (`input.2`, `input.3`, `input.4`).
+    - Otherwise an argument at its default was not written (`F.relu(x)`, `F.cross_entropy(a, b)`).
+    """
+    kwargs = caller_kwargs(api, kwargs)
+    names = functional_parameters().get(api) if kwargs and api.startswith("Functional.") else None
+    if not names:
+        return args, kwargs
+    import torch
+
+    if any(isinstance(value, torch.Tensor) for value in kwargs.values()):
+        args, kwargs = list(args), dict(kwargs)
+        for name in names[len(args):]:
+            if name not in kwargs:
+                break
+            args.append(kwargs.pop(name))
+        return tuple(args), kwargs
+    defaults = _functional_defaults().get(api, {})
+    return args, {key: value for key, value in kwargs.items()
+                  if not (key in defaults and type(value) is type(defaults[key]) and value == defaults[key])}
+
+
 @lru_cache(maxsize=1)
-def _unset_defaults() -> dict[str, frozenset]:
-    """Functional api name -> its parameters whose default is None."""
+def _functional_defaults() -> dict[str, dict]:
+    """Functional api name -> {parameter: default} for its parameters that have one."""
     import torch.nn.functional as F
 
-    unset = {}
+    defaults = {}
     for api in functional_parameters():
         func = getattr(F, api.partition(".")[2], None)
         try:
             parameters = inspect.signature(func).parameters.values()
         except (TypeError, ValueError):
             continue
-        unset[api] = frozenset(p.name for p in parameters if p.default is None)
-    return unset
+        defaults[api] = {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
+    return defaults
+
+
+@lru_cache(maxsize=1)
+def _unset_defaults() -> dict[str, frozenset]:
+    """Functional api name -> its parameters whose default is None."""
+    return {api: frozenset(name for name, default in defaults.items() if default is None)
+            for api, defaults in _functional_defaults().items()}
 
 
 @lru_cache(maxsize=1)

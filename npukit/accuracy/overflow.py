@@ -964,7 +964,7 @@ class OverflowSession:
         for leaf, slot in leaves:
             fill_stats(leaf, resolved[slot])
         write_json(rank_dir / "dump.json", {"task": "tensor", "level": "L1", "framework": "pytorch",
-                                            "dump_data_dir": str(data_dir), "data": {name: body}})
+                                            "dump_data_dir": str(data_dir.absolute()), "data": {name: body}})
         result = {"dump": str(rank_dir / "dump.json")}
         if func is not None:
             result["fp32_replay"] = replay_in_fp32(func, args, kwargs, output)

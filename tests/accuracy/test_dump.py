@@ -25,17 +25,17 @@ def test_mix_level_names_and_schema(tmp_path):
     assert dump["task"] == "statistics" and dump["level"] == "mix" and dump["framework"] == "pytorch"
     data = dump["data"]
     for name in ("Functional.linear.0.forward", "Functional.layer_norm.0.forward", "Functional.gelu.0.forward",
-                 "Torch.square.0.forward", "Tensor.add.0.forward", "Functional.cross_entropy.0.forward",
+                 "Torch.square.0.forward", "Tensor.__add__.0.forward", "Functional.cross_entropy.0.forward",
                  "Module.blocks.0.fc1.Linear.forward.0", "Module.blocks.0.Block.forward.0", "Module.Net.forward.0",
                  "Functional.linear.0.backward", "Module.blocks.0.norm.LayerNorm.backward.0",
-                 "Module.blocks.0.fc1.Linear.parameters_grad"):
+                 "Module.blocks.0.fc1.Linear.parameters_grad.0"):
         assert name in data, name
     leaf = data["Functional.linear.0.forward"]["output"][0]
     assert leaf["type"] == "torch.Tensor" and leaf["dtype"] == "torch.float32" and leaf["shape"] == [6, 16]
     assert set(leaf) >= {"Max", "Min", "Mean", "Norm", "requires_grad"}
     module = data["Module.blocks.0.fc1.Linear.forward.0"]
     assert set(module["parameters"]) == {"weight", "bias"}
-    assert data["Module.blocks.0.fc1.Linear.parameters_grad"]["weight"]["shape"] == [16, 16]
+    assert data["Module.blocks.0.fc1.Linear.parameters_grad.0"]["weight"][0]["shape"] == [16, 16]
     # Inner ops complete before the module that runs them: execution (completion) order.
     names = list(data)
     assert names.index("Functional.linear.0.forward") < names.index("Module.embed.Linear.forward.0")
@@ -268,7 +268,7 @@ def test_sparse_quantized_and_nested_tensors_are_dumped_without_failing_the_run(
     assert sparse["Max"] == 1.0 and sparse["Min"] == 0.0 and sparse["Mean"] == 0.25  # its zeros count
     quantized = data["Torch.quantize_per_tensor.0.forward"]["output"][0]
     assert quantized["dtype"] == "torch.quint8" and quantized["Max"] > 0  # measured dequantized
-    assert data["Tensor.mul.0.forward"]["output"][0] == {"type": "torch.Tensor", "layout": "nested",
+    assert data["Tensor.__mul__.0.forward"]["output"][0] == {"type": "torch.Tensor", "layout": "nested",
                                                          "dtype": "torch.float32"}
 
 

@@ -4,10 +4,9 @@ of one model written by msprobe and by npukit, compared across tools in both dir
 What the two tools record differently is left out of a cross-tool pair and said in the report: an
 api's backward (msprobe: the gradients of the op's last autograd node; npukit: the op's gradient
 for each argument), apis and modules only one tool records (Tensor.flatten, the root module,
-msprobe's optimizer ops). Everything else pairs: forward api entries (x + y is msprobe's
-Tensor.__add__ and npukit's Tensor.add; F.layer_norm's weight is msprobe's positional input.2 and
-arrives by keyword in npukit), module entries, and parameter gradients (msprobe's
-Module.X.parameters_grad.0 with {"weight": [leaf]}, written as each backward ends)."""
+msprobe's optimizer ops). Everything else pairs, by the same names: forward api entries (x + y is
+Tensor.__add__, F.layer_norm's weight input.2), module entries, and parameter gradients
+(Module.X.parameters_grad.0 with {"weight": [leaf]}), in npu-compare and in msprobe compare."""
 
 from __future__ import annotations
 
@@ -58,12 +57,13 @@ def test_the_same_model_dumped_by_both_tools_pairs_every_comparable_entry(dumps,
     assert "api backward entries left out" in pair.cross_tool
     names = {row.name for row in pair.rows}
     assert "Functional.conv2d.0.forward.output.0" in names
-    # F.layer_norm's weight: msprobe's input.2 (as nn.LayerNorm passes it), npukit's input.weight
+    # F.layer_norm's weight: input.2 in both, as nn.LayerNorm passes it (torch hands it to
+    # __torch_function__ by name)
     weight = {(row.golden.name, row.target.name) for row in pair.rows if "layer_norm.0.forward.input.weight" in row.name
               or "layer_norm.0.forward.input.2" in row.name}
-    assert weight == {tuple(f"Functional.layer_norm.0.forward.input.{suffix}" for suffix in
-                            (("2", "weight") if golden_tool == "msprobe" else ("weight", "2")))}
-    assert any(name.startswith("Tensor.") and ".forward.input.1" in name and ("add" in name) for name in names)
+    assert weight == {("Functional.layer_norm.0.forward.input.2",) * 2}
+    assert {(row.golden.name, row.target.name) for row in pair.rows if "__add__.0.forward.input.1" in row.name} \
+        == {("Tensor.__add__.0.forward.input.1",) * 2}
     if level == "mix":
         grads = [row for row in pair.rows if ".parameters_grad" in row.name]
         assert len(grads) == 10 and all(row.verdict == PASS for row in grads)  # 5 layers x weight, bias
@@ -150,3 +150,56 @@ def test_msprobe_compare_reads_npukit_dumps_written_for_it(dumps, tmp_path, task
                     (row.name, column)
             checked += 1
         assert checked > 100
+
+
+def _msprobe_compare(golden: Path, target: Path, out: Path) -> list[dict]:
+    msprobe = Path(sys.executable).with_name("msprobe")
+    run = subprocess.run([str(msprobe), "compare", "-gp", str(golden / "step0"), "-tp", str(target / "step0"),
+                          "-o", str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    [table] = out.glob("compare_result_*.csv")
+    with table.open() as handle:
+        return list(csv.DictReader(handle))
+
+
+def _as_rank0(msprobe_dump: Path, copy: Path) -> Path:
+    """msprobe compare pairs rank folders with rank folders: its own non-distributed run's
+    step0/proc<pid> renamed step0/rank0, as the docs say (npukit's single process is rank 0)."""
+    import shutil
+
+    shutil.copytree(msprobe_dump, copy)
+    [proc] = (copy / "step0").glob("proc*")
+    proc.rename(proc.with_name("rank0"))
+    return copy
+
+
+@pytest.mark.parametrize("task", ["statistics", "tensor"])
+@pytest.mark.parametrize("golden_tool", ["msprobe", "npukit"])
+def test_msprobe_compare_pairs_a_cross_tool_pair_by_name(dumps, tmp_path, task, golden_tool):
+    """The same model dumped by msprobe and npukit: msprobe compare lines the two up by name,
+    forward entries, parameter gradients and argument positions included (x + y is
+    Tensor.__add__ in both, F.layer_norm's weight input.2, a parameter gradient
+    Module.X.parameters_grad.0.weight). What only one tool records stays unpaired: npukit's root
+    module and Tensor.flatten/Tensor.float, msprobe's optimizer update (Tensor.add_)."""
+    msprobe_dump = _as_rank0(dumps("msprobe", task, "mix", "fp32"), tmp_path / "msprobe")
+    npukit_dump = dumps("npukit", task, "mix", "fp32", "pt")
+    golden, target = (msprobe_dump, npukit_dump) if golden_tool == "msprobe" else (npukit_dump, msprobe_dump)
+    rows = _msprobe_compare(golden, target, tmp_path / "out")
+    names = [row["NPU Name"] for row in rows]
+    assert len(names) == len(set(names))
+    forward = [row for row in rows if ".forward." in row["NPU Name"] or ".parameters_grad." in row["NPU Name"]]
+    only_one_tool = ("Tensor.flatten.", "Tensor.float.", "Module.Model.") if golden_tool == "msprobe" else ("Tensor.add_.",)
+    assert [row["NPU Name"] for row in forward if row["Bench Name"] == "N/A"
+            and not row["NPU Name"].startswith(only_one_tool)] == []
+    grads = [row for row in forward if ".parameters_grad.0." in row["NPU Name"]]
+    assert len(grads) == 10 and all(row["Bench Name"] == row["NPU Name"] for row in grads)
+    assert any(row["NPU Name"] == "Functional.layer_norm.0.forward.input.2" and row["Bench Name"] != "N/A"
+               for row in forward)
+    assert any(row["NPU Name"].startswith("Tensor.__add__.0.forward.input.") for row in forward)
+    metric = "Cosine" if task == "tensor" else "NormRelativeErr"
+    tensors = [row for row in forward if row["Bench Name"] != "N/A" and row["NPU Dtype"].startswith("torch.")
+               and row["NPU Tensor Shape"] != "[]"]
+    assert len(tensors) > 40
+    assert [row["NPU Name"] for row in tensors if row[metric] in ("", "N/A", "unsupported")] == []
+    if task == "tensor":  # fp32 against fp32, the same weights and batch
+        assert all(float(row["Cosine"]) > 0.99999 for row in tensors)

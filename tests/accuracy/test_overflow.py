@@ -82,7 +82,7 @@ def test_forward_overflow_names_op_module_and_step(tmp_path, npu, mode):
     session = _forward_case(tmp_path, mode, npu)
     first = session.first_event
     assert (first["step"], first["direction"], first["dtype"]) == (2, "forward", "torch.float16")
-    assert first["name"] == "Tensor.mul.0.forward" and first["module"] == ""
+    assert first["name"] == "Tensor.__mul__.0.forward" and first["module"] == ""
     assert first["kind"] == ("saturation" if mode == "saturation" else "inf_nan")
     assert any("self.boost" in line for line in first["stack"][:1]), first["stack"]
     assert all(leaf["finite"] for leaf in first["inputs"])
@@ -91,9 +91,9 @@ def test_forward_overflow_names_op_module_and_step(tmp_path, npu, mode):
     else:  # clamped: finite, at the fp16 limit
         assert first["outputs"][0]["Max"] == 65504.0
     # Its consumer (fc2) only passes the overflow on: no second event in step 2.
-    assert [e["name"] for e in session.events if e["step"] == 2] == ["Tensor.mul.0.forward"]
+    assert [e["name"] for e in session.events if e["step"] == 2] == ["Tensor.__mul__.0.forward"]
     report = json.loads((tmp_path / "overflow.json").read_text())
-    assert report["events"][0]["name"] == "Tensor.mul.0.forward" and report["fp16_mode"] == mode
+    assert report["events"][0]["name"] == "Tensor.__mul__.0.forward" and report["fp16_mode"] == mode
 
 
 @pytest.mark.parametrize("mode", ["inf_nan", "saturation"])
@@ -144,7 +144,7 @@ def test_the_users_overflow_flag_is_kept(tmp_path, npu):
         assert torch.npu.utils.get_npu_overflow_flag() and z.dtype == torch.float16
         session.step()
     numerics.clear_overflow_flag()
-    assert [e["name"] for e in session.events] == ["Tensor.mul.0.forward"]
+    assert [e["name"] for e in session.events] == ["Tensor.__mul__.0.forward"]
 
 
 def _amp_train(session, npu, init_scale, boost_step=None, steps=3):
@@ -183,10 +183,10 @@ def test_grad_scaler_skipped_steps_are_reported_not_events(tmp_path, npu):
 
 def test_forward_overflow_under_amp_is_an_event_and_stop_raises(tmp_path, npu):
     session = OverflowSession(tmp_path, action="stop", console=False)
-    with pytest.raises(OverflowStop, match=r"overflow at step 1 .*Tensor\.mul\.0\.forward"):
+    with pytest.raises(OverflowStop, match=r"overflow at step 1 .*Tensor\.__mul__\.0\.forward"):
         _amp_train(session, npu, init_scale=1.0, boost_step=1)
     assert session.first_event["step"] == 1
-    assert json.loads((tmp_path / "overflow.json").read_text())["events"][0]["name"] == "Tensor.mul.0.forward"
+    assert json.loads((tmp_path / "overflow.json").read_text())["events"][0]["name"] == "Tensor.__mul__.0.forward"
 
 
 @pytest.mark.parametrize("mode", ["inf_nan", "saturation"])
@@ -196,7 +196,7 @@ def test_forward_overflow_in_a_step_the_scaler_skips_is_reported(tmp_path, npu, 
         session = OverflowSession(tmp_path, action="report", console=False)
         scales = _amp_train(session, npu, init_scale=1.0, boost_step=0)
     assert session.first_event["step"] == 0 and session.first_event["direction"] == "forward"
-    assert session.first_event["name"] == "Tensor.mul.0.forward"
+    assert session.first_event["name"] == "Tensor.__mul__.0.forward"
     assert [s["step"] for s in session.skipped_steps] == [0]
     assert scales[0] == pytest.approx(0.5)
     report = json.loads((tmp_path / "overflow.json").read_text())
@@ -208,7 +208,7 @@ def test_dump_action_writes_a_replayable_dump(tmp_path, npu):
     first = session.first_event
     assert first["fp32_replay"]["verdict"].startswith("real overflow")
     dump = load_rank_dump(Path(first["dump"]).parent)
-    entry = dump.by_name()["Tensor.mul.0.forward"]
+    entry = dump.by_name()["Tensor.__mul__.0.forward"]
     (x_leaf,) = [leaf for leaf in entry.inputs if leaf.data_path is not None]
     from npukit.accuracy.tensor_io import read_tensor
 
@@ -285,7 +285,7 @@ def _npu_run(tmp_path, *options):
 def test_npu_run_stop_is_a_clean_error_and_golden_run_reports_none(tmp_path):
     stopped = _npu_run(tmp_path, "--overflow-action", "stop")
     assert stopped.returncode == 2, stopped.stderr
-    assert "overflow at step 1 (rank 0): Tensor.mul.0.forward" in stopped.stderr
+    assert "overflow at step 1 (rank 0): Tensor.__mul__.0.forward" in stopped.stderr
     assert "train.py, line 9" in stopped.stderr and "Traceback" not in stopped.stderr
     golden = _npu_run(tmp_path, "--golden")
     assert golden.returncode == 0, golden.stderr
@@ -302,7 +302,7 @@ def test_a_step_without_end_is_read_before_it_grows_without_bound(tmp_path, npu,
         for i in range(40):  # an evaluation loop: no optimizer, no step()
             _ = x * (1e5 if i == 30 else 1.0)
             assert len(session._state.checks.pending) <= 16 and len(session._state.ops) <= 16
-        assert [e["name"] for e in session.events] == ["Tensor.mul.30.forward"]  # found before the session ends
+        assert [e["name"] for e in session.events] == ["Tensor.__mul__.30.forward"]  # found before the session ends
 
 
 def test_step_called_after_optimizer_step_does_not_add_empty_steps(tmp_path, npu):
@@ -366,7 +366,7 @@ def test_module_level_finds_a_weight_gradient_overflow(tmp_path, npu):
                      batch=lambda step: torch.rand(64, 16) * 5 + 5,
                      loss_scale=lambda step: 30000.0 if step == 1 else 1.0)
     assert [(e["name"], e["direction"], e["step"]) for e in session.events] == [
-        ("Module.fc.Linear.parameters_grad", "backward", 1)]
+        ("Module.fc.Linear.parameters_grad.0", "backward", 1)]
 
 
 class MaskedScores(nn.Module):
@@ -409,7 +409,7 @@ def test_an_overflow_from_finite_scalars_gets_no_hint(tmp_path, npu):
     with numerics.policies(fp16_mode="saturation"), OverflowSession(tmp_path, console=False) as session:
         nn.Identity()(x)
         x * 1e5  # saturates, but nothing here is infinite
-    assert [event["name"] for event in session.events] == ["Tensor.mul.0.forward"]
+    assert [event["name"] for event in session.events] == ["Tensor.__mul__.0.forward"]
     assert "hint" not in session.events[0]
 
 

@@ -360,8 +360,8 @@ def test_module_names_are_attribute_paths_when_a_parent_forward_never_runs(tmp_p
     names = set(json.loads((tmp_path / "d" / "step0" / "rank0" / "dump.json").read_text())["data"])
     for expected in ("Module.actor.0.Linear.forward.0", "Module.critic.0.Linear.forward.0",
                      "Module.actor.Sequential.forward.0", "Module.layers.1.Linear.forward.0",
-                     "Module.fc.Linear.forward.0", "Module.actor.2.Linear.parameters_grad",
-                     "Module.critic.2.Linear.parameters_grad", "Module.layers.0.Linear.parameters_grad"):
+                     "Module.fc.Linear.forward.0", "Module.actor.2.Linear.parameters_grad.0",
+                     "Module.critic.2.Linear.parameters_grad.0", "Module.layers.0.Linear.parameters_grad.0"):
         assert expected in names, sorted(names)
     assert not any(name.startswith(("Module.0.", "Module.Linear.")) for name in names)
 
