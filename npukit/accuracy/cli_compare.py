@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from npukit.accuracy.compare import ERROR, Thresholds, compare_dirs
+from npukit.accuracy.compare import Thresholds, compare_dirs
 from npukit.accuracy.report import print_terminal, write_csv, write_html, write_json
 from npukit.errors import UserError
 
 
 def run_compare(golden: Path, target: Path, csv_path: Path | None, json_path: Path | None,
                 html_path: Path | None, top: int, overrides: list[str], workers: int | None, console) -> int:
-    """Returns the exit code: 1 when a divergence or an error row is found, else 0."""
+    """Returns the exit code: 1 when a divergence is found (or error rows no search judged), else 0."""
     if top < 0:
         raise UserError("--top: must be >= 0")
     if workers is not None and workers < 1:
@@ -26,8 +26,7 @@ def run_compare(golden: Path, target: Path, csv_path: Path | None, json_path: Pa
         if path is not None:
             writer(result, path)
             console.print(f"wrote {path}")
-    found = any(pair.divergence for pair in result.pairs) or result.counts().get(ERROR, 0) > 0
-    return 1 if found else 0
+    return 1 if result.failed() else 0
 
 
 def _compare_with_progress(golden, target, thresholds, workers, console):

@@ -163,6 +163,7 @@ class PairResult:
     skipped_by_grad_scaler: str | None = None
     cross_tool: str | None = None  # what was left out of a pair whose dumps two different tools wrote
     unsearched: str | None = None  # why no divergence was searched for (the runs' weights differ by design)
+    noop_casts: list[str] = field(default_factory=list)  # one-sided backwards of casts a run needed not make
 
 
 @dataclass
@@ -183,6 +184,24 @@ class CompareResult:
         for row in self.rows:
             counts[row.verdict] = counts.get(row.verdict, 0) + 1
         return counts
+
+    def unexplained_errors(self) -> list[Row]:
+        """Error rows no divergence search has judged. Where the search ran and named nothing, an
+        error row carries its inputs' error without amplifying it (a relu's mask where a
+        pre-activation near 0 has the other sign in bf16: one sample's gradient 30% apart, the
+        weights' a few percent): a correct run's. Searched or not, a divergence is one."""
+        unexplained = []
+        for pair in self.pairs:
+            for row in pair.rows:
+                if row.verdict != ERROR:
+                    continue
+                if pair.unsearched or (pair.skipped_by_grad_scaler and _is_backward(row.target_entry)):
+                    unexplained.append(row)
+        return unexplained
+
+    def failed(self) -> bool:
+        """npu-compare's exit 1: a divergence, or error rows the search did not judge."""
+        return any(pair.divergence for pair in self.pairs) or bool(self.unexplained_errors())
 
 
 # ---------------------------------------------------------------------------- alignment
@@ -274,6 +293,7 @@ def _leaf_roles(entry: DumpEntry | None) -> dict[str, tuple[str, TensorLeaf]]:
 def build_rows(pair_label: str, pairs: list, hf32: frozenset = frozenset()) -> list[Row]:
     """One row per tensor of each paired entry (and unmatched rows for one-sided entries)."""
     rows = []
+    noop_casts = noop_cast_backwards(pairs)
     for order, (golden, target) in enumerate(pairs):
         cls = _entry_class(target if target is not None else golden, hf32)
         golden_leaves = _leaf_roles(golden)
@@ -293,8 +313,41 @@ def build_rows(pair_label: str, pairs: list, hf32: frozenset = frozenset()) -> l
             if row.golden is None or row.target is None:
                 row.verdict = UNMATCHED
                 row.message = "only in golden" if row.target is None else "only in target"
+                if (golden or target).name in noop_casts:
+                    row.message += noop_casts[(golden or target).name]
             rows.append(row)
     return rows
+
+
+_CASTS = frozenset({"Tensor.float", "Tensor.half", "Tensor.bfloat16", "Tensor.double", "Tensor.to", "Tensor.type",
+                    "Tensor.type_as"})
+
+
+def noop_cast_backwards(pairs: list) -> dict[str, str]:
+    """One-sided backward entries of a cast the other run made too, where it changed nothing
+    (`recon.float()` of a tensor already fp32 in the golden run: autograd records no node, so
+    there is no backward): name -> why, for the row message. Not an op-stream difference."""
+    # a side's forward entry name -> the other run's entry it is paired with
+    counterpart = ({}, {})
+    for golden, target in pairs:
+        if golden is not None and target is not None and golden.direction == naming.FORWARD:
+            counterpart[0][golden.name] = target
+            counterpart[1][target.name] = golden
+    found = {}
+    for golden, target in pairs:
+        if (golden is None) == (target is None):
+            continue
+        entry, side = (golden, 0) if target is None else (target, 1)
+        if entry.direction != naming.BACKWARD or naming.operator_op(entry.base) not in _CASTS:
+            continue
+        other = counterpart[side].get(naming.with_direction(entry.name, naming.FORWARD))
+        if other is None or not other.inputs or not other.outputs:
+            continue
+        if other.inputs[0].dtype == other.outputs[0].dtype:
+            other_side = "golden" if side else "target"
+            found[entry.name] = (f": the cast changed nothing in the {other_side} run ({other.inputs[0].dtype}"
+                                 " already), so it has no backward there")
+    return found
 
 
 def _rms(leaf: TensorLeaf | None, metrics_stats: tuple | None = None) -> float:
@@ -1143,6 +1196,7 @@ def compare_dirs(golden_dir: Path, target_dir: Path, thresholds: Thresholds | No
             skipped_by_grad_scaler=skipped,
             cross_tool=cross_tool,
             unsearched=unsearched,
+            noop_casts=sorted(noop_cast_backwards(pairs)),
         ))
     paired_golden = {g for g, _ in labels_pairs}
     paired_target = {t for _, t in labels_pairs}

@@ -200,7 +200,7 @@ class ModulePaths(weakref.WeakKeyDictionary):
     """module -> dotted path, for every module a dump or overflow check has seen run.
 
     Several models in one script (a GAN's generator and discriminator, an actor and a critic) can
-    hold submodules at the same path (`main.0`): the second and later models whose paths would
+    hold submodules at the same path (`main.0`), or be of one class: the second and later models whose paths would
     collide are numbered as msprobe numbers a model list (`1.main.0`), so no two modules share a
     name and no gradient of one is written over the other's.
     """
@@ -210,7 +210,10 @@ class ModulePaths(weakref.WeakKeyDictionary):
         named = [(name, sub) for name, sub in root.named_modules() if sub not in self]
         if not prefix and root not in self:
             taken = {path.split(".", 1)[0] for path in self.values() if path}
-            if any(name and name.split(".", 1)[0] in taken for name, _ in named):
+            # two models of one class (an actor's and a critic's nn.Linear called on their own)
+            # would both be `Module.Linear`
+            root_classes = {type(module).__name__ for module, path in self.items() if not path}
+            if type(root).__name__ in root_classes or any(name and name.split(".", 1)[0] in taken for name, _ in named):
                 index = 1
                 while str(index) in taken:
                     index += 1

@@ -175,6 +175,7 @@ def result_json(result: CompareResult) -> dict:
         "golden": str(result.golden),
         "target": str(result.target),
         "summary": result.counts(),
+        "failed": result.failed(),  # npu-compare's exit 1
         "only_golden": result.only_golden,
         "only_target": result.only_target,
         "pairs": [
@@ -183,6 +184,7 @@ def result_json(result: CompareResult) -> dict:
                 "golden_pair": pair.golden_pair,
                 "mode": pair.mode,
                 "aligned": pair.aligned,
+                "noop_casts": pair.noop_casts,
                 "golden_low_precision": pair.golden_low_precision,
                 "loss_scale": pair.loss_scale,
                 "skipped_by_grad_scaler": pair.skipped_by_grad_scaler,
@@ -254,7 +256,11 @@ def print_terminal(result: CompareResult, console, top: int = 20) -> None:
             console.print(f"[yellow]the golden run was not fp32{where}[/]: {escape(pair.golden_low_precision)} "
                           "(the code casts to a compute dtype itself; --golden only runs autocast regions in fp32): "
                           "errors below are measured against a low-precision reference")
-        if pair.aligned:
+        casts_only = set(pair.unmatched_golden + pair.unmatched_target) <= set(pair.noop_casts)
+        if pair.aligned and casts_only:
+            console.print(f"[dim]{escape(', '.join(pair.noop_casts))}{where}: a cast that changed nothing in the other"
+                          " run (its tensor had that dtype already) has no backward there; the op streams are the same[/]")
+        elif pair.aligned:
             console.print(
                 f"[yellow]op streams differ{where}[/]: aligned by sequence "
                 f"({len(pair.unmatched_target)} calls only in target, {len(pair.unmatched_golden)} only in golden)"
@@ -297,10 +303,18 @@ def print_terminal(result: CompareResult, console, top: int = 20) -> None:
         if len(shown) > top:
             console.print(f"[dim]... {len(shown) - top} more rows not passing (use --top or the CSV/HTML report)[/]")
     summary = ", ".join(f"{counts[key]} {key}" for key in (PASS, WARN, ERROR, UNMATCHED) if counts.get(key))
-    if not any(pair.divergence for pair in result.pairs) and not counts.get(ERROR):
+    if not result.failed():
         console.print(f"[green]No divergence found[/]: {summary}.")
+        if counts.get(ERROR):
+            console.print(f"[dim]The {counts[ERROR]} error row{'s' if counts[ERROR] > 1 else ''} carry their inputs'"
+                          " error and no op amplified it (a relu's or max-pool's mask where a value near 0 changed"
+                          " sign in low precision moves a whole element of a gradient): the search names an op"
+                          " only where its error is its own.[/]")
     else:
         console.print(f"Summary: {summary}.  (* = first divergent op)")
+        if not any(pair.divergence for pair in result.pairs):
+            console.print(f"{len(result.unexplained_errors())} error rows in steps or backwards not searched for a"
+                          " divergence (said above): exit 1")
 
 
 def _short(value: float) -> str:

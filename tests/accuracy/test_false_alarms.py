@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from npukit.accuracy.compare import ERROR, compare_dirs
+from npukit.accuracy.compare import ERROR, UNMATCHED, WARN, compare_dirs
 
 REPO = Path(__file__).resolve().parents[2]
 SUITE = Path(__file__).with_name("mixed_precision_suite.py")
@@ -142,3 +142,69 @@ def test_two_models_with_the_same_layer_paths_keep_apart_and_fp32_convolutions_i
             path.write_text(json_module.dumps(data))
     divergence = compare_dirs(tmp_path / "golden", tmp_path / "npu", workers=1).pairs[0].divergence
     assert divergence is not None and divergence.entry == "Functional.conv_transpose2d.0.forward"
+
+
+def _reinforce_episode(out, golden_run: bool):
+    """pytorch/examples' REINFORCE policy, shrunk: one state per forward, bf16 autocast. At one
+    state a hidden unit's pre-activation is 1e-4 in fp32 and exactly 0 in bf16 (the state rounds
+    to [1, -1]), so the relu passes that unit's gradient in the golden run only. The loss is cast to
+    fp32 as pytorch/examples' VAE casts its reconstruction."""
+    import contextlib
+
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    from npukit.accuracy.dump import DumpSession
+    from npukit.npu_backend import numerics
+
+    torch.manual_seed(0)
+    hidden, head = nn.Linear(2, 4).npu(), nn.Linear(4, 1).npu()
+    with torch.no_grad():
+        hidden.weight[0] = torch.tensor([1.0, 1.0])
+        hidden.bias[0] = 0.0
+        head.weight[0, 0] = 4.0  # the flipped unit carries most of that state's gradient
+    states = torch.rand(30, 2, generator=torch.Generator().manual_seed(1)) + 0.5
+    states[7] = torch.tensor([1.0, -0.9999])
+    optimizer = torch.optim.SGD([*hidden.parameters(), *head.parameters()], lr=1e-2)
+    with numerics.golden() if golden_run else contextlib.nullcontext(), DumpSession(out, mode="tensor"):
+        outputs = []
+        for state in states.npu():
+            with torch.autocast("npu", dtype=torch.float32 if golden_run else torch.bfloat16):  # as --golden
+                outputs.append(head(F.relu(hidden(state.unsqueeze(0)))))
+        loss = torch.cat(outputs).float().sum()  # a no-op in the golden run: fp32 already
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def test_a_correct_bf16_episode_shows_a_relu_mask_flip_and_a_noop_cast_as_what_they_are_and_exits_0(tmp_path, npu, capsys):
+    """pytorch/examples' reinforce in bf16 (seed 0): one state's relu gradient 32% apart (an element
+    whose input is ~0 is in the golden mask only) while the weights' gradients are 3-4% apart, and
+    no op amplified an error. npu-compare said 'no divergence' and exited 1 for those error rows.
+    pytorch/examples' VAE in bf16: 'op streams differ' for a cast only one run needed."""
+    from npukit.accuracy.cli_compare import run_compare
+    from npukit.console import make_console
+
+    _reinforce_episode(tmp_path / "golden", golden_run=True)
+    _reinforce_episode(tmp_path / "npu", golden_run=False)
+    result = compare_dirs(tmp_path / "golden", tmp_path / "npu", workers=1)
+    [pair] = result.pairs
+    assert pair.divergence is None, pair.divergence.reason
+    errors = {row.name for row in pair.rows if row.verdict == ERROR}
+    assert "Functional.relu.7.backward.output.0" in errors  # the flip is shown, as it is
+    # two models of one class called on their own: both are dumped, the second as msprobe numbers
+    # a model list (they were both Module.Linear, and one's gradients overwrote the other's)
+    grads = {row.name: row.verdict for row in pair.rows if ".parameters_grad." in row.name}
+    assert sorted(grads) == ["Module.1.Linear.parameters_grad.0.bias", "Module.1.Linear.parameters_grad.0.weight",
+                             "Module.Linear.parameters_grad.0.bias", "Module.Linear.parameters_grad.0.weight"]
+    assert ERROR not in grads.values() and grads["Module.Linear.parameters_grad.0.weight"] == WARN
+    assert result.unexplained_errors() == [] and not result.failed()
+    assert run_compare(tmp_path / "golden", tmp_path / "npu", None, None, None, 5, [], 1, make_console()) == 0
+    out = capsys.readouterr().out
+    assert "No divergence found" in out and "no op amplified it" in out
+    # the VAE's recon.float(): its backward exists in the bf16 run only. Said as what it is, not
+    # "op streams differ"
+    assert pair.noop_casts == ["Tensor.float.0.backward"]
+    assert {row.message for row in pair.rows if row.verdict == UNMATCHED} == \
+        {"only in target: the cast changed nothing in the golden run (torch.float32 already), so it has no backward there"}
+    assert "op streams differ" not in out and "Tensor.float.0.backward: a cast that changed nothing" in out
