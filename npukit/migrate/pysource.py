@@ -160,13 +160,33 @@ def remap_changes(changes: list[Change], edits: list[Edit], new_text: str) -> li
 
 
 def migrate_python(text: str, path: str, *, runtime: bool = False, entry_point: bool | None = None,
-                   facts: TreeFacts = TreeFacts()) -> PythonOutcome:
+                   facts: TreeFacts = TreeFacts(), codemods: tuple = (), builtin_rules: bool = True) -> PythonOutcome:
     """Rewrite one Python source. Raises MigrationSyntaxError if it does not parse.
 
     facts: what the rest of the tree says (custom CUDA ops, classes with their own cuda()).
+    codemods: users' libcst codemods (user_codemods.CodemodSpec), run on the rewritten code.
+    builtin_rules=False: the codemods only (a file the built-in rules' text pre-filter rules out).
     Changes and findings carry the line numbers of the input; remap_changes and remap_findings move
     them to the output.
     """
+    if builtin_rules:
+        outcome = _builtin_rewrite(text, path, runtime, entry_point, facts)
+        if runtime or not codemods:
+            return outcome
+        edits, findings = outcome.edits, outcome.findings
+    else:
+        edits, findings = [], []
+    from npukit.migrate.user_codemods import run_user_codemods
+
+    edits, user_findings = run_user_codemods(text, edits, path, codemods)
+    findings = sorted([*findings, *user_findings], key=lambda f: (f.line, f.col, f.kind))
+    changes = [Change(path, e.line, e.col, e.rule, text[e.start:e.end], e.text.strip("\r\n")) for e in edits]
+    return PythonOutcome(apply_edits(text, edits), changes, findings, edits)
+
+
+def _builtin_rewrite(text: str, path: str, runtime: bool, entry_point: bool | None,
+                     facts: TreeFacts) -> PythonOutcome:
+    """The built-in rules' rewrite (or, for --runtime, transfer_to_npu's insertion)."""
     migrator = PythonMigrator(text, path, facts)
     edits, findings = migrator.analyse(audit=not runtime)
     newline = newline_of(text)

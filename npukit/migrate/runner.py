@@ -30,6 +30,7 @@ from npukit.migrate.textfiles import (
     native_op_names,
     scan_native_source,
 )
+from npukit.migrate.user_codemods import specs_from_options
 
 # below this many candidate files a process pool costs more than it saves
 _POOL_THRESHOLD = 24
@@ -47,6 +48,7 @@ class MigrateOptions:
     jobs: int | None = None
     report_dir: Path | None = None
     quiet: bool = False
+    codemods: tuple[str, ...] = ()  # users' libcst codemods (pkg.module.Class), run after the built-ins
 
     @property
     def writes(self) -> bool:
@@ -88,6 +90,7 @@ class FileSettings:
     runtime: bool = False
     lines_after: bool = False  # report changes and findings at their line in the rewritten file (it is written)
     facts: TreeFacts = TreeFacts()
+    codemods: tuple = ()  # user_codemods.CodemodSpec: they see every Python file, CUDA or not
 
 
 def process_file(root: str, relative: str, kind: str, settings: FileSettings) -> FileResult:
@@ -121,21 +124,24 @@ def process_file(root: str, relative: str, kind: str, settings: FileSettings) ->
         if kind == "python":
             # setup.py: a literal install_requires is checked like a requirements file (flagged, never edited)
             requirements = scan_setup_py(text, relative) if relative.rsplit("/", 1)[-1] == "setup.py" else []
-            if not rules.worth_parsing(text) and not any(op in text for op in settings.facts.custom_ops) and not (
-                    settings.facts.cuda_default_tensor_type and rules.LEGACY_CONSTRUCTOR_CALL_TEXT.search(text)):
+            builtin_rules = bool(rules.worth_parsing(text) or any(op in text for op in settings.facts.custom_ops) or (
+                settings.facts.cuda_default_tensor_type and rules.LEGACY_CONSTRUCTOR_CALL_TEXT.search(text)))
+            if not builtin_rules and not settings.codemods:
                 result.findings = requirements
                 return result
-            outcome = migrate_python(text, relative, runtime=runtime, facts=settings.facts)
+            outcome = migrate_python(text, relative, runtime=runtime, facts=settings.facts, codemods=settings.codemods,
+                                     builtin_rules=builtin_rules)
             new_text, result.changes = outcome.text, outcome.changes
             result.findings = outcome.findings + requirements
             if settings.lines_after:
                 result.findings = remap_findings(result.findings, text, outcome.edits)
                 result.changes = remap_changes(outcome.changes, outcome.edits, outcome.text)
         elif kind == "notebook":
-            if not rules.worth_parsing(text):
+            if not settings.codemods and not rules.worth_parsing(text):
                 return result
             new_text, result.changes, result.findings = migrate_notebook(text, relative, runtime=runtime,
-                                                                         lines_after=settings.lines_after)
+                                                                         lines_after=settings.lines_after,
+                                                                         codemods=settings.codemods)
         elif kind == "shell":
             new_text, result.changes, result.findings = migrate_shell(text, relative)
         elif kind == "dockerfile":
@@ -278,7 +284,8 @@ def _process_batch(batch: list[tuple]) -> list[FileResult]:
 def _analyse(root: Path, candidates: list[str], options: MigrateOptions,
              progress: Callable[[int], None] | None) -> list[FileResult]:
     settings = FileSettings(runtime=options.runtime, lines_after=options.writes,
-                            facts=_gather_tree_facts(root, candidates, options.runtime))
+                            facts=_gather_tree_facts(root, candidates, options.runtime),
+                            codemods=specs_from_options(options.codemods))
     items = [(str(root), rel, fs.kind_of(rel), settings) for rel in candidates]
     jobs = options.jobs or _usable_cores()
     if jobs <= 1 or len(items) < _POOL_THRESHOLD:
@@ -324,6 +331,9 @@ def _validate(options: MigrateOptions) -> None:
         raise UserError(f"--report {options.report_dir}: exists and is not a folder")
     if options.jobs is not None and options.jobs < 1:
         raise UserError(f"--jobs {options.jobs}: must be at least 1")
+    if options.codemods and options.runtime:
+        raise UserError("--codemod rewrites code and --runtime does not: use one of them")
+    specs_from_options(options.codemods)  # each one imports and is a libcst codemod, before any file is read
     if options.writes and options.out is None and not options.force:
         dirty = fs.dirty_files(target)
         if dirty:

@@ -244,8 +244,8 @@ def _neutral(length: int) -> str:
     return ("pass" + "#" * (length - 4)) if length >= 4 else "0".ljust(length)
 
 
-def migrate_notebook(text: str, path: str, *, runtime: bool = False,
-                     lines_after: bool = False) -> tuple[str, list[Change], list[Finding]]:
+def migrate_notebook(text: str, path: str, *, runtime: bool = False, lines_after: bool = False,
+                     codemods: tuple = ()) -> tuple[str, list[Change], list[Finding]]:
     """Code cells are migrated as one module (imports in cell 1 serve cell 5); magics as shell lines.
 
     lines_after: give the Python changes and findings the (cell) lines of the rewritten notebook.
@@ -279,7 +279,8 @@ def migrate_notebook(text: str, path: str, *, runtime: bool = False,
             out_lines = [_neutral(len(line)) if line.strip() else line for line in out_lines]
         python_parts.append("\n".join(out_lines))
     combined = "\n".join(python_parts)
-    outcome = migrate_python(combined, path, runtime=runtime, entry_point=True)  # a notebook is run directly
+    outcome = migrate_python(combined, path, runtime=runtime, entry_point=True,  # a notebook is run directly
+                             codemods=codemods)
     new_sources = list(sources)
     changes: list[Change] = []
     findings = [_cell_finding(f, python_parts) for f in outcome.findings]

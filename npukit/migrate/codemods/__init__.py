@@ -1,0 +1,27 @@
+"""npu-migrate's Python rewrite for libcst's codemod tool:
+
+    python -m libcst.tool codemod --no-format -x npukit.migrate.codemods.MigrateToNpu path/
+
+runs every built-in rule (the order npu-migrate uses) on each file, next to codemods of your own;
+what it does not migrate is printed as the tool's warnings, `line:col: severity kind: reason`.
+npu-migrate itself adds the tree-wide facts, the other file kinds and the reports (docs/migrate.md).
+"""
+
+from __future__ import annotations
+
+import libcst as cst
+from libcst.codemod import CodemodCommand
+
+from npukit.migrate.pysource import migrate_python
+
+
+class MigrateToNpu(CodemodCommand):
+    DESCRIPTION = "CUDA -> torch_npu: npu-migrate's built-in rules on one Python file"
+
+    def transform_module_impl(self, tree: cst.Module) -> cst.Module:
+        code = tree.code
+        outcome = migrate_python(code, self.context.filename or "<module>")
+        for finding in outcome.findings:
+            self.warn(f"{finding.line}:{finding.col}: {finding.severity} {finding.kind}: {finding.reason}"
+                      f" ({finding.suggestion})")
+        return tree if outcome.text == code else cst.parse_module(outcome.text)
