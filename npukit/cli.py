@@ -66,7 +66,7 @@ def run(
     dump: Optional[Path] = typer.Option(None, "--dump", help="Dump per-layer tensors into DIR."),
     dump_level: str = typer.Option("mix", "--dump-level", help="module | api | mix"),
     dump_mode: str = typer.Option("stats", "--dump-mode", help="stats | tensor | md5"),
-    dump_tensor_format: str = typer.Option("npy", "--dump-tensor-format", help="npy | pt (for msprobe compare) tensor files"),
+    dump_tensor_format: str = typer.Option("pt", "--dump-tensor-format", help="pt (msprobe's: a file per leaf) | npy (smaller, faster; npu-compare only) tensor files"),
     dump_steps: Optional[str] = typer.Option(None, "--dump-steps", help="Steps to dump, e.g. 0,2-4."),
     dump_scope: Optional[str] = typer.Option(None, "--dump-scope", help="Only names under these scopes (comma list)."),
     dump_list: Optional[str] = typer.Option(None, "--dump-list", help="Only these module/op names (comma list)."),

@@ -35,7 +35,7 @@ class RunOptions:
     dump: Path | None = None
     dump_level: str = "mix"
     dump_mode: str = "stats"
-    dump_tensor_format: str = "npy"
+    dump_tensor_format: str = "pt"
     dump_steps: str | None = None
     dump_scope: str | None = None
     dump_list: str | None = None

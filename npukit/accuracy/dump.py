@@ -450,7 +450,7 @@ class DumpSession:
         stack: bool = True,
         rank: int | None = None,
         ranks: str | None = None,
-        tensor_format: str = "npy",
+        tensor_format: str = "pt",
     ) -> None:
         if level not in LEVELS:
             raise UserError(f"--dump-level: {level!r} is not one of {', '.join(LEVELS)}")

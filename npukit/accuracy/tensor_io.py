@@ -78,7 +78,7 @@ def write_tensor(path: Path, tensor) -> None:
         import torch
 
         with torch._C.DisableTorchFunction():
-            compact = tensor.detach().to("cpu")
+            compact = strided_form(tensor.detach()).to("cpu")  # the values the .npy form keeps too
             if compact.untyped_storage().nbytes() != compact.numel() * compact.element_size() \
                     or not compact.is_contiguous():
                 compact = compact.contiguous().clone()  # torch.save writes a view's whole storage

@@ -64,6 +64,7 @@ if tool == "msprobe":
 else:
     from npukit.accuracy.dump import DumpSession
 
+    formats = {"tensor_format": sys.argv[6]} if len(sys.argv) > 6 else {}  # else npukit's default
     with DumpSession(out, level={"L1": "api", "mix": "mix"}[level], mode={"statistics": "stats"}.get(task, task),
-                     tensor_format=sys.argv[6] if len(sys.argv) > 6 else "npy"):
+                     **formats):
         train_step()

@@ -293,17 +293,24 @@ def test_module_level_has_no_api_entries_and_api_level_no_modules(tmp_path):
     assert apis and not any(name.startswith("Module.") for name in apis)
 
 
-def test_tensor_mode_writes_exact_data_once_per_tensor(tmp_path):
-    train(tmp_path, level="mix", mode="tensor", steps=1, dtype=torch.bfloat16)
+@pytest.mark.parametrize("tensor_format", ["pt", "npy"])
+def test_tensor_mode_writes_exact_data(tmp_path, tensor_format):
+    """The default .pt: a file per leaf, as msprobe writes them (msprobe compare pairs rows by
+    file). .npy: a file per tensor, the leaves that show it again point at it."""
+    train(tmp_path, level="mix", mode="tensor", steps=1, dtype=torch.bfloat16, tensor_format=tensor_format)
     rank_dir = tmp_path / "step0/rank0"
     data = load(tmp_path)["data"]
     out = data["Functional.linear.0.forward"]["output"][0]
-    assert out["dtype"] == "torch.bfloat16"
+    assert out["dtype"] == "torch.bfloat16" and out["data_name"].endswith(f".{tensor_format}")
     stored = read_tensor(rank_dir / "dump_tensor_data" / out["data_name"], "torch.bfloat16", out["shape"])
     assert stored.dtype == np.uint16  # raw bf16 bits: exact
-    # The module output is the same tensor as the op output: it points at the same file.
     module_out = data["Module.embed.Linear.forward.0"]["output"][0]
-    assert module_out["data_name"] == out["data_name"]
+    module_stored = read_tensor(rank_dir / "dump_tensor_data" / module_out["data_name"], "torch.bfloat16",
+                                module_out["shape"])
+    assert np.array_equal(module_stored, stored)  # the module output is the op output
+    if tensor_format == "pt":
+        saved = torch.load(rank_dir / "dump_tensor_data" / out["data_name"], weights_only=True)
+        assert isinstance(saved, torch.Tensor) and saved.dtype == torch.bfloat16  # as msprobe reads it
     # The consumer's input records where it came from.
     consumer = data["Module.blocks.0.fc1.Linear.forward.0"]["input_args"][0]
     assert consumer["producer"].endswith(".output.0")
@@ -311,7 +318,11 @@ def test_tensor_mode_writes_exact_data_once_per_tensor(tmp_path):
     files = {f.name for f in (rank_dir / "dump_tensor_data").iterdir()}
     assert files == referenced  # every referenced file exists; no orphan or half-written (.tmp) file
     leaves_with_data = sum(1 for leaf in _tensor_leaves(data) if "data_name" in leaf)
-    assert len(files) < leaves_with_data / 2  # shared tensors are written once
+    if tensor_format == "npy":
+        assert module_out["data_name"] == out["data_name"]
+        assert len(files) < leaves_with_data / 2  # shared tensors are written once
+    else:
+        assert len(files) == leaves_with_data
 
 
 def _tensor_leaves(value):

@@ -184,7 +184,7 @@ def test_a_replay_never_loads_weights_from_outside_its_folder(tmp_path, case):
 def test_a_symlink_that_stays_inside_the_folder_is_followed(pair):
     data_dir = _rank_dir(pair) / "dump_tensor_data"
     first = sorted(data_dir.iterdir())[0]
-    copy = data_dir / "copy.npy"
+    copy = data_dir / f"copy{first.suffix}"
     shutil.copy(first, copy)
     first.unlink()
     os.symlink(copy.name, first)  # relative link inside the folder

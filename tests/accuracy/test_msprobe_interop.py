@@ -30,11 +30,13 @@ def dumps(tmp_path_factory):
     root = tmp_path_factory.mktemp("interop")
     made = {}
 
-    def dump(tool, task, level, dtype, tensor_format="npy"):
-        key = (tool, task, level, dtype, tensor_format)
+    def dump(tool, task, level, dtype, tensor_format=None):
+        """tensor_format None: npukit's default."""
+        key = (tool, task, level, dtype, tensor_format or "default")
         if key not in made:
             out = root / "_".join(key)
-            run = subprocess.run([sys.executable, str(MODEL), tool, task, level, dtype, str(out), tensor_format],
+            formats = [tensor_format] if tensor_format else []
+            run = subprocess.run([sys.executable, str(MODEL), tool, task, level, dtype, str(out), *formats],
                                  capture_output=True, text=True, timeout=300,
                                  env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=root)
             assert run.returncode == 0, run.stderr[-3000:]
@@ -72,9 +74,10 @@ def test_the_same_model_dumped_by_both_tools_pairs_every_comparable_entry(dumps,
     assert len(values) == len(pair.rows)
 
 
-@pytest.mark.parametrize("task", ["statistics", "tensor"])
-def test_a_correct_bf16_run_against_an_msprobe_fp32_golden_has_no_divergence(dumps, task):
-    result = compare_dirs(dumps("msprobe", task, "mix", "fp32"), dumps("npukit", task, "mix", "bf16"), workers=1)
+@pytest.mark.parametrize("task, tensor_format", [("statistics", None), ("tensor", None), ("tensor", "npy")])
+def test_a_correct_bf16_run_against_an_msprobe_fp32_golden_has_no_divergence(dumps, task, tensor_format):
+    result = compare_dirs(dumps("msprobe", task, "mix", "fp32"), dumps("npukit", task, "mix", "bf16", tensor_format),
+                          workers=1)
     [pair] = result.pairs
     assert pair.divergence is None
     assert [row.name for row in pair.rows if row.verdict in (ERROR, UNMATCHED)] == []
@@ -91,11 +94,11 @@ def test_msprobe_dumps_compare_with_each_other_with_their_parameter_gradients(du
 
 
 @pytest.mark.parametrize("task", ["statistics", "tensor"])
-def test_msprobe_compare_reads_npukit_dumps_written_for_it(dumps, tmp_path, task):
-    """`--dump-tensor-format pt`: a bare tensor per leaf, a file per leaf (msprobe compare pairs
-    rows by data file: files shared by several leaves gave duplicated, mislabelled rows)."""
-    golden = dumps("npukit", task, "mix", "fp32", "pt")
-    target = dumps("npukit", task, "mix", "bf16", "pt")
+def test_msprobe_compare_reads_npukit_dumps_as_written(dumps, tmp_path, task):
+    """npukit's default tensor files: a bare tensor per leaf, a file per leaf (msprobe compare
+    pairs rows by data file: files shared by several leaves gave duplicated, mislabelled rows)."""
+    golden = dumps("npukit", task, "mix", "fp32")
+    target = dumps("npukit", task, "mix", "bf16")
     msprobe = Path(sys.executable).with_name("msprobe")
     run = subprocess.run([str(msprobe), "compare", "-gp", str(golden / "step0"), "-tp", str(target / "step0"),
                           "-o", str(tmp_path)], capture_output=True, text=True, timeout=300)
@@ -182,7 +185,7 @@ def test_msprobe_compare_pairs_a_cross_tool_pair_by_name(dumps, tmp_path, task, 
     Module.X.parameters_grad.0.weight). What only one tool records stays unpaired: npukit's root
     module and Tensor.flatten/Tensor.float, msprobe's optimizer update (Tensor.add_)."""
     msprobe_dump = _as_rank0(dumps("msprobe", task, "mix", "fp32"), tmp_path / "msprobe")
-    npukit_dump = dumps("npukit", task, "mix", "fp32", "pt")
+    npukit_dump = dumps("npukit", task, "mix", "fp32")
     golden, target = (msprobe_dump, npukit_dump) if golden_tool == "msprobe" else (npukit_dump, msprobe_dump)
     rows = _msprobe_compare(golden, target, tmp_path / "out")
     names = [row["NPU Name"] for row in rows]
