@@ -84,6 +84,16 @@ def test_a_correct_bf16_run_against_an_msprobe_fp32_golden_has_no_divergence(dum
     assert any(row.target.dtype == "torch.bfloat16" for row in pair.rows)
 
 
+@pytest.mark.parametrize("task", ["statistics", "tensor"])
+def test_a_correct_msprobe_bf16_run_against_an_npukit_fp32_golden_has_no_divergence(dumps, task):
+    """The other direction: npukit's golden on a CPU, msprobe's dump of the low-precision run."""
+    result = compare_dirs(dumps("npukit", task, "mix", "fp32"), dumps("msprobe", task, "mix", "bf16"), workers=1)
+    [pair] = result.pairs
+    assert pair.divergence is None
+    assert [row.name for row in pair.rows if row.verdict in (ERROR, UNMATCHED)] == []
+    assert any(row.target.dtype == "torch.bfloat16" for row in pair.rows)
+
+
 def test_msprobe_dumps_compare_with_each_other_with_their_parameter_gradients(dumps):
     result = compare_dirs(dumps("msprobe", "tensor", "mix", "fp32"), dumps("msprobe", "tensor", "mix", "bf16"),
                           workers=1)
