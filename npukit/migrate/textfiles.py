@@ -7,6 +7,7 @@ echo/printf lines and anything that is not a command or a config value.
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 
@@ -281,6 +282,14 @@ def migrate_notebook(text: str, path: str, *, runtime: bool = False, lines_after
     combined = "\n".join(python_parts)
     outcome = migrate_python(combined, path, runtime=runtime, entry_point=True,  # a notebook is run directly
                              codemods=codemods)
+    spanning = _edits_across_cells(outcome.edits, python_parts)
+    if spanning:  # a user codemod rewrote lines of two cells as one: not applied here, said instead
+        outcome = migrate_python(combined, path, runtime=runtime, entry_point=True)
+        outcome.findings.extend(
+            Finding(path, edit.line, edit.col, edit.rule, "error", combined[edit.start:edit.end].strip()[:80],
+                    "this codemod's change spans two code cells of the notebook; not applied to this notebook",
+                    "change it by hand, or make the codemod keep each statement's lines")
+            for edit in spanning)
     new_sources = list(sources)
     changes: list[Change] = []
     findings = [_cell_finding(f, python_parts) for f in outcome.findings]
@@ -317,6 +326,16 @@ def migrate_notebook(text: str, path: str, *, runtime: bool = False, lines_after
         if old != new:
             cell["source"] = new.splitlines(keepends=True) if isinstance(cell.get("source"), list) else new
     return _dump_notebook(notebook, text), changes, findings
+
+
+def _edits_across_cells(edits, parts: list[str]) -> list:
+    """Edits of the combined module that reach past the end of the cell they start in."""
+    ends, offset = [], 0
+    for part in parts:
+        offset += len(part)
+        ends.append(offset)
+        offset += 1
+    return [edit for edit in edits if edit.end > ends[bisect.bisect_left(ends, edit.start)]]
 
 
 def _split_back(edits, sources: list[str], parts: list[str]) -> list[str]:

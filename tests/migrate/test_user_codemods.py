@@ -214,3 +214,27 @@ def test_files_containing_limits_the_files_a_codemod_is_given(workspace):
     # (in the notebook the stamp lands next to the built-ins' `.npu()`: one change, rule cuda-method+...)
     stamped = {row["File"] for row in _changes(workspace / "out") if "mypkg.stamp.Stamp" in row["Rule"]}
     assert stamped == {"train.py", "helpers.py", "crlf.py", "demo.ipynb"}  # not unrelated.py
+
+
+def test_a_codemod_change_across_two_notebook_cells_is_reported_not_applied(tmp_path, monkeypatch):
+    from npukit.migrate.textfiles import migrate_notebook
+    from npukit.migrate.user_codemods import CodemodSpec
+
+    (tmp_path / "merging.py").write_text(
+        "import libcst as cst\nfrom libcst.codemod import Codemod\n\n\n"
+        "class MergeAll(Codemod):\n"
+        "    def transform_module_impl(self, tree):\n"
+        "        return cst.parse_module('merged = 1\\n')\n")
+    notebook = {"cells": [{"cell_type": "code", "source": "import torch\nx = torch.ones(2).cuda()", "metadata": {},
+                           "outputs": [], "execution_count": None},
+                          {"cell_type": "code", "source": "y = x + 1", "metadata": {}, "outputs": [],
+                           "execution_count": None}],
+                "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+    text = json.dumps(notebook, indent=1) + "\n"
+    new_text, changes, findings = migrate_notebook(text, "nb.ipynb", codemods=(CodemodSpec("merging.MergeAll",
+                                                                                          str(tmp_path)),))
+    cells = [cell["source"] for cell in json.loads(new_text)["cells"]]
+    assert cells == ["import torch_npu\nimport torch\nx = torch.ones(2).npu()", "y = x + 1"]  # the built-ins only
+    assert {change.rule for change in changes} == {"import-torch-npu", "cuda-method"}
+    [refused] = [finding for finding in findings if "merging.MergeAll" in finding.kind]
+    assert refused.severity == "error" and "spans two code cells" in refused.reason
