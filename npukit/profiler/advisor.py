@@ -537,6 +537,32 @@ def rule_gc_pauses(view: ProfileView) -> Finding | None:
     )
 
 
+def rule_collective_wait(view: ProfileView) -> Finding | None:
+    from npukit.profiler.summary import communication
+
+    collectives, exposed_us = communication(view.table)
+    step_ns = _step_time_ns(view)
+    if not collectives or step_ns <= 0:
+        return None
+    share = 100 * exposed_us * 1e3 / step_ns
+    if share < 10:
+        return None
+    per_step = exposed_us / view.steps
+    return Finding(
+        rule="collective-wait", title="The step waits for collectives", severity="high" if share >= 25 else "medium",
+        summary=f"{share:.0f}% of step time ({per_step:.0f} us/step) a collective ran while no op ran: the ranks "
+                "waited for it",
+        evidence=[f"{row['collective']}: {row['calls']} call(s), {row['total_us'] / 1e3:.2f} ms, longest "
+                  f"{row['max_us'] / 1e3:.2f} ms" for row in collectives],
+        change="First compare the ranks' step times (npu-profile DIR/rank<N> for each rank): a slower rank (a "
+               "straggler: more data, a slower input pipeline, extra work on rank 0) makes the others wait in "
+               "every collective. If the ranks are even, overlap communication with the backward: "
+               "DistributedDataParallel(bucket_cap_mb=...) tuned to the model, gradient_as_bucket_view=True, "
+               "and model.no_sync() on gradient-accumulation steps.",
+        est_us_per_step=per_step,
+    )
+
+
 def rule_host_ops_in_device_run(view: ProfileView) -> Finding | None:
     """Compute ops on host tensors inside forward/backward of a device run: a tensor left on the CPU."""
     if not view.device_run:
@@ -565,11 +591,11 @@ def rule_host_ops_in_device_run(view: ProfileView) -> Finding | None:
 RULES = (
     rule_float64, rule_host_sync, rule_host_device_copies, rule_host_ops_in_device_run, rule_fp32_matmul,
     rule_tiny_ops, rule_dynamic_shapes, rule_matmul_alignment, rule_conv_channels, rule_fused_optimizer,
-    rule_dataloader_wait, rule_gc_pauses,
+    rule_dataloader_wait, rule_gc_pauses, rule_collective_wait,
 )
 RULE_IDS = (
     "float64-ops", "host-sync", "host-device-copies", "host-ops", "fp32-matmul", "tiny-ops", "dynamic-shapes",
-    "matmul-alignment", "conv-channels", "fused-optimizer", "dataloader-wait", "gc-pauses",
+    "matmul-alignment", "conv-channels", "fused-optimizer", "dataloader-wait", "gc-pauses", "collective-wait",
     *(p.rule for p in FUSED_PATTERNS),
 )
 

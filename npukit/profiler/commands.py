@@ -49,6 +49,7 @@ def run_summary(
         "profile": str(directory), "group_by": group_by, "steps": summary.steps, "events": summary.events,
         "op_events": summary.op_events, "total_self_us": summary.total_self_us,
         "phase_self_us": summary.phase_self_us, "rows": summary.rows,
+        "communication": summary.communication, "communication_exposed_us": summary.communication_exposed_us,
         "warnings": summary.warnings,
     }
     if chip_spec is not None:

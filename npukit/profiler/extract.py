@@ -23,6 +23,7 @@ from npukit.profiler.cost import CONV_OPS, op_cost
 from npukit.profiler.table import (
     KIND_ANNOTATION,
     KIND_AUTOGRAD,
+    KIND_COMM,
     KIND_GC,
     KIND_OP,
     PHASE_BACKWARD,
@@ -39,6 +40,9 @@ STEP_PREFIX = "ProfilerStep#"
 DATALOADER_PREFIX = "enumerate(DataLoader)#"
 OPTIMIZER_PREFIXES = ("Optimizer.step#", "Optimizer.zero_grad#")
 AUTOGRAD_NODE_PREFIX = "autograd::engine::evaluate_function: "
+# The ranges a process group's backend records around each collective it runs, on its own threads
+# (gloo) or streams: the time the collective took, which the calling thread does not show.
+COLLECTIVE_PREFIXES = ("gloo:", "nccl:", "hccl:")
 
 
 @lru_cache(maxsize=4096)
@@ -191,6 +195,8 @@ def table_from_profiler(prof, module_names: dict[int, str] | None = None, meta: 
                     kind, phase, node_seq = KIND_AUTOGRAD, PHASE_BACKWARD, seq
                 elif scope.endswith("USER_SCOPE") or name.startswith((STEP_PREFIX, DATALOADER_PREFIX, *OPTIMIZER_PREFIXES)):
                     kind = KIND_GC if name.startswith(GC_ANNOTATION_PREFIX) else KIND_ANNOTATION
+                    if name.startswith(COLLECTIVE_PREFIXES):
+                        kind = KIND_COMM
                     if name.startswith(STEP_PREFIX):
                         step_ranges.append((start, start + duration, int(name[len(STEP_PREFIX):] or -1)))
                     elif name.startswith(OPTIMIZER_PREFIXES):

@@ -91,6 +91,13 @@ def print_summary(summary: Summary, console: Console, top: int) -> None:
         total = sum(summary.phase_self_us.values()) or 1.0
         parts = [f"{name} {100 * us / total:.0f}%" for name, us in summary.phase_self_us.items()]
         console.print("op time by phase: " + " | ".join(parts))
+    if summary.communication:
+        steps = max(summary.steps, 1)
+        parts = [f"{row['collective']} {row['calls']:,} calls {_us(row['total_us'])}" for row in summary.communication]
+        total = sum(row["total_us"] for row in summary.communication)
+        console.print(f"collectives (on the process group's threads, not in the ops above): {_us(total / steps)} per step"
+                      f", {_us(summary.communication_exposed_us / steps)} of it while no op ran (waiting): "
+                      + " | ".join(parts))
     for warning in summary.warnings:
         console.print(f"[yellow]warning:[/] {warning}")
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from npukit.errors import UserError
 from npukit.profiler.roofline import Chip, estimate_seconds
-from npukit.profiler.table import EVENTS_FILE, KIND_OP, PHASE_NAMES, EventTable
+from npukit.profiler.table import EVENTS_FILE, KIND_COMM, KIND_OP, PHASE_NAMES, EventTable
 
 GROUPINGS = ("op", "shape", "module", "stack")
 LARGE_PROFILE_EVENTS = 100_000
@@ -32,6 +32,9 @@ class Summary:
     chip: str | None = None
     warnings: list[str] = field(default_factory=list)
     phase_self_us: dict[str, float] = field(default_factory=dict)  # forward/backward/optimizer/...
+    # collectives as their process group ran them, per name (on their own threads: not in `rows`)
+    communication: list[dict] = field(default_factory=list)
+    communication_exposed_us: float = 0.0  # time a collective ran while no op ran on any other thread
 
 
 def find_profile(path: Path, rank: int | None = None) -> Path:
@@ -182,11 +185,66 @@ def summarize(table: EventTable, group_by: str = "op", chip: Chip | None = None)
             "--profile-steps wait,warmup,active (e.g. 5,1,3)"
         )
     by_phase = np.bincount(table.phase[rows_idx], weights=self_all[rows_idx], minlength=len(PHASE_NAMES)) / 1e3
+    collectives, exposed_us = communication(table)
     return Summary(
         group_by=group_by, rows=rows, total_self_us=total_self / 1e3, steps=steps, events=len(table),
         op_events=int(is_op.sum()), chip=chip.name if chip else None, warnings=warnings,
         phase_self_us={PHASE_NAMES[i]: round(float(v), 3) for i, v in enumerate(by_phase) if v > 0},
+        communication=collectives, communication_exposed_us=exposed_us,
     )
+
+
+def communication(table: EventTable) -> tuple[list[dict], float]:
+    """Per collective name: calls and time as the process group ran it; and the exposed time, when
+    a collective ran and no op ran on any compute thread (the step waited for it)."""
+    rows = np.flatnonzero(table.kind == KIND_COMM)
+    if not len(rows):
+        return [], 0.0
+    strings = table.string_array()
+    names = np.array([strings[i] for i in table.name_id[rows]])
+    steps = step_count(table)
+    collectives = []
+    for name in sorted(set(names.tolist())):
+        durations = table.dur_ns[rows[names == name]]
+        collectives.append({"collective": name, "calls": int(len(durations)),
+                            "calls_per_step": round(len(durations) / steps, 2),
+                            "total_us": round(float(durations.sum()) / 1e3, 3),
+                            "avg_us": round(float(durations.mean()) / 1e3, 3),
+                            "max_us": round(float(durations.max()) / 1e3, 3)})
+    collectives.sort(key=lambda row: -row["total_us"])
+    comm_threads = np.unique(table.thread[rows])
+    ops = np.flatnonzero((table.kind == KIND_OP) & ~np.isin(table.thread, comm_threads))
+    running = _union(table.start_ns[rows], table.start_ns[rows] + table.dur_ns[rows])
+    computing = _union(table.start_ns[ops], table.start_ns[ops] + table.dur_ns[ops])
+    exposed_ns = _length(running) - _overlap(running, computing)
+    return collectives, round(exposed_ns / 1e3, 3)
+
+
+def _union(starts: np.ndarray, ends: np.ndarray) -> list[tuple[int, int]]:
+    merged: list[list[int]] = []
+    for start, end in sorted(zip(starts.tolist(), ends.tolist())):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(start, end) for start, end in merged]
+
+
+def _length(intervals: list[tuple[int, int]]) -> int:
+    return sum(end - start for start, end in intervals)
+
+
+def _overlap(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
+    """Length of the intersection of two sorted lists of disjoint intervals."""
+    total, i, j = 0, 0, 0
+    while i < len(a) and j < len(b):
+        low, high = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        total += max(0, high - low)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
 
 
 def op_dtypes(table: EventTable, rows: np.ndarray) -> np.ndarray:

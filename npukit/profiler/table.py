@@ -27,6 +27,7 @@ KIND_OP = 0  # an operator (aten::mm, c10d::allreduce_ ...)
 KIND_ANNOTATION = 1  # record_function range: ProfilerStep#3, Optimizer.step#..., DataLoader, user labels
 KIND_AUTOGRAD = 2  # autograd engine node (evaluate_function: MmBackward0, MmBackward0)
 KIND_GC = 3  # Python garbage-collection pause
+KIND_COMM = 4  # a collective as its process group runs it, on that group's own thread (gloo:all_reduce)
 
 # phase: which part of a training step an op belongs to.
 PHASE_OTHER, PHASE_FORWARD, PHASE_BACKWARD, PHASE_OPTIMIZER, PHASE_DATALOADER = range(5)

@@ -1,0 +1,98 @@
+"""Collectives in the profile of a DDP run: gloo runs them on its own threads, so the ops of the
+training threads did not show them (a 2-rank step with 70 ms of all_reduce showed no communication).
+They are reported per collective, with the time the step waited for them, and a rank that waits
+for a slower one gets the advisor's collective-wait finding."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from npukit.profiler.advisor import advise
+from npukit.profiler.summary import load_profile, summarize
+
+REPO = Path(__file__).resolve().parents[2]
+DDP_SCRIPT = """
+import os, sys, time, torch, torch.distributed as dist, torch.nn as nn
+dist.init_process_group("hccl")
+straggler = int(sys.argv[1])
+model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)]).npu()
+ddp = nn.parallel.DistributedDataParallel(model)
+optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+for step in range(4):
+    x = torch.randn(16, 256, device="npu")
+    if dist.get_rank() == straggler:
+        time.sleep(0.05)  # a slower input pipeline on one rank
+    loss = ddp(x).square().mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+del ddp, optimizer  # DDP's reducer holds the process group: destroyed first (see test note)
+dist.destroy_process_group()
+"""
+
+
+def _profile(tmp_path: Path, straggler: int) -> Path:
+    script = tmp_path / "ddp.py"
+    script.write_text(DDP_SCRIPT)
+    out = tmp_path / f"prof{straggler}"
+    # its own process group, so a hang kills torchrun and both ranks (not only the launcher: the
+    # ranks would keep torchrun's port for the next run)
+    run = subprocess.Popen([sys.executable, "-m", "npukit.run", "--nproc-per-node", "2", "--profile", str(out),
+                            str(script), str(straggler)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO)), start_new_session=True)
+    try:
+        _, stderr = run.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(run.pid, signal.SIGKILL)
+        _, stderr = run.communicate()
+        pytest.fail(f"the 2-rank run did not finish in 240 s: {stderr[-3000:]}")
+    assert run.returncode == 0, stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def straggler_profile(tmp_path_factory):
+    return _profile(tmp_path_factory.mktemp("ddp"), straggler=1)
+
+
+def test_collectives_of_every_rank_are_in_its_summary(straggler_profile):
+    for rank in (0, 1):
+        summary = summarize(load_profile(straggler_profile / f"rank{rank}"))
+        collectives = {row["collective"]: row for row in summary.communication}
+        # one all_reduce bucket per step at least, as gloo ran it; DDP's start broadcasts the weights
+        assert collectives["gloo:all_reduce"]["calls"] >= 4
+        assert collectives["gloo:all_reduce"]["total_us"] > 0
+        assert "gloo:broadcast" in collectives
+        assert all(row["group"] != "gloo:all_reduce" for row in summary.rows)  # not an op of the step's threads
+
+
+def test_the_rank_that_waits_for_a_straggler_is_told_so(straggler_profile):
+    waiting = summarize(load_profile(straggler_profile / "rank0"))
+    sleeping = summarize(load_profile(straggler_profile / "rank1"))
+    # rank 0 waits ~50 ms a step in the all_reduce for rank 1, which sleeps before its forward
+    assert waiting.communication_exposed_us / waiting.steps > 30_000
+    assert sleeping.communication_exposed_us / sleeping.steps < waiting.communication_exposed_us / waiting.steps / 3
+    findings = {finding.rule: finding for finding in advise(load_profile(straggler_profile / "rank0"))}
+    assert findings["collective-wait"].severity == "high"
+    assert "straggler" in findings["collective-wait"].change
+    assert "collective-wait" not in {finding.rule for finding in advise(load_profile(straggler_profile / "rank1"))}
+
+
+def test_npu_profile_prints_and_writes_the_collectives(straggler_profile):
+    written = straggler_profile.parent / "summary.json"
+    printed = subprocess.run([sys.executable, "-c", "from npukit.cli import profile_main; profile_main()",
+                              str(straggler_profile / "rank0"), "--json", str(written)], capture_output=True,
+                             text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO), COLUMNS="200"))
+    assert printed.returncode == 0, printed.stderr
+    assert "collectives (on the process group's threads" in printed.stdout
+    assert "gloo:all_reduce" in printed.stdout
+    payload = json.loads(written.read_text())
+    assert payload["communication"][0]["collective"] == "gloo:all_reduce"
+    assert payload["communication_exposed_us"] > 0
