@@ -12,6 +12,7 @@ with no copy. CPU tensors passed to the group go to gloo as they are, which is w
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from datetime import timedelta
 
@@ -88,7 +89,24 @@ class _AliasWork(dist.Work):
             done.wait()  # re-raises a failed collective's error, which then fails the returned future
             return result
 
-        return torch.futures.collect_all([work.get_future() for work in self._gloo_works]).then(caller_tensors)
+        future = torch.futures.collect_all([work.get_future() for work in self._gloo_works]).then(caller_tensors)
+        _WITH_PYTHON_CALLBACKS.difference_update([work for work in _WITH_PYTHON_CALLBACKS if _settled(work)])
+        _WITH_PYTHON_CALLBACKS.add(self)
+        return future
+
+
+# Works whose future runs a Python callback when gloo completes them (DDP asks every bucket's). A
+# gloo thread completing one needs the GIL: if the group is destroyed meanwhile, the destructor
+# joins that thread while holding the GIL, and the process hangs at exit (a DDP model still alive
+# after destroy_process_group). shutdown() waits for them, with the GIL released, first.
+_WITH_PYTHON_CALLBACKS: set = set()
+
+
+def _settled(work: _AliasWork) -> bool:
+    try:
+        return work.is_completed()
+    except Exception:  # a work that cannot say: nothing to wait for
+        return True
 
 
 class ProcessGroupHCCL(dist.ProcessGroup):
@@ -100,6 +118,14 @@ class ProcessGroupHCCL(dist.ProcessGroup):
         # The group's name (which functional collectives resolve groups by) is kept by its
         # registered backends; gloo is the real one for CPU tensors.
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)
+
+    def shutdown(self) -> None:
+        """destroy_process_group calls this: finish what gloo threads still complete into Python."""
+        for work in list(_WITH_PYTHON_CALLBACKS):
+            with contextlib.suppress(Exception):  # a failed collective has been reported to its waiter
+                work.wait()
+        _WITH_PYTHON_CALLBACKS.clear()
+        super().shutdown()
 
     def getBackendName(self) -> str:  # noqa: N802 (the C++ virtual's name)
         return BACKEND_NAME
