@@ -258,3 +258,70 @@ def test_module_to_npu_moves_its_parameters_in_place():
     model(torch.ones(1, 2, device="npu")).sum().backward()
     optimizer.step()
     assert optimizer.param_groups[0]["params"][0].device.type == "npu"
+
+
+def test_a_tensor_changed_in_place_is_read_as_it_is_now():
+    """Small ops reuse the CPU alias of an argument they read before (and results become npu tensors
+    without a copy): a tensor whose shape, strides, storage or values changed since must be read as
+    it is now, and a tensor sharing the old memory must keep reading it."""
+    results = {}
+    for device in ("cpu", "npu"):
+        x = torch.arange(12.0, device=device).reshape(3, 4)
+        seen = [x + 1]
+        x.t_()
+        seen.append(x + 1)
+        x.resize_(12)
+        seen.append(x * 2)
+        x.as_strided_((2, 2), (1, 2), 1)
+        seen.append(x.sum())
+        x.set_(torch.ones(5, device=device))
+        seen.append(x + 1)
+        x.fill_(3.0)
+        seen.append(x + 1)
+        results[device] = seen
+    for on_cpu, on_npu in zip(results["cpu"], results["npu"]):
+        assert torch.equal(on_npu.cpu(), on_cpu)
+
+    out = torch.zeros(2, device="npu")
+    old_view = out[:]
+    assert torch.equal((out + 1).cpu(), torch.ones(2))
+    with pytest.warns(UserWarning, match="resized"):
+        torch.add(torch.ones(3, 3, device="npu"), 1, out=out)  # resized: new memory
+    assert torch.equal((out + 1).cpu(), torch.full((3, 3), 3.0))
+    assert torch.equal((old_view + 1).cpu(), torch.ones(2))  # the old memory, untouched
+
+
+def test_results_made_without_a_copy_are_accounted_and_freed():
+    before = torch.npu.memory_allocated()
+    x = torch.ones(1024, device="npu")
+    y = x * 2
+    assert torch.npu.memory_allocated() == before + 2 * 4096
+    assert y.device == x.device and y.untyped_storage().device == x.device
+    assert y.untyped_storage().data_ptr() == y.data_ptr() and y.sum().item() == 2048.0
+    del x, y
+    assert torch.npu.memory_allocated() == before
+    on2 = torch.ones(3, device="npu:2") + 1
+    assert on2.device == torch.device("npu", 2) and on2.untyped_storage().device == torch.device("npu", 2)
+
+
+def test_the_same_tensors_used_from_several_threads_at_once():
+    import threading
+
+    weights = torch.randn(64, 64, device="npu")
+    inputs = [torch.randn(8, 64, device="npu") for _ in range(4)]
+    expected = [(x.cpu() @ weights.cpu()).relu() for x in inputs]
+    failures = []
+
+    def work(i):
+        for _ in range(300):
+            got = (inputs[i] @ weights).relu().cpu()
+            if not torch.allclose(got, expected[i]):
+                failures.append(i)
+                return
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []

@@ -15,6 +15,7 @@
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <ATen/native/Resize.h>
 #include <ATen/native/TensorFactories.h>
+#include <ATen/Operators.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/_reshape_alias_native.h>
 #include <ATen/ops/as_strided_native.h>
@@ -29,9 +30,11 @@
 
 #include <array>
 #include <deque>
+#include <map>
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <typeinfo>
 #include <mutex>
 #include <optional>
 #include <unordered_set>
@@ -103,10 +106,22 @@ void account_free(int dev, int64_t nbytes) {
 }
 
 // ------------------------------------------------------------------ allocators
-struct OwnedBlock {
-  void* ptr;
+// What every npu DataPtr's context is: the accounting of its memory, and the CPU storage that
+// aliases it for the CPU kernels (made on first use, then shared by every call: creating one per
+// argument per call was a third of the per-op cost of small ops).
+struct NpuBlock {
   int64_t nbytes;
   int device;
+  std::atomic<c10::StorageImpl*> cpu_alias{nullptr};  // one reference, owned by the block
+  NpuBlock(int64_t nbytes, int device) : nbytes(nbytes), device(device) {}
+  virtual ~NpuBlock() {
+    if (auto* alias = cpu_alias.load()) c10::intrusive_ptr<c10::StorageImpl>::reclaim(alias);
+  }
+};
+
+struct OwnedBlock final : NpuBlock {
+  void* ptr;
+  OwnedBlock(void* ptr, int64_t nbytes, int device) : NpuBlock(nbytes, device), ptr(ptr) {}
 };
 
 void free_owned_block(void* ctx) {
@@ -122,7 +137,7 @@ struct NpuAllocator final : c10::Allocator {
     int dev = fixed_device >= 0 ? fixed_device : t_current_device;
     account_alloc(dev, int64_t(nbytes));
     void* ptr = nbytes ? c10::alloc_cpu(nbytes) : nullptr;
-    auto* block = new OwnedBlock{ptr, int64_t(nbytes), dev};
+    auto* block = new OwnedBlock(ptr, int64_t(nbytes), dev);
     return {ptr, block, &free_owned_block, c10::Device(kNpu, c10::DeviceIndex(dev))};
   }
   c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
@@ -165,10 +180,10 @@ struct PinnedAllocator final : c10::Allocator {
 PinnedAllocator g_pinned_allocator;
 
 // An npu storage adopting the memory of a CPU storage produced by a CPU kernel (no copy).
-struct AdoptedBlock {
+struct AdoptedBlock final : NpuBlock {
   c10::intrusive_ptr<c10::StorageImpl> cpu;
-  int64_t nbytes;
-  int device;
+  AdoptedBlock(c10::intrusive_ptr<c10::StorageImpl> cpu, int64_t nbytes, int device)
+      : NpuBlock(nbytes, device), cpu(std::move(cpu)) {}
 };
 
 void free_adopted_block(void* ctx) {
@@ -180,12 +195,67 @@ void free_adopted_block(void* ctx) {
 c10::Storage adopt_cpu_storage(c10::StorageImpl* cpu, int dev) {
   int64_t nbytes = int64_t(cpu->nbytes());
   account_alloc(dev, nbytes);
-  auto* block = new AdoptedBlock{c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(cpu), nbytes, dev};
+  auto* block = new AdoptedBlock(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(cpu), nbytes, dev);
   c10::DataPtr data(cpu->mutable_data(), block, &free_adopted_block,
                     c10::Device(kNpu, c10::DeviceIndex(dev)));
   return c10::Storage(c10::make_intrusive<c10::StorageImpl>(
       c10::StorageImpl::use_byte_size_t(), size_t(nbytes), std::move(data), allocator_for(dev),
       /*resizable=*/true));
+}
+
+// A fresh CPU result nothing else refers to becomes an npu tensor in place: its storage's memory
+// is handed to an npu DataPtr (which keeps the CPU one to free it), its TensorImpl moves to the npu
+// keys. No new storage or tensor object, as a device kernel writing its own output would have.
+struct HandedOverBlock final : NpuBlock {
+  c10::DataPtr cpu_memory;
+  HandedOverBlock(int64_t nbytes, int device) : NpuBlock(nbytes, device) {}
+};
+
+void free_handed_over_block(void* ctx) {
+  auto* block = static_cast<HandedOverBlock*>(ctx);
+  account_free(block->device, block->nbytes);
+  delete block;  // frees the memory through the CPU DataPtr it keeps
+}
+
+bool can_hand_over(const at::Tensor& cpu) {
+  const c10::TensorImpl* impl = cpu.unsafeGetTensorImpl();
+  return cpu.use_count() == 1 && cpu.weak_use_count() == 1 && cpu.storage().use_count() == 1 &&
+         typeid(*impl) == typeid(c10::TensorImpl) && !cpu._is_zerotensor() && cpu.storage().data_ptr().get();
+}
+
+at::Tensor hand_over_to_npu(const at::Tensor& cpu, int dev) {
+  c10::StorageImpl* storage = cpu.storage().unsafeGetStorageImpl();
+  int64_t nbytes = int64_t(storage->nbytes());
+  account_alloc(dev, nbytes);
+  c10::Device npu(kNpu, c10::DeviceIndex(dev));
+  auto* block = new HandedOverBlock(nbytes, dev);
+  block->cpu_memory = storage->set_data_ptr(c10::DataPtr(storage->mutable_data(), block, &free_handed_over_block, npu));
+  storage->set_allocator(allocator_for(dev));
+  c10::TensorImpl* impl = cpu.unsafeGetTensorImpl();
+  impl->_change_backend_component_keys(npu);
+  impl->set_storage_keep_dtype(cpu.storage());  // the device follows the storage's
+  return cpu;
+}
+
+// The CPU storage aliasing an npu storage's memory, shared by all calls; none when the npu storage
+// is not one of ours or a kernel re-pointed the alias (out= resized): then the call makes its own.
+c10::Storage shared_cpu_alias(const c10::Storage& npu) {
+  const c10::DataPtr& data = npu.data_ptr();
+  auto deleter = data.get_deleter();
+  if (deleter != &free_owned_block && deleter != &free_adopted_block && deleter != &free_handed_over_block)
+    return {};
+  auto* block = static_cast<NpuBlock*>(data.get_context());
+  c10::StorageImpl* alias = block->cpu_alias.load(std::memory_order_acquire);
+  if (!alias) {
+    c10::DataPtr view(npu.mutable_data(), c10::Device(DeviceType::CPU));  // non-owning
+    c10::StorageImpl* made = c10::make_intrusive<c10::StorageImpl>(
+        c10::StorageImpl::use_byte_size_t(), npu.nbytes(), std::move(view), c10::GetCPUAllocator(),
+        /*resizable=*/true).release();
+    if (block->cpu_alias.compare_exchange_strong(alias, made, std::memory_order_acq_rel)) alias = made;
+    else c10::intrusive_ptr<c10::StorageImpl>::reclaim(made);  // another thread made it first
+  }
+  if (alias->data() != npu.data() || alias->nbytes() != npu.nbytes()) return {};
+  return c10::Storage(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(alias));
 }
 
 // ------------------------------------------------------------------ numeric policies
@@ -222,10 +292,59 @@ static void round_hf32_bits(const uint32_t* __restrict__ in, uint32_t* __restric
   }
 }
 
+// The HF32 copies of a training step come in the same sizes every step, and a fresh large host
+// allocation costs a page fault per 4 KiB (measured: 1,600 per step of the CNN benchmark, about
+// as long as the rounding itself). Their memory is kept for reuse, up to kMaxIdleBytes.
+struct Hf32CopyAllocator final : c10::Allocator {
+  struct Block {
+    void* ptr;
+    size_t nbytes;
+  };
+  static constexpr size_t kMaxIdleBytes = size_t(512) << 20;
+  std::mutex mu;
+  std::multimap<size_t, void*> idle;
+  size_t idle_bytes = 0;
+
+  c10::DataPtr allocate(size_t nbytes) override {
+    void* ptr = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      auto it = idle.find(nbytes);
+      if (it != idle.end()) {
+        ptr = it->second;
+        idle.erase(it);
+        idle_bytes -= nbytes;
+      }
+    }
+    if (!ptr && nbytes) ptr = c10::alloc_cpu(nbytes);
+    return {ptr, new Block{ptr, nbytes}, &give_back, c10::Device(DeviceType::CPU)};
+  }
+  static void give_back(void* ctx);
+  void copy_data(void* dest, const void* src, std::size_t count) const final { std::memcpy(dest, src, count); }
+};
+Hf32CopyAllocator g_hf32_copy_allocator;
+
+void Hf32CopyAllocator::give_back(void* ctx) {
+  auto* block = static_cast<Block*>(ctx);
+  auto& pool = g_hf32_copy_allocator;
+  bool kept = false;
+  if (block->ptr) {
+    std::lock_guard<std::mutex> lock(pool.mu);
+    if (pool.idle_bytes + block->nbytes <= kMaxIdleBytes) {
+      pool.idle.emplace(block->nbytes, block->ptr);
+      pool.idle_bytes += block->nbytes;
+      kept = true;
+    }
+  }
+  if (!kept && block->ptr) c10::free_cpu(block->ptr);
+  delete block;
+}
+
 at::Tensor round_to_hf32(const at::Tensor& t) {
   TORCH_CHECK(t.scalar_type() == at::kFloat, "round_to_hf32 expects float32, got ", t.scalar_type());
   at::Tensor src = t.contiguous();
-  at::Tensor out = at::empty(src.sizes(), src.options().device(c10::kCPU));
+  at::Tensor out = at::detail::empty_generic(src.sizes(), &g_hf32_copy_allocator,
+                                             c10::DispatchKeySet(c10::DispatchKey::CPU), at::kFloat, std::nullopt);
   const uint32_t* in = reinterpret_cast<const uint32_t*>(src.const_data_ptr<float>());
   uint32_t* dst = reinterpret_cast<uint32_t*>(out.mutable_data_ptr<float>());
   at::parallel_for(0, src.numel(), 1 << 18, [&](int64_t begin, int64_t end) {
@@ -281,6 +400,8 @@ struct Hf32Cache {
 Hf32Cache g_hf32_cache;
 
 // ------------------------------------------------------------------ npu <-> cpu aliasing
+enum class Policy { None, Matmul, MatmulInplace };
+
 at::Tensor make_tensor_on(const c10::Storage& storage, c10::DispatchKey key,
                           const at::Tensor& like_meta, caffe2::TypeMeta dtype) {
   auto t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(storage),
@@ -292,19 +413,58 @@ at::Tensor make_tensor_on(const c10::Storage& storage, c10::DispatchKey key,
   return t;
 }
 
+// Arguments reuse the CPU alias made for the same npu tensor the last time, while it
+// still describes it (the same shared CPU storage, dtype, sizes, strides, offset and math bits):
+// small models pass the same weights and activations to op after op, and making and freeing the
+// alias tensor was the largest part of their per-op cost. Per thread and direct-mapped; an npu
+// tensor's address is only compared, so a freed one costs nothing but a miss.
+struct AliasCache {
+  struct Entry {
+    const c10::TensorImpl* npu = nullptr;
+    at::Tensor alias;
+  };
+  std::array<Entry, 64> entries;
+
+  static size_t slot(const c10::TensorImpl* npu) { return (reinterpret_cast<uintptr_t>(npu) >> 4) & 63; }
+  const at::Tensor* find(const at::Tensor& t, const c10::StorageImpl* cpu_storage) const {
+    const Entry& e = entries[slot(t.unsafeGetTensorImpl())];
+    if (e.npu != t.unsafeGetTensorImpl()) return nullptr;
+    const at::Tensor& a = e.alias;
+    bool same = a.storage().unsafeGetStorageImpl() == cpu_storage && a.dtype() == t.dtype() &&
+                a.storage_offset() == t.storage_offset() && a.sizes() == t.sizes() && a.strides() == t.strides() &&
+                a.is_conj() == t.is_conj() && a.is_neg() == t.is_neg();
+    return same ? &a : nullptr;
+  }
+  void keep(const at::Tensor& t, const at::Tensor& alias) {
+    Entry& e = entries[slot(t.unsafeGetTensorImpl())];
+    e.npu = t.unsafeGetTensorImpl();
+    e.alias = alias;
+  }
+};
+thread_local AliasCache t_alias_cache;
+
+// Ops that take CPU index tensors with npu operands, as on CUDA.
+bool takes_cpu_indices(const std::string& name) {
+  return name == "aten::index" || name == "aten::_index_put_impl_" || name == "aten::index_put_" ||
+         name == "aten::index_put" || name == "aten::_local_scalar_dense";
+}
+
 // Per-call translation state: one CPU storage per npu storage, so aliasing between the
-// arguments of one op is kept exactly.
+// arguments of one op is kept exactly. npu arguments are referred to by their TensorImpl, never
+// copied: the caller keeps them alive, and copying a tensor whose only owner is its Python object
+// takes the GIL (torch increfs the PyObject when the C++ refcount goes from 1 to 2).
 struct Translation {
   c10::DeviceIndex device = -1;
   c10::Device first_device{DeviceType::CPU};
   // Inline capacity for the common op (a few tensors): no heap allocation per call for the maps.
   c10::SmallVector<std::pair<c10::StorageImpl*, c10::Storage>, 4> npu_to_cpu;  // npu impl -> cpu
-  c10::SmallVector<std::pair<c10::StorageImpl*, c10::Storage>, 4> cpu_to_npu;  // cpu impl -> npu
-  c10::SmallVector<std::pair<at::Tensor, at::Tensor>, 4> alias_of;  // (cpu alias, npu arg); kept alive so
-                                                            // a freed alias address is never reused
-  c10::SmallVector<std::pair<at::Tensor, at::Tensor>, 2> written;        // (npu arg, cpu alias)
+  c10::SmallVector<std::pair<c10::StorageImpl*, c10::StorageImpl*>, 4> cpu_to_npu;  // cpu impl -> npu impl
+  c10::SmallVector<std::pair<at::Tensor, c10::TensorImpl*>, 4> alias_of;  // (cpu alias, npu arg); the alias
+                                                                 // is kept alive so its address is never reused
+  c10::SmallVector<std::pair<c10::TensorImpl*, at::Tensor>, 2> written;  // (npu arg, cpu alias)
   bool has_cpu_tensor = false;
   std::optional<c10::Device> written_elsewhere;  // a written argument (out=, in-place) not on the npu
+  c10::DeviceIndex device_from_arg = -1;         // a device= argument naming an npu
 
   void note_device(const at::Tensor& t) {
     if (device < 0) {
@@ -328,30 +488,56 @@ struct Translation {
       return t;
     }
     note_device(t);
+    c10::TensorImpl* npu_impl = t.unsafeGetTensorImpl();
     // The same tensor passed twice (an input that is also out=, x.mul_(x)) gets one CPU alias, so
     // the CPU kernel sees the overlap: it refuses to resize an output that is also an input.
     for (auto& [alias, npu] : alias_of)
-      if (npu.unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) {
-        if (is_write) written.emplace_back(t, alias);
+      if (npu == npu_impl) {
+        if (is_write) written.emplace_back(npu_impl, alias);
         return alias;
       }
     c10::StorageImpl* key = t.storage().unsafeGetStorageImpl();
     c10::Storage cpu_storage;
-    for (auto& [npu_impl, cpu] : npu_to_cpu)
-      if (npu_impl == key) cpu_storage = cpu;
+    for (auto& [npu_storage, cpu] : npu_to_cpu)
+      if (npu_storage == key) cpu_storage = cpu;
     if (!cpu_storage) {
       const auto& src = t.storage();
-      c10::DataPtr data(src.mutable_data(), c10::Device(DeviceType::CPU));  // non-owning
-      cpu_storage = c10::Storage(c10::make_intrusive<c10::StorageImpl>(
-          c10::StorageImpl::use_byte_size_t(), src.nbytes(), std::move(data),
-          c10::GetCPUAllocator(), /*resizable=*/true));
+      cpu_storage = shared_cpu_alias(src);
+      if (!cpu_storage) {
+        c10::DataPtr data(src.mutable_data(), c10::Device(DeviceType::CPU));  // non-owning
+        cpu_storage = c10::Storage(c10::make_intrusive<c10::StorageImpl>(
+            c10::StorageImpl::use_byte_size_t(), src.nbytes(), std::move(data),
+            c10::GetCPUAllocator(), /*resizable=*/true));
+      }
       npu_to_cpu.emplace_back(key, cpu_storage);
-      cpu_to_npu.emplace_back(cpu_storage.unsafeGetStorageImpl(), t.storage());
+      cpu_to_npu.emplace_back(cpu_storage.unsafeGetStorageImpl(), key);
     }
-    auto alias = make_tensor_on(cpu_storage, c10::DispatchKey::CPU, t, t.dtype());
-    alias_of.emplace_back(alias, t);
-    if (is_write) written.emplace_back(t, alias);
+    const at::Tensor* cached = t_alias_cache.find(t, cpu_storage.unsafeGetStorageImpl());
+    at::Tensor alias = cached ? *cached : make_tensor_on(cpu_storage, c10::DispatchKey::CPU, t, t.dtype());
+    if (!cached) t_alias_cache.keep(t, alias);
+    alias_of.emplace_back(alias, npu_impl);
+    // A kernel may resize or re-stride a written alias: sync_written then gives the npu tensor the
+    // same shape, so a cached alias still describes it, or no longer matches and is made anew.
+    if (is_write) written.emplace_back(npu_impl, alias);
     return alias;
+  }
+
+  c10::Device to_cpu(c10::Device d) {
+    if (d.type() != kNpu) return d;
+    device_from_arg = d.has_index() ? d.index() : t_current_device;
+    return c10::Device(DeviceType::CPU);
+  }
+
+  // After the arguments: mixing npu with CPU tensors, or writing to a CPU tensor, is refused as on
+  // CUDA; the op's device is the arguments', or the device= argument's, or the current one.
+  void check_arguments(const std::string& op) {
+    if (device < 0) device = device_from_arg >= 0 ? device_from_arg : t_current_device;
+    if (has_cpu_tensor && g_check_devices)
+      TORCH_CHECK(takes_cpu_indices(op), "Expected all tensors to be on the same device, but found at least "
+                  "two devices, npu:", int(device), " and cpu! (when running ", op, ")");
+    if (written_elsewhere && g_check_devices)
+      TORCH_CHECK(false, "Expected out tensor to have device ", c10::Device(kNpu, device), ", but got ",
+                  *written_elsewhere, " instead (when running ", op, ")");
   }
 
   const char* op_name = "this op";
@@ -363,36 +549,77 @@ struct Translation {
                                 " tensors are not supported on the npukit emulated NPU (only dense "
                                 "tensors); keep this part of the model on the CPU");
     for (auto& [alias, npu] : alias_of)
-      if (alias.unsafeGetTensorImpl() == cpu.unsafeGetTensorImpl()) return npu;  // in-place / out= result
+      if (alias.unsafeGetTensorImpl() == cpu.unsafeGetTensorImpl())  // in-place / out= result
+        return at::Tensor(c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>::reclaim_copy(npu));
     c10::StorageImpl* key = cpu.storage().unsafeGetStorageImpl();
     for (auto& [cpu_impl, npu_storage] : cpu_to_npu)
-      if (cpu_impl == key) return make_tensor_on(npu_storage, c10::DispatchKey::PrivateUse1, cpu, cpu.dtype());
+      if (cpu_impl == key)
+        return make_tensor_on(c10::Storage(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(npu_storage)),
+                              c10::DispatchKey::PrivateUse1, cpu, cpu.dtype());
     int dev = device >= 0 ? device : t_current_device;
+    if (can_hand_over(cpu)) {
+      at::Tensor npu = hand_over_to_npu(cpu, dev);
+      cpu_to_npu.emplace_back(key, key);
+      return npu;
+    }
     auto npu_storage = adopt_cpu_storage(key, dev);
-    cpu_to_npu.emplace_back(key, npu_storage);
+    cpu_to_npu.emplace_back(key, npu_storage.unsafeGetStorageImpl());
     return make_tensor_on(npu_storage, c10::DispatchKey::PrivateUse1, cpu, cpu.dtype());
   }
 
   // out= and in-place arguments whose CPU alias was resized or re-pointed by the kernel.
   void sync_written() {
     for (auto& [npu, alias] : written) {
-      auto* npu_impl = npu.unsafeGetTensorImpl();
-      if (alias.storage().data() != npu.storage().data() ||
-          alias.storage().nbytes() != npu.storage().nbytes()) {
+      const c10::Storage& npu_storage_now = npu->storage();
+      if (alias.storage().data() != npu_storage_now.data() ||
+          alias.storage().nbytes() != npu_storage_now.nbytes()) {
         c10::StorageImpl* key = alias.storage().unsafeGetStorageImpl();
         c10::Storage npu_storage;
         for (auto& [cpu_impl, s] : cpu_to_npu)
-          if (cpu_impl == key && s.data() == alias.storage().data()) npu_storage = s;
-        if (!npu_storage) {
-          int dev = npu.device().index();
-          npu_storage = adopt_cpu_storage(key, dev);
-        }
-        npu_impl->set_storage_keep_dtype(npu_storage);
+          if (cpu_impl == key && s->data() == alias.storage().data())
+            npu_storage = c10::Storage(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(s));
+        if (!npu_storage) npu_storage = adopt_cpu_storage(key, npu->device().index());
+        npu->set_storage_keep_dtype(npu_storage);
       }
-      if (npu.sizes() != alias.sizes() || npu.strides() != alias.strides() ||
-          npu.storage_offset() != alias.storage_offset())
-        npu_impl->set_sizes_and_strides(alias.sizes(), alias.strides(), alias.storage_offset());
+      if (npu->sizes() != alias.sizes() || npu->strides() != alias.strides() ||
+          npu->storage_offset() != alias.storage_offset())
+        npu->set_sizes_and_strides(alias.sizes(), alias.strides(), alias.storage_offset());
     }
+  }
+
+  // Ops that write through an argument but return nothing (e.g. _foreach_add_).
+  void saturate_written() {
+    if (g_saturation)
+      for (auto& [npu, alias] : written) saturate_half(alias);
+  }
+};
+
+// The matmul policy: fp16/bf16 inputs computed in fp32 and the result rounded once (fp32
+// accumulation), fp32 inputs rounded to HF32 when matmul HF32 is on, float64 refused.
+struct MatmulCast {
+  c10::ScalarType downcast = c10::ScalarType::Undefined;  // the result's dtype when inputs went to fp32
+  bool to_float = false, to_hf32 = false;
+
+  MatmulCast(c10::ScalarType dtype, Policy policy, const std::string& op) {
+    if (dtype == at::kDouble && g_reject_fp64) {
+      TORCH_CHECK(false, op, ": float64 is not supported by the NPU cube unit "
+                  "(matmul/convolution; CANN's aclnnDot/aclnnMm take fp16/bf16/fp32 only); cast the "
+                  "inputs to float32. For float64 checks such as torch.autograd.gradcheck, run with "
+                  "the NPU numerics off: npu-run --golden, pytest --npu-golden, NPUKIT_GOLDEN=1 or "
+                  "`with npukit.npu_backend.numerics.golden():` [npukit emulated device]");
+    }
+    if (policy != Policy::Matmul) return;  // out=/in-place variants: checked, computed as given
+    bool reduced = dtype == at::kHalf || dtype == at::kBFloat16;
+    to_float = reduced && g_fp32_accumulate;
+    to_hf32 = dtype == at::kFloat && g_matmul_hf32;
+    if (to_float) downcast = dtype;
+  }
+  at::Tensor input(const at::Tensor& t) const {
+    if (!(to_float || to_hf32) || !t.defined() || !at::isFloatingType(t.scalar_type())) return t;
+    return to_float ? t.to(at::kFloat) : round_to_hf32(t);
+  }
+  at::Tensor result(const at::Tensor& t) const {
+    return downcast != c10::ScalarType::Undefined && t.defined() ? t.to(downcast) : t;
   }
 };
 
@@ -449,8 +676,6 @@ at::Generator cpu_generator_for(const at::Generator& gen) {
 }
 
 // ------------------------------------------------------------------ the fallback
-enum class Policy { None, Matmul, MatmulInplace };
-
 void run_on_cpu(const c10::OperatorHandle& op, torch::jit::Stack* stack, Policy policy) {
   const auto& schema = op.schema();
   const auto& arguments = schema.arguments();
@@ -459,16 +684,19 @@ void run_on_cpu(const c10::OperatorHandle& op, torch::jit::Stack* stack, Policy 
   Translation tr;
   tr.op_name = schema.name().c_str();
   c10::SmallVector<size_t, 2> default_generator_slots;
-  c10::DeviceIndex device_from_arg = -1;
+  // The npu arguments, moved off the stack (no refcount change) and kept alive for the call.
+  c10::SmallVector<c10::IValue, 4> npu_arguments;
 
   for (size_t i = 0; i < num_args; ++i) {
     c10::IValue& value = (*stack)[begin + i];
     const auto* alias = arguments[i].alias_info();
     bool is_write = alias && alias->isWrite();
     if (value.isTensor()) {
-      value = tr.to_cpu(value.toTensor(), is_write);
+      npu_arguments.push_back(std::move(value));
+      value = tr.to_cpu(npu_arguments.back().toTensor(), is_write);
     } else if (value.isTensorList()) {
-      auto list = value.toTensorList();
+      npu_arguments.push_back(std::move(value));
+      auto list = npu_arguments.back().toTensorList();
       c10::List<at::Tensor> converted;
       converted.reserve(list.size());
       for (const at::Tensor& t : list) converted.push_back(tr.to_cpu(t, is_write));
@@ -476,40 +704,27 @@ void run_on_cpu(const c10::OperatorHandle& op, torch::jit::Stack* stack, Policy 
     } else if (value.isList() && value.toListRef().size() > 0 &&
                arguments[i].type()->containedTypes().size() == 1 &&
                arguments[i].type()->containedType(0)->kind() == c10::TypeKind::OptionalType) {
-      auto list = c10::impl::toTypedList<std::optional<at::Tensor>>(value.toList());
+      npu_arguments.push_back(std::move(value));
+      auto list = c10::impl::toTypedList<std::optional<at::Tensor>>(npu_arguments.back().toList());
       c10::List<std::optional<at::Tensor>> converted;
       for (const std::optional<at::Tensor>& t : list) {
         if (t.has_value()) converted.push_back(tr.to_cpu(*t, is_write));
         else converted.push_back(std::nullopt);
       }
       value = converted;
-    } else if (value.isDevice() && value.toDevice().type() == kNpu) {
-      device_from_arg = value.toDevice().has_index() ? value.toDevice().index() : t_current_device;
-      value = c10::Device(DeviceType::CPU);
+    } else if (value.isDevice()) {
+      value = tr.to_cpu(value.toDevice());
     } else if (value.isGenerator()) {
       value = cpu_generator_for(value.toGenerator());
     } else if (value.isNone() && is_generator_type(arguments[i].type())) {
       default_generator_slots.push_back(begin + i);
     }
   }
-  if (tr.device < 0) tr.device = device_from_arg >= 0 ? device_from_arg : t_current_device;
-  if (tr.has_cpu_tensor && g_check_devices) {
-    const auto& name = schema.name();
-    bool allowed = name == "aten::index" || name == "aten::_index_put_impl_" ||
-                   name == "aten::index_put_" || name == "aten::index_put" ||
-                   name == "aten::_local_scalar_dense";
-    TORCH_CHECK(allowed, "Expected all tensors to be on the same device, but found at least "
-                         "two devices, npu:", int(tr.device), " and cpu! (when running ",
-                schema.name(), ")");
-  }
-  if (tr.written_elsewhere && g_check_devices) {
-    TORCH_CHECK(false, "Expected out tensor to have device ", c10::Device(kNpu, tr.device), ", but got ",
-                *tr.written_elsewhere, " instead (when running ", schema.name(), ")");
-  }
+  tr.check_arguments(schema.name());
   for (size_t slot : default_generator_slots)
     (*stack)[slot] = cpu_generator_for(default_generator(tr.device));
 
-  c10::SmallVector<std::pair<size_t, c10::ScalarType>, 1> downcast_returns;
+  std::optional<MatmulCast> cast;
   if (policy != Policy::None) {
     c10::ScalarType dtype = c10::ScalarType::Undefined;
     for (size_t i = 0; i < num_args; ++i) {
@@ -519,23 +734,10 @@ void run_on_cpu(const c10::OperatorHandle& op, torch::jit::Stack* stack, Policy 
         break;
       }
     }
-    if (dtype == at::kDouble && g_reject_fp64) {
-      TORCH_CHECK(false, schema.name(), ": float64 is not supported by the NPU cube unit "
-                  "(matmul/convolution; CANN's aclnnDot/aclnnMm take fp16/bf16/fp32 only); cast the "
-                  "inputs to float32. For float64 checks such as torch.autograd.gradcheck, run with "
-                  "the NPU numerics off: npu-run --golden, pytest --npu-golden, NPUKIT_GOLDEN=1 or "
-                  "`with npukit.npu_backend.numerics.golden():` [npukit emulated device]");
-    }
-    bool reduced = dtype == at::kHalf || dtype == at::kBFloat16;
-    if (policy == Policy::Matmul && ((reduced && g_fp32_accumulate) || (dtype == at::kFloat && g_matmul_hf32))) {
-      for (size_t i = 0; i < num_args; ++i) {
-        c10::IValue& value = (*stack)[begin + i];
-        if (!value.isTensor() || !value.toTensor().defined()) continue;
-        const at::Tensor& t = value.toTensor();
-        if (!at::isFloatingType(t.scalar_type())) continue;
-        value = reduced ? t.to(at::kFloat) : round_to_hf32(t);
-      }
-      if (reduced) downcast_returns.emplace_back(0, dtype);
+    cast.emplace(dtype, policy, schema.name());
+    for (size_t i = 0; i < num_args; ++i) {
+      c10::IValue& value = (*stack)[begin + i];
+      if (value.isTensor()) value = cast->input(value.toTensor());
     }
   }
 
@@ -543,10 +745,8 @@ void run_on_cpu(const c10::OperatorHandle& op, torch::jit::Stack* stack, Policy 
 
   const size_t num_returns = schema.returns().size();
   const size_t ret_begin = stack->size() - num_returns;
-  for (auto& [index, dtype] : downcast_returns) {
-    c10::IValue& value = (*stack)[ret_begin + index];
-    if (value.isTensor()) value = value.toTensor().to(dtype);
-  }
+  if (cast && num_returns > 0 && (*stack)[ret_begin].isTensor())
+    (*stack)[ret_begin] = cast->result((*stack)[ret_begin].toTensor());
   tr.sync_written();
   for (size_t j = 0; j < num_returns; ++j) {
     c10::IValue& value = (*stack)[ret_begin + j];
@@ -567,9 +767,7 @@ void run_on_cpu(const c10::OperatorHandle& op, torch::jit::Stack* stack, Policy 
       value = converted;
     }
   }
-  // Ops that write through an argument but return nothing (e.g. _foreach_add_).
-  if (num_returns == 0 && g_saturation)
-    for (auto& [npu, alias] : tr.written) saturate_half(alias);
+  if (num_returns == 0) tr.saturate_written();
 }
 
 void npu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
@@ -581,6 +779,196 @@ void npu_matmul_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) 
 void npu_matmul_inplace_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   run_on_cpu(op, stack, Policy::MatmulInplace);
 }
+
+// ------------------------------------------------------------------ unboxed kernels
+// The same translation as the fallback, for the ops a training step calls all the time. The boxed
+// fallback copies each tensor argument onto a Stack and releases it after: for a tensor owned only
+// by its Python object, each of those takes the GIL (torch increfs the PyObject when the C++
+// refcount goes 1 -> 2), and the boxing itself costs more than the small op. An unboxed kernel reads
+// the arguments by reference and calls the CPU kernel unboxed.
+
+// What the schema says of an op, read once.
+struct OpFacts {
+  std::string name;
+  c10::SmallVector<bool, 8> written;      // per argument: written (out=, in-place)
+  c10::SmallVector<bool, 4> view_return;  // per return: a view of an argument
+};
+
+OpFacts read_op_facts(const char* name, const char* overload) {
+  const auto& schema = c10::Dispatcher::singleton().findSchemaOrThrow(name, overload).schema();
+  OpFacts facts{schema.name(), {}, {}};
+  for (const auto& argument : schema.arguments())
+    facts.written.push_back(argument.alias_info() && argument.alias_info()->isWrite());
+  for (const auto& ret : schema.returns())
+    facts.view_return.push_back(ret.alias_info() && !ret.alias_info()->isWrite());
+  return facts;
+}
+
+// An argument as the CPU kernel takes it. Types with no specialisation pass through unchanged.
+struct CpuTensorList {  // a Tensor[] argument, for at::TensorList and at::ITensorListRef parameters
+  std::vector<at::Tensor> tensors;
+  operator at::TensorList() const { return tensors; }
+  operator at::ITensorListRef() const { return at::ITensorListRef(at::TensorList(tensors)); }
+};
+
+template <class T>
+struct CpuArg {
+  static_assert(!std::is_same_v<std::decay_t<T>, std::optional<at::Generator>> &&
+                    !std::is_same_v<std::decay_t<T>, c10::List<std::optional<at::Tensor>>>,
+                "ops with generators or Tensor?[] arguments stay on the boxed fallback");
+  using type = T;
+  static T convert(Translation&, T value, bool) { return value; }
+};
+template <>
+struct CpuArg<const at::Tensor&> {
+  using type = at::Tensor;
+  static at::Tensor convert(Translation& tr, const at::Tensor& t, bool write) { return tr.to_cpu(t, write); }
+};
+template <>
+struct CpuArg<at::Tensor&> {
+  using type = at::Tensor;
+  static at::Tensor convert(Translation& tr, const at::Tensor& t, bool write) { return tr.to_cpu(t, write); }
+};
+template <>
+struct CpuArg<const std::optional<at::Tensor>&> {
+  using type = std::optional<at::Tensor>;
+  static type convert(Translation& tr, const std::optional<at::Tensor>& t, bool write) {
+    if (!t.has_value()) return t;
+    return tr.to_cpu(*t, write);
+  }
+};
+template <class List>
+CpuTensorList convert_list(Translation& tr, const List& list, bool write) {
+  CpuTensorList cpu;
+  cpu.tensors.reserve(list.size());
+  for (const at::Tensor& t : list) cpu.tensors.push_back(tr.to_cpu(t, write));
+  return cpu;
+}
+template <>
+struct CpuArg<at::TensorList> {
+  using type = CpuTensorList;
+  static type convert(Translation& tr, at::TensorList list, bool write) { return convert_list(tr, list, write); }
+};
+template <>
+struct CpuArg<const at::ITensorListRef&> {
+  using type = CpuTensorList;
+  static type convert(Translation& tr, const at::ITensorListRef& list, bool write) {
+    return convert_list(tr, list, write);
+  }
+};
+template <>
+struct CpuArg<std::optional<c10::Device>> {
+  using type = std::optional<c10::Device>;
+  static type convert(Translation& tr, std::optional<c10::Device> d, bool) {
+    if (!d) return d;
+    return tr.to_cpu(*d);
+  }
+};
+
+// A result back on the npu, saturated unless it is a view of an argument (as in the fallback).
+inline at::Tensor npu_result(Translation& tr, const at::Tensor& cpu, bool is_view) {
+  if (!is_view) saturate_half(cpu);
+  return tr.to_npu(cpu);
+}
+template <class R>
+struct NpuReturn {  // not a tensor (item()'s Scalar)
+  static R convert(Translation&, R value, const OpFacts&) { return value; }
+};
+template <>
+struct NpuReturn<at::Tensor> {
+  static at::Tensor convert(Translation& tr, const at::Tensor& cpu, const OpFacts& facts) {
+    return npu_result(tr, cpu, facts.view_return[0]);
+  }
+};
+template <>
+struct NpuReturn<std::vector<at::Tensor>> {
+  static std::vector<at::Tensor> convert(Translation& tr, const std::vector<at::Tensor>& cpu, const OpFacts& facts) {
+    std::vector<at::Tensor> npu;
+    npu.reserve(cpu.size());
+    for (const at::Tensor& t : cpu) npu.push_back(npu_result(tr, t, facts.view_return[0]));
+    return npu;
+  }
+};
+template <class... Ts>
+struct NpuReturn<std::tuple<Ts...>> {
+  static_assert((std::is_same_v<Ts, at::Tensor> && ...), "tuples of tensors returned by value only");
+  static std::tuple<Ts...> convert(Translation& tr, const std::tuple<Ts...>& cpu, const OpFacts& facts) {
+    return convert(tr, cpu, facts, std::index_sequence_for<Ts...>{});
+  }
+  template <size_t... I>
+  static std::tuple<Ts...> convert(Translation& tr, const std::tuple<Ts...>& cpu, const OpFacts& facts,
+                                   std::index_sequence<I...>) {
+    return {npu_result(tr, std::get<I>(cpu), facts.view_return[I])...};
+  }
+};
+
+template <class T>
+void cast_matmul_input(const MatmulCast& cast, T& value) {
+  if constexpr (std::is_same_v<T, at::Tensor>)
+    if (cast.to_float || cast.to_hf32) value = cast.input(value);
+}
+template <class T>
+void first_tensor_dtype(const T& value, c10::ScalarType& dtype) {
+  if constexpr (std::is_same_v<T, at::Tensor>)
+    if (dtype == c10::ScalarType::Undefined && value.defined()) dtype = value.scalar_type();
+  if constexpr (std::is_same_v<T, std::optional<at::Tensor>>)
+    if (dtype == c10::ScalarType::Undefined && value && value->defined()) dtype = value->scalar_type();
+}
+
+template <class Op, Policy policy, class Schema = typename Op::schema>
+struct Unboxed;
+
+template <class Op, Policy policy, class R, class... Args>
+struct Unboxed<Op, policy, R(Args...)> {
+  static R kernel(Args... args) { return run(std::index_sequence_for<Args...>{}, args...); }
+
+  template <size_t... I>
+  static R run(std::index_sequence<I...>, Args... args) {
+    static const OpFacts facts = read_op_facts(Op::name, Op::overload_name);
+    Translation tr;
+    tr.op_name = facts.name.c_str();
+    // braced initialisation: the arguments are translated in order, as in the fallback
+    std::tuple<typename CpuArg<Args>::type...> cpu{CpuArg<Args>::convert(tr, args, facts.written[I])...};
+    tr.check_arguments(facts.name);
+    std::optional<MatmulCast> cast;
+    if constexpr (policy != Policy::None) {
+      c10::ScalarType dtype = c10::ScalarType::Undefined;
+      (first_tensor_dtype(std::get<I>(cpu), dtype), ...);
+      cast.emplace(dtype, policy, facts.name);
+      (cast_matmul_input(*cast, std::get<I>(cpu)), ...);
+    }
+    auto call_cpu_kernel = [&]() -> decltype(auto) {
+      return Op::redispatch(c10::DispatchKeySet(c10::DispatchKey::CPU), std::get<I>(cpu)...);
+    };
+    if constexpr (std::is_void_v<R>) {
+      call_cpu_kernel();
+      tr.sync_written();
+      tr.saturate_written();
+    } else if constexpr (std::is_same_v<R, at::Tensor&>) {
+      at::Tensor& result = call_cpu_kernel();  // one of the written aliases
+      tr.sync_written();
+      saturate_half(result);
+      at::Tensor* npu = nullptr;
+      ((npu = npu ? npu : same_impl<Args>(std::get<I>(cpu), result, args)), ...);
+      TORCH_INTERNAL_ASSERT(npu, facts.name, " returned a tensor that is none of its written arguments");
+      return *npu;
+    } else {
+      R result = call_cpu_kernel();
+      if constexpr (std::is_same_v<R, at::Tensor>)
+        if (cast) result = cast->result(result);
+      tr.sync_written();
+      return NpuReturn<R>::convert(tr, result, facts);
+    }
+  }
+
+  // The caller's argument whose alias is `result`, for ops returning a written argument.
+  template <class A, class C>
+  static at::Tensor* same_impl(C& cpu, const at::Tensor& result, A& arg) {
+    if constexpr (std::is_same_v<A, at::Tensor&>)
+      if (cpu.unsafeGetTensorImpl() == result.unsafeGetTensorImpl()) return &arg;
+    return nullptr;
+  }
+};
 
 // ------------------------------------------------------------------ explicit kernels
 at::Tensor empty_memory_format(c10::SymIntArrayRef size, std::optional<at::ScalarType> dtype,
@@ -1008,13 +1396,122 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_thnn_fused_lstm_cell_backward_impl", fused_lstm_cell_backward);
   m.impl("_thnn_fused_gru_cell", fused_gru_cell);
   m.impl("_thnn_fused_gru_cell_backward", fused_gru_cell_backward);
-  for (const char* name : {"mm", "bmm", "addmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot",
+  for (const char* name : {"addbmm", "mv", "addmv", "dot", "vdot",
                            "_addmm_activation"})
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&npu_matmul_kernel>());
   for (const char* name : {"mm.out", "bmm.out", "addmm.out", "addmm_", "baddbmm.out", "baddbmm_",
                            "addbmm.out", "addbmm_", "mv.out", "addmv.out", "addmv_", "dot.out"})
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&npu_matmul_inplace_kernel>());
 }
+
+// The ops a training step calls most (the benchmarks' models: MLPs, CNN, GPT block with AdamW and
+// AMP), on the unboxed path; every other op takes the boxed fallback, with the same semantics.
+template <class Op, Policy policy>
+void impl_unboxed(torch::Library& m) {
+  std::string name = std::string(Op::name).substr(6);  // without "aten::"
+  if (*Op::overload_name) name += std::string(".") + Op::overload_name;
+  m.impl(name.c_str(), TORCH_FN((Unboxed<Op, policy>::kernel)));
+}
+#define NPU_UNBOXED(op, policy) impl_unboxed<at::_ops::op, Policy::policy>(m)
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  NPU_UNBOXED(add_Tensor, None);
+  NPU_UNBOXED(add__Tensor, None);
+  NPU_UNBOXED(sub_Tensor, None);
+  NPU_UNBOXED(sub__Tensor, None);
+  NPU_UNBOXED(mul_Tensor, None);
+  NPU_UNBOXED(mul__Tensor, None);
+  NPU_UNBOXED(mul_Scalar, None);
+  NPU_UNBOXED(mul__Scalar, None);
+  NPU_UNBOXED(div_Tensor, None);
+  NPU_UNBOXED(div__Tensor, None);
+  NPU_UNBOXED(div_Scalar, None);
+  NPU_UNBOXED(div__Scalar, None);
+  NPU_UNBOXED(div_Tensor_mode, None);
+  NPU_UNBOXED(neg, None);
+  NPU_UNBOXED(exp, None);
+  NPU_UNBOXED(log, None);
+  NPU_UNBOXED(sqrt, None);
+  NPU_UNBOXED(rsqrt, None);
+  NPU_UNBOXED(abs, None);
+  NPU_UNBOXED(pow_Tensor_Scalar, None);
+  NPU_UNBOXED(sum, None);
+  NPU_UNBOXED(sum_dim_IntList, None);
+  NPU_UNBOXED(mean, None);
+  NPU_UNBOXED(mean_dim, None);
+  NPU_UNBOXED(max_dim, None);
+  NPU_UNBOXED(amax, None);
+  NPU_UNBOXED(argmax, None);
+  NPU_UNBOXED(eq_Scalar, None);
+  NPU_UNBOXED(eq_Tensor, None);
+  NPU_UNBOXED(ne_Scalar, None);
+  NPU_UNBOXED(gt_Scalar, None);
+  NPU_UNBOXED(lt_Scalar, None);
+  NPU_UNBOXED(where_self, None);
+  NPU_UNBOXED(masked_fill__Scalar, None);
+  NPU_UNBOXED(masked_fill_Scalar, None);
+  NPU_UNBOXED(clamp, None);
+  NPU_UNBOXED(clamp_, None);
+  NPU_UNBOXED(clamp_min, None);
+  NPU_UNBOXED(relu, None);
+  NPU_UNBOXED(relu_, None);
+  NPU_UNBOXED(threshold_backward, None);
+  NPU_UNBOXED(gelu, None);
+  NPU_UNBOXED(gelu_backward, None);
+  NPU_UNBOXED(silu, None);
+  NPU_UNBOXED(silu_backward, None);
+  NPU_UNBOXED(sigmoid, None);
+  NPU_UNBOXED(sigmoid_backward, None);
+  NPU_UNBOXED(tanh, None);
+  NPU_UNBOXED(tanh_backward, None);
+  NPU_UNBOXED(_softmax, None);
+  NPU_UNBOXED(_softmax_backward_data, None);
+  NPU_UNBOXED(_log_softmax, None);
+  NPU_UNBOXED(_log_softmax_backward_data, None);
+  NPU_UNBOXED(nll_loss_forward, None);
+  NPU_UNBOXED(nll_loss_backward, None);
+  NPU_UNBOXED(native_layer_norm, None);
+  NPU_UNBOXED(native_layer_norm_backward, None);
+  NPU_UNBOXED(native_batch_norm, None);
+  NPU_UNBOXED(native_batch_norm_backward, None);
+  NPU_UNBOXED(embedding_dense_backward, None);
+  NPU_UNBOXED(index_select, None);
+  NPU_UNBOXED(cat, None);
+  NPU_UNBOXED(fill__Scalar, None);
+  NPU_UNBOXED(zero_, None);
+  NPU_UNBOXED(clone, None);
+  NPU_UNBOXED(_local_scalar_dense, None);
+  NPU_UNBOXED(addcmul_, None);
+  NPU_UNBOXED(addcdiv_, None);
+  NPU_UNBOXED(lerp__Scalar, None);
+  NPU_UNBOXED(_foreach_add__List, None);
+  NPU_UNBOXED(_foreach_add__Scalar, None);
+  NPU_UNBOXED(_foreach_add__ScalarList, None);
+  NPU_UNBOXED(_foreach_add__Tensor, None);
+  NPU_UNBOXED(_foreach_mul__Scalar, None);
+  NPU_UNBOXED(_foreach_mul__List, None);
+  NPU_UNBOXED(_foreach_mul__Tensor, None);
+  NPU_UNBOXED(_foreach_div__Scalar, None);
+  NPU_UNBOXED(_foreach_div__List, None);
+  NPU_UNBOXED(_foreach_div__ScalarList, None);
+  NPU_UNBOXED(_foreach_addcmul__Scalar, None);
+  NPU_UNBOXED(_foreach_addcmul__ScalarList, None);
+  NPU_UNBOXED(_foreach_addcdiv__Scalar, None);
+  NPU_UNBOXED(_foreach_addcdiv__ScalarList, None);
+  NPU_UNBOXED(_foreach_lerp__Scalar, None);
+  NPU_UNBOXED(_foreach_sqrt, None);
+  NPU_UNBOXED(_foreach_sqrt_, None);
+  NPU_UNBOXED(_foreach_neg, None);
+  NPU_UNBOXED(_foreach_neg_, None);
+  NPU_UNBOXED(_foreach_maximum__List, None);
+  NPU_UNBOXED(_foreach_norm_Scalar, None);
+  NPU_UNBOXED(_foreach_sub__List, None);
+  NPU_UNBOXED(_foreach_sub__Scalar, None);
+  NPU_UNBOXED(mm, Matmul);
+  NPU_UNBOXED(addmm, Matmul);
+  NPU_UNBOXED(bmm, Matmul);
+  NPU_UNBOXED(baddbmm, Matmul);
+}
+#undef NPU_UNBOXED
 
 // Our _copy_from resolves conj/neg bits itself (on the CPU aliases); without these
 // fallthroughs the math-bit fallbacks materialise through clone -> copy_ -> _copy_from forever.
