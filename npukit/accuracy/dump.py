@@ -21,6 +21,7 @@ import gc
 import json
 import math
 import os
+import re
 import sys
 import weakref
 import zlib
@@ -195,6 +196,7 @@ def _host_memory(tensor: torch.Tensor) -> bool:
 
 
 _STAT_NAMES = ("Max", "Min", "Mean", "Norm")
+_INTEGER_DTYPE = re.compile(r"torch\.u?int\d+")
 _RAISED = object()  # the forward hook's output when the module's forward raised
 
 
@@ -288,11 +290,23 @@ class StatsBuffer:
 
 
 def fill_stats(leaf: dict, values) -> None:
-    """Put resolved statistics into a dump.json leaf (msprobe field names, null when empty)."""
+    """Put resolved statistics into a dump.json leaf (msprobe field names, null when empty).
+
+    By the leaf's dtype and shape, as msprobe 26.2 writes them: a bool tensor's Max/Min are
+    true/false (any, all) and an integer tensor's are integers, both with Mean and Norm null; a 0-d
+    tensor (not bool, not complex) gives its value as all four (Norm too, sign kept)."""
     if values is None:
         for key in _STAT_NAMES:
             leaf[key] = None
         return
+    dtype = leaf.get("dtype", "")
+    if dtype == "torch.bool":
+        values = [bool(values[0]), bool(values[1]), None, None, *values[4:]]
+    elif _INTEGER_DTYPE.fullmatch(dtype):
+        value = int(values[0]) if leaf.get("shape") == [] else None
+        values = [int(values[0]), int(values[1]), value, value, *values[4:]]
+    elif leaf.get("shape") == [] and "complex" not in dtype:
+        values = [values[0]] * 4 + list(values[4:])
     for key, value in zip(_STAT_NAMES, values):
         leaf[key] = value  # a non-finite one is written bare (NaN, Infinity), as msprobe's json.dump does
     if values[4] or values[5]:
@@ -674,14 +688,23 @@ class DumpSession:
 
     def _hook_module_backward(self, path, class_name, forward_name, args, kwargs, output, before=None) -> None:
         """`input`: the gradients of the module's outputs; `output`: the module's own gradient for
-        each tensor argument (as msprobe's full backward hook gives it: an input also used outside
-        the module, a residual, gets only the module's share)."""
+        each tensor argument that needs one (as msprobe's full backward hook gives it: an input
+        also used outside the module, a residual, gets only the module's share)."""
         index = int(forward_name.rsplit(".", 1)[1])
         backward_name = naming.module_entry_name(path, class_name, index, naming.BACKWARD)
         outputs = [t for t in tensors_in(output) if t.requires_grad]
         if not outputs:
             return
         inputs = tensors_in((args, kwargs))
+        if before is not None:  # the keyword arguments' tensors come after the positional ones
+            before = before + graph.producers(inputs[len(before):])
+        # `output` holds the gradients of the tensor arguments that need one, in order, as msprobe
+        # 26.2 writes it: an argument without one has no place (not a null), so a module whose
+        # inputs need no gradient writes "output": [].
+        needing = [i for i, (_, _, requires_grad) in enumerate(before or graph.producers(inputs)) if requires_grad]
+        inputs = [inputs[i] for i in needing]
+        if before is not None:
+            before = [before[i] for i in needing]
         record = self._record
         entry = _Entry(backward_name, None, None)
         entry.data = {"input": [None] * len(outputs), "output": [None] * len(inputs)}
@@ -702,9 +725,7 @@ class DumpSession:
 
         for position, tensor in enumerate(outputs):
             tensor.register_hook(grad_output_hook(position))
-        if before is not None:  # the keyword arguments' tensors come after the positional ones
-            before = before + graph.producers(inputs[len(before):])
-        if any(t.requires_grad for t in inputs):
+        if inputs:
             nodes = graph.nodes_after(graph.newest_input_node(inputs, before), outputs, _MAX_MODULE_NODES)
             placed_with_outputs[0] = not self._hook_input_grads(record, entry, nodes, inputs, backward_name,
                                                                 before=before)

@@ -340,7 +340,12 @@ class _LeafParser:
                         entry.numbers[f"input.{position}"] = entry.numbers.pop(f"input.{key}")
         for key in ("output", "grad_input"):
             if key in body:
-                self._collect(body[key], f"{name}.output", entry.outputs)
+                grads = body[key]
+                if direction == naming.BACKWARD and base.startswith("Module.") and isinstance(grads, list):
+                    # an argument that needs no gradient has no place (msprobe, npukit since):
+                    # older npukit dumps hold a null there
+                    grads = [grad for grad in grads if grad is not None]
+                self._collect(grads, f"{name}.output", entry.outputs)
         parameters = body.get("parameters")
         if isinstance(parameters, dict):
             for key, value in parameters.items():
@@ -380,6 +385,8 @@ class _LeafParser:
         stats = None
         if "Max" in value:
             stats = tuple(_number(value.get(key), self.dump_path, leaf_name) for key in ("Max", "Min", "Mean", "Norm"))
+            if stats[3] is not None:  # a 0-d tensor's Norm is its value, sign kept (msprobe 26.2)
+                stats = (*stats[:3], abs(stats[3]))
             if all(item is None for item in stats):
                 stats = None
         data_path = None

@@ -43,8 +43,11 @@ def _number(value) -> str:
 _UNSUPPORTED = "unsupported"
 
 
-def _statistic_relative(diff, bench) -> str | None:
-    """msprobe's statistics-mode relative error: |diff / bench| as a percentage; "inf" over a 0."""
+def _statistic_relative(diff, bench, npu=0.0) -> str | None:
+    """msprobe's statistics-mode relative error: |diff / bench| as a percentage; "inf" over a 0;
+    "0" where both sides have none (an integer tensor's Mean/Norm), as msprobe calls them equal."""
+    if bench is None and npu is None:
+        return "0"
     if diff is None or bench is None:
         return None
     if diff == 0:
@@ -73,6 +76,7 @@ def row_record(row: Row, divergent: set, stacks: dict) -> dict:
     target, golden = row.target, row.golden
     t_stats, g_stats = _stats(row, "target"), _stats(row, "golden")
     diffs = row.stat_diffs or {}
+    paired = t_stats if target is not None and golden is not None else (0.0,) * 4  # both sides' leaves
     if m is not None and not diffs:
         diffs = {
             key: (t - g) if t is not None and g is not None else None
@@ -94,16 +98,16 @@ def row_record(row: Row, divergent: set, stacks: dict) -> dict:
         "Cosine": _UNSUPPORTED if scalar else m.cosine if m else None,
         "EucDist": _UNSUPPORTED if scalar else m.euc_dist if m else None,
         "MaxAbsErr": m.max_abs if m else None,
-        "MaxRelativeErr": m.max_rel if m else _statistic_relative(diffs.get("Max"), g_stats[0]),
+        "MaxRelativeErr": m.max_rel if m else _statistic_relative(diffs.get("Max"), g_stats[0], paired[0]),
         "One Thousandth Err Ratio": _UNSUPPORTED if scalar else m.within_1e3 if m else None,
         "Five Thousandths Err Ratio": _UNSUPPORTED if scalar else m.within_5e3 if m else None,
         "Max diff": diffs.get("Max"),
         "Min diff": diffs.get("Min"),
         "Mean diff": diffs.get("Mean"),
         "L2norm diff": diffs.get("Norm"),
-        "MinRelativeErr": None if m else _statistic_relative(diffs.get("Min"), g_stats[1]),
-        "MeanRelativeErr": None if m else _statistic_relative(diffs.get("Mean"), g_stats[2]),
-        "NormRelativeErr": None if m else _statistic_relative(diffs.get("Norm"), g_stats[3]),
+        "MinRelativeErr": None if m else _statistic_relative(diffs.get("Min"), g_stats[1], paired[1]),
+        "MeanRelativeErr": None if m else _statistic_relative(diffs.get("Mean"), g_stats[2], paired[2]),
+        "NormRelativeErr": None if m else _statistic_relative(diffs.get("Norm"), g_stats[3], paired[3]),
         "NPU max": t_stats[0], "NPU min": t_stats[1], "NPU mean": t_stats[2], "NPU l2norm": t_stats[3],
         "Bench max": g_stats[0], "Bench min": g_stats[1], "Bench mean": g_stats[2], "Bench l2norm": g_stats[3],
         "Requires_grad Consistent": str(_requires_grad(target) == _requires_grad(golden)),

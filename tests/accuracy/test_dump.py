@@ -242,7 +242,9 @@ def test_a_module_backward_is_recorded_when_no_input_gradient_leaves_it(tmp_path
         UsesOnlyData()(unused, torch.ones(1, 2)).sum().backward()
         session.step()
     entry = load(tmp_path)["data"]["Module.UsesOnlyData.backward.0"]
-    assert [leaf["shape"] for leaf in entry["input"]] == [[1, 2]] and entry["output"] == [None, None]
+    # `output`: the arguments that need a gradient (`unused`), none arrived (msprobe 26.2 writes no
+    # entry at all here: its hook never fires)
+    assert [leaf["shape"] for leaf in entry["input"]] == [[1, 2]] and entry["output"] == [None]
 
 
 def test_an_argument_passed_twice_gets_one_gradient_per_position(tmp_path):
@@ -483,3 +485,63 @@ def test_keyword_arguments_are_recorded_as_the_caller_can_have_written_them(tmp_
     data = load(tmp_path)["data"]
     assert data["Functional.softmax.0.forward"]["input_kwargs"] == {"dim": {"type": "int", "value": -1}}
     assert set(data["Functional.softmax.1.forward"]["input_kwargs"]) == {"dim", "dtype"}
+
+
+def test_statistics_of_integer_bool_and_0d_tensors_are_written_as_msprobe_writes_them(tmp_path):
+    """msprobe 26.2 (checked against its own dump): integer and bool tensors get Max/Min only (ints;
+    any/all as true/false), Mean and Norm null; a 0-d tensor gives its value as all four."""
+    with DumpSession(tmp_path, level="api", mode="stats") as session:
+        nn.Identity()(torch.ones(1))
+        torch.add(torch.tensor([3, -1, 2]), 1)
+        torch.logical_not(torch.tensor([True, False]))
+        torch.add(torch.tensor(-5), 1)
+        torch.add(torch.tensor(-1.5), 1)
+        torch.logical_not(torch.tensor(True))
+        session.step()
+    data = load(tmp_path)["data"]
+
+    def stats(name):
+        leaf = data[name]["input_args"][0]
+        return [leaf[key] for key in ("Max", "Min", "Mean", "Norm")]
+
+    for name, expected in [("Torch.add.0.forward", [3, -1, None, None]),
+                           ("Torch.logical_not.0.forward", [True, False, None, None]),
+                           ("Torch.add.1.forward", [-5, -5, -5, -5]),
+                           ("Torch.add.2.forward", [-1.5, -1.5, -1.5, -1.5]),
+                           ("Torch.logical_not.1.forward", [True, True, None, None])]:
+        got = stats(name)
+        assert got == expected and [type(v) for v in got] == [type(v) for v in expected], (name, got)
+
+
+class _TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+
+    def forward(self, a, b):
+        return a * self.w + b
+
+
+def test_module_backward_output_lists_only_the_arguments_that_need_a_gradient(tmp_path):
+    """msprobe 26.2 writes "output": [] for a module none of whose inputs needs a gradient, and the
+    gradients of those that do, in order (no null), as it did for this model."""
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second, self.third = _TwoInputs(), _TwoInputs(), _TwoInputs()
+
+        def forward(self, x, y):
+            h = self.first(x, y)  # neither input needs a gradient
+            h = self.second(y, h)  # the second does
+            return self.third(h, x)  # the first does
+
+    model = Model()
+    with DumpSession(tmp_path, level="module", mode="stats") as session:
+        model(torch.randn(3), torch.randn(3)).sum().backward()
+        session.step()
+    data = load(tmp_path)["data"]
+    assert data["Module.first._TwoInputs.backward.0"]["output"] == []
+    assert data["Module.Model.backward.0"]["output"] == []
+    for name in ("Module.second._TwoInputs.backward.0", "Module.third._TwoInputs.backward.0"):
+        [grad] = data[name]["output"]
+        assert grad["shape"] == [3] and grad["Max"] == grad["Min"] == 1.0, name

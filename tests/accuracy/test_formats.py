@@ -108,3 +108,46 @@ def test_entry_without_dtype_names_file_and_tensor(tmp_path):
     ))
     with pytest.raises(UserError, match=r"d/rank0/dump.json: tensor Functional.relu.0.forward.output.0 has no dtype"):
         load_dump_dir(tmp_path / "d")
+
+
+def test_older_npukit_module_backward_nulls_and_integer_statistics_compare_with_the_new_form(tmp_path):
+    """npukit before msprobe's layout wrote a null for a module argument without gradient and
+    numeric Mean/Norm for integer tensors (and |x| as a 0-d tensor's Norm): such a dump still
+    loads, and compares with the new form with no error and no unmatched row."""
+    import json
+
+    def tensor(dtype, shape, stats):
+        return {"type": "torch.Tensor", "dtype": dtype, "shape": shape, "requires_grad": False,
+                **dict(zip(("Max", "Min", "Mean", "Norm"), stats))}
+
+    grad = tensor("torch.float32", [3], [1.0, 1.0, 1.0, 3 ** 0.5])
+    labels = tensor("torch.int64", [4], [3.0, 1.0, 2.0, 4.242640687119285])
+    scalar = tensor("torch.float32", [], [-1.5, -1.5, -1.5, 1.5])
+    old = {"Module.m.Two.backward.0": {"input": [grad], "output": [None, grad]},
+           "Module.n.Two.backward.0": {"input": [grad], "output": [None]},
+           "Functional.cross_entropy.0.forward": {"input_args": [scalar, labels], "input_kwargs": {},
+                                                  "output": [scalar]}}
+    new = json.loads(json.dumps(old))
+    new["Module.m.Two.backward.0"]["output"] = [grad]
+    new["Module.n.Two.backward.0"]["output"] = []
+    new_labels = new["Functional.cross_entropy.0.forward"]["input_args"][1]
+    new_labels.update(Max=3, Min=1, Mean=None, Norm=None)
+    for value in (new["Functional.cross_entropy.0.forward"]["input_args"][0],
+                  new["Functional.cross_entropy.0.forward"]["output"][0]):
+        value["Norm"] = -1.5  # msprobe 26.2: a 0-d tensor's value as all four
+    for side, data in (("old", old), ("new", new)):
+        rank = tmp_path / side / "step0" / "rank0"
+        rank.mkdir(parents=True)
+        (rank / "dump.json").write_text(json.dumps({"task": "statistics", "level": "mix", "framework": "pytorch",
+                                                    "dump_data_dir": None, "data": data}))
+    [old_rank] = load_dump_dir(tmp_path / "old").values()
+    [new_rank] = load_dump_dir(tmp_path / "new").values()
+    for dump in (old_rank, new_rank):
+        [leaf] = dump.by_name()["Module.m.Two.backward.0"].outputs
+        assert leaf.suffix == "output.0"
+        assert dump.by_name()["Functional.cross_entropy.0.forward"].inputs[0].stats[3] == 1.5
+    for golden, target in (("old", "new"), ("new", "old")):
+        [pair] = compare_dirs(tmp_path / golden, tmp_path / target, workers=1).pairs
+        assert pair.divergence is None
+        assert [(row.name, row.verdict) for row in pair.rows if row.verdict != "pass"] == []
+        assert len(pair.rows) == 6

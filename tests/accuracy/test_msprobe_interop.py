@@ -216,3 +216,31 @@ def test_msprobe_compare_pairs_a_cross_tool_pair_by_name(dumps, tmp_path, task, 
     assert [row["NPU Name"] for row in tensors if row[metric] in ("", "N/A", "unsupported")] == []
     if task == "tensor":  # fp32 against fp32, the same weights and batch
         assert all(float(row["Cosine"]) > 0.99999 for row in tensors)
+
+
+def _dump_json(dump: Path) -> dict:
+    import json
+
+    [path] = (dump / "step0").glob("*/dump.json")
+    return json.loads(path.read_text())["data"]
+
+
+def test_both_tools_write_the_same_module_backward_lists_and_integer_statistics(dumps, tmp_path):
+    """A module whose inputs need no gradient (the conv, the block): "output": [] in both (npukit
+    wrote [null], an N/A row in msprobe compare); the int64 labels: Max/Min integers, Mean/Norm
+    null in both (npukit wrote numbers)."""
+    theirs = _dump_json(dumps("msprobe", "statistics", "mix", "fp32"))
+    ours = _dump_json(dumps("npukit", "statistics", "mix", "fp32"))
+    modules = [name for name in theirs if name.startswith("Module.") and ".backward." in name]
+    assert "Module.block.conv.Conv2d.backward.0" in modules and "Module.block.Block.backward.0" in modules
+    for name in modules:
+        assert len(ours[name]["output"]) == len(theirs[name]["output"]), name
+        assert None not in ours[name]["output"], name
+    labels = [dump["Functional.cross_entropy.0.forward"]["input_args"][1] for dump in (theirs, ours)]
+    stats = [[(leaf[key], type(leaf[key])) for key in ("Max", "Min", "Mean", "Norm")] for leaf in labels]
+    assert labels[0]["dtype"] == "torch.int64" and stats[0] == stats[1]
+    # msprobe compare on npukit's own pair: no N/A row from a module backward entry
+    rows = _msprobe_compare(dumps("npukit", "statistics", "mix", "fp32"), dumps("npukit", "statistics", "mix", "bf16"),
+                            tmp_path)
+    assert [row["NPU Name"] for row in rows if row["NPU Name"].startswith("Module.") and ".backward." in row["NPU Name"]
+            and "N/A" in (row["Bench Name"], row["NPU Dtype"], row["Bench Dtype"])] == []
