@@ -74,9 +74,11 @@ def test_the_same_model_dumped_by_both_tools_pairs_every_comparable_entry(dumps,
     assert len(values) == len(pair.rows)
 
 
-@pytest.mark.parametrize("task, tensor_format", [("statistics", None), ("tensor", None), ("tensor", "npy")])
-def test_a_correct_bf16_run_against_an_msprobe_fp32_golden_has_no_divergence(dumps, task, tensor_format):
-    result = compare_dirs(dumps("msprobe", task, "mix", "fp32"), dumps("npukit", task, "mix", "bf16", tensor_format),
+@pytest.mark.parametrize("task, level, tensor_format", [("statistics", "mix", None), ("tensor", "mix", None),
+                                                     ("tensor", "mix", "npy"), ("statistics", "L1", None),
+                                                     ("tensor", "L1", None)])
+def test_a_correct_bf16_run_against_an_msprobe_fp32_golden_has_no_divergence(dumps, task, level, tensor_format):
+    result = compare_dirs(dumps("msprobe", task, level, "fp32"), dumps("npukit", task, level, "bf16", tensor_format),
                           workers=1)
     [pair] = result.pairs
     assert pair.divergence is None
@@ -85,30 +87,35 @@ def test_a_correct_bf16_run_against_an_msprobe_fp32_golden_has_no_divergence(dum
 
 
 @pytest.mark.parametrize("task", ["statistics", "tensor"])
-def test_a_correct_msprobe_bf16_run_against_an_npukit_fp32_golden_has_no_divergence(dumps, task):
+@pytest.mark.parametrize("level", ["L1", "mix"])
+def test_a_correct_msprobe_bf16_run_against_an_npukit_fp32_golden_has_no_divergence(dumps, task, level):
     """The other direction: npukit's golden on a CPU, msprobe's dump of the low-precision run."""
-    result = compare_dirs(dumps("npukit", task, "mix", "fp32"), dumps("msprobe", task, "mix", "bf16"), workers=1)
+    result = compare_dirs(dumps("npukit", task, level, "fp32"), dumps("msprobe", task, level, "bf16"), workers=1)
     [pair] = result.pairs
     assert pair.divergence is None
     assert [row.name for row in pair.rows if row.verdict in (ERROR, UNMATCHED)] == []
     assert any(row.target.dtype == "torch.bfloat16" for row in pair.rows)
 
 
-def test_msprobe_dumps_compare_with_each_other_with_their_parameter_gradients(dumps):
-    result = compare_dirs(dumps("msprobe", "tensor", "mix", "fp32"), dumps("msprobe", "tensor", "mix", "bf16"),
-                          workers=1)
+@pytest.mark.parametrize("task", ["statistics", "tensor"])
+@pytest.mark.parametrize("level", ["L1", "mix"])
+def test_msprobe_dumps_compare_with_each_other_with_their_parameter_gradients(dumps, task, level):
+    result = compare_dirs(dumps("msprobe", task, level, "fp32"), dumps("msprobe", task, level, "bf16"), workers=1)
     [pair] = result.pairs
     assert pair.cross_tool is None and pair.divergence is None
+    assert [row.name for row in pair.rows if row.verdict in (ERROR, UNMATCHED)] == []
+    assert all(row.metrics is not None or row.stat_diffs is not None for row in pair.rows)
     grads = [row for row in pair.rows if ".parameters_grad.0." in row.name]
-    assert len(grads) == 10 and all(row.metrics is not None for row in grads)
+    assert len(grads) == (10 if level == "mix" else 0)  # module-level entries: not recorded at L1
 
 
 @pytest.mark.parametrize("task", ["statistics", "tensor"])
-def test_msprobe_compare_reads_npukit_dumps_as_written(dumps, tmp_path, task):
+@pytest.mark.parametrize("level", ["L1", "mix"])
+def test_msprobe_compare_reads_npukit_dumps_as_written(dumps, tmp_path, task, level):
     """npukit's default tensor files: a bare tensor per leaf, a file per leaf (msprobe compare
     pairs rows by data file: files shared by several leaves gave duplicated, mislabelled rows)."""
-    golden = dumps("npukit", task, "mix", "fp32")
-    target = dumps("npukit", task, "mix", "bf16")
+    golden = dumps("npukit", task, level, "fp32")
+    target = dumps("npukit", task, level, "bf16")
     msprobe = Path(sys.executable).with_name("msprobe")
     run = subprocess.run([str(msprobe), "compare", "-gp", str(golden / "step0"), "-tp", str(target / "step0"),
                           "-o", str(tmp_path)], capture_output=True, text=True, timeout=300)
@@ -122,7 +129,7 @@ def test_msprobe_compare_reads_npukit_dumps_as_written(dumps, tmp_path, task):
     # unsupported; Tensor.float's backward exists in the bf16 run only)
     tensors = [row for row in rows if row["NPU Dtype"].startswith("torch.") and row["NPU Tensor Shape"] != "[]"
                and row["Bench Name"] != "N/A"]
-    assert len(tensors) > 100
+    assert len(tensors) > (100 if level == "mix" else 50)
     assert [row["NPU Name"] for row in tensors if row[metric] in ("", "N/A", "unsupported")] == []
     result = compare_dirs(golden, target, workers=1)
     ours = result.pairs[0]
@@ -143,10 +150,6 @@ def test_msprobe_compare_reads_npukit_dumps_as_written(dumps, tmp_path, task):
                     assert mine == theirs, (row["NPU Name"], column)
     if task == "tensor":
         assert all(path.suffix == ".pt" for path in (golden / "step0" / "rank0" / "dump_tensor_data").iterdir())
-        # the metrics both tools compute agree on every paired tensor (msprobe prints cosine to 6 digits)
-        theirs = {row["NPU Name"]: row for row in tensors}
-        columns = {"Cosine": "cosine", "EucDist": "euc_dist", "MaxAbsErr": "max_abs", "MaxRelativeErr": "max_rel",
-                   "One Thousandth Err Ratio": "within_1e3", "Five Thousandths Err Ratio": "within_5e3"}
         scalars = [row for row in rows if row["NPU Tensor Shape"] == "[]" and row["NPU Dtype"].startswith("torch.")
                    and row["Bench Name"] != "N/A"]
         ours_by_name = {row["NPU Name"]: row for row in our_table}
@@ -154,15 +157,52 @@ def test_msprobe_compare_reads_npukit_dumps_as_written(dumps, tmp_path, task):
         for row in scalars:
             for column in ("Cosine", "EucDist", "One Thousandth Err Ratio", "Five Thousandths Err Ratio"):
                 assert ours_by_name[row["NPU Name"]][column] == row[column] == "unsupported"
-        checked = 0
-        for row in ours.rows:
-            if row.metrics is None or row.name not in theirs:
-                continue
-            for column, field in columns.items():
-                assert getattr(row.metrics, field) == pytest.approx(float(theirs[row.name][column]), rel=1e-6, abs=1e-6), \
-                    (row.name, column)
-            checked += 1
-        assert checked > 100
+        assert _metrics_agree(ours, rows) > (100 if level == "mix" else 50)
+
+
+# msprobe's tensor-mode metric columns and npukit's fields for them
+METRIC_COLUMNS = {"Cosine": "cosine", "EucDist": "euc_dist", "MaxAbsErr": "max_abs", "MaxRelativeErr": "max_rel",
+                  "One Thousandth Err Ratio": "within_1e3", "Five Thousandths Err Ratio": "within_5e3"}
+
+
+def _metrics_agree(ours, msprobe_rows: list[dict]) -> int:
+    """Every tensor both tools paired and measured: the metrics agree to 1e-6 (msprobe prints
+    cosine to 6 digits). Returns how many rows were checked; a row msprobe measured that npu-compare
+    did not pair or measure fails, unless npu-compare says why it left that entry out."""
+    theirs = {row["NPU Name"]: row for row in msprobe_rows if row["NPU Dtype"].startswith("torch.")
+              and row["NPU Tensor Shape"] != "[]" and row["Bench Name"] != "N/A"
+              and row["Cosine"] not in ("", "N/A", "unsupported")}
+    measured = {row.name: row for row in ours.rows if row.metrics is not None}
+    left_out = [name for name in theirs if name not in measured]
+    # a cross-tool pair leaves api backward entries out (different meanings) and says so
+    assert all(".backward." in name and not name.startswith("Module.") for name in left_out), left_out[:5]
+    if left_out:
+        assert "api backward entries left out" in (ours.cross_tool or "")
+    checked = 0
+    for name, row in theirs.items():
+        if name in left_out:
+            continue
+        for column, field in METRIC_COLUMNS.items():
+            assert getattr(measured[name].metrics, field) == pytest.approx(float(row[column]), rel=1e-6, abs=1e-6), \
+                (name, column)
+        checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("level", ["L1", "mix"])
+@pytest.mark.parametrize("golden_tool, target_tool", [("msprobe", "npukit"), ("npukit", "msprobe"),
+                                                       ("msprobe", "msprobe")])
+def test_metrics_equal_msprobes_on_every_row_both_tools_pair(dumps, tmp_path, level, golden_tool, target_tool):
+    """The issue's matrix beyond npukit's own pairs: an fp32 golden against a bf16 target, dumped by
+    either tool, compared by npu-compare and by msprobe compare."""
+    golden = dumps(golden_tool, "tensor", level, "fp32")
+    target = dumps(target_tool, "tensor", level, "bf16")
+    golden = _as_rank0(golden, tmp_path / "golden") if golden_tool == "msprobe" else golden
+    target = _as_rank0(target, tmp_path / "target") if target_tool == "msprobe" else target
+    rows = _msprobe_compare(golden, target, tmp_path / "out")
+    [ours] = compare_dirs(golden, target, workers=1).pairs
+    assert ours.divergence is None
+    assert _metrics_agree(ours, rows) > 30
 
 
 def _msprobe_compare(golden: Path, target: Path, out: Path) -> list[dict]:
@@ -187,15 +227,16 @@ def _as_rank0(msprobe_dump: Path, copy: Path) -> Path:
 
 
 @pytest.mark.parametrize("task", ["statistics", "tensor"])
+@pytest.mark.parametrize("level", ["L1", "mix"])
 @pytest.mark.parametrize("golden_tool", ["msprobe", "npukit"])
-def test_msprobe_compare_pairs_a_cross_tool_pair_by_name(dumps, tmp_path, task, golden_tool):
+def test_msprobe_compare_pairs_a_cross_tool_pair_by_name(dumps, tmp_path, task, level, golden_tool):
     """The same model dumped by msprobe and npukit: msprobe compare lines the two up by name,
     forward entries, parameter gradients and argument positions included (x + y is
     Tensor.__add__ in both, F.layer_norm's weight input.2, a parameter gradient
     Module.X.parameters_grad.0.weight). What only one tool records stays unpaired: npukit's root
     module and Tensor.flatten/Tensor.float, msprobe's optimizer update (Tensor.add_)."""
-    msprobe_dump = _as_rank0(dumps("msprobe", task, "mix", "fp32"), tmp_path / "msprobe")
-    npukit_dump = dumps("npukit", task, "mix", "fp32")
+    msprobe_dump = _as_rank0(dumps("msprobe", task, level, "fp32"), tmp_path / "msprobe")
+    npukit_dump = dumps("npukit", task, level, "fp32")
     golden, target = (msprobe_dump, npukit_dump) if golden_tool == "msprobe" else (npukit_dump, msprobe_dump)
     rows = _msprobe_compare(golden, target, tmp_path / "out")
     names = [row["NPU Name"] for row in rows]
@@ -205,14 +246,14 @@ def test_msprobe_compare_pairs_a_cross_tool_pair_by_name(dumps, tmp_path, task, 
     assert [row["NPU Name"] for row in forward if row["Bench Name"] == "N/A"
             and not row["NPU Name"].startswith(only_one_tool)] == []
     grads = [row for row in forward if ".parameters_grad.0." in row["NPU Name"]]
-    assert len(grads) == 10 and all(row["Bench Name"] == row["NPU Name"] for row in grads)
+    assert len(grads) == (10 if level == "mix" else 0) and all(row["Bench Name"] == row["NPU Name"] for row in grads)
     assert any(row["NPU Name"] == "Functional.layer_norm.0.forward.input.2" and row["Bench Name"] != "N/A"
                for row in forward)
     assert any(row["NPU Name"].startswith("Tensor.__add__.0.forward.input.") for row in forward)
     metric = "Cosine" if task == "tensor" else "NormRelativeErr"
     tensors = [row for row in forward if row["Bench Name"] != "N/A" and row["NPU Dtype"].startswith("torch.")
                and row["NPU Tensor Shape"] != "[]"]
-    assert len(tensors) > 40
+    assert len(tensors) > (40 if level == "mix" else 25)
     assert [row["NPU Name"] for row in tensors if row[metric] in ("", "N/A", "unsupported")] == []
     if task == "tensor":  # fp32 against fp32, the same weights and batch
         assert all(float(row["Cosine"]) > 0.99999 for row in tensors)
