@@ -285,3 +285,33 @@ def test_both_tools_write_the_same_module_backward_lists_and_integer_statistics(
                             tmp_path)
     assert [row["NPU Name"] for row in rows if row["NPU Name"].startswith("Module.") and ".backward." in row["NPU Name"]
             and "N/A" in (row["Bench Name"], row["NPU Dtype"], row["Bench Dtype"])] == []
+
+
+def _msprobe_graph(dump: Path) -> dict[str, str | None]:
+    """msprobe's own model-graph builder (its visualization, which reads construct.json, dump.json
+    and stack.json) on a dump: node -> parent node."""
+    from msprobe.visualization.builder.graph_builder import GraphBuilder
+
+    [rank] = (dump / "step0").iterdir()
+    graph = GraphBuilder.build(str(rank / "construct.json"), str(rank / "dump.json"), str(rank / "stack.json"))
+    return {name: node.upnode.id if node.upnode else None for name, node in graph.node_map.items()}
+
+
+def test_msprobes_graph_builder_reads_npukits_model_structure_as_its_own(dumps):
+    """construct.json: msprobe builds the same module tree from npukit's dump as from its own. Apart
+    from what one tool alone records, the only difference is npukit's root module, one level above
+    the model's top modules (msprobe's DefaultModel)."""
+    theirs = _msprobe_graph(dumps("msprobe", "statistics", "mix", "fp32"))
+    ours = _msprobe_graph(dumps("npukit", "statistics", "mix", "fp32"))
+    assert len(theirs) > 40
+    root = {"Module.Model.forward.0", "Module.Model.backward.0"}
+
+    def parent(graph, name):
+        up = graph[name]
+        return "DefaultModel" if up in root else up
+
+    shared = [name for name in theirs if name in ours]
+    assert [name for name in shared if parent(theirs, name) != parent(ours, name)] == []
+    assert len(shared) >= len(theirs) - 12  # msprobe's optimizer node with its 10 Tensor.add_, one cast backward
+    assert {"Module.block.Block.forward.0", "Module.block.fc1.Linear.backward.0"} <= set(shared)
+    assert ours["Functional.linear.0.forward"] == "Module.block.fc1.Linear.forward.0"
