@@ -44,5 +44,5 @@ cat <<REPORTS
   migrated project     $OUT/migrated/
   accuracy compare     $OUT/compare.html  (+ compare.csv, compare.json)
   overflow events      $OUT/overflow/
-  profile              $OUT/profile/  (Perfetto trace: $OUT/profile/rank0/trace_*.json)
+  profile              $OUT/profile/  (Perfetto / TensorBoard trace: $OUT/profile/rank0.*.pt.trace.json)
 REPORTS

@@ -3,8 +3,12 @@
     with ProfileSession(Path("prof"), steps="1,1,3"):
         train()          # steps are found from optimizer.step(); no prof.step() needed
 
-writes prof/rank{RANK}/: events.npz (the compact event table), trace_{n}.json (Chrome /
-Perfetto trace per recorded cycle) and meta.json.
+writes prof/rank{RANK}/: events.npz (the compact event table) and meta.json, and a Chrome /
+Perfetto trace per recorded cycle named and placed as torch.profiler.tensorboard_trace_handler
+does, all ranks' in prof/ itself: prof/rank{RANK}.{time_ns}.pt.trace.json (worker name
+"rank{RANK}"). So TensorBoard's profiler plugin (`--logdir prof`, its distributed view: one run
+whose workers are the ranks) and HolisticTraceAnalysis (`TraceAnalysis(trace_dir="prof")`, which
+reads every .json there as a trace) open the folder as written.
 """
 
 from __future__ import annotations
@@ -12,19 +16,61 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
+import json
 import os
 import sys
 import tempfile
+import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
 from npukit.errors import UserError
-from npukit.files import atomic_path, check_output_location, output_folder, refuse_links_inside
+from npukit.files import check_output_location, output_folder, refuse_links_inside
 from npukit.profiler.extract import GC_ANNOTATION_PREFIX, table_from_profiler
 from npukit.profiler.table import EVENTS_FILE, META_FILE, EventTable, write_meta
 
 LARGE_PROFILE_EVENTS = 100_000
+TRACE_SUFFIX = ".pt.trace.json"  # torch.profiler.tensorboard_trace_handler's, which the viewers look for
+
+
+def export_trace(prof, target: Path, rank: int, world_size: int) -> None:
+    """prof's Chrome trace written to `target` whole or not at all, naming `target` inside
+    (`traceName`) and, when torch did not (the profiler started before init_process_group, as
+    under npu-run), the rank (`distributedInfo`), which HolisticTraceAnalysis needs to tell the
+    ranks' traces apart. The trace goes to a sibling whose name has the same length (.part for
+    .json), is patched at its end, then renamed."""
+    partial = target.with_name(target.name[: -len("json")] + "part")
+    try:
+        partial.unlink(missing_ok=True)  # never written through a link left there
+        prof.export_chrome_trace(str(partial))
+        _patch_trace_end(partial, target, {"rank": rank, "world_size": world_size})
+        os.replace(partial, target)
+    except OSError as exc:
+        raise UserError(f"{target}: cannot write the trace ({exc.strerror or exc})") from None
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def _patch_trace_end(trace: Path, final: Path, distributed_info: dict) -> None:
+    """Kineto ends the file with `"traceName": "<path written>" }`, its metadata at the start."""
+    with open(trace, "r+b") as handle:
+        has_distributed_info = b'"distributedInfo"' in handle.read(65536)
+        size = handle.seek(0, os.SEEK_END)
+        start = max(0, size - 65536)
+        handle.seek(start)
+        tail = handle.read()
+        key = tail.rfind(b'"traceName"')
+        if key < 0:
+            return
+        old, new = trace.name.encode(), final.name.encode()
+        at = tail.find(old, key)
+        if at >= 0 and len(old) == len(new):
+            tail = tail[:at] + new + tail[at + len(old):]
+        if not has_distributed_info:
+            tail = tail[:key] + b'"distributedInfo": ' + json.dumps(distributed_info).encode() + b", " + tail[key:]
+        handle.seek(start)
+        handle.write(tail)
 
 
 @contextlib.contextmanager
@@ -196,6 +242,7 @@ class ProfileSession:
         self.schedule = parse_steps(steps)
         self.rank = rank_from_env() if rank is None else rank
         self.directory = self.root / f"rank{self.rank}"
+        self.worker_name = f"rank{self.rank}"  # the trace files' worker name, as TensorBoard shows it
         check_output_location(self.root, "--profile")
         if self.directory.exists() and not self.directory.is_dir():
             raise UserError(f"--profile {self.root}: {self.directory} exists and is not a directory")
@@ -273,6 +320,9 @@ class ProfileSession:
         if self.directory.is_dir():
             for old in [*self.directory.glob("trace_*.json"), self.directory / EVENTS_FILE, self.directory / META_FILE]:
                 old.unlink(missing_ok=True)
+        if self.root.is_dir():
+            for old in self.root.glob(f"{self.worker_name}.*{TRACE_SUFFIX}"):
+                old.unlink(missing_ok=True)
 
     def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
         if self._explicit_steps or not self.auto_steps:
@@ -302,10 +352,9 @@ class ProfileSession:
                 file=sys.stderr,
             )
         if self.write_trace:
-            output_folder(self.root, self.directory.name)
-            target = self.directory / f"trace_{len(self.tables) - 1}.json"
-            with atomic_path(target) as tmp:
-                prof.export_chrome_trace(str(tmp))
+            output_folder(self.root)
+            target = self.root / f"{self.worker_name}.{time.time_ns()}{TRACE_SUFFIX}"
+            export_trace(prof, target, self.rank, int(os.environ.get("WORLD_SIZE", "1")))
             self.traces.append(target.name)
 
     def _write_table(self) -> None:

@@ -95,3 +95,18 @@ def test_npu_profile_prints_and_writes_the_collectives(straggler_profile):
     payload = json.loads(written.read_text())
     assert payload["communication"][0]["collective"] == "gloo:all_reduce"
     assert payload["communication_exposed_us"] > 0
+
+
+def test_the_trace_viewers_open_every_rank_of_the_profile_folder(straggler_profile):
+    """TensorBoard's profiler plugin (torch-tb-profiler) and HolisticTraceAnalysis read the folder
+    as written: a trace per rank named as tensorboard_trace_handler names it, one run whose workers
+    are the ranks (TensorBoard's distributed view), each rank told apart by HTA (the rank written
+    into the trace: torch did not, the profiler started before init_process_group)."""
+    run = subprocess.run([sys.executable, str(Path(__file__).with_name("viewers_read.py")), str(straggler_profile)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    [line] = [line for line in run.stdout.splitlines() if line.startswith("VIEWERS ")]
+    viewers = json.loads(line.removeprefix("VIEWERS "))
+    assert viewers["tensorboard"] == {"rank0": "RunProfile", "rank1": "RunProfile", "All": "DistributedRunProfile"}
+    assert sorted(viewers["hta"]) == ["0", "1"]
+    assert all({"gloo:all_reduce", "gloo:broadcast"} <= set(names) for names in viewers["hta"].values())

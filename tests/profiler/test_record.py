@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -51,14 +52,20 @@ def test_dominant_matmul_is_named_first(matmul_profile):
 
 
 def test_files_written_per_rank_and_trace_is_chrome_json(matmul_profile):
+    """The table and meta.json per rank; the trace as torch.profiler.tensorboard_trace_handler
+    names and places it (worker rank0), naming itself inside (traceName), no partial file left."""
     root, table = matmul_profile
     rank_dir = root / "rank0"
-    assert sorted(p.name for p in rank_dir.iterdir()) == ["events.npz", "meta.json", "trace_0.json"]
-    trace = json.loads((rank_dir / "trace_0.json").read_text())
+    assert sorted(p.name for p in rank_dir.iterdir()) == ["events.npz", "meta.json"]
+    [trace_path] = root.glob("*.pt.trace.json")
+    assert re.fullmatch(r"rank0\.\d+\.pt\.trace\.json", trace_path.name)
+    assert sorted(p.name for p in root.iterdir() if p.is_file()) == [trace_path.name]
+    trace = json.loads(trace_path.read_text())
     names = {event.get("name") for event in trace["traceEvents"]}
     assert "aten::mm" in names
+    assert trace["traceName"] == str(trace_path)
     meta = json.loads((rank_dir / "meta.json").read_text())
-    assert meta["events"] == len(table)
+    assert meta["events"] == len(table) and meta["traces"] == [trace_path.name]
     # The table is plain numpy: it loads with pickling disabled.
     with np.load(rank_dir / "events.npz", allow_pickle=False) as data:
         assert len(data["name_id"]) == len(table)
@@ -104,7 +111,7 @@ def test_explicit_step_and_rank_from_env(tmp_path, monkeypatch):
     assert table.meta["step_source"] == "explicit"
     assert table.meta["steps"] == [0, 1]
     assert (_names(table) == "aten::mm").sum() == 2
-    assert not list((tmp_path / "rank3").glob("trace_*.json"))
+    assert not list(tmp_path.glob("*.json"))
 
 
 def test_schedule_never_active_writes_nothing_and_says_why(tmp_path, capsys):
