@@ -124,6 +124,12 @@ def test_msprobe_compare_reads_npukit_dumps_as_written(dumps, tmp_path, task, le
     rows = list(csv.DictReader(table.open()))
     names = [row["NPU Name"] for row in rows]
     assert len(names) == len(set(names))
+    # stack.json: msprobe compare shows each forward entry's call stack, the user's line in it, on
+    # the entry's first row (as for its own dumps; backward entries have none in either tool)
+    forward = {name.split(".forward.")[0] for name in names if ".forward." in name}
+    stacks = {row["NPU Name"].split(".forward.")[0] for row in rows if ".forward." in row["NPU Name"]
+              and "msprobe_interop_model.py, line" in row["NPU_Stack_Info"]}
+    assert forward - stacks == set()
     metric = "Cosine" if task == "tensor" else "NormRelativeErr"
     # every paired tensor of one dimension or more (msprobe itself lists numbers and 0-d tensors
     # unsupported; Tensor.float's backward exists in the bf16 run only)
