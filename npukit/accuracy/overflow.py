@@ -38,6 +38,7 @@ import math
 import os
 import re
 import sys
+import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -472,7 +473,7 @@ class OverflowSession:
                 handle.remove()
             self._handles = []
             self._scaler_steps.remove()
-            self._write_report()
+            self._write_report(final=True)
             self._print_summary()
 
     @property
@@ -884,6 +885,7 @@ class OverflowSession:
             "index": self._event_count - 1,
             "step": self.step_index,
             "rank": self.rank,
+            "time_ns": time.time_ns(),  # wall clock: orders the ranks' events of a step (one clock per host)
             "kind": kind,
             "step_skipped_by_grad_scaler": skipped,
         }
@@ -1032,15 +1034,19 @@ class OverflowSession:
     def _report_path(self) -> Path:
         return self.out_dir / f"rank{self.rank}" / REPORT_NAME if self.per_rank else self.out_dir / REPORT_NAME
 
-    def _write_report(self) -> None:
+    def _write_report(self, final: bool = False) -> None:
+        """Written as events happen (a crash keeps them), and once more at the end (`final`)."""
         path = self._report_path()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             write_json(path, self._payload())
-            if self.per_rank:
-                merge_rank_reports(self.out_dir)
+            world_size = int(os.environ.get("WORLD_SIZE", "1")) if final else None
+            merged, last = _merge(self.out_dir, world_size) if self.per_rank else (None, False)
         except OSError as exc:
             raise UserError(f"--overflow-dir: cannot write {path} ({exc.strerror or exc})") from None
+        # the last rank of the run to finish has every rank's report: it says where the overflow began
+        if last and merged.get("across_ranks"):
+            self._print(across_ranks_line(merged["across_ranks"], self.out_dir / REPORT_NAME))
 
     def _payload(self) -> dict:
         return {"version": _FORMAT_VERSION, "ranks": [self.rank], "level": self.level, "action": self.action,
@@ -1142,16 +1148,34 @@ def replay_in_fp32(func, args, kwargs, output) -> dict:
 
 # ---------------------------------------------------------------------------- torchrun
 def merge_rank_reports(out_dir: Path) -> dict:
-    """Merge DIR/rank*/overflow.json into DIR/overflow.json, events ordered by step then rank.
+    """Merge DIR/rank*/overflow.json into DIR/overflow.json, events ordered by step, then by time.
 
     Every rank calls it after writing its own file, under a lock: the last one to finish sees all.
     """
+    return _merge(out_dir, None)[0]
+
+
+def _merge(out_dir: Path, world_size: int | None) -> tuple[dict, bool]:
+    """merge_rank_reports, and whether this rank is the last of its run to merge (counted under the
+    same lock in DIR/.overflow.merged, per run: torchrun's rendezvous address and run id)."""
     import fcntl
     import json
 
     out_dir = Path(out_dir)
     with open(out_dir / ".overflow.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        last = False
+        if world_size and world_size > 1:
+            run = ":".join(os.environ.get(name, "") for name in
+                           ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"))
+            counter = out_dir / ".overflow.merged"
+            try:
+                seen = json.loads(counter.read_text())
+            except (OSError, ValueError):
+                seen = {}
+            count = seen.get("count", 0) + 1 if isinstance(seen, dict) and seen.get("run") == run else 1
+            write_json(counter, {"run": run, "count": count})
+            last = count == world_size
         reports = []
         for path in sorted(out_dir.glob(f"rank*/{REPORT_NAME}")):
             try:
@@ -1168,9 +1192,51 @@ def merge_rank_reports(out_dir: Path) -> dict:
             "truncated": any(report.get("truncated") for report in reports),
             "skipped_steps": sorted((item for report in reports for item in report.get("skipped_steps", [])),
                                     key=lambda item: (item["step"], item["rank"])),
+            # within a step, in the order they happened (reports before time_ns: by rank)
             "events": sorted((event for report in reports for event in report.get("events", [])),
-                             key=lambda event: (event["step"], event["rank"], event["index"])),
+                             key=lambda event: (event["step"], event.get("time_ns", 0), event["rank"], event["index"])),
             "underflow": [item for report in reports for item in report.get("underflow") or []] or None,
         }
+        merged["across_ranks"] = _where_it_began(merged)
         write_json(out_dir / REPORT_NAME, merged)
-    return merged
+    return merged, last
+
+
+def _where_it_began(merged: dict) -> dict | None:
+    """With several ranks: the earliest event over all ranks, and the other ranks of that step:
+    those with overflowing ops of their own, and those whose step GradScaler skipped with none (the
+    non-finite values reached them through a collective, such as DDP's gradient all-reduce)."""
+    if len(merged["ranks"]) < 2 or not merged["events"]:
+        return None
+    first = merged["events"][0]
+    step = first["step"]
+    own = {event["rank"] for event in merged["events"] if event["step"] == step} - {first["rank"]}
+    skipped = {item["rank"] for item in merged["skipped_steps"] if item["step"] == step}
+    return {"rank": first["rank"], "step": step, "name": first["name"], "direction": first["direction"],
+            "module": first.get("module"), "module_class": first.get("module_class"),
+            "ranks_with_their_own_overflow": sorted(own),
+            "ranks_reached_through_a_collective": sorted(skipped - own - {first["rank"]})}
+
+
+def across_ranks_line(began: dict, report: Path) -> str:
+    where = f" in {_module_label(began)}" if began.get("module_class") else ""
+    line = (f"overflow across ranks: it began on rank {began['rank']}, step {began['step']}: "
+            f"{began['name'] or 'an op the detector does not see'}{where}")
+    if began["ranks_reached_through_a_collective"]:
+        line += (f"; it reached rank(s) {_ranges(began['ranks_reached_through_a_collective'])} through a collective "
+                 "(their step was skipped with no overflowing op of their own, e.g. DDP's gradient all-reduce)")
+    if began["ranks_with_their_own_overflow"]:
+        line += f"; rank(s) {_ranges(began['ranks_with_their_own_overflow'])} overflowed later in the step too"
+    return line + f". All ranks: {report}"
+
+
+def _ranges(ranks: list[int]) -> str:
+    """[0, 1, 2, 4, 6, 7] -> "0-2, 4, 6-7"."""
+    parts, start = [], None
+    for index, rank in enumerate(ranks):
+        if start is None:
+            start = rank
+        if index + 1 == len(ranks) or ranks[index + 1] != rank + 1:
+            parts.append(str(start) if start == rank else f"{start}-{rank}")
+            start = None
+    return ", ".join(parts)

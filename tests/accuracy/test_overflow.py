@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from npukit.accuracy import overflow
 from npukit.accuracy.dumpfile import load_rank_dump
 from npukit.accuracy.overflow import OverflowSession, OverflowStop, merge_rank_reports
 from npukit.errors import UserError
@@ -239,6 +240,80 @@ def test_explicit_steps_and_per_rank_reports_merge_in_step_order(tmp_path, npu):
     merged = json.loads((tmp_path / "overflow.json").read_text())
     assert [(e["rank"], e["step"]) for e in merged["events"]] == [(1, 1), (0, 2)]
     assert merged["ranks"] == [0, 1] and merge_rank_reports(tmp_path) == merged
+
+
+def _rank_report(directory: Path, rank: int, events: list[tuple[int, int, str]], skipped_steps: list[int]) -> None:
+    """A rank's overflow.json as a session writes it: events (step, time_ns, name)."""
+    report = {"version": 1, "ranks": [rank], "level": "api", "action": "report", "fp16_mode": "inf_nan", "steps": 3,
+              "truncated": False, "underflow": None,
+              "skipped_steps": [{"step": step, "rank": rank, "scale": 256.0, "first_overflow": None, "overflows": 0}
+                                for step in skipped_steps],
+              "events": [{"index": index, "step": step, "rank": rank, "time_ns": time_ns, "name": name,
+                          "direction": "forward", "module": "fc", "module_class": "Linear"}
+                         for index, (step, time_ns, name) in enumerate(events)]}
+    (directory / f"rank{rank}").mkdir(parents=True)
+    (directory / f"rank{rank}" / "overflow.json").write_text(json.dumps(report))
+
+
+def test_across_ranks_the_earliest_overflow_of_a_step_comes_first_and_says_where_it_spread(tmp_path):
+    """Rank 4 overflows first; ranks 0-2 and 5 skip the step with no overflowing op of their own
+    (the inf reached them through the all-reduce); rank 3 overflows too, later in the step (by rank
+    number it came first: merged reports were ordered by step, then rank)."""
+    for rank in (0, 1, 2, 5):
+        _rank_report(tmp_path, rank, [], skipped_steps=[1])
+    _rank_report(tmp_path, 3, [(1, 9_000, "Functional.softmax.0.forward")], skipped_steps=[1])
+    _rank_report(tmp_path, 4, [(1, 2_000, "Functional.linear.3.forward")], skipped_steps=[1])
+    merged = merge_rank_reports(tmp_path)
+    assert [(event["rank"], event["step"]) for event in merged["events"]] == [(4, 1), (3, 1)]
+    began = merged["across_ranks"]
+    assert (began["rank"], began["step"], began["name"]) == (4, 1, "Functional.linear.3.forward")
+    assert began["ranks_with_their_own_overflow"] == [3]
+    assert began["ranks_reached_through_a_collective"] == [0, 1, 2, 5]
+    assert overflow.across_ranks_line(began, tmp_path / "overflow.json").startswith(
+        "overflow across ranks: it began on rank 4, step 1: Functional.linear.3.forward in module fc (Linear); "
+        "it reached rank(s) 0-2, 5 through a collective")
+
+
+def test_across_ranks_an_earlier_step_comes_before_an_earlier_time(tmp_path):
+    _rank_report(tmp_path, 0, [(2, 1_000, "Tensor.exp.0.forward")], skipped_steps=[2])
+    _rank_report(tmp_path, 1, [(1, 5_000, "Functional.linear.0.forward")], skipped_steps=[1])
+    began = merge_rank_reports(tmp_path)["across_ranks"]
+    assert (began["rank"], began["step"]) == (1, 1) and began["ranks_reached_through_a_collective"] == []
+
+
+def test_a_two_rank_ddp_run_names_the_rank_whose_batch_overflowed(tmp_path):
+    """npu-run --nproc-per-node 2 --detect-overflow: rank 1's batch overflows fp16; rank 0 only
+    skips the step (GradScaler saw the inf DDP's all-reduce brought). Said once, by the last rank."""
+    script = tmp_path / "ddp_inf.py"
+    script.write_text(textwrap.dedent("""
+        import torch, torch.distributed as dist, torch.nn as nn
+        dist.init_process_group("hccl")
+        rank = dist.get_rank()
+        torch.manual_seed(0)
+        model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).npu())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        scaler = torch.amp.GradScaler("npu", init_scale=256)
+        for step in range(3):
+            x = torch.randn(8, 16, device="npu")
+            if rank == 1 and step == 1:
+                x = x * 1e5  # this rank's batch overflows fp16 in its first linear
+            with torch.autocast("npu", dtype=torch.float16):
+                loss = model(x).float().square().mean()
+            optimizer.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        dist.destroy_process_group()
+    """))
+    run = subprocess.run([sys.executable, "-m", "npukit.run", "--nproc-per-node", "2", "--detect-overflow",
+                          str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert run.returncode == 0, run.stderr[-3000:]
+    output = run.stdout + run.stderr
+    assert output.count("overflow across ranks:") == 1
+    began = json.loads((tmp_path / "overflow" / "overflow.json").read_text())["across_ranks"]
+    assert (began["rank"], began["step"], began["name"]) == (1, 1, "Functional.linear.0.forward")
+    assert began["ranks_reached_through_a_collective"] == [0] and began["ranks_with_their_own_overflow"] == []
 
 
 @pytest.mark.parametrize("options, message", [
