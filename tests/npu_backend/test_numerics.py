@@ -112,3 +112,30 @@ def test_invalid_mode_names_the_value():
 
     with pytest.raises(UserError, match="'half-saturation'"):
         numerics.set_fp16_mode("half-saturation")
+
+
+def test_an_hf32_conv_forward_without_a_backward_leaves_nothing_for_the_next_input():
+    """The HF32 copy of a conv input is kept from the forward for the backward. A forward with grad
+    on and no backward (a validation loss) left its copy behind, and a new input allocated at the
+    same address took it: the weight gradient was computed from the old input (9 wrong in 50)."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 4, 3).to("npu")
+    batch = torch.randn(2, 3, 8, 8)
+
+    def weight_grad(x):
+        conv.weight.grad = None
+        conv(x).sum().backward()
+        return conv.weight.grad.clone()
+
+    expected = weight_grad(batch.to("npu"))
+    reused, wrong = 0, 0
+    for _ in range(50):
+        other = torch.randn(2, 3, 8, 8).to("npu")
+        conv(other)  # no backward
+        address = other.data_ptr()
+        del other
+        x = batch.to("npu")
+        reused += x.data_ptr() == address
+        wrong += not torch.equal(weight_grad(x), expected)
+    assert reused > 0  # the case arose
+    assert wrong == 0

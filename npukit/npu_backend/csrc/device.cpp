@@ -356,7 +356,13 @@ at::Tensor round_to_hf32(const at::Tensor& t) {
 // Conv inputs and weights rounded in the forward are needed again by the backward: keep the
 // rounded copies of a training step's convs (keyed by memory, layout and version) until then.
 struct Hf32Cache {
+  // An entry is the rounded copy of one tensor: its storage (held weakly, so that a freed storage's
+  // address cannot come back as another's while the entry lives), data address, version and layout.
+  // Memory addresses alone were not enough: a conv run with grad on and no backward (a validation
+  // loss) left an entry, a new input at the same address took it, and its weight gradient was
+  // computed from the old input (9 wrong gradients in 50 such steps).
   struct Entry {
+    c10::weak_intrusive_ptr<c10::StorageImpl> storage;
     const void* data;
     int64_t version;
     std::vector<int64_t> sizes, strides;
@@ -368,7 +374,8 @@ struct Hf32Cache {
   static constexpr int64_t kMaxBytes = int64_t(1) << 30;
 
   static bool matches(const Entry& e, const at::Tensor& t) {
-    return e.data == t.const_data_ptr() && e.version == t._version() && e.sizes == t.sizes().vec() &&
+    return !e.storage.expired() && e.storage._unsafe_get_target() == t.storage().unsafeGetStorageImpl() &&
+           e.data == t.const_data_ptr() && e.version == t._version() && e.sizes == t.sizes().vec() &&
            e.strides == t.strides().vec();
   }
   at::Tensor take(const at::Tensor& npu, const at::Tensor& cpu) {
@@ -388,7 +395,17 @@ struct Hf32Cache {
   at::Tensor round_and_keep(const at::Tensor& npu, const at::Tensor& cpu) {
     at::Tensor rounded = round_to_hf32(cpu);
     std::lock_guard<std::mutex> lock(mu);
-    entries.push_back({npu.const_data_ptr(), npu._version(), npu.sizes().vec(), npu.strides().vec(), rounded});
+    // entries of tensors freed without a backward will never be taken
+    for (auto it = entries.begin(); it != entries.end();) {
+      if (it->storage.expired()) {
+        bytes -= it->rounded.nbytes();
+        it = entries.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    entries.push_back({c10::weak_intrusive_ptr<c10::StorageImpl>(npu.storage().getWeakStorageImpl()),
+                       npu.const_data_ptr(), npu._version(), npu.sizes().vec(), npu.strides().vec(), rounded});
     bytes += rounded.nbytes();
     while (bytes > kMaxBytes && !entries.empty()) {
       bytes -= entries.front().rounded.nbytes();
