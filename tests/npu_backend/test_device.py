@@ -325,3 +325,15 @@ def test_the_same_tensors_used_from_several_threads_at_once():
     for t in threads:
         t.join()
     assert failures == []
+
+
+def test_a_copy_between_overlapping_views_is_refused_as_on_the_cpu():
+    """a.copy_(a.t()) reads what it writes: the CPU refuses it; npu wrote [[0, 2], [2, 3]] silently
+    (the two views got a CPU storage each, so the overlap check could not see it)."""
+    for device in ("cpu", "npu"):
+        a = torch.arange(4.0, device=device).reshape(2, 2)
+        with pytest.raises(RuntimeError, match="refer to a single memory location"):
+            a.copy_(a.view(2, 2).t())
+        b = torch.arange(6.0, device=device)
+        b[:3].copy_(b[3:])  # the same storage, no overlap: allowed
+        assert b.tolist() == [3.0, 4.0, 5.0, 3.0, 4.0, 5.0]

@@ -1067,12 +1067,19 @@ at::Tensor& set_empty(at::Tensor& self) {
   return at::native::set_storage_cpu_(self, storage, 0, {0}, {});
 }
 
+// The CPU view of an npu tensor for the explicit kernels below, which only read it or write its
+// values: the storage's shared CPU alias, so two tensors on one storage stay one storage for the CPU
+// kernel (a.copy_(a.t()) must be refused as overlapping, as on the CPU: with a storage each it
+// silently wrote a wrong result).
 at::Tensor cpu_alias(const at::Tensor& t) {
   if (!t.is_privateuseone()) return t;
   const auto& src = t.storage();
-  c10::DataPtr data(src.mutable_data(), c10::Device(DeviceType::CPU));
-  c10::Storage storage(c10::make_intrusive<c10::StorageImpl>(
-      c10::StorageImpl::use_byte_size_t(), src.nbytes(), std::move(data), nullptr, false));
+  c10::Storage storage = shared_cpu_alias(src);
+  if (!storage) {
+    c10::DataPtr data(src.mutable_data(), c10::Device(DeviceType::CPU));
+    storage = c10::Storage(c10::make_intrusive<c10::StorageImpl>(
+        c10::StorageImpl::use_byte_size_t(), src.nbytes(), std::move(data), nullptr, false));
+  }
   return make_tensor_on(storage, c10::DispatchKey::CPU, t, t.dtype());
 }
 
