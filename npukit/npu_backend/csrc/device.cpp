@@ -237,8 +237,15 @@ at::Tensor hand_over_to_npu(const at::Tensor& cpu, int dev) {
   return cpu;
 }
 
+// A CPU storage over an npu storage's memory, not owning it: what CPU kernels read and write.
+c10::intrusive_ptr<c10::StorageImpl> make_cpu_view(const c10::Storage& npu) {
+  c10::DataPtr view(npu.mutable_data(), c10::Device(DeviceType::CPU));  // non-owning
+  return c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), npu.nbytes(),
+                                               std::move(view), c10::GetCPUAllocator(), /*resizable=*/true);
+}
+
 // The CPU storage aliasing an npu storage's memory, shared by all calls; none when the npu storage
-// is not one of ours or a kernel re-pointed the alias (out= resized): then the call makes its own.
+// is not one of ours or a kernel re-pointed the alias (out= resized).
 c10::Storage shared_cpu_alias(const c10::Storage& npu) {
   const c10::DataPtr& data = npu.data_ptr();
   auto deleter = data.get_deleter();
@@ -247,15 +254,18 @@ c10::Storage shared_cpu_alias(const c10::Storage& npu) {
   auto* block = static_cast<NpuBlock*>(data.get_context());
   c10::StorageImpl* alias = block->cpu_alias.load(std::memory_order_acquire);
   if (!alias) {
-    c10::DataPtr view(npu.mutable_data(), c10::Device(DeviceType::CPU));  // non-owning
-    c10::StorageImpl* made = c10::make_intrusive<c10::StorageImpl>(
-        c10::StorageImpl::use_byte_size_t(), npu.nbytes(), std::move(view), c10::GetCPUAllocator(),
-        /*resizable=*/true).release();
+    c10::StorageImpl* made = make_cpu_view(npu).release();
     if (block->cpu_alias.compare_exchange_strong(alias, made, std::memory_order_acq_rel)) alias = made;
     else c10::intrusive_ptr<c10::StorageImpl>::reclaim(made);  // another thread made it first
   }
   if (alias->data() != npu.data() || alias->nbytes() != npu.nbytes()) return {};
   return c10::Storage(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(alias));
+}
+
+// The shared alias, or one for this use alone where there is none.
+c10::Storage cpu_storage_for(const c10::Storage& npu) {
+  c10::Storage shared = shared_cpu_alias(npu);
+  return shared ? shared : c10::Storage(make_cpu_view(npu));
 }
 
 // ------------------------------------------------------------------ numeric policies
@@ -518,14 +528,7 @@ struct Translation {
     for (auto& [npu_storage, cpu] : npu_to_cpu)
       if (npu_storage == key) cpu_storage = cpu;
     if (!cpu_storage) {
-      const auto& src = t.storage();
-      cpu_storage = shared_cpu_alias(src);
-      if (!cpu_storage) {
-        c10::DataPtr data(src.mutable_data(), c10::Device(DeviceType::CPU));  // non-owning
-        cpu_storage = c10::Storage(c10::make_intrusive<c10::StorageImpl>(
-            c10::StorageImpl::use_byte_size_t(), src.nbytes(), std::move(data),
-            c10::GetCPUAllocator(), /*resizable=*/true));
-      }
+      cpu_storage = cpu_storage_for(t.storage());
       npu_to_cpu.emplace_back(key, cpu_storage);
       cpu_to_npu.emplace_back(cpu_storage.unsafeGetStorageImpl(), key);
     }
@@ -1073,14 +1076,7 @@ at::Tensor& set_empty(at::Tensor& self) {
 // silently wrote a wrong result).
 at::Tensor cpu_alias(const at::Tensor& t) {
   if (!t.is_privateuseone()) return t;
-  const auto& src = t.storage();
-  c10::Storage storage = shared_cpu_alias(src);
-  if (!storage) {
-    c10::DataPtr data(src.mutable_data(), c10::Device(DeviceType::CPU));
-    storage = c10::Storage(c10::make_intrusive<c10::StorageImpl>(
-        c10::StorageImpl::use_byte_size_t(), src.nbytes(), std::move(data), nullptr, false));
-  }
-  return make_tensor_on(storage, c10::DispatchKey::CPU, t, t.dtype());
+  return make_tensor_on(cpu_storage_for(t.storage()), c10::DispatchKey::CPU, t, t.dtype());
 }
 
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
