@@ -69,6 +69,7 @@ class PythonMigrator(AuditRules, CallRules, DeviceRules, NameRules, SourceModel)
         self._handle_strings()
         self._handle_fstrings()
         self._flag_backend_sinks()
+        self._run_builtin_codemods()
         edits = sorted(self.edits.values(), key=lambda e: (e.start, e.end))
         edits = drop_overlaps(edits)
         edits = self._keep_mixed_conditions_whole(edits)
@@ -76,6 +77,18 @@ class PythonMigrator(AuditRules, CallRules, DeviceRules, NameRules, SourceModel)
             self.audit_leftovers(edits)
         findings = sorted(self.findings.values(), key=lambda f: (f.line, f.col, f.kind))
         return edits, findings
+
+    def _run_builtin_codemods(self) -> None:
+        """The concerns already ported to libcst codemods (npukit.migrate.codemods), on the same text:
+        their edits join the others (none inside a frozen span), before conditions and the audit."""
+        from npukit.migrate.codemods import BUILTIN_CODEMODS
+        from npukit.migrate.codemods.base import run_builtin_codemods
+
+        edits, findings = run_builtin_codemods(self.text, self.path, BUILTIN_CODEMODS)
+        for edit in edits:
+            self._edit((edit.start, edit.end), edit.text, edit.rule, needs_torch_npu=edit.needs_torch_npu)
+        for finding in findings:
+            self.findings.setdefault((finding.line, finding.col - 1, finding.kind), finding)
 
     def insertion_point(self) -> int | None:
         """Offset where `import torch_npu` goes: after the docstring and `from __future__` imports."""

@@ -1,4 +1,4 @@
-"""Rules about device and backend values: "cuda" -> "npu", "nccl" -> "hccl", env var names.
+"""Rules about device and backend values: "cuda" -> "npu", "nccl" -> "hccl".
 
 A string is rewritten only where it is a device use: a device parameter (`torch.device(...)`,
 `device=`, `.to(...)`, `map_location=` ...), a comparison with a device expression, an argparse
@@ -17,7 +17,7 @@ from npukit.migrate.rules import Flag
 
 
 class DeviceRules:
-    """Mixin for PythonMigrator: device/backend strings, int ordinals, comparisons, dataflow, env vars."""
+    """Mixin for PythonMigrator: device/backend strings, int ordinals, comparisons, dataflow."""
 
     def _device_literals(self, expr: ast.AST) -> list[ast.AST]:
         """String nodes that make `expr` a CUDA device value ("cuda", f"cuda:{i}", "cuda:%d" % i ...)."""
@@ -309,23 +309,6 @@ class DeviceRules:
             up = self.parent.get(id(node))
             if isinstance(up, (ast.JoinedStr, ast.FormattedValue)):
                 continue  # parts of f-strings have no reliable position; the f-string is the unit
-            if value in rules.ENV_RENAMES:
-                if self._rewrite_string_value(node, rules.ENV_RENAMES[value], "env-var", needs_torch_npu=False):
-                    if value in rules.ENV_RENAME_NOTES:
-                        self._flag(node, rules.ENV_RENAME_NOTES[value])
-                continue
-            if value in rules.ENV_FLAGGED:
-                self._flag(node, rules.ENV_FLAGGED[value])
-                continue
-            if re.fullmatch(r"(TORCH_)?NCCL_[A-Z0-9_]+", value):
-                self._flag(node, rules.NCCL_ENV_FLAG, reason=f"{value}: {rules.NCCL_ENV_FLAG.reason}")
-                continue
-            if value.lstrip().startswith("nvidia-smi"):
-                self._flag(node, rules.NVIDIA_SMI)
-                continue
-            if rules.CUDA_ONLY_ALLOC_OPTIONS.search(value) and not self._in_log_call(node):
-                self._flag(node, rules.ALLOC_OPTION_FLAG)
-                continue
             if self._in_log_call(node):
                 continue
             is_dict_key = isinstance(up, ast.Dict) and any(k is node for k in up.keys)
@@ -346,10 +329,6 @@ class DeviceRules:
                 self._flag(node, Flag("backend-string", "info",
                                       f"'{value}' is not in a recognised backend position and was left unchanged",
                                       "change it to 'hccl' by hand if it names the process-group backend"))
-            elif rules.ENV_NAME.search(value) and not self._in_log_call(node):
-                self._flag(node, Flag("env-var", "warning", "a CUDA/NCCL environment variable inside a string",
-                                      "ASCEND_RT_VISIBLE_DEVICES / PYTORCH_NPU_ALLOC_CONF / ASCEND_LAUNCH_BLOCKING; "
-                                      "NCCL_* have HCCL_* counterparts with other knobs"))
 
     def _handle_fstrings(self) -> None:
         for node in self.fstrings:
@@ -360,8 +339,6 @@ class DeviceRules:
                 continue
             if self._device_literals(node):  # f"cuda:{rank}" says by itself that it is a device
                 self._rewrite_string_prefix(node, "cuda", "npu", "device-string")
-            elif node.values and (string_value(node.values[0]) or "").lstrip().startswith("nvidia-smi"):
-                self._flag(node, rules.NVIDIA_SMI)
 
     def _handle_availability_choices(self) -> None:
         """`"cuda" if torch.cuda.is_available() else "cpu"` names a device wherever it appears (case 1)."""

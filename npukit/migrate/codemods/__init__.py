@@ -1,9 +1,14 @@
-"""npu-migrate's Python rewrite for libcst's codemod tool:
+"""npu-migrate's Python rewrite as libcst codemods, for libcst's codemod tool too.
+
+One built-in concern, on its own:
+
+    python -m libcst.tool codemod --no-format npukit.migrate.codemods.CudaEnvironment path/
+
+The whole built-in set (the order npu-migrate uses), next to codemods of your own:
 
     python -m libcst.tool codemod --no-format -x npukit.migrate.codemods.MigrateToNpu path/
 
-runs every built-in rule (the order npu-migrate uses) on each file, next to codemods of your own;
-what it does not migrate is printed as the tool's warnings, `line:col: severity kind: reason`.
+What a codemod does not migrate is printed as the tool's warnings, `line:col: severity kind: reason`.
 npu-migrate itself adds the tree-wide facts, the other file kinds and the reports (docs/migrate.md).
 """
 
@@ -12,13 +17,20 @@ from __future__ import annotations
 import libcst as cst
 from libcst.codemod import CodemodCommand
 
-from npukit.migrate.pysource import migrate_python
+from npukit.migrate.codemods.environment import CudaEnvironment
+
+# The concerns ported from the ast engine so far, in the order they run (each on the original parse).
+BUILTIN_CODEMODS = (CudaEnvironment,)
+
+__all__ = ["BUILTIN_CODEMODS", "CudaEnvironment", "MigrateToNpu"]
 
 
 class MigrateToNpu(CodemodCommand):
     DESCRIPTION = "CUDA -> torch_npu: npu-migrate's built-in rules on one Python file"
 
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
+        from npukit.migrate.pysource import migrate_python
+
         code = tree.code
         outcome = migrate_python(code, self.context.filename or "<module>")
         for finding in outcome.findings:

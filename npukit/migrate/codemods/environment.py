@@ -1,0 +1,175 @@
+"""CUDA's process environment in Python strings: variable names, allocator settings, nvidia-smi."""
+
+from __future__ import annotations
+
+import re
+
+import libcst as cst
+
+from npukit.migrate import rules
+from npukit.migrate.codemods.base import NpuCodemod
+
+_NCCL_VARIABLE = re.compile(r"(TORCH_)?NCCL_[A-Z0-9_]+")
+_ALLOC_OPTION_WORDS = ("cudaMallocAsync", "pinned_use_cuda_host_register", "pinned_num_register_threads",
+                       "release_lock_on_cudamalloc", "pinned_use_background_threads")
+_STRINGS = (cst.SimpleString, cst.ConcatenatedString)
+
+
+def _last_name(node: cst.BaseExpression) -> str | None:
+    if isinstance(node, cst.Name):
+        return node.value
+    if isinstance(node, cst.Attribute):
+        return node.attr.value
+    return None
+
+
+class CudaEnvironment(NpuCodemod):
+    """`os.environ["CUDA_VISIBLE_DEVICES"]` -> `os.environ["ASCEND_RT_VISIBLE_DEVICES"]` (and the
+    allocator, launch-blocking and NCCL socket variables); reported: CUDA-only variables (NCCL_*,
+    CUBLAS_WORKSPACE_CONFIG), CUDA-only allocator options, nvidia-smi command lines, and variable
+    names inside longer strings. Docstrings are left alone; so is text passed to print, a logger or
+    raise, except a whole variable name, which is the variable wherever it is.
+    """
+
+    DESCRIPTION = "CUDA/NCCL environment variables in strings -> their Ascend names; the rest reported"
+    RULES = ("env-var",)
+    FILES_CONTAINING = ("CUDA_", "NCCL_", "PYTORCH_ALLOC_CONF", "CUBLAS_WORKSPACE_CONFIG", "nvidia-smi",
+                        *_ALLOC_OPTION_WORDS)
+
+    def __init__(self, context) -> None:
+        super().__init__(context)
+        self._not_code: set[int] = set()  # docstrings, and strings that are parts of a larger literal
+        self._dict_keys: set[int] = set()
+        self._text_depth = 0  # inside a print/log call or a raise: the string is a message
+
+    # ------------------------------------------------------------------ where a string is
+    def _note_docstring(self, body: cst.BaseSuite | tuple) -> None:
+        statements = body if isinstance(body, tuple) else body.body
+        first = statements[0] if statements else None
+        if isinstance(first, cst.SimpleStatementLine):
+            first = first.body[0]
+        if isinstance(first, cst.Expr) and isinstance(first.value, _STRINGS) and \
+                isinstance(first.value.evaluated_value, str):
+            self._not_code.add(id(first.value))
+
+    def visit_Module(self, node: cst.Module) -> None:
+        self._note_docstring(tuple(node.body))
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> None:
+        self._note_docstring(node.body)
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        self._note_docstring(node.body)
+
+    def visit_ConcatenatedString(self, node: cst.ConcatenatedString) -> None:
+        self._not_code.update((id(node.left), id(node.right)))  # the outermost literal is the unit
+
+    def visit_FormattedStringExpression(self, node: cst.FormattedStringExpression) -> None:
+        if isinstance(node.expression, _STRINGS):  # f"{'...'}": part of the f-string, not a value of its own
+            self._not_code.add(id(node.expression))
+
+    def visit_DictElement(self, node: cst.DictElement) -> None:
+        self._dict_keys.add(id(node.key))
+
+    def visit_Call(self, node: cst.Call) -> None:
+        if _last_name(node.func) in rules.LOG_CALLS:
+            self._text_depth += 1
+
+    def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.Call:
+        if _last_name(original_node.func) in rules.LOG_CALLS:
+            self._text_depth -= 1
+        return updated_node
+
+    def visit_Raise(self, node: cst.Raise) -> None:
+        self._text_depth += 1
+
+    def leave_Raise(self, original_node: cst.Raise, updated_node: cst.Raise) -> cst.Raise:
+        self._text_depth -= 1
+        return updated_node
+
+    # ------------------------------------------------------------------ the strings
+    def leave_SimpleString(self, original_node: cst.SimpleString, updated_node: cst.SimpleString) -> cst.BaseExpression:
+        if id(original_node) in self._not_code:
+            return updated_node
+        value = original_node.evaluated_value
+        if not isinstance(value, str):
+            return updated_node
+        new_name = rules.ENV_RENAMES.get(value)
+        if new_name is not None:
+            raw = original_node.raw_value
+            if raw != value or "\\" in raw:  # spelled with escapes: reported by the audit, not guessed
+                return updated_node
+            quote = original_node.quote
+            renamed = updated_node.with_changes(value=f"{original_node.prefix}{quote}{new_name}{quote}")
+            self.replace(original_node, renamed, "env-var", needs_torch_npu=False)
+            if value in rules.ENV_RENAME_NOTES:
+                self.flag(original_node, rules.ENV_RENAME_NOTES[value])
+            return renamed
+        self._check_value(original_node, value)
+        return updated_node
+
+    def leave_ConcatenatedString(self, original_node: cst.ConcatenatedString,
+                                 updated_node: cst.ConcatenatedString) -> cst.BaseExpression:
+        if id(original_node) in self._not_code:
+            return updated_node
+        value = original_node.evaluated_value
+        if isinstance(value, str):
+            if value not in rules.ENV_RENAMES:  # a name split over literals: the audit reports it
+                self._check_value(original_node, value)
+        elif value is None and self._leading_text(original_node).lstrip().startswith("nvidia-smi"):
+            self._flag_command(original_node)  # an f-string among the parts
+        return updated_node
+
+    def leave_FormattedString(self, original_node: cst.FormattedString,
+                              updated_node: cst.FormattedString) -> cst.BaseExpression:
+        if id(original_node) not in self._not_code and self._leading_text(original_node).lstrip().startswith("nvidia-smi"):
+            self._flag_command(original_node)
+        return updated_node
+
+    def _check_value(self, node: cst.BaseExpression, value: str) -> None:
+        """A string that is not a variable to rename: what in it is CUDA's environment."""
+        if value in rules.ENV_FLAGGED:
+            self.flag(node, rules.ENV_FLAGGED[value])
+        elif _NCCL_VARIABLE.fullmatch(value):
+            self.flag(node, rules.NCCL_ENV_FLAG, reason=f"{value}: {rules.NCCL_ENV_FLAG.reason}")
+        elif value.lstrip().startswith("nvidia-smi"):
+            self.flag(node, rules.NVIDIA_SMI)
+        elif self._text_depth:
+            return
+        elif rules.CUDA_ONLY_ALLOC_OPTIONS.search(value):
+            self.flag(node, rules.ALLOC_OPTION_FLAG)
+        elif rules.ENV_NAME.search(value) and not self._device_rules_take(node, value):
+            self.flag(node, rules.Flag("env-var", "warning", "a CUDA/NCCL environment variable inside a string",
+                                       "ASCEND_RT_VISIBLE_DEVICES / PYTORCH_NPU_ALLOC_CONF / ASCEND_LAUNCH_BLOCKING; "
+                                       "NCCL_* have HCCL_* counterparts with other knobs"))
+
+    def _device_rules_take(self, node: cst.BaseExpression, value: str) -> bool:
+        """A device or backend string ("cuda:{...}", "nccl"): the device rules deal with it."""
+        if id(node) in self._dict_keys:
+            return False
+        return bool((value != "cuda" and rules.DEVICE_TEMPLATE.match(value)) or rules.DEVICE_VALUE.match(value)
+                    or (rules.BACKEND_VALUE.match(value) and "nccl" in value))
+
+    def _flag_command(self, node: cst.BaseExpression) -> None:
+        if not self._text_depth and id(node) not in self._dict_keys:
+            self.flag(node, rules.NVIDIA_SMI)
+
+    @staticmethod
+    def _leading_text(node: cst.BaseExpression) -> str:
+        """The literal text an f-string (or a concatenation holding one) starts with."""
+        parts = [node] if not isinstance(node, cst.ConcatenatedString) else []
+        while isinstance(node, cst.ConcatenatedString):
+            parts.append(node.left)
+            node = node.right
+        if parts[-1] is not node:
+            parts.append(node)
+        text = ""
+        for part in parts:
+            if isinstance(part, cst.SimpleString):
+                text += str(part.evaluated_value)
+                continue
+            for piece in part.parts:
+                if not isinstance(piece, cst.FormattedStringText):
+                    return text
+                text += piece.value
+        return text

@@ -1,0 +1,134 @@
+"""The built-in concerns ported to libcst codemods: each on its own (libcst's CodemodTest and its
+tool), and the positions npu-migrate takes from them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import libcst as cst
+import pytest
+from libcst.codemod import CodemodContext, CodemodTest
+from libcst.metadata import MetadataWrapper, PositionProvider
+
+from npukit.migrate.codemods import BUILTIN_CODEMODS, CudaEnvironment
+from npukit.migrate.codemods.base import FileFacts, run_builtin_codemods
+from npukit.migrate.pysource import migrate_python
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _warnings(code: str) -> list[str]:
+    """'line:col kind' of each warning CudaEnvironment gives on code (the code itself unchanged)."""
+    context = CodemodContext(filename="train.py")
+    CudaEnvironment(context).transform_module(cst.parse_module(code))
+    return [f"{w.split()[0].rstrip(':')} {w.split()[2].rstrip(':')}" for w in context.warnings]
+
+
+class CudaEnvironmentCase(CodemodTest):
+    TRANSFORM = CudaEnvironment
+
+    def runTest(self):  # noqa: N802 (unittest's name)
+        self.assertCodemod('import os\nos.environ["CUDA_VISIBLE_DEVICES"] = "0,1"\n',
+                           'import os\nos.environ["ASCEND_RT_VISIBLE_DEVICES"] = "0,1"\n',
+                           expected_warnings=None)
+        # the prefix and quotes stay; every spelling of the renamed variables
+        self.assertCodemod("os.getenv(r'PYTORCH_CUDA_ALLOC_CONF')\nenv = {'CUDA_LAUNCH_BLOCKING': '1'}\n"
+                           "os.environ.get('''NCCL_SOCKET_IFNAME''')\n",
+                           "os.getenv(r'PYTORCH_NPU_ALLOC_CONF')\nenv = {'ASCEND_LAUNCH_BLOCKING': '1'}\n"
+                           "os.environ.get('''HCCL_SOCKET_IFNAME''')\n")
+        unchanged = [
+            '"""Set CUDA_VISIBLE_DEVICES before you start."""\nimport os\n',  # a docstring
+            'key = "CUDA_VISIBLE" "_DEVICES"\n',  # split over literals: the audit reports it
+            'key = "CUDA\\x5fVISIBLE_DEVICES"\n',  # spelled with an escape
+            'key = b"CUDA_VISIBLE_DEVICES"\n',  # bytes
+            'print("no CUDA here")\n',  # a file that does not concern the codemod
+        ]
+        for code in unchanged:
+            self.assertCodemod(code, code)
+
+
+def test_cuda_environment_as_a_libcst_codemod_test():
+    CudaEnvironmentCase().runTest()
+
+
+def test_cuda_environment_reports_what_it_does_not_rename():
+    code = textwrap.dedent('''\
+        import os, subprocess
+        os.environ.setdefault("NCCL_DEBUG", "INFO")
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "backend:cudaMallocAsync"
+        subprocess.run(f"nvidia-smi -i {rank}", shell=True)
+        cmd = "CUDA_VISIBLE_DEVICES=0 python train.py"
+        print("CUDA_VISIBLE_DEVICES=0 python train.py", "backend:cudaMallocAsync")
+        ''')
+    assert _warnings(code) == ["2:23 env-var", "3:12 env-var", "4:41 env-var", "5:16 nvidia-smi", "6:7 env-var"]
+
+
+def test_libcsts_tool_runs_one_builtin_codemod(tmp_path):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "launch.py").write_text('import os\nos.environ["CUDA_VISIBLE_DEVICES"] = "3"\n'
+                                                'os.environ["NCCL_IB_DISABLE"] = "1"\n')
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    run = subprocess.run([sys.executable, "-m", "libcst.tool", "codemod", "--no-format", "-x",
+                          "npukit.migrate.codemods.CudaEnvironment", "src"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr
+    assert (tmp_path / "src" / "launch.py").read_text() == ('import os\nos.environ["ASCEND_RT_VISIBLE_DEVICES"] = "3"\n'
+                                                            'os.environ["NCCL_IB_DISABLE"] = "1"\n')
+    assert "2:12: warning visible-devices:" in run.stderr
+    assert "3:12: warning env-var: NCCL_IB_DISABLE: NCCL_* variables have no effect" in run.stderr
+
+
+def test_npu_migrate_reports_the_codemods_edits_and_findings_under_their_rules():
+    code = 'import os\nimport torch\nos.environ["CUDA_VISIBLE_DEVICES"] = "0"\nx = torch.ones(1).cuda()\n'
+    outcome = migrate_python(code, "train.py")
+    assert outcome.text == ('import torch_npu\nimport os\nimport torch\nos.environ["ASCEND_RT_VISIBLE_DEVICES"] = "0"\n'
+                            'x = torch.ones(1).npu()\n')
+    assert [(c.line, c.col, c.rule, c.before, c.after) for c in outcome.changes if c.rule == "env-var"] == [
+        (3, 12, "env-var", '"CUDA_VISIBLE_DEVICES"', '"ASCEND_RT_VISIBLE_DEVICES"')]
+    assert [(f.line, f.col, f.kind) for f in outcome.findings] == [(3, 12, "visible-devices")]
+
+
+def test_an_env_rename_inside_the_cuda_branch_of_dual_target_code_is_not_made():
+    # the ast engine keeps the CUDA branch of `if torch.cuda.is_available() ... else` code whole
+    # when the other branch already handles NPU; the codemods' edits obey the same frozen spans
+    code = textwrap.dedent('''\
+        import os
+        import torch
+        if hasattr(torch, "npu") and torch.npu.is_available():
+            os.environ["ASCEND_RT_VISIBLE_DEVICES"] = "0"
+        elif torch.cuda.is_available():
+            os.environ["CUDA_VISIBLE_DEVICES"] = "0"
+        ''')
+    outcome = migrate_python(code, "train.py")
+    assert 'os.environ["CUDA_VISIBLE_DEVICES"] = "0"' in outcome.text
+    assert not [c for c in outcome.changes if c.rule == "env-var"]
+
+
+def test_findings_count_columns_in_utf8_bytes_like_every_other_finding():
+    code = 'label = "é"; os.environ["NCCL_DEBUG"] = "INFO"; x = y.cuda_helper\n'
+    edits, findings = run_builtin_codemods(code, "a.py", BUILTIN_CODEMODS)
+    assert [(f.line, f.col) for f in findings] == [(1, len('label = "é"; os.environ['.encode()) + 1)]
+
+
+@pytest.mark.parametrize("source", [
+    "examples/cuda_project/train_gpt.py",
+    "npukit/migrate/codemods/environment.py",
+    "npukit/migrate/pysource_devices.py",
+])
+def test_the_codemods_positions_are_libcsts_positions(source):
+    """FileFacts.span (a counting code generation) gives PositionProvider's extent for every node."""
+    text = (REPO / source).read_text()
+    module = cst.parse_module(text)
+    positions = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
+    facts = FileFacts(source, module, text)
+    for node, where in positions.items():
+        start, end = facts.span(node)
+        if end == len(text) + 1 and not text.endswith("\n"):
+            continue  # the newline libcst generates for a last line without one, and drops
+        assert facts.line_col(start) == (where.start.line, where.start.column + 1), node
+        assert facts.line_col(end) == (where.end.line, where.end.column + 1), node
