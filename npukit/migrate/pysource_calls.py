@@ -21,15 +21,9 @@ _DDP_CLASSES = frozenset({"torch.nn.parallel.DistributedDataParallel", "torch.nn
 
 
 def lacks_device_argument(call: ast.Call, qualified: str, *, starred_may_give_it: bool = True) -> bool:
-    """A call of a torch API whose device defaults to CUDA (rules.CUDA_DEFAULT_DEVICE_APIS) made without it.
-
-    starred_may_give_it: `f(*args)` may pass the device (the rewrite leaves it alone); the audit,
-    which must not miss one, passes False.
-    """
-    parameter, given_at = rules.CUDA_DEFAULT_DEVICE_APIS[qualified]
-    if starred_may_give_it and any(isinstance(a, ast.Starred) for a in call.args):
-        return False
-    return len(call.args) < given_at and not any(k.arg in (parameter, None) for k in call.keywords)
+    """rules.lacks_device_argument for an ast call (the audit's)."""
+    return rules.lacks_device_argument(qualified, len(call.args), any(isinstance(a, ast.Starred) for a in call.args),
+                                       {k.arg for k in call.keywords}, starred_may_give_it=starred_may_give_it)
 
 
 class CallRules:
@@ -47,13 +41,9 @@ class CallRules:
                     self._handle_amp_call(call, qualified)
                 elif qualified in ("torch.get_autocast_gpu_dtype", "torch.set_autocast_gpu_dtype"):
                     self._handle_autocast_gpu_dtype(call, qualified)
-                elif qualified in rules.CUDA_DEFAULT_DEVICE_APIS:
-                    self._give_cuda_defaulting_call_a_device(call, qualified)
                 elif qualified in rules.LEGACY_CONSTRUCTORS and (call.args or call.keywords) and (
                         self.facts.cuda_default_tensor_type or "set_default_tensor_type" in self.text):
                     self._flag(call, rules.LEGACY_CONSTRUCTOR_CALL)
-                elif qualified == "torch.random.fork_rng" and not any(k.arg == "device_type" for k in call.keywords):
-                    self._append_keyword(call, 'device_type="npu"', "fork-rng-device-type")
                 elif qualified == rules.TORCH_LOAD:
                     self._handle_torch_load(call)
                 elif qualified == "torch.set_default_tensor_type":
@@ -102,11 +92,6 @@ class CallRules:
                                       f"`{last_name(func)}` is a custom op bound from this tree's CUDA native code",
                                       "port its kernel (Ascend C / op-plugin) or replace it with torch ops; "
                                       "see the cuda-source findings"))
-
-    def _give_cuda_defaulting_call_a_device(self, call: ast.Call, qualified: str) -> None:
-        """`torch.amp.GradScaler()` is a CUDA scaler (it disables itself on an NPU host): pass "npu"."""
-        if lacks_device_argument(call, qualified):
-            self._insert_first_arg(call, '"npu"', "cuda-default-device")
 
     def _is_infinite(self, node: ast.AST) -> bool:
         """float("-inf"), -math.inf, torch.inf, np.inf."""

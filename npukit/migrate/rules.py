@@ -364,6 +364,21 @@ CUDA_DEFAULT_DEVICE_APIS = {
     "torch.set_autocast_enabled": ("device_type", 2),  # set_autocast_enabled(True) means CUDA
 }
 
+
+
+def lacks_device_argument(qualified: str, positional: int, starred: bool, keywords: set[str | None], *,
+                          starred_may_give_it: bool = True) -> bool:
+    """A call of a torch API whose device defaults to CUDA (CUDA_DEFAULT_DEVICE_APIS) made without it:
+    `positional` arguments, `*args` among them or not, the keyword names (None for `**kwargs`).
+
+    starred_may_give_it: `f(*args)` may pass the device (the rewrite leaves it alone); the audit,
+    which must not miss one, passes False."""
+    parameter, given_at = CUDA_DEFAULT_DEVICE_APIS[qualified]
+    if starred_may_give_it and starred:
+        return False
+    return positional < given_at and not keywords & {parameter, None}
+
+
 # ------------------------------------------------------------------------------ third party
 THIRD_PARTY = {
     "flash_attn": Flag(

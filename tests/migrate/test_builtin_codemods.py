@@ -14,9 +14,9 @@ import pytest
 from libcst.codemod import CodemodContext, CodemodTest
 from libcst.metadata import MetadataWrapper, PositionProvider
 
-from npukit.migrate.codemods import BUILTIN_CODEMODS, CudaEnvironment
+from npukit.migrate.codemods import BUILTIN_CODEMODS, CudaDefaultDevices, CudaEnvironment
 from npukit.migrate.codemods.base import FileFacts, run_builtin_codemods
-from npukit.migrate.pysource import migrate_python
+from npukit.migrate.pysource import PythonMigrator, migrate_python
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -132,3 +132,60 @@ def test_the_codemods_positions_are_libcsts_positions(source):
             continue  # the newline libcst generates for a last line without one, and drops
         assert facts.line_col(start) == (where.start.line, where.start.column + 1), node
         assert facts.line_col(end) == (where.end.line, where.end.column + 1), node
+
+
+class CudaDefaultDevicesCase(CodemodTest):
+    TRANSFORM = CudaDefaultDevices
+
+    def runTest(self):  # noqa: N802 (unittest's name)
+        self.assertCodemod("import torch\nscaler = torch.amp.GradScaler()\n",
+                           'import torch\nscaler = torch.amp.GradScaler("npu")\n')
+        # through an import alias, before the first keyword
+        self.assertCodemod("from torch.amp import GradScaler as GS\ns = GS(enabled=True)\n",
+                           'from torch.amp import GradScaler as GS\ns = GS("npu", enabled=True)\n')
+        self.assertCodemod("import torch\ntorch.set_autocast_enabled(True)\n",
+                           'import torch\ntorch.set_autocast_enabled("npu", True)\n')
+        # after a trailing comma; and before the `)` whatever the parentheses hold
+        self.assertCodemod("import torch\nwith torch.random.fork_rng(devices=[0],):\n    pass\n",
+                           'import torch\nwith torch.random.fork_rng(devices=[0], device_type="npu",):\n    pass\n')
+        self.assertCodemod("import torch\nwith torch.random.fork_rng(\n    # all ranks\n):\n    pass\n",
+                           'import torch\nwith torch.random.fork_rng(\n    # all ranks\ndevice_type="npu"):\n    pass\n')
+        unchanged = [
+            'import torch\ns = torch.amp.GradScaler("npu")\n',
+            'import torch\ns = torch.amp.GradScaler(device="cpu")\n',
+            "import torch\ns = torch.amp.GradScaler(*options)\n",  # may pass the device
+            "import torch\ns = torch.amp.GradScaler(**options)\n",
+            'import torch\nwith torch.random.fork_rng(device_type="cpu"):\n    pass\n',
+            "from apex.amp import GradScaler\ns = GradScaler()\n",  # not torch's
+        ]
+        for code in unchanged:
+            self.assertCodemod(code, code)
+
+
+def test_cuda_default_devices_as_a_libcst_codemod_test():
+    CudaDefaultDevicesCase().runTest()
+
+
+@pytest.mark.parametrize("folder", ["npukit", "tests"])
+def test_the_import_table_fact_is_the_ast_engines(folder):
+    """The bindings the codemods share (FileFacts.bindings) are the ones the ast rules resolve names with."""
+    compared = 0
+    for path in sorted((REPO / folder).rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        migrator = PythonMigrator(text, str(path))
+        migrator._build_bindings()
+        assert FileFacts(str(path), cst.parse_module(text), text).bindings == migrator.bindings, path
+        compared += 1
+    assert compared > 50
+
+
+def test_the_import_table_keeps_the_first_binding_of_a_name_and_knows_a_module_level_torch():
+    def bindings(code):
+        return FileFacts("a.py", cst.parse_module(code), code).bindings
+
+    assert bindings("import numpy as np\nimport torch as np\n") == {"np": "numpy", "torch": "torch"}
+    assert bindings("from torch import cuda as c, nn\nimport torch.distributed as dist\n") == {
+        "c": "torch.cuda", "nn": "torch.nn", "dist": "torch.distributed", "torch": "torch"}
+    assert "torch" not in bindings("torch = load_backend()\n")
+    assert bindings("def f():\n    torch = 1\n") == {"torch": "torch"}  # a local, not the module's
+    assert bindings("from . import torch_utils\nfrom x import *\n") == {"torch": "torch"}

@@ -17,12 +17,13 @@ from __future__ import annotations
 import libcst as cst
 from libcst.codemod import CodemodCommand
 
+from npukit.migrate.codemods.default_devices import CudaDefaultDevices
 from npukit.migrate.codemods.environment import CudaEnvironment
 
 # The concerns ported from the ast engine so far, in the order they run (each on the original parse).
-BUILTIN_CODEMODS = (CudaEnvironment,)
+BUILTIN_CODEMODS = (CudaEnvironment, CudaDefaultDevices)
 
-__all__ = ["BUILTIN_CODEMODS", "CudaEnvironment", "MigrateToNpu"]
+__all__ = ["BUILTIN_CODEMODS", "CudaDefaultDevices", "CudaEnvironment", "MigrateToNpu"]
 
 
 class MigrateToNpu(CodemodCommand):

@@ -1,22 +1,25 @@
 """What npu-migrate's built-in libcst codemods share, and how npu-migrate runs them.
 
-Each built-in concern is a `NpuCodemod`: a libcst `VisitorBasedCodemodCommand` that rewrites its
-nodes and says what it did and what it left, through the codemod context:
-- `replace(original, new, rule)` returns the new node (libcst's own tool writes it) and records the
-  exact edit of the original text (npu-migrate composes every rule's edits, reports each change
-  under its rule name and keeps everything else byte-for-byte);
+Each built-in concern is a `NpuCodemod`: a libcst `VisitorBasedCodemodCommand` whose visit_/leave_
+methods look at nodes and say what they change and what they leave, through the codemod context:
+- `replace(original, new, rule)`, `insert_first_argument(call, ...)`, `append_keyword(call, ...)`
+  record exact edits of the original text (npu-migrate composes every rule's edits, reports each
+  change under its rule name and keeps everything else byte-for-byte; under libcst's own tool the
+  codemod returns the module with its edits applied);
 - `flag(node, Flag)` records a finding at file:line:col (and, under libcst's tool, prints a warning
   `line:col: severity kind: reason (suggestion)`).
-The per-file facts several codemods need are computed once and kept in `context.scratch`
-(`file_facts`), so codemods run one after the other on one parse, with one position pass.
+The per-file facts several codemods need (text, positions, the import table) are computed once and
+kept in `context.scratch` (`FileFacts`), so the codemods run on one parse, in one read-only pass.
 
-A codemod declares `FILES_CONTAINING` (words one of which a file must contain for the codemod to
-concern it): the other files are not parsed for it, as for users' codemods.
+A codemod declares `FILES_CONTAINING` (words one of which a file must contain for it to concern the
+codemod) and may refine it with `screen(model)` on the file's `ast` model: the other files are not
+parsed by libcst at all.
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -26,7 +29,7 @@ from libcst._nodes.internal import CodegenState
 from libcst.metadata import MetadataWrapper
 
 from npukit.migrate.model import Edit, Finding
-from npukit.migrate.pysource_model import MigrationSyntaxError, Positions
+from npukit.migrate.pysource_model import MigrationSyntaxError, Positions, apply_edits, drop_overlaps
 from npukit.migrate.rules import Flag
 
 FACTS_KEY = "npukit.file_facts"
@@ -51,6 +54,25 @@ class FileFacts:
             self.module._codegen(state)
             self._spans = state.spans
         return self._spans[node]
+
+    @functools.cached_property
+    def bindings(self) -> dict[str, str]:
+        """Local name -> the dotted name it was imported as (`import torch as th`: th -> torch;
+        `from torch import cuda`: cuda -> torch.cuda), from every import of the file, the first one of
+        a name winning; `torch` means torch even without an import unless the module binds it."""
+        collector = _ImportTable()
+        self.module.visit(collector)
+        return collector.bindings
+
+    def qualname(self, node: cst.BaseExpression) -> str | None:
+        """The dotted name an expression refers to through the import table (`th.cuda.amp` ->
+        torch.cuda.amp), or None (a local variable, a call, a subscript ...)."""
+        if isinstance(node, cst.Name):
+            return self.bindings.get(node.value)
+        if isinstance(node, cst.Attribute):
+            base = self.qualname(node.value)
+            return f"{base}.{node.attr.value}" if base is not None else None
+        return None
 
     def line_col(self, offset: int) -> tuple[int, int]:
         """(1-based line, 1-based column in characters) of an offset."""
@@ -100,6 +122,99 @@ class _SpanRecordingState(CodegenState):
                             self.spans[end_node][1] if end_node is not None else self.length)
 
 
+class _ImportTable(cst.CSTVisitor):
+    """The file's import bindings and whether the module itself binds `torch` (see FileFacts.bindings)."""
+
+    def __init__(self) -> None:
+        self.bindings: dict[str, str] = {}
+        self.module_binds_torch = False
+        self._scope_depth = 0  # inside a def, lambda or class body
+
+    def visit_Import(self, node: cst.Import) -> None:
+        for alias in node.names:
+            name = _dotted(alias.name)
+            local = alias.asname.name.value if alias.asname else name.split(".")[0]
+            self.bindings.setdefault(local, name if alias.asname else local)
+
+    def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
+        if node.relative or node.module is None or isinstance(node.names, cst.ImportStar):
+            return
+        module = _dotted(node.module)
+        for alias in node.names:
+            local = alias.asname.name.value if alias.asname else _dotted(alias.name)
+            self.bindings.setdefault(local, f"{module}.{_dotted(alias.name)}")
+
+    # `torch = ...` at module level: then a bare `torch` is not the package
+    def _binds_torch(self, target: cst.CSTNode | None) -> None:
+        if self._scope_depth == 0 and target is not None and any(
+                isinstance(n, cst.Name) and n.value == "torch" for n in _target_names(target)):
+            self.module_binds_torch = True
+
+    def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
+        self._binds_torch(node.target)
+
+    def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
+        self._binds_torch(node.target)
+
+    def visit_AugAssign(self, node: cst.AugAssign) -> None:
+        self._binds_torch(node.target)
+
+    def visit_For(self, node: cst.For) -> None:
+        self._binds_torch(node.target)
+
+    def visit_CompFor(self, node: cst.CompFor) -> None:
+        self._binds_torch(node.target)
+
+    def visit_WithItem(self, node: cst.WithItem) -> None:
+        if node.asname is not None:
+            self._binds_torch(node.asname.name)
+
+    def visit_NamedExpr(self, node: cst.NamedExpr) -> None:
+        self._binds_torch(node.target)
+
+    def visit_Del(self, node: cst.Del) -> None:
+        self._binds_torch(node.target)
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        self._binds_torch(node.name)
+        self._scope_depth += 1
+
+    def leave_FunctionDef(self, original_node: cst.FunctionDef) -> None:
+        self._scope_depth -= 1
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> None:
+        self._binds_torch(node.name)
+        self._scope_depth += 1
+
+    def leave_ClassDef(self, original_node: cst.ClassDef) -> None:
+        self._scope_depth -= 1
+
+    def visit_Lambda(self, node: cst.Lambda) -> None:
+        self._scope_depth += 1
+
+    def leave_Lambda(self, original_node: cst.Lambda) -> None:
+        self._scope_depth -= 1
+
+    def leave_Module(self, original_node: cst.Module) -> None:
+        if "torch" not in self.bindings and not self.module_binds_torch:
+            self.bindings["torch"] = "torch"
+
+
+def _dotted(node: cst.BaseExpression) -> str:
+    return node.value if isinstance(node, cst.Name) else f"{_dotted(node.value)}.{node.attr.value}"
+
+
+def _target_names(target: cst.CSTNode):
+    """The names a binding target binds (`a`, `a, (b, *c)`), not attributes or subscripts."""
+    if isinstance(target, cst.Name):
+        yield target
+    elif isinstance(target, (cst.Tuple, cst.List)):
+        for element in target.elements:
+            yield from _target_names(element.value)
+    elif isinstance(target, cst.StarredElement):
+        yield from _target_names(target.value)
+
+
 def file_facts(context: CodemodContext, module: cst.Module) -> FileFacts:
     facts = context.scratch.get(FACTS_KEY)
     if facts is None or facts.module is not module:
@@ -118,19 +233,71 @@ class NpuCodemod(VisitorBasedCodemodCommand):
     def concerns(cls, code: str) -> bool:
         return not cls.FILES_CONTAINING or any(word in code for word in cls.FILES_CONTAINING)
 
+    @classmethod
+    def screen(cls, model) -> bool:
+        """Inside npu-migrate: whether the file's `ast` model (pysource_model.SourceModel, from the C
+        parser, ~10x cheaper than libcst's parse) holds a node this codemod could act on; False spares
+        the libcst parse. A necessary condition only: the codemod itself decides."""
+        return True
+
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
+        """Under libcst's own tool: the module with this codemod's edits applied (the bytes
+        npu-migrate writes for them)."""
         code = tree.code
         if not self.concerns(code):
             return tree
-        self.facts = file_facts(self.context, tree)
-        return tree.visit(self)
+        for key in (EDITS_KEY, BUILTIN_FINDINGS_KEY):
+            self.context.scratch.pop(key, None)
+        self.facts = self.context.scratch[FACTS_KEY] = FileFacts(self.context.filename or "<module>", tree, code)
+        tree.visit(_OnePass([self]))
+        edits = drop_overlaps(sorted(self.context.scratch.get(EDITS_KEY, []), key=lambda e: (e.start, e.end)))
+        return cst.parse_module(apply_edits(code, edits)) if edits else tree
+
+    def _record(self, start: int, end: int, text: str, rule: str, needs_torch_npu: bool) -> None:
+        line, col = self.facts.line_col(start)
+        self.context.scratch.setdefault(EDITS_KEY, []).append(Edit(start, end, text, rule, line, col, needs_torch_npu))
+
+    def insert_first_argument(self, call: cst.Call, text: str, rule: str, *, needs_torch_npu: bool = True) -> None:
+        """`f(...)` -> `f(text, ...)`; nothing when the first argument is `*args` (it may be the one)."""
+        positional = [arg for arg in call.args if not arg.keyword and arg.star != "**"]
+        keywords = [arg for arg in call.args if arg.keyword or arg.star == "**"]
+        if positional:
+            if positional[0].star:
+                return
+            at = self.facts.span(positional[0])[0]
+            self._record(at, at, f"{text}, ", rule, needs_torch_npu)
+        elif keywords:
+            at = self.facts.span(keywords[0])[0]
+            self._record(at, at, f"{text}, ", rule, needs_torch_npu)
+        else:
+            at = self._closing_parenthesis(call)
+            self._record(at, at, text, rule, needs_torch_npu)
+
+    def append_keyword(self, call: cst.Call, text: str, rule: str, *, needs_torch_npu: bool = True) -> None:
+        """`f(a)` -> `f(a, text)`, after a trailing comma if there is one."""
+        closing = self._closing_parenthesis(call)
+        if call.args:
+            # the last value in ast's order: positional arguments, then keywords
+            ordered = [arg for arg in call.args if not arg.keyword and arg.star != "**"] + \
+                      [arg for arg in call.args if arg.keyword or arg.star == "**"]
+            last_end = self.facts.span(ordered[-1].value)[1]
+            tail = self.facts.positions.text[last_end:closing]
+            if "," in tail:
+                comma = last_end + tail.index(",") + 1
+                self._record(comma, comma, f" {text},", rule, needs_torch_npu)
+            else:
+                self._record(last_end, last_end, f", {text}", rule, needs_torch_npu)
+        else:  # before the `)`, after any line break or comment inside the parentheses
+            self._record(closing, closing, text, rule, needs_torch_npu)
+
+    def _closing_parenthesis(self, call: cst.Call) -> int:
+        """The offset of the call's own `)` (its outer parentheses are outside its span)."""
+        return self.facts.span(call)[1] - 1
 
     def replace(self, original: cst.CSTNode, new: cst.CSTNode, rule: str, *, needs_torch_npu: bool = True) -> cst.CSTNode:
         """`original` becomes `new`: the node to return from a leave_ method, and the edit recorded."""
         start, end = self.facts.span(original)
-        line, col = self.facts.line_col(start)
-        edit = Edit(start, end, self.facts.module.code_for_node(new), rule, line, col, needs_torch_npu)
-        self.context.scratch.setdefault(EDITS_KEY, []).append(edit)
+        self._record(start, end, self.facts.module.code_for_node(new), rule, needs_torch_npu)
         return new
 
     def flag(self, node: cst.CSTNode, flag: Flag, *, reason: str | None = None) -> None:

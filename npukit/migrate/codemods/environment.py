@@ -33,8 +33,14 @@ class CudaEnvironment(NpuCodemod):
 
     DESCRIPTION = "CUDA/NCCL environment variables in strings -> their Ascend names; the rest reported"
     RULES = ("env-var",)
-    FILES_CONTAINING = ("CUDA_", "NCCL_", "PYTORCH_ALLOC_CONF", "CUBLAS_WORKSPACE_CONFIG", "nvidia-smi",
-                        *_ALLOC_OPTION_WORDS)
+    # the names ENV_RENAMES, ENV_FLAGGED and ENV_NAME know ("CUDA_" alone is in every CUDA_HOME)
+    FILES_CONTAINING = ("CUDA_VISIBLE_DEVICES", "CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUDA_LAUNCH_BLOCKING",
+                        "CUBLAS_WORKSPACE_CONFIG", "NCCL_", "nvidia-smi", *_ALLOC_OPTION_WORDS)
+
+    @classmethod
+    def screen(cls, model) -> bool:  # a string, not a docstring, holding one of the names
+        return any(id(node) not in model.docstrings and any(word in node.value for word in cls.FILES_CONTAINING)
+                   for node in model.strings)
 
     def __init__(self, context) -> None:
         super().__init__(context)

@@ -1,0 +1,46 @@
+"""torch APIs whose device argument defaults to CUDA, called without one."""
+
+from __future__ import annotations
+
+import libcst as cst
+
+from npukit.migrate import rules
+from npukit.migrate.codemods.base import NpuCodemod
+
+
+def lacks_device_argument(call: cst.Call, qualified: str) -> bool:
+    """rules.lacks_device_argument for a libcst call."""
+    positional = [arg for arg in call.args if not arg.keyword and arg.star != "**"]
+    keywords = {arg.keyword.value if arg.keyword else None for arg in call.args if arg.keyword or arg.star == "**"}
+    return rules.lacks_device_argument(qualified, len(positional), any(arg.star == "*" for arg in positional), keywords)
+
+
+_APIS = frozenset({*rules.CUDA_DEFAULT_DEVICE_APIS, "torch.random.fork_rng"})
+
+
+class CudaDefaultDevices(NpuCodemod):
+    """`torch.amp.GradScaler()` is a CUDA scaler (on an NPU host it disables itself): it becomes
+    `GradScaler("npu")`; so do `ShardedGradScaler()`, `torch.is_autocast_enabled()`,
+    `torch.set_autocast_enabled(True)` and `DefaultDeviceType.set_device_type()`.
+    `torch.random.fork_rng()` forks the CUDA generators unless told otherwise: it gets
+    `device_type="npu"`. Names are resolved through the file's imports (`from torch.amp import
+    GradScaler as GS; GS()`); a call passing `*args` or `**kwargs` may give the device and is left.
+    """
+
+    DESCRIPTION = "torch APIs whose device defaults to CUDA (GradScaler(), fork_rng() ...) get 'npu'"
+    RULES = ("cuda-default-device", "fork-rng-device-type")
+    FILES_CONTAINING = ("GradScaler", "autocast_enabled", "set_device_type", "fork_rng")  # in a call or its import
+
+    @classmethod
+    def screen(cls, model) -> bool:  # a call of one of these APIs, through the file's imports
+        return any(model.qualname(call.func) in _APIS for call in model.calls)
+
+    def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.Call:
+        qualified = self.facts.qualname(original_node.func)
+        if qualified in rules.CUDA_DEFAULT_DEVICE_APIS:
+            if lacks_device_argument(original_node, qualified):
+                self.insert_first_argument(original_node, '"npu"', "cuda-default-device")
+        elif qualified == "torch.random.fork_rng" and not any(
+                arg.keyword is not None and arg.keyword.value == "device_type" for arg in original_node.args):
+            self.append_keyword(original_node, 'device_type="npu"', "fork-rng-device-type")
+        return updated_node
