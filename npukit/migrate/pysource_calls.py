@@ -68,10 +68,6 @@ class CallRules:
                 self._handle_argparse(call)
             elif method == "startswith" and self._is_device_like(func.value) and call.args:
                 self._rewrite_device_choices(call.args[0], "device-compare")
-            if last_name(func) in rules.INFINITE_FILL_CALLS and any(
-                self._is_infinite(value) for value in [*call.args, *(k.value for k in call.keywords)]
-            ):
-                self._flag(call, rules.INFINITE_FILL)
             if method in rules.UNSUPPORTED_TENSOR_METHODS and qualified is None:
                 self._flag(call, Flag("unsupported-api", "warning",
                                       f"Tensor.{method} is not supported by torch_npu (if the receiver is a tensor)",
@@ -92,15 +88,6 @@ class CallRules:
                                       f"`{last_name(func)}` is a custom op bound from this tree's CUDA native code",
                                       "port its kernel (Ascend C / op-plugin) or replace it with torch ops; "
                                       "see the cuda-source findings"))
-
-    def _is_infinite(self, node: ast.AST) -> bool:
-        """float("-inf"), -math.inf, torch.inf, np.inf."""
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
-            return self._is_infinite(node.operand)
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "float" and node.args:
-            text = string_value(node.args[0])
-            return text is not None and text.strip().lower().lstrip("+-") in ("inf", "infinity")
-        return self.qualname(node) in ("math.inf", "torch.inf", "numpy.inf")
 
     def _is_upgraded_amp(self, func: ast.AST) -> bool:
         root = func

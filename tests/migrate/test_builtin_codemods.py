@@ -189,3 +189,12 @@ def test_the_import_table_keeps_the_first_binding_of_a_name_and_knows_a_module_l
     assert "torch" not in bindings("torch = load_backend()\n")
     assert bindings("def f():\n    torch = 1\n") == {"torch": "torch"}  # a local, not the module's
     assert bindings("from . import torch_utils\nfrom x import *\n") == {"torch": "torch"}
+
+
+@pytest.mark.parametrize("fill", ['t.masked_fill(m, float("-INF"))', "torch.full((2,), -(torch.inf))",
+                                  "t.fill_(big)", "t.new_full((3,), value=-np.inf)"])
+def test_infinite_fills_are_reported_however_the_infinity_is_spelled(fill):
+    code = f"import torch\nimport numpy as np\nfrom math import inf as big\nx = {fill}\n"
+    findings = [(f.line, f.col, f.kind) for f in migrate_python(code, "attention.py").findings]
+    assert findings == [(4, 5, "inf-fill")]
+    assert migrate_python(code.replace(fill, "t.masked_fill(m, float('nan'))"), "attention.py").findings == []

@@ -19,11 +19,12 @@ from libcst.codemod import CodemodCommand
 
 from npukit.migrate.codemods.default_devices import CudaDefaultDevices
 from npukit.migrate.codemods.environment import CudaEnvironment
+from npukit.migrate.codemods.infinite_fills import InfiniteFills
 
 # The concerns ported from the ast engine so far, in the order they run (each on the original parse).
-BUILTIN_CODEMODS = (CudaEnvironment, CudaDefaultDevices)
+BUILTIN_CODEMODS = (CudaEnvironment, CudaDefaultDevices, InfiniteFills)
 
-__all__ = ["BUILTIN_CODEMODS", "CudaDefaultDevices", "CudaEnvironment", "MigrateToNpu"]
+__all__ = ["BUILTIN_CODEMODS", "CudaDefaultDevices", "CudaEnvironment", "InfiniteFills", "MigrateToNpu"]
 
 
 class MigrateToNpu(CodemodCommand):

@@ -24,8 +24,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import libcst as cst
-from libcst.codemod import CodemodContext, VisitorBasedCodemodCommand
 from libcst._nodes.internal import CodegenState
+from libcst.codemod import CodemodContext, VisitorBasedCodemodCommand
 from libcst.metadata import MetadataWrapper
 
 from npukit.migrate.model import Edit, Finding

@@ -1,0 +1,54 @@
+"""Fills with +-inf, which a saturation-mode NPU turns into an overflow on every fp16 step."""
+
+from __future__ import annotations
+
+import libcst as cst
+
+from npukit.migrate import rules
+from npukit.migrate.codemods.base import NpuCodemod
+from npukit.migrate.pysource_model import last_name
+
+_INFINITIES = frozenset({"math.inf", "torch.inf", "numpy.inf"})
+
+
+class InfiniteFills(NpuCodemod):
+    """`scores.masked_fill(mask, float("-inf"))` (and fill_, index_fill, full, full_like, new_full
+    with -math.inf, torch.inf, np.inf ...) is reported, not rewritten: on a 910A in saturation mode
+    an fp16 inf becomes +-65504 and sets the overflow flag, so GradScaler skips every step, while the
+    same code is right in INF_NAN mode (910B). The finding suggests torch.finfo(dtype).min."""
+
+    DESCRIPTION = "fills with +-inf reported (fp16 overflow on a saturation-mode NPU)"
+    @classmethod
+    def concerns(cls, code: str) -> bool:  # float("Infinity"), float("INF") ...
+        return "inf" in code.lower()
+
+    @classmethod
+    def screen(cls, model) -> bool:
+        """A fill call whose text says inf, or any fill call where an infinity is imported under a
+        name that does not (`from math import inf as big`)."""
+        fills = [call for call in model.calls if last_name(call.func) in rules.INFINITE_FILL_CALLS]
+        if not fills:
+            return False
+        if any(qualified in _INFINITIES and "inf" not in local.lower() for local, qualified in model.bindings.items()):
+            return True
+        return any("inf" in model.pos.segment(call).lower() for call in fills)
+
+    def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.Call:
+        func = original_node.func
+        name = func.value if isinstance(func, cst.Name) else func.attr.value if isinstance(func, cst.Attribute) else None
+        if name in rules.INFINITE_FILL_CALLS and any(self._is_infinite(arg.value) for arg in original_node.args):
+            self.flag(original_node, rules.INFINITE_FILL)
+        return updated_node
+
+    def _is_infinite(self, node: cst.BaseExpression) -> bool:
+        """float("-inf"), -math.inf, torch.inf, np.inf."""
+        if isinstance(node, cst.UnaryOperation) and isinstance(node.operator, (cst.Minus, cst.Plus)):
+            return self._is_infinite(node.expression)
+        if isinstance(node, cst.Call) and isinstance(node.func, cst.Name) and node.func.value == "float":
+            positional = [arg for arg in node.args if not arg.keyword and not arg.star]
+            if positional and positional[0] is node.args[0] and isinstance(positional[0].value, (cst.SimpleString,
+                                                                                                 cst.ConcatenatedString)):
+                text = positional[0].value.evaluated_value
+                return isinstance(text, str) and text.strip().lower().lstrip("+-") in ("inf", "infinity")
+            return False
+        return self.facts.qualname(node) in _INFINITIES
