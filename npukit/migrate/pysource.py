@@ -85,7 +85,7 @@ class PythonMigrator(AuditRules, CallRules, DeviceRules, NameRules, SourceModel)
         from npukit.migrate.codemods.base import run_builtin_codemods
 
         concerned = tuple(codemod for codemod in BUILTIN_CODEMODS if codemod.concerns(self.text) and codemod.screen(self))
-        edits, findings = run_builtin_codemods(self.text, self.path, concerned)
+        edits, findings = run_builtin_codemods(self.text, self.path, concerned, self.facts)
         for edit in edits:
             self._edit((edit.start, edit.end), edit.text, edit.rule, needs_torch_npu=edit.needs_torch_npu)
         for finding in findings:

@@ -11,7 +11,7 @@ import ast
 import re
 
 from npukit.migrate import rules
-from npukit.migrate.pysource_model import last_name, newline_of, string_value
+from npukit.migrate.pysource_model import newline_of, string_value
 from npukit.migrate.pysource_names import third_party_flag
 from npukit.migrate.rules import Flag
 from npukit.migrate.unsupported_apis import UNSUPPORTED_TORCH_APIS
@@ -44,8 +44,6 @@ class CallRules:
                 elif qualified in rules.LEGACY_CONSTRUCTORS and (call.args or call.keywords) and (
                         self.facts.cuda_default_tensor_type or "set_default_tensor_type" in self.text):
                     self._flag(call, rules.LEGACY_CONSTRUCTOR_CALL)
-                elif qualified == rules.TORCH_LOAD:
-                    self._handle_torch_load(call)
                 elif qualified == "torch.set_default_tensor_type":
                     self._handle_default_tensor_type(call)
                 elif qualified == "torch.cuda.get_device_properties":
@@ -83,11 +81,6 @@ class CallRules:
                 self._flag(call, Flag("ddp-set-device", "info",
                                       "DDP on NPU needs the process's device set first; this file never calls set_device",
                                       "call torch.npu.set_device(local_rank) before building DDP"))
-            if self.custom_ops and last_name(func) in self.custom_ops and self._root_name(func) in self.bindings:
-                self._flag(call, Flag("custom-cuda-op", "error",
-                                      f"`{last_name(func)}` is a custom op bound from this tree's CUDA native code",
-                                      "port its kernel (Ascend C / op-plugin) or replace it with torch ops; "
-                                      "see the cuda-source findings"))
 
     def _is_upgraded_amp(self, func: ast.AST) -> bool:
         root = func
@@ -155,51 +148,6 @@ class CallRules:
                 self._edit((last_end, last_end), f", {text}", rule, needs_torch_npu=needs_torch_npu)
         elif inside.strip("( \t") == "":
             self._edit((end - 1, end - 1), text, rule, needs_torch_npu=needs_torch_npu)
-
-    def _handle_torch_load(self, call: ast.Call) -> None:
-        """A CUDA-saved checkpoint does not load on an NPU host without map_location.
-
-        "cpu" only where the result provably goes into load_state_dict() (which copies to the
-        parameters' device); anything else loaded whole (a pickled model, `model, opt = torch.load(f)`,
-        a checkpoint dict also read for other values) goes to "npu", as it came back on the GPU before.
-        """
-        if len(call.args) >= 2 or any(k.arg in ("map_location", None) for k in call.keywords):
-            return
-        if self._flows_only_into_load_state_dict(call):
-            location = "cpu"
-            why = "its result only goes into load_state_dict(), which copies to the parameters' device"
-            suggestion = "nothing to do unless the checkpoint is also used elsewhere"
-        else:
-            location = "npu"
-            why = ("the loaded object is used as it is (not only through load_state_dict()), so it goes to the NPU, "
-                   "as it came back on the GPU it was saved from")
-            suggestion = ("if the file was saved from CPU tensors (data, not a CUDA checkpoint) and must stay on the "
-                          "CPU, use map_location=\"cpu\"")
-        self._append_keyword(call, f'map_location="{location}"', "torch-load-map-location", needs_torch_npu=location == "npu")
-        self._flag(call, Flag("torch-load", "info",
-                              f'added map_location="{location}": a checkpoint saved on CUDA does not load on an NPU '
-                              f"host without it ({why})", suggestion))
-
-    def _flows_only_into_load_state_dict(self, call: ast.Call) -> bool:
-        if self._is_load_state_dict_argument(call):
-            return True
-        up = self.parent.get(id(call))
-        if not (isinstance(up, ast.Assign) and len(up.targets) == 1 and isinstance(up.targets[0], ast.Name)):
-            return False
-        name = up.targets[0].id
-        scope = self.scope_of.get(id(up), self.tree)
-        if sum(1 for line, _ in self._binding_sites(name, scope)) != 1:
-            return False  # rebound somewhere: the value's other uses are not followed
-        uses = [use for use in self.loads.get(name, ()) if self._defining_scope(name, self.scope_of.get(id(use), self.tree)) is scope]
-        return bool(uses) and all(self._is_load_state_dict_argument(use) for use in uses)
-
-    def _is_load_state_dict_argument(self, node: ast.AST) -> bool:
-        """`m.load_state_dict(node)` or `m.load_state_dict(node["model"])` (a constant key)."""
-        up = self.parent.get(id(node))
-        if isinstance(up, ast.Subscript) and up.value is node and isinstance(up.slice, ast.Constant):
-            node, up = up, self.parent.get(id(up))
-        return isinstance(up, ast.Call) and node in up.args[:1] and isinstance(up.func, ast.Attribute) \
-            and up.func.attr in ("load_state_dict", "load_state_dict_from_checkpoint")
 
     def _handle_default_tensor_type(self, call: ast.Call) -> None:
         if len(call.args) != 1 or call.keywords:

@@ -379,6 +379,11 @@ def lacks_device_argument(qualified: str, positional: int, starred: bool, keywor
     return positional < given_at and not keywords & {parameter, None}
 
 
+def torch_load_lacks_map_location(positional: int, keywords: set[str | None]) -> bool:
+    """torch.load called with neither map_location (its second parameter) nor **kwargs."""
+    return positional < 2 and not keywords & {"map_location", None}
+
+
 # ------------------------------------------------------------------------------ third party
 THIRD_PARTY = {
     "flash_attn": Flag(

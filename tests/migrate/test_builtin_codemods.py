@@ -14,8 +14,15 @@ import pytest
 from libcst.codemod import CodemodContext, CodemodTest
 from libcst.metadata import MetadataWrapper, PositionProvider
 
-from npukit.migrate.codemods import BUILTIN_CODEMODS, CudaDefaultDevices, CudaEnvironment
+from npukit.migrate.codemods import (
+    BUILTIN_CODEMODS,
+    CudaDefaultDevices,
+    CudaEnvironment,
+    CustomCudaOps,
+    TorchLoadMapLocation,
+)
 from npukit.migrate.codemods.base import FileFacts, run_builtin_codemods
+from npukit.migrate.model import TreeFacts
 from npukit.migrate.pysource import PythonMigrator, migrate_python
 
 REPO = Path(__file__).resolve().parents[2]
@@ -198,3 +205,89 @@ def test_infinite_fills_are_reported_however_the_infinity_is_spelled(fill):
     findings = [(f.line, f.col, f.kind) for f in migrate_python(code, "attention.py").findings]
     assert findings == [(4, 5, "inf-fill")]
     assert migrate_python(code.replace(fill, "t.masked_fill(m, float('nan'))"), "attention.py").findings == []
+
+
+class TorchLoadCase(CodemodTest):
+    TRANSFORM = TorchLoadMapLocation
+
+    def runTest(self):  # noqa: N802 (unittest's name)
+        # only into load_state_dict (directly, through a key, through a name read nowhere else): cpu
+        self.assertCodemod('import torch\nm.load_state_dict(torch.load("a.pt"))\n',
+                           'import torch\nm.load_state_dict(torch.load("a.pt", map_location="cpu"))\n')
+        self.assertCodemod('import torch\nckpt = torch.load(p)\nm.load_state_dict(ckpt["model"])\n',
+                           'import torch\nckpt = torch.load(p, map_location="cpu")\nm.load_state_dict(ckpt["model"])\n')
+        # a read after the load, in a function that sees the module's name
+        self.assertCodemod('import torch\nsd = torch.load(p)\ndef restore():\n    m.load_state_dict(sd)\n',
+                           'import torch\nsd = torch.load(p, map_location="cpu")\ndef restore():\n    m.load_state_dict(sd)\n')
+        # used whole, or rebound: npu
+        self.assertCodemod('import torch\nckpt = torch.load(p)\nstep = ckpt["step"]\n',
+                           'import torch\nckpt = torch.load(p, map_location="npu")\nstep = ckpt["step"]\n')
+        self.assertCodemod('import torch\ndef f(p):\n    s = torch.load(p)\n    s = fix(s)\n    m.load_state_dict(s)\n',
+                           'import torch\ndef f(p):\n    s = torch.load(p, map_location="npu")\n    s = fix(s)\n'
+                           '    m.load_state_dict(s)\n')
+        unchanged = [
+            'import torch\nx = torch.load(p, map_location="cpu")\n',
+            'import torch\nx = torch.load(p, "cpu")\n',
+            "import torch\nx = torch.load(p, **options)\n",
+            "import pickle\nx = pickle.load(p)\n",
+        ]
+        for code in unchanged:
+            self.assertCodemod(code, code)
+
+
+def test_torch_load_as_a_libcst_codemod_test():
+    TorchLoadCase().runTest()
+
+
+@pytest.mark.parametrize("folder", ["npukit/migrate", "tests/migrate"])
+def test_the_scopes_fact_is_the_ast_engines(folder):
+    """For every name read in these files: the scope whose binding it sees, and how many statements
+    bind the name there, as the ast engine decides them."""
+    compared = 0
+    for path in sorted((REPO / folder).rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        migrator = PythonMigrator(text, str(path))
+        facts = FileFacts(str(path), cst.parse_module(text), text)
+
+        expected = {}
+        for name, uses in migrator.loads.items():
+            for use in uses:
+                scope = migrator._defining_scope(name, migrator.scope_of.get(id(use), migrator.tree))
+                expected[(name, migrator.pos.offset(use.lineno, use.col_offset))] = (
+                    getattr(scope, "lineno", 0), len(migrator._binding_sites(name, scope)))
+        scopes = facts.scopes
+        found = {}
+        for name, uses in scopes.reads.items():
+            for use in uses:
+                scope = scopes.defining_scope(name, scopes.scope_of[use])
+                found[(name, facts.span(use)[0])] = (_scope_line(facts, scope), scopes.binding_count(name, scope))
+        assert found == expected, path
+        compared += len(found)
+    assert compared > 1000
+
+
+def _scope_line(facts: FileFacts, scope: cst.CSTNode) -> int:
+    """The line ast gives a scope: 0 for the module, the `def` / `class` / `lambda` line otherwise."""
+    if isinstance(scope, cst.Module):
+        return 0
+    return facts.line_col(facts.span(scope.name if hasattr(scope, "name") else scope)[0])[0]
+
+
+def test_a_lambda_in_default_values_does_not_bind_its_parameter_in_the_function():
+    # the ast engine counted `step` twice here (ast.walk over the arguments reached the lambda's)
+    code = "def train(model, batch=lambda step: step):\n    for step in range(3):\n        batch(step)\n"
+    facts = FileFacts("a.py", cst.parse_module(code), code)
+    function = facts.module.body[0]
+    assert facts.scopes.binding_count("step", function) == 1
+    reads = facts.scopes.reads["step"]
+    assert [facts.scopes.defining_scope("step", facts.scopes.scope_of[read]) for read in reads] == [
+        function.params.params[1].default, function]  # the lambda's own read, the loop's
+
+
+def test_custom_ops_come_from_the_tree_facts_through_the_codemod_context():
+    code = "import my_ext\nfrom my_ext import fused_gelu as fg\ny = my_ext.fused_gelu(x)\nz = fg(x)\nw = obj.fused_gelu()\n"
+    tree = TreeFacts(custom_ops=frozenset({"fused_gelu"}))
+    _, findings = run_builtin_codemods(code, "model.py", (CustomCudaOps,), tree)
+    # the op by its module, and imported under another name; not a method of some object
+    assert [(f.line, f.kind) for f in findings] == [(3, "custom-cuda-op"), (4, "custom-cuda-op")]
+    assert run_builtin_codemods(code, "model.py", (CustomCudaOps,))[1] == []  # one file alone knows no ops

@@ -17,14 +17,16 @@ from __future__ import annotations
 import libcst as cst
 from libcst.codemod import CodemodCommand
 
+from npukit.migrate.codemods.custom_ops import CustomCudaOps
 from npukit.migrate.codemods.default_devices import CudaDefaultDevices
 from npukit.migrate.codemods.environment import CudaEnvironment
 from npukit.migrate.codemods.infinite_fills import InfiniteFills
+from npukit.migrate.codemods.torch_load import TorchLoadMapLocation
 
 # The concerns ported from the ast engine so far, in the order they run (each on the original parse).
-BUILTIN_CODEMODS = (CudaEnvironment, CudaDefaultDevices, InfiniteFills)
+BUILTIN_CODEMODS = (CudaEnvironment, CudaDefaultDevices, InfiniteFills, TorchLoadMapLocation, CustomCudaOps)
 
-__all__ = ["BUILTIN_CODEMODS", "CudaDefaultDevices", "CudaEnvironment", "InfiniteFills", "MigrateToNpu"]
+__all__ = ["BUILTIN_CODEMODS", "CudaDefaultDevices", "CustomCudaOps", "CudaEnvironment", "InfiniteFills", "MigrateToNpu", "TorchLoadMapLocation"]
 
 
 class MigrateToNpu(CodemodCommand):

@@ -28,7 +28,7 @@ from libcst._nodes.internal import CodegenState
 from libcst.codemod import CodemodContext, VisitorBasedCodemodCommand
 from libcst.metadata import MetadataWrapper
 
-from npukit.migrate.model import Edit, Finding
+from npukit.migrate.model import Edit, Finding, TreeFacts
 from npukit.migrate.pysource_model import MigrationSyntaxError, Positions, apply_edits, drop_overlaps
 from npukit.migrate.rules import Flag
 
@@ -40,9 +40,10 @@ BUILTIN_FINDINGS_KEY = "npukit.builtin_findings"
 class FileFacts:
     """One file's parse, text and positions, shared by every codemod run on it."""
 
-    def __init__(self, path: str, module: cst.Module, text: str) -> None:
+    def __init__(self, path: str, module: cst.Module, text: str, tree: TreeFacts = TreeFacts()) -> None:
         self.path = path
         self.module = module
+        self.tree = tree  # what the rest of the tree says (npu-migrate gathers it; empty under libcst's tool)
         self.positions = Positions(text)
         self._spans: dict[cst.CSTNode, tuple[int, int]] | None = None
 
@@ -63,6 +64,13 @@ class FileFacts:
         collector = _ImportTable()
         self.module.visit(collector)
         return collector.bindings
+
+    @functools.cached_property
+    def scopes(self):
+        """Which scope binds each name and where names are read (codemods.scopes.Scopes)."""
+        from npukit.migrate.codemods.scopes import Scopes
+
+        return Scopes(self.module)
 
     def qualname(self, node: cst.BaseExpression) -> str | None:
         """The dotted name an expression refers to through the import table (`th.cuda.amp` ->
@@ -311,7 +319,8 @@ class NpuCodemod(VisitorBasedCodemodCommand):
         self.warn(f"{line}:{col}: {flag.severity} {flag.kind}: {reason} ({flag.suggestion})")
 
 
-def run_builtin_codemods(text: str, path: str, codemods: tuple[type[NpuCodemod], ...]) -> tuple[list[Edit], list[Finding]]:
+def run_builtin_codemods(text: str, path: str, codemods: tuple[type[NpuCodemod], ...],
+                         tree: TreeFacts = TreeFacts()) -> tuple[list[Edit], list[Finding]]:
     """The edits (offsets into `text`) and findings of the built-in codemods that concern this file:
     one parse of the original text, one position pass, one traversal for them all."""
     concerned = [codemod for codemod in codemods if codemod.concerns(text)]
@@ -322,7 +331,7 @@ def run_builtin_codemods(text: str, path: str, codemods: tuple[type[NpuCodemod],
     except cst.ParserSyntaxError as exc:
         raise MigrationSyntaxError(f"does not parse as Python 3 for libcst (line {exc.raw_line}: {exc.message})") from None
     context = CodemodContext(filename=path, wrapper=MetadataWrapper(module, unsafe_skip_copy=True))
-    facts = context.scratch[FACTS_KEY] = FileFacts(path, module, text)
+    facts = context.scratch[FACTS_KEY] = FileFacts(path, module, text, tree)
     instances = [codemod_class(context) for codemod_class in concerned]
     for codemod in instances:
         codemod.facts = facts

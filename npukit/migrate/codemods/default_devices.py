@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+
 import libcst as cst
 
 from npukit.migrate import rules
@@ -13,9 +15,6 @@ def lacks_device_argument(call: cst.Call, qualified: str) -> bool:
     positional = [arg for arg in call.args if not arg.keyword and arg.star != "**"]
     keywords = {arg.keyword.value if arg.keyword else None for arg in call.args if arg.keyword or arg.star == "**"}
     return rules.lacks_device_argument(qualified, len(positional), any(arg.star == "*" for arg in positional), keywords)
-
-
-_APIS = frozenset({*rules.CUDA_DEFAULT_DEVICE_APIS, "torch.random.fork_rng"})
 
 
 class CudaDefaultDevices(NpuCodemod):
@@ -32,8 +31,16 @@ class CudaDefaultDevices(NpuCodemod):
     FILES_CONTAINING = ("GradScaler", "autocast_enabled", "set_device_type", "fork_rng")  # in a call or its import
 
     @classmethod
-    def screen(cls, model) -> bool:  # a call of one of these APIs, through the file's imports
-        return any(model.qualname(call.func) in _APIS for call in model.calls)
+    def screen(cls, model) -> bool:  # a call of one of these APIs without its device, through the imports
+        for call in model.calls:
+            qualified = model.qualname(call.func)
+            keywords = {keyword.arg for keyword in call.keywords}
+            if qualified == "torch.random.fork_rng" and "device_type" not in keywords:
+                return True
+            if qualified in rules.CUDA_DEFAULT_DEVICE_APIS and rules.lacks_device_argument(
+                    qualified, len(call.args), any(isinstance(a, ast.Starred) for a in call.args), keywords):
+                return True
+        return False
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.Call:
         qualified = self.facts.qualname(original_node.func)

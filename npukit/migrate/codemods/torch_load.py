@@ -1,0 +1,103 @@
+"""torch.load without map_location: a CUDA checkpoint does not load on an NPU host."""
+
+from __future__ import annotations
+
+import libcst as cst
+
+from npukit.migrate import rules
+from npukit.migrate.codemods.base import NpuCodemod
+from npukit.migrate.rules import Flag
+
+_LOAD_STATE_DICT = frozenset({"load_state_dict", "load_state_dict_from_checkpoint"})
+_CONSTANTS = (cst.SimpleString, cst.ConcatenatedString, cst.Integer, cst.Float, cst.Imaginary, cst.Ellipsis)
+
+
+class TorchLoadMapLocation(NpuCodemod):
+    """`torch.load(f)` gets `map_location="cpu"` where its result provably goes only into
+    `load_state_dict()` (which copies to the parameters' device): passed straight to it, or assigned
+    once to a name whose every read is `m.load_state_dict(name)` / `m.load_state_dict(name["key"])`.
+    Anything else loaded whole (a pickled model, `model, opt = torch.load(f)`, a checkpoint dict also
+    read for other values) gets `map_location="npu"`, as it came back on the GPU it was saved from.
+    Each is reported (info) with the reason."""
+
+    DESCRIPTION = "torch.load without map_location gets 'cpu' (only into load_state_dict) or 'npu'"
+    RULES = ("torch-load-map-location",)
+    FILES_CONTAINING = ("load",)
+
+    @classmethod
+    def screen(cls, model) -> bool:  # a torch.load call without map_location, through the file's imports
+        return any(model.qualname(call.func) == rules.TORCH_LOAD and rules.torch_load_lacks_map_location(
+            len(call.args), {keyword.arg for keyword in call.keywords}) for call in model.calls)
+
+    def __init__(self, context) -> None:
+        super().__init__(context)
+        self._state_dict_arguments: set[int] = set()  # ids of nodes passed to load_state_dict
+        self._assigned_to: dict[int, cst.Assign] = {}  # id of a call -> `name = call`
+        self._loads: list[cst.Call] = []  # torch.load calls without a map_location
+
+    def visit_Call(self, node: cst.Call) -> None:
+        if isinstance(node.func, cst.Attribute) and node.func.attr.value in _LOAD_STATE_DICT:
+            first = next((arg for arg in node.args if not arg.keyword and arg.star != "**"), None)
+            if first is not None and not first.star:
+                value = first.value
+                self._state_dict_arguments.add(id(value))
+                if isinstance(value, cst.Subscript) and len(value.slice) == 1 and \
+                        isinstance(value.slice[0].comma, cst.MaybeSentinel) and \
+                        isinstance(value.slice[0].slice, cst.Index) and _is_constant(value.slice[0].slice.value):
+                    self._state_dict_arguments.add(id(value.value))  # m.load_state_dict(ckpt["model"])
+
+    def visit_Assign(self, node: cst.Assign) -> None:
+        if len(node.targets) == 1 and isinstance(node.targets[0].target, cst.Name) and isinstance(node.value, cst.Call):
+            self._assigned_to[id(node.value)] = node
+
+    def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.Call:
+        if self.facts.qualname(original_node.func) == rules.TORCH_LOAD:
+            positional = [arg for arg in original_node.args if not arg.keyword and arg.star != "**"]
+            keywords = {arg.keyword.value if arg.keyword else None
+                        for arg in original_node.args if arg.keyword or arg.star == "**"}
+            if rules.torch_load_lacks_map_location(len(positional), keywords):
+                self._loads.append(original_node)
+        return updated_node
+
+    def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> cst.Module:
+        for call in self._loads:  # now that every load_state_dict() call of the file has been seen
+            self._give_map_location(call)
+        return updated_node
+
+    def _give_map_location(self, call: cst.Call) -> None:
+        if self._flows_only_into_load_state_dict(call):
+            location = "cpu"
+            why = "its result only goes into load_state_dict(), which copies to the parameters' device"
+            suggestion = "nothing to do unless the checkpoint is also used elsewhere"
+        else:
+            location = "npu"
+            why = ("the loaded object is used as it is (not only through load_state_dict()), so it goes to the NPU, "
+                   "as it came back on the GPU it was saved from")
+            suggestion = ("if the file was saved from CPU tensors (data, not a CUDA checkpoint) and must stay on the "
+                          "CPU, use map_location=\"cpu\"")
+        self.append_keyword(call, f'map_location="{location}"', "torch-load-map-location",
+                            needs_torch_npu=location == "npu")
+        self.flag(call, Flag("torch-load", "info",
+                             f'added map_location="{location}": a checkpoint saved on CUDA does not load on an '
+                             f"NPU host without it ({why})", suggestion))
+
+    def _flows_only_into_load_state_dict(self, call: cst.Call) -> bool:
+        if id(call) in self._state_dict_arguments:
+            return True
+        assign = self._assigned_to.get(id(call))
+        if assign is None:
+            return False
+        name = assign.targets[0].target.value
+        scopes = self.facts.scopes
+        scope = scopes.scope_of[assign]
+        if scopes.binding_count(name, scope) != 1:
+            return False  # rebound somewhere: the value's other uses are not followed
+        uses = [use for use in scopes.reads.get(name, ()) if scopes.defining_scope(name, scopes.scope_of[use]) is scope]
+        return bool(uses) and all(id(use) in self._state_dict_arguments for use in uses)
+
+
+def _is_constant(node: cst.BaseExpression) -> bool:
+    """What ast calls a Constant: a literal, None, True, False, `...`."""
+    if isinstance(node, cst.Name):
+        return node.value in ("None", "True", "False")
+    return isinstance(node, _CONSTANTS)
