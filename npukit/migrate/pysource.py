@@ -80,16 +80,61 @@ class PythonMigrator(AuditRules, CallRules, DeviceRules, NameRules, SourceModel)
 
     def _run_builtin_codemods(self) -> None:
         """The concerns already ported to libcst codemods (npukit.migrate.codemods), on the same text:
-        their edits join the others (none inside a frozen span), before conditions and the audit."""
+        their edits join the others (none inside a frozen span), before conditions and the audit.
+        libcst parses only the top-level statements that hold a candidate of a codemod (its parse
+        costs ~10x ast's), unless one of them needs the whole file."""
         from npukit.migrate.codemods import BUILTIN_CODEMODS
         from npukit.migrate.codemods.base import run_builtin_codemods
 
-        concerned = tuple(codemod for codemod in BUILTIN_CODEMODS if codemod.concerns(self.text) and codemod.screen(self))
-        edits, findings = run_builtin_codemods(self.text, self.path, concerned, self.facts)
+        concerned, candidates, whole_file = [], [], False
+        for codemod in BUILTIN_CODEMODS:
+            found = codemod.candidates(self) if codemod.concerns(self.text) else []
+            if found:
+                concerned.append(codemod)
+                candidates += found
+                whole_file = whole_file or codemod.WHOLE_FILE or any(node is self.tree for node in found)
+        if not concerned:
+            return
+        windows = None if whole_file else self._statement_windows(candidates)
+        edits, findings = run_builtin_codemods(self.text, self.path, tuple(concerned), self.facts, windows=windows,
+                                               bindings=self.bindings)
         for edit in edits:
             self._edit((edit.start, edit.end), edit.text, edit.rule, needs_torch_npu=edit.needs_torch_npu)
         for finding in findings:
             self.findings.setdefault((finding.line, finding.col - 1, finding.kind), finding)
+
+    def _statement_windows(self, nodes: list[ast.AST]) -> list[tuple[int, int]]:
+        """(start, end) offsets of the runs of whole lines holding the top-level statements that
+        contain `nodes`, each closed over the statements sharing its lines (`x = f(\n  1); y = 2`).
+        A window never begins with a bare string statement other than the module's first (parsed
+        alone it would read as a module docstring): it takes the statement before too."""
+        body = self.tree.body
+        firsts = [min([statement.lineno, *(d.lineno for d in getattr(statement, "decorator_list", ()))])
+                  for statement in body]
+        lasts = [statement.end_lineno for statement in body]
+        chosen = sorted({max(bisect.bisect_right(firsts, node.lineno) - 1, 0) for node in nodes})
+        groups: list[list[int]] = []  # [first index, last index] of each window
+        for index in chosen:
+            if groups and index <= groups[-1][1] + 1 and firsts[index] <= lasts[groups[-1][1]]:
+                groups[-1][1] = max(groups[-1][1], index)
+            else:
+                groups.append([index, index])
+        for group in groups:
+            while group[0] > 0 and (lasts[group[0] - 1] >= firsts[group[0]] or (
+                    isinstance(body[group[0]], ast.Expr) and string_value(body[group[0]].value) is not None)):
+                group[0] -= 1
+            while group[1] + 1 < len(body) and firsts[group[1] + 1] <= lasts[group[1]]:
+                group[1] += 1
+        starts = self.pos.line_starts
+        windows: list[tuple[int, int]] = []
+        for first, last in groups:
+            start = starts[firsts[first] - 1]
+            end = starts[lasts[last]] if lasts[last] < len(starts) else len(self.text)
+            if windows and start <= windows[-1][1]:
+                windows[-1] = (windows[-1][0], max(end, windows[-1][1]))
+            else:
+                windows.append((start, end))
+        return windows
 
     def insertion_point(self) -> int | None:
         """Offset where `import torch_npu` goes: after the docstring and `from __future__` imports."""

@@ -291,3 +291,57 @@ def test_custom_ops_come_from_the_tree_facts_through_the_codemod_context():
     # the op by its module, and imported under another name; not a method of some object
     assert [(f.line, f.kind) for f in findings] == [(3, "custom-cuda-op"), (4, "custom-cuda-op")]
     assert run_builtin_codemods(code, "model.py", (CustomCudaOps,))[1] == []  # one file alone knows no ops
+
+
+WINDOW_CASES = '''\
+"""Module docstring: CUDA_VISIBLE_DEVICES."""
+import os, torch
+x = f(
+    "CUDA_VISIBLE_DEVICES"); y = torch.amp.GradScaler()
+"a bare string statement naming NCCL_DEBUG"
+os.environ["NCCL_SOCKET_IFNAME"] = "eth0"
+
+@decorate(os.environ["CUDA_LAUNCH_BLOCKING"])
+def f():
+    """CUDA_VISIBLE_DEVICES in a docstring."""
+    if True:
+        return scores.masked_fill(mask, float("-inf"))
+'''
+
+
+def _both_ways(code: str, path: str, tree: TreeFacts = TreeFacts()):
+    """The built-in codemods' (edits, findings) on the whole file and on the windows npu-migrate parses."""
+    migrator = PythonMigrator(code, path, tree)
+    migrator._build_bindings()
+    local = tuple(codemod for codemod in BUILTIN_CODEMODS if not codemod.WHOLE_FILE)
+    nodes = [node for codemod in local if codemod.concerns(code) for node in codemod.candidates(migrator)]
+    whole = run_builtin_codemods(code, path, local, tree)
+    windows = migrator._statement_windows(nodes) if nodes else []
+    parts = run_builtin_codemods(code, path, local, tree, windows=windows, bindings=migrator.bindings)
+    return whole, parts, windows
+
+
+def test_statement_windows_give_what_the_whole_file_gives():
+    whole, parts, windows = _both_ways(WINDOW_CASES, "train.py")
+    assert sorted(whole[0], key=str) == sorted(parts[0], key=str)
+    assert [(e.line, e.rule) for e in whole[0]] == [(4, "env-var"), (4, "cuda-default-device"), (6, "env-var"),
+                                                    (8, "env-var")]
+    assert sorted(whole[1], key=str) == sorted(parts[1], key=str)
+    # the bare string statement is code to the ast engine too; the docstrings are not
+    assert [(f.line, f.kind) for f in whole[1]] == [(4, "visible-devices"), (5, "env-var"), (12, "inf-fill")]
+    # statements 2-6 (sharing lines, and the bare string taking the statement before) and the def
+    # with its decorator; not the module docstring, the import nor the blank line
+    lines = [(WINDOW_CASES.count("\n", 0, start) + 1, WINDOW_CASES.count("\n", 0, end)) for start, end in windows]
+    assert lines == [(3, 6), (8, 12)]
+
+
+@pytest.mark.parametrize("folder", ["npukit", "tests"])
+def test_statement_windows_agree_with_the_whole_file_on_this_repository(folder):
+    compared = 0
+    for path in sorted((REPO / folder).rglob("*.py")):
+        code = path.read_text(encoding="utf-8")
+        whole, parts, windows = _both_ways(code, str(path), TreeFacts(custom_ops=frozenset({"fused_gelu", "launch"})))
+        assert (sorted(whole[0], key=str), sorted(whole[1], key=str)) == \
+            (sorted(parts[0], key=str), sorted(parts[1], key=str)), path
+        compared += bool(windows)
+    assert compared >= 3

@@ -12,13 +12,15 @@ The per-file facts several codemods need (text, positions, the import table) are
 kept in `context.scratch` (`FileFacts`), so the codemods run on one parse, in one read-only pass.
 
 A codemod declares `FILES_CONTAINING` (words one of which a file must contain for it to concern the
-codemod) and may refine it with `screen(model)` on the file's `ast` model: the other files are not
-parsed by libcst at all.
+codemod) and its `candidates(model)` in the file's `ast` model: the other files are not parsed by
+libcst at all, and in the others only the top-level statements holding a candidate are (unless the
+codemod is WHOLE_FILE).
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -40,11 +42,18 @@ BUILTIN_FINDINGS_KEY = "npukit.builtin_findings"
 class FileFacts:
     """One file's parse, text and positions, shared by every codemod run on it."""
 
-    def __init__(self, path: str, module: cst.Module, text: str, tree: TreeFacts = TreeFacts()) -> None:
+    def __init__(self, path: str, module: cst.Module, text: str, tree: TreeFacts = TreeFacts(), *,
+                 window: tuple[int, Positions, dict[str, str]] | None = None) -> None:
+        """window: (offset, the whole file's positions, its import table) when `module` is a
+        window of the file (some of its top-level statements) and not the whole of it."""
         self.path = path
         self.module = module
         self.tree = tree  # what the rest of the tree says (npu-migrate gathers it; empty under libcst's tool)
-        self.positions = Positions(text)
+        self.offset = 0
+        if window is None:
+            self.positions = Positions(text)
+        else:
+            self.offset, self.positions, self.__dict__["bindings"] = window
         self._spans: dict[cst.CSTNode, tuple[int, int]] | None = None
 
     def span(self, node: cst.CSTNode) -> tuple[int, int]:
@@ -54,7 +63,8 @@ class FileFacts:
                                         default_newline=self.module.default_newline)
             self.module._codegen(state)
             self._spans = state.spans
-        return self._spans[node]
+        start, end = self._spans[node]
+        return start + self.offset, end + self.offset
 
     @functools.cached_property
     def bindings(self) -> dict[str, str]:
@@ -241,12 +251,17 @@ class NpuCodemod(VisitorBasedCodemodCommand):
     def concerns(cls, code: str) -> bool:
         return not cls.FILES_CONTAINING or any(word in code for word in cls.FILES_CONTAINING)
 
+    # False: the codemod decides from the statement it acts on and the file's imports alone, so
+    # npu-migrate may give it only the top-level statements that hold its candidates
+    WHOLE_FILE = False
+
     @classmethod
-    def screen(cls, model) -> bool:
-        """Inside npu-migrate: whether the file's `ast` model (pysource_model.SourceModel, from the C
-        parser, ~10x cheaper than libcst's parse) holds a node this codemod could act on; False spares
-        the libcst parse. A necessary condition only: the codemod itself decides."""
-        return True
+    def candidates(cls, model) -> list:
+        """Inside npu-migrate: the nodes of the file's `ast` model (pysource_model.SourceModel, from the
+        C parser, ~10x cheaper than libcst's parse) this codemod could act on. None spares the libcst
+        parse; otherwise only the top-level statements holding them are parsed (all of the file for a
+        WHOLE_FILE codemod). A necessary condition only: the codemod itself decides."""
+        return [model.tree]
 
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
         """Under libcst's own tool: the module with this codemod's edits applied (the bytes
@@ -320,22 +335,31 @@ class NpuCodemod(VisitorBasedCodemodCommand):
 
 
 def run_builtin_codemods(text: str, path: str, codemods: tuple[type[NpuCodemod], ...],
-                         tree: TreeFacts = TreeFacts()) -> tuple[list[Edit], list[Finding]]:
+                         tree: TreeFacts = TreeFacts(), *, windows: list[tuple[int, int]] | None = None,
+                         bindings: dict[str, str] | None = None) -> tuple[list[Edit], list[Finding]]:
     """The edits (offsets into `text`) and findings of the built-in codemods that concern this file:
-    one parse of the original text, one position pass, one traversal for them all."""
+    one parse, one position pass, one traversal for them all. windows: (start, end) offsets of runs
+    of whole top-level statements, parsed alone instead of the file (the file's import table,
+    `bindings`, is then given: a window does not hold every import)."""
     concerned = [codemod for codemod in codemods if codemod.concerns(text)]
     if not concerned:
         return [], []
-    try:
-        module = cst.parse_module(text)
-    except cst.ParserSyntaxError as exc:
-        raise MigrationSyntaxError(f"does not parse as Python 3 for libcst (line {exc.raw_line}: {exc.message})") from None
-    context = CodemodContext(filename=path, wrapper=MetadataWrapper(module, unsafe_skip_copy=True))
-    facts = context.scratch[FACTS_KEY] = FileFacts(path, module, text, tree)
-    instances = [codemod_class(context) for codemod_class in concerned]
-    for codemod in instances:
-        codemod.facts = facts
-    module.visit(_OnePass(instances))
+    context = CodemodContext(filename=path)
+    whole_file = Positions(text)
+    for start, end in windows or [(0, len(text))]:
+        piece = text[start:end]
+        try:
+            module = cst.parse_module(piece)
+        except cst.ParserSyntaxError as exc:
+            line = whole_file.text.count("\n", 0, start) + exc.raw_line
+            raise MigrationSyntaxError(f"does not parse as Python 3 for libcst (line {line}: {exc.message})") from None
+        window = None if windows is None else (start, whole_file, bindings)
+        facts = context.scratch[FACTS_KEY] = FileFacts(path, module, piece, tree, window=window)
+        context = dataclasses.replace(context, wrapper=MetadataWrapper(module, unsafe_skip_copy=True))
+        instances = [codemod_class(context) for codemod_class in concerned]
+        for codemod in instances:
+            codemod.facts = facts
+        module.visit(_OnePass(instances))
     return context.scratch.get(EDITS_KEY, []), context.scratch.get(BUILTIN_FINDINGS_KEY, [])
 
 

@@ -20,10 +20,10 @@ class CustomCudaOps(NpuCodemod):
     DESCRIPTION = "calls of this tree's custom CUDA ops reported (their kernels need porting)"
 
     @classmethod
-    def screen(cls, model) -> bool:
+    def candidates(cls, model) -> list:
         ops = model.facts.custom_ops
-        return bool(ops) and any(
-            (model.qualname(call.func) or last_name(call.func) or "").rsplit(".", 1)[-1] in ops for call in model.calls)
+        return [call for call in model.calls if ops and
+                (model.qualname(call.func) or last_name(call.func) or "").rsplit(".", 1)[-1] in ops]
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.Call:
         func = original_node.func

@@ -31,16 +31,16 @@ class CudaDefaultDevices(NpuCodemod):
     FILES_CONTAINING = ("GradScaler", "autocast_enabled", "set_device_type", "fork_rng")  # in a call or its import
 
     @classmethod
-    def screen(cls, model) -> bool:  # a call of one of these APIs without its device, through the imports
+    def candidates(cls, model) -> list:  # calls of these APIs without their device, through the imports
+        found = []
         for call in model.calls:
             qualified = model.qualname(call.func)
             keywords = {keyword.arg for keyword in call.keywords}
-            if qualified == "torch.random.fork_rng" and "device_type" not in keywords:
-                return True
-            if qualified in rules.CUDA_DEFAULT_DEVICE_APIS and rules.lacks_device_argument(
-                    qualified, len(call.args), any(isinstance(a, ast.Starred) for a in call.args), keywords):
-                return True
-        return False
+            if (qualified == "torch.random.fork_rng" and "device_type" not in keywords) or (
+                    qualified in rules.CUDA_DEFAULT_DEVICE_APIS and rules.lacks_device_argument(
+                        qualified, len(call.args), any(isinstance(a, ast.Starred) for a in call.args), keywords)):
+                found.append(call)
+        return found
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.Call:
         qualified = self.facts.qualname(original_node.func)

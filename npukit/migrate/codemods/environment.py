@@ -38,9 +38,9 @@ class CudaEnvironment(NpuCodemod):
                         "CUBLAS_WORKSPACE_CONFIG", "NCCL_", "nvidia-smi", *_ALLOC_OPTION_WORDS)
 
     @classmethod
-    def screen(cls, model) -> bool:  # a string, not a docstring, holding one of the names
-        return any(id(node) not in model.docstrings and any(word in node.value for word in cls.FILES_CONTAINING)
-                   for node in model.strings)
+    def candidates(cls, model) -> list:  # strings, not docstrings, holding one of the names
+        return [node for node in model.strings
+                if id(node) not in model.docstrings and any(word in node.value for word in cls.FILES_CONTAINING)]
 
     def __init__(self, context) -> None:
         super().__init__(context)

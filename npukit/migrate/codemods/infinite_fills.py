@@ -23,15 +23,13 @@ class InfiniteFills(NpuCodemod):
         return "inf" in code.lower()
 
     @classmethod
-    def screen(cls, model) -> bool:
-        """A fill call whose text says inf, or any fill call where an infinity is imported under a
-        name that does not (`from math import inf as big`)."""
+    def candidates(cls, model) -> list:
+        """Fill calls whose text says inf; every fill call where an infinity is imported under a name
+        that does not (`from math import inf as big`)."""
         fills = [call for call in model.calls if last_name(call.func) in rules.INFINITE_FILL_CALLS]
-        if not fills:
-            return False
         if any(qualified in _INFINITIES and "inf" not in local.lower() for local, qualified in model.bindings.items()):
-            return True
-        return any("inf" in model.pos.segment(call).lower() for call in fills)
+            return fills
+        return [call for call in fills if "inf" in model.pos.segment(call).lower()]
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.Call:
         func = original_node.func

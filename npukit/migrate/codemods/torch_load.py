@@ -24,10 +24,12 @@ class TorchLoadMapLocation(NpuCodemod):
     RULES = ("torch-load-map-location",)
     FILES_CONTAINING = ("load",)
 
+    WHOLE_FILE = True  # follows the loaded value to its reads anywhere in the file
+
     @classmethod
-    def screen(cls, model) -> bool:  # a torch.load call without map_location, through the file's imports
-        return any(model.qualname(call.func) == rules.TORCH_LOAD and rules.torch_load_lacks_map_location(
-            len(call.args), {keyword.arg for keyword in call.keywords}) for call in model.calls)
+    def candidates(cls, model) -> list:  # torch.load calls without map_location, through the file's imports
+        return [call for call in model.calls if model.qualname(call.func) == rules.TORCH_LOAD and
+                rules.torch_load_lacks_map_location(len(call.args), {keyword.arg for keyword in call.keywords})]
 
     def __init__(self, context) -> None:
         super().__init__(context)
