@@ -16,9 +16,6 @@ from npukit.migrate.pysource_names import third_party_flag
 from npukit.migrate.rules import Flag
 from npukit.migrate.unsupported_apis import UNSUPPORTED_TORCH_APIS
 
-_AUTOCAST_CALLS = frozenset({"torch.autocast", "torch.amp.autocast", "torch.cuda.amp.autocast"})
-_DDP_CLASSES = frozenset({"torch.nn.parallel.DistributedDataParallel", "torch.nn.parallel.distributed.DistributedDataParallel"})
-
 
 def lacks_device_argument(call: ast.Call, qualified: str, *, starred_may_give_it: bool = True) -> bool:
     """rules.lacks_device_argument for an ast call (the audit's)."""
@@ -72,15 +69,6 @@ class CallRules:
                                       rules.UNSUPPORTED_GENERIC.suggestion))
             if qualified is not None and qualified in UNSUPPORTED_TORCH_APIS and qualified not in rules.CUDA_FLAGGED:
                 self._flag_unsupported(call, qualified)
-            if qualified in _AUTOCAST_CALLS and any(
-                k.arg == "dtype" and self.qualname(k.value) == "torch.bfloat16" for k in call.keywords
-            ):
-                self._flag(call, Flag("bf16", "info", "bfloat16 autocast: not every Ascend SoC has bf16 (e.g. 910A)",
-                                      "check torch.npu.is_bf16_supported() and fall back to float16"))
-            if qualified in _DDP_CLASSES and "set_device" not in self.text:
-                self._flag(call, Flag("ddp-set-device", "info",
-                                      "DDP on NPU needs the process's device set first; this file never calls set_device",
-                                      "call torch.npu.set_device(local_rank) before building DDP"))
 
     def _is_upgraded_amp(self, func: ast.AST) -> bool:
         root = func

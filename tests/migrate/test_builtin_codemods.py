@@ -16,9 +16,11 @@ from libcst.metadata import MetadataWrapper, PositionProvider
 
 from npukit.migrate.codemods import (
     BUILTIN_CODEMODS,
+    Bf16Autocast,
     CudaDefaultDevices,
     CudaEnvironment,
     CustomCudaOps,
+    DdpSetDevice,
     TorchLoadMapLocation,
 )
 from npukit.migrate.codemods.base import FileFacts, run_builtin_codemods
@@ -345,3 +347,20 @@ def test_statement_windows_agree_with_the_whole_file_on_this_repository(folder):
             (sorted(parts[0], key=str), sorted(parts[1], key=str)), path
         compared += bool(windows)
     assert compared >= 3
+
+
+@pytest.mark.parametrize(("code", "kinds"), [
+    ("import torch\nwith torch.autocast('npu', dtype=torch.bfloat16):\n    pass\n", ["bf16"]),
+    ("from torch import bfloat16 as bf\nimport torch.amp as amp\nwith amp.autocast('npu', dtype=bf):\n    pass\n",
+     ["bf16"]),
+    ("import torch\nwith torch.autocast('npu', dtype=torch.float16):\n    pass\nx = torch.bfloat16\n", []),
+    ("import torch\nfrom torch.nn.parallel import DistributedDataParallel as DDP\nm = DDP(model)\n",
+     ["ddp-set-device"]),
+    ("import torch\nfrom torch.nn.parallel import DistributedDataParallel as DDP\ntorch.npu.set_device(r)\n"
+     "m = DDP(model)\n", []),
+])
+def test_flag_only_codemods_under_libcsts_tool(code, kinds):
+    context = CodemodContext(filename="train.py")
+    for codemod in (Bf16Autocast, DdpSetDevice):
+        assert codemod(context).transform_module(cst.parse_module(code)).code == code  # reported, not rewritten
+    assert [warning.split()[2].rstrip(":") for warning in context.warnings] == kinds

@@ -17,16 +17,19 @@ from __future__ import annotations
 import libcst as cst
 from libcst.codemod import CodemodCommand
 
+from npukit.migrate.codemods.bf16_autocast import Bf16Autocast
 from npukit.migrate.codemods.custom_ops import CustomCudaOps
+from npukit.migrate.codemods.ddp_set_device import DdpSetDevice
 from npukit.migrate.codemods.default_devices import CudaDefaultDevices
 from npukit.migrate.codemods.environment import CudaEnvironment
 from npukit.migrate.codemods.infinite_fills import InfiniteFills
 from npukit.migrate.codemods.torch_load import TorchLoadMapLocation
 
 # The concerns ported from the ast engine so far, in the order they run (each on the original parse).
-BUILTIN_CODEMODS = (CudaEnvironment, CudaDefaultDevices, InfiniteFills, TorchLoadMapLocation, CustomCudaOps)
+BUILTIN_CODEMODS = (CudaEnvironment, CudaDefaultDevices, InfiniteFills, TorchLoadMapLocation, CustomCudaOps,
+                    Bf16Autocast, DdpSetDevice)
 
-__all__ = ["BUILTIN_CODEMODS", "CudaDefaultDevices", "CustomCudaOps", "CudaEnvironment", "InfiniteFills", "MigrateToNpu", "TorchLoadMapLocation"]
+__all__ = ["BUILTIN_CODEMODS", "Bf16Autocast", "CudaDefaultDevices", "CustomCudaOps", "DdpSetDevice", "CudaEnvironment", "InfiniteFills", "MigrateToNpu", "TorchLoadMapLocation"]
 
 
 class MigrateToNpu(CodemodCommand):

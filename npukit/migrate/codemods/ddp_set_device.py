@@ -1,0 +1,34 @@
+"""DistributedDataParallel in a file that never sets the process's device."""
+
+from __future__ import annotations
+
+import libcst as cst
+
+from npukit.migrate.codemods.base import NpuCodemod
+from npukit.migrate.rules import Flag
+
+_DDP_CLASSES = frozenset({"torch.nn.parallel.DistributedDataParallel",
+                          "torch.nn.parallel.distributed.DistributedDataParallel"})
+
+
+class DdpSetDevice(NpuCodemod):
+    """`DistributedDataParallel(model, ...)` in a file that never calls `set_device` is reported
+    (info): on an NPU every process must select its device (`torch.npu.set_device(local_rank)`)
+    before building DDP, or all ranks use device 0."""
+
+    DESCRIPTION = "DDP built in a file that never calls set_device reported"
+
+    @classmethod
+    def concerns(cls, code: str) -> bool:
+        return "DistributedDataParallel" in code and "set_device" not in code
+
+    @classmethod
+    def candidates(cls, model) -> list:
+        return [call for call in model.calls if model.qualname(call.func) in _DDP_CLASSES]
+
+    def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.Call:
+        if self.facts.qualname(original_node.func) in _DDP_CLASSES:
+            self.flag(original_node, Flag("ddp-set-device", "info",
+                                          "DDP on NPU needs the process's device set first; this file never calls set_device",
+                                          "call torch.npu.set_device(local_rank) before building DDP"))
+        return updated_node
