@@ -3,6 +3,7 @@ tool), and the positions npu-migrate takes from them."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -175,15 +176,23 @@ def test_cuda_default_devices_as_a_libcst_codemod_test():
     CudaDefaultDevicesCase().runTest()
 
 
+@functools.cache
+def _both_models(path: Path) -> tuple[PythonMigrator, FileFacts]:
+    """One file as the ast engine models it (with its import table) and as the codemods' facts do;
+    parsed once for the tests that compare the two."""
+    text = path.read_text(encoding="utf-8")
+    migrator = PythonMigrator(text, str(path))
+    migrator._build_bindings()
+    return migrator, FileFacts(str(path), cst.parse_module(text), text)
+
+
 @pytest.mark.parametrize("folder", ["npukit", "tests"])
 def test_the_import_table_fact_is_the_ast_engines(folder):
     """The bindings the codemods share (FileFacts.bindings) are the ones the ast rules resolve names with."""
     compared = 0
     for path in sorted((REPO / folder).rglob("*.py")):
-        text = path.read_text(encoding="utf-8")
-        migrator = PythonMigrator(text, str(path))
-        migrator._build_bindings()
-        assert FileFacts(str(path), cst.parse_module(text), text).bindings == migrator.bindings, path
+        migrator, facts = _both_models(path)
+        assert facts.bindings == migrator.bindings, path
         compared += 1
     assert compared > 50
 
@@ -247,9 +256,7 @@ def test_the_scopes_fact_is_the_ast_engines(folder):
     bind the name there, as the ast engine decides them."""
     compared = 0
     for path in sorted((REPO / folder).rglob("*.py")):
-        text = path.read_text(encoding="utf-8")
-        migrator = PythonMigrator(text, str(path))
-        facts = FileFacts(str(path), cst.parse_module(text), text)
+        migrator, facts = _both_models(path)
 
         expected = {}
         for name, uses in migrator.loads.items():

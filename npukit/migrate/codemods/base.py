@@ -20,7 +20,6 @@ codemod is WHOLE_FILE).
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import functools
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -28,8 +27,8 @@ from dataclasses import dataclass, field
 import libcst as cst
 from libcst._nodes.internal import CodegenState
 from libcst.codemod import CodemodContext, VisitorBasedCodemodCommand
-from libcst.metadata import MetadataWrapper
 
+from npukit.migrate.codemods.scopes import Scopes, dotted_name
 from npukit.migrate.model import Edit, Finding, TreeFacts
 from npukit.migrate.pysource_model import MigrationSyntaxError, Positions, apply_edits, drop_overlaps
 from npukit.migrate.rules import Flag
@@ -70,16 +69,17 @@ class FileFacts:
     def bindings(self) -> dict[str, str]:
         """Local name -> the dotted name it was imported as (`import torch as th`: th -> torch;
         `from torch import cuda`: cuda -> torch.cuda), from every import of the file, the first one of
-        a name winning; `torch` means torch even without an import unless the module binds it."""
+        a name winning; `torch` means torch even without an import unless the module binds the name.
+        (A window is given its file's table: it may not hold the imports.)"""
         collector = _ImportTable()
         self.module.visit(collector)
+        if "torch" not in collector.bindings and "torch" not in self.scopes.assigned[self.module]:
+            collector.bindings["torch"] = "torch"
         return collector.bindings
 
     @functools.cached_property
-    def scopes(self):
-        """Which scope binds each name and where names are read (codemods.scopes.Scopes)."""
-        from npukit.migrate.codemods.scopes import Scopes
-
+    def scopes(self) -> Scopes:
+        """Which scope binds each name and where names are read."""
         return Scopes(self.module)
 
     def qualname(self, node: cst.BaseExpression) -> str | None:
@@ -141,104 +141,44 @@ class _SpanRecordingState(CodegenState):
 
 
 class _ImportTable(cst.CSTVisitor):
-    """The file's import bindings and whether the module itself binds `torch` (see FileFacts.bindings)."""
+    """The file's import bindings (see FileFacts.bindings)."""
 
     def __init__(self) -> None:
         self.bindings: dict[str, str] = {}
-        self.module_binds_torch = False
-        self._scope_depth = 0  # inside a def, lambda or class body
 
     def visit_Import(self, node: cst.Import) -> None:
         for alias in node.names:
-            name = _dotted(alias.name)
+            name = dotted_name(alias.name)
             local = alias.asname.name.value if alias.asname else name.split(".")[0]
             self.bindings.setdefault(local, name if alias.asname else local)
 
     def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
         if node.relative or node.module is None or isinstance(node.names, cst.ImportStar):
             return
-        module = _dotted(node.module)
+        module = dotted_name(node.module)
         for alias in node.names:
-            local = alias.asname.name.value if alias.asname else _dotted(alias.name)
-            self.bindings.setdefault(local, f"{module}.{_dotted(alias.name)}")
-
-    # `torch = ...` at module level: then a bare `torch` is not the package
-    def _binds_torch(self, target: cst.CSTNode | None) -> None:
-        if self._scope_depth == 0 and target is not None and any(
-                isinstance(n, cst.Name) and n.value == "torch" for n in _target_names(target)):
-            self.module_binds_torch = True
-
-    def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
-        self._binds_torch(node.target)
-
-    def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
-        self._binds_torch(node.target)
-
-    def visit_AugAssign(self, node: cst.AugAssign) -> None:
-        self._binds_torch(node.target)
-
-    def visit_For(self, node: cst.For) -> None:
-        self._binds_torch(node.target)
-
-    def visit_CompFor(self, node: cst.CompFor) -> None:
-        self._binds_torch(node.target)
-
-    def visit_WithItem(self, node: cst.WithItem) -> None:
-        if node.asname is not None:
-            self._binds_torch(node.asname.name)
-
-    def visit_NamedExpr(self, node: cst.NamedExpr) -> None:
-        self._binds_torch(node.target)
-
-    def visit_Del(self, node: cst.Del) -> None:
-        self._binds_torch(node.target)
-
-    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
-        self._binds_torch(node.name)
-        self._scope_depth += 1
-
-    def leave_FunctionDef(self, original_node: cst.FunctionDef) -> None:
-        self._scope_depth -= 1
-
-    def visit_ClassDef(self, node: cst.ClassDef) -> None:
-        self._binds_torch(node.name)
-        self._scope_depth += 1
-
-    def leave_ClassDef(self, original_node: cst.ClassDef) -> None:
-        self._scope_depth -= 1
-
-    def visit_Lambda(self, node: cst.Lambda) -> None:
-        self._scope_depth += 1
-
-    def leave_Lambda(self, original_node: cst.Lambda) -> None:
-        self._scope_depth -= 1
-
-    def leave_Module(self, original_node: cst.Module) -> None:
-        if "torch" not in self.bindings and not self.module_binds_torch:
-            self.bindings["torch"] = "torch"
+            local = alias.asname.name.value if alias.asname else dotted_name(alias.name)
+            self.bindings.setdefault(local, f"{module}.{dotted_name(alias.name)}")
 
 
-def _dotted(node: cst.BaseExpression) -> str:
-    return node.value if isinstance(node, cst.Name) else f"{_dotted(node.value)}.{node.attr.value}"
+def called_name(func: cst.BaseExpression) -> str | None:
+    """The name a call is made by: `f` for `f(...)`, `g` for `x.y.g(...)`."""
+    if isinstance(func, cst.Name):
+        return func.value
+    if isinstance(func, cst.Attribute):
+        return func.attr.value
+    return None
 
 
-def _target_names(target: cst.CSTNode):
-    """The names a binding target binds (`a`, `a, (b, *c)`), not attributes or subscripts."""
-    if isinstance(target, cst.Name):
-        yield target
-    elif isinstance(target, (cst.Tuple, cst.List)):
-        for element in target.elements:
-            yield from _target_names(element.value)
-    elif isinstance(target, cst.StarredElement):
-        yield from _target_names(target.value)
+def split_arguments(call: cst.Call) -> tuple[list[cst.Arg], list[cst.Arg]]:
+    """(positional arguments, `*args` among them; keyword arguments and `**kwargs`), ast's split."""
+    positional = [arg for arg in call.args if not arg.keyword and arg.star != "**"]
+    return positional, [arg for arg in call.args if arg.keyword or arg.star == "**"]
 
 
-def file_facts(context: CodemodContext, module: cst.Module) -> FileFacts:
-    facts = context.scratch.get(FACTS_KEY)
-    if facts is None or facts.module is not module:
-        facts = FileFacts(context.filename or "<module>", module, module.code)
-        context.scratch[FACTS_KEY] = facts
-    return facts
+def keyword_names(keywords: list[cst.Arg]) -> set[str | None]:
+    """The names of keyword arguments, None for `**kwargs` (ast's keyword.arg)."""
+    return {arg.keyword.value if arg.keyword else None for arg in keywords}
 
 
 class NpuCodemod(VisitorBasedCodemodCommand):
@@ -282,8 +222,7 @@ class NpuCodemod(VisitorBasedCodemodCommand):
 
     def insert_first_argument(self, call: cst.Call, text: str, rule: str, *, needs_torch_npu: bool = True) -> None:
         """`f(...)` -> `f(text, ...)`; nothing when the first argument is `*args` (it may be the one)."""
-        positional = [arg for arg in call.args if not arg.keyword and arg.star != "**"]
-        keywords = [arg for arg in call.args if arg.keyword or arg.star == "**"]
+        positional, keywords = split_arguments(call)
         if positional:
             if positional[0].star:
                 return
@@ -301,9 +240,8 @@ class NpuCodemod(VisitorBasedCodemodCommand):
         closing = self._closing_parenthesis(call)
         if call.args:
             # the last value in ast's order: positional arguments, then keywords
-            ordered = [arg for arg in call.args if not arg.keyword and arg.star != "**"] + \
-                      [arg for arg in call.args if arg.keyword or arg.star == "**"]
-            last_end = self.facts.span(ordered[-1].value)[1]
+            positional, keywords = split_arguments(call)
+            last_end = self.facts.span((positional + keywords)[-1].value)[1]
             tail = self.facts.positions.text[last_end:closing]
             if "," in tail:
                 comma = last_end + tail.index(",") + 1
@@ -355,7 +293,6 @@ def run_builtin_codemods(text: str, path: str, codemods: tuple[type[NpuCodemod],
             raise MigrationSyntaxError(f"does not parse as Python 3 for libcst (line {line}: {exc.message})") from None
         window = None if windows is None else (start, whole_file, bindings)
         facts = context.scratch[FACTS_KEY] = FileFacts(path, module, piece, tree, window=window)
-        context = dataclasses.replace(context, wrapper=MetadataWrapper(module, unsafe_skip_copy=True))
         instances = [codemod_class(context) for codemod_class in concerned]
         for codemod in instances:
             codemod.facts = facts

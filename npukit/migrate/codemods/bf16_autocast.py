@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from npukit.migrate.codemods.base import NpuCodemod
+from npukit.migrate.codemods.base import NpuCodemod, split_arguments
 from npukit.migrate.rules import Flag
 
 _AUTOCAST_CALLS = frozenset({"torch.autocast", "torch.amp.autocast", "torch.cuda.amp.autocast"})
@@ -26,7 +26,7 @@ class Bf16Autocast(NpuCodemod):
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.Call:
         if self.facts.qualname(original_node.func) in _AUTOCAST_CALLS and any(
                 arg.keyword is not None and arg.keyword.value == "dtype" and self.facts.qualname(arg.value) == "torch.bfloat16"
-                for arg in original_node.args):
+                for arg in split_arguments(original_node)[1]):
             self.flag(original_node, Flag("bf16", "info", "bfloat16 autocast: not every Ascend SoC has bf16 (e.g. 910A)",
                                           "check torch.npu.is_bf16_supported() and fall back to float16"))
         return updated_node

@@ -7,14 +7,14 @@ import ast
 import libcst as cst
 
 from npukit.migrate import rules
-from npukit.migrate.codemods.base import NpuCodemod
+from npukit.migrate.codemods.base import NpuCodemod, keyword_names, split_arguments
 
 
 def lacks_device_argument(call: cst.Call, qualified: str) -> bool:
     """rules.lacks_device_argument for a libcst call."""
-    positional = [arg for arg in call.args if not arg.keyword and arg.star != "**"]
-    keywords = {arg.keyword.value if arg.keyword else None for arg in call.args if arg.keyword or arg.star == "**"}
-    return rules.lacks_device_argument(qualified, len(positional), any(arg.star == "*" for arg in positional), keywords)
+    positional, keywords = split_arguments(call)
+    return rules.lacks_device_argument(qualified, len(positional), any(arg.star == "*" for arg in positional),
+                                       keyword_names(keywords))
 
 
 class CudaDefaultDevices(NpuCodemod):
@@ -47,7 +47,6 @@ class CudaDefaultDevices(NpuCodemod):
         if qualified in rules.CUDA_DEFAULT_DEVICE_APIS:
             if lacks_device_argument(original_node, qualified):
                 self.insert_first_argument(original_node, '"npu"', "cuda-default-device")
-        elif qualified == "torch.random.fork_rng" and not any(
-                arg.keyword is not None and arg.keyword.value == "device_type" for arg in original_node.args):
+        elif qualified == "torch.random.fork_rng" and "device_type" not in keyword_names(split_arguments(original_node)[1]):
             self.append_keyword(original_node, 'device_type="npu"', "fork-rng-device-type")
         return updated_node

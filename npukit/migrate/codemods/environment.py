@@ -7,20 +7,12 @@ import re
 import libcst as cst
 
 from npukit.migrate import rules
-from npukit.migrate.codemods.base import NpuCodemod
+from npukit.migrate.codemods.base import NpuCodemod, called_name
 
 _NCCL_VARIABLE = re.compile(r"(TORCH_)?NCCL_[A-Z0-9_]+")
 _ALLOC_OPTION_WORDS = ("cudaMallocAsync", "pinned_use_cuda_host_register", "pinned_num_register_threads",
                        "release_lock_on_cudamalloc", "pinned_use_background_threads")
 _STRINGS = (cst.SimpleString, cst.ConcatenatedString)
-
-
-def _last_name(node: cst.BaseExpression) -> str | None:
-    if isinstance(node, cst.Name):
-        return node.value
-    if isinstance(node, cst.Attribute):
-        return node.attr.value
-    return None
 
 
 class CudaEnvironment(NpuCodemod):
@@ -78,11 +70,11 @@ class CudaEnvironment(NpuCodemod):
         self._dict_keys.add(id(node.key))
 
     def visit_Call(self, node: cst.Call) -> None:
-        if _last_name(node.func) in rules.LOG_CALLS:
+        if called_name(node.func) in rules.LOG_CALLS:
             self._text_depth += 1
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.Call:
-        if _last_name(original_node.func) in rules.LOG_CALLS:
+        if called_name(original_node.func) in rules.LOG_CALLS:
             self._text_depth -= 1
         return updated_node
 

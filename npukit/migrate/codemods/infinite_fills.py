@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import re
+
 import libcst as cst
 
 from npukit.migrate import rules
-from npukit.migrate.codemods.base import NpuCodemod
+from npukit.migrate.codemods.base import NpuCodemod, called_name, split_arguments
 from npukit.migrate.pysource_model import last_name
 
 _INFINITIES = frozenset({"math.inf", "torch.inf", "numpy.inf"})
+_INF = re.compile("inf", re.IGNORECASE)  # no lowered copy of the file
 
 
 class InfiniteFills(NpuCodemod):
@@ -20,7 +23,7 @@ class InfiniteFills(NpuCodemod):
     DESCRIPTION = "fills with +-inf reported (fp16 overflow on a saturation-mode NPU)"
     @classmethod
     def concerns(cls, code: str) -> bool:  # float("Infinity"), float("INF") ...
-        return "inf" in code.lower()
+        return _INF.search(code) is not None
 
     @classmethod
     def candidates(cls, model) -> list:
@@ -32,9 +35,7 @@ class InfiniteFills(NpuCodemod):
         return [call for call in fills if "inf" in model.pos.segment(call).lower()]
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.Call:
-        func = original_node.func
-        name = func.value if isinstance(func, cst.Name) else func.attr.value if isinstance(func, cst.Attribute) else None
-        if name in rules.INFINITE_FILL_CALLS and any(self._is_infinite(arg.value) for arg in original_node.args):
+        if called_name(original_node.func) in rules.INFINITE_FILL_CALLS and any(self._is_infinite(arg.value) for arg in original_node.args):
             self.flag(original_node, rules.INFINITE_FILL)
         return updated_node
 
@@ -43,9 +44,9 @@ class InfiniteFills(NpuCodemod):
         if isinstance(node, cst.UnaryOperation) and isinstance(node.operator, (cst.Minus, cst.Plus)):
             return self._is_infinite(node.expression)
         if isinstance(node, cst.Call) and isinstance(node.func, cst.Name) and node.func.value == "float":
-            positional = [arg for arg in node.args if not arg.keyword and not arg.star]
-            if positional and positional[0] is node.args[0] and isinstance(positional[0].value, (cst.SimpleString,
-                                                                                                 cst.ConcatenatedString)):
+            positional, _ = split_arguments(node)
+            if positional and not positional[0].star and isinstance(positional[0].value, (cst.SimpleString,
+                                                                                          cst.ConcatenatedString)):
                 text = positional[0].value.evaluated_value
                 return isinstance(text, str) and text.strip().lower().lstrip("+-") in ("inf", "infinity")
             return False

@@ -163,12 +163,12 @@ class _ScopeCollector(cst.CSTVisitor):
         self.s.imports.append((node, names))
 
     def visit_Import(self, node: cst.Import) -> None:
-        self._import(node, [alias.asname.name.value if alias.asname else _first(alias.name) for alias in node.names])
+        self._import(node, [alias.asname.name.value if alias.asname else dotted_name(alias.name).split(".")[0] for alias in node.names])
         return False  # its names are not reads
 
     def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
         names = ["*"] if isinstance(node.names, cst.ImportStar) else \
-            [alias.asname.name.value if alias.asname else _first(alias.name) for alias in node.names]
+            [alias.asname.name.value if alias.asname else dotted_name(alias.name).split(".")[0] for alias in node.names]
         self._import(node, names)
         return False
 
@@ -211,7 +211,6 @@ class _ScopeCollector(cst.CSTVisitor):
             self.s.scope_of[node] = self.scope
 
 
-def _first(name: cst.BaseExpression) -> str:
-    while isinstance(name, cst.Attribute):
-        name = name.value
-    return name.value
+def dotted_name(node: cst.BaseExpression) -> str:
+    """`a.b.c` of an import's Name/Attribute."""
+    return node.value if isinstance(node, cst.Name) else f"{dotted_name(node.value)}.{node.attr.value}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import libcst as cst
 
 from npukit.migrate import rules
-from npukit.migrate.codemods.base import NpuCodemod
+from npukit.migrate.codemods.base import NpuCodemod, keyword_names, split_arguments
 from npukit.migrate.rules import Flag
 
 _LOAD_STATE_DICT = frozenset({"load_state_dict", "load_state_dict_from_checkpoint"})
@@ -39,9 +39,9 @@ class TorchLoadMapLocation(NpuCodemod):
 
     def visit_Call(self, node: cst.Call) -> None:
         if isinstance(node.func, cst.Attribute) and node.func.attr.value in _LOAD_STATE_DICT:
-            first = next((arg for arg in node.args if not arg.keyword and arg.star != "**"), None)
-            if first is not None and not first.star:
-                value = first.value
+            positional, _ = split_arguments(node)
+            if positional and not positional[0].star:
+                value = positional[0].value
                 self._state_dict_arguments.add(id(value))
                 if isinstance(value, cst.Subscript) and len(value.slice) == 1 and \
                         isinstance(value.slice[0].comma, cst.MaybeSentinel) and \
@@ -54,10 +54,8 @@ class TorchLoadMapLocation(NpuCodemod):
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.Call:
         if self.facts.qualname(original_node.func) == rules.TORCH_LOAD:
-            positional = [arg for arg in original_node.args if not arg.keyword and arg.star != "**"]
-            keywords = {arg.keyword.value if arg.keyword else None
-                        for arg in original_node.args if arg.keyword or arg.star == "**"}
-            if rules.torch_load_lacks_map_location(len(positional), keywords):
+            positional, keywords = split_arguments(original_node)
+            if rules.torch_load_lacks_map_location(len(positional), keyword_names(keywords)):
                 self._loads.append(original_node)
         return updated_node
 
