@@ -6,7 +6,8 @@ from the other's warm caches. Two figures per tool, medians of REPEATS runs:
   work: the tool's own call (run_migration / hipify()), timed inside the subprocess after its
         imports - the fair comparison, and the one the target applies to;
   end to end: the whole subprocess (interpreter start, imports; hipify's import loads torch).
-Target: npu-migrate work <= 1.5x hipify work.
+Target: npu-migrate work <= 1.5x hipify work. Also printed: the CPU time against Ascend's own
+GPU2Ascend's published figure (669 s of CPU for ~139k lines; the tool is not installable from PyPI).
 
     python benchmarks/migrate_speed.py [--repeats N] [--jobs N]
 """
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+GPU2ASCEND_CPU_SECONDS, GPU2ASCEND_LINES = 669.0, 139_000  # Ascend's migration tool on ~139k lines (issue #17)
 
 # CPU seconds of this process and its reaped children (the migrate workers)
 CPU = "import resource\ndef cpu():\n    return sum(resource.getrusage(w).ru_utime + resource.getrusage(w).ru_stime " \
@@ -104,6 +106,11 @@ def main() -> None:
     print(f"npu-migrate would change {migrate_counts[0]} files with {migrate_counts[1]} rewrites")
     ratio = [medians["migrate"][i] / medians["hipify"][i] for i in range(3)]
     print(f"ratio npu-migrate / hipify: work {ratio[0]:.2f}x (target <= 1.5x), CPU {ratio[1]:.2f}x, end to end {ratio[2]:.2f}x")
+    # Ascend's GPU2Ascend (libcst-based, not installable here): its published figure, scaled per line
+    gpu2ascend_cpu = GPU2ASCEND_CPU_SECONDS * lines / GPU2ASCEND_LINES
+    print(f"GPU2Ascend's published CPU time, {GPU2ASCEND_CPU_SECONDS:.0f} s for {GPU2ASCEND_LINES // 1000}k lines, is "
+          f"{gpu2ascend_cpu:.0f} s for these {lines} lines: npu-migrate's CPU {medians['migrate'][1]:.2f} s is "
+          f"{gpu2ascend_cpu / medians['migrate'][1]:.0f}x less")
     print(f"load average during the run: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (other work skews wall times)")
     print(f"dry-run left the corpus byte-identical: {unchanged}")
 

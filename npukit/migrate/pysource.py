@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from npukit.migrate.model import Change, Edit, Finding, TreeFacts
-from npukit.migrate.pysource_audit import AuditRules
+from npukit.migrate.pysource_audit import LEFT_AS_CUDA, AuditRules
 from npukit.migrate.pysource_calls import CallRules
 from npukit.migrate.pysource_devices import DeviceRules
 from npukit.migrate.pysource_model import (
@@ -58,7 +58,7 @@ class PythonMigrator(AuditRules, CallRules, DeviceRules, NameRules, SourceModel)
         self._pending_backend_sinks: list[ast.AST] = []
         self.backend_flag_seen = False
         self._build_bindings()
-        self._handle_dual_target_ifs()
+        self._claim_for_codemods()
         self._handle_imports()
         self._handle_decorators()
         self._handle_calls()
@@ -78,9 +78,18 @@ class PythonMigrator(AuditRules, CallRules, DeviceRules, NameRules, SourceModel)
         findings = sorted(self.findings.values(), key=lambda f: (f.line, f.col, f.kind))
         return edits, findings
 
+    def _claim_for_codemods(self) -> None:
+        """The nodes the ported codemods deal with wholly are claimed: the ast rules leave them."""
+        from npukit.migrate.codemods import BUILTIN_CODEMODS
+
+        for codemod in BUILTIN_CODEMODS:
+            if codemod.concerns(self.text):
+                self.claimed.update(id(node) for node in codemod.claims(self))
+
     def _run_builtin_codemods(self) -> None:
         """The concerns already ported to libcst codemods (npukit.migrate.codemods), on the same text:
-        their edits join the others (none inside a frozen span), before conditions and the audit.
+        their edits join the others before conditions and the audit; no edit (of either engine) is
+        kept inside the spans the codemods freeze.
         libcst parses only the top-level statements that hold a candidate of a codemod (its parse
         costs ~10x ast's), unless one of them needs the whole file."""
         from npukit.migrate.codemods import BUILTIN_CODEMODS
@@ -96,12 +105,27 @@ class PythonMigrator(AuditRules, CallRules, DeviceRules, NameRules, SourceModel)
         if not concerned:
             return
         windows = None if whole_file else self._statement_windows(candidates)
-        edits, findings = run_builtin_codemods(self.text, self.path, tuple(concerned), self.facts, windows=windows,
-                                               bindings=self.bindings)
+        edits, findings, frozen = run_builtin_codemods(self.text, self.path, tuple(concerned), self.facts,
+                                                       windows=windows, bindings=self.bindings)
+        if frozen:  # dual-target code: what the ast rules wrote there goes
+            self.frozen.extend(frozen)
+            self.edits = {span: edit for span, edit in self.edits.items()
+                          if not any(a <= edit.start and edit.end <= b for a, b in frozen)}
         for edit in edits:
             self._edit((edit.start, edit.end), edit.text, edit.rule, needs_torch_npu=edit.needs_torch_npu)
         for finding in findings:
-            self.findings.setdefault((finding.line, finding.col - 1, finding.kind), finding)
+            key = (finding.line, finding.col - 1, finding.kind)
+            if key not in self.findings:
+                self.findings[key] = finding
+                if finding.kind in LEFT_AS_CUDA:  # the condition around it is kept whole
+                    self.flag_nodes.append((finding.kind, self._node_starting_at(finding.line, finding.col - 1)))
+
+    def _node_starting_at(self, line: int, col_offset: int) -> ast.AST:
+        """An ast expression starting where a codemod's finding is (for the conditions around it)."""
+        for node in (*self.attributes, *self.calls):
+            if node.lineno == line and node.col_offset == col_offset:
+                return node
+        raise LookupError(f"{self.path}:{line}:{col_offset + 1}: no attribute or call starts here")
 
     def _statement_windows(self, nodes: list[ast.AST]) -> list[tuple[int, int]]:
         """(start, end) offsets of the runs of whole lines holding the top-level statements that

@@ -23,11 +23,10 @@ from npukit.migrate import rules
 from npukit.migrate.model import Edit
 from npukit.migrate.pysource_calls import lacks_device_argument
 from npukit.migrate.pysource_model import imported_names, last_name, string_value
-from npukit.migrate.pysource_names import third_party_flag
-from npukit.migrate.rules import Flag
+from npukit.migrate.rules import Flag, third_party_flag
 
 # findings about a CUDA call that stays in the code (no NPU answer): a condition holding one is kept whole
-_LEFT_AS_CUDA = frozenset({"device-capability", "device-properties", "no-equivalent", "unknown-cuda-api",
+LEFT_AS_CUDA = frozenset({"device-capability", "device-properties", "no-equivalent", "unknown-cuda-api",
                            "version-gate", "ambiguous-cuda"})
 
 _CUDA_SEGMENT = re.compile(r"cuda|cudnn|nccl|nvtx", re.IGNORECASE)
@@ -48,7 +47,7 @@ class AuditRules:
         """Drop the edits inside a condition that also holds a CUDA call left as it is (and report it)."""
         kept_spans: list[tuple[int, int]] = []
         for kind, node in self.flag_nodes:
-            if kind not in _LEFT_AS_CUDA:
+            if kind not in LEFT_AS_CUDA:
                 continue
             condition = self._condition_around(node)
             if condition is None:

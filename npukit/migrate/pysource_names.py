@@ -11,7 +11,7 @@ import ast
 import re
 
 from npukit.migrate import rules
-from npukit.migrate.pysource_model import imported_names, last_name
+from npukit.migrate.pysource_model import last_name
 from npukit.migrate.rules import Flag
 from npukit.migrate.unsupported_apis import UNSUPPORTED_TORCH_APIS
 
@@ -111,7 +111,6 @@ class NameRules:
                 self._handle_import(node)
             elif node.level == 0 and node.module:
                 self._handle_import_from(node)
-            self._flag_third_party_import(node)
 
     def _handle_import(self, node: ast.Import) -> None:
         """`import torch.cuda as tc` -> `import torch_npu.npu as tc`, edited alias by alias."""
@@ -185,15 +184,8 @@ class NameRules:
             if changed and alias.name != "*" and self.pos.segment(alias) != text:
                 self._edit(alias, text, rule)
 
-    def _flag_third_party_import(self, node: ast.AST) -> None:
-        for name in imported_names(node):
-            flag = third_party_flag(name)
-            if flag is not None:
-                self._flag(node, flag)
-                return
-
     def _flag_cuda_qualname(self, node: ast.AST, qualified: str) -> None:
-        for key in _prefixes(qualified):
+        for key in rules.dotted_prefixes(qualified):
             if key in rules.CUDA_FLAGGED:
                 self._flag(node, rules.CUDA_FLAGGED[key])
                 return
@@ -461,18 +453,6 @@ def _import_space(expr_qualified: str) -> str:
     if expr_qualified == "torch.npu" or expr_qualified.startswith("torch.npu."):
         return "torch_npu.npu" + expr_qualified[len("torch.npu"):]
     return expr_qualified
-
-
-def _prefixes(qualified: str) -> list[str]:
-    parts = qualified.split(".")
-    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
-
-
-def third_party_flag(qualified: str) -> Flag | None:
-    for prefix in _prefixes(qualified):
-        if prefix in rules.THIRD_PARTY:
-            return rules.THIRD_PARTY[prefix]
-    return None
 
 
 def unknown_cuda_flag(qualified: str) -> Flag:

@@ -453,6 +453,20 @@ CUDA_ONLY_DEVICE_LIBRARIES = {
 THIRD_PARTY_CALLS_REPORTED = frozenset({"flash_attn", "xformers", "bitsandbytes", "apex", "cupy", "pycuda", "pynvml"})
 THIRD_PARTY_DECORATORS = frozenset({"triton.jit", "triton.autotune", "triton.heuristics", "numba.cuda.jit"})
 
+
+def dotted_prefixes(qualified: str) -> list[str]:
+    """`a.b.c` -> [a.b.c, a.b, a]: the most specific first."""
+    parts = qualified.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+
+
+def third_party_flag(qualified: str) -> Flag | None:
+    """The finding for a name in a CUDA-only library (THIRD_PARTY), by its most specific entry."""
+    for prefix in dotted_prefixes(qualified):
+        if prefix in THIRD_PARTY:
+            return THIRD_PARTY[prefix]
+    return None
+
 NVIDIA_SMI = Flag(
     "nvidia-smi", "error", "nvidia-smi does not exist on NPU hosts",
     "`npu-smi info`, torch.npu.utilization(), torch.npu.mem_get_info()",

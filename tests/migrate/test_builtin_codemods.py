@@ -22,6 +22,10 @@ from npukit.migrate.codemods import (
     CudaEnvironment,
     CustomCudaOps,
     DdpSetDevice,
+    DefaultTensorType,
+    DeviceModelChecks,
+    DualTargetCode,
+    ThirdPartyCuda,
     TorchLoadMapLocation,
 )
 from npukit.migrate.codemods.base import FileFacts, run_builtin_codemods
@@ -121,7 +125,7 @@ def test_an_env_rename_inside_the_cuda_branch_of_dual_target_code_is_not_made():
 
 def test_findings_count_columns_in_utf8_bytes_like_every_other_finding():
     code = 'label = "é"; os.environ["NCCL_DEBUG"] = "INFO"; x = y.cuda_helper\n'
-    edits, findings = run_builtin_codemods(code, "a.py", BUILTIN_CODEMODS)
+    edits, findings, _ = run_builtin_codemods(code, "a.py", BUILTIN_CODEMODS)
     assert [(f.line, f.col) for f in findings] == [(1, len('label = "é"; os.environ['.encode()) + 1)]
 
 
@@ -296,7 +300,7 @@ def test_a_lambda_in_default_values_does_not_bind_its_parameter_in_the_function(
 def test_custom_ops_come_from_the_tree_facts_through_the_codemod_context():
     code = "import my_ext\nfrom my_ext import fused_gelu as fg\ny = my_ext.fused_gelu(x)\nz = fg(x)\nw = obj.fused_gelu()\n"
     tree = TreeFacts(custom_ops=frozenset({"fused_gelu"}))
-    _, findings = run_builtin_codemods(code, "model.py", (CustomCudaOps,), tree)
+    _, findings, _ = run_builtin_codemods(code, "model.py", (CustomCudaOps,), tree)
     # the op by its module, and imported under another name; not a method of some object
     assert [(f.line, f.kind) for f in findings] == [(3, "custom-cuda-op"), (4, "custom-cuda-op")]
     assert run_builtin_codemods(code, "model.py", (CustomCudaOps,))[1] == []  # one file alone knows no ops
@@ -322,8 +326,11 @@ def _both_ways(code: str, path: str, tree: TreeFacts = TreeFacts()):
     """The built-in codemods' (edits, findings) on the whole file and on the windows npu-migrate parses."""
     migrator = PythonMigrator(code, path, tree)
     migrator._build_bindings()
-    local = tuple(codemod for codemod in BUILTIN_CODEMODS if not codemod.WHOLE_FILE)
-    nodes = [node for codemod in local if codemod.concerns(code) for node in codemod.candidates(migrator)]
+    found = {codemod: codemod.candidates(migrator) for codemod in BUILTIN_CODEMODS if codemod.concerns(code)}
+    # the codemods npu-migrate may give windows of this file
+    local = tuple(codemod for codemod in BUILTIN_CODEMODS if not codemod.WHOLE_FILE and not any(
+        node is migrator.tree for node in found.get(codemod, ())))
+    nodes = [node for codemod in local for node in found.get(codemod, ())]
     whole = run_builtin_codemods(code, path, local, tree)
     windows = migrator._statement_windows(nodes) if nodes else []
     parts = run_builtin_codemods(code, path, local, tree, windows=windows, bindings=migrator.bindings)
@@ -350,8 +357,7 @@ def test_statement_windows_agree_with_the_whole_file_on_this_repository(folder):
     for path in sorted((REPO / folder).rglob("*.py")):
         code = path.read_text(encoding="utf-8")
         whole, parts, windows = _both_ways(code, str(path), TreeFacts(custom_ops=frozenset({"fused_gelu", "launch"})))
-        assert (sorted(whole[0], key=str), sorted(whole[1], key=str)) == \
-            (sorted(parts[0], key=str), sorted(parts[1], key=str)), path
+        assert [sorted(found, key=str) for found in whole] == [sorted(found, key=str) for found in parts], path
         compared += bool(windows)
     assert compared >= 3
 
@@ -371,3 +377,147 @@ def test_flag_only_codemods_under_libcsts_tool(code, kinds):
     for codemod in (Bf16Autocast, DdpSetDevice):
         assert codemod(context).transform_module(cst.parse_module(code)).code == code  # reported, not rewritten
     assert [warning.split()[2].rstrip(":") for warning in context.warnings] == kinds
+
+
+def _warned(codemod, code: str) -> list[str]:
+    """'line:col kind' of each warning a codemod gives under libcst's tool; the code must stay as it was."""
+    context = CodemodContext(filename="train.py")
+    assert codemod(context).transform_module(cst.parse_module(code)).code == code  # reported, not rewritten
+    return [f"{w.split()[0].rstrip(':')} {w.split()[2].rstrip(':')}" for w in context.warnings]
+
+
+@pytest.mark.parametrize(("code", "expected"), [
+    # imports: one finding per statement, for its first CUDA-only name; from-imports by module or name
+    ("import os, cupy, pynvml\nfrom flash_attn import flash_attn_func\nfrom numba import cuda\n",
+     ["1:1 cupy", "2:1 flash-attn", "3:1 numba-cuda"]),
+    ("from . import triton\nimport numba\nimport tritonclient\n", []),  # relative; numba alone; a longer name
+    # calls into the libraries whose call sites are reported, through import aliases
+    ("import xformers.ops as xops\nimport triton\ny = xops.memory_efficient_attention(q, k, v)\ntriton.cdiv(8, 2)\n",
+     ["1:1 xformers", "2:1 triton", "3:5 xformers"]),
+    # kernel decorators, bare or called
+    ("import triton\nfrom numba import cuda\n@triton.autotune(configs=[])\n@triton.jit\ndef k(x):\n    pass\n"
+     "@cuda.jit\ndef g():\n    pass\n",
+     ["1:1 triton", "2:1 numba-cuda", "3:2 triton", "4:2 triton", "7:2 numba-cuda"]),
+])
+def test_third_party_cuda_libraries_are_reported_where_used(code, expected):
+    assert _warned(ThirdPartyCuda, code) == expected
+
+
+@pytest.mark.parametrize(("code", "expected"), [
+    ('import torch\nif "A100" in torch.cuda.get_device_name(0):\n    pass\n', ["2:14 device-name"]),
+    ("from torch.cuda import get_device_name as gdn\nhopper = gdn().lower().startswith('nvidia h')\n",
+     ["2:10 device-name"]),
+    # through a variable: its reads anywhere in the file, also before the assignment
+    ("import torch\ndef big():\n    return name.startswith('NVIDIA A100')\nname = torch.cuda.get_device_name(0)\n",
+     ["4:8 device-name"]),
+    ("import torch\nname = torch.cuda.get_device_name(0)\nprint(name)\n", []),  # shown, not parsed
+    ("import torch\nok = torch.cuda.get_device_properties(0).major >= 8\n", ["2:6 device-properties"]),
+    ("import torch\np = torch.cuda.get_device_properties(0)\nsm = (p.major, p.minor)\nmem = p.total_memory\n",
+     ["3:7 device-properties", "3:16 device-properties"]),
+    ("import torch\np, q = torch.cuda.get_device_properties(0), 1\nsm = p.major\n", []),  # not a plain assignment
+])
+def test_device_model_checks_are_reported(code, expected):
+    assert _warned(DeviceModelChecks, code) == expected
+
+
+def test_a_capability_field_from_a_codemod_keeps_its_condition_whole():
+    """A finding that leaves a CUDA call in the code (device-properties) comes from a codemod, and the
+    condition holding it is still left as it was, with a mixed-condition error."""
+    code = ("import torch\nbf16 = torch.cuda.is_available() and torch.cuda.get_device_properties(0).major >= 8\n"
+            "x = torch.randn(2).cuda()\n")
+    outcome = migrate_python(code, "train.py")
+    assert outcome.text.splitlines()[2] == code.splitlines()[1]  # no half-rewritten condition
+    assert outcome.text.splitlines()[3] == "x = torch.randn(2).npu()"
+    assert [(f.line, f.col, f.kind) for f in outcome.findings] == [(2, 8, "mixed-condition"), (2, 38, "device-properties")]
+
+
+DUAL_TARGET = """\
+import torch
+if torch.cuda.is_available():
+    x = torch.randn(2).cuda();  # the branch ends before the semicolon and the comment
+elif torch.npu.is_available():
+    x = torch.randn(2).npu()
+def pick():
+    if not use_npu:
+        return "cpu"
+    else:
+        if torch.cuda.is_available() and torch.cuda.device_count() > 1:
+            for i in range(2):
+                y = torch.zeros(2, device="cuda")
+                # closing the loop
+        elif torch.npu.is_available():
+            pass
+device = ("cuda" if torch.cuda.is_available()
+          else "npu")
+plain = "cuda" if torch.cuda.is_available() else "cpu"
+"""
+
+
+def test_dual_target_code_is_reported_and_frozen():
+    """The CUDA branch of code that already has an NPU branch is reported (with the lines it covers)
+    and frozen: npu-migrate rewrites nothing in it, and only there."""
+    edits, findings, frozen = run_builtin_codemods(DUAL_TARGET, "train.py", (DualTargetCode,))
+    assert edits == []
+    assert [(f.line, f.col, f.kind, f.end_line) for f in findings] == [
+        (2, 4, "dual-target", 3), (10, 12, "dual-target", 12), (16, 11, "dual-target", 17)]
+    assert [DUAL_TARGET[start:end] for start, end in frozen] == [
+        "torch.cuda.is_available():\n    x = torch.randn(2).cuda()",
+        'torch.cuda.is_available() and torch.cuda.device_count() > 1:\n            for i in range(2):\n'
+        '                y = torch.zeros(2, device="cuda")',
+        '"cuda" if torch.cuda.is_available()\n          else "npu"']
+    migrated = migrate_python(DUAL_TARGET, "train.py").text.splitlines()
+    assert migrated[1:] == DUAL_TARGET.splitlines()[:-1] + ['plain = "npu" if torch.npu.is_available() else "cpu"']
+
+
+class DefaultTensorTypeCase(CodemodTest):
+    TRANSFORM = DefaultTensorType
+
+    def runTest(self):  # noqa: N802 (unittest's name)
+        self.assertCodemod("import torch as th\nif cuda:\n    th.set_default_tensor_type(th.cuda.HalfTensor)\n",
+                           'import torch as th\nif cuda:\n    th.set_default_device("npu")\n'
+                           "    th.set_default_dtype(th.float16)\n",
+                           expected_warnings=["3:5: warning legacy-constructor: " + LEGACY_DEFAULT])
+        self.assertCodemod("import torch\r\ntorch.set_default_tensor_type('torch.cuda.DoubleTensor')\r\n",
+                           'import torch\r\ntorch.set_default_device("npu")\r\ntorch.set_default_dtype(torch.float64)\r\n')
+        for code in ["import torch\nx = 1; torch.set_default_tensor_type(torch.cuda.FloatTensor)\n",  # not on its own line
+                     "import torch\nold = torch.set_default_tensor_type(torch.cuda.FloatTensor)\n",  # not a statement
+                     "import torch\ntorch.set_default_tensor_type(torch.FloatTensor)\n"]:  # a CPU type
+            self.assertCodemod(code, code)
+        # torch neither imported nor named there: `torch` would be a new name, so it is reported
+        code = "from torch import set_default_tensor_type as sdt\nsdt('torch.cuda.FloatTensor')\n"
+        self.assertCodemod(code, code, expected_warnings=[
+            "2:1: warning default-tensor-type: a CUDA default tensor type set where torch itself is not imported: "
+            "not rewritten (import torch, then torch.set_default_device('npu') and "
+            "torch.set_default_dtype(torch.float32))"])
+        # a notebook cell or snippet that names torch: torch is there
+        self.assertCodemod("torch.set_default_tensor_type(torch.cuda.FloatTensor)\n",
+                           'torch.set_default_device("npu")\ntorch.set_default_dtype(torch.float32)\n')
+
+
+LEGACY_DEFAULT = __import__("npukit.migrate.rules", fromlist=["rules"]).LEGACY_CONSTRUCTOR_DEFAULT.reason + \
+    " (" + __import__("npukit.migrate.rules", fromlist=["rules"]).LEGACY_CONSTRUCTOR_DEFAULT.suggestion + ")"
+
+
+def test_default_tensor_type_as_a_libcst_codemod_test():
+    DefaultTensorTypeCase().runTest()
+
+
+def test_legacy_constructors_are_reported_where_the_default_tensor_type_was_cuda():
+    code = ("import torch\ntorch.set_default_tensor_type(torch.cuda.DoubleTensor)\nw = torch.Tensor(4, 4)\n"
+            "b = torch.FloatTensor()\n")
+    assert _warned_kinds(code) == ["2:1 legacy-constructor", "2:1 fp64", "3:5 legacy-constructor"]
+    # another file of a tree where one file made a CUDA type the default: npu-migrate's tree facts
+    other = "import torch\nw = torch.nn.Parameter(torch.Tensor(8, 8))\n"
+    assert run_builtin_codemods(other, "layers.py", (DefaultTensorType,))[1] == []
+    _, findings, _ = run_builtin_codemods(other, "layers.py", (DefaultTensorType,), TreeFacts(cuda_default_tensor_type=True))
+    assert [(f.line, f.col, f.kind) for f in findings] == [(2, 24, "legacy-constructor")]
+    # the tensor type it rewrites is left to it: no other rule renames or reports it
+    migrated = migrate_python(code, "train.py")
+    assert sorted((f.line, f.kind) for f in migrated.findings) == [(2, "fp64"), (2, "legacy-constructor"),
+                                                                   (3, "legacy-constructor")]
+
+
+def _warned_kinds(code: str) -> list[str]:
+    context = CodemodContext(filename="train.py")
+    DefaultTensorType(context).transform_module(cst.parse_module(code))
+    return [f"{w.split()[0].rstrip(':')} {w.split()[2].rstrip(':')}" for w in context.warnings]

@@ -21,15 +21,21 @@ from npukit.migrate.codemods.bf16_autocast import Bf16Autocast
 from npukit.migrate.codemods.custom_ops import CustomCudaOps
 from npukit.migrate.codemods.ddp_set_device import DdpSetDevice
 from npukit.migrate.codemods.default_devices import CudaDefaultDevices
+from npukit.migrate.codemods.default_tensor_type import DefaultTensorType
+from npukit.migrate.codemods.device_model import DeviceModelChecks
+from npukit.migrate.codemods.dual_target import DualTargetCode
 from npukit.migrate.codemods.environment import CudaEnvironment
 from npukit.migrate.codemods.infinite_fills import InfiniteFills
+from npukit.migrate.codemods.third_party import ThirdPartyCuda
 from npukit.migrate.codemods.torch_load import TorchLoadMapLocation
 
 # The concerns ported from the ast engine so far, in the order they run (each on the original parse).
-BUILTIN_CODEMODS = (CudaEnvironment, CudaDefaultDevices, InfiniteFills, TorchLoadMapLocation, CustomCudaOps,
-                    Bf16Autocast, DdpSetDevice)
+BUILTIN_CODEMODS = (DualTargetCode, CudaEnvironment, CudaDefaultDevices, InfiniteFills, TorchLoadMapLocation, CustomCudaOps,
+                    Bf16Autocast, DdpSetDevice, ThirdPartyCuda, DeviceModelChecks,
+                    DefaultTensorType)
 
-__all__ = ["BUILTIN_CODEMODS", "Bf16Autocast", "CudaDefaultDevices", "CustomCudaOps", "DdpSetDevice", "CudaEnvironment", "InfiniteFills", "MigrateToNpu", "TorchLoadMapLocation"]
+__all__ = ["BUILTIN_CODEMODS", "Bf16Autocast", "CudaDefaultDevices", "CustomCudaOps", "DdpSetDevice", "DefaultTensorType", "DeviceModelChecks", "DualTargetCode", "CudaEnvironment", "InfiniteFills", "MigrateToNpu", "ThirdPartyCuda",
+           "TorchLoadMapLocation"]
 
 
 class MigrateToNpu(CodemodCommand):

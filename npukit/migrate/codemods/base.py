@@ -23,6 +23,7 @@ import bisect
 import functools
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import libcst as cst
 from libcst._nodes.internal import CodegenState
@@ -36,6 +37,15 @@ from npukit.migrate.rules import Flag
 FACTS_KEY = "npukit.file_facts"
 EDITS_KEY = "npukit.builtin_edits"
 BUILTIN_FINDINGS_KEY = "npukit.builtin_findings"
+FROZEN_KEY = "npukit.frozen_spans"  # (start, end) offsets no rule may edit (the CUDA branch of dual-target code)
+
+
+class CodemodResults(NamedTuple):
+    """What the built-in codemods found in one file (offsets into its text)."""
+
+    edits: list[Edit]
+    findings: list[Finding]
+    frozen: list[tuple[int, int]]
 
 
 class FileFacts:
@@ -81,6 +91,11 @@ class FileFacts:
     def scopes(self) -> Scopes:
         """Which scope binds each name and where names are read."""
         return Scopes(self.module)
+
+    @property
+    def torch_alias(self) -> str | None:
+        """The name torch is imported as (`import torch as th`: th), None when it is not imported."""
+        return next((name for name, qualified in self.bindings.items() if qualified == "torch"), None)
 
     def qualname(self, node: cst.BaseExpression) -> str | None:
         """The dotted name an expression refers to through the import table (`th.cuda.amp` ->
@@ -203,13 +218,19 @@ class NpuCodemod(VisitorBasedCodemodCommand):
         WHOLE_FILE codemod). A necessary condition only: the codemod itself decides."""
         return [model.tree]
 
+    @classmethod
+    def claims(cls, model) -> list:
+        """Inside npu-migrate, while some rules still run on `ast`: the nodes of the file's `ast` model
+        this codemod deals with wholly, which those rules must leave alone (neither rename nor report)."""
+        return []
+
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
         """Under libcst's own tool: the module with this codemod's edits applied (the bytes
         npu-migrate writes for them)."""
         code = tree.code
         if not self.concerns(code):
             return tree
-        for key in (EDITS_KEY, BUILTIN_FINDINGS_KEY):
+        for key in (EDITS_KEY, BUILTIN_FINDINGS_KEY, FROZEN_KEY):
             self.context.scratch.pop(key, None)
         self.facts = self.context.scratch[FACTS_KEY] = FileFacts(self.context.filename or "<module>", tree, code)
         tree.visit(_OnePass([self]))
@@ -255,33 +276,45 @@ class NpuCodemod(VisitorBasedCodemodCommand):
         """The offset of the call's own `)` (its outer parentheses are outside its span)."""
         return self.facts.span(call)[1] - 1
 
+    def freeze(self, start: int, end: int) -> None:
+        """No rule edits the text between these offsets (inside npu-migrate; a codemod run alone
+        under libcst's tool edits only what it edits itself)."""
+        self.context.scratch.setdefault(FROZEN_KEY, []).append((start, end))
+
     def replace(self, original: cst.CSTNode, new: cst.CSTNode, rule: str, *, needs_torch_npu: bool = True) -> cst.CSTNode:
         """`original` becomes `new`: the node to return from a leave_ method, and the edit recorded."""
         start, end = self.facts.span(original)
         self._record(start, end, self.facts.module.code_for_node(new), rule, needs_torch_npu)
         return new
 
-    def flag(self, node: cst.CSTNode, flag: Flag, *, reason: str | None = None) -> None:
-        """`node` is reported, not (or not only) rewritten."""
+    def replace_with_text(self, original: cst.CSTNode, text: str, rule: str, *, needs_torch_npu: bool = True) -> None:
+        """`original`'s source becomes `text` (for code that is more than one node, such as two statements)."""
+        start, end = self.facts.span(original)
+        self._record(start, end, text, rule, needs_torch_npu)
+
+    def flag(self, node: cst.CSTNode, flag: Flag, *, reason: str | None = None, end_line: int | None = None) -> None:
+        """`node` is reported, not (or not only) rewritten; end_line: the last line of the code the
+        finding is about, when it is more than the node's first."""
         line, col = self.facts.line_col(self.facts.span(node)[0])
         col = self.facts.byte_column(line, col)
         reason = reason or flag.reason
         finding = Finding(self.facts.path, line, col, flag.kind, flag.severity,
-                          self.facts.positions.line_text(line).strip(), reason, flag.suggestion)
+                          self.facts.positions.line_text(line).strip(), reason, flag.suggestion,
+                          end_line=end_line if end_line is not None and end_line > line else None)
         self.context.scratch.setdefault(BUILTIN_FINDINGS_KEY, []).append(finding)
         self.warn(f"{line}:{col}: {flag.severity} {flag.kind}: {reason} ({flag.suggestion})")
 
 
 def run_builtin_codemods(text: str, path: str, codemods: tuple[type[NpuCodemod], ...],
                          tree: TreeFacts = TreeFacts(), *, windows: list[tuple[int, int]] | None = None,
-                         bindings: dict[str, str] | None = None) -> tuple[list[Edit], list[Finding]]:
+                         bindings: dict[str, str] | None = None) -> CodemodResults:
     """The edits (offsets into `text`) and findings of the built-in codemods that concern this file:
     one parse, one position pass, one traversal for them all. windows: (start, end) offsets of runs
     of whole top-level statements, parsed alone instead of the file (the file's import table,
     `bindings`, is then given: a window does not hold every import)."""
     concerned = [codemod for codemod in codemods if codemod.concerns(text)]
     if not concerned:
-        return [], []
+        return CodemodResults([], [], [])
     context = CodemodContext(filename=path)
     whole_file = Positions(text)
     for start, end in windows or [(0, len(text))]:
@@ -297,7 +330,8 @@ def run_builtin_codemods(text: str, path: str, codemods: tuple[type[NpuCodemod],
         for codemod in instances:
             codemod.facts = facts
         module.visit(_OnePass(instances))
-    return context.scratch.get(EDITS_KEY, []), context.scratch.get(BUILTIN_FINDINGS_KEY, [])
+    scratch = context.scratch
+    return CodemodResults(scratch.get(EDITS_KEY, []), scratch.get(BUILTIN_FINDINGS_KEY, []), scratch.get(FROZEN_KEY, []))
 
 
 class _OnePass(cst.CSTVisitor):

@@ -1,0 +1,86 @@
+"""CUDA-only third-party libraries: reported where the code depends on them."""
+
+from __future__ import annotations
+
+import ast
+
+import libcst as cst
+
+from npukit.migrate import rules
+from npukit.migrate.codemods.base import NpuCodemod
+from npukit.migrate.codemods.scopes import dotted_name
+from npukit.migrate.pysource_model import imported_names
+
+# the words a file must hold for one of these libraries to be imported by it
+_LIBRARY_WORDS = tuple(sorted({name.split(".")[0] for name in rules.THIRD_PARTY}))
+
+
+def imported_dotted_names(node: cst.Import | cst.ImportFrom) -> list[str]:
+    """pysource_model.imported_names for a libcst import: `import a.b` -> [a.b];
+    `from a import b` -> [a.b, a]; nothing for a relative import."""
+    if isinstance(node, cst.Import):
+        return [dotted_name(alias.name) for alias in node.names]
+    if node.relative or node.module is None:
+        return []
+    module = dotted_name(node.module)
+    names = ["*"] if isinstance(node.names, cst.ImportStar) else [dotted_name(alias.name) for alias in node.names]
+    return [*(f"{module}.{name}" for name in names), module]
+
+
+def _first_flag(names: list[str]) -> rules.Flag | None:
+    for name in names:
+        flag = rules.third_party_flag(name)
+        if flag is not None:
+            return flag
+    return None
+
+
+def _call_flag(qualified: str | None) -> rules.Flag | None:
+    if qualified is None or not (qualified.split(".")[0] in rules.THIRD_PARTY_CALLS_REPORTED
+                                 or qualified.startswith("numba.cuda.")):
+        return None
+    return rules.third_party_flag(qualified)
+
+
+class ThirdPartyCuda(NpuCodemod):
+    """An import of a CUDA-only library (flash_attn, xformers, triton, apex, cupy, pynvml, numba.cuda,
+    TensorRT, DALI, Isaac Gym ... `rules.THIRD_PARTY`) is reported with what to use on an NPU; an
+    import statement gets one finding, for the first such name it imports. So is each call into the
+    libraries whose every call site needs a decision (`rules.THIRD_PARTY_CALLS_REPORTED`, numba.cuda),
+    and each kernel decorator (`@triton.jit`, `@triton.autotune(...)`, `@numba.cuda.jit`). Nothing is
+    rewritten: these libraries have no drop-in NPU counterpart."""
+
+    DESCRIPTION = "CUDA-only third-party libraries reported at their imports, calls and kernel decorators"
+    FILES_CONTAINING = _LIBRARY_WORDS
+
+    @classmethod
+    def candidates(cls, model) -> list:
+        found = [node for node in model.imports if _first_flag(imported_names(node)) is not None]
+        found += [call for call in model.calls if _call_flag(model.qualname(call.func)) is not None]
+        for decorator in model.decorators:
+            target = decorator.func if isinstance(decorator, ast.Call) else decorator
+            if model.qualname(target) in rules.THIRD_PARTY_DECORATORS:
+                found.append(decorator)
+        return found
+
+    def visit_Import(self, node: cst.Import) -> None:
+        self._flag_import(node)
+
+    def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
+        self._flag_import(node)
+
+    def _flag_import(self, node: cst.Import | cst.ImportFrom) -> None:
+        flag = _first_flag(imported_dotted_names(node))
+        if flag is not None:
+            self.flag(node, flag)
+
+    def visit_Call(self, node: cst.Call) -> None:
+        flag = _call_flag(self.facts.qualname(node.func))
+        if flag is not None:
+            self.flag(node, flag)
+
+    def visit_Decorator(self, node: cst.Decorator) -> None:
+        expression = node.decorator
+        qualified = self.facts.qualname(expression.func if isinstance(expression, cst.Call) else expression)
+        if qualified in rules.THIRD_PARTY_DECORATORS:
+            self.flag(expression, rules.third_party_flag(qualified))
