@@ -30,8 +30,20 @@ class DualTargetCode(NpuCodemod):
 
     @classmethod
     def candidates(cls, model) -> list:
-        found = [node for node in model.ifs if len(node.orelse) == 1 and isinstance(node.orelse[0], ast.If)]
-        return found + [node for node in model.conditionals if "npu" in model.pos.segment(node)]
+        def asks_for_cuda(test: ast.AST) -> bool:
+            return any(isinstance(sub, ast.Attribute) and model.qualname(sub) == _IS_AVAILABLE for sub in ast.walk(test))
+
+        found = []
+        for node in model.ifs:
+            tests = [node.test]
+            while len(node.orelse) == 1 and isinstance(node.orelse[0], ast.If):
+                node = node.orelse[0]
+                tests.append(node.test)
+            if len(tests) > 1 and any("npu" in model.pos.segment(test) for test in tests) and \
+                    any(asks_for_cuda(test) for test in tests):
+                found.append(node)
+        return found + [node for node in model.conditionals
+                        if "npu" in model.pos.segment(node) and asks_for_cuda(node.test)]
 
     def visit_Module(self, node: cst.Module) -> None:
         self.kept: set[cst.If] = set()
