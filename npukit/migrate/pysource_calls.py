@@ -1,4 +1,4 @@
-"""Rules about specific calls: amp, torch.compile modes, unsupported APIs.
+"""Rules about specific calls: amp, unsupported torch APIs.
 
 Each handler looks at one API (resolved through the import table) and either rewrites the call
 (adding the NPU device argument, upgrading torch.cuda.amp to torch.amp) or reports what cannot be
@@ -10,8 +10,6 @@ from __future__ import annotations
 import ast
 
 from npukit.migrate import rules
-from npukit.migrate.pysource_model import string_value
-from npukit.migrate.rules import Flag
 from npukit.migrate.unsupported_apis import UNSUPPORTED_TORCH_APIS
 
 
@@ -36,21 +34,12 @@ class CallRules:
                     self._handle_amp_call(call, qualified)
                 elif qualified in ("torch.get_autocast_gpu_dtype", "torch.set_autocast_gpu_dtype"):
                     self._handle_autocast_gpu_dtype(call, qualified)
-                if qualified == "torch.compile" and any(
-                    k.arg == "mode" and string_value(k.value) in ("reduce-overhead", "max-autotune") for k in call.keywords
-                ):
-                    self._flag(call, Flag("compile", "warning", "mode='reduce-overhead'/'max-autotune' uses CUDA graphs",
-                                          "use backend='npugraph_ex' (torchair) for graph capture on NPU"))
             self._handle_device_sinks(call, qualified, method)
             self._handle_backend_sinks(call, qualified, method)
             if method == "add_argument":
                 self._handle_argparse(call)
             elif method == "startswith" and self._is_device_like(func.value) and call.args:
                 self._rewrite_device_choices(call.args[0], "device-compare")
-            if method in rules.UNSUPPORTED_TENSOR_METHODS and qualified is None:
-                self._flag(call, Flag("unsupported-api", "warning",
-                                      f"Tensor.{method} is not supported by torch_npu (if the receiver is a tensor)",
-                                      rules.UNSUPPORTED_GENERIC.suggestion))
             if qualified is not None and qualified in UNSUPPORTED_TORCH_APIS and qualified not in rules.CUDA_FLAGGED:
                 self._flag_unsupported(call, qualified)
 

@@ -18,6 +18,7 @@ from libcst.metadata import MetadataWrapper, PositionProvider
 from npukit.migrate.codemods import (
     BUILTIN_CODEMODS,
     Bf16Autocast,
+    CompileModes,
     CudaDefaultDevices,
     CudaEnvironment,
     CustomCudaOps,
@@ -27,6 +28,7 @@ from npukit.migrate.codemods import (
     DualTargetCode,
     ThirdPartyCuda,
     TorchLoadMapLocation,
+    UnsupportedTensorMethods,
 )
 from npukit.migrate.codemods.base import FileFacts, run_builtin_codemods
 from npukit.migrate.model import TreeFacts
@@ -521,3 +523,28 @@ def _warned_kinds(code: str) -> list[str]:
     context = CodemodContext(filename="train.py")
     DefaultTensorType(context).transform_module(cst.parse_module(code))
     return [f"{w.split()[0].rstrip(':')} {w.split()[2].rstrip(':')}" for w in context.warnings]
+
+
+@pytest.mark.parametrize(("code", "expected"), [
+    ('import torch\nm = torch.compile(model, mode="reduce-overhead")\nn = torch.compile(model)\n', ["2:5 compile"]),
+    ("from torch import compile as tc\nm = tc(model, fullgraph=True, mode='max-' 'autotune')\n", ["2:5 compile"]),
+    ('import torch\nm = torch.compile(model, mode="default")\nmode = "reduce-overhead"\n', []),
+])
+def test_cuda_graph_compile_modes_are_reported(code, expected):
+    assert _warned(CompileModes, code) == expected
+
+
+def test_a_cuda_graph_mode_is_reported_as_such_not_as_torch_compile_in_general():
+    """The names rules' general torch.compile note would take the same place: the codemod claims the name."""
+    code = 'import torch\nm = torch.compile(model, mode="max-autotune")\nn = torch.compile(model)\n'
+    findings = [(f.line, f.kind, f.severity) for f in migrate_python(code, "train.py").findings]
+    assert findings == [(2, "compile", "warning"), (3, "compile", "info")]
+
+
+@pytest.mark.parametrize(("code", "expected"), [
+    ("import torch\nd = x.to_dense()\ns = torch.randn(3).to_sparse(sparse_dim=1)\nu = x.unique_consecutive\n",
+     ["2:5 unsupported-api", "3:5 unsupported-api"]),  # a reference is not a call
+    ("import torch\nimport mylib\nd = mylib.to_dense(x)\nv = x.to(device)\n", []),  # a module's function
+])
+def test_unsupported_tensor_methods_are_reported(code, expected):
+    assert _warned(UnsupportedTensorMethods, code) == expected

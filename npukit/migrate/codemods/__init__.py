@@ -18,6 +18,7 @@ import libcst as cst
 from libcst.codemod import CodemodCommand
 
 from npukit.migrate.codemods.bf16_autocast import Bf16Autocast
+from npukit.migrate.codemods.compile_modes import CompileModes
 from npukit.migrate.codemods.custom_ops import CustomCudaOps
 from npukit.migrate.codemods.ddp_set_device import DdpSetDevice
 from npukit.migrate.codemods.default_devices import CudaDefaultDevices
@@ -28,14 +29,16 @@ from npukit.migrate.codemods.environment import CudaEnvironment
 from npukit.migrate.codemods.infinite_fills import InfiniteFills
 from npukit.migrate.codemods.third_party import ThirdPartyCuda
 from npukit.migrate.codemods.torch_load import TorchLoadMapLocation
+from npukit.migrate.codemods.unsupported_methods import UnsupportedTensorMethods
 
 # The concerns ported from the ast engine so far, in the order they run (each on the original parse).
 BUILTIN_CODEMODS = (DualTargetCode, CudaEnvironment, CudaDefaultDevices, InfiniteFills, TorchLoadMapLocation, CustomCudaOps,
                     Bf16Autocast, DdpSetDevice, ThirdPartyCuda, DeviceModelChecks,
-                    DefaultTensorType)
+                    DefaultTensorType, CompileModes, UnsupportedTensorMethods)
 
-__all__ = ["BUILTIN_CODEMODS", "Bf16Autocast", "CudaDefaultDevices", "CustomCudaOps", "DdpSetDevice", "DefaultTensorType", "DeviceModelChecks", "DualTargetCode", "CudaEnvironment", "InfiniteFills", "MigrateToNpu", "ThirdPartyCuda",
-           "TorchLoadMapLocation"]
+__all__ = ["BUILTIN_CODEMODS", "Bf16Autocast", "CompileModes", "CudaDefaultDevices", "CustomCudaOps", "DdpSetDevice", "DefaultTensorType", "DeviceModelChecks", "DualTargetCode", "CudaEnvironment", "InfiniteFills", "MigrateToNpu", "ThirdPartyCuda",
+           "TorchLoadMapLocation",
+           "UnsupportedTensorMethods"]
 
 
 class MigrateToNpu(CodemodCommand):
