@@ -75,6 +75,8 @@ class TreeFacts:
 
     custom_ops: frozenset[str] = frozenset()  # ops the tree's CUDA native code binds for Python
     cuda_method_classes: frozenset[str] = frozenset()  # classes, anywhere in the tree, with their own cuda()
+    is_cuda_classes: frozenset[str] = frozenset()  # classes, anywhere in the tree, with their own is_cuda
+    local_packages: frozenset[str] = frozenset()  # the tree's own top-level packages and modules
     # module names other files import (--runtime only; None: unknown, then only __main__ guards count)
     imported_modules: frozenset[str] | None = None
     # a file makes a CUDA tensor type the default (set_default_tensor_type(torch.cuda.HalfTensor)):

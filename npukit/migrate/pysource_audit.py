@@ -31,6 +31,8 @@ LEFT_AS_CUDA = frozenset({"device-capability", "device-properties", "no-equivale
 
 _CUDA_SEGMENT = re.compile(r"cuda|cudnn|nccl|nvtx", re.IGNORECASE)
 _CUDA_ENV = re.compile(r"(TORCH_)?(CUDA|NCCL|CUBLAS|CUDNN|CUBLASLT|NVIDIA|PYTORCH_CUDA)_[A-Z0-9_]+\Z|PYTORCH_ALLOC_CONF\Z")
+# a torch CUDA name in a string: a mock.patch / monkeypatch target, a module name compared
+_CUDA_DOTTED_NAME = re.compile(r"torch\.(cuda|backends\.cudnn|backends\.cuda)(\.\w+)*")
 _MAYBE_CUDA_STRING = re.compile(r"cuda|nccl|CUDA|NCCL|CUBLAS|CUDNN|NVIDIA|ALLOC_CONF|nvidia")
 _TEXT_KEYWORDS = frozenset({"help", "description", "epilog", "msg", "message", "reason", "doc", "usage", "metavar"})
 _FLAG_RECEIVERS = frozenset({"args", "opt", "opts", "cfg", "config", "conf", "flags", "FLAGS", "hparams", "hp",
@@ -116,7 +118,8 @@ class AuditRules:
             if len(value) > 200 or not _MAYBE_CUDA_STRING.search(value):
                 continue
             if (rules.DEVICE_TEMPLATE.match(value) or value.startswith("cuda:") or rules.BACKEND_VALUE.match(value)
-                    or _CUDA_ENV.match(value) or value.lstrip().startswith("nvidia-smi")) and not self._is_text(node):
+                    or _CUDA_ENV.match(value) or value.lstrip().startswith("nvidia-smi")
+                    or _CUDA_DOTTED_NAME.fullmatch(value)) and not self._is_text(node):
                 yield node, self.pos.span(node), f"the string {self.pos.segment(node)}"
         for node in self.fstrings:
             first = string_value(node.values[0]) if node.values else None
@@ -132,7 +135,7 @@ class AuditRules:
                     f"`{self.pos.segment(call.func)}(...)` without a device (it defaults to CUDA)"
         for node in self.imports:
             for name in imported_names(node):
-                if third_party_flag(name) is not None:
+                if third_party_flag(name, self.facts.local_packages) is not None:
                     yield node, self.pos.span(node), f"the CUDA-only import of {name}"
                     break
 
@@ -162,7 +165,7 @@ class AuditRules:
         qualified = self.qualname(node)
         if qualified is None:
             return True
-        return not (qualified.startswith("torch.cuda") or third_party_flag(qualified) is not None)
+        return not (qualified.startswith("torch.cuda") or third_party_flag(qualified, self.facts.local_packages) is not None)
 
     def _attr_name_span(self, node: ast.Attribute) -> tuple[int, int]:
         _, end = self.pos.span(node)

@@ -283,9 +283,14 @@ class DeviceRules:
                 if used or "backend" in lowered:
                     for literal in backend_literals:
                         self._rewrite_backend(literal, "backend-string")
-        # dict displays: {"device": "cuda", "backend": "nccl"} configure a device/backend by key
-        for node in self.dicts:
-            for key, value in zip(node.keys, node.values):
+        # dict displays: {"device": "cuda", "backend": "nccl"} configure a device/backend by key; so
+        # does an item assignment: kwargs["device_type"] = "cuda"
+        keyed = [(node.keys, node.values) for node in self.dicts]
+        keyed += [([target.slice], [node.value]) for node in self.assigns if node.value is not None
+                  for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                  if isinstance(target, ast.Subscript)]
+        for keys, values in keyed:
+            for key, value in zip(keys, values):
                 key_text = string_value(key) if key is not None else None
                 if key_text is None:
                     continue

@@ -84,6 +84,24 @@ def imported_names(node: ast.Import | ast.ImportFrom) -> list[str]:
     return []
 
 
+def defines_is_cuda(node: ast.ClassDef) -> bool:
+    """A class with its own `is_cuda`: a method or property of that name, a class attribute, or
+    `self.is_cuda = ...` in one of its methods (Tensor.is_cuda is read-only, so it is the class's)."""
+    for item in node.body:
+        if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if item.name == "is_cuda":
+                return True
+            for sub in ast.walk(item):
+                if isinstance(sub, ast.Attribute) and sub.attr == "is_cuda" and isinstance(sub.ctx, ast.Store) \
+                        and isinstance(sub.value, ast.Name) and sub.value.id == "self":
+                    return True
+        elif isinstance(item, (ast.Assign, ast.AnnAssign)):
+            targets = item.targets if isinstance(item, ast.Assign) else [item.target]
+            if any(isinstance(t, ast.Name) and t.id == "is_cuda" for t in targets):
+                return True
+    return False
+
+
 def last_name(node: ast.AST) -> str | None:
     if isinstance(node, ast.Name):
         return node.id
@@ -175,6 +193,7 @@ class SourceModel:
         self.imports: list[ast.AST] = []
         self.functions: list[ast.AST] = []
         self.cuda_method_classes: set[str] = set(self.facts.cuda_method_classes)  # + this file's, below
+        self.is_cuda_classes: set[str] = set(self.facts.is_cuda_classes)  # + this file's, below
         self.docstrings: set[int] = set()
         self.ifs: list[ast.If] = []
         self.conditionals: list[ast.IfExp] = []
@@ -261,6 +280,8 @@ class SourceModel:
             for item in body:
                 if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name == "cuda":
                     self.cuda_method_classes.add(node.name)
+            if "is_cuda" in self.text and defines_is_cuda(node):
+                self.is_cuda_classes.add(node.name)
         elif kind is not ast.Module:
             self.functions.append(node)
             self.assigned[id(node)] = {a.arg for a in _all_args(node.args)}

@@ -70,20 +70,24 @@ class NameRules:
             if qualified == "torch.cuda.amp":  # module alias: uses must be amp.autocast(...) etc.
                 if not (isinstance(up, ast.Attribute) and up.attr in rules.AMP_CALLS):
                     return False
-                if up.attr in ("custom_fwd", "custom_bwd"):
-                    continue
-                call = self.parent.get(id(up))
-                if not (isinstance(call, ast.Call) and call.func is up):
+                if not self._called_or_decorating(up, up.attr in ("custom_fwd", "custom_bwd")):
                     return False
             else:
                 member = qualified.rsplit(".", 1)[1]
                 if member not in rules.AMP_CALLS:
                     return False
-                if member in ("custom_fwd", "custom_bwd"):
-                    continue
-                if not (isinstance(up, ast.Call) and up.func is use):
+                if not self._called_or_decorating(use, member in ("custom_fwd", "custom_bwd")):
                     return False
         return True
+
+    def _called_or_decorating(self, node: ast.AST, decorator: bool) -> bool:
+        """`node(...)`, or for a decorator also a bare `@node`: a use that can be given device_type.
+        (A decorator passed around as a value cannot: `wrap(custom_fwd)`.)"""
+        up = self.parent.get(id(node))
+        if isinstance(up, ast.Call) and up.func is node:
+            return True
+        return decorator and isinstance(up, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and any(
+            item is node for item in up.decorator_list)
 
     def _import_target(self, qualified: str, local: str) -> tuple[str, str | None] | None:
         """For an imported torch.cuda module/member: (expression-space target, rule) or None to keep."""
@@ -297,7 +301,14 @@ class NameRules:
                 if id(node) in self.claimed:
                     continue
                 if node.attr == "is_cuda":
-                    self._rename_attr(node, "is_npu", "is-cuda")
+                    if not isinstance(node.ctx, ast.Load):
+                        continue  # `x.is_cuda = flag`: Tensor.is_cuda cannot be set, so it is the user's
+                    if self._is_user_receiver(node, self.is_cuda_classes):
+                        self._flag(node, Flag("user-cuda-attribute", "info",
+                                              "`.is_cuda` here is an attribute of your own class; it was kept",
+                                              "rename it if it means the tensor property"))
+                    else:
+                        self._rename_attr(node, "is_npu", "is-cuda")
                     continue
                 called = isinstance(up, ast.Call) and up.func is node
                 if receiver is not None and node.attr == "cuda" and not receiver.startswith("torch") \
@@ -312,7 +323,7 @@ class NameRules:
                                               "the tensor/module .cuda() method; it was left unchanged",
                                               "change it to .npu() if it moves a tensor or module to the device"))
                     continue
-                if self._is_user_cuda_receiver(node):
+                if self._is_user_receiver(node, self.cuda_method_classes):
                     self._flag(node, Flag("user-cuda-method", "info",
                                           "`.cuda()` here is a method of your own class; it was kept",
                                           "rename it if it moves data to the device"))
@@ -407,29 +418,31 @@ class NameRules:
             return
         self._edit((end - len(node.attr), end), new, rule)
 
-    def _is_user_cuda_receiver(self, node: ast.Attribute) -> bool:
-        if not self.cuda_method_classes:
+    def _is_user_receiver(self, node: ast.Attribute, classes: set[str]) -> bool:
+        """The attribute's receiver is an instance of one of these (the user's) classes: `self` or
+        `super()` in one, `C(...)`, or a name assigned `C(...)` in this file."""
+        if not classes:
             return False
         receiver = node.value
         if isinstance(receiver, ast.Name) and receiver.id == "self":
-            return self._enclosing_class_defines_cuda(node)
+            return self._enclosing_class_in(node, classes)
         if isinstance(receiver, ast.Call) and last_name(receiver.func) == "super":
-            return self._enclosing_class_defines_cuda(node)
-        if isinstance(receiver, ast.Call) and last_name(receiver.func) in self.cuda_method_classes:
+            return self._enclosing_class_in(node, classes)
+        if isinstance(receiver, ast.Call) and last_name(receiver.func) in classes:
             return True
         if isinstance(receiver, ast.Name):
             for assign in self.assigns:
                 if isinstance(assign, ast.Assign) and isinstance(assign.value, ast.Call) \
-                        and last_name(assign.value.func) in self.cuda_method_classes \
+                        and last_name(assign.value.func) in classes \
                         and any(isinstance(t, ast.Name) and t.id == receiver.id for t in assign.targets):
                     return True
         return False
 
-    def _enclosing_class_defines_cuda(self, node: ast.AST) -> bool:
+    def _enclosing_class_in(self, node: ast.AST, classes: set[str]) -> bool:
         current = self.parent.get(id(node))
         while current is not None:
             if isinstance(current, ast.ClassDef):
-                return current.name in self.cuda_method_classes
+                return current.name in classes
             current = self.parent.get(id(current))
         return False
 

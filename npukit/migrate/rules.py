@@ -460,8 +460,12 @@ def dotted_prefixes(qualified: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
 
 
-def third_party_flag(qualified: str) -> Flag | None:
-    """The finding for a name in a CUDA-only library (THIRD_PARTY), by its most specific entry."""
+def third_party_flag(qualified: str, local_packages: frozenset[str] = frozenset()) -> Flag | None:
+    """The finding for a name in a CUDA-only library (THIRD_PARTY), by its most specific entry; none
+    for a name in one of the migrated tree's own packages (mamba_ssm's own repository imports
+    mamba_ssm.models.config_mamba, a dataclass: its kernels are reported where they are)."""
+    if qualified.split(".")[0] in local_packages:
+        return None
     for prefix in dotted_prefixes(qualified):
         if prefix in THIRD_PARTY:
             return THIRD_PARTY[prefix]

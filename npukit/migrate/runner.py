@@ -20,6 +20,7 @@ from npukit.migrate import rules
 from npukit.migrate.dependencies import scan_dependency_file, scan_setup_py, worth_scanning
 from npukit.migrate.model import FileResult, Finding, TreeFacts
 from npukit.migrate.pysource import MigrationSyntaxError, migrate_python, remap_changes, remap_findings
+from npukit.migrate.pysource_model import defines_is_cuda
 from npukit.migrate.textfiles import (
     is_cuda_native,
     migrate_dockerfile,
@@ -210,10 +211,25 @@ def _usable_cores() -> int:
 def _gather_tree_facts(root: Path, candidates: list[str], runtime: bool) -> TreeFacts:
     native = [c for c in candidates if fs.kind_of(c) == "native"]
     python = [c for c in candidates if fs.kind_of(c) == "python"]
-    classes, cuda_default_type = _python_tree_facts(root, python)
+    classes, is_cuda_classes, cuda_default_type = _python_tree_facts(root, python)
     return TreeFacts(custom_ops=_custom_cuda_ops(root, native), cuda_method_classes=classes,
+                     is_cuda_classes=is_cuda_classes, local_packages=_local_packages(python),
                      imported_modules=_imported_modules(root, python) if runtime else None,
                      cuda_default_tensor_type=cuda_default_type)
+
+
+def _local_packages(python_files: list[str]) -> frozenset[str]:
+    """The names the tree's own code is imported by: each top-level package (a folder with an
+    __init__.py whose parent has none, at any depth: `src/pkg/`) and each module outside packages."""
+    packaged = {str(Path(f).parent) for f in python_files if Path(f).name == "__init__.py"}
+    names: set[str] = set()
+    for relative in python_files:
+        path = Path(relative)
+        if str(path.parent) not in packaged:
+            names.add(path.stem)
+        elif str(path.parent.parent) not in packaged or path.parent == path.parent.parent:
+            names.add(path.parent.name)
+    return frozenset(names - {"__init__", "setup", ""})
 
 
 def _read_all(root: Path, files: list[str]):
@@ -240,25 +256,32 @@ def _imported_modules(root: Path, python_files: list[str]) -> frozenset[str]:
 
 
 _CUDA_DEFAULT_TENSOR_TYPE = re.compile(rb"set_default_tensor_type\(\s*['\"]?(?:torch\.)?cuda\.")
+_OWN_IS_CUDA = re.compile(rb"def is_cuda\b|\bis_cuda\s*(:[^=\n]*)?=(?!=)")  # defined or assigned
 
 
-def _python_tree_facts(root: Path, python_files: list[str]) -> tuple[frozenset[str], bool]:
+def _python_tree_facts(root: Path, python_files: list[str]) -> tuple[frozenset[str], frozenset[str], bool]:
     """One read of the tree's Python files: classes that define their own `cuda` method (GA renamed
-    calls to them), and whether a file makes a CUDA tensor type the default."""
+    calls to them), classes with their own `is_cuda` (an attribute or property of the user's), and
+    whether a file makes a CUDA tensor type the default."""
     names: set[str] = set()
+    is_cuda_names: set[str] = set()
     cuda_default_type = False
     for data in _read_all(root, python_files):
         cuda_default_type = cuda_default_type or bool(_CUDA_DEFAULT_TENSOR_TYPE.search(data))
-        if b"def cuda(" not in data:
+        own_cuda = b"def cuda(" in data
+        own_is_cuda = b"is_cuda" in data and _OWN_IS_CUDA.search(data) is not None
+        if not (own_cuda or own_is_cuda):
             continue
         try:
             tree = ast.parse(data)
         except (SyntaxError, ValueError, RecursionError):
             continue  # reported when the file itself is processed
-        names |= {node.name for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
-                  and any(isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name == "cuda"
-                          for item in node.body)}
-    return frozenset(names), cuda_default_type
+        classes = [node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)]
+        names |= {node.name for node in classes if any(
+            isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name == "cuda" for item in node.body)}
+        if own_is_cuda:
+            is_cuda_names |= {node.name for node in classes if defines_is_cuda(node)}
+    return frozenset(names), frozenset(is_cuda_names), cuda_default_type
 
 
 def _custom_cuda_ops(root: Path, native_files: list[str]) -> frozenset[str]:

@@ -265,13 +265,18 @@ def migrate_notebook(text: str, path: str, *, runtime: bool = False, lines_after
         first = lines[0].strip() if lines else ""
         whole_cell_shell = first.startswith(_CELL_SHELL_MAGICS)
         out_lines = []
+        continued = False  # the line before was a shell line ending in a backslash: this one is part of it
         for index, line in enumerate(lines):
             stripped = line.lstrip()
             indent = line[:len(line) - len(stripped)]
-            if whole_cell_shell or stripped.startswith(("!", "%")) or (index == 0 and first.startswith("%%")):
+            if whole_cell_shell or continued or stripped.startswith(("!", "%")) or (index == 0 and first.startswith("%%")):
                 if index or not first.startswith("%%") or whole_cell_shell:
                     shell_lines.append((position, index, line))
-                out_lines.append(indent + _neutral(len(stripped)) if stripped else line)
+                if continued:  # a comment, so its own indentation does not matter to Python
+                    out_lines.append("#" * len(line))
+                else:
+                    out_lines.append(indent + _neutral(len(stripped)) if stripped else line)
+                continued = line.rstrip().endswith("\\")
             elif _HELP_SYNTAX.match(stripped):  # IPython's `obj?` / `obj??`
                 out_lines.append(indent + _neutral(len(stripped)))
             else:

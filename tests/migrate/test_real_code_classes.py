@@ -128,6 +128,43 @@ CASES = [
      'import torch\nimport logging\nlogging.info("moving to cuda:0")\nparser.add_argument("--x", help="cuda")\n'
      'key = "cuda"\nflag = args.cuda\nnames = {"cuda": 1}\n',
      {"device-string", "cuda-leftover"}),
+    # 11. (pyro, mamba, peft) a class's own is_cuda flag or property is not Tensor.is_cuda
+    ("own-is-cuda-attribute-and-property-are-kept",
+     "import torch\nclass Model(torch.nn.Module):\n    def __init__(self, cuda):\n        super().__init__()\n"
+     "        self.is_cuda = cuda\n    def place(self, x):\n        return x.to('cuda') if self.is_cuda else x\n"
+     "class Loader:\n    @property\n    def is_cuda(self):\n        return False\n"
+     "m = Model(False)\nprint(m.is_cuda, Loader().is_cuda, torch.zeros(1).is_cuda)\n",
+     NPU + "import torch\nclass Model(torch.nn.Module):\n    def __init__(self, cuda):\n        super().__init__()\n"
+     "        self.is_cuda = cuda\n    def place(self, x):\n        return x.to('npu') if self.is_cuda else x\n"
+     "class Loader:\n    @property\n    def is_cuda(self):\n        return False\n"
+     "m = Model(False)\nprint(m.is_cuda, Loader().is_cuda, torch.zeros(1).is_npu)\n",
+     {"user-cuda-attribute"}),
+    # a decorator passed around as a value cannot be given device_type: torch_npu's amp module has it
+    ("amp-decorator-used-as-a-value-keeps-cuda-amp-semantics",
+     "import torch\nfrom torch.cuda.amp import custom_fwd\nmy_fwd = wrap(custom_fwd)\n",
+     NPU + "import torch\nfrom torch_npu.npu.amp import custom_fwd\nmy_fwd = wrap(custom_fwd)\n",
+     set()),
+    ("amp-decorator-applied-is-upgraded",
+     "import torch\nfrom torch.cuda.amp import custom_fwd\n@custom_fwd\ndef f(x):\n    return x\n",
+     NPU + "import torch\nfrom torch.amp import custom_fwd\n@custom_fwd(device_type=\"npu\")\ndef f(x):\n    return x\n",
+     set()),
+    # an item assignment names a device like a dict key does
+    ("item-assigned-device-type",
+     "import torch\ndef deco(*args, **kwargs):\n    kwargs[\"device_type\"] = \"cuda\"\n    opts['backend'] = 'nccl'\n",
+     NPU + "import torch\ndef deco(*args, **kwargs):\n    kwargs[\"device_type\"] = \"npu\"\n    opts['backend'] = 'hccl'\n",
+     set()),
+    # a torch CUDA name in a string (a mock.patch target) is reported, not left silently
+    ("mock-patch-target-naming-torch-cuda-is-reported",
+     "import torch\nfrom unittest.mock import patch\nwith patch(\"torch.cuda.empty_cache\") as m:\n    pass\n",
+     "import torch\nfrom unittest.mock import patch\nwith patch(\"torch.cuda.empty_cache\") as m:\n    pass\n",
+     {"cuda-leftover"}),
+    # torch.save then torch.load of the same file: a round trip keeps each tensor's device
+    ("torch-load-of-what-the-code-saved-is-left",
+     "import io, torch\nbuf = io.BytesIO()\ntorch.save(net, buf)\nnet2 = torch.load(buf, weights_only=False)\n"
+     "torch.save(state, 'tmp.pt')\nstate = torch.load('tmp.pt')\nother = torch.load('other.pt')\n",
+     NPU + "import io, torch\nbuf = io.BytesIO()\ntorch.save(net, buf)\nnet2 = torch.load(buf, weights_only=False)\n"
+     "torch.save(state, 'tmp.pt')\nstate = torch.load('tmp.pt')\nother = torch.load('other.pt', map_location=\"npu\")\n",
+     {"torch-load"}),
 ]
 
 
@@ -182,3 +219,35 @@ def test_legacy_constructors_are_not_reported_without_a_cuda_default_tensor_type
     (tmp_path / "layers.py").write_text("import torch\nw = torch.Tensor(3, 4).cuda()\n")
     run = run_migration(MigrateOptions(target=tmp_path, dry_run=True, quiet=True))
     assert "legacy-constructor" not in {f.kind for f in run.findings}
+
+
+def test_the_trees_own_package_is_not_a_cuda_only_library(tmp_path):
+    """mamba's repository imports its own mamba_ssm package (dataclasses, utilities): those imports
+    are not third-party CUDA code; an import of a CUDA-only library it does not contain still is."""
+    from npukit.migrate.runner import MigrateOptions, run_migration
+
+    (tmp_path / "mamba_ssm" / "models").mkdir(parents=True)
+    (tmp_path / "mamba_ssm" / "__init__.py").write_text("")
+    (tmp_path / "mamba_ssm" / "models" / "__init__.py").write_text("")
+    (tmp_path / "mamba_ssm" / "models" / "config.py").write_text("from dataclasses import dataclass\n")
+    (tmp_path / "train.py").write_text("import torch\nfrom mamba_ssm.models.config import Config\n"
+                                       "from causal_conv1d import causal_conv1d_fn\nx = torch.zeros(2).cuda()\n")
+    run = run_migration(MigrateOptions(tmp_path, dry_run=True, jobs=1, quiet=True))
+    kinds = sorted((f.path, f.line, f.kind) for result in run.results for f in result.findings)
+    assert kinds == [("train.py", 3, "cuda-only-library")]
+
+
+def test_a_notebook_shell_line_continued_with_a_backslash(tmp_path):
+    import json
+
+    from npukit.migrate.textfiles import migrate_notebook
+
+    cells = [{"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None, "source": source}
+             for source in (["!python prep.py --a 1 \\\n", "    --b 2\n", "%time x = 1"],
+                            ["import torch\n", "x = torch.zeros(2).cuda()\n"])]
+    text, _, findings = migrate_notebook(json.dumps({"cells": cells, "metadata": {}, "nbformat": 4,
+                                                     "nbformat_minor": 5}), "nb.ipynb")
+    migrated = [cell["source"] for cell in json.loads(text)["cells"]]
+    assert migrated[0][-3:] == ["!python prep.py --a 1 \\\n", "    --b 2\n", "%time x = 1"]  # shell lines untouched
+    assert migrated[1] == ["import torch\n", "x = torch.zeros(2).npu()\n"]
+    assert not [f for f in findings if f.kind == "unparsable"]

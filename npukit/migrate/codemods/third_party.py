@@ -27,19 +27,19 @@ def imported_dotted_names(node: cst.Import | cst.ImportFrom) -> list[str]:
     return [*(f"{module}.{name}" for name in names), module]
 
 
-def _first_flag(names: list[str]) -> rules.Flag | None:
+def _first_flag(names: list[str], local_packages: frozenset[str]) -> rules.Flag | None:
     for name in names:
-        flag = rules.third_party_flag(name)
+        flag = rules.third_party_flag(name, local_packages)
         if flag is not None:
             return flag
     return None
 
 
-def _call_flag(qualified: str | None) -> rules.Flag | None:
+def _call_flag(qualified: str | None, local_packages: frozenset[str]) -> rules.Flag | None:
     if qualified is None or not (qualified.split(".")[0] in rules.THIRD_PARTY_CALLS_REPORTED
                                  or qualified.startswith("numba.cuda.")):
         return None
-    return rules.third_party_flag(qualified)
+    return rules.third_party_flag(qualified, local_packages)
 
 
 class ThirdPartyCuda(NpuCodemod):
@@ -48,18 +48,21 @@ class ThirdPartyCuda(NpuCodemod):
     import statement gets one finding, for the first such name it imports. So is each call into the
     libraries whose every call site needs a decision (`rules.THIRD_PARTY_CALLS_REPORTED`, numba.cuda),
     and each kernel decorator (`@triton.jit`, `@triton.autotune(...)`, `@numba.cuda.jit`). Nothing is
-    rewritten: these libraries have no drop-in NPU counterpart."""
+    rewritten: these libraries have no drop-in NPU counterpart. A package of the migrated tree itself
+    (npu-migrate's tree facts: mamba_ssm in mamba's own repository) is not a third party."""
 
     DESCRIPTION = "CUDA-only third-party libraries reported at their imports, calls and kernel decorators"
     FILES_CONTAINING = _LIBRARY_WORDS
 
     @classmethod
     def candidates(cls, model) -> list:
-        found = [node for node in model.imports if _first_flag(imported_names(node)) is not None]
-        found += [call for call in model.calls if _call_flag(model.qualname(call.func)) is not None]
+        local = model.facts.local_packages
+        found = [node for node in model.imports if _first_flag(imported_names(node), local) is not None]
+        found += [call for call in model.calls if _call_flag(model.qualname(call.func), local) is not None]
         for decorator in model.decorators:
             target = decorator.func if isinstance(decorator, ast.Call) else decorator
-            if model.qualname(target) in rules.THIRD_PARTY_DECORATORS:
+            qualified = model.qualname(target)
+            if qualified in rules.THIRD_PARTY_DECORATORS and rules.third_party_flag(qualified, local):
                 found.append(decorator)
         return found
 
@@ -70,17 +73,19 @@ class ThirdPartyCuda(NpuCodemod):
         self._flag_import(node)
 
     def _flag_import(self, node: cst.Import | cst.ImportFrom) -> None:
-        flag = _first_flag(imported_dotted_names(node))
+        flag = _first_flag(imported_dotted_names(node), self.facts.tree.local_packages)
         if flag is not None:
             self.flag(node, flag)
 
     def visit_Call(self, node: cst.Call) -> None:
-        flag = _call_flag(self.facts.qualname(node.func))
+        flag = _call_flag(self.facts.qualname(node.func), self.facts.tree.local_packages)
         if flag is not None:
             self.flag(node, flag)
 
     def visit_Decorator(self, node: cst.Decorator) -> None:
         expression = node.decorator
         qualified = self.facts.qualname(expression.func if isinstance(expression, cst.Call) else expression)
-        if qualified in rules.THIRD_PARTY_DECORATORS:
-            self.flag(expression, rules.third_party_flag(qualified))
+        flag = rules.third_party_flag(qualified, self.facts.tree.local_packages) \
+            if qualified in rules.THIRD_PARTY_DECORATORS else None
+        if flag is not None:
+            self.flag(expression, flag)

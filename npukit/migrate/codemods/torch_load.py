@@ -17,8 +17,10 @@ class TorchLoadMapLocation(NpuCodemod):
     `load_state_dict()` (which copies to the parameters' device): passed straight to it, or assigned
     once to a name whose every read is `m.load_state_dict(name)` / `m.load_state_dict(name["key"])`.
     Anything else loaded whole (a pickled model, `model, opt = torch.load(f)`, a checkpoint dict also
-    read for other values) gets `map_location="npu"`, as it came back on the GPU it was saved from.
-    Each is reported (info) with the reason."""
+    read for other values) gets `map_location="npu"`: saved from CUDA tensors it would load onto CUDA.
+    Each is reported (info) with the reason. A load of what the same code saved (`torch.save(x, f)`
+    ... `torch.load(f)`, the same variable or the same literal path) is a round trip that keeps
+    every tensor's device: it is left as it is."""
 
     DESCRIPTION = "torch.load without map_location gets 'cpu' (only into load_state_dict) or 'npu'"
     RULES = ("torch-load-map-location",)
@@ -36,6 +38,7 @@ class TorchLoadMapLocation(NpuCodemod):
         self._state_dict_arguments: set[int] = set()  # ids of nodes passed to load_state_dict
         self._assigned_to: dict[int, cst.Assign] = {}  # id of a call -> `name = call`
         self._loads: list[cst.Call] = []  # torch.load calls without a map_location
+        self._saved_to: set[tuple] = set()  # the files torch.save writes (see _file_key)
 
     def visit_Call(self, node: cst.Call) -> None:
         if isinstance(node.func, cst.Attribute) and node.func.attr.value in _LOAD_STATE_DICT:
@@ -53,16 +56,31 @@ class TorchLoadMapLocation(NpuCodemod):
             self._assigned_to[id(node.value)] = node
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.Call:
-        if self.facts.qualname(original_node.func) == rules.TORCH_LOAD:
+        qualified = self.facts.qualname(original_node.func)
+        if qualified == rules.TORCH_LOAD:
             positional, keywords = split_arguments(original_node)
             if rules.torch_load_lacks_map_location(len(positional), keyword_names(keywords)):
                 self._loads.append(original_node)
+        elif qualified == "torch.save":
+            key = self._file_key(_argument(original_node, 1, "f"))
+            if key is not None:
+                self._saved_to.add(key)
         return updated_node
 
     def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> cst.Module:
-        for call in self._loads:  # now that every load_state_dict() call of the file has been seen
-            self._give_map_location(call)
+        for call in self._loads:  # now that every load_state_dict() and torch.save() call has been seen
+            if self._file_key(_argument(call, 0, "f")) not in self._saved_to:
+                self._give_map_location(call)
         return updated_node
+
+    def _file_key(self, node: cst.BaseExpression | None) -> tuple | None:
+        """What identifies a file in this module: a variable (by the scope that binds it) or a literal path."""
+        if isinstance(node, cst.Name):
+            scopes = self.facts.scopes
+            return "name", node.value, scopes.defining_scope(node.value, scopes.scope_of.get(node, scopes.module))
+        if isinstance(node, (cst.SimpleString, cst.ConcatenatedString)) and isinstance(node.evaluated_value, str):
+            return "path", node.evaluated_value
+        return None
 
     def _give_map_location(self, call: cst.Call) -> None:
         if self._flows_only_into_load_state_dict(call):
@@ -71,8 +89,8 @@ class TorchLoadMapLocation(NpuCodemod):
             suggestion = "nothing to do unless the checkpoint is also used elsewhere"
         else:
             location = "npu"
-            why = ("the loaded object is used as it is (not only through load_state_dict()), so it goes to the NPU, "
-                   "as it came back on the GPU it was saved from")
+            why = ("the loaded object is used as it is (not only through load_state_dict()): tensors saved from "
+                   "CUDA would load onto CUDA, so they go to the NPU")
             suggestion = ("if the file was saved from CPU tensors (data, not a CUDA checkpoint) and must stay on the "
                           "CPU, use map_location=\"cpu\"")
         self.append_keyword(call, f'map_location="{location}"', "torch-load-map-location",
@@ -94,6 +112,17 @@ class TorchLoadMapLocation(NpuCodemod):
             return False  # rebound somewhere: the value's other uses are not followed
         uses = [use for use in scopes.reads.get(name, ()) if scopes.defining_scope(name, scopes.scope_of[use]) is scope]
         return bool(uses) and all(id(use) in self._state_dict_arguments for use in uses)
+
+
+def _argument(call: cst.Call, index: int, keyword: str) -> cst.BaseExpression | None:
+    """The call's argument at this position or under this keyword (None when `*args` may hold it)."""
+    positional, keywords = split_arguments(call)
+    for arg in keywords:
+        if arg.keyword is not None and arg.keyword.value == keyword:
+            return arg.value
+    if any(arg.star for arg in positional[:index + 1]):
+        return None
+    return positional[index].value if index < len(positional) else None
 
 
 def _is_constant(node: cst.BaseExpression) -> bool:
