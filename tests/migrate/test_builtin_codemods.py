@@ -548,3 +548,21 @@ def test_a_cuda_graph_mode_is_reported_as_such_not_as_torch_compile_in_general()
 ])
 def test_unsupported_tensor_methods_are_reported(code, expected):
     assert _warned(UnsupportedTensorMethods, code) == expected
+
+
+def test_third_party_cuda_under_libcsts_tool_knows_the_projects_own_packages(tmp_path):
+    """With no tree facts, the project's own packages are those absolute imports find between the
+    file and the project's root: `mamba_ssm` is the project's, `triton` is not, although the project
+    has a sub-package named triton."""
+    (tmp_path / "pyproject.toml").write_text("[project]\nname = 'm'\n")
+    for package in ("mamba_ssm", "mamba_ssm/ops", "mamba_ssm/ops/triton"):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "tests").mkdir()
+    code = "import triton\nfrom mamba_ssm.ops.triton import layer_norm\nimport causal_conv1d\n"
+    for path in (tmp_path / "tests" / "test_norm.py", tmp_path / "mamba_ssm" / "ops" / "triton" / "k.py"):
+        path.write_text(code)
+        context = CodemodContext(filename=str(path))
+        ThirdPartyCuda(context).transform_module(cst.parse_module(code))
+        assert [w.split()[2].rstrip(":") for w in context.warnings] == ["triton", "cuda-only-library"], path
+    assert len(_warned(ThirdPartyCuda, code)) == 3  # a file of a project without mamba_ssm: all three reported

@@ -23,6 +23,7 @@ import bisect
 import functools
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import NamedTuple
 
 import libcst as cst
@@ -176,6 +177,35 @@ class _ImportTable(cst.CSTVisitor):
             self.bindings.setdefault(local, f"{module}.{dotted_name(alias.name)}")
 
 
+_PROJECT_MARKERS = (".git", "pyproject.toml", "setup.py", "setup.cfg")
+
+
+def project_packages(filename: str) -> frozenset[str]:
+    """Under libcst's tool, which gives no tree facts: the packages and modules importable from the
+    folders between the file and its project's root (the first folder up holding .git,
+    pyproject.toml, setup.py or setup.cfg) that are not packages themselves, i.e. the project's own
+    code as absolute imports find it. Empty outside a project."""
+    path = Path(filename).resolve()
+    folders = []
+    for folder in path.parents:
+        folders.append(folder)
+        if any((folder / marker).exists() for marker in _PROJECT_MARKERS):
+            break
+    else:
+        return frozenset()
+    names: set[str] = set()
+    for folder in folders:
+        if (folder / "__init__.py").exists():
+            continue  # inside a package: not where absolute imports start (mamba_ssm/ops/triton is not `triton`)
+        try:
+            entries = list(folder.iterdir())
+        except OSError:
+            continue
+        names |= {entry.stem for entry in entries if entry.suffix == ".py" and entry.is_file()}
+        names |= {entry.name for entry in entries if entry.is_dir() and (entry / "__init__.py").exists()}
+    return frozenset(names - {"setup", "__init__"})
+
+
 def called_name(func: cst.BaseExpression) -> str | None:
     """The name a call is made by: `f` for `f(...)`, `g` for `x.y.g(...)`."""
     if isinstance(func, cst.Name):
@@ -232,7 +262,9 @@ class NpuCodemod(VisitorBasedCodemodCommand):
             return tree
         for key in (EDITS_KEY, BUILTIN_FINDINGS_KEY, FROZEN_KEY):
             self.context.scratch.pop(key, None)
-        self.facts = self.context.scratch[FACTS_KEY] = FileFacts(self.context.filename or "<module>", tree, code)
+        filename = self.context.filename or "<module>"
+        self.facts = self.context.scratch[FACTS_KEY] = FileFacts(
+            filename, tree, code, TreeFacts(local_packages=project_packages(filename)))
         tree.visit(_OnePass([self]))
         edits = drop_overlaps(sorted(self.context.scratch.get(EDITS_KEY, []), key=lambda e: (e.start, e.end)))
         return cst.parse_module(apply_edits(code, edits)) if edits else tree
