@@ -32,8 +32,6 @@ class CallRules:
                     qualified.startswith("torch.amp.") and self._is_upgraded_amp(func)
                 ):
                     self._handle_amp_call(call, qualified)
-                elif qualified in ("torch.get_autocast_gpu_dtype", "torch.set_autocast_gpu_dtype"):
-                    self._handle_autocast_gpu_dtype(call, qualified)
             self._handle_device_sinks(call, qualified, method)
             self._handle_backend_sinks(call, qualified, method)
             if method == "add_argument":
@@ -74,12 +72,6 @@ class CallRules:
         for index, arg in enumerate(call.args[: len(rules.CUDA_AUTOCAST_POSITIONAL)]):
             name = rules.CUDA_AUTOCAST_POSITIONAL[index]
             self._edit(arg, f"{name}={self.pos.segment(arg)}", "amp-upgrade")
-
-    def _handle_autocast_gpu_dtype(self, call: ast.Call, qualified: str) -> None:
-        new = "torch.get_autocast_dtype" if qualified.endswith("get_autocast_gpu_dtype") else "torch.set_autocast_dtype"
-        self.claimed.add(id(call.func))
-        if self._rewrite_chain(call.func, new, "amp-upgrade"):
-            self._insert_first_arg(call, '"npu"', "amp-upgrade")
 
     def _insert_first_arg(self, call: ast.Call, text: str, rule: str) -> None:
         if call.args:

@@ -17,6 +17,7 @@ from libcst.metadata import MetadataWrapper, PositionProvider
 
 from npukit.migrate.codemods import (
     BUILTIN_CODEMODS,
+    AutocastGpuDtype,
     Bf16Autocast,
     CompileModes,
     CudaDefaultDevices,
@@ -566,3 +567,22 @@ def test_third_party_cuda_under_libcsts_tool_knows_the_projects_own_packages(tmp
         ThirdPartyCuda(context).transform_module(cst.parse_module(code))
         assert [w.split()[2].rstrip(":") for w in context.warnings] == ["triton", "cuda-only-library"], path
     assert len(_warned(ThirdPartyCuda, code)) == 3  # a file of a project without mamba_ssm: all three reported
+
+
+class AutocastGpuDtypeCase(CodemodTest):
+    TRANSFORM = AutocastGpuDtype
+
+    def runTest(self):  # noqa: N802 (unittest's name)
+        self.assertCodemod("import torch\nd = torch.get_autocast_gpu_dtype()\ntorch.set_autocast_gpu_dtype(d)\n",
+                           'import torch\nd = torch.get_autocast_dtype("npu")\ntorch.set_autocast_dtype("npu", d)\n')
+        self.assertCodemod("import torch as th\nfrom torch import get_autocast_gpu_dtype as g\nd = g()\n",
+                           'import torch as th\nfrom torch import get_autocast_gpu_dtype as g\nd = th.get_autocast_dtype("npu")\n')
+        # torch never imported: `torch` would be a new name, so the call is reported and left
+        code = "from torch import get_autocast_gpu_dtype as g\nd = g()\n"
+        self.assertCodemod(code, code, expected_warnings=[
+            "2:5: warning amp-upgrade: torch.get_autocast_gpu_dtype means CUDA's autocast dtype; torch is not "
+            'imported by name here, so it was not rewritten (import torch and call torch.get_autocast_dtype("npu", ...))'])
+
+
+def test_autocast_gpu_dtype_as_a_libcst_codemod_test():
+    AutocastGpuDtypeCase().runTest()

@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import bisect
 import functools
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
 import libcst as cst
+import libcst.matchers as matchers
 from libcst._nodes.internal import CodegenState
 from libcst.codemod import CodemodContext, VisitorBasedCodemodCommand
 
@@ -35,6 +37,7 @@ from npukit.migrate.model import Edit, Finding, TreeFacts
 from npukit.migrate.pysource_model import MigrationSyntaxError, Positions, apply_edits, drop_overlaps
 from npukit.migrate.rules import Flag
 
+_IMPORT_STATEMENT = re.compile(r"^[ \t]*import[ \t]+([\w. \t,]+)", re.MULTILINE)  # `import a.b as c, d`
 FACTS_KEY = "npukit.file_facts"
 EDITS_KEY = "npukit.builtin_edits"
 BUILTIN_FINDINGS_KEY = "npukit.builtin_findings"
@@ -97,6 +100,38 @@ class FileFacts:
     def torch_alias(self) -> str | None:
         """The name torch is imported as (`import torch as th`: th), None when it is not imported."""
         return next((name for name, qualified in self.bindings.items() if qualified == "torch"), None)
+
+    def names_torch(self, node: cst.CSTNode) -> bool:
+        """Whether code written at `node` may say `torch` (its alias): an import statement of the file
+        binds it, or the node already names it (a notebook cell, a snippet). Else `torch` would be a new
+        name there (code that reaches torch only through `from torch import ...`)."""
+        alias = self.torch_alias
+        if alias is None:
+            return False
+        for match in _IMPORT_STATEMENT.finditer(self.positions.text):
+            for part in match.group(1).split(","):
+                words = part.split()
+                if words and (words[-1] if len(words) == 3 and words[1] == "as" else words[0].split(".")[0]) == alias:
+                    return True
+        return bool(matchers.findall(node, matchers.Name(alias)))
+
+    def replacement_text(self, node: cst.BaseExpression, new_qualified: str) -> str | None:
+        """Source text for a name chain (`torch.x.y`, `alias.y`, `y`) so that it means new_qualified:
+        through the chain's own root name when that already leads there, else through torch's alias
+        (only where torch may be named: names_torch); torch_npu names are written out."""
+        root = node
+        while isinstance(root, cst.Attribute):
+            root = root.value
+        if isinstance(root, cst.Name):
+            base = self.bindings.get(root.value)
+            if base is not None and (new_qualified == base or new_qualified.startswith(base + ".")):
+                return root.value + new_qualified[len(base):]
+        top, _, rest = new_qualified.partition(".")
+        if top == "torch" and self.names_torch(node):
+            return f"{self.torch_alias}.{rest}" if rest else self.torch_alias
+        if top == "torch_npu":
+            return new_qualified
+        return None
 
     def qualname(self, node: cst.BaseExpression) -> str | None:
         """The dotted name an expression refers to through the import table (`th.cuda.amp` ->

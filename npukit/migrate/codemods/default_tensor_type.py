@@ -6,7 +6,6 @@ import ast
 import re
 
 import libcst as cst
-import libcst.matchers as matchers
 
 from npukit.migrate import rules
 from npukit.migrate.codemods.base import NpuCodemod, called_name
@@ -16,7 +15,6 @@ from npukit.migrate.rules import Flag
 _CUDA_TENSOR_TYPE = re.compile(r"torch\.cuda\.(Float|Half|BFloat16|Double)Tensor")
 _DTYPES = {"Float": "float32", "Half": "float16", "BFloat16": "bfloat16", "Double": "float64"}
 _SET_DEFAULT = "torch.set_default_tensor_type"
-_IMPORT_STATEMENT = re.compile(r"^[ \t]*import[ \t]+([\w. \t,]+)", re.MULTILINE)
 
 
 def default_dtype(tensor_type: str | None) -> str | None:
@@ -73,7 +71,7 @@ class DefaultTensorType(NpuCodemod):
         indent = text[self.facts.positions.line_starts[self.facts.line_col(start)[0] - 1]:start]
         if dtype is None or torch is None or indent.strip():
             return
-        if not (_imports_name(text, torch) or matchers.findall(node, matchers.Name(torch))):
+        if not self.facts.names_torch(node):
             # `torch` would be a new name here (the call made through `from torch import ...`)
             self.flag(call, Flag("default-tensor-type", "warning",
                                  "a CUDA default tensor type set where torch itself is not imported: not rewritten",
@@ -94,14 +92,3 @@ class DefaultTensorType(NpuCodemod):
 
 
 _LEGACY_NAMES = frozenset(name.rsplit(".", 1)[1] for name in rules.LEGACY_CONSTRUCTORS)
-
-
-def _imports_name(text: str, name: str) -> bool:
-    """Whether an `import` statement of the file binds `name` (`import torch`, `import torch.nn`,
-    `import torch as th`, `import os, torch`), as opposed to a name only assumed to be torch."""
-    for match in _IMPORT_STATEMENT.finditer(text):
-        for part in match.group(1).split(","):
-            words = part.split()
-            if words and (words[-1] if len(words) == 3 and words[1] == "as" else words[0].split(".")[0]) == name:
-                return True
-    return False
