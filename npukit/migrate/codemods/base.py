@@ -98,7 +98,8 @@ class FileFacts:
 
     @property
     def torch_alias(self) -> str | None:
-        """The name torch is imported as (`import torch as th`: th), None when it is not imported."""
+        """The name torch is imported as (`import torch as th`: th); `torch` when the file uses torch
+        without importing it, as the import table assumes; None when the module binds `torch` itself."""
         return next((name for name, qualified in self.bindings.items() if qualified == "torch"), None)
 
     def names_torch(self, node: cst.CSTNode) -> bool:
@@ -297,9 +298,10 @@ class NpuCodemod(VisitorBasedCodemodCommand):
             return tree
         for key in (EDITS_KEY, BUILTIN_FINDINGS_KEY, FROZEN_KEY):
             self.context.scratch.pop(key, None)
-        filename = self.context.filename or "<module>"
+        filename = self.context.filename
         self.facts = self.context.scratch[FACTS_KEY] = FileFacts(
-            filename, tree, code, TreeFacts(local_packages=project_packages(filename)))
+            filename or "<module>", tree, code,
+            TreeFacts(local_packages=project_packages(filename) if filename else frozenset()))
         tree.visit(_OnePass([self]))
         edits = drop_overlaps(sorted(self.context.scratch.get(EDITS_KEY, []), key=lambda e: (e.start, e.end)))
         return cst.parse_module(apply_edits(code, edits)) if edits else tree
