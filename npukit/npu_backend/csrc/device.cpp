@@ -36,6 +36,7 @@
 #include <cstring>
 #include <typeinfo>
 #include <mutex>
+#include <thread>
 #include <optional>
 #include <unordered_set>
 
@@ -56,8 +57,20 @@ void check_index(int idx) {
 }
 
 // ------------------------------------------------------------------ memory accounting
+// Every op result is accounted (and freed) under this lock: a few stores, held for nanoseconds, so a
+// spin lock, not a std::mutex (whose lock and unlock calls were 7% of the npu overhead of a
+// backward pass). Nothing blocks while holding it (memory_stats copies the counters out first).
+struct SpinLock {
+  std::atomic<bool> locked{false};
+  void lock() {
+    while (locked.exchange(true, std::memory_order_acquire))
+      while (locked.load(std::memory_order_relaxed)) std::this_thread::yield();
+  }
+  void unlock() { locked.store(false, std::memory_order_release); }
+};
+
 struct DeviceMemory {
-  std::mutex mu;
+  SpinLock mu;
   int64_t allocated = 0;
   int64_t peak = 0;
   int64_t blocks = 0;
@@ -80,7 +93,7 @@ std::string format_bytes(double b) {
 
 void account_alloc(int dev, int64_t nbytes) {
   auto& m = g_memory[dev];
-  std::lock_guard<std::mutex> lock(m.mu);
+  std::lock_guard<SpinLock> lock(m.mu);
   if (m.allocated + nbytes > m.capacity) {
     m.num_ooms++;
     int64_t free_bytes = m.capacity - m.allocated;
@@ -99,7 +112,7 @@ void account_alloc(int dev, int64_t nbytes) {
 
 void account_free(int dev, int64_t nbytes) {
   auto& m = g_memory[dev];
-  std::lock_guard<std::mutex> lock(m.mu);
+  std::lock_guard<SpinLock> lock(m.mu);
   m.allocated -= nbytes;
   m.blocks -= 1;
   m.num_frees += 1;
@@ -211,9 +224,46 @@ struct HandedOverBlock final : NpuBlock {
   HandedOverBlock(int64_t nbytes, int device) : NpuBlock(nbytes, device) {}
 };
 
+// A block is made and freed per op result: freed blocks wait on a per-thread list for the next
+// result rather than going back to malloc. t_handed_over_pool_gone: the list was destroyed at
+// thread exit (a trivially destructible flag, readable after that), blocks freed later are deleted.
+struct HandedOverPool {
+  static constexpr size_t kMaxIdle = 256;
+  std::vector<HandedOverBlock*> idle;
+  HandedOverPool() { idle.reserve(kMaxIdle); }  // no allocation when a block is given back
+  ~HandedOverPool();
+};
+thread_local bool t_handed_over_pool_gone = false;
+thread_local HandedOverPool t_handed_over_pool;
+HandedOverPool::~HandedOverPool() {
+  t_handed_over_pool_gone = true;
+  for (HandedOverBlock* block : idle) delete block;
+}
+
+HandedOverBlock* new_handed_over_block(int64_t nbytes, int device) {
+  if (!t_handed_over_pool_gone) {
+    auto& idle = t_handed_over_pool.idle;
+    if (!idle.empty()) {
+      HandedOverBlock* block = idle.back();
+      idle.pop_back();
+      block->nbytes = nbytes;
+      block->device = device;
+      return block;
+    }
+  }
+  return new HandedOverBlock(nbytes, device);
+}
+
 void free_handed_over_block(void* ctx) {
   auto* block = static_cast<HandedOverBlock*>(ctx);
   account_free(block->device, block->nbytes);
+  if (!t_handed_over_pool_gone && t_handed_over_pool.idle.size() < HandedOverPool::kMaxIdle) {
+    block->cpu_memory.clear();  // frees the memory
+    if (auto* alias = block->cpu_alias.exchange(nullptr, std::memory_order_acq_rel))
+      c10::intrusive_ptr<c10::StorageImpl>::reclaim(alias);  // as ~NpuBlock does
+    t_handed_over_pool.idle.push_back(block);
+    return;
+  }
   delete block;  // frees the memory through the CPU DataPtr it keeps
 }
 
@@ -228,7 +278,7 @@ at::Tensor hand_over_to_npu(const at::Tensor& cpu, int dev) {
   int64_t nbytes = int64_t(storage->nbytes());
   account_alloc(dev, nbytes);
   c10::Device npu(kNpu, c10::DeviceIndex(dev));
-  auto* block = new HandedOverBlock(nbytes, dev);
+  auto* block = new_handed_over_block(nbytes, dev);
   block->cpu_memory = storage->set_data_ptr(c10::DataPtr(storage->mutable_data(), block, &free_handed_over_block, npu));
   storage->set_allocator(allocator_for(dev));
   c10::TensorImpl* impl = cpu.unsafeGetTensorImpl();
@@ -245,12 +295,13 @@ c10::intrusive_ptr<c10::StorageImpl> make_cpu_view(const c10::Storage& npu) {
 }
 
 // The CPU storage aliasing an npu storage's memory, shared by all calls; none when the npu storage
-// is not one of ours or a kernel re-pointed the alias (out= resized).
-c10::Storage shared_cpu_alias(const c10::Storage& npu) {
+// is not one of ours or a kernel re-pointed the alias (out= resized). Not a new reference: the
+// npu storage's block owns it, so it lives as long as the npu storage.
+c10::StorageImpl* shared_cpu_alias(const c10::Storage& npu) {
   const c10::DataPtr& data = npu.data_ptr();
   auto deleter = data.get_deleter();
   if (deleter != &free_owned_block && deleter != &free_adopted_block && deleter != &free_handed_over_block)
-    return {};
+    return nullptr;
   auto* block = static_cast<NpuBlock*>(data.get_context());
   c10::StorageImpl* alias = block->cpu_alias.load(std::memory_order_acquire);
   if (!alias) {
@@ -258,14 +309,14 @@ c10::Storage shared_cpu_alias(const c10::Storage& npu) {
     if (block->cpu_alias.compare_exchange_strong(alias, made, std::memory_order_acq_rel)) alias = made;
     else c10::intrusive_ptr<c10::StorageImpl>::reclaim(made);  // another thread made it first
   }
-  if (alias->data() != npu.data() || alias->nbytes() != npu.nbytes()) return {};
-  return c10::Storage(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(alias));
+  if (alias->data() != npu.data() || alias->nbytes() != npu.nbytes()) return nullptr;
+  return alias;
 }
 
 // The shared alias, or one for this use alone where there is none.
 c10::Storage cpu_storage_for(const c10::Storage& npu) {
-  c10::Storage shared = shared_cpu_alias(npu);
-  return shared ? shared : c10::Storage(make_cpu_view(npu));
+  c10::StorageImpl* shared = shared_cpu_alias(npu);
+  return c10::Storage(shared ? c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(shared) : make_cpu_view(npu));
 }
 
 // ------------------------------------------------------------------ numeric policies
@@ -429,9 +480,9 @@ Hf32Cache g_hf32_cache;
 // ------------------------------------------------------------------ npu <-> cpu aliasing
 enum class Policy { None, Matmul, MatmulInplace };
 
-at::Tensor make_tensor_on(const c10::Storage& storage, c10::DispatchKey key,
+at::Tensor make_tensor_on(c10::Storage storage, c10::DispatchKey key,
                           const at::Tensor& like_meta, caffe2::TypeMeta dtype) {
-  auto t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(storage),
+  auto t = at::detail::make_tensor<c10::TensorImpl>(std::move(storage),
                                                     c10::DispatchKeySet(key), dtype);
   t.unsafeGetTensorImpl()->set_sizes_and_strides(like_meta.sizes(), like_meta.strides(),
                                                  like_meta.storage_offset());
@@ -480,15 +531,23 @@ bool takes_cpu_indices(const std::string& name) {
 // arguments of one op is kept exactly. npu arguments are referred to by their TensorImpl, never
 // copied: the caller keeps them alive, and copying a tensor whose only owner is its Python object
 // takes the GIL (torch increfs the PyObject when the C++ refcount goes from 1 to 2).
+// CPU storages and aliases are referred to by raw pointer too (a refcount change is an atomic
+// read-modify-write, and there were six per tensor argument): a shared CPU storage lives as long as
+// its npu storage's block, a one-off one is held in one_off, and each alias is held by the caller
+// until the call ends (the unboxed kernel's argument tuple), or by `kept` (keep_aliases: the boxed
+// fallback, whose kernel pops the arguments; an alias a matmul cast replaces). Held, so an alias's
+// address is never reused by a result within the call.
 struct Translation {
   c10::DeviceIndex device = -1;
   c10::Device first_device{DeviceType::CPU};
   // Inline capacity for the common op (a few tensors): no heap allocation per call for the maps.
-  c10::SmallVector<std::pair<c10::StorageImpl*, c10::Storage>, 4> npu_to_cpu;  // npu impl -> cpu
+  c10::SmallVector<std::pair<c10::StorageImpl*, c10::StorageImpl*>, 4> npu_to_cpu;  // npu impl -> cpu impl
   c10::SmallVector<std::pair<c10::StorageImpl*, c10::StorageImpl*>, 4> cpu_to_npu;  // cpu impl -> npu impl
-  c10::SmallVector<std::pair<at::Tensor, c10::TensorImpl*>, 4> alias_of;  // (cpu alias, npu arg); the alias
-                                                                 // is kept alive so its address is never reused
-  c10::SmallVector<std::pair<c10::TensorImpl*, at::Tensor>, 2> written;  // (npu arg, cpu alias)
+  c10::SmallVector<std::pair<c10::TensorImpl*, c10::TensorImpl*>, 4> alias_of;  // (cpu alias, npu arg)
+  c10::SmallVector<std::pair<c10::TensorImpl*, c10::TensorImpl*>, 2> written;  // (npu arg, cpu alias)
+  c10::SmallVector<c10::Storage, 1> one_off;  // CPU storages made for this call alone
+  bool keep_aliases = false;
+  c10::SmallVector<at::Tensor, 4> kept;  // aliases held here rather than by the caller
   bool has_cpu_tensor = false;
   std::optional<c10::Device> written_elsewhere;  // a written argument (out=, in-place) not on the npu
   c10::DeviceIndex device_from_arg = -1;         // a device= argument naming an npu
@@ -521,24 +580,37 @@ struct Translation {
     for (auto& [alias, npu] : alias_of)
       if (npu == npu_impl) {
         if (is_write) written.emplace_back(npu_impl, alias);
-        return alias;
+        return at::Tensor(c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>::reclaim_copy(alias));
       }
-    c10::StorageImpl* key = t.storage().unsafeGetStorageImpl();
-    c10::Storage cpu_storage;
-    for (auto& [npu_storage, cpu] : npu_to_cpu)
-      if (npu_storage == key) cpu_storage = cpu;
+    const c10::Storage& npu_storage = t.storage();
+    c10::StorageImpl* key = npu_storage.unsafeGetStorageImpl();
+    c10::StorageImpl* cpu_storage = nullptr;
+    for (auto& [npu, cpu] : npu_to_cpu)
+      if (npu == key) cpu_storage = cpu;
     if (!cpu_storage) {
-      cpu_storage = cpu_storage_for(t.storage());
+      cpu_storage = shared_cpu_alias(npu_storage);
+      if (!cpu_storage) {
+        one_off.emplace_back(make_cpu_view(npu_storage));
+        cpu_storage = one_off.back().unsafeGetStorageImpl();
+      }
       npu_to_cpu.emplace_back(key, cpu_storage);
-      cpu_to_npu.emplace_back(cpu_storage.unsafeGetStorageImpl(), key);
+      cpu_to_npu.emplace_back(cpu_storage, key);
     }
-    const at::Tensor* cached = t_alias_cache.find(t, cpu_storage.unsafeGetStorageImpl());
-    at::Tensor alias = cached ? *cached : make_tensor_on(cpu_storage, c10::DispatchKey::CPU, t, t.dtype());
-    if (!cached) t_alias_cache.keep(t, alias);
-    alias_of.emplace_back(alias, npu_impl);
+    AliasCache& cache = t_alias_cache;
+    const at::Tensor* cached = cache.find(t, cpu_storage);
+    at::Tensor alias;
+    if (cached) {
+      alias = *cached;
+    } else {
+      alias = make_tensor_on(c10::Storage(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(cpu_storage)),
+                             c10::DispatchKey::CPU, t, t.dtype());
+      cache.keep(t, alias);
+    }
+    if (keep_aliases) kept.push_back(alias);
+    alias_of.emplace_back(alias.unsafeGetTensorImpl(), npu_impl);
     // A kernel may resize or re-stride a written alias: sync_written then gives the npu tensor the
     // same shape, so a cached alias still describes it, or no longer matches and is made anew.
-    if (is_write) written.emplace_back(npu_impl, alias);
+    if (is_write) written.emplace_back(npu_impl, alias.unsafeGetTensorImpl());
     return alias;
   }
 
@@ -569,7 +641,7 @@ struct Translation {
                                 " tensors are not supported on the npukit emulated NPU (only dense "
                                 "tensors); keep this part of the model on the CPU");
     for (auto& [alias, npu] : alias_of)
-      if (alias.unsafeGetTensorImpl() == cpu.unsafeGetTensorImpl())  // in-place / out= result
+      if (alias == cpu.unsafeGetTensorImpl())  // in-place / out= result
         return at::Tensor(c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>::reclaim_copy(npu));
     c10::StorageImpl* key = cpu.storage().unsafeGetStorageImpl();
     for (auto& [cpu_impl, npu_storage] : cpu_to_npu)
@@ -584,33 +656,34 @@ struct Translation {
     }
     auto npu_storage = adopt_cpu_storage(key, dev);
     cpu_to_npu.emplace_back(key, npu_storage.unsafeGetStorageImpl());
-    return make_tensor_on(npu_storage, c10::DispatchKey::PrivateUse1, cpu, cpu.dtype());
+    return make_tensor_on(std::move(npu_storage), c10::DispatchKey::PrivateUse1, cpu, cpu.dtype());
   }
 
   // out= and in-place arguments whose CPU alias was resized or re-pointed by the kernel.
   void sync_written() {
     for (auto& [npu, alias] : written) {
       const c10::Storage& npu_storage_now = npu->storage();
-      if (alias.storage().data() != npu_storage_now.data() ||
-          alias.storage().nbytes() != npu_storage_now.nbytes()) {
-        c10::StorageImpl* key = alias.storage().unsafeGetStorageImpl();
+      const c10::Storage& alias_storage = alias->storage();
+      if (alias_storage.data() != npu_storage_now.data() || alias_storage.nbytes() != npu_storage_now.nbytes()) {
+        c10::StorageImpl* key = alias_storage.unsafeGetStorageImpl();
         c10::Storage npu_storage;
         for (auto& [cpu_impl, s] : cpu_to_npu)
-          if (cpu_impl == key && s->data() == alias.storage().data())
+          if (cpu_impl == key && s->data() == alias_storage.data())
             npu_storage = c10::Storage(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(s));
         if (!npu_storage) npu_storage = adopt_cpu_storage(key, npu->device().index());
         npu->set_storage_keep_dtype(npu_storage);
       }
-      if (npu->sizes() != alias.sizes() || npu->strides() != alias.strides() ||
-          npu->storage_offset() != alias.storage_offset())
-        npu->set_sizes_and_strides(alias.sizes(), alias.strides(), alias.storage_offset());
+      if (npu->sizes() != alias->sizes() || npu->strides() != alias->strides() ||
+          npu->storage_offset() != alias->storage_offset())
+        npu->set_sizes_and_strides(alias->sizes(), alias->strides(), alias->storage_offset());
     }
   }
 
   // Ops that write through an argument but return nothing (e.g. _foreach_add_).
   void saturate_written() {
     if (g_saturation)
-      for (auto& [npu, alias] : written) saturate_half(alias);
+      for (auto& [npu, alias] : written)
+        saturate_half(at::Tensor(c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>::reclaim_copy(alias)));
   }
 };
 
@@ -703,6 +776,7 @@ void run_on_cpu(const c10::OperatorHandle& op, torch::jit::Stack* stack, Policy 
   const size_t begin = stack->size() - num_args;
   Translation tr;
   tr.op_name = schema.name().c_str();
+  tr.keep_aliases = true;  // the kernel pops the arguments from the stack
   c10::SmallVector<size_t, 2> default_generator_slots;
   // The npu arguments, moved off the stack (no refcount change) and kept alive for the call.
   c10::SmallVector<c10::IValue, 4> npu_arguments;
@@ -923,9 +997,12 @@ struct NpuReturn<std::tuple<Ts...>> {
 };
 
 template <class T>
-void cast_matmul_input(const MatmulCast& cast, T& value) {
+void cast_matmul_input(Translation& tr, const MatmulCast& cast, T& value) {
   if constexpr (std::is_same_v<T, at::Tensor>)
-    if (cast.to_float || cast.to_hf32) value = cast.input(value);
+    if (cast.to_float || cast.to_hf32) {
+      tr.kept.push_back(std::move(value));  // the alias stays alive (see Translation)
+      value = cast.input(tr.kept.back());
+    }
 }
 template <class T>
 void first_tensor_dtype(const T& value, c10::ScalarType& dtype) {
@@ -955,7 +1032,7 @@ struct Unboxed<Op, policy, R(Args...)> {
       c10::ScalarType dtype = c10::ScalarType::Undefined;
       (first_tensor_dtype(std::get<I>(cpu), dtype), ...);
       cast.emplace(dtype, policy, facts.name);
-      (cast_matmul_input(*cast, std::get<I>(cpu)), ...);
+      (cast_matmul_input(tr, *cast, std::get<I>(cpu)), ...);
     }
     auto call_cpu_kernel = [&]() -> decltype(auto) {
       return Op::redispatch(c10::DispatchKeySet(c10::DispatchKey::CPU), std::get<I>(cpu)...);
@@ -1591,8 +1668,14 @@ void check_py_index(int idx) {
 
 py::dict memory_stats(int dev) {
   check_py_index(dev);
-  auto& m = g_memory[dev];
-  std::lock_guard<std::mutex> lock(m.mu);
+  struct {
+    int64_t allocated, peak, blocks, peak_blocks, num_allocs, num_frees, num_ooms;
+  } m;  // one consistent snapshot, copied under the lock
+  {
+    auto& live = g_memory[dev];
+    std::lock_guard<SpinLock> lock(live.mu);
+    m = {live.allocated, live.peak, live.blocks, live.peak_blocks, live.num_allocs, live.num_frees, live.num_ooms};
+  }
   py::dict d;
   for (const char* pool : {"all", "large_pool", "small_pool"}) {
     bool all = std::string(pool) == "all";
@@ -1639,28 +1722,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   });
   mod.def("memory_allocated", [](int dev) {
     check_py_index(dev);
-    std::lock_guard<std::mutex> lock(g_memory[dev].mu);
+    std::lock_guard<SpinLock> lock(g_memory[dev].mu);
     return g_memory[dev].allocated;
   });
   mod.def("max_memory_allocated", [](int dev) {
     check_py_index(dev);
-    std::lock_guard<std::mutex> lock(g_memory[dev].mu);
+    std::lock_guard<SpinLock> lock(g_memory[dev].mu);
     return g_memory[dev].peak;
   });
   mod.def("reset_peak_memory_stats", [](int dev) {
     check_py_index(dev);
-    std::lock_guard<std::mutex> lock(g_memory[dev].mu);
+    std::lock_guard<SpinLock> lock(g_memory[dev].mu);
     g_memory[dev].peak = g_memory[dev].allocated;
     g_memory[dev].peak_blocks = g_memory[dev].blocks;
   });
   mod.def("memory_stats", &memory_stats);
   mod.def("set_capacity", [](int dev, int64_t bytes) {
     TORCH_CHECK(bytes > 0, "NPU memory capacity must be positive, got ", bytes);
-    std::lock_guard<std::mutex> lock(g_memory[dev].mu);
+    std::lock_guard<SpinLock> lock(g_memory[dev].mu);
     g_memory[dev].capacity = bytes;
   });
   mod.def("capacity", [](int dev) {
-    std::lock_guard<std::mutex> lock(g_memory[dev].mu);
+    std::lock_guard<SpinLock> lock(g_memory[dev].mu);
     return g_memory[dev].capacity;
   });
   mod.def("default_generator", [](int idx) {
