@@ -1,4 +1,4 @@
-"""Rules about names: imports, the torch.cuda namespace, `.cuda()` / `.is_cuda`, unsupported APIs.
+"""Rules about names: imports, the torch.cuda namespace, unsupported APIs.
 
 Names are resolved through the file's own import table (`import torch as th`, `from torch import
 cuda`, `import torch.cuda as tc` ...): `th.cuda.synchronize()` is found, `numba.cuda.jit` is not
@@ -11,21 +11,14 @@ import ast
 import re
 
 from npukit.migrate import rules
-from npukit.migrate.pysource_model import last_name
+from npukit.migrate.codemods.cuda_methods import TORCH_CLASSES_WITH_CUDA
 from npukit.migrate.rules import Flag
 from npukit.migrate.unsupported_apis import UNSUPPORTED_TORCH_APIS
 
-_CONFIG_RECEIVERS = frozenset(
-    {"args", "opt", "opts", "cfg", "config", "conf", "flags", "FLAGS", "hparams", "hp", "options", "params", "settings"}
-)
-
-_TORCH_CLASSES_WITH_CUDA = frozenset({"torch.Tensor", "torch.nn.Module", "torch.UntypedStorage", "torch.TypedStorage"})
-
-_TEST_PARENTS = (ast.If, ast.While, ast.BoolOp, ast.UnaryOp, ast.IfExp, ast.Assert, ast.Compare)
-
 
 class NameRules:
-    """Mixin for PythonMigrator: import table, torch.cuda.* chains, .cuda() methods."""
+    """Mixin for PythonMigrator: import table, torch.cuda.* chains (`.cuda()` and `.is_cuda` on values are
+    the CudaMethods codemod's)."""
 
     def _build_bindings(self) -> None:
         self.bindings: dict[str, str] = {}
@@ -287,53 +280,11 @@ class NameRules:
         self._flag(node, flag)
 
     def _handle_attributes(self) -> None:
-        # a `cuda` that is data (an argparse flag, `self.cuda = True`) makes bare `x.cuda` references ambiguous
-        cuda_is_data = "--cuda" in self.text or "--use_cuda" in self.text or "--use-cuda" in self.text or any(
-            a.attr == "cuda" and not isinstance(a.ctx, ast.Load) for a in self.attributes)
         for node in self.attributes:
+            if self.cuda_method_use(node):
+                continue  # the CudaMethods codemod's
             up = self.parent.get(id(node))
             outermost = not (isinstance(up, ast.Attribute) and up.value is node)
-            receiver = self.qualname(node.value)
-            # `torch.cuda`, `numba.cuda`: a module attribute; `from m import model; model.cuda()`: a method
-            if node.attr in ("cuda", "is_cuda") and not (
-                    receiver is not None and receiver not in _TORCH_CLASSES_WITH_CUDA
-                    and (receiver == "torch" or self._module_binding_reaches(node.value))):
-                if id(node) in self.claimed:
-                    continue
-                if node.attr == "is_cuda":
-                    if not isinstance(node.ctx, ast.Load):
-                        continue  # `x.is_cuda = flag`: Tensor.is_cuda cannot be set, so it is the user's
-                    if self._is_user_receiver(node, self.is_cuda_classes):
-                        self._flag(node, Flag("user-cuda-attribute", "info",
-                                              "`.is_cuda` here is an attribute of your own class; it was kept",
-                                              "rename it if it means the tensor property"))
-                    else:
-                        self._rename_attr(node, "is_npu", "is-cuda")
-                    continue
-                called = isinstance(up, ast.Call) and up.func is node
-                if receiver is not None and node.attr == "cuda" and not receiver.startswith("torch") \
-                        and self._root_name(node.value) in self.module_names:
-                    # `import model; model = model.Net(); model.cuda()`: a module name rebound to a value
-                    if called and _tensor_method_shaped(up):
-                        self._rename_attr(node, "npu", "cuda-method")
-                    else:
-                        self._flag(node, Flag("ambiguous-cuda", "warning",
-                                              f"`{self.pos.segment(node)}`: `{self._root_name(node.value)}` is both an "
-                                              "imported module and a variable in this file, so this may or may not be "
-                                              "the tensor/module .cuda() method; it was left unchanged",
-                                              "change it to .npu() if it moves a tensor or module to the device"))
-                    continue
-                if self._is_user_receiver(node, self.cuda_method_classes):
-                    self._flag(node, Flag("user-cuda-method", "info",
-                                          "`.cuda()` here is a method of your own class; it was kept",
-                                          "rename it if it moves data to the device"))
-                    continue
-                if called:
-                    self._rename_attr(node, "npu", "cuda-method")
-                elif isinstance(node.ctx, ast.Load) and not isinstance(up, _TEST_PARENTS) and not cuda_is_data \
-                        and not (isinstance(node.value, ast.Name) and node.value.id in _CONFIG_RECEIVERS):
-                    self._rename_attr(node, "npu", "cuda-method")
-                continue
             if outermost and id(node) not in self.claimed and self.qualname(node) is not None:
                 self._handle_chain(node)
         for name, uses in self.loads.items():
@@ -345,6 +296,22 @@ class NameRules:
                 if isinstance(up, ast.Attribute) or id(use) in self.claimed:
                     continue
                 self._handle_chain(use)
+
+    def cuda_method_use(self, node: ast.Attribute) -> bool:
+        """`.cuda` / `.is_cuda` on a value (a tensor, a module, an object of the user's), not an attribute
+        of a module the imports name (`torch.cuda`, `numba.cuda`): the CudaMethods codemod's."""
+        if node.attr not in ("cuda", "is_cuda"):
+            return False
+        receiver = self.qualname(node.value)
+        return not (receiver is not None and receiver not in TORCH_CLASSES_WITH_CUDA
+                    and (receiver == "torch" or self._module_binding_reaches(node.value)))
+
+    def module_attribute_by_binding(self, node: ast.Attribute) -> bool:
+        """Whether `node` is a module's attribute or a value's is decided by which binding of its root
+        name reaches it (a name `import x` binds, unless the receiver is torch or a torch class)."""
+        receiver = self.qualname(node.value)
+        return receiver is not None and receiver != "torch" and receiver not in TORCH_CLASSES_WITH_CUDA and \
+            self._root_name(node.value) in self.module_names
 
     def _module_binding_reaches(self, receiver: ast.AST) -> bool:
         """The receiver's root name is bound by `import x` at this use, not rebound to a value first.
@@ -411,50 +378,6 @@ class NameRules:
         while isinstance(node, ast.Attribute):
             node = node.value
         return node.id if isinstance(node, ast.Name) else None
-
-    def _rename_attr(self, node: ast.Attribute, new: str, rule: str) -> None:
-        _, end = self.pos.span(node)
-        if self.text[end - len(node.attr):end] != node.attr:  # a position the parser got wrong: do nothing
-            return
-        self._edit((end - len(node.attr), end), new, rule)
-
-    def _is_user_receiver(self, node: ast.Attribute, classes: set[str]) -> bool:
-        """The attribute's receiver is an instance of one of these (the user's) classes: `self` or
-        `super()` in one, `C(...)`, or a name assigned `C(...)` in this file."""
-        if not classes:
-            return False
-        receiver = node.value
-        if isinstance(receiver, ast.Name) and receiver.id == "self":
-            return self._enclosing_class_in(node, classes)
-        if isinstance(receiver, ast.Call) and last_name(receiver.func) == "super":
-            return self._enclosing_class_in(node, classes)
-        if isinstance(receiver, ast.Call) and last_name(receiver.func) in classes:
-            return True
-        if isinstance(receiver, ast.Name):
-            for assign in self.assigns:
-                if isinstance(assign, ast.Assign) and isinstance(assign.value, ast.Call) \
-                        and last_name(assign.value.func) in classes \
-                        and any(isinstance(t, ast.Name) and t.id == receiver.id for t in assign.targets):
-                    return True
-        return False
-
-    def _enclosing_class_in(self, node: ast.AST, classes: set[str]) -> bool:
-        current = self.parent.get(id(node))
-        while current is not None:
-            if isinstance(current, ast.ClassDef):
-                return current.name in classes
-            current = self.parent.get(id(current))
-        return False
-
-
-_CUDA_METHOD_KEYWORDS = frozenset({"device", "non_blocking", "memory_format"})
-
-
-def _tensor_method_shaped(call: ast.Call) -> bool:
-    """A call shaped like Tensor.cuda / Module.cuda: no argument, a device, non_blocking=, memory_format=."""
-    if len(call.args) > 2 or any(isinstance(a, ast.Starred) for a in call.args):
-        return False
-    return all(k.arg in _CUDA_METHOD_KEYWORDS for k in call.keywords)
 
 
 def _alias_text(name: str, asname: str | None) -> str:

@@ -22,6 +22,7 @@ from npukit.migrate.codemods import (
     CompileModes,
     CudaDefaultDevices,
     CudaEnvironment,
+    CudaMethods,
     CustomCudaOps,
     DdpSetDevice,
     DefaultTensorType,
@@ -32,6 +33,7 @@ from npukit.migrate.codemods import (
     UnsupportedTensorMethods,
 )
 from npukit.migrate.codemods.base import FileFacts, run_builtin_codemods
+from npukit.migrate.codemods.cuda_methods import USER_CUDA_ATTRIBUTE, USER_CUDA_METHOD
 from npukit.migrate.model import TreeFacts
 from npukit.migrate.pysource import PythonMigrator, migrate_python
 
@@ -586,3 +588,74 @@ class AutocastGpuDtypeCase(CodemodTest):
 
 def test_autocast_gpu_dtype_as_a_libcst_codemod_test():
     AutocastGpuDtypeCase().runTest()
+
+
+class CudaMethodsCase(CodemodTest):
+    TRANSFORM = CudaMethods
+
+    def runTest(self):  # noqa: N802 (unittest's name)
+        # called, referenced, the property; on any value, also `torch.Tensor.cuda` itself
+        self.assertCodemod("x = x.cuda()\nf = model.cuda\nif x.is_cuda:\n    y = batch[0].cuda(non_blocking=True)\n"
+                           "import torch\nm = torch.Tensor.cuda\n",
+                           "x = x.npu()\nf = model.npu\nif x.is_npu:\n    y = batch[0].npu(non_blocking=True)\n"
+                           "import torch\nm = torch.Tensor.npu\n")
+        # an uncalled `.cuda` as a condition, a configuration flag, or in a file where `cuda` is data
+        self.assertCodemod("if net.cuda and args.cuda:\n    net = net.cuda()\nuse = opt.cuda\n",
+                           "if net.cuda and args.cuda:\n    net = net.npu()\nuse = opt.cuda\n")
+        self.assertCodemod("p.add_argument('--cuda')\nf = model.cuda\nmodel.cuda()\n",
+                           "p.add_argument('--cuda')\nf = model.cuda\nmodel.npu()\n")
+        self.assertCodemod("self.cuda = True\nf = model.cuda\n", "self.cuda = True\nf = model.cuda\n")
+        unchanged = [
+            "import torch\ntorch.cuda.synchronize()\n",  # the namespace rules' business
+            "import numba\n@numba.cuda.jit\ndef k():\n    pass\n",  # another module's attribute
+            "x.is_cuda = True\ndel y.is_cuda\n",  # Tensor.is_cuda cannot be set: the user's attribute
+            "print('no CUDA here')\n",
+        ]
+        for code in unchanged:
+            self.assertCodemod(code, code)
+        # the user's own cuda() and is_cuda: on self, super(), C(...) and a name assigned C(...)
+        code = ("class Box:\n    def cuda(self):\n        return self\n    def go(self):\n        return self.cuda()\n"
+                "class Flag:\n    def __init__(self):\n        self.is_cuda = False\n"
+                "b = Box()\nb.cuda()\nBox().cuda()\nFlag().is_cuda\nt.cuda()\n")
+        self.assertCodemod(code, code.replace("t.cuda()", "t.npu()"), expected_warnings=[
+            f"{line}:{col}: info {flag.kind}: {flag.reason} ({flag.suggestion})"
+            for line, col, flag in [
+                (5, 16, USER_CUDA_METHOD), (10, 1, USER_CUDA_METHOD), (11, 1, USER_CUDA_METHOD),
+                (12, 1, USER_CUDA_ATTRIBUTE)]])
+        # a module name rebound to a value: decided by the binding that reaches the use
+        code = ("import model\nmodel = model.Net()\nmodel = model.cuda()\n"
+                "def f():\n    model.cuda(0, True, x)\n    return model.cuda()\n")
+        self.assertCodemod(code, code.replace("model = model.cuda()", "model = model.npu()")
+                           .replace("return model.cuda()", "return model.npu()"), expected_warnings=[
+            "5:5: warning ambiguous-cuda: `model.cuda`: `model` is both an imported module and a variable in this "
+            "file, so this may or may not be the tensor/module .cuda() method; it was left unchanged (change it to "
+            ".npu() if it moves a tensor or module to the device)"])
+        code = "import model\nnet = model.cuda\n"  # a module's attribute, the module never rebound
+        self.assertCodemod(code, code)
+
+
+def test_cuda_methods_as_a_libcst_codemod_test():
+    CudaMethodsCase().runTest()
+
+
+def test_the_trees_classes_with_their_own_cuda_come_through_the_codemod_context():
+    code = "from lib import Box\nb = Box()\nb.cuda()\nx.cuda()\n"
+    tree = TreeFacts(cuda_method_classes=frozenset({"Box"}))
+    edits, findings, _ = run_builtin_codemods(code, "train.py", (CudaMethods,), tree)
+    assert [(e.line, e.text) for e in edits] == [(4, "npu")]
+    assert [(f.line, f.kind) for f in findings] == [(3, "user-cuda-method")]
+    assert [e.line for e in run_builtin_codemods(code, "train.py", (CudaMethods,))[0]] == [3, 4]  # one file alone
+
+
+@pytest.mark.parametrize(("code", "whole_file"), [
+    ("import torch\nx = torch.ones(2)\ny = x.cuda()\n", False),  # decided by its statement alone
+    ("import torch\nclass Box:\n    def cuda(self):\n        pass\ny = x.cuda()\n", True),  # the file's classes
+    ("import torch\nself_cuda = 1\nx.cuda = f\ny = z.cuda()\n", True),  # `cuda` is data
+    ("import numba\ny = x.cuda()\nk = numba.cuda.jit\n", True),  # whether numba is still the module
+    ("import torch\ntorch.cuda.synchronize()\n", None),  # nothing of its own: no parse
+])
+def test_cuda_methods_ask_for_the_whole_file_only_when_the_file_decides(code, whole_file):
+    migrator = PythonMigrator(code, "train.py")
+    migrator._build_bindings()
+    found = CudaMethods.candidates(migrator)
+    assert (None if not found else any(node is migrator.tree for node in found)) is whole_file

@@ -52,15 +52,21 @@ class Scopes:
         return count
 
 
-def _target_names(target: cst.CSTNode):
-    """The names a binding target binds (`a`, `a, (b, *c)`), not attributes or subscripts."""
-    if isinstance(target, cst.Name):
+def assigned_targets(target: cst.CSTNode):
+    """The names and attributes a binding (or `del`) target writes (`a`, `x.y, (b, *c)`), those ast
+    gives a Store or Del context; not subscripts, nor what is read to reach them."""
+    if isinstance(target, (cst.Name, cst.Attribute)):
         yield target
     elif isinstance(target, (cst.Tuple, cst.List)):
         for element in target.elements:
-            yield from _target_names(element.value)
+            yield from assigned_targets(element.value)
     elif isinstance(target, cst.StarredElement):
-        yield from _target_names(target.value)
+        yield from assigned_targets(target.value)
+
+
+def _target_names(target: cst.CSTNode):
+    """The names a binding target binds (`a`, `a, (b, *c)`), not attributes or subscripts."""
+    return (node for node in assigned_targets(target) if isinstance(node, cst.Name))
 
 
 def _parameter_names(params: cst.Parameters) -> set[str]:
