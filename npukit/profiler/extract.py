@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from npukit.profiler.cost import CONV_OPS, op_cost
+from npukit.profiler.cost import CONV_OPS, element_size, numel, op_cost
 from npukit.profiler.table import (
     KIND_ANNOTATION,
     KIND_AUTOGRAD,
@@ -222,6 +222,11 @@ def table_from_profiler(prof, module_names: dict[int, str] | None = None, meta: 
                         shapes=shapes, dtypes=dtypes, devices=", ".join(devices), flops=flops, nbytes=cost[1],
                         top_level=is_top,
                     )
+                elif kind == KIND_COMM:
+                    # the tensors the collective moves (its bytes for the cluster view's matrix)
+                    tensors, devices, shapes, dtypes = _describe_inputs(fields.inputs)
+                    row_args = dict(shapes=shapes, dtypes=dtypes, devices=", ".join(devices),
+                                    nbytes=float(sum(numel(shape) * element_size(dtype) for shape, dtype in tensors)))
                 row = builder.add(
                     name, start_ns=start, dur_ns=duration, kind=kind, phase=phase, parent=parent,
                     thread=thread, stack=stack, module=module, seq=seq, **row_args,

@@ -20,6 +20,7 @@ import json
 import os
 import sys
 import tempfile
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -97,6 +98,80 @@ def _without_kineto_markers():
             kept = [line for line in caught.read().splitlines(keepends=True) if not line.startswith(b"USDT:")]
             if kept:
                 os.write(2, b"".join(kept))
+
+
+P2P_PREFIX = "npukit.p2p:"  # "npukit.p2p:send:3", "npukit.p2p:recv:0", "npukit.p2p:recv:any"
+
+
+class _P2PMarker:
+    """Names the peer of each point-to-point op in the profile. A process group records its sends
+    and receives (gloo:send, gloo:recv) without the peer rank, which the cluster view's
+    communication matrix needs: while a session records, the send/recv/recv_anysource methods of
+    ProcessGroup and of its subclasses (npukit's hccl group is one), where torch.distributed.send,
+    isend, recv, irecv and batch_isend_irecv end, run inside a range
+    `npukit.p2p:<send|recv>:<global peer rank|any>`. The methods are patched, not the
+    torch.distributed functions, whose identity P2POp and batch_isend_irecv compare."""
+
+    _METHODS = ("send", "recv", "recv_anysource")
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[type, str, object]] = []
+
+    def install(self) -> None:
+        try:
+            from torch._C._distributed_c10d import ProcessGroup
+        except ImportError:  # a torch built without distributed support
+            return
+        from torch.autograd.profiler import record_function
+
+        inside = threading.local()  # a subclass's send calling its base's is one op
+        classes, pending = [], [ProcessGroup]
+        while pending:
+            cls = pending.pop()
+            classes.append(cls)
+            pending.extend(cls.__subclasses__())
+        for cls in classes:
+            for method in self._METHODS:
+                entry = cls.__dict__.get(method)  # what puts the method back as it was
+                if entry is None:
+                    continue
+                self._saved.append((cls, method, entry))
+                setattr(cls, method, _p2p_wrapper(getattr(cls, method), method, record_function, inside))
+
+    def remove(self) -> None:
+        for cls, method, entry in reversed(self._saved):
+            setattr(cls, method, entry)
+        self._saved.clear()
+
+
+def _p2p_wrapper(original, method: str, record_function, inside: threading.local):
+    direction = "send" if method == "send" else "recv"
+
+    def wrapper(group, tensors, *args, **kwargs):
+        if getattr(inside, "active", False):
+            return original(group, tensors, *args, **kwargs)
+        peer = "any"
+        if method != "recv_anysource":
+            peer = _global_rank(group, args[0] if args else next(iter(kwargs.values()), "?"))
+        inside.active = True
+        try:
+            with record_function(f"{P2P_PREFIX}{direction}:{peer}"):
+                return original(group, tensors, *args, **kwargs)
+        finally:
+            inside.active = False
+
+    wrapper.__name__ = method
+    wrapper.__doc__ = getattr(original, "__doc__", None)
+    return wrapper
+
+
+def _global_rank(group, local) -> str:
+    try:
+        import torch.distributed as dist
+
+        return str(dist.get_global_rank(group, int(local)))
+    except Exception:  # a group torch.distributed does not know: its own rank numbering
+        return str(local)
 
 
 @dataclass(frozen=True)
@@ -260,6 +335,7 @@ class ProfileSession:
         self._hooks: list = []
         self._namer = _ModuleNamer()
         self._gc = _GcMarker()
+        self._p2p = _P2PMarker()
 
     # -- user API ------------------------------------------------------------------------
     def step(self) -> None:
@@ -296,6 +372,7 @@ class ProfileSession:
         )
         self._hooks.append(register_optimizer_step_post_hook(self._on_optimizer_step))
         self._namer.install()
+        self._p2p.install()
         self._gc.prepare()
         with _without_kineto_markers():
             self._profiler.__enter__()
@@ -311,6 +388,7 @@ class ProfileSession:
                 hook.remove()
             self._hooks.clear()
             self._namer.remove()
+            self._p2p.remove()
             self._gc.remove()
         self._write_table()
 
@@ -385,6 +463,8 @@ class ProfileSession:
             "events": len(table),
             "traces": self.traces,
             "with_stack": self.with_stack,
+            # the clock of start_ns 0 (the profiler's, ns since the epoch): lines the ranks up in time
+            "origin_ns": table.meta.get("origin_ns"),
         }
         table.meta = meta
         output_folder(self.root, self.directory.name)

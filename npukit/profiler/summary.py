@@ -212,39 +212,46 @@ def communication(table: EventTable) -> tuple[list[dict], float]:
                             "avg_us": round(float(durations.mean()) / 1e3, 3),
                             "max_us": round(float(durations.max()) / 1e3, 3)})
     collectives.sort(key=lambda row: -row["total_us"])
-    comm_threads = np.unique(table.thread[rows])
-    ops = np.flatnonzero((table.kind == KIND_OP) & ~np.isin(table.thread, comm_threads))
-    running = _union(table.start_ns[rows], table.start_ns[rows] + table.dur_ns[rows])
-    computing = _union(table.start_ns[ops], table.start_ns[ops] + table.dur_ns[ops])
-    exposed_ns = _length(running) - _overlap(running, computing)
+    ops = np.flatnonzero(compute_rows(table))
+    running = interval_union(table.start_ns[rows], table.start_ns[rows] + table.dur_ns[rows])
+    computing = interval_union(table.start_ns[ops], table.start_ns[ops] + table.dur_ns[ops])
+    exposed_ns = covered_ns(running, computing) - covered_ns(computing)
     return collectives, round(exposed_ns / 1e3, 3)
 
 
-def _union(starts: np.ndarray, ends: np.ndarray) -> list[tuple[int, int]]:
-    merged: list[list[int]] = []
-    for start, end in sorted(zip(starts.tolist(), ends.tolist())):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [(start, end) for start, end in merged]
+def compute_rows(table: EventTable) -> np.ndarray:
+    """Mask of the ops of the compute threads: every thread but a process group's own threads (those
+    whose outermost rows are all collectives, with the ops the collectives ran inside them). A
+    point-to-point op recorded on the calling thread (gloo:send) leaves that thread a compute one."""
+    roots = table.parent < 0
+    compute_threads = np.unique(table.thread[roots & (table.kind != KIND_COMM)])
+    return (table.kind == KIND_OP) & np.isin(table.thread, compute_threads)
 
 
-def _length(intervals: list[tuple[int, int]]) -> int:
-    return sum(end - start for start, end in intervals)
+Intervals = tuple[np.ndarray, np.ndarray]
 
 
-def _overlap(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
-    """Length of the intersection of two sorted lists of disjoint intervals."""
-    total, i, j = 0, 0, 0
-    while i < len(a) and j < len(b):
-        low, high = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        total += max(0, high - low)
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
+def interval_union(starts: np.ndarray, ends: np.ndarray) -> Intervals:
+    """The union of [start, end) intervals as sorted disjoint (starts, ends) arrays, vectorized."""
+    starts, ends = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
+    if not len(starts):
+        return starts[:0], ends[:0]
+    order = np.argsort(starts, kind="stable")
+    starts, reach = starts[order], np.maximum.accumulate(ends[order])
+    opens = np.ones(len(starts), dtype=bool)
+    opens[1:] = starts[1:] > reach[:-1]
+    first = np.flatnonzero(opens)
+    last = np.append(first[1:] - 1, len(starts) - 1)
+    return starts[first], reach[last]
+
+
+def covered_ns(*sets: Intervals) -> int:
+    """Length of the union of interval sets (each from interval_union); the overlap of A and B is
+    covered_ns(A) + covered_ns(B) - covered_ns(A, B)."""
+    if len(sets) == 1:
+        return int((sets[0][1] - sets[0][0]).sum())
+    merged = interval_union(np.concatenate([s for s, _ in sets]), np.concatenate([e for _, e in sets]))
+    return int((merged[1] - merged[0]).sum())
 
 
 def op_dtypes(table: EventTable, rows: np.ndarray) -> np.ndarray:

@@ -147,7 +147,10 @@ class EventTable:
         index: dict[str, int] = {}
         parts: dict[str, list[np.ndarray]] = {name: [] for name in cls.column_names()}
         offset = 0
+        origin = tables[0].meta.get("origin_ns") if tables else None
         for table in tables:
+            # each cycle's times count from its own first event: count them from the first cycle's
+            shift = table.meta.get("origin_ns", origin) - origin if isinstance(origin, int) else 0
             remap = np.array([index.setdefault(s, len(index)) for s in table.strings] + [-1], dtype=np.int32)
             for name in cls.column_names():
                 column = np.asarray(getattr(table, name))
@@ -155,6 +158,8 @@ class EventTable:
                     column = remap[column]
                 elif name == "parent":
                     column = np.where(column >= 0, column + offset, -1)
+                elif name == "start_ns" and shift:
+                    column = column + shift
                 parts[name].append(column)
             offset += len(table)
         strings = list(index)
