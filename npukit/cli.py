@@ -71,6 +71,7 @@ def run(
     dump_scope: Optional[str] = typer.Option(None, "--dump-scope", help="Only names under these scopes (comma list)."),
     dump_list: Optional[str] = typer.Option(None, "--dump-list", help="Only these module/op names (comma list)."),
     replay: Optional[Path] = typer.Option(None, "--replay", help="Save (first run) or load (second run) initial weights and first batches in DIR."),
+    precision_fix: Optional[Path] = typer.Option(None, "--precision-fix", help="Apply a precision fix (JSON, as npu-compare --find-fix writes it) without editing the code."),
     detect_overflow: bool = typer.Option(False, "--detect-overflow", help="Name the first op that overflows."),
     overflow_action: str = typer.Option("report", "--overflow-action", help="report | dump | stop"),
     overflow_max: int = typer.Option(20, "--overflow-max", help="Stop recording after N overflow events."),
@@ -86,7 +87,7 @@ def run(
         script=script, args=list(args or []), module=module, devices=devices, emulate=emulate, transfer_to_npu=transfer_to_npu,
         nproc_per_node=nproc_per_node, golden=golden, seed=seed,
         dump=dump, dump_level=dump_level, dump_mode=dump_mode, dump_tensor_format=dump_tensor_format, dump_steps=dump_steps,
-        dump_scope=dump_scope, dump_list=dump_list, replay=replay,
+        dump_scope=dump_scope, dump_list=dump_list, replay=replay, precision_fix=precision_fix,
         detect_overflow=detect_overflow, overflow_action=overflow_action,
         overflow_max=overflow_max, overflow_dir=overflow_dir, overflow_level=overflow_level,
         overflow_underflow=overflow_underflow,
@@ -149,12 +150,22 @@ def compare(
         None, "--set", metavar="KEY=VALUE", help="Override a limit, e.g. --set bf16.warn_rel_l2=0.05 (repeatable)."
     ),
     workers: Optional[int] = typer.Option(None, "--workers", help="Processes for tensor metrics (default: CPU count)."),
+    find_fix: bool = typer.Option(False, "--find-fix", help="Find the smallest precision fix: re-run the step with "
+                                  "candidate changes (the npu-run command that wrote TARGET follows `--`)."),
+    find_fix_runs: int = typer.Option(20, "--find-fix-runs", help="At most this many runs of the step."),
+    find_fix_dir: Optional[Path] = typer.Option(None, "--find-fix-dir", help="Where the trial runs go (default: TARGET.find-fix)."),
+    find_fix_json: Optional[Path] = typer.Option(None, "--find-fix-json", help="Write the fix finder's result as JSON."),
+    command: list[str] = typer.Argument(None, metavar="[-- NPU-RUN COMMAND]", help="With --find-fix: the command that wrote TARGET."),
 ) -> None:
     """Compare GOLDEN and TARGET dumps; name the first op whose error is amplified. Exit 1 if one is found."""
-    from npukit.accuracy.cli_compare import run_compare
+    from npukit.accuracy.cli_compare import FindFixOptions, run_compare
     from npukit.console import make_console
 
-    code = run_compare(golden, target, csv_path, json_path, html_path, top, thresholds or [], workers, make_console())
+    fix_options = FindFixOptions(list(command or []), find_fix_runs, find_fix_dir, find_fix_json) if find_fix else None
+    if command and not find_fix:
+        raise UserError(f"unexpected arguments {' '.join(command)!r}: a command after GOLDEN TARGET is for --find-fix")
+    code = run_compare(golden, target, csv_path, json_path, html_path, top, thresholds or [], workers, make_console(),
+                       find_fix=fix_options)
     sys.exit(code)
 
 
@@ -176,11 +187,15 @@ def profile(
     chip: str | None = typer.Option(None, "--chip", help="Estimate NPU time per op: 910B2 | 910B3 | 910B4 | 910A."),
     bandwidth: float | None = typer.Option(None, "--bandwidth", help="Chip memory bandwidth in GB/s (overrides the chip's)."),
     advise: bool = typer.Option(False, "--advise", help="Run the advisor rules and print findings."),
-    rank: int | None = typer.Option(None, "--rank", help="Which rank's profile (default: lowest)."),
+    rank: int | None = typer.Option(None, "--rank", help="Show this rank alone (default with several ranks: all)."),
+    ranks: str | None = typer.Option(None, "--ranks", help="Cluster view of these ranks: all | 0,2-3 "
+                                     "(the default when DIR holds several ranks)."),
     csv_path: Path | None = typer.Option(None, "--csv", help="Write all rows as CSV to this file."),
     json_path: Path | None = typer.Option(None, "--json", help="Write the full result as JSON to this file."),
+    trace_path: Path | None = typer.Option(None, "--trace", help="Cluster view: write one Chrome/Perfetto trace, "
+                                           "a process per rank."),
 ) -> None:
-    from npukit.profiler.commands import run_diff, run_summary
+    from npukit.profiler.commands import run_cluster, run_diff, run_summary, wants_cluster
 
     if paths[0] == "diff":
         if len(paths) != 3:
@@ -189,6 +204,15 @@ def profile(
         return
     if len(paths) != 1:
         raise UserError(f"expected one profile directory, got {len(paths)}: {' '.join(paths)}")
+    if wants_cluster(Path(paths[0]), rank, ranks):
+        if chip is not None or bandwidth is not None or group_by != "op":
+            raise UserError("--chip, --bandwidth and --group-by summarize one rank: add --rank N")
+        run_cluster(Path(paths[0]), ranks=ranks, top=top, advise=advise, csv_path=csv_path, json_path=json_path,
+                    trace_path=trace_path)
+        return
+    if trace_path is not None:
+        raise UserError("--trace writes the view of several ranks (--ranks); one rank's trace is already in DIR "
+                        "as rank<N>.<time>.pt.trace.json")
     run_summary(
         Path(paths[0]), group_by=group_by, top=top, chip=chip, bandwidth=bandwidth, advise=advise,
         rank=rank, csv_path=csv_path, json_path=json_path,

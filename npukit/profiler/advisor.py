@@ -554,9 +554,10 @@ def rule_collective_wait(view: ProfileView) -> Finding | None:
                 "waited for it",
         evidence=[f"{row['collective']}: {row['calls']} call(s), {row['total_us'] / 1e3:.2f} ms, longest "
                   f"{row['max_us'] / 1e3:.2f} ms" for row in collectives],
-        change="First compare the ranks' step times (npu-profile DIR/rank<N> for each rank): a slower rank (a "
-               "straggler: more data, a slower input pipeline, extra work on rank 0) makes the others wait in "
-               "every collective. If the ranks are even, overlap communication with the backward: "
+        change="First compare the ranks (npu-profile DIR, the view of every rank, names the slowest and the "
+               "wait it causes): a slower rank (a straggler: more data, a slower input pipeline, extra work on "
+               "rank 0) makes the others wait in every collective. If the ranks are even, overlap communication "
+               "with the backward: "
                "DistributedDataParallel(bucket_cap_mb=...) tuned to the model, gradient_as_bucket_view=True, "
                "and model.no_sync() on gradient-accumulation steps.",
         est_us_per_step=per_step,
@@ -608,6 +609,53 @@ def advise(table: EventTable) -> list[Finding]:
         if found is not None:
             findings.append(found)
     findings += rule_fused_patterns(view)
+    findings.sort(key=lambda f: (SEVERITY_ORDER[f.severity], -f.est_us_per_step))
+    return findings
+
+
+STRAGGLER_SHARE = 5  # % of the median step the others wait for the slowest rank
+
+
+def rule_straggler(cluster) -> Finding | None:
+    """Cluster view: the rank the others wait for in the collectives, and how long they wait."""
+    slowest = cluster.slowest
+    if not slowest or slowest["basis"] != "collectives" or slowest["wait_caused_us"] <= 0:
+        return None
+    rank, wait_us = slowest["rank"], slowest["wait_caused_us"]
+    step_us = float(np.median([row["step_us"] for row in cluster.per_rank])) or 1.0
+    share = 100 * wait_us / step_us
+    if share < STRAGGLER_SHARE:
+        return None
+    evidence = [f"rank {r} waits {waited / 1e3:.2f} ms/step for a slower rank (while no op ran)"
+                for r, waited in slowest["others_waiting_us"].items()]
+    for row in cluster.collectives:
+        if row["waited_for_rank"] == rank:
+            evidence.append(f"{row['collective']}: rank {rank} joined last in {row['waited_for_calls']} of "
+                            f"{row['calls']} call(s); skew {row['skew_us'] / 1e3:.2f} ms in all, up to "
+                            f"{row['max_skew_us'] / 1e3:.2f} ms in one call")
+    return Finding(
+        rule="straggler-rank", title=f"Rank {rank} is a straggler: the other ranks wait for it",
+        severity="high" if share >= 25 else "medium",
+        summary=f"the other ranks wait {wait_us / 1e3:.2f} ms per step ({share:.0f}% of the median step) in the "
+                f"collectives rank {rank} joins last; without its waits, its step is "
+                f"{slowest['busy_over_median_us'] / 1e3:.2f} ms longer than the median rank's",
+        evidence=evidence,
+        change=f"Find what rank {rank} does more (npu-profile DIR --rank {rank} --advise; compare its host gaps, "
+               "compute and dataloader time with another rank's): uneven batches or sequence lengths (balance "
+               "them, or bucket by length), a slower input pipeline (more DataLoader workers), logging, "
+               "checkpointing or evaluation on that rank alone (move it off the step or out of the loop), or a "
+               "slower device or host.",
+        est_us_per_step=wait_us,
+        extra={"rank": rank},
+    )
+
+
+CLUSTER_RULES = (rule_straggler,)
+
+
+def advise_cluster(cluster) -> list[Finding]:
+    """The rules of the view of all ranks (npukit.profiler.cluster.Cluster)."""
+    findings = [found for rule in CLUSTER_RULES if (found := rule(cluster)) is not None]
     findings.sort(key=lambda f: (SEVERITY_ORDER[f.severity], -f.est_us_per_step))
     return findings
 

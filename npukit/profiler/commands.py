@@ -10,7 +10,9 @@ from npukit.console import make_console
 from npukit.errors import UserError
 from npukit.files import write_text_atomic
 from npukit.profiler.report import (
+    cluster_csv_tables,
     estimates_to_rows,
+    print_cluster,
     print_estimates,
     print_summary,
     rows_to_csv,
@@ -18,7 +20,7 @@ from npukit.profiler.report import (
 )
 from npukit.profiler.roofline import get_chip
 from npukit.profiler.summary import GROUPINGS, estimate_table, find_profile, summarize
-from npukit.profiler.table import EventTable
+from npukit.profiler.table import EVENTS_FILE, EventTable
 
 
 def run_summary(
@@ -72,6 +74,71 @@ def run_summary(
     if json_path is not None:
         write_text_atomic(json_path, to_json(payload))
         console.print(f"wrote {json_path}")
+    return payload
+
+
+def wants_cluster(path: Path, rank: int | None, ranks: str | None) -> bool:
+    """The cluster view: asked for with --ranks, or DIR holds several ranks and no --rank picks one."""
+    if ranks is not None:
+        if rank is not None:
+            raise UserError("--rank N shows one rank, --ranks several: give one of them")
+        return True
+    if rank is not None or (Path(path) / EVENTS_FILE).is_file():
+        return False
+    from npukit.profiler.cluster import rank_directories
+
+    return len(rank_directories(Path(path))) >= 2
+
+
+def run_cluster(
+    path: Path,
+    *,
+    ranks: str | None = None,
+    top: int = 20,
+    advise: bool = False,
+    csv_path: Path | None = None,
+    json_path: Path | None = None,
+    trace_path: Path | None = None,
+    console: Console | None = None,
+) -> dict:
+    """Every rank of DIR at once: per-rank step split, slowest rank, collectives, p2p matrix."""
+    from npukit.profiler.cluster import cluster_summary, cluster_trace, load_ranks, parse_ranks
+
+    console = console or make_console()
+    loaded = load_ranks(Path(path), parse_ranks(ranks) if ranks is not None else None)
+    cluster = cluster_summary(loaded)
+    print_cluster(cluster, str(path), console, top)
+    payload: dict = {"profile": str(path), "view": "cluster", **cluster.as_dict()}
+    if advise:
+        from npukit.profiler.advisor import advise as run_advisor
+        from npukit.profiler.advisor import advise_cluster, print_findings
+
+        findings = advise_cluster(cluster)
+        print_findings(findings, console)
+        payload["advice"] = [finding.as_dict() for finding in findings]
+        if cluster.slowest:
+            rank = cluster.slowest["rank"]
+            console.print(f"\n[bold]rank {rank}[/] (the slowest), its own profile:")
+            own = run_advisor(loaded.tables[rank])
+            print_findings(own, console)
+            payload["slowest_rank_advice"] = [finding.as_dict() for finding in own]
+    if csv_path is not None:
+        tables = cluster_csv_tables(cluster)
+        write_text_atomic(csv_path, rows_to_csv(tables["ranks"]))
+        console.print(f"wrote {csv_path}")
+        for name in ("collectives", "p2p"):
+            if tables[name]:
+                extra = csv_path.with_name(f"{csv_path.stem}.{name}{csv_path.suffix or '.csv'}")
+                write_text_atomic(extra, rows_to_csv(tables[name]))
+                console.print(f"wrote {extra}")
+    if json_path is not None:
+        write_text_atomic(json_path, to_json(payload))
+        console.print(f"wrote {json_path}")
+    if trace_path is not None:
+        import json
+
+        write_text_atomic(trace_path, json.dumps(cluster_trace(loaded, cluster), separators=(",", ":")))
+        console.print(f"wrote {trace_path} (a process per rank; open in https://ui.perfetto.dev or chrome://tracing)")
     return payload
 
 

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from npukit.profiler.cluster import peer_order, rank_span
 from npukit.profiler.summary import EstimateRow, Summary
 
 
@@ -130,3 +131,85 @@ def estimates_to_rows(rows: list[EstimateRow]) -> list[dict]:
 
 def to_json(payload: dict) -> str:
     return json.dumps(payload, indent=2)
+
+
+def print_cluster(cluster, source: str, console: Console, top: int) -> None:
+    """The cluster view (npukit.profiler.cluster.Cluster): per-rank split, slowest rank, collectives, p2p."""
+    steps = cluster.steps
+    left_out = (f"; step {cluster.start_step_left_out} (the start-up: imports, model, rendezvous) left out"
+                if cluster.start_step_left_out is not None else "")
+    shown_steps = f"steps {rank_span(steps)}" if steps else "each rank's own steps"
+    console.print(f"cluster: {escape(source)} ({len(cluster.ranks)} ranks: {rank_span(cluster.ranks)}), "
+                  f"{shown_steps}{left_out}")
+    slowest = cluster.slowest["rank"] if cluster.slowest else None
+    table = Table(title="Per rank, per step (compute + exposed comm + host gaps = step)", title_justify="left")
+    for name in ("rank", "step", "compute", "comm", "exposed comm", "waiting", "host gaps", "step - waiting"):
+        table.add_column(name, justify="left" if name == "rank" else "right")
+    for row in cluster.per_rank:
+        mark = " slowest" if row["rank"] == slowest else ""
+        table.add_row(f"{row['rank']}{mark}", *(_us(row[key]) for key in (
+            "step_us", "compute_us", "comm_us", "comm_exposed_us", "waiting_us", "host_gap_us", "busy_us")),
+            style="bold" if mark else None)
+    console.print(table)
+    console.print("comm: collectives and send/recv running; exposed: of it, while no op ran; waiting: of that, "
+                  "the wait for a slower rank to join (a call's time beyond the shortest rank's); host gaps: "
+                  "nothing recorded ran (Python, sleeps, input outside ops)", style="dim")
+    if cluster.slowest:
+        s = cluster.slowest
+        if s["basis"] == "collectives":
+            console.print(
+                f"[bold]slowest rank: {s['rank']}[/]: the other ranks wait {_us(s['wait_caused_us'])} per step for it"
+                f" in collectives (it joined last in {s['last_in_calls']} of {s['calls']} calls); its step without "
+                f"waiting {_us(s['busy_us'])}, the other ranks' median {_us(s['median_other_busy_us'])}")
+        else:
+            console.print(f"[bold]slowest rank: {s['rank']}[/] (no collective matched across ranks): its step "
+                          f"{_us(s['busy_us'])}, the other ranks' median {_us(s['median_other_busy_us'])}")
+    if cluster.collectives:
+        ranks = cluster.ranks
+        table = Table(title=f"Collectives, time per rank over all recorded calls (top {min(top, len(cluster.collectives))}"
+                            f" of {len(cluster.collectives)})", title_justify="left")
+        table.add_column("collective")
+        for name in ("calls", "bytes/call", *(f"rank {r}" for r in ranks), "skew", "max skew", "waited for"):
+            table.add_column(name, justify="right")
+        for row in cluster.collectives[:top]:
+            waited = (f"rank {row['waited_for_rank']} ({row['waited_for_calls']}x)"
+                      if row["waited_for_rank"] is not None else "")
+            table.add_row(escape(row["collective"]), f"{row['calls']:,}", _count(row["bytes_per_call"]) + "B",
+                          *(_us(row["total_us"][str(r)]) for r in ranks), _us(row["skew_us"]), _us(row["max_skew_us"]),
+                          waited)
+        console.print(table)
+        console.print("skew: per call, the longest rank's time minus the shortest's (the wait the others spend on "
+                      "the last to join), summed; waited for: the rank that joined last most (by wait caused)",
+                      style="dim")
+    if cluster.p2p:
+        sources = sorted({c["src"] for c in cluster.p2p}, key=peer_order)
+        targets = sorted({c["dst"] for c in cluster.p2p}, key=peer_order)
+        cells = {(c["src"], c["dst"]): c for c in cluster.p2p}
+        table = Table(title="Point-to-point (send/recv) matrix: bytes, calls, send time / recv time",
+                      title_justify="left")
+        table.add_column("src \\ dst")
+        for dst in targets:
+            table.add_column(f"-> {dst}", justify="right")
+        for src in sources:
+            row = []
+            for dst in targets:
+                c = cells.get((src, dst))
+                row.append(f"{_count(c['bytes'])}B x{max(c['sends'], c['recvs'])}\n{_us(c['send_us'])} / "
+                           f"{_us(c['recv_us'])}" if c else "")
+            table.add_row(f"{src}", *row)
+        console.print(table)
+    for warning in cluster.warnings:
+        console.print(f"[yellow]warning:[/] {escape(warning)}")
+
+
+def cluster_csv_tables(cluster) -> dict[str, list[dict]]:
+    """Flat rows per table for CSV: ranks, collectives (a column per rank) and p2p."""
+    ranks = [{k: v for k, v in row.items() if not isinstance(v, dict)} for row in cluster.per_rank]
+    collectives = []
+    for row in cluster.collectives:
+        flat = {k: v for k, v in row.items() if not isinstance(v, dict)}
+        for rank in cluster.ranks:
+            flat[f"rank{rank}_us"] = row["total_us"][str(rank)]
+            flat[f"rank{rank}_wait_us"] = row["wait_us"][str(rank)]
+        collectives.append(flat)
+    return {"ranks": ranks, "collectives": collectives, "p2p": list(cluster.p2p)}

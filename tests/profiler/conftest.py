@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,3 +78,65 @@ def npu_device():
     if _BACKEND_MISSING:
         pytest.skip(_BACKEND_MISSING)
     return torch.device("npu:0")
+
+
+REPO = Path(__file__).resolve().parents[2]
+DDP_SCRIPT = """
+import os, sys, time, torch, torch.distributed as dist, torch.nn as nn
+dist.init_process_group("hccl")
+straggler = int(sys.argv[1])
+model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)]).npu()
+ddp = nn.parallel.DistributedDataParallel(model)
+optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+for step in range(4):
+    x = torch.randn(16, 256, device="npu")
+    if dist.get_rank() == straggler:
+        time.sleep(0.05)  # a slower input pipeline on one rank
+    loss = ddp(x).square().mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+dist.destroy_process_group()  # with DDP still alive, as users write it (this hung at exit before)
+"""
+
+
+def npu_run_profile(tmp_path: Path, script: str, nproc: int, *args: str, timeout: float = 240) -> Path:
+    """`npu-run --nproc-per-node N --profile DIR script.py args`, the profile directory returned."""
+    path = tmp_path / "script.py"
+    path.write_text(script)
+    out = tmp_path / "prof"
+    # its own process group, so a hang kills torchrun and every rank (not only the launcher: the
+    # ranks would keep torchrun's port for the next run)
+    run = subprocess.Popen([sys.executable, "-m", "npukit.run", "--nproc-per-node", str(nproc), "--profile", str(out),
+                            str(path), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO)), start_new_session=True)
+    try:
+        _, stderr = run.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for pid in [*_descendants(run.pid), run.pid]:  # torchrun starts each rank in a session of its own
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        _, stderr = run.communicate(timeout=60)
+        pytest.fail(f"the {nproc}-rank run did not finish in {timeout} s: {stderr[-3000:]}")
+    assert run.returncode == 0, stderr[-3000:]
+    return out
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below pid (from /proc), children before their parents."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        children = [child for child, parent in parents.items() if parent in frontier]
+        found = children + found
+        frontier = children
+    return found
+
+
+@pytest.fixture(scope="session")
+def straggler_profile(tmp_path_factory):
+    """A 2-rank DDP run recorded by npu-run; rank 1 sleeps 50 ms before each forward."""
+    return npu_run_profile(tmp_path_factory.mktemp("ddp"), DDP_SCRIPT, 2, "1")

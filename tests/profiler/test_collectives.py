@@ -7,58 +7,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 from npukit.profiler.advisor import advise
 from npukit.profiler.summary import load_profile, summarize
 
 REPO = Path(__file__).resolve().parents[2]
-DDP_SCRIPT = """
-import os, sys, time, torch, torch.distributed as dist, torch.nn as nn
-dist.init_process_group("hccl")
-straggler = int(sys.argv[1])
-model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)]).npu()
-ddp = nn.parallel.DistributedDataParallel(model)
-optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
-for step in range(4):
-    x = torch.randn(16, 256, device="npu")
-    if dist.get_rank() == straggler:
-        time.sleep(0.05)  # a slower input pipeline on one rank
-    loss = ddp(x).square().mean()
-    optimizer.zero_grad()
-    loss.backward()
-    optimizer.step()
-dist.destroy_process_group()  # with DDP still alive, as users write it (this hung at exit before)
-"""
-
-
-def _profile(tmp_path: Path, straggler: int) -> Path:
-    script = tmp_path / "ddp.py"
-    script.write_text(DDP_SCRIPT)
-    out = tmp_path / f"prof{straggler}"
-    # its own process group, so a hang kills torchrun and both ranks (not only the launcher: the
-    # ranks would keep torchrun's port for the next run)
-    run = subprocess.Popen([sys.executable, "-m", "npukit.run", "--nproc-per-node", "2", "--profile", str(out),
-                            str(script), str(straggler)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO)), start_new_session=True)
-    try:
-        _, stderr = run.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(run.pid, signal.SIGKILL)
-        _, stderr = run.communicate()
-        pytest.fail(f"the 2-rank run did not finish in 240 s: {stderr[-3000:]}")
-    assert run.returncode == 0, stderr[-3000:]
-    return out
-
-
-@pytest.fixture(scope="module")
-def straggler_profile(tmp_path_factory):
-    return _profile(tmp_path_factory.mktemp("ddp"), straggler=1)
 
 
 def test_collectives_of_every_rank_are_in_its_summary(straggler_profile):
