@@ -40,6 +40,7 @@ class RunOptions:
     dump_scope: str | None = None
     dump_list: str | None = None
     replay: Path | None = None
+    precision_fix: Path | None = None
     detect_overflow: bool = False
     overflow_action: str = "report"
     overflow_max: int = 20
@@ -209,6 +210,10 @@ def _enter_sessions(options: RunOptions, stack: contextlib.ExitStack, sessions: 
         from npukit.accuracy.replay import ReplaySession
 
         sessions.append(stack.enter_context(ReplaySession(options.replay)))
+    if options.precision_fix is not None:  # before the dump: the dump sees the user's op, with the fix's result
+        from npukit.accuracy.fixes import PrecisionFix, PrecisionFixSession
+
+        sessions.append(stack.enter_context(PrecisionFixSession(PrecisionFix.load(options.precision_fix))))
     if options.dump is not None:
         from npukit.accuracy.dump import DumpSession
 

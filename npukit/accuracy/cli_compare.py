@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from npukit.accuracy.compare import Thresholds, compare_dirs
@@ -9,14 +10,26 @@ from npukit.accuracy.report import print_terminal, write_csv, write_html, write_
 from npukit.errors import UserError
 
 
+@dataclass
+class FindFixOptions:
+    command: list[str]  # the npu-run command that wrote the target dump
+    max_runs: int = 20
+    work: Path | None = None  # default: TARGET.find-fix beside the target dump
+    json_path: Path | None = None
+
+
 def run_compare(golden: Path, target: Path, csv_path: Path | None, json_path: Path | None,
-                html_path: Path | None, top: int, overrides: list[str], workers: int | None, console) -> int:
+                html_path: Path | None, top: int, overrides: list[str], workers: int | None, console,
+                find_fix: FindFixOptions | None = None) -> int:
     """Returns the exit code: 1 when a divergence is found (or error rows no search judged), else 0."""
+    if find_fix is not None and find_fix.max_runs < 1:
+        raise UserError("--find-fix-runs: must be >= 1")
     if top < 0:
         raise UserError("--top: must be >= 0")
     if workers is not None and workers < 1:
         raise UserError("--workers: must be >= 1")
-    for option, path in (("--csv", csv_path), ("--json", json_path), ("--html", html_path)):
+    fix_json = find_fix.json_path if find_fix is not None else None
+    for option, path in (("--csv", csv_path), ("--json", json_path), ("--html", html_path), ("--find-fix-json", fix_json)):
         if path is not None and not path.parent.exists():
             raise UserError(f"{option}: directory {path.parent} does not exist")
     thresholds = Thresholds().with_overrides(overrides)
@@ -26,7 +39,29 @@ def run_compare(golden: Path, target: Path, csv_path: Path | None, json_path: Pa
         if path is not None:
             writer(result, path)
             console.print(f"wrote {path}")
+    if find_fix is not None:
+        _find_fix(golden, target, result, find_fix, thresholds, console)
     return 1 if result.failed() else 0
+
+
+def _find_fix(golden: Path, target: Path, result, options: FindFixOptions, thresholds, console) -> None:
+    import json
+
+    from npukit.accuracy.fix_finder import print_fix, run_find_fix
+    from npukit.accuracy.fixes import PrecisionFix
+    from npukit.files import write_text_atomic
+
+    work = options.work or target.with_name(target.name + ".find-fix")
+    fix_result = run_find_fix(golden, target, result, options.command, work=work, max_runs=options.max_runs,
+                              console=console, thresholds=thresholds)
+    print_fix(fix_result, console)
+    if fix_result.fix is not None:
+        fix_file = work / "fix.json"
+        write_text_atomic(fix_file, PrecisionFix(fix_result.fix).to_json())
+        console.print(f"wrote {fix_file} (npu-run --precision-fix {fix_file} ... applies it)")
+    if options.json_path is not None:
+        write_text_atomic(options.json_path, json.dumps(fix_result.as_json(), indent=1))
+        console.print(f"wrote {options.json_path}")
 
 
 def _compare_with_progress(golden, target, thresholds, workers, console):

@@ -266,12 +266,12 @@ def _entry_class(entry: DumpEntry | None, hf32: frozenset = frozenset()) -> str:
         cls = dtype_class(leaf.dtype)
         if cls is not None and _PRECISION[cls] < _PRECISION[best]:
             best = cls
-    if best == "fp32" and hf32 and _hf32_kind(entry.name) in hf32:
+    if best == "fp32" and hf32 and hf32_kind(entry.name) in hf32:
         return "hf32"
     return best
 
 
-def _hf32_kind(entry_name: str) -> str | None:
+def hf32_kind(entry_name: str) -> str | None:
     """"conv" or "matmul" for the ops each of torch_npu's allow_hf32 switches governs."""
     if not _ulp_wanted_name(entry_name):
         return None
@@ -855,8 +855,8 @@ def _cancellation_divergence(pair_label, revealed, consumer, dump, out_err) -> D
         entry=producer.name,
         golden_entry=None,
         reason=reason,
-        module_path=_module_path(producer, dump),
-        stack=_stack(producer, dump),
+        module_path=entry_module_path(producer, dump),
+        stack=entry_stack(producer, dump),
         input_error=0.0,
         output_error=out_err,
     )
@@ -946,8 +946,8 @@ def _divergence(pair_label, found, golden, target, out_err) -> Divergence:
         entry=name,
         golden_entry=name if side == "golden-only" else None,
         reason=reason,
-        module_path=_module_path(entry, dump) if entry else None,
-        stack=_stack(entry, dump) if entry else [],
+        module_path=entry_module_path(entry, dump) if entry else None,
+        stack=entry_stack(entry, dump) if entry else [],
         input_error=0.0,
         output_error=out_err,
         side=side if side in ("target-only", "golden-only") else "both",
@@ -960,8 +960,8 @@ def _make_divergence(pair_label, target_entry, golden_entry, reason, target, in_
         entry=target_entry.name,
         golden_entry=golden_entry.name,
         reason=reason,
-        module_path=_module_path(target_entry, target),
-        stack=_stack(target_entry, target),
+        module_path=entry_module_path(target_entry, target),
+        stack=entry_stack(target_entry, target),
         input_error=in_err,
         output_error=out_err,
     )
@@ -975,7 +975,7 @@ def _forward_of(backward_name: str) -> str:
     return naming.with_direction(backward_name, naming.FORWARD)
 
 
-def _module_path(entry: DumpEntry, dump: RankDump) -> str | None:
+def entry_module_path(entry: DumpEntry, dump: RankDump) -> str | None:
     own = naming.module_path_of(entry.name)
     if own is not None:
         return own or "(root)"
@@ -987,7 +987,7 @@ def _module_path(entry: DumpEntry, dump: RankDump) -> str | None:
     return path or "(root)"
 
 
-def _stack(entry: DumpEntry, dump: RankDump) -> list[str]:
+def entry_stack(entry: DumpEntry, dump: RankDump) -> list[str]:
     if entry.stack:
         return entry.stack
     forward = dump.by_name().get(_forward_name(entry))

@@ -1,0 +1,315 @@
+"""`npu-compare GOLDEN NPU --find-fix -- <the npu-run command that wrote NPU>`: the smallest
+precision fix that brings the NPU run back within tolerance.
+
+From the divergence a compare names (its op, and the ops after it that are off too), candidates
+are drawn: each op computed in fp32 instead of fp16/bf16, HF32 off for a matmul/conv the run
+computed in HF32, a fill with +-inf made finite. The step is run again (the user's command under
+`--replay`, with `--precision-fix` and a dump of its own) with sets of candidates applied, and each
+run is compared with the golden dump: a set fixes the run when that compare finds no divergence.
+The search is delta debugging: all candidates first (if they do not fix it, nothing smaller
+will), then halves, keeping the half that still fixes it, then single candidates dropped one by
+one while the rest still fixes it. One culprit among K candidates costs 1 + 2*ceil(log2 K) runs
+at most.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from npukit.accuracy import naming
+from npukit.accuracy.compare import (
+    ERROR,
+    WARN,
+    CompareResult,
+    Thresholds,
+    compare_dirs,
+    entry_module_path,
+    entry_stack,
+    hf32_kind,
+)
+from npukit.accuracy.dumpfile import load_rank_dump
+from npukit.accuracy.fixes import FILL_APIS, FixChange, PrecisionFix
+from npukit.errors import UserError
+from npukit.files import write_text_atomic
+
+MAX_CANDIDATES = 16
+_STACK_LINE = re.compile(r"File (?P<file>.+?), line (?P<line>\d+)")
+_LOW_PRECISION = ("torch.float16", "torch.bfloat16")
+
+
+@dataclass
+class Trial:
+    changes: list[FixChange]
+    fixed: bool
+    divergence_error: float | None  # at the original first divergence's output
+    loss_error: float | None  # at the step's last forward output (the loss)
+    note: str = ""  # what the compare said, or why the run failed
+
+
+@dataclass
+class FixResult:
+    candidates: list[FixChange]
+    before: Trial
+    fix: list[FixChange] | None
+    after: Trial | None
+    trials: list[Trial] = field(default_factory=list)
+    divergence: str = ""
+
+    def as_json(self) -> dict:
+        def trial(t: Trial | None):
+            return None if t is None else {**asdict(t), "changes": [asdict(c) for c in t.changes]}
+
+        return {
+            "divergence": self.divergence,
+            "candidates": [asdict(c) for c in self.candidates],
+            "fix": None if self.fix is None else [{**asdict(c), "description": c.describe(), "code": c.code()}
+                                                  for c in self.fix],
+            "before": trial(self.before), "after": trial(self.after),
+            "runs": len(self.trials), "trials": [trial(t) for t in self.trials],
+            "precision_fix_file": None if self.fix is None else json.loads(PrecisionFix(self.fix).to_json()),
+        }
+
+
+# ---------------------------------------------------------------------------- candidates
+def anchor_entry(result: CompareResult) -> tuple[object, str] | None:
+    """(the pair, the target entry) where the problem shows first: the compare's first divergence,
+    else the first forward op whose output is an error row (a problem the search did not name)."""
+    for pair in result.pairs:
+        if pair.divergence is not None:
+            return pair, pair.divergence.entry
+    for pair in result.pairs:
+        errors = [row for row in pair.rows if row.verdict == ERROR and row.target_entry
+                  and row.target_entry.endswith(".forward") and not row.target_entry.startswith("Module.")]
+        if errors:
+            return pair, min(errors, key=lambda row: row.order).target_entry
+    return None
+
+
+def candidates_from(result: CompareResult, limit: int = MAX_CANDIDATES) -> list[FixChange]:
+    """The changes worth trying, nearest the anchor first: the anchor and the forward ops before it
+    (backwards), then the later ones whose outputs are off (error or warn rows); for each op, what
+    its dtype and kind allow (most ops allow nothing: an fp32 add has no precision to gain)."""
+    anchor = anchor_entry(result)
+    if anchor is None:
+        return []
+    pair, anchor_name = anchor
+    dump = load_rank_dump(pair.target_dir, pair.pair)
+    off = {row.target_entry for row in pair.rows if row.verdict in (ERROR, WARN) and row.target_entry}
+    ops = [entry for entry in dump.entries if entry.direction == naming.FORWARD and not entry.name.startswith("Module.")]
+    at = next((index for index, entry in enumerate(ops) if entry.name == anchor_name), len(ops) - 1)
+    # every op up to the anchor may have fed it (an op whose own output passes can lose what a later
+    # subtraction reveals); after it, only those that are off themselves
+    ordered = [*reversed(ops[:at + 1]), *(entry for entry in ops[at + 1:] if entry.name in off)]
+    found: list[FixChange] = []
+    for entry in ordered:
+        for change in _changes_for(entry, dump):
+            if change not in found:
+                found.append(change)
+    return found[:limit]
+
+
+def _changes_for(entry, dump) -> list[FixChange]:
+    base, _, _ = naming.split_entry_name(entry.name)
+    api = naming.operator_op(base)
+    module = entry_module_path(entry, dump) or ""
+    module = "" if module == "(root)" else module
+    line, source = _user_line(entry_stack(entry, dump))
+    out_dtypes = {leaf.dtype for leaf in entry.outputs}
+    in_dtypes = {leaf.dtype for leaf in entry.inputs}
+    changes = []
+    if out_dtypes & set(_LOW_PRECISION):
+        changes.append(FixChange("fp32", api, module, line, source))
+    kind = hf32_kind(entry.name)
+    if kind is not None and kind in dump.hf32 and "torch.float32" in in_dtypes:
+        changes.append(FixChange("hf32_off", api, module, line, source))
+    if api in FILL_APIS:
+        changes.append(FixChange("finite_fill", api, module, line, source))
+    return changes
+
+
+def _user_line(stack: list[str]) -> tuple[str, str]:
+    """(`train.py:16`, its code) of the first frame of a dump's stack (the user's call site)."""
+    for frame in stack:
+        match = _STACK_LINE.search(frame)
+        if match:
+            code = frame.split("\n", 1)[1].strip() if "\n" in frame else ""
+            return f"{Path(match['file']).name}:{match['line']}", code
+    return "", ""
+
+
+# ---------------------------------------------------------------------------- trials
+class TrialRunner:
+    """Runs the user's npu-run command with a fix and its own dump, and judges it against golden."""
+
+    def __init__(self, golden: Path, command: list[str], work: Path, divergence_entry: str,
+                 thresholds: Thresholds, on_trial=None) -> None:
+        self.golden = golden
+        self.launcher, self.arguments = _launcher(_command_without_dump(command))
+        self.work = work
+        self.divergence_entry = divergence_entry
+        self.thresholds = thresholds
+        self.trials: list[Trial] = []
+        self.on_trial = on_trial
+
+    def run(self, changes: list[FixChange]) -> Trial:
+        index = len(self.trials)
+        folder = self.work / f"trial{index}"
+        folder.mkdir(parents=True, exist_ok=True)
+        fix_file = folder / "fix.json"
+        write_text_atomic(fix_file, PrecisionFix(changes).to_json())
+        dump = folder / "dump"
+        command = [*self.launcher, "--precision-fix", str(fix_file), "--dump", str(dump), *self.arguments]
+        completed = subprocess.run(command, capture_output=True, text=True)
+        if completed.returncode != 0:
+            tail = (completed.stderr.strip().splitlines() or ["(no output)"])[-1]
+            trial = Trial(changes, False, None, None, f"the run failed (exit {completed.returncode}): {tail}")
+        else:
+            trial = judge(compare_dirs(self.golden, dump, self.thresholds), changes, self.divergence_entry)
+        self.trials.append(trial)
+        if self.on_trial is not None:
+            self.on_trial(trial)
+        return trial
+
+
+def judge(result: CompareResult, changes: list[FixChange], divergence_entry: str) -> Trial:
+    """Fixed: the compare finds no divergence and no error row. Errors: the anchor op's output and
+    the loss's (the step's last forward output)."""
+    rows = result.rows
+    at_divergence = max((row.error or 0.0 for row in rows if row.target_entry == divergence_entry
+                         and row.role == "output"), default=None)
+    forward_outputs = [row for row in rows if row.role == "output" and row.target_entry
+                       and row.target_entry.endswith(".forward") and not row.target_entry.startswith("Module.")]
+    loss = max(forward_outputs, key=lambda row: row.order) if forward_outputs else None
+    divergences = [pair.divergence for pair in result.pairs if pair.divergence]
+    errors = result.counts()[ERROR]
+    note = f"first divergence {divergences[0].entry}" if divergences else f"no divergence, {errors} error rows"
+    fixed = not result.failed() and errors == 0
+    return Trial(changes, fixed, at_divergence, None if loss is None else (loss.error or 0.0), note)
+
+
+def _command_without_dump(command: list[str]) -> list[str]:
+    """The user's command without its own --dump / --precision-fix (each trial sets them)."""
+    if not command:
+        raise UserError("--find-fix needs the npu-run command that wrote the NPU dump after `--`, e.g. "
+                        "npu-compare golden npu --find-fix -- npu-run --replay rep --dump npu train.py")
+    kept, skip = [], False
+    for token in command:
+        if skip:
+            skip = False
+            continue
+        if token in ("--dump", "--precision-fix"):
+            skip = True
+            continue
+        if token.startswith(("--dump=", "--precision-fix=")):
+            continue
+        kept.append(token)
+    if not any(token == "--replay" or token.startswith("--replay=") for token in kept):
+        raise UserError("--find-fix: the command must replay the recorded step (npu-run --replay DIR ...), "
+                        "so every trial runs on the same weights and batches as the NPU dump")
+    return kept
+
+
+def _launcher(command: list[str]) -> tuple[list[str], list[str]]:
+    """(how to start npu-run, its arguments): `npu-run` (or `python -m npukit.run`) runs as this
+    interpreter's `-m npukit.run`, so the trials use the npukit and torch of this compare."""
+    if Path(command[0]).name == "npu-run":
+        return [sys.executable, "-m", "npukit.run"], command[1:]
+    for index in range(len(command) - 1):
+        if command[index] == "-m" and command[index + 1] == "npukit.run":
+            return command[:index + 2], command[index + 2:]
+    raise UserError(f"--find-fix: {' '.join(command)!r} is not an npu-run command (npu-run ... or python -m npukit.run ...): "
+                    "the trials pass it --precision-fix and --dump")
+
+
+# ---------------------------------------------------------------------------- the search
+def find_fix(candidates: list[FixChange], runner: TrialRunner, max_runs: int) -> list[FixChange] | None:
+    """A small subset of candidates that fixes the run (delta debugging), or None."""
+    def fixes(changes: list[FixChange]) -> bool | None:
+        if len(runner.trials) >= max_runs:
+            return None
+        return runner.run(changes).fixed
+
+    if not candidates or not fixes(candidates):
+        return None
+    current = list(candidates)
+    while len(current) > 1:  # halves: one culprit is found in log2 K steps
+        half = len(current) // 2
+        first, second = current[:half], current[half:]
+        verdict = fixes(first)
+        if verdict:
+            current = first
+            continue
+        verdict = verdict if verdict is None else fixes(second)
+        if verdict:
+            current = second
+            continue
+        break  # both halves are needed (or the run cap is reached)
+    if len(current) > 1:  # drop single candidates while the rest still fixes it
+        for change in list(current):
+            if len(current) == 1:
+                break
+            rest = [c for c in current if c != change]
+            verdict = fixes(rest)
+            if verdict is None:
+                break
+            if verdict:
+                current = rest
+    return current
+
+
+def run_find_fix(golden: Path, target: Path, result: CompareResult, command: list[str], *, work: Path,
+                 max_runs: int, console, thresholds: Thresholds) -> FixResult:
+    anchor = anchor_entry(result)
+    if anchor is None:
+        raise UserError("--find-fix: the compare found no divergence and no error row: there is nothing to fix")
+    anchor_name = anchor[1]
+    candidates = candidates_from(result)
+    before = judge(result, [], anchor_name)
+    if not candidates:
+        return FixResult([], before, None, None, [], anchor_name)
+    bound = 1 + 2 * math.ceil(math.log2(max(len(candidates), 2)))
+    console.print(f"find-fix: {len(candidates)} candidate change(s) around {anchor_name}; "
+                  f"at most {min(max_runs, bound + len(candidates))} runs of the step")
+    for index, change in enumerate(candidates):
+        console.print(f"  [{index}] {change.describe()}")
+    started = time.perf_counter()
+
+    def show(trial: Trial) -> None:
+        what = ", ".join(f"[{candidates.index(c)}]" for c in trial.changes)
+        console.print(f"  run {len(runner.trials)}: {what or 'nothing'} -> {'FIXED' if trial.fixed else 'not fixed'}; "
+                      f"error at the divergence {_fmt(trial.divergence_error)}, at the loss {_fmt(trial.loss_error)}"
+                      f" ({trial.note}; {time.perf_counter() - started:.1f} s)")
+
+    runner = TrialRunner(golden, command, work, anchor_name, thresholds, on_trial=show)
+    fix = find_fix(candidates, runner, max_runs)
+    after = next((t for t in reversed(runner.trials) if t.fixed and t.changes == fix), None) if fix else None
+    return FixResult(candidates, before, fix, after, runner.trials, anchor_name)
+
+
+def print_fix(fix_result: FixResult, console) -> None:
+    if fix_result.fix is None:
+        reason = "no candidate change applies to the divergent ops" if not fix_result.candidates else \
+            "even all candidate changes together do not bring the run within tolerance"
+        console.print(f"find-fix: no fix found ({reason}; {len(fix_result.trials)} runs).")
+        return
+    before, after = fix_result.before, fix_result.after
+    console.print(f"find-fix: fixed by {len(fix_result.fix)} change(s) in {len(fix_result.trials)} runs:")
+    for change in fix_result.fix:
+        console.print(f"  {change.describe()}")
+        for line in change.code().splitlines():
+            console.print(f"      {line}", markup=False, highlight=False)
+    console.print(f"  error at {fix_result.divergence}: {_fmt(before.divergence_error)} -> "
+                  f"{_fmt(after.divergence_error if after else None)}; at the loss: {_fmt(before.loss_error)} -> "
+                  f"{_fmt(after.loss_error if after else None)}")
+    console.print("  try it without editing the code: npu-run --precision-fix FIX.json ... (--find-fix-json writes it)")
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3g}"
