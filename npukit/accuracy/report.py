@@ -8,8 +8,11 @@ import json
 import math
 from pathlib import Path
 
+from npukit.accuracy import report_page
 from npukit.accuracy.compare import ERROR, PASS, UNMATCHED, WARN, CompareResult, Divergence, Row
-from npukit.files import atomic_open, write_text_atomic
+from npukit.accuracy.naming import split_entry_name
+from npukit.errors import UserError
+from npukit.files import ContainedPaths, atomic_open, load_json, write_text_atomic
 
 _SEVERITY = {ERROR: 0, WARN: 1, UNMATCHED: 2, PASS: 3}
 
@@ -331,37 +334,6 @@ def _user_frames(stack: list[str], limit: int = 3) -> list[str]:
     return [line.replace("\n", " ").strip() for line in stack[:limit]]
 
 
-# ---------------------------------------------------------------------------- HTML
-_CSS = """
-body{font:14px/1.4 system-ui,sans-serif;margin:24px;color:#222}
-h1{font-size:20px} .err{color:#c0392b} .warn{color:#b9770e} .pass{color:#1e8449} .unmatched{color:#8e44ad}
-table{border-collapse:collapse;font-size:12px} th,td{border:1px solid #ddd;padding:3px 6px;text-align:left}
-th{background:#f4f4f4;cursor:pointer;position:sticky;top:0} tr.first{background:#fdecea}
-.box{border:1px solid #e74c3c;background:#fdf2f0;padding:8px 12px;margin:12px 0}
-.ok{border:1px solid #27ae60;background:#eefaf1;padding:8px 12px;margin:12px 0}
-pre{white-space:pre-wrap;font-size:12px;margin:4px 0}
-"""
-
-_SORT_JS = """
-document.querySelectorAll('table.sortable th').forEach(function(th, col){
-  th.addEventListener('click', function(){
-    var table = th.closest('table'), body = table.tBodies[0];
-    var rows = Array.prototype.slice.call(body.rows);
-    var asc = th.dataset.asc !== '1'; th.dataset.asc = asc ? '1' : '0';
-    rows.sort(function(a, b){
-      var x = a.cells[col].dataset.v || a.cells[col].textContent, y = b.cells[col].dataset.v || b.cells[col].textContent;
-      var nx = parseFloat(x), ny = parseFloat(y);
-      var c = (!isNaN(nx) && !isNaN(ny)) ? nx - ny : x.localeCompare(y);
-      return asc ? c : -c;
-    });
-    rows.forEach(function(r){ body.appendChild(r); });
-  });
-});
-"""
-
-_HTML_ROW_LIMIT = 20000
-
-
 def _chart_svg(result: CompareResult, pair_index: int) -> str:
     """Relative L2 (log scale) and cosine of each op's outputs along execution order."""
     pair = result.pairs[pair_index]
@@ -414,6 +386,22 @@ def _chart_svg(result: CompareResult, pair_index: int) -> str:
                 parts.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="0" y2="{2 * height + 40}" stroke="#e74c3c" '
                              f'stroke-dasharray="4 3"/><text x="{x + 4:.1f}" y="{height + 22}" fill="#e74c3c">'
                              f'first divergence: {html.escape(point[2])}</text>')
+    if len(orders) > _CHART_DOTS:  # one point per pixel column: its worst error and lowest cosine
+        columns: dict[int, int] = {}
+        for order in orders:
+            column = int(x_of[order])
+            kept = columns.get(column)
+            if kept is None or _worse(points[order], points[kept]):
+                columns[column] = order
+        lowest = {}
+        for order in orders:
+            column = int(x_of[order])
+            if points[order][1] is not None and (column not in lowest or points[order][1] < lowest[column]):
+                lowest[column] = points[order][1]
+        parts.append(f'<text x="{width - 420}" y="10" fill="#555">{len(orders)} op outputs: the worst of each'
+                     ' pixel column drawn</text>')
+        orders = sorted(columns.values())
+        points = {order: [points[order][0], lowest.get(int(x_of[order])), points[order][2]] for order in orders}
     rel_path = " ".join(f"{x_of[o]:.1f},{y_log(points[o][0]):.1f}" for o in orders)
     parts.append(f'<polyline fill="none" stroke="#2e86c1" points="{rel_path}"/>')
     cos_points = [o for o in orders if points[o][1] is not None]
@@ -428,49 +416,398 @@ def _chart_svg(result: CompareResult, pair_index: int) -> str:
     return "".join(parts)
 
 
-def write_html(result: CompareResult, path: Path) -> None:
+
+
+def _worse(point, other) -> bool:
+    """The larger relative error; nan counts as the worst."""
+    return not (point[0] <= other[0])
+
+# ---------------------------------------------------------------------------- HTML
+_HTML_ROW_LIMIT = 300_000  # rows embedded in the page (the most relevant first); the CSV has all
+_CHART_DOTS = 2000  # above this many measured op outputs the chart draws the worst op per pixel column
+
+# The tables' columns; "kind" tells the page how to show and sort a cell.
+_HTML_COLUMNS = [("Step/Rank", "text"), ("Order", "num"), ("NPU Name", "text"), ("NPU Dtype", "text"),
+                 ("Bench Dtype", "text"), ("NPU Tensor Shape", "text"), ("Cosine", "num"), ("RelativeL2", "num"),
+                 ("SQNR(dB)", "num"), ("MaxAbsErr", "num"), ("MaxRelativeErr", "num"),
+                 ("One Thousandth Err Ratio", "num"), ("MaxULP", "num"), ("Result", "verdict"),
+                 ("Err_message", "text")]
+_VERDICT_ORDER = (ERROR, WARN, UNMATCHED, PASS)  # worst first: a verdict's index is its severity
+_OUTSIDE = "(outside any module)"
+_UNPLACED = "(api ops, module unknown)"
+_TREE_NOTES = {
+    "construct": "Module tree from the dumps' construct.json (each entry's parent module).",
+    "prefix": "These dumps have no construct.json (older dumps, msprobe L1 dumps): modules are grouped by their"
+              " module path prefix (blocks.1.norm under blocks.1), and the api ops, which only construct.json"
+              " places in a module, are listed under \"" + _UNPLACED + "\".",
+    "flat": "These dumps have no construct.json and no module entries (an api-level or msprobe L1 dump): there is"
+            " no module tree; every row is in the table of all rows below.",
+}
+
+
+class _ModuleNode:
+    __slots__ = ("id", "key", "path", "cls", "parent", "counts", "max_error")
+
+    def __init__(self, node_id: int, key: str, path: str, cls: str | None) -> None:
+        self.id, self.key, self.path, self.cls = node_id, key, path, cls
+        self.parent: _ModuleNode | None = None
+        self.counts = [0, 0, 0, 0]  # rows per verdict, in _VERDICT_ORDER, this node and its descendants
+        self.max_error: float | None = None
+
+
+def _load_construct(folder: Path) -> dict:
+    """`{entry: parent module entry}` of one rank folder, {} when absent or unreadable (the compare
+    itself read the same file and would have refused a malformed one)."""
+    try:
+        path = ContainedPaths(folder).resolve(Path(folder) / "construct.json", Path(folder) / "construct.json")
+        construct = load_json(path) if path.is_file() else {}
+    except (UserError, OSError):
+        return {}
+    return construct if isinstance(construct, dict) else {}
+
+
+def _module_base(entry: str) -> str:
+    """`Module.blocks.1.norm.LayerNorm.backward.0` -> `Module.blocks.1.norm.LayerNorm`: one tree node
+    for a module's forward and backward calls and its parameter gradients."""
+    return split_entry_name(entry)[0]
+
+
+class _ModuleTree:
+    """The module tree of one step/rank: nodes are modules (a module's forward and backward calls
+    are one node, keyed by `Module.<path>.<Class>`); a row belongs to the module its entry ran in
+    (construct.json's parent) or, for a module entry's own inputs/outputs, to that module."""
+
+    def __init__(self, nodes: list[_ModuleNode], construct: dict, pair_index: int) -> None:
+        self.all_nodes = nodes  # shared by every pair: node ids index the page's one list
+        self.construct = construct
+        self.pair_index = pair_index
+        self.by_key: dict[str, _ModuleNode] = {}
+        self.mine: list[_ModuleNode] = []
+
+    def _new(self, key: str, path: str, cls: str | None) -> _ModuleNode:
+        node = _ModuleNode(len(self.all_nodes), key, path, cls)
+        self.all_nodes.append(node)
+        self.mine.append(node)
+        self.by_key[key] = node
+        return node
+
+    def node_of(self, entry: str | None) -> _ModuleNode:
+        if entry and entry.startswith("Module."):
+            return self._module(entry)
+        parent = self.construct.get(entry) if entry else None
+        if isinstance(parent, str) and parent.startswith("Module."):
+            return self._module(parent)
+        return self.by_key.get(_OUTSIDE) or self._new(_OUTSIDE, _OUTSIDE if self.construct else _UNPLACED, None)
+
+    def _module(self, entry: str) -> _ModuleNode:
+        chain, seen = [], set()
+        while entry is not None and entry not in seen:
+            seen.add(entry)
+            key = _module_base(entry)
+            node = self.by_key.get(key)
+            if node is None:
+                parts = key.split(".")[1:]
+                node = self._new(key, ".".join(parts[:-1]), parts[-1] if parts else None)
+            elif node.parent is not None:
+                chain.append(node)
+                break
+            chain.append(node)
+            parent = self.construct.get(entry)
+            entry = parent if isinstance(parent, str) and parent.startswith("Module.") else None
+        for child, parent in zip(chain, chain[1:]):
+            if child.parent is None and not _descends(parent, child):
+                child.parent = parent
+        return chain[0]
+
+    def link_by_path(self) -> None:
+        """Modules construct.json did not place (no construct.json, or a parameter gradient of a module
+        outside the dumped scope): under the module whose path is the longest prefix of theirs."""
+        by_path: dict[str, _ModuleNode] = {}
+        for node in self.mine:
+            if node.key != _OUTSIDE:
+                by_path.setdefault(node.path, node)
+        roots = [node for node in self.mine if node.key != _OUTSIDE and node.path == ""]
+        for node in self.mine:
+            if node.parent is not None or node.key == _OUTSIDE or node.path == "":
+                continue
+            parts = node.path.split(".")
+            for cut in range(len(parts) - 1, -1, -1):
+                parent = by_path.get(".".join(parts[:cut])) if cut else (roots[0] if len(roots) == 1 else None)
+                if parent is not None and parent is not node and not _descends(parent, node):
+                    node.parent = parent
+                    break
+
+
+def _descends(node: _ModuleNode, ancestor: _ModuleNode) -> bool:
+    while node is not None:
+        if node is ancestor:
+            return True
+        node = node.parent
+    return False
+
+
+class _Strings:
+    """The page's string table: each distinct text once, cells refer to it by index."""
+
+    def __init__(self) -> None:
+        self.index: dict[str, int] = {}
+        self.items: list[str] = []
+
+    def __call__(self, text: str) -> int:
+        found = self.index.get(text)
+        if found is None:
+            found = self.index[text] = len(self.items)
+            self.items.append(text)
+        return found
+
+
+def _cell_number(value):
+    """A numeric cell for the page: a number rounded as the CSV writes it, or the CSV's text."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return float(f"{value:.6g}") if math.isfinite(value) else _number(value)
+    return str(value)
+
+
+def _resolve_fix(fix: dict, result: CompareResult, trees: list[_ModuleTree], row_nodes: dict) -> tuple[int, int]:
+    """(pair index, node id) a fix record names, (-1, -1) when no node matches."""
+    wanted = [fix.get(key) for key in ("node", "module", "entry") if isinstance(fix.get(key), str) and fix.get(key)]
+    if not wanted and "" in (fix.get("node"), fix.get("module")):
+        wanted = ["(root)"]  # the fix finder's module "" is the model itself
+    pair_label = fix.get("pair")
+    order = list(range(len(trees)))
+    if pair_label is not None:
+        order = [i for i in order if result.pairs[i].pair == pair_label]
+    else:  # the pair whose divergence the fix finder started from, first
+        order.sort(key=lambda i: result.pairs[i].divergence is None)
+    for index in order:
+        tree = trees[index]
+        for name in wanted:
+            if name.startswith("Module."):
+                node = tree.by_key.get(_module_base(name)) or tree.by_key.get(name)
+                if node is not None:
+                    return index, node.id
+            node = next((n for n in tree.mine if n.key != _OUTSIDE and (n.path or "(root)") == name), None)
+            if node is None:
+                node = next((n for n in tree.mine if n.key != _OUTSIDE and n.path == "" and n.cls == name), None)
+            if node is None and (index, name) in row_nodes:
+                node = tree.all_nodes[row_nodes[(index, name)]]
+            if node is not None:
+                return index, node.id
+    return -1, -1
+
+
+def _fix_records(fix) -> list[dict]:
+    if fix is None:
+        return []
+    records = [fix] if isinstance(fix, dict) else list(fix)
+    return [record for record in records if isinstance(record, dict)]
+
+
+def _page_data(result: CompareResult, fix=None) -> tuple[dict, list[str]]:
+    """The JSON blob the page renders from, and the notes to print above its tables."""
     divergent = _divergent_entries(result)
     stacks = _stack_texts(result)
+    strings = _Strings()
+    nodes: list[_ModuleNode] = []
+    trees, pairs_info, row_node = [], [], {}
+    for index, pair in enumerate(result.pairs):
+        construct = _load_construct(pair.golden_dir)
+        construct.update(_load_construct(pair.target_dir))  # the target's word where both have one
+        entries = {row.target_entry for row in pair.rows} | {row.golden_entry for row in pair.rows}
+        has_modules = any(entry and entry.startswith("Module.") for entry in entries)
+        mode = ("construct" if any(entry in construct for entry in entries if entry) else
+                "prefix" if has_modules else "flat")
+        tree = _ModuleTree(nodes, construct if mode == "construct" else {}, index)
+        trees.append(tree)
+        if mode == "flat":
+            pairs_info.append({"label": pair.pair, "mode": mode, "note": _TREE_NOTES[mode], "roots": [],
+                               "divergence_node": -1, "fix_node": -1})
+            continue
+        for row in pair.rows:
+            node = tree.node_of(row.target_entry or row.golden_entry)
+            row_node[id(row)] = node.id
+            node.counts[_SEVERITY.get(row.verdict, 3)] += 1
+            if row.error is not None and (node.max_error is None or row.error > node.max_error):
+                node.max_error = row.error
+            for entry in {row.target_entry, row.golden_entry} - {None}:
+                row_node.setdefault((index, entry), node.id)
+        tree.link_by_path()
+        depth = {}
+        for node in tree.mine:
+            chain, up = 0, node.parent
+            while up is not None:
+                chain, up = chain + 1, up.parent
+            depth[node.id] = chain
+        for node in sorted(tree.mine, key=lambda n: -depth[n.id]):  # children before their parents
+            if node.parent is not None:
+                node.parent.counts = [a + b for a, b in zip(node.parent.counts, node.counts)]
+                if node.max_error is not None and (node.parent.max_error is None or node.max_error > node.parent.max_error):
+                    node.parent.max_error = node.max_error
+        divergence_node = -1
+        if pair.divergence is not None:
+            divergence_node = row_node.get((index, pair.divergence.entry), -1)
+            if divergence_node < 0:
+                divergence_node = tree.node_of(pair.divergence.entry).id
+        pairs_info.append({"label": pair.pair, "mode": mode, "note": _TREE_NOTES[mode],
+                           "roots": [node.id for node in sorted(tree.mine, key=lambda n: n.key == _OUTSIDE)
+                                     if node.parent is None],
+                           "divergence_node": divergence_node, "fix_node": -1})
+    fixes = []
+    for record in _fix_records(fix):
+        pair_index, node_id = _resolve_fix(record, result, trees, row_node)
+        if pair_index >= 0 and pairs_info[pair_index]["fix_node"] < 0:
+            pairs_info[pair_index]["fix_node"] = node_id
+        shown = {key: str(record[key]) for key in ("summary", "code", "details") if record.get(key) is not None}
+        if "summary" not in shown and record.get("description") is not None:
+            shown["summary"] = str(record["description"])
+        fixes.append({**shown, "node": node_id, "pair": pair_index,
+                      "names": str(record.get("node") or record.get("module") or record.get("entry") or "")})
+    rows = ordered_rows(result)
+    notes = []
+    if len(rows) > _HTML_ROW_LIMIT:
+        notes.append(f"The tables hold the {_HTML_ROW_LIMIT} most relevant of {len(rows)} rows (the tree's counts"
+                     " are of all rows); the CSV has all.")
+        rows = rows[:_HTML_ROW_LIMIT]
+    text_columns = [i for i, (_, kind) in enumerate(_HTML_COLUMNS) if kind == "text"]
+    packed = []
+    for row in rows:
+        record = row_record(row, divergent, stacks)
+        record["NPU Name"] = record["NPU Name"] or record["Bench Name"]
+        cells = []
+        for i, (column, kind) in enumerate(_HTML_COLUMNS):
+            value = record[column]
+            if kind == "verdict":
+                cells.append(_SEVERITY.get(row.verdict, 3))
+            elif i in text_columns:
+                text = value if isinstance(value, str) else str(value) if isinstance(value, list) else _number(value)
+                cells.append(strings(text) if text else None)
+            else:
+                cells.append(_cell_number(value))
+        packed.append(cells + [row_node.get(id(row), -1), 1 if record["First Divergence"] else 0])
+    # The tree opens at the first step/rank with a divergence, else where a fix is, else the first.
+    start = next((i for i, pair in enumerate(result.pairs) if pair.divergence is not None), None)
+    if start is None:
+        start = next((record["pair"] for record in fixes if record["pair"] >= 0), 0)
+    data = {
+        "columns": [{"name": name, "kind": kind} for name, kind in _HTML_COLUMNS],
+        "strings": strings.items,
+        "rows": packed,
+        "nodes": [{"pair": trees_index, "parent": node.parent.id if node.parent else -1,
+                   "label": strings(_node_label(node)), "cls": strings(node.cls) if node.cls and node.path else -1,
+                   "path": strings(_node_path(node)), "counts": node.counts,
+                   "worst": next((i for i, count in enumerate(node.counts) if count), -1),
+                   "max_error": _cell_number(node.max_error)}
+                  for trees_index, tree in enumerate(trees) for node in tree.mine],
+        "pairs": pairs_info,
+        "fixes": fixes,
+        "start_pair": start,
+    }
+    return data, notes
+
+
+def _node_label(node: _ModuleNode) -> str:
+    if node.key == _OUTSIDE:
+        return node.path
+    if not node.path:
+        return node.cls or "(root)"
+    parent = node.parent.path if node.parent is not None and node.parent.key != _OUTSIDE else ""
+    return node.path[len(parent) + 1:] if parent and node.path.startswith(parent + ".") else node.path
+
+
+def _node_path(node: _ModuleNode) -> str:
+    if node.key == _OUTSIDE and node.path == _UNPLACED:
+        return _UNPLACED + ": without construct.json the page cannot tell which module ran an api op"
+    if node.key == _OUTSIDE:
+        return _OUTSIDE + ": ops no module ran (the loss, casts, the optimizer's ops)"
+    return node.path or f"{node.cls} (root module)"
+
+
+def _json_for_script(data) -> str:
+    """JSON safe inside a <script> element: every `<` escaped, so no `</script>` can end it early."""
+    return json.dumps(data, separators=(",", ":"), allow_nan=False).replace("<", "\\u003c")
+
+
+def write_html(result: CompareResult, path: Path, fix=None) -> None:
+    """One self-contained page (no network): counts, the first divergence and a chart per step/rank,
+    the model's module tree with each module's ops, and a table of all rows; sortable, filterable
+    by verdict, paged, rendered lazily from one JSON blob (fast for 100k rows).
+
+    `fix` (default: `result.fix` if the CompareResult carries one) is the fix finder's result, shown
+    on the tree node it names; absent or None shows nothing. A dict, or a list of dicts, each with:
+      - "node" or "module": where the fix applies, as a module path (`blocks.1.norm`; the root module
+        by its class name or "(root)"), a module entry (`Module.blocks.1.norm.LayerNorm.forward.0`)
+        or an op entry (`Functional.layer_norm.1.forward`: the module that op ran in); "" is the model
+        itself (the root module);
+      - "summary" (or "description", as the fix finder's FixResult.as_json()["fix"] items have it): one
+        line, e.g. "keep blocks.1.norm's layer_norm in fp32: relative L2 0.41 -> 2e-6";
+      - "code": the code to paste (shown verbatim, preformatted);
+      - optional "entry" (an op entry, tried when "node"/"module" match no node), "pair"
+        ("step0/rank0"; default: the pair with a divergence, then the first where the name matches)
+        and "details" (more text: errors before/after, the runs it took).
+    A fix whose node is not in the tree is still listed, below the tree, with the name it gave.
+    """
+    fix = getattr(result, "fix", None) if fix is None else fix
     counts = result.counts()
+    data, notes = _page_data(result, fix)
     out = ["<!DOCTYPE html><html><head><meta charset='utf-8'><title>npu-compare report</title>",
-           f"<style>{_CSS}</style></head><body>",
+           f"<style>{report_page.CSS}</style></head><body>",
            "<h1>npu-compare report</h1>",
            f"<p>golden: <code>{html.escape(str(result.golden))}</code><br>target: <code>{html.escape(str(result.target))}</code></p>",
            "<p>" + ", ".join(f"<span class='{_css(key)}'>{counts.get(key, 0)} {key}</span>" for key in (PASS, WARN, ERROR, UNMATCHED)) + "</p>"]
-    for index, pair in enumerate(result.pairs):
+    for pair in result.pairs:
         out.append(f"<h2>{html.escape(pair.pair)} ({html.escape(pair.mode)})</h2>")
         if pair.divergence:
             d = pair.divergence
             out.append("<div class='box'><b>First divergence:</b> "
                        f"<code>{html.escape(d.entry)}</code>"
                        + (f" in module <code>{html.escape(d.module_path)}</code>" if d.module_path else "")
-                       + f"<br>{html.escape(d.reason)}{_stack_html(d.stack)}</div>")
+                       + f" (<a href='#model'>in the model tree below</a>)<br>{html.escape(d.reason)}{_stack_html(d.stack)}</div>")
         elif pair.unsearched:
             out.append(f"<div class='box'>{html.escape(pair.unsearched)}</div>")
         else:
             out.append("<div class='ok'>No divergence found.</div>")
+    verdict_boxes = "".join(
+        f"<label class='{_css(verdict)}'><input type='checkbox' class='verdict' data-verdict='{index}' checked> "
+        f"{verdict} ({counts.get(verdict, 0)})</label>" for index, verdict in enumerate(_VERDICT_ORDER))
+    out.append(f"<div class='toolbar' id='filters'><b>Show verdicts:</b> {verdict_boxes}</div>")
+    out.append("<h2 id='model'>Model</h2>")
+    if any(info["mode"] != "flat" for info in data["pairs"]):
+        pair_select = ""
+        if len(result.pairs) > 1:
+            options = "".join(f"<option value='{index}'{' selected' if index == data['start_pair'] else ''}>"
+                              f"{html.escape(info['label'])}</option>" for index, info in enumerate(data["pairs"]))
+            pair_select = f"<label>step/rank <select id='pair-select'>{options}</select></label>"
+        out.append("<p class='note' id='tree-note'></p>"
+                   "<p class='note'>Each module is coloured by the worst verdict among its ops and its sub-modules'"
+                   " (red error, amber warn, purple unmatched, green pass); the path to the first divergence is"
+                   " open and that module highlighted. Click a module for its ops.</p>"
+                   f"<div class='toolbar'>{pair_select}<label><input type='checkbox' id='with-submodules'>"
+                   " include sub-modules' ops</label></div>"
+                   "<div class='model'><div id='tree'></div><div id='node-ops'></div></div>")
+    else:
+        out.append(f"<p class='note' id='tree-note'>{html.escape(_TREE_NOTES['flat'])}</p>")
+    unplaced = [record for record in data["fixes"] if record["node"] < 0]
+    for record in unplaced:
+        out.append(f"<div class='fixbox'><b>Proposed fix</b> (for <code>{html.escape(record['names'])}</code>, not"
+                   f" a module of the tree): {html.escape(record.get('summary', ''))}"
+                   + (f"<pre>{html.escape(record['code'])}</pre>" if record.get("code") else "") + "</div>")
+    out.append("<h2>Error along execution order</h2>")
+    for index, pair in enumerate(result.pairs):
+        if len(result.pairs) > 1:
+            out.append(f"<h3>{html.escape(pair.pair)}</h3>")
         out.append(_chart_svg(result, index))
-    columns = ["Step/Rank", "Order", "NPU Name", "NPU Dtype", "Bench Dtype", "NPU Tensor Shape", "Cosine",
-               "RelativeL2", "SQNR(dB)", "MaxAbsErr", "MaxRelativeErr", "One Thousandth Err Ratio", "MaxULP",
-               "Result", "Err_message"]
-    rows = ordered_rows(result)
-    if len(rows) > _HTML_ROW_LIMIT:
-        out.append(f"<p>Showing the {_HTML_ROW_LIMIT} most relevant of {len(rows)} rows; the CSV has all.</p>")
-        rows = rows[:_HTML_ROW_LIMIT]
-    out.append("<table class='sortable'><thead><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in columns)
-               + "</tr></thead><tbody>")
-    for row in rows:
-        record = row_record(row, divergent, stacks)
-        name = record["NPU Name"] or record["Bench Name"]
-        cells = []
-        for column in columns:
-            value = name if column == "NPU Name" else record[column]
-            text = value if isinstance(value, str) else _number(value) if not isinstance(value, list) else str(value)
-            css = f" class='{_css(row.verdict)}'" if column == "Result" else ""
-            cells.append(f"<td{css}>{html.escape(text)}</td>")
-        first = " class='first'" if record["First Divergence"] else ""
-        out.append(f"<tr{first}>" + "".join(cells) + "</tr>")
-    out.append(f"</tbody></table><script>{_SORT_JS}</script></body></html>")
+    out.append("<h2>All rows</h2><p class='note'>The first divergent op's rows first, then the worst rows."
+               " Click a column to sort.</p>")
+    out += [f"<p>{html.escape(note)}</p>" for note in notes]
+    out.append("<div id='all-rows'></div>")
+    out.append(f"<script type='application/json' id='npukit-data'>{_json_for_script(data)}</script>")
+    out.append(f"<script>{report_page.JS}</script></body></html>")
     write_text_atomic(path, "".join(out))
 
 

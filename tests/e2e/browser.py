@@ -191,6 +191,29 @@ class Chromium:
             raise BrowserError(f"evaluating {expression[:60]!r}: {result['exceptionDetails'].get('text')}")
         return result["result"].get("value")
 
+    def wait_for(self, expression: str, timeout: float | None = None):
+        """The first truthy value of a JavaScript expression, polled in the page every 5 ms."""
+        limit = int(1000 * (timeout or self.timeout))
+        value = self.evaluate(
+            "new Promise((resolve, reject) => { const start = performance.now(); const poll = () => {"
+            f" const value = ({expression}); if (value) resolve(value);"
+            f" else if (performance.now() - start > {limit}) reject(new Error('timed out'));"
+            " else setTimeout(poll, 5); }; poll(); })")
+        return value
+
+    def click(self, selector: str) -> None:
+        """A real mouse click (pressed and released) at the middle of the first element matching selector,
+        scrolled into view first: what a reader does, so a hidden or covered element is not clicked."""
+        point = self.evaluate(
+            f"(() => {{ const element = document.querySelector({json.dumps(selector)}); if (!element) return null;"
+            " element.scrollIntoView({block: 'center', inline: 'nearest'}); const box = element.getBoundingClientRect();"
+            " return {x: box.x + Math.min(box.width / 2, 40), y: box.y + box.height / 2}; })()")
+        if point is None:
+            raise BrowserError(f"no element matches {selector!r}")
+        for kind in ("mouseMoved", "mousePressed", "mouseReleased"):
+            self.send("Input.dispatchMouseEvent", type=kind, x=point["x"], y=point["y"], button="left",
+                      clickCount=0 if kind == "mouseMoved" else 1)
+
     def screenshot(self, path: Path) -> bytes:
         """A PNG of the whole page (not only the viewport), written to path."""
         data = base64.b64decode(self.send("Page.captureScreenshot", format="png", captureBeyondViewport=True)["data"])
