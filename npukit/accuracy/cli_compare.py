@@ -54,6 +54,9 @@ def _find_fix(golden: Path, target: Path, result, options: FindFixOptions, thres
     work = options.work or target.with_name(target.name + ".find-fix")
     fix_result = run_find_fix(golden, target, result, options.command, work=work, max_runs=options.max_runs,
                               console=console, thresholds=thresholds)
+    if fix_result is None:
+        console.print("find-fix: nothing to fix (no divergence, and the loss is within tolerance); no run made")
+        return
     print_fix(fix_result, console)
     if fix_result.fix is not None:
         fix_file = work / "fix.json"

@@ -80,7 +80,8 @@ class FixResult:
 # ---------------------------------------------------------------------------- candidates
 def anchor_entry(result: CompareResult) -> tuple[object, str] | None:
     """(the pair, the target entry) where the problem shows first: the compare's first divergence,
-    else the first forward op whose output is an error row (a problem the search did not name)."""
+    else the first forward op whose output is an error row (a problem the search did not name:
+    the error is carried, or a step GradScaler skipped in the target only)."""
     for pair in result.pairs:
         if pair.divergence is not None:
             return pair, pair.divergence.entry
@@ -124,13 +125,13 @@ def _changes_for(entry, dump) -> list[FixChange]:
     out_dtypes = {leaf.dtype for leaf in entry.outputs}
     in_dtypes = {leaf.dtype for leaf in entry.inputs}
     changes = []
+    if api in FILL_APIS:  # first: the fix a saturating 910A needs (fp32 would move more ops out of fp16)
+        changes.append(FixChange("finite_fill", api, module, line, source))
     if out_dtypes & set(_LOW_PRECISION):
         changes.append(FixChange("fp32", api, module, line, source))
     kind = hf32_kind(entry.name)
     if kind is not None and kind in dump.hf32 and "torch.float32" in in_dtypes:
         changes.append(FixChange("hf32_off", api, module, line, source))
-    if api in FILL_APIS:
-        changes.append(FixChange("finite_fill", api, module, line, source))
     return changes
 
 
@@ -151,9 +152,10 @@ class TrialRunner:
     def __init__(self, golden: Path, command: list[str], work: Path, divergence_entry: str,
                  thresholds: Thresholds, on_trial=None) -> None:
         self.golden = golden
-        self.launcher, self.arguments = _launcher(_command_without_dump(command))
+        self.launcher, arguments = _launcher(command)
+        self.arguments = _without_dump(arguments)
         self.work = work
-        self.divergence_entry = divergence_entry
+        self.anchor = divergence_entry
         self.thresholds = thresholds
         self.trials: list[Trial] = []
         self.on_trial = on_trial
@@ -171,54 +173,69 @@ class TrialRunner:
             tail = (completed.stderr.strip().splitlines() or ["(no output)"])[-1]
             trial = Trial(changes, False, None, None, f"the run failed (exit {completed.returncode}): {tail}")
         else:
-            trial = judge(compare_dirs(self.golden, dump, self.thresholds), changes, self.divergence_entry)
+            trial = judge(compare_dirs(self.golden, dump, self.thresholds), changes, self.anchor)
         self.trials.append(trial)
         if self.on_trial is not None:
             self.on_trial(trial)
         return trial
 
 
-def judge(result: CompareResult, changes: list[FixChange], divergence_entry: str) -> Trial:
-    """Fixed: the compare finds no divergence and no error row. Errors: the anchor op's output and
-    the loss's (the step's last forward output)."""
+def judge(result: CompareResult, changes: list[FixChange], anchor: str) -> Trial:
+    """Fixed: the compare names no divergence and leaves no error row unjudged, and the loss (the
+    last step's last forward output) is within the warn limit of the run's loosest dtype class (an
+    fp16 run's loss carries its logits' rounding). Error rows the search judged as carried, not
+    amplified, do not count: a fill made finite differs from golden's -inf where it is masked, and
+    nothing downstream sees it. Errors shown: the anchor op's output and the loss."""
     rows = result.rows
-    at_divergence = max((row.error or 0.0 for row in rows if row.target_entry == divergence_entry
-                         and row.role == "output"), default=None)
-    forward_outputs = [row for row in rows if row.role == "output" and row.target_entry
-                       and row.target_entry.endswith(".forward") and not row.target_entry.startswith("Module.")]
-    loss = max(forward_outputs, key=lambda row: row.order) if forward_outputs else None
+    at_anchor = max((row.error or 0.0 for row in rows if row.target_entry == anchor and row.role == "output"),
+                    default=None)
+    loss = None
+    for pair in result.pairs:  # the last step's
+        forward_outputs = [row for row in pair.rows if row.role == "output" and row.target_entry
+                           and row.target_entry.endswith(".forward") and not row.target_entry.startswith("Module.")]
+        if forward_outputs:
+            loss = max(forward_outputs, key=lambda row: row.order)
+    loss_error = None if loss is None else (loss.error or 0.0)
+    limit = max(result.thresholds.limits(row.dtype_class).warn_rel_l2 for row in rows) if rows else 0.0
     divergences = [pair.divergence for pair in result.pairs if pair.divergence]
     errors = result.counts()[ERROR]
     note = f"first divergence {divergences[0].entry}" if divergences else f"no divergence, {errors} error rows"
-    fixed = not result.failed() and errors == 0
-    return Trial(changes, fixed, at_divergence, None if loss is None else (loss.error or 0.0), note)
+    fixed = not result.failed() and (loss_error is None or loss_error <= limit)
+    if not result.failed() and not fixed:
+        note += f", loss error above {limit:g}"
+    return Trial(changes, fixed, at_anchor, loss_error, note)
 
 
-def _command_without_dump(command: list[str]) -> list[str]:
-    """The user's command without its own --dump / --precision-fix (each trial sets them)."""
-    if not command:
-        raise UserError("--find-fix needs the npu-run command that wrote the NPU dump after `--`, e.g. "
-                        "npu-compare golden npu --find-fix -- npu-run --replay rep --dump npu train.py")
-    kept, skip = [], False
-    for token in command:
-        if skip:
-            skip = False
-            continue
-        if token in ("--dump", "--precision-fix"):
-            skip = True
-            continue
-        if token.startswith(("--dump=", "--precision-fix=")):
-            continue
-        kept.append(token)
-    if not any(token == "--replay" or token.startswith("--replay=") for token in kept):
+# npu-run's options that take no value (every other option takes one)
+_RUN_FLAGS = frozenset({"--golden", "--emulate", "--transfer-to-npu", "--detect-overflow", "--overflow-underflow",
+                        "-m", "--module"})
+
+
+def _without_dump(command: list[str]) -> list[str]:
+    """npu-run's arguments without its own --dump / --precision-fix (each trial sets them); the
+    script's own arguments, after its name, are kept as they are."""
+    options, index = [], 0
+    while index < len(command):
+        token = command[index]
+        if not token.startswith("-") or token == "-":
+            break  # the script (or npu-run itself, or python's -m npukit.run): the rest is kept
+        takes_value = token not in _RUN_FLAGS and "=" not in token
+        pair = command[index:index + 2] if takes_value else [token]
+        if token.split("=", 1)[0] not in ("--dump", "--precision-fix"):
+            options += pair
+        index += len(pair)
+    if not any(token == "--replay" or token.startswith("--replay=") for token in options):
         raise UserError("--find-fix: the command must replay the recorded step (npu-run --replay DIR ...), "
                         "so every trial runs on the same weights and batches as the NPU dump")
-    return kept
+    return [*options, *command[index:]]
 
 
 def _launcher(command: list[str]) -> tuple[list[str], list[str]]:
     """(how to start npu-run, its arguments): `npu-run` (or `python -m npukit.run`) runs as this
     interpreter's `-m npukit.run`, so the trials use the npukit and torch of this compare."""
+    if not command:
+        raise UserError("--find-fix needs the npu-run command that wrote the NPU dump after `--`, e.g. "
+                        "npu-compare golden npu --find-fix -- npu-run --replay rep --dump npu train.py")
     if Path(command[0]).name == "npu-run":
         return [sys.executable, "-m", "npukit.run"], command[1:]
     for index in range(len(command) - 1):
@@ -265,13 +282,15 @@ def find_fix(candidates: list[FixChange], runner: TrialRunner, max_runs: int) ->
 
 
 def run_find_fix(golden: Path, target: Path, result: CompareResult, command: list[str], *, work: Path,
-                 max_runs: int, console, thresholds: Thresholds) -> FixResult:
+                 max_runs: int, console, thresholds: Thresholds) -> FixResult | None:
+    """The fix finder's search, or None when the compare leaves nothing to fix (no divergence,
+    no unjudged error row, the loss within tolerance)."""
     anchor = anchor_entry(result)
-    if anchor is None:
-        raise UserError("--find-fix: the compare found no divergence and no error row: there is nothing to fix")
+    before = judge(result, [], anchor[1]) if anchor is not None else None
+    if before is None or before.fixed:
+        return None  # nothing to fix
     anchor_name = anchor[1]
     candidates = candidates_from(result)
-    before = judge(result, [], anchor_name)
     if not candidates:
         return FixResult([], before, None, None, [], anchor_name)
     bound = 1 + 2 * math.ceil(math.log2(max(len(candidates), 2)))
@@ -284,7 +303,7 @@ def run_find_fix(golden: Path, target: Path, result: CompareResult, command: lis
     def show(trial: Trial) -> None:
         what = ", ".join(f"[{candidates.index(c)}]" for c in trial.changes)
         console.print(f"  run {len(runner.trials)}: {what or 'nothing'} -> {'FIXED' if trial.fixed else 'not fixed'}; "
-                      f"error at the divergence {_fmt(trial.divergence_error)}, at the loss {_fmt(trial.loss_error)}"
+                      f"error at {runner.anchor} {_fmt(trial.divergence_error)}, at the loss {_fmt(trial.loss_error)}"
                       f" ({trial.note}; {time.perf_counter() - started:.1f} s)")
 
     runner = TrialRunner(golden, command, work, anchor_name, thresholds, on_trial=show)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -44,10 +45,10 @@ class FixChange:
     line: str = ""  # "train.py:16": only this call site of the api in that module ("" = every one)
     source: str = ""  # the code at that line, for the suggestion (not used to match)
 
-    def describe(self) -> str:
+    def describe(self, with_line: bool = True) -> str:
         if self.kind == "inf_nan_mode":
             return "fp16 in INF_NAN mode (not saturation)"
-        where = f"{self.api} in {self.module or 'the model'}" + (f" at {self.line}" if self.line else "")
+        where = f"{self.api} in {self.module or 'the model'}" + (f" at {self.line}" if self.line and with_line else "")
         return {"fp32": f"compute {where} in fp32", "hf32_off": f"HF32 off for {where}",
                 "finite_fill": f"fill with the dtype's min/max instead of +-inf in {where}"}[self.kind]
 
@@ -55,7 +56,7 @@ class FixChange:
         """What to write in the user's code for this change, at `line` (shown as it is, from `source`)."""
         if self.kind == "inf_nan_mode":
             return "# before the run (Ascend 910B and later): fp16 with IEEE inf/nan, not saturation\nexport INF_NAN_MODE_ENABLE=1"
-        where = f"# {self.line or 'in ' + (self.module or 'the model') + chr(39) + 's forward'}: {self.describe()}"
+        where = f"# {self.line or 'in ' + (self.module or 'the model') + chr(39) + 's forward'}: {self.describe(with_line=False)}"
         original = self.source or "<the line that calls it>"
         indented = "\n".join("    " + line for line in original.splitlines())
         if self.kind == "fp32":
@@ -75,6 +76,9 @@ class FixChange:
             return (f"{where}\nmatmul_hf32, conv_hf32 = torch.npu.matmul.allow_hf32, torch.npu.conv.allow_hf32\n"
                     f"torch.npu.matmul.allow_hf32 = torch.npu.conv.allow_hf32 = False\n{original}\n"
                     "torch.npu.matmul.allow_hf32, torch.npu.conv.allow_hf32 = matmul_hf32, conv_hf32")
+        finite = _finite_fill_source(self.source)
+        if finite is not None:
+            return f"{where}\n{finite}"
         return f"{where}: write the fill value as torch.finfo(<tensor>.dtype).min (or .max for +inf)\n{original}"
 
 
@@ -205,6 +209,22 @@ class PrecisionFixSession:
             dtype = _fill_dtype(args, kwargs)
             return func(*_finite(args, dtype), **_finite(kwargs, dtype))
         return func(*args, **kwargs)
+
+
+_NEGATIVE_INF = re.compile(r"""float\(\s*(['"])-inf\1\s*\)|-\s*float\(\s*(['"])inf\2\s*\)|-\s*(?:math|torch|np|numpy)\.inf\b""")
+_POSITIVE_INF = re.compile(r"""float\(\s*(['"])\+?inf\1\s*\)|(?<![-\w.])(?:math|torch|np|numpy)\.inf\b""")
+_FILL_RECEIVER = re.compile(r"([A-Za-z_][\w.]*)\s*\.\s*(?:masked_fill_?|fill_|index_fill_?|new_full)\s*\(")
+
+
+def _finite_fill_source(source: str) -> str | None:
+    """The line with its +-inf fill value spelled as the receiver dtype's min/max, or None."""
+    receiver = _FILL_RECEIVER.search(source)
+    if receiver is None:
+        return None
+    name = receiver.group(1)
+    finite = _NEGATIVE_INF.sub(f"torch.finfo({name}.dtype).min", source)
+    finite = _POSITIVE_INF.sub(f"torch.finfo({name}.dtype).max", finite)
+    return finite if finite != source else None
 
 
 def _user_line() -> str:

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from npukit.accuracy.compare import Thresholds
-from npukit.accuracy.fix_finder import Trial, find_fix
+from npukit.accuracy.fix_finder import Trial, TrialRunner, find_fix
 from npukit.accuracy.fixes import FixChange, PrecisionFix, PrecisionFixSession
 from npukit.errors import UserError
 
@@ -82,21 +82,53 @@ optimizer.step()
 '''
 
 
-def _npukit(entry_point: str, *args, cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO), COLUMNS="200")
+# Causal attention filled with -inf, on a saturating device (910A): fp16 cannot hold the inf, the
+# overflow flag is set every step, and GradScaler skips every update: the loss never moves.
+INF_FILL = HEADER + '''
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 4)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = q @ k.transpose(-2, -1) / 4.0
+        causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).triu(1)
+        scores = scores.masked_fill(causal, float("-inf"))
+        return self.out((scores.softmax(-1) @ v).mean(1))
+
+
+model = Attention().to("npu")
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+scaler = torch.amp.GradScaler("npu")
+x, y = torch.randn(4, 6, 16, device="npu"), torch.randint(0, 4, (4,), device="npu")
+for step in range(2):
+    with torch.autocast("npu", dtype=torch.float16):
+        loss = F.cross_entropy(model(x), y)
+    optimizer.zero_grad()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+'''
+
+
+def _npukit(entry_point: str, *args, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO), COLUMNS="200", **(env or {}))
     code = f"from npukit.cli import {entry_point}; {entry_point}()"
     return subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=600)
 
 
-def _find_fix(tmp_path: Path, script: str) -> tuple[dict, subprocess.CompletedProcess]:
+def _find_fix(tmp_path: Path, script: str, env: dict | None = None) -> tuple[dict, subprocess.CompletedProcess]:
+    """Golden and NPU runs of the script (the NPU one, and its trials, with `env`), then the finder."""
     (tmp_path / "train.py").write_text(script)
     common = ["--seed", "0", "--replay", "replay"]
-    for extra in (["--golden", "--dump", "golden"], ["--dump", "npu"]):
-        run = _npukit("run_main", *extra, *common, "train.py", cwd=tmp_path)
-        assert run.returncode == 0, run.stderr
+    run = _npukit("run_main", "--golden", "--dump", "golden", *common, "train.py", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    run = _npukit("run_main", "--dump", "npu", *common, "train.py", cwd=tmp_path, env=env)
+    assert run.returncode == 0, run.stderr
     found = _npukit("compare_main", "golden", "npu", "--top", "0", "--find-fix", "--find-fix-json", "fix.json",
-                    "--", "npu-run", *common, "--dump", "npu", "train.py", cwd=tmp_path)
+                    "--", "npu-run", *common, "--dump", "npu", "train.py", cwd=tmp_path, env=env)
     assert "Traceback" not in found.stderr, found.stderr
     return json.loads((tmp_path / "fix.json").read_text()), found
 
@@ -140,6 +172,17 @@ def test_an_hf32_matmul_where_fp32_is_required_gets_hf32_off(tmp_path):
     _within_runs(result)
 
 
+def test_an_inf_fill_on_a_saturating_device_is_filled_with_the_dtypes_minimum(tmp_path):
+    result, run = _find_fix(tmp_path, INF_FILL, env={"NPUKIT_FP16_MODE": "saturation"})
+    line = _line_of(INF_FILL, "scores.masked_fill(")
+    assert [(c["kind"], c["api"], c["module"], c["line"]) for c in result["fix"]] == \
+        [("finite_fill", "Tensor.masked_fill", "", line)]
+    # GradScaler skipped both updates before: the second step's loss was the first's
+    assert result["before"]["loss_error"] > 0.01 and result["after"]["loss_error"] < Thresholds().fp16.warn_rel_l2
+    _within_runs(result)
+    assert "scores = scores.masked_fill(causal, torch.finfo(scores.dtype).min)" in run.stdout
+
+
 def test_a_correct_run_has_nothing_to_fix(tmp_path):
     script = OFFSET_LINEAR.replace("fill_(3000.0)", "fill_(0.1)")
     (tmp_path / "train.py").write_text(script)
@@ -147,7 +190,7 @@ def test_a_correct_run_has_nothing_to_fix(tmp_path):
         assert _npukit("run_main", *extra, "--seed", "0", "--replay", "replay", "train.py", cwd=tmp_path).returncode == 0
     found = _npukit("compare_main", "golden", "npu", "--find-fix", "--", "npu-run", "--replay", "replay", "train.py",
                     cwd=tmp_path)
-    assert found.returncode == 2 and "nothing to fix" in found.stderr, found.stderr
+    assert found.returncode == 0 and "nothing to fix" in found.stdout, found.stdout + found.stderr
     assert not (tmp_path / "npu.find-fix").exists()  # no run was made
 
 
@@ -238,3 +281,25 @@ def test_a_bad_precision_fix_file_is_refused_naming_the_file_and_change(tmp_path
     with pytest.raises(UserError, match="fix.json") as raised:
         PrecisionFix.load(path)
     assert message in str(raised.value)
+
+
+@pytest.mark.parametrize(("command", "message"), [
+    ([], "needs the npu-run command"),
+    (["npu-run", "--dump", "npu", "train.py"], "must replay the recorded step"),
+    (["python", "train.py", "--replay", "r"], "is not an npu-run command"),
+])
+def test_a_command_the_trials_cannot_use_is_refused_before_any_run(tmp_path, command, message):
+    with pytest.raises(UserError, match=message):
+        TrialRunner(tmp_path, command, tmp_path / "work", "Functional.linear.0.forward", Thresholds())
+    assert not (tmp_path / "work").exists()
+
+
+def test_the_trials_run_npu_run_with_their_own_fix_and_dump():
+    runner = TrialRunner(Path("golden"), ["npu-run", "--seed", "0", "--dump=npu", "--golden", "--replay", "rep",
+                                          "--dump", "npu", "train.py", "--dump", "mine"], Path("work"), "x", Thresholds())
+    assert runner.launcher == [sys.executable, "-m", "npukit.run"]
+    # npu-run's --dump gone, the script's own --dump kept
+    assert runner.arguments == ["--seed", "0", "--golden", "--replay", "rep", "train.py", "--dump", "mine"]
+    runner = TrialRunner(Path("golden"), [sys.executable, "-m", "npukit.run", "--replay", "rep", "t.py"], Path("w"), "x",
+                         Thresholds())
+    assert runner.launcher == [sys.executable, "-m", "npukit.run"] and runner.arguments == ["--replay", "rep", "t.py"]
