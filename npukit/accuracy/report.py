@@ -427,7 +427,7 @@ _HTML_ROW_LIMIT = 300_000  # rows embedded in the page (the most relevant first)
 _CHART_DOTS = 2000  # above this many measured op outputs the chart draws the worst op per pixel column
 
 # The tables' columns; "kind" tells the page how to show and sort a cell.
-_HTML_COLUMNS = [("Step/Rank", "text"), ("Order", "num"), ("NPU Name", "text"), ("NPU Dtype", "text"),
+_HTML_COLUMNS = [("Step/Rank", "text"), ("Order", "num"), ("NPU Name", "name"), ("NPU Dtype", "text"),
                  ("Bench Dtype", "text"), ("NPU Tensor Shape", "text"), ("Cosine", "num"), ("RelativeL2", "num"),
                  ("SQNR(dB)", "num"), ("MaxAbsErr", "num"), ("MaxRelativeErr", "num"),
                  ("One Thousandth Err Ratio", "num"), ("MaxULP", "num"), ("Result", "verdict"),
@@ -684,6 +684,10 @@ def _page_data(result: CompareResult, fix=None) -> tuple[dict, list[str]]:
             value = record[column]
             if kind == "verdict":
                 cells.append(_SEVERITY.get(row.verdict, 3))
+            elif kind == "name":  # [entry, leaf suffix]: an entry's few rows share its name in the string table
+                entry = row.target_entry if row.target is not None else row.golden_entry
+                split = entry is not None and value.startswith(entry + ".")
+                cells.append([strings(entry), strings(value[len(entry) + 1:])] if split else strings(value))
             elif i in text_columns:
                 text = value if isinstance(value, str) else str(value) if isinstance(value, list) else _number(value)
                 cells.append(strings(text) if text else None)

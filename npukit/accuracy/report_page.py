@@ -44,8 +44,12 @@ li>.label.diverged{background:""" + DIVERGED_BACKGROUND + """;border-left-color:
 .pager{margin:4px 0;font-size:12px} .pager button{margin:0 2px}
 """
 
-# Row layout of the JSON blob (report.py's _ROW_FIELDS): the table columns first, then the tree
-# node of the row (-1: none) and whether the row belongs to a first-divergent op.
+# The JSON blob (report.py's _page_data): "columns" [{name, kind}], "strings" (the string table),
+# "rows" (one array per row: a cell per column -- a string index for kind "text", [entry, suffix]
+# string indices or one index for "name", a verdict index for "verdict", a number or the CSV's text
+# for "num" -- then the row's tree node, -1 for none, and 1 if it is a first-divergent op's row),
+# "nodes" [{pair, parent, label, cls, path, counts, worst, max_error}], "pairs" [{label, mode, note,
+# roots, divergence_node, fix_node}], "fixes" [{node, pair, summary, code, details, names}], "start_pair".
 JS = r"""
 (function () {
 'use strict';
@@ -65,12 +69,14 @@ function esc(text) {
 function cellText(row, c) {
   var v = row[c], kind = COLS[c].kind;
   if (kind === 'text') return v == null ? '' : S[v];
+  if (kind === 'name') return typeof v === 'number' ? S[v] : S[v[0]] + '.' + S[v[1]];
   if (kind === 'verdict') return VERDICTS[v];
   return v == null ? '' : String(v);
 }
 function sortKey(row, c) {
   var v = row[c], kind = COLS[c].kind;
   if (kind === 'text') return v == null ? '' : S[v];
+  if (kind === 'name') return cellText(row, c);
   if (kind === 'verdict' || typeof v === 'number') return v;
   if (v == null) return null;
   if (v === 'inf') return Infinity;
