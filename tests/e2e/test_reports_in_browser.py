@@ -3,7 +3,10 @@
 npu-compare's --html report is the only HTML npukit writes (the profiler writes CSV, JSON and
 Chrome-trace JSON; npu-migrate writes Markdown, CSV, JSON and SARIF). The page must load without
 a console error, an uncaught exception or a failed load, draw its chart (checked in the DOM and in
-the screenshot's pixels), mark the first divergence and show a table that sorts.
+the screenshot's pixels), mark the first divergence and show a table that sorts. Its module tree
+must open at the first divergence without a click (DOM and screenshot pixels), show a module's ops
+when clicked, filter by verdict, sort, show a fix record on its module, say how it grouped dumps
+without construct.json, and a 100k-row report must be ready within 2 s of navigation start.
 
 Skipped only when Chromium is absent outside CI; in CI (CI=true) a missing Chromium fails.
 """
