@@ -7,7 +7,7 @@ import ast
 import libcst as cst
 
 from npukit.migrate.codemods.base import NpuCodemod, called_name, split_arguments
-from npukit.migrate.codemods.scopes import assigned_targets, dotted_name
+from npukit.migrate.codemods.scopes import BindingTargets, assigned_targets, dotted_name
 from npukit.migrate.rules import Flag
 
 ATTRIBUTES = ("cuda", "is_cuda")
@@ -26,38 +26,15 @@ USER_CUDA_ATTRIBUTE = Flag("user-cuda-attribute", "info",
                            "rename it if it means the tensor property")
 
 
-class _WrittenTargets:
-    """visit_ methods noting the names and attributes that statements write (ast's Store and Del
-    contexts): in `written`, with the deleted ones also in `deleted`."""
+class _WrittenTargets(BindingTargets):
+    """Notes the names and attributes that statements write (ast's Store and Del contexts): in
+    `written`, the deleted ones also in `deleted`."""
 
-    def _write(self, target: cst.CSTNode | None, deleted: bool = False) -> None:
-        if target is None:
-            return
+    def _bind(self, target: cst.CSTNode, deleted: bool) -> None:
         for node in assigned_targets(target):
             self.written[id(node)] = node
             if deleted:
                 self.deleted.add(id(node))
-
-    def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
-        self._write(node.target)
-
-    def visit_AugAssign(self, node: cst.AugAssign) -> None:
-        self._write(node.target)
-
-    def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
-        self._write(node.target)
-
-    def visit_For(self, node: cst.For) -> None:
-        self._write(node.target)
-
-    def visit_CompFor(self, node: cst.CompFor) -> None:
-        self._write(node.target)
-
-    def visit_WithItem(self, node: cst.WithItem) -> None:
-        self._write(node.asname.name if node.asname is not None else None)
-
-    def visit_Del(self, node: cst.Del) -> None:
-        self._write(node.target, deleted=True)
 
 
 class _WrittenIn(_WrittenTargets, cst.CSTVisitor):

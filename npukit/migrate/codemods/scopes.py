@@ -75,7 +75,41 @@ def _parameter_names(params: cst.Parameters) -> set[str]:
     return {param.name.value for param in every}
 
 
-class _ScopeCollector(cst.CSTVisitor):
+class BindingTargets:
+    """visit_ methods handing `_bind(target, deleted)` each target a statement binds or deletes
+    (what ast gives a Store or Del context): assignments, for, comprehensions, `with ... as`,
+    `:=` and `del`. A visitor mixes it in and says what a binding means to it."""
+
+    def _bind(self, target: cst.CSTNode, deleted: bool) -> None:
+        raise NotImplementedError
+
+    def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
+        self._bind(node.target, False)
+
+    def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
+        self._bind(node.target, False)
+
+    def visit_AugAssign(self, node: cst.AugAssign) -> None:
+        self._bind(node.target, False)
+
+    def visit_For(self, node: cst.For) -> None:
+        self._bind(node.target, False)
+
+    def visit_CompFor(self, node: cst.CompFor) -> None:
+        self._bind(node.target, False)
+
+    def visit_WithItem(self, node: cst.WithItem) -> None:
+        if node.asname is not None:
+            self._bind(node.asname.name, False)
+
+    def visit_NamedExpr(self, node: cst.NamedExpr) -> None:
+        self._bind(node.target, False)
+
+    def visit_Del(self, node: cst.Del) -> None:
+        self._bind(node.target, True)
+
+
+class _ScopeCollector(BindingTargets, cst.CSTVisitor):
     def __init__(self, scopes: Scopes) -> None:
         self.s = scopes
         self.stack: list[cst.CSTNode] = [scopes.module]
@@ -134,34 +168,15 @@ class _ScopeCollector(cst.CSTVisitor):
         self.stack.pop()
 
     # -------------------------------------------------------------- bindings
+    def _bind(self, target: cst.CSTNode, deleted: bool) -> None:
+        self._store(target)
+
     def visit_Assign(self, node: cst.Assign) -> None:
         self.s.scope_of[node] = self.scope
 
-    def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
-        self._store(node.target)
-
     def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
         self.s.scope_of[node] = self.scope
-        self._store(node.target)
-
-    def visit_AugAssign(self, node: cst.AugAssign) -> None:
-        self._store(node.target)
-
-    def visit_For(self, node: cst.For) -> None:
-        self._store(node.target)
-
-    def visit_CompFor(self, node: cst.CompFor) -> None:
-        self._store(node.target)
-
-    def visit_WithItem(self, node: cst.WithItem) -> None:
-        if node.asname is not None:
-            self._store(node.asname.name)
-
-    def visit_NamedExpr(self, node: cst.NamedExpr) -> None:
-        self._store(node.target)
-
-    def visit_Del(self, node: cst.Del) -> None:
-        self._store(node.target)
+        super().visit_AnnAssign(node)
 
     def _import(self, node: cst.CSTNode, names: list[str]) -> None:
         self.s.scope_of[node] = self.scope
