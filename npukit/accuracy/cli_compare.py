@@ -35,16 +35,19 @@ def run_compare(golden: Path, target: Path, csv_path: Path | None, json_path: Pa
     thresholds = Thresholds().with_overrides(overrides)
     result = _compare_with_progress(golden, target, thresholds, workers, console)
     print_terminal(result, console, top)
-    for path, writer in ((csv_path, write_csv), (json_path, write_json), (html_path, write_html)):
+    fix = _find_fix(golden, target, result, find_fix, thresholds, console) if find_fix is not None else None
+    for path, writer in ((csv_path, write_csv), (json_path, write_json)):
         if path is not None:
             writer(result, path)
             console.print(f"wrote {path}")
-    if find_fix is not None:
-        _find_fix(golden, target, result, find_fix, thresholds, console)
+    if html_path is not None:
+        write_html(result, html_path, fix=fix)  # the fix on its module's node
+        console.print(f"wrote {html_path}")
     return 1 if result.failed() else 0
 
 
-def _find_fix(golden: Path, target: Path, result, options: FindFixOptions, thresholds, console) -> None:
+def _find_fix(golden: Path, target: Path, result, options: FindFixOptions, thresholds, console) -> list | None:
+    """Runs the fix finder and writes its files; the fix's records for the HTML page, if one was found."""
     import json
 
     from npukit.accuracy.fix_finder import print_fix, run_find_fix
@@ -56,7 +59,7 @@ def _find_fix(golden: Path, target: Path, result, options: FindFixOptions, thres
                               console=console, thresholds=thresholds)
     if fix_result is None:
         console.print("find-fix: nothing to fix (no divergence, and the loss is within tolerance); no run made")
-        return
+        return None
     print_fix(fix_result, console)
     if fix_result.fix is not None:
         fix_file = work / "fix.json"
@@ -65,6 +68,7 @@ def _find_fix(golden: Path, target: Path, result, options: FindFixOptions, thres
     if options.json_path is not None:
         write_text_atomic(options.json_path, json.dumps(fix_result.as_json(), indent=1))
         console.print(f"wrote {options.json_path}")
+    return fix_result.as_json()["fix"]
 
 
 def _compare_with_progress(golden, target, thresholds, workers, console):

@@ -327,7 +327,6 @@ def print_fix(fix_result: FixResult, console) -> None:
     console.print(f"  error at {fix_result.divergence}: {_fmt(before.divergence_error)} -> "
                   f"{_fmt(after.divergence_error if after else None)}; at the loss: {_fmt(before.loss_error)} -> "
                   f"{_fmt(after.loss_error if after else None)}")
-    console.print("  try it without editing the code: npu-run --precision-fix FIX.json ... (--find-fix-json writes it)")
 
 
 def _fmt(value: float | None) -> str:

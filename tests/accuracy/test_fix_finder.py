@@ -127,8 +127,9 @@ def _find_fix(tmp_path: Path, script: str, env: dict | None = None) -> tuple[dic
     assert run.returncode == 0, run.stderr
     run = _npukit("run_main", "--dump", "npu", *common, "train.py", cwd=tmp_path, env=env)
     assert run.returncode == 0, run.stderr
-    found = _npukit("compare_main", "golden", "npu", "--top", "0", "--find-fix", "--find-fix-json", "fix.json",
-                    "--", "npu-run", *common, "--dump", "npu", "train.py", cwd=tmp_path, env=env)
+    found = _npukit("compare_main", "golden", "npu", "--top", "0", "--html", "page.html", "--find-fix",
+                    "--find-fix-json", "fix.json", "--", "npu-run", *common, "--dump", "npu", "train.py", cwd=tmp_path,
+                    env=env)
     assert "Traceback" not in found.stderr, found.stderr
     return json.loads((tmp_path / "fix.json").read_text()), found
 
@@ -154,6 +155,9 @@ def test_a_linear_losing_a_small_signal_is_kept_in_fp32(tmp_path):
     _within_runs(result)
     # the fix as code at the user's line, and as a file npu-run applies
     assert "with torch.autocast(\"npu\", enabled=False)" in run.stdout and "h = self.fc1(" in run.stdout
+    # the HTML page carries the fix for fc1's node (its display is the browser test's business)
+    page = (tmp_path / "page.html").read_text()
+    assert "model.fc1.forward = fp32_forward(model.fc1.forward)" in page
     fix_file = tmp_path / "npu.find-fix" / "fix.json"
     applied = _npukit("run_main", "--seed", "0", "--replay", "replay", "--precision-fix", str(fix_file),
                       "--dump", "fixed", "train.py", cwd=tmp_path)
