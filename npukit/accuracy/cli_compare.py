@@ -6,7 +6,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from npukit.accuracy.compare import Thresholds, compare_dirs
-from npukit.accuracy.report import print_terminal, write_csv, write_html, write_json
+from npukit.accuracy.ranks import several_ranks
+from npukit.accuracy.report import (
+    print_terminal,
+    ranks_csv_path,
+    write_csv,
+    write_html,
+    write_json,
+    write_ranks_csv,
+)
 from npukit.errors import UserError
 
 
@@ -40,6 +48,9 @@ def run_compare(golden: Path, target: Path, csv_path: Path | None, json_path: Pa
         if path is not None:
             writer(result, path)
             console.print(f"wrote {path}")
+    if csv_path is not None and several_ranks(result):
+        write_ranks_csv(result, ranks_csv_path(csv_path))
+        console.print(f"wrote {ranks_csv_path(csv_path)} (per rank)")
     if html_path is not None:
         write_html(result, html_path, fix=fix)  # the fix on its module's node
         console.print(f"wrote {html_path}")
@@ -76,8 +87,18 @@ def _compare_with_progress(golden, target, thresholds, workers, console):
         return compare_dirs(golden, target, thresholds, workers)
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    with Progress(TextColumn("comparing tensors"), BarColumn(), TextColumn("{task.completed:.3g} elements"),
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[amount]}"),
                   TimeRemainingColumn(), console=console, transient=True) as progress:
-        task = progress.add_task("compare", total=None)
-        return compare_dirs(golden, target, thresholds, workers,
-                            progress=lambda done: progress.advance(task, done))
+        tensors = progress.add_task("comparing tensors", total=None, amount="", visible=False)
+        pairs = progress.add_task("comparing step/rank pairs", total=None, amount="", visible=False)
+
+        def advance_tensors(elements: int) -> None:
+            progress.advance(tensors, elements)
+            progress.update(tensors, amount=f"{progress.tasks[tensors].completed:.3g} elements")
+
+        def advance_pairs(done: int, total: int) -> None:
+            # several pairs (a multi-rank run) are compared a pair per process: counted by pair
+            progress.update(pairs, completed=done, total=total, amount=f"{done}/{total} pairs", visible=total > 1)
+            progress.update(tensors, visible=total <= 1)
+
+        return compare_dirs(golden, target, thresholds, workers, progress=advance_tensors, pair_progress=advance_pairs)

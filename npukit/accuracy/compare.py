@@ -13,16 +13,33 @@ call present on one side only, or outside the dumped ops).
 from __future__ import annotations
 
 import math
+import os
 import re
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from npukit.accuracy import naming
-from npukit.accuracy.dumpfile import DumpEntry, RankDump, TensorLeaf, load_dump_dir
-from npukit.accuracy.metrics import FLOAT32_EPS, FLOAT64_EPS, PairJob, PairMetrics, compare_pairs
+from npukit.accuracy.dumpfile import (
+    TENSOR_DATA_DIR,
+    DumpEntry,
+    RankDump,
+    TensorLeaf,
+    find_rank_dirs,
+    load_rank_dump,
+)
+from npukit.accuracy.metrics import (
+    FLOAT32_EPS,
+    FLOAT64_EPS,
+    PairJob,
+    PairMetrics,
+    _pool_context,
+    compare_pairs,
+)
 from npukit.accuracy.tensor_io import is_floating
 from npukit.alignment import myers_alignment
 from npukit.errors import UserError
+from npukit.files import ContainedPaths
 
 PASS, WARN, ERROR = "pass", "warn", "error"
 UNMATCHED = "unmatched"
@@ -174,6 +191,7 @@ class CompareResult:
     thresholds: Thresholds
     only_golden: list[str] = field(default_factory=list)  # step/rank dumps with no counterpart
     only_target: list[str] = field(default_factory=list)
+    across_ranks: object | None = None  # ranks.AcrossRanks: where a divergence began over several ranks
 
     @property
     def rows(self) -> list[Row]:
@@ -1057,22 +1075,20 @@ def _accept_loss_scaling_overflows(rows: list[Row]) -> None:
             row.message = f"{row.message}; overflow under loss scaling: GradScaler skipped this step's update"
 
 
-def _require_compared_data(rows, golden_dumps, target_dumps, labels_pairs, golden_dir, target_dir) -> None:
+def _require_compared_data(rows, golden_entries: int, target_entries: int, golden_dir, target_dir) -> None:
     """A verdict needs compared data: no paired tensor with values, statistics or checksums on
-    both sides is an error that says why, never "no divergence"."""
+    both sides is an error that says why, never "no divergence". `*_entries`: how many entries the
+    compared dumps of each side hold."""
     compared = [row for row in rows if row.verdict != UNMATCHED and (
         row.metrics is not None or row.stat_diffs is not None or row.error is not None)]
     if compared:
         return
-    entries = {side: sum(len(dumps[label].entries) for label in labels)
-               for side, dumps, labels in (("golden", golden_dumps, {g for g, _ in labels_pairs}),
-                                           ("target", target_dumps, {t for _, t in labels_pairs}))}
-    if not entries["golden"] or not entries["target"]:
-        empty = golden_dir if not entries["golden"] else target_dir
+    if not golden_entries or not target_entries:
+        empty = golden_dir if not golden_entries else target_dir
         why = f"{empty} holds no dumped entries (its dump.json \"data\" is empty)"
     elif not any(row.verdict != UNMATCHED for row in rows):
-        why = (f"none of the target's {entries['target']} entries has a counterpart among the golden run's"
-               f" {entries['golden']} (different models, levels or scopes?)")
+        why = (f"none of the target's {target_entries} entries has a counterpart among the golden run's"
+               f" {golden_entries} (different models, levels or scopes?)")
     else:
         why = "the paired entries hold no tensor values, statistics or checksums on both sides"
     raise UserError(f"nothing to compare between {golden_dir} and {target_dir}: {why}")
@@ -1121,11 +1137,128 @@ def _process_labels(dumps: dict) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------- entry point
+@dataclass(frozen=True)
+class _PairTask:
+    """One golden step/rank folder and the target's folder it is compared with."""
+
+    golden_root: Path  # the folders the user named: nothing is read from outside them
+    golden_label: str
+    golden_path: Path
+    target_root: Path
+    target_label: str
+    target_path: Path
+
+
+def _contained(root: Path) -> ContainedPaths:
+    return ContainedPaths(root if root.is_dir() else root.parent)
+
+
+def compare_pair(task: _PairTask, thresholds: Thresholds, workers: int | None = None,
+                 progress=None) -> tuple[PairResult, int, int]:
+    """Load, pair, measure, judge and search one step/rank pair: (its result, the golden and the
+    target dump's entry counts). Needs nothing from the other pairs, so pairs run in parallel."""
+    golden = load_rank_dump(task.golden_path, task.golden_label, _contained(task.golden_root))
+    target = load_rank_dump(task.target_path, task.target_label, _contained(task.target_root))
+    golden_entries, target_entries, cross_tool = _comparable_entries(golden, target)
+    pairs, aligned = align(golden_entries, target_entries)
+    label = task.target_label or task.golden_label or "."
+    hf32 = golden.hf32 ^ target.hf32  # an op kind both runs computed in HF32 is compared like for like
+    rows = build_rows(label, pairs, hf32)
+    run_class = _run_class(target, hf32)
+    loss_scale = detect_loss_scale(pairs)
+    for row in rows:
+        row.dtype_class = _weakest(row.dtype_class, run_class)
+        if loss_scale != 1.0 and _is_backward(row.target_entry):
+            row.target_scale = 1.0 / loss_scale
+    measure_rows(rows, workers, progress)
+    judge_rows(rows, thresholds)
+    skipped = _skipped_side(golden, target)
+    if skipped:
+        _accept_loss_scaling_overflows(rows)
+    result = PairResult(
+        pair=label,
+        golden_pair=golden.label or label,
+        golden_dir=golden.path,
+        target_dir=target.path,
+        mode=target.task or golden.task,
+        rows=rows,
+        divergence=find_divergence(label, pairs, rows, golden, target, thresholds, search_backward=not skipped),
+        unmatched_golden=[g.name for g, t in pairs if t is None],
+        unmatched_target=[t.name for g, t in pairs if g is None],
+        aligned=aligned,
+        loss_scale=loss_scale,
+        golden_low_precision=_first_low_precision_matmul(golden),
+        skipped_by_grad_scaler=skipped,
+        cross_tool=cross_tool,
+        noop_casts=sorted(noop_cast_backwards(pairs)),
+    )
+    return result, len(golden.entries), len(target.entries)
+
+
+def _has_pt_files(tasks: list[_PairTask]) -> bool:
+    """Whether a rank folder holds .pt tensor files (msprobe's): torch opens them, so they are
+    compared in this process, never in a forked one."""
+    for task in tasks:
+        for folder in (task.golden_path, task.target_path):
+            try:
+                with os.scandir(folder / TENSOR_DATA_DIR) as listing:
+                    if any(item.name.endswith(".pt") for item in listing):
+                        return True
+            except OSError:
+                continue
+    return False
+
+
+def compare_pair_tasks(tasks: list[_PairTask], thresholds: Thresholds, workers: int | None = None,
+                       progress=None, pair_progress=None) -> list[tuple[PairResult, int, int]]:
+    """compare_pair for every task, in order. Several pairs (the ranks of a multi-rank run) go to a
+    process pool, one pair per process at a time: at most `workers` pairs are loaded at once.
+    progress(elements): tensor elements measured (in this process only); pair_progress(done, total)."""
+    workers = workers if workers is not None else (os.cpu_count() or 1)
+    if pair_progress:
+        pair_progress(0, len(tasks))
+    outcomes: list = [None] * len(tasks)
+    if len(tasks) < 2 or workers < 2 or _has_pt_files(tasks):
+        for index, task in enumerate(tasks):
+            outcomes[index] = compare_pair(task, thresholds, workers, progress)
+            if pair_progress:
+                pair_progress(index + 1, len(tasks))
+        return outcomes
+    processes = min(workers, len(tasks))
+    inner = max(1, workers // len(tasks))  # fewer pairs than workers: the rest measure tensors
+    waiting = iter(enumerate(tasks))
+    running: dict = {}
+    with ProcessPoolExecutor(max_workers=processes, mp_context=_pool_context()) as pool:
+        def submit() -> None:
+            for index, task in waiting:
+                running[pool.submit(compare_pair, task, thresholds, inner)] = index
+                return
+
+        for _ in range(processes):
+            submit()
+        done_count = 0
+        while running:
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in done:
+                outcomes[running.pop(future)] = future.result()
+                done_count += 1
+                if pair_progress:
+                    pair_progress(done_count, len(tasks))
+                submit()
+    return outcomes
+
+
 def compare_dirs(golden_dir: Path, target_dir: Path, thresholds: Thresholds | None = None,
-                 workers: int | None = None, progress=None) -> CompareResult:
+                 workers: int | None = None, progress=None, pair_progress=None) -> CompareResult:
+    """Every step/rank present on both sides, compared; with several ranks, where the divergence
+    began across them (CompareResult.across_ranks). progress(elements) and pair_progress(done,
+    total) report advancement (see compare_pair_tasks)."""
+    from npukit.accuracy.ranks import first_divergence_across_ranks
+
     thresholds = thresholds or Thresholds()
-    golden_dumps = load_dump_dir(Path(golden_dir))
-    target_dumps = load_dump_dir(Path(target_dir))
+    golden_dir, target_dir = Path(golden_dir), Path(target_dir)
+    golden_dumps = find_rank_dirs(golden_dir)
+    target_dumps = find_rank_dirs(target_dir)
     golden_keys, target_keys = _process_labels(golden_dumps), _process_labels(target_dumps)
     labels_pairs = [(golden_keys[key], label) for key, label in target_keys.items() if key in golden_keys]
     if not labels_pairs:
@@ -1136,70 +1269,34 @@ def compare_dirs(golden_dir: Path, target_dir: Path, thresholds: Thresholds | No
                 f"{target_dir}: no step/rank in common with {golden_dir} "
                 f"(golden has {', '.join(golden_dumps) or 'none'}; target has {', '.join(target_dumps) or 'none'})"
             )
-    results = []
-    all_rows = []
-    prepared = []
-    for golden_label, target_label in labels_pairs:
-        golden, target = golden_dumps[golden_label], target_dumps[target_label]
-        golden_entries, target_entries, cross_tool = _comparable_entries(golden, target)
-        pairs, aligned = align(golden_entries, target_entries)
-        label = target_label or golden_label or "."
-        hf32 = golden.hf32 ^ target.hf32  # an op kind both runs computed in HF32 is compared like for like
-        rows = build_rows(label, pairs, hf32)
-        run_class = _run_class(target, hf32)
-        loss_scale = detect_loss_scale(pairs)
-        for row in rows:
-            row.dtype_class = _weakest(row.dtype_class, run_class)
-            if loss_scale != 1.0 and _is_backward(row.target_entry):
-                row.target_scale = 1.0 / loss_scale
-        all_rows += rows
-        prepared.append((label, golden, target, pairs, aligned, rows, loss_scale, cross_tool))
-    measure_rows(all_rows, workers, progress)
-    judge_rows(all_rows, thresholds)
-    _require_compared_data(all_rows, golden_dumps, target_dumps, labels_pairs, golden_dir, target_dir)
+    tasks = [_PairTask(golden_dir, golden_label, golden_dumps[golden_label], target_dir, target_label,
+                       target_dumps[target_label]) for golden_label, target_label in labels_pairs]
+    outcomes = compare_pair_tasks(tasks, thresholds, workers, progress, pair_progress)
+    results = [result for result, _, _ in outcomes]
+    _require_compared_data([row for result in results for row in result.rows],
+                           sum(golden for _, golden, _ in outcomes), sum(target for _, _, target in outcomes),
+                           golden_dir, target_dir)
     one_sided_skips = {}  # rank -> (step, side) of its first step GradScaler skipped in one run only
-    for label, golden, target, *_ in prepared:
-        step, rank = _step_and_rank(label)
-        side = _skipped_side(golden, target)
+    for pair in results:
+        step, rank = _step_and_rank(pair.pair)
+        side = pair.skipped_by_grad_scaler
         if side in ("golden", "target") and step is not None and rank not in one_sided_skips:
             one_sided_skips[rank] = (step, side)
-    for label, golden, target, pairs, aligned, rows, loss_scale, cross_tool in prepared:
-        skipped = _skipped_side(golden, target)
-        if skipped:
-            _accept_loss_scaling_overflows(rows)
-        step, rank = _step_and_rank(label)
+    for pair in results:
+        step, rank = _step_and_rank(pair.pair)
         earlier = one_sided_skips.get(rank)
-        unsearched = None
         if step is not None and earlier and earlier[0] < step:
             # One run updated its weights at that step and the other did not: from then on they
             # train different models, and the first op that shows it is not a divergence.
-            divergence = None
-            unsearched = (f"not searched for a divergence: GradScaler skipped step {earlier[0]} in the {earlier[1]}"
-                          " only, so the two runs train from different weights after it. Compare the steps up to"
-                          f" {earlier[0]}, or start GradScaler at a scale the target does not overflow at"
-                          " (init_scale=...) so that both runs update at every step")
-        else:
-            divergence = find_divergence(label, pairs, rows, golden, target, thresholds, search_backward=not skipped)
-        results.append(PairResult(
-            pair=label,
-            golden_pair=golden.label or label,
-            golden_dir=golden.path,
-            target_dir=target.path,
-            mode=target.task or golden.task,
-            rows=rows,
-            divergence=divergence,
-            unmatched_golden=[g.name for g, t in pairs if t is None],
-            unmatched_target=[t.name for g, t in pairs if g is None],
-            aligned=aligned,
-            loss_scale=loss_scale,
-            golden_low_precision=_first_low_precision_matmul(golden),
-            skipped_by_grad_scaler=skipped,
-            cross_tool=cross_tool,
-            unsearched=unsearched,
-            noop_casts=sorted(noop_cast_backwards(pairs)),
-        ))
+            pair.divergence = None
+            pair.unsearched = (f"not searched for a divergence: GradScaler skipped step {earlier[0]} in the"
+                               f" {earlier[1]} only, so the two runs train from different weights after it. Compare"
+                               f" the steps up to {earlier[0]}, or start GradScaler at a scale the target does not"
+                               " overflow at (init_scale=...) so that both runs update at every step")
     paired_golden = {g for g, _ in labels_pairs}
     paired_target = {t for _, t in labels_pairs}
-    return CompareResult(Path(golden_dir), Path(target_dir), results, thresholds,
-                         [label for label in golden_dumps if label not in paired_golden],
-                         [label for label in target_dumps if label not in paired_target])
+    result = CompareResult(golden_dir, target_dir, results, thresholds,
+                           [label for label in golden_dumps if label not in paired_golden],
+                           [label for label in target_dumps if label not in paired_target])
+    result.across_ranks = first_divergence_across_ranks(result)
+    return result

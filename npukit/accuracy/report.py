@@ -11,6 +11,7 @@ from pathlib import Path
 from npukit.accuracy import report_page
 from npukit.accuracy.compare import ERROR, PASS, UNMATCHED, WARN, CompareResult, Divergence, Row
 from npukit.accuracy.naming import split_entry_name
+from npukit.accuracy.ranks import rank_summaries, several_ranks
 from npukit.errors import UserError
 from npukit.files import ContainedPaths, atomic_open, load_json, write_text_atomic
 
@@ -150,6 +151,53 @@ def write_csv(result: CompareResult, path: Path) -> None:
             writer.writerow({key: _number(value) if not isinstance(value, str) else value for key, value in record.items()})
 
 
+RANK_CSV_COLUMNS = ["Step/Rank", "Step", "Rank", "pass", "warn", "error", "unmatched", "First Divergence",
+                    "Output Error", "Module", "Across Ranks", "First Difference", "Difference Error"]
+
+
+def rank_records(result: CompareResult) -> list[dict]:
+    """The per-rank summary (ranks.rank_summaries) as flat dicts keyed by RANK_CSV_COLUMNS."""
+    records = []
+    for summary in rank_summaries(result):
+        divergence = summary.divergence
+        records.append({
+            "Step/Rank": summary.pair, "Step": summary.step, "Rank": summary.rank,
+            **{key: summary.counts.get(key, 0) for key in (PASS, WARN, ERROR, UNMATCHED)},
+            "First Divergence": divergence.entry if divergence else None,
+            "Output Error": divergence.output_error if divergence else None,
+            "Module": divergence.module_path if divergence else None,
+            "Across Ranks": summary.role or None,
+            "First Difference": summary.first_difference,
+            "Difference Error": summary.difference_error,
+        })
+    return records
+
+
+def ranks_csv_path(path: Path) -> Path:
+    """Where --csv X.csv puts the per-rank summary of a multi-rank compare: X.ranks.csv."""
+    return path.with_name(f"{path.stem}.ranks{path.suffix or '.csv'}")
+
+
+def write_ranks_csv(result: CompareResult, path: Path) -> None:
+    with atomic_open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=RANK_CSV_COLUMNS)
+        writer.writeheader()
+        for record in rank_records(result):
+            writer.writerow({key: _number(value) if not isinstance(value, str) else value
+                             for key, value in record.items()})
+
+
+def across_ranks_record(result: CompareResult) -> dict | None:
+    began = result.across_ranks
+    if began is None:
+        return None
+    return {"step": began.step, "ranks": began.ranks, "entry": began.entry, "pair": began.pair,
+            "phase": began.phase, "module_path": began.module_path, "output_error": _json_value(began.output_error),
+            "reached": began.reached, "through": began.through,
+            "first_seen": {str(rank): entry for rank, entry in began.first_seen.items()},
+            "clean": began.clean, "text": began.line()}
+
+
 def _json_value(value):
     if isinstance(value, float) and not math.isfinite(value):
         return _number(value)
@@ -185,6 +233,10 @@ def result_json(result: CompareResult) -> dict:
         "failed": result.failed(),  # npu-compare's exit 1
         "only_golden": result.only_golden,
         "only_target": result.only_target,
+        # several ranks: a summary per step/rank and where the divergence began across them
+        "ranks": [{key: _json_value(value) for key, value in record.items()} for record in rank_records(result)]
+        if several_ranks(result) else None,
+        "across_ranks": across_ranks_record(result),
         "pairs": [
             {
                 "pair": pair.pair,
@@ -309,6 +361,8 @@ def print_terminal(result: CompareResult, console, top: int = 20) -> None:
         console.print(table)
         if len(shown) > top:
             console.print(f"[dim]... {len(shown) - top} more rows not passing (use --top or the CSV/HTML report)[/]")
+    if several_ranks(result):
+        _print_ranks(result, console)
     summary = ", ".join(f"{counts[key]} {key}" for key in (PASS, WARN, ERROR, UNMATCHED) if counts.get(key))
     if not result.failed():
         console.print(f"[green]No divergence found[/]: {summary}.")
@@ -322,6 +376,32 @@ def print_terminal(result: CompareResult, console, top: int = 20) -> None:
         if not any(pair.divergence for pair in result.pairs):
             console.print(f"{len(result.unexplained_errors())} error rows in steps or backwards not searched for a"
                           " divergence (said above): exit 1")
+
+
+def _print_ranks(result: CompareResult, console) -> None:
+    """The per-rank table and, when one rank diverged first, where it began and what it reached."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title="per rank", show_lines=False)
+    for column in ("Step/Rank", "pass", "warn", "error", "unmatched"):
+        table.add_column(column, no_wrap=True, justify="left" if column == "Step/Rank" else "right")
+    table.add_column("First divergence", overflow="fold", ratio=3)
+    table.add_column("Error", no_wrap=True)
+    table.add_column("Across ranks", overflow="fold", ratio=2)
+    for record in rank_records(result):
+        role = record["Across Ranks"] or ""
+        table.add_row(escape(record["Step/Rank"]), *(str(record[key]) for key in (PASS, WARN, ERROR, UNMATCHED)),
+                      escape(record["First Divergence"] or "none"),
+                      _short(record["Output Error"]) if record["Output Error"] is not None else "",
+                      f"[bold red]{role}[/]" if role == "source" else escape(role))
+    console.print(table)
+    if result.across_ranks is not None:
+        console.print(f"[bold red]First divergence across ranks:[/] {escape(result.across_ranks.line())}")
+    else:
+        diverged = sum(1 for pair in result.pairs if pair.divergence)
+        console.print(f"[green]no rank diverged[/] ({len(result.pairs)} step/rank pairs)" if not diverged else
+                      f"{diverged} step/rank pair(s) diverged, each on its own (one rank per step)")
 
 
 def _short(value: float) -> str:

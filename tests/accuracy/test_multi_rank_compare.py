@@ -1,0 +1,145 @@
+"""npu-compare of multi-rank dumps (`npu-run --nproc-per-node N --dump DIR`): every rank pair
+compared (a pair per process), a summary per rank, and where a divergence began across ranks: a
+bug on one rank is named at that rank, not at the ranks DDP's gradient all_reduce carried it to."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from npukit.accuracy.cli_compare import run_compare
+from npukit.accuracy.compare import compare_dirs
+from npukit.accuracy.ranks import rank_ranges
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# A small DDP model, one step, each rank its own batch. `input R` scales rank R's batch, `eps R`
+# gives rank R's LayerNorm another eps: a bug on one rank only.
+SCRIPT = """
+import sys
+import torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
+dist.init_process_group("hccl")
+rank = dist.get_rank()
+bug, bug_rank = (sys.argv[1], int(sys.argv[2])) if len(sys.argv) > 2 else (None, -1)
+torch.manual_seed(0)
+eps = 0.5 if bug == "eps" and rank == bug_rank else 1e-5
+model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16, eps=eps), nn.Tanh(), nn.Linear(16, 4)).npu()
+ddp = nn.parallel.DistributedDataParallel(model)
+optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+g = torch.Generator().manual_seed(rank)
+x, y = torch.randn(4, 8, generator=g).npu(), torch.randn(4, 4, generator=g).npu()
+if bug == "input" and rank == bug_rank:
+    x = x * 3
+loss = F.mse_loss(ddp(x), y)
+optimizer.zero_grad()
+loss.backward()
+optimizer.step()
+dist.destroy_process_group()
+"""
+
+
+def npu_run(folder: Path, nproc: int, dump: str, *args: str) -> float:
+    """`npu-run --nproc-per-node N [--golden] --dump DIR train.py args` (statistics dumps); seconds taken."""
+    started = time.perf_counter()
+    golden = ["--golden"] if dump == "golden" else []
+    run = subprocess.run([sys.executable, "-m", "npukit.run", "--nproc-per-node", str(nproc), *golden,
+                          "--dump", dump, "train.py", *args], capture_output=True, text=True, cwd=folder,
+                         timeout=400, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert run.returncode == 0, run.stderr[-3000:]
+    return time.perf_counter() - started
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    """golden, a correct NPU run, and one whose rank 3 has its input scaled: 4 ranks each."""
+    folder = tmp_path_factory.mktemp("four_ranks")
+    (folder / "train.py").write_text(SCRIPT)
+    seconds = [npu_run(folder, 4, "golden"), npu_run(folder, 4, "npu"), npu_run(folder, 4, "bug", "input", "3")]
+    print(f"4-rank runs: {', '.join(f'{s:.1f} s' for s in seconds)}")
+    return folder
+
+
+def test_a_correct_run_diverges_on_no_rank(four_ranks):
+    result = compare_dirs(four_ranks / "golden", four_ranks / "npu")
+    assert [pair.pair for pair in result.pairs] == [f"step0/rank{rank}" for rank in range(4)]
+    assert not result.failed() and result.across_ranks is None
+    assert all(pair.divergence is None for pair in result.pairs) and result.counts()["error"] == 0
+
+
+def test_the_rank_whose_input_was_scaled_is_where_it_began(four_ranks, tmp_path):
+    console_out = io.StringIO()
+    from rich.console import Console
+
+    console = Console(file=console_out, width=220, force_terminal=True)  # the progress bar runs too
+    code = run_compare(four_ranks / "golden", four_ranks / "bug", tmp_path / "rows.csv", tmp_path / "r.json", None,
+                       5, [], 2, console)
+    assert code == 1
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", console_out.getvalue())
+    assert ("it began on rank 3, step 0 at Functional.linear.0.forward (module module.0), in the forward; it reached"
+            " ranks 0-2 through DDP's gradient all_reduce (first seen there at Module.module.0.Linear.parameters_grad.0)"
+            ) in " ".join(text.split())
+    report = json.loads((tmp_path / "r.json").read_text())
+    began = report["across_ranks"]
+    assert (began["ranks"], began["entry"], began["phase"], began["reached"], began["clean"]) == (
+        [3], "Functional.linear.0.forward", "forward", [0, 1, 2], [])
+    ranks = {record["Rank"]: record for record in report["ranks"]}
+    assert ranks[3]["First Divergence"] == "Functional.linear.0.forward" and ranks[3]["Across Ranks"] == "source"
+    for rank in range(3):  # their own ops match: only the gradients the all_reduce averaged differ
+        assert ranks[rank]["First Divergence"] is None and ranks[rank]["Across Ranks"] == "reached"
+        assert ranks[rank]["First Difference"] == "Module.module.0.Linear.parameters_grad.0"
+    with open(tmp_path / "rows.ranks.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [(row["Step/Rank"], row["First Divergence"], row["Across Ranks"]) for row in rows] == [
+        ("step0/rank0", "", "reached"), ("step0/rank1", "", "reached"), ("step0/rank2", "", "reached"),
+        ("step0/rank3", "Functional.linear.0.forward", "source")]
+    assert int(rows[3]["error"]) > 0 and sum(int(row[key]) for row in rows for key in ("pass", "warn", "error")) \
+        == sum(report["summary"][key] for key in ("pass", "warn", "error"))
+
+
+def test_pairs_in_a_process_pool_give_what_one_process_gives(four_ranks):
+    pooled = compare_dirs(four_ranks / "golden", four_ranks / "bug", workers=2)
+    alone = compare_dirs(four_ranks / "golden", four_ranks / "bug", workers=1)
+    assert [(pair.pair, pair.divergence, [(row.name, row.verdict, row.error) for row in pair.rows])
+            for pair in pooled.pairs] == [(pair.pair, pair.divergence, [(row.name, row.verdict, row.error)
+                                                                       for row in pair.rows]) for pair in alone.pairs]
+    assert pooled.across_ranks == alone.across_ranks
+
+
+def test_the_same_op_diverging_on_every_rank_is_a_shared_cause(four_ranks, tmp_path):
+    """Every rank given rank 3's buggy dump: they all diverge at the same first op; none is named alone."""
+    target = tmp_path / "all"
+    shutil.copytree(four_ranks / "bug", target)
+    for rank in range(3):
+        shutil.copy(target / "step0" / "rank3" / "dump.json", target / "step0" / f"rank{rank}" / "dump.json")
+    began = compare_dirs(four_ranks / "golden", target).across_ranks
+    assert (began.ranks, began.entry, began.reached) == ([0, 1, 2, 3], "Functional.linear.0.forward", [])
+    assert began.line().startswith("it began on ranks 0-3, step 0 at Functional.linear.0.forward")
+    assert "a cause they share" in began.line()
+
+
+def test_eight_ranks_name_the_rank_whose_layer_norm_eps_changed(tmp_path):
+    (tmp_path / "train.py").write_text(SCRIPT)
+    seconds = npu_run(tmp_path, 8, "golden") + npu_run(tmp_path, 8, "bug", "eps", "5")
+    started = time.perf_counter()
+    result = compare_dirs(tmp_path / "golden", tmp_path / "bug")
+    compared = time.perf_counter() - started
+    began = result.across_ranks
+    assert (began.ranks, began.entry, began.reached) == ([5], "Functional.layer_norm.0.forward", [0, 1, 2, 3, 4, 6, 7])
+    assert "its argument" in result.pairs[5].divergence.reason  # eps: 1e-05 in the golden run, 0.5 here
+    assert ", step 0 at Functional.layer_norm.0.forward (module module.1), in the forward; it reached ranks 0-4, 6-7" \
+        " through DDP's gradient all_reduce" in began.line()
+    print(f"8-rank runs {seconds:.1f} s, compare {compared:.2f} s")
+
+
+def test_rank_ranges():
+    assert rank_ranges([0, 1, 2, 4, 6, 7]) == "0-2, 4, 6-7" and rank_ranges([3]) == "3" and rank_ranges([]) == ""
