@@ -12,6 +12,7 @@ call present on one side only, or outside the dumped ops).
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import re
@@ -1228,24 +1229,42 @@ def compare_pair_tasks(tasks: list[_PairTask], thresholds: Thresholds, workers: 
     inner = max(1, workers // len(tasks))  # fewer pairs than workers: the rest measure tensors
     waiting = iter(enumerate(tasks))
     running: dict = {}
-    with ProcessPoolExecutor(max_workers=processes, mp_context=_pool_context()) as pool:
-        def submit() -> None:
-            for index, task in waiting:
-                running[pool.submit(compare_pair, task, thresholds, inner)] = index
-                return
+    collecting = gc.isenabled()
+    # A result is a pair's rows: tens of thousands of objects and no reference cycle. The collector,
+    # triggered by their allocations, would scan every pair received before (measured: 40% of the
+    # time, 4 ranks x 6000 rows).
+    gc.disable()
+    try:
+        with ProcessPoolExecutor(max_workers=processes, mp_context=_pool_context()) as pool:
+            def submit() -> None:
+                for index, task in waiting:
+                    running[pool.submit(_compare_pair_without_gc, task, thresholds, inner)] = index
+                    return
 
-        for _ in range(processes):
-            submit()
-        done_count = 0
-        while running:
-            done, _ = wait(running, return_when=FIRST_COMPLETED)
-            for future in done:
-                outcomes[running.pop(future)] = future.result()
-                done_count += 1
-                if pair_progress:
-                    pair_progress(done_count, len(tasks))
+            for _ in range(processes):
                 submit()
+            done_count = 0
+            while running:
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in done:
+                    outcomes[running.pop(future)] = future.result()
+                    done_count += 1
+                    if pair_progress:
+                        pair_progress(done_count, len(tasks))
+                    submit()
+    finally:
+        if collecting:
+            gc.enable()
     return outcomes
+
+
+def _compare_pair_without_gc(task: _PairTask, thresholds: Thresholds, workers: int) -> tuple[PairResult, int, int]:
+    """compare_pair in a pool process; the objects it makes hold no reference cycle to collect."""
+    gc.disable()
+    try:
+        return compare_pair(task, thresholds, workers)
+    finally:
+        gc.enable()
 
 
 def compare_dirs(golden_dir: Path, target_dir: Path, thresholds: Thresholds | None = None,
