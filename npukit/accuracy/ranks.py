@@ -19,11 +19,21 @@ import re
 from dataclasses import dataclass, field
 
 from npukit.accuracy import naming
-from npukit.accuracy.compare import ERROR, PASS, UNMATCHED, WARN, CompareResult, Divergence, PairResult, _err
+from npukit.accuracy.compare import (
+    ERROR,
+    PASS,
+    UNMATCHED,
+    WARN,
+    CompareResult,
+    Divergence,
+    PairResult,
+    _err,
+    _step_and_rank,
+)
 
 FORWARD, BACKWARD, AFTER_BACKWARD = 0, 1, 2  # phases of a step, in the order they run
 _PHASE_TEXT = {FORWARD: "forward", BACKWARD: "backward", AFTER_BACKWARD: "parameter gradients"}
-_RANK = re.compile(r"(?:^|/)rank(\d+)$")
+_RANK = re.compile(r"^rank(\d+)$")
 _FSDP = re.compile(r"^Module\.(?:.+\.)?(FullyShardedDataParallel|FSDP\w*)\.(?:forward|backward)\.\d+$")
 
 
@@ -94,9 +104,9 @@ def several_ranks(result: CompareResult) -> bool:
 
 
 def _step_rank(label: str) -> tuple[int | None, int | None]:
-    first, _, _ = label.partition("/")
-    step = int(first[4:]) if first.startswith("step") and first[4:].isdigit() else None
-    match = _RANK.search(label)
+    """"step0/rank3" -> (0, 3); msprobe's proc<pid> folder has no rank number."""
+    step, rank = _step_and_rank(label)
+    match = _RANK.search(rank)
     return step, int(match.group(1)) if match else None
 
 

@@ -378,6 +378,9 @@ def print_terminal(result: CompareResult, console, top: int = 20) -> None:
                           " divergence (said above): exit 1")
 
 
+_RANK_ROWS = 16  # more step/rank pairs than this: the terminal shows one step's
+
+
 def _print_ranks(result: CompareResult, console) -> None:
     """The per-rank table and, when one rank diverged first, where it began and what it reached."""
     from rich.markup import escape
@@ -389,13 +392,20 @@ def _print_ranks(result: CompareResult, console) -> None:
     table.add_column("First divergence", overflow="fold", ratio=3)
     table.add_column("Error", no_wrap=True)
     table.add_column("Across ranks", overflow="fold", ratio=2)
-    for record in rank_records(result):
+    records = rank_records(result)
+    shown = records
+    if len(records) > _RANK_ROWS:  # many steps: the step where it began (else the first), the rest in the files
+        step = result.across_ranks.step if result.across_ranks is not None else records[0]["Step"]
+        shown = [record for record in records if record["Step"] == step][:_RANK_ROWS * 4]
+    for record in shown:
         role = record["Across Ranks"] or ""
         table.add_row(escape(record["Step/Rank"]), *(str(record[key]) for key in (PASS, WARN, ERROR, UNMATCHED)),
                       escape(record["First Divergence"] or "none"),
                       _short(record["Output Error"]) if record["Output Error"] is not None else "",
                       f"[bold red]{role}[/]" if role == "source" else escape(role))
     console.print(table)
+    if len(shown) < len(records):
+        console.print(f"[dim]... {len(records) - len(shown)} more step/rank pairs (--json, or --csv X.csv: X.ranks.csv)[/]")
     if result.across_ranks is not None:
         console.print(f"[bold red]First divergence across ranks:[/] {escape(result.across_ranks.line())}")
     else:

@@ -20,6 +20,7 @@ import pytest
 from npukit.accuracy.cli_compare import run_compare
 from npukit.accuracy.compare import compare_dirs
 from npukit.accuracy.ranks import rank_ranges
+from npukit.accuracy.report import print_terminal
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -143,3 +144,21 @@ def test_eight_ranks_name_the_rank_whose_layer_norm_eps_changed(tmp_path):
 
 def test_rank_ranges():
     assert rank_ranges([0, 1, 2, 4, 6, 7]) == "0-2, 4, 6-7" and rank_ranges([3]) == "3" and rank_ranges([]) == ""
+
+
+def test_many_steps_show_the_step_where_it_began(four_ranks, tmp_path):
+    """5 steps x 4 ranks: the earliest step with a divergence is reported; the terminal lists that step's ranks."""
+    for side in ("golden", "bug"):
+        for step in range(5):
+            shutil.copytree(four_ranks / side / "step0", tmp_path / side / f"step{step}")
+    shutil.rmtree(tmp_path / "bug" / "step0")  # step 0 matches: the golden run's own dump
+    shutil.copytree(four_ranks / "golden" / "step0", tmp_path / "bug" / "step0")
+    result = compare_dirs(tmp_path / "golden", tmp_path / "bug")
+    assert (result.across_ranks.step, result.across_ranks.ranks) == (1, [3])
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), width=200)
+    print_terminal(result, console, top=0)
+    text = console.file.getvalue()
+    assert "step1/rank0" in text and "step2/rank0" not in text and "... 16 more step/rank pairs" in text
+    assert "it began on rank 3, step 1 at Functional.linear.0.forward" in text
