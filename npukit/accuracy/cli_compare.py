@@ -61,10 +61,14 @@ def _find_fix(golden: Path, target: Path, result, options: FindFixOptions, thres
     """Runs the fix finder and writes its files; the fix's records for the HTML page, if one was found."""
     import json
 
-    from npukit.accuracy.fix_finder import print_fix, run_find_fix
+    from npukit.accuracy.fix_finder import grad_scaler_only, print_fix, run_find_fix
     from npukit.accuracy.fixes import PrecisionFix
     from npukit.files import write_text_atomic
 
+    skipped = grad_scaler_only(result)
+    if skipped is not None:
+        console.print(f"find-fix: no run made. {skipped}")
+        return None
     work = options.work or target.with_name(target.name + ".find-fix")
     fix_result = run_find_fix(golden, target, result, options.command, work=work, max_runs=options.max_runs,
                               console=console, thresholds=thresholds)

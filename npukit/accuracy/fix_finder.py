@@ -35,12 +35,20 @@ from npukit.accuracy.compare import (
     hf32_kind,
 )
 from npukit.accuracy.dumpfile import load_rank_dump
-from npukit.accuracy.fixes import FILL_APIS, FixChange, PrecisionFix
+from npukit.accuracy.fixes import FILL_APIS, FixChange, PrecisionFix, module_pattern
 from npukit.errors import UserError
 from npukit.files import write_text_atomic
 
-MAX_CANDIDATES = 16
+MAX_CANDIDATES = 24
 _STACK_LINE = re.compile(r"File (?P<file>.+?), line (?P<line>\d+)")
+# ops that do no arithmetic (they move, view or cast values): nothing to gain computing them in fp32
+_NO_ARITHMETIC = frozenset({
+    "view", "view_as", "reshape", "reshape_as", "transpose", "permute", "t", "split", "split_with_sizes", "chunk",
+    "unbind", "flatten", "unflatten", "contiguous", "expand", "expand_as", "squeeze", "unsqueeze", "narrow", "select",
+    "__getitem__", "getitem", "repeat", "cat", "stack", "to", "type", "float", "half", "bfloat16", "dropout",
+    "clone", "detach", "movedim", "swapaxes", "index_select", "gather", "roll", "pad",
+    # exact in any dtype
+    "relu", "relu_", "abs", "neg", "maximum", "minimum", "max", "min", "where", "clamp", "clamp_", "sign"})
 _LOW_PRECISION = ("torch.float16", "torch.bfloat16")
 
 
@@ -78,6 +86,23 @@ class FixResult:
 
 
 # ---------------------------------------------------------------------------- candidates
+def grad_scaler_only(result: CompareResult) -> str | None:
+    """What to say when the run's only problem is a step GradScaler skipped in the target alone,
+    before any forward op was off: its gradients overflowed at the loss scale it started with,
+    which GradScaler handles by lowering the scale. No precision change is the fix for that."""
+    for pair in result.pairs:
+        forward_errors = [row for row in pair.rows if row.verdict == ERROR and row.target_entry
+                          and row.target_entry.endswith(".forward")]
+        if pair.divergence is not None or forward_errors:
+            return None
+        if pair.skipped_by_grad_scaler == "target":
+            return (f"{pair.pair}: GradScaler skipped this step in the target only (its gradients overflowed at "
+                    "the starting loss scale) and no forward op is off: that is no precision problem to fix. "
+                    "Start GradScaler lower (init_scale=...) in both runs, record the golden run again, then "
+                    "compare (and --find-fix) once more")
+    return None
+
+
 def anchor_entry(result: CompareResult) -> tuple[object, str] | None:
     """(the pair, the target entry) where the problem shows first: the compare's first divergence,
     else the first forward op whose output is an error row (a problem the search did not name:
@@ -113,7 +138,27 @@ def candidates_from(result: CompareResult, limit: int = MAX_CANDIDATES) -> list[
         for change in _changes_for(entry, dump):
             if change not in found:
                 found.append(change)
-    return found[:limit]
+    return _grouped(found)[:limit]
+
+
+def _grouped(changes: list[FixChange]) -> list[FixChange]:
+    """The same change at the same line in modules that differ only by their indices (every block
+    of a GPT: `h.0.attn`, `h.1.attn`) as one candidate for all of them (`h.*.attn`), placed where
+    the first of them was: a problem a model repeats in every layer needs the fix in every layer."""
+    pattern_of = {change: module_pattern(change.module) for change in changes}
+    groups: dict[tuple, list[FixChange]] = {}
+    for change in changes:
+        groups.setdefault((change.kind, change.api, change.line, pattern_of[change]), []).append(change)
+    grouped, placed = [], set()
+    for change in changes:
+        key = (change.kind, change.api, change.line, pattern_of[change])
+        members = groups[key]
+        if len(members) == 1:
+            grouped.append(change)
+        elif key not in placed:
+            placed.add(key)
+            grouped.append(FixChange(change.kind, change.api, key[3], change.line, change.source))
+    return grouped
 
 
 def _changes_for(entry, dump) -> list[FixChange]:
@@ -127,7 +172,7 @@ def _changes_for(entry, dump) -> list[FixChange]:
     changes = []
     if api in FILL_APIS:  # first: the fix a saturating 910A needs (fp32 would move more ops out of fp16)
         changes.append(FixChange("finite_fill", api, module, line, source))
-    if out_dtypes & set(_LOW_PRECISION):
+    if out_dtypes & set(_LOW_PRECISION) and api.rsplit(".", 1)[-1] not in _NO_ARITHMETIC:
         changes.append(FixChange("fp32", api, module, line, source))
     kind = hf32_kind(entry.name)
     if kind is not None and kind in dump.hf32 and "torch.float32" in in_dtypes:
@@ -206,28 +251,17 @@ def judge(result: CompareResult, changes: list[FixChange], anchor: str) -> Trial
     return Trial(changes, fixed, at_anchor, loss_error, note)
 
 
-# npu-run's options that take no value (every other option takes one)
-_RUN_FLAGS = frozenset({"--golden", "--emulate", "--transfer-to-npu", "--detect-overflow", "--overflow-underflow",
-                        "-m", "--module"})
-
-
-def _without_dump(command: list[str]) -> list[str]:
+def _without_dump(arguments: list[str]) -> list[str]:
     """npu-run's arguments without its own --dump / --precision-fix (each trial sets them); the
     script's own arguments, after its name, are kept as they are."""
-    options, index = [], 0
-    while index < len(command):
-        token = command[index]
-        if not token.startswith("-") or token == "-":
-            break  # the script (or npu-run itself, or python's -m npukit.run): the rest is kept
-        takes_value = token not in _RUN_FLAGS and "=" not in token
-        pair = command[index:index + 2] if takes_value else [token]
-        if token.split("=", 1)[0] not in ("--dump", "--precision-fix"):
-            options += pair
-        index += len(pair)
-    if not any(token == "--replay" or token.startswith("--replay=") for token in options):
+    from npukit.run import option_spans, strip_option
+
+    for name in ("--dump", "--precision-fix"):
+        arguments = strip_option(arguments, name)
+    if not any(option[0].split("=", 1)[0] == "--replay" for option in option_spans(arguments)[0]):
         raise UserError("--find-fix: the command must replay the recorded step (npu-run --replay DIR ...), "
                         "so every trial runs on the same weights and batches as the NPU dump")
-    return [*options, *command[index:]]
+    return arguments
 
 
 def _launcher(command: list[str]) -> tuple[list[str], list[str]]:
@@ -268,8 +302,8 @@ def find_fix(candidates: list[FixChange], runner: TrialRunner, max_runs: int) ->
             current = second
             continue
         break  # both halves are needed (or the run cap is reached)
-    if len(current) > 1:  # drop single candidates while the rest still fixes it
-        for change in list(current):
+    if len(current) > 1:  # drop single candidates while the rest still fixes it, the last first: the
+        for change in reversed(list(current)):  # first are nearest the problem and the preferred kinds
             if len(current) == 1:
                 break
             rest = [c for c in current if c != change]

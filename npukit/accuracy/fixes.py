@@ -41,7 +41,7 @@ FILL_APIS = frozenset({"Tensor.masked_fill", "Tensor.masked_fill_", "Torch.maske
 class FixChange:
     kind: str
     api: str = ""  # "Functional.linear"; empty for a whole-run change
-    module: str = ""  # the calling module's path; "" is the model itself
+    module: str = ""  # the calling module's path; "" is the model itself; `h.*.attn`: every index
     line: str = ""  # "train.py:16": only this call site of the api in that module ("" = every one)
     source: str = ""  # the code at that line, for the suggestion (not used to match)
 
@@ -62,16 +62,24 @@ class FixChange:
         if self.kind == "fp32":
             text = (f"{where}\nwith torch.autocast(\"npu\", enabled=False):  # fp32 here: cast its fp16/bf16 tensor "
                     f"inputs with .float()\n{indented}")
-            if self.module:
-                text += ("\n# or keep the module in fp32 under autocast, once the model is built:\n"
-                         "def fp32_forward(forward):\n"
-                         "    def run(*args, **kwargs):\n"
-                         "        with torch.autocast(\"npu\", enabled=False):\n"
-                         "            return forward(*(a.float() if torch.is_tensor(a) and a.is_floating_point() else a"
-                         " for a in args), **kwargs)\n"
-                         "    return run\n"
-                         f"model.{self.module}.forward = fp32_forward(model.{self.module}.forward)")
-            return text
+            if not self.module:
+                return text
+            if "*" in self.module:
+                apply = (f"for name, module in model.named_modules():  # every {self.module}\n"
+                         f"    if fnmatch.fnmatchcase(name, \"{self.module}\"):\n"
+                         "        module.forward = fp32_forward(module.forward)")
+            else:
+                apply = (f"module = model.get_submodule(\"{self.module}\")\n"
+                         "module.forward = fp32_forward(module.forward)")
+            # the module's forward in fp32 with its inputs cast: pasteable as it is, once the model is built
+            return ("# keep the module in fp32 under autocast, once the model is built:\n"
+                    "def fp32_forward(forward):\n"
+                    "    def run(*args, **kwargs):\n"
+                    "        with torch.autocast(\"npu\", enabled=False):\n"
+                    "            return forward(*(a.float() if torch.is_tensor(a) and a.is_floating_point() else a"
+                    " for a in args), **kwargs)\n"
+                    f"    return run\n{apply}\n# or at the line, with its fp16/bf16 tensor inputs cast (x.float()):\n"
+                    + text.split("\n", 1)[1])
         if self.kind == "hf32_off":
             return (f"{where}\nmatmul_hf32, conv_hf32 = torch.npu.matmul.allow_hf32, torch.npu.conv.allow_hf32\n"
                     f"torch.npu.matmul.allow_hf32 = torch.npu.conv.allow_hf32 = False\n{original}\n"
@@ -180,7 +188,7 @@ class PrecisionFixSession:
         module = self._paths.get(self._module_stack[-1], "") if self._module_stack else ""
         line = None
         for change in changes:
-            if change.module == module:
+            if module_matches(change.module, module):
                 if change.line and line is None:
                     line = _user_line()
                 if not change.line or change.line == line:
@@ -225,6 +233,19 @@ def _finite_fill_source(source: str) -> str | None:
     finite = _NEGATIVE_INF.sub(f"torch.finfo({name}.dtype).min", source)
     finite = _POSITIVE_INF.sub(f"torch.finfo({name}.dtype).max", finite)
     return finite if finite != source else None
+
+
+def module_pattern(path: str) -> str:
+    """`h.0.attn` -> `h.*.attn`: the module path with every index a wildcard."""
+    return ".".join("*" if part.isdigit() else part for part in path.split(".")) if path else path
+
+
+def module_matches(pattern: str, path: str) -> bool:
+    """A fix's module (`h.0.attn`, or `h.*.attn` for every index) names this module path."""
+    if "*" not in pattern:
+        return pattern == path
+    parts, wanted = path.split("."), pattern.split(".")
+    return len(parts) == len(wanted) and all(w == "*" or w == p for w, p in zip(wanted, parts))
 
 
 def _user_line() -> str:

@@ -157,7 +157,7 @@ def test_a_linear_losing_a_small_signal_is_kept_in_fp32(tmp_path):
     assert "with torch.autocast(\"npu\", enabled=False)" in run.stdout and "h = self.fc1(" in run.stdout
     # the HTML page carries the fix for fc1's node (its display is the browser test's business)
     page = (tmp_path / "page.html").read_text()
-    assert "model.fc1.forward = fp32_forward(model.fc1.forward)" in page
+    assert "model.get_submodule(\\\"fc1\\\")" in page and "fp32_forward(module.forward)" in page
     fix_file = tmp_path / "npu.find-fix" / "fix.json"
     applied = _npukit("run_main", "--seed", "0", "--replay", "replay", "--precision-fix", str(fix_file),
                       "--dump", "fixed", "train.py", cwd=tmp_path)
@@ -307,3 +307,68 @@ def test_the_trials_run_npu_run_with_their_own_fix_and_dump():
     runner = TrialRunner(Path("golden"), [sys.executable, "-m", "npukit.run", "--replay", "rep", "t.py"], Path("w"), "x",
                          Thresholds())
     assert runner.launcher == [sys.executable, "-m", "npukit.run"] and runner.arguments == ["--replay", "rep", "t.py"]
+
+
+class EitherRunner(FakeRunner):
+    """Fixed by any one of the culprits alone (a problem two different changes each cure)."""
+
+    def run(self, changes):
+        trial = Trial(list(changes), bool(self.culprits & set(changes)), None, None)
+        self.trials.append(trial)
+        return trial
+
+
+def test_of_two_changes_that_each_fix_it_the_first_listed_is_kept():
+    # the first candidates are the nearest the problem and the preferred kinds (a finite fill before fp32)
+    runner = EitherRunner([CANDIDATES[0], CANDIDATES[13]])
+    assert find_fix(CANDIDATES, runner, max_runs=50) == [CANDIDATES[0]]
+
+
+def test_a_change_repeated_in_every_block_is_one_candidate_for_all_of_them():
+    from npukit.accuracy.fix_finder import _grouped
+
+    per_block = [FixChange("finite_fill", "Tensor.masked_fill", f"h.{i}.attn", "model.py:68") for i in range(12)]
+    other = FixChange("fp32", "Functional.linear", "lm_head", "model.py:190")
+    assert _grouped([*per_block, other]) == [FixChange("finite_fill", "Tensor.masked_fill", "h.*.attn", "model.py:68"),
+                                              other]
+    assert _grouped(per_block[:1]) == per_block[:1]  # alone: named as it is
+
+
+class Blocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(TwoLinears() for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_fix_for_every_index_applies_to_each_block(npu):
+    model = Blocks().to(npu)
+    dtypes = []
+    for block in model.blocks:
+        block.a.register_forward_hook(lambda module, args, output: dtypes.append(output.dtype))
+    with PrecisionFixSession(PrecisionFix([FixChange("fp32", "Functional.linear", "blocks.*.a")])), \
+            torch.autocast(npu, dtype=torch.float16):
+        model(torch.randn(2, 4, device=npu))
+    assert dtypes == [torch.float32] * 3
+
+
+def test_the_fp32_code_for_a_module_casts_its_inputs_and_names_it_as_python_can():
+    code = FixChange("fp32", "Functional.linear", "transformer.h.0.attn.c_attn", "model.py:50", "q = self.c_attn(x)").code()
+    assert 'model.get_submodule("transformer.h.0.attn.c_attn")' in code and "a.float()" in code
+    compile(code.replace("<", "_").replace(">", "_"), "fix", "exec")  # pasteable: it parses
+    every = FixChange("fp32", "Functional.linear", "h.*.attn", "model.py:50", "q = self.c_attn(x)").code()
+    assert 'fnmatch.fnmatchcase(name, "h.*.attn")' in every
+
+
+def test_a_step_only_grad_scaler_skipped_gets_advice_not_precision_changes(tmp_path):
+    from npukit.accuracy.compare import CompareResult, PairResult
+    from npukit.accuracy.fix_finder import grad_scaler_only
+
+    pair = PairResult("step0/rank0", "step0/rank0", tmp_path, tmp_path, "statistics", [], None, [], [], False,
+                      skipped_by_grad_scaler="target")
+    advice = grad_scaler_only(CompareResult(tmp_path, tmp_path, [pair], Thresholds()))
+    assert "init_scale" in advice and "no precision problem" in advice
