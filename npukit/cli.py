@@ -61,6 +61,10 @@ def run(
     emulate: bool = typer.Option(False, "--emulate", help="Use the emulator even if a real torch_npu is installed."),
     transfer_to_npu: bool = typer.Option(False, "--transfer-to-npu", help="Run unmigrated CUDA code: apply torch_npu.contrib.transfer_to_npu first."),
     nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", help="Launch N processes via torchrun."),
+    nnodes: int = typer.Option(1, "--nnodes", help="With --nproc-per-node: nodes in the run (torchrun's c10d rendezvous)."),
+    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="With --nnodes > 1: HOST:PORT of the rendezvous."),
+    rdzv_conf: Optional[str] = typer.Option(None, "--rdzv-conf", help="torchrun's --rdzv-conf, e.g. is_host=1 on the node hosting the rendezvous."),
+    local_addr: Optional[str] = typer.Option(None, "--local-addr", help="torchrun's --local-addr: this node's address for the other nodes."),
     golden: bool = typer.Option(False, "--golden", help="Golden run: NPU numerics off, autocast regions computed in fp32."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed torch, numpy and random before the script runs."),
     dump: Optional[Path] = typer.Option(None, "--dump", help="Dump per-layer tensors into DIR."),
@@ -85,7 +89,7 @@ def run(
 
     options = RunOptions(
         script=script, args=list(args or []), module=module, devices=devices, emulate=emulate, transfer_to_npu=transfer_to_npu,
-        nproc_per_node=nproc_per_node, golden=golden, seed=seed,
+        nproc_per_node=nproc_per_node, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, rdzv_conf=rdzv_conf, local_addr=local_addr, golden=golden, seed=seed,
         dump=dump, dump_level=dump_level, dump_mode=dump_mode, dump_tensor_format=dump_tensor_format, dump_steps=dump_steps,
         dump_scope=dump_scope, dump_list=dump_list, replay=replay, precision_fix=precision_fix,
         detect_overflow=detect_overflow, overflow_action=overflow_action,

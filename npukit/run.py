@@ -14,6 +14,7 @@ import importlib.util
 import os
 import runpy
 import sys
+import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,10 @@ class RunOptions:
     emulate: bool = False
     transfer_to_npu: bool = False
     nproc_per_node: int | None = None
+    nnodes: int = 1
+    rdzv_endpoint: str | None = None  # HOST:PORT of the c10d rendezvous, with nnodes > 1
+    rdzv_conf: str | None = None  # torchrun's --rdzv-conf (is_host=1 on the node that hosts the store ...)
+    local_addr: str | None = None  # torchrun's --local-addr: the address other nodes reach this one at
     golden: bool = False
     seed: int | None = None
     dump: Path | None = None
@@ -67,9 +72,25 @@ def _launch_torchrun(options: RunOptions) -> int:
         raise UserError(f"--nproc-per-node must be at least 1, got {options.nproc_per_node}")
     import tempfile
 
-    argv = strip_option(sys.argv[1:], "--nproc-per-node")
+    argv = sys.argv[1:]
+    for name in ("--nproc-per-node", "--nnodes", "--rdzv-endpoint", "--rdzv-conf", "--local-addr"):
+        argv = strip_option(argv, name)
+    if options.nnodes < 1:
+        raise UserError(f"--nnodes must be at least 1, got {options.nnodes}")
+    if options.nnodes == 1:
+        where = ["--master-addr", "127.0.0.1"]
+    elif not options.rdzv_endpoint or ":" not in options.rdzv_endpoint:
+        raise UserError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the address every node reaches, where "
+                        "the first node to start hosts the rendezvous)")
+    else:  # torchrun's c10d rendezvous: ranks by the order nodes join, the store on the endpoint's host
+        where = ["--nnodes", str(options.nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", options.rdzv_endpoint,
+                 "--rdzv-id", os.environ.get("NPUKIT_RDZV_ID", "npukit")]
+        if options.rdzv_conf:
+            where += ["--rdzv-conf", options.rdzv_conf]
+        if options.local_addr:  # else the node is known by its host name, which another node may not resolve
+            where += ["--local-addr", options.local_addr]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(options.nproc_per_node),
-               "--master-addr", "127.0.0.1", "-m", "npukit.run", *argv]
+               *where, "-m", "npukit.run", *argv]
     with tempfile.TemporaryDirectory(prefix="npu-run-failures-") as failures:
         code = subprocess.call(command, env=dict(os.environ, **{FAILURE_DIR_ENV: failures}))
         if code:
@@ -97,24 +118,30 @@ def _note_failure(exc: BaseException, tb) -> None:
         Path(directory, f"rank{rank}.txt").write_text(f"{type(exc).__name__}: {exc}{where}\n")
 
 
+# npu-run's options that take no value (every other one takes one): how its arguments are read
+# up to the script's name, after which everything is the script's
+RUN_FLAGS = frozenset({"--golden", "--emulate", "--transfer-to-npu", "--detect-overflow", "--overflow-underflow",
+                       "-m", "--module"})
+
+
+def option_spans(argv: list[str]) -> tuple[list[list[str]], list[str]]:
+    """npu-run's arguments as ([each option with its value], [the script and its arguments])."""
+    options, index = [], 0
+    while index < len(argv):
+        token = argv[index]
+        if not token.startswith("-") or token == "-":
+            break
+        width = 1 if token in RUN_FLAGS or "=" in token else 2
+        options.append(argv[index:index + width])
+        index += width
+    return options, argv[index:]
+
+
 def strip_option(argv: list[str], name: str) -> list[str]:
     """Remove `name VALUE` / `name=VALUE` from the npu-run options (those before the script)."""
-    out: list[str] = []
-    index = 0
-    while index < len(argv):
-        arg = argv[index]
-        if arg == name:
-            index += 2
-            continue
-        if arg.startswith(name + "="):
-            index += 1
-            continue
-        out.append(arg)
-        if not arg.startswith("-"):
-            out.extend(argv[index + 1:])
-            break
-        index += 1
-    return out
+    options, script = option_spans(argv)
+    kept = [token for option in options if option[0].split("=", 1)[0] != name for token in option]
+    return kept + script
 
 
 def golden_autocast() -> None:
@@ -236,15 +263,25 @@ def _run_target(options: RunOptions) -> int:
     if options.module:
         sys.argv = [options.script, *options.args]
         sys.path[0:0] = [os.getcwd()]  # as `python -m` does: `npu-run -m scripts.train` finds ./scripts
-        runpy.run_module(options.script, run_name="__main__", alter_sys=True)
+        _free_script_globals(runpy.run_module(options.script, run_name="__main__", alter_sys=True))
         return 0
     script = Path(options.script)
     if not script.is_file():
         raise UserError(f"script not found: {options.script}")
     sys.argv = [str(script), *options.args]
     sys.path[0:0] = [str(script.resolve().parent)]
-    runpy.run_path(str(script), run_name="__main__")
+    _free_script_globals(runpy.run_path(str(script), run_name="__main__"))
     return 0
+
+
+def _free_script_globals(namespace: dict) -> None:
+    """Frees what the finished script left in its globals once torch.distributed's threads had the
+    GIL. A gloo thread destroying a collective it has just finished needs the GIL (to free its
+    tensors' Python objects), and freeing a DDP model runs its process group's destructor, which
+    joins that thread while holding the GIL: 1 run in 3 of 2 nodes x 4 ranks hung at exit so."""
+    if "torch.distributed" in sys.modules:
+        time.sleep(0.5)  # the GIL released: a gloo thread waiting for it gets it and finishes
+    namespace.clear()
 
 
 def _is_runner_frame(filename: str) -> bool:
@@ -257,6 +294,10 @@ def _is_runner_frame(filename: str) -> bool:
 def main(options: RunOptions) -> int:
     if options.nproc_per_node is not None:
         return _launch_torchrun(options)
+    if options.nnodes != 1 or any(value is not None for value in (options.rdzv_endpoint, options.rdzv_conf,
+                                                                   options.local_addr)):
+        raise UserError("--nnodes, --rdzv-endpoint, --rdzv-conf and --local-addr go with --nproc-per-node "
+                        "(torchrun's launch)")
     if real_torch_npu_installed() and not options.emulate:
         raise UserError("a real torch_npu is installed: run the script with plain python on the Ascend host, "
                         "or pass --emulate to use npukit's emulated NPU anyway")

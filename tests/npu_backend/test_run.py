@@ -107,13 +107,17 @@ def test_migrated_script_runs_under_npu_run(tmp_path):
     assert losses(result.stdout) == losses(cpu.stdout)
 
 
-@pytest.mark.parametrize("option", ["--nproc-per-node"])
+@pytest.mark.parametrize("option", ["--nproc-per-node", "--nnodes", "--rdzv-endpoint"])
 def test_strip_option_keeps_script_arguments(option):
     from npukit.run import strip_option
 
     argv = ["--golden", option, "2", "train.py", option, "5", "--x"]
     assert strip_option(argv, option) == ["--golden", "train.py", option, "5", "--x"]
     assert strip_option([f"{option}=2", "t.py"], option) == ["t.py"]
+    # after options with values (`--seed 0`): `npu-run --seed 0 --nproc-per-node 2 t.py` relaunched
+    # itself under torchrun in every rank (the 0 was taken for the script's name) and hung
+    argv = ["--seed", "0", "--dump", "d", option, "2", "-m", "pkg.train", option, "3"]
+    assert strip_option(argv, option) == ["--seed", "0", "--dump", "d", "-m", "pkg.train", option, "3"]
 
 
 def test_transfer_to_npu_runs_cuda_distributed_code_on_hccl(tmp_path):

@@ -1,0 +1,91 @@
+"""Two nodes on one machine (examples/multinode/two_nodes.sh): network namespaces joined by a veth
+pair, loopback-range addresses, torchrun's c10d rendezvous; 2 nodes x 4 ranks of DDP training
+with a straggler and a rank whose batch overflows fp16, profiled and watched by npu-run. Run where
+network namespaces can be made (root with ip netns), as CI is."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from npukit.profiler.cluster import cluster_summary, load_ranks
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "examples" / "multinode" / "two_nodes.sh"
+
+TRAIN = textwrap.dedent("""
+    import os, time, torch, torch.distributed as dist, torch.nn as nn
+    dist.init_process_group("hccl")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)).npu())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("npu", init_scale=256)
+    for step in range(4):
+        x = torch.randn(8, 64, device="npu")
+        if rank == 5:
+            time.sleep(0.05)  # a slower input pipeline on node 1's second rank
+        if rank == 6 and step == 2:
+            x = x * 1e5  # this rank's batch overflows fp16 in its first linear
+        with torch.autocast("npu", dtype=torch.float16):
+            loss = model(x).float().square().mean()
+        optimizer.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    weights = model.module[0].weight.detach().cpu()
+    everyone = [torch.empty_like(weights) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, weights)
+    print(f"rank {rank} of {dist.get_world_size()} on node {os.environ['GROUP_RANK']}: "
+          f"weights equal everywhere {all(torch.equal(w, weights) for w in everyone)}", flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def _netns_available() -> bool:
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        return False
+    probe = f"npkprobe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True).returncode == 0
+    if made:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return made
+
+
+@pytest.mark.skipif(not _netns_available(), reason="needs root and ip netns (CI has both)")
+def test_two_nodes_of_four_ranks_train_together_and_the_tools_name_the_straggler_and_the_overflow(tmp_path):
+    (tmp_path / "train.py").write_text(TRAIN)
+    env = dict(os.environ, PYTHONPATH=str(REPO), LOGS=str(tmp_path), PORT=str(29400 + os.getpid() % 500),
+               NPU_RUN=f"{sys.executable} -m npukit.run")
+    # a session of its own: on a time-out the script is stopped with SIGTERM, so its trap ends both
+    # nodes' processes and removes the namespaces
+    run = subprocess.Popen(["bash", str(SCRIPT), "-n", "4", "--", "--profile", "prof", "--detect-overflow", "--",
+                            "train.py"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, start_new_session=True)
+    try:
+        output, _ = run.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(run.pid, signal.SIGTERM)
+        output, _ = run.communicate(timeout=60)
+        pytest.fail(f"the two nodes did not finish in 300 s: {output[-4000:]}")
+    assert run.returncode == 0, output[-4000:]
+    # eight ranks in one world over both nodes, trained to the same weights
+    for rank in range(8):
+        assert f"rank {rank} of 8 on node {rank // 4}: weights equal everywhere True" in output, output[-4000:]
+    # the cluster view of the profile names the sleeping rank as the one the others wait for
+    cluster = cluster_summary(load_ranks(tmp_path / "prof"))
+    assert cluster.slowest["rank"] == 5
+    waits = {row["rank"]: row for row in cluster.per_rank}
+    assert sorted(waits) == list(range(8))
+    # the overflow began on rank 6 (node 1) and reached the others through the all-reduce
+    began = json.loads((tmp_path / "overflow" / "overflow.json").read_text())["across_ranks"]
+    assert (began["rank"], began["step"], began["name"]) == (6, 2, "Functional.linear.0.forward")
+    assert began["ranks_reached_through_a_collective"] == [0, 1, 2, 3, 4, 5, 7]
