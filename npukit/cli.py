@@ -153,7 +153,7 @@ def compare(
     thresholds: list[str] = typer.Option(
         None, "--set", metavar="KEY=VALUE", help="Override a limit, e.g. --set bf16.warn_rel_l2=0.05 (repeatable)."
     ),
-    workers: Optional[int] = typer.Option(None, "--workers", help="Processes for tensor metrics (default: CPU count)."),
+    workers: Optional[int] = typer.Option(None, "--workers", help="Processes for the step/rank pairs and tensor metrics (default: CPU count)."),
     find_fix: bool = typer.Option(False, "--find-fix", help="Find the smallest precision fix: re-run the step with "
                                   "candidate changes (the npu-run command that wrote TARGET follows `--`)."),
     find_fix_runs: int = typer.Option(20, "--find-fix-runs", help="At most this many runs of the step."),

@@ -60,6 +60,7 @@ from npukit.accuracy.graph import OpNodes
 from npukit.accuracy.scaler_steps import GradScalerStepWatch
 from npukit.accuracy.stacks import CallStacks
 from npukit.accuracy.tensor_io import strided_form, write_tensor
+from npukit.console import number_ranges
 from npukit.errors import UserError
 from npukit.files import check_output_location
 
@@ -1223,20 +1224,8 @@ def across_ranks_line(began: dict, report: Path) -> str:
     line = (f"overflow across ranks: it began on rank {began['rank']}, step {began['step']}: "
             f"{began['name'] or 'an op the detector does not see'}{where}")
     if began["ranks_reached_through_a_collective"]:
-        line += (f"; it reached rank(s) {_ranges(began['ranks_reached_through_a_collective'])} through a collective "
+        line += (f"; it reached rank(s) {number_ranges(began['ranks_reached_through_a_collective'])} through a collective "
                  "(their step was skipped with no overflowing op of their own, e.g. DDP's gradient all-reduce)")
     if began["ranks_with_their_own_overflow"]:
-        line += f"; rank(s) {_ranges(began['ranks_with_their_own_overflow'])} overflowed later in the step too"
+        line += f"; rank(s) {number_ranges(began['ranks_with_their_own_overflow'])} overflowed later in the step too"
     return line + f". All ranks: {report}"
-
-
-def _ranges(ranks: list[int]) -> str:
-    """[0, 1, 2, 4, 6, 7] -> "0-2, 4, 6-7"."""
-    parts, start = [], None
-    for index, rank in enumerate(ranks):
-        if start is None:
-            start = rank
-        if index + 1 == len(ranks) or ranks[index + 1] != rank + 1:
-            parts.append(str(start) if start == rank else f"{start}-{rank}")
-            start = None
-    return ", ".join(parts)

@@ -30,6 +30,7 @@ from npukit.accuracy.compare import (
     _err,
     _step_and_rank,
 )
+from npukit.console import number_ranges
 
 FORWARD, BACKWARD, AFTER_BACKWARD = 0, 1, 2  # phases of a step, in the order they run
 _PHASE_TEXT = {FORWARD: "forward", BACKWARD: "backward", AFTER_BACKWARD: "parameter gradients"}
@@ -73,29 +74,17 @@ class AcrossRanks:
         where = f" (module {self.module_path})" if self.module_path else ""
         step = f", step {self.step}" if self.step is not None else ""
         ranks = "rank" if len(self.ranks) == 1 else "ranks"
-        text = f"it began on {ranks} {rank_ranges(self.ranks)}{step} at {self.entry}{where}, in the {self.phase}"
+        text = f"it began on {ranks} {number_ranges(self.ranks)}{step} at {self.entry}{where}, in the {self.phase}"
         if len(self.ranks) > 1:
             text += (": at the same op on each, so a cause they share (their data, or a weight or buffer one rank"
                      " broadcast to them)")
         if self.reached:
             seen = sorted(set(self.first_seen.values()))
-            text += (f"; it reached rank{'s' if len(self.reached) > 1 else ''} {rank_ranges(self.reached)} through"
+            text += (f"; it reached rank{'s' if len(self.reached) > 1 else ''} {number_ranges(self.reached)} through"
                      f" {self.through} (first seen there at {', '.join(seen[:2])}{', ...' if len(seen) > 2 else ''})")
         if self.clean:
-            text += f"; rank{'s' if len(self.clean) > 1 else ''} {rank_ranges(self.clean)} show no difference"
+            text += f"; rank{'s' if len(self.clean) > 1 else ''} {number_ranges(self.clean)} show no difference"
         return text
-
-
-def rank_ranges(ranks: list[int]) -> str:
-    """[0, 1, 2, 4, 6, 7] -> "0-2, 4, 6-7"."""
-    parts, start = [], None
-    for index, rank in enumerate(ranks):
-        if start is None:
-            start = rank
-        if index + 1 == len(ranks) or ranks[index + 1] != rank + 1:
-            parts.append(str(start) if start == rank else f"{start}-{rank}")
-            start = None
-    return ", ".join(parts)
 
 
 def several_ranks(result: CompareResult) -> bool:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from npukit.console import number_ranges
 from npukit.errors import UserError
 from npukit.profiler.extract import STEP_PREFIX
 from npukit.profiler.record import P2P_PREFIX
@@ -80,8 +81,8 @@ def load_ranks(path: Path, ranks: set[int] | None = None) -> LoadedRanks:
     chosen = [(rank, directory) for rank, directory in found if ranks is None or rank in ranks]
     if ranks is not None and len(chosen) < len(ranks):
         missing = sorted(ranks - {rank for rank, _ in chosen})
-        raise UserError(f"--ranks: no profile of rank(s) {rank_span(missing)} in {path} "
-                        f"(it has ranks {rank_span([rank for rank, _ in found])})")
+        raise UserError(f"--ranks: no profile of rank(s) {number_ranges(missing)} in {path} "
+                        f"(it has ranks {number_ranges([rank for rank, _ in found])})")
 
     def load(item: tuple[int, Path]) -> EventTable | UserError:
         try:
@@ -108,19 +109,8 @@ def load_ranks(path: Path, ranks: set[int] | None = None) -> LoadedRanks:
         size = max((s for s in sizes if isinstance(s, int)), default=0)
         absent = sorted(set(range(size)) - {rank for rank, _ in found})
         if absent:
-            loaded.warnings.append(f"rank(s) {rank_span(absent)} of a world of {size} wrote no profile in {path}")
+            loaded.warnings.append(f"rank(s) {number_ranges(absent)} of a world of {size} wrote no profile in {path}")
     return loaded
-
-
-def rank_span(ranks: list[int]) -> str:
-    """[0, 1, 2, 5] -> '0-2, 5'."""
-    parts, start = [], None
-    for i, rank in enumerate(ranks):
-        start = rank if start is None else start
-        if i + 1 == len(ranks) or ranks[i + 1] != rank + 1:
-            parts.append(str(start) if start == rank else f"{start}-{rank}")
-            start = None
-    return ", ".join(parts)
 
 
 def peer_order(text: str) -> tuple[int, str]:

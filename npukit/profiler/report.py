@@ -10,7 +10,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from npukit.profiler.cluster import peer_order, rank_span
+from npukit.console import number_ranges
+from npukit.profiler.cluster import peer_order
 from npukit.profiler.summary import EstimateRow, Summary
 
 
@@ -138,8 +139,8 @@ def print_cluster(cluster, source: str, console: Console, top: int) -> None:
     steps = cluster.steps
     left_out = (f"; step {cluster.start_step_left_out} (the start-up: imports, model, rendezvous) left out"
                 if cluster.start_step_left_out is not None else "")
-    shown_steps = f"steps {rank_span(steps)}" if steps else "each rank's own steps"
-    console.print(f"cluster: {escape(source)} ({len(cluster.ranks)} ranks: {rank_span(cluster.ranks)}), "
+    shown_steps = f"steps {number_ranges(steps)}" if steps else "each rank's own steps"
+    console.print(f"cluster: {escape(source)} ({len(cluster.ranks)} ranks: {number_ranges(cluster.ranks)}), "
                   f"{shown_steps}{left_out}")
     slowest = cluster.slowest["rank"] if cluster.slowest else None
     table = Table(title="Per rank, per step (compute + exposed comm + host gaps = step)", title_justify="left")

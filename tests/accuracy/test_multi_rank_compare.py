@@ -19,8 +19,8 @@ import pytest
 
 from npukit.accuracy.cli_compare import run_compare
 from npukit.accuracy.compare import compare_dirs
-from npukit.accuracy.ranks import rank_ranges
 from npukit.accuracy.report import print_terminal
+from npukit.console import number_ranges
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -142,8 +142,8 @@ def test_eight_ranks_name_the_rank_whose_layer_norm_eps_changed(tmp_path):
     print(f"8-rank runs {seconds:.1f} s, compare {compared:.2f} s")
 
 
-def test_rank_ranges():
-    assert rank_ranges([0, 1, 2, 4, 6, 7]) == "0-2, 4, 6-7" and rank_ranges([3]) == "3" and rank_ranges([]) == ""
+def test_number_ranges():
+    assert number_ranges([0, 1, 2, 4, 6, 7]) == "0-2, 4, 6-7" and number_ranges([3]) == "3" and number_ranges([]) == ""
 
 
 def test_many_steps_show_the_step_where_it_began(four_ranks, tmp_path):
