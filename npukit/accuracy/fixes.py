@@ -48,7 +48,8 @@ class FixChange:
     def describe(self, with_line: bool = True) -> str:
         if self.kind == "inf_nan_mode":
             return "fp16 in INF_NAN mode (not saturation)"
-        where = f"{self.api} in {self.module or 'the model'}" + (f" at {self.line}" if self.line and with_line else "")
+        module = f"every {self.module}" if "*" in self.module else self.module or "the model"
+        where = f"{self.api} in {module}" + (f" at {self.line}" if self.line and with_line else "")
         return {"fp32": f"compute {where} in fp32", "hf32_off": f"HF32 off for {where}",
                 "finite_fill": f"fill with the dtype's min/max instead of +-inf in {where}"}[self.kind]
 
