@@ -68,12 +68,9 @@ def dump_forward(out, layer_norm_eps: float) -> None:
         model(x)
 
 
-@pytest.fixture(scope="module")
-def compare_report(tmp_path_factory):
-    """npu-compare --html on a golden/target pair whose target has one injected bug (LayerNorm eps)."""
-    root = tmp_path_factory.mktemp("report")
-    dump_forward(root / "golden", layer_norm_eps=1e-5)
-    dump_forward(root / "target", layer_norm_eps=0.5)
+def compare_to_html(root):
+    """npu-compare ROOT/golden ROOT/target --html --json, in this process: (the page, the JSON report).
+    Both dumps hold an injected bug, so it must exit 1."""
     html_path, json_path = root / "report.html", root / "report.json"
     argv = sys.argv
     sys.argv = ["npu-compare", str(root / "golden"), str(root / "target"), "--html", str(html_path),
@@ -84,7 +81,17 @@ def compare_report(tmp_path_factory):
     finally:
         sys.argv = argv
     assert exit_info.value.code == 1, "npu-compare should report the injected divergence"
-    first = json.loads(json_path.read_text())["pairs"][0]["first_divergence"]["entry"]
+    return html_path, json.loads(json_path.read_text())
+
+
+@pytest.fixture(scope="module")
+def compare_report(tmp_path_factory):
+    """npu-compare --html on a golden/target pair whose target has one injected bug (LayerNorm eps)."""
+    root = tmp_path_factory.mktemp("report")
+    dump_forward(root / "golden", layer_norm_eps=1e-5)
+    dump_forward(root / "target", layer_norm_eps=0.5)
+    html_path, report = compare_to_html(root)
+    first = report["pairs"][0]["first_divergence"]["entry"]
     assert "layer_norm" in first, f"the injected LayerNorm bug should be the first divergence, got {first}"
     return html_path, first
 
@@ -239,17 +246,8 @@ def nested_report(tmp_path_factory):
     root = tmp_path_factory.mktemp("nested")
     dump_training_step(root / "golden", layer_norm_eps=1e-5)
     dump_training_step(root / "target", layer_norm_eps=0.5)
-    html_path, json_path = root / "report.html", root / "report.json"
-    argv = sys.argv
-    sys.argv = ["npu-compare", str(root / "golden"), str(root / "target"), "--html", str(html_path),
-                "--json", str(json_path), "--workers", "1"]
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            compare_main()
-    finally:
-        sys.argv = argv
-    assert exit_info.value.code == 1
-    report = json.loads(json_path.read_text())["pairs"][0]
+    html_path, report = compare_to_html(root)
+    report = report["pairs"][0]
     assert report["first_divergence"]["module_path"] == DIVERGED_MODULE, report["first_divergence"]
     return root, html_path, report
 
