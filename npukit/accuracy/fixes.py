@@ -7,7 +7,7 @@ and, where the module calls that api more than once, the user's source line (`tr
 | kind          | what the run does at that op                                  | what the user writes instead |
 |---------------|---------------------------------------------------------------|------------------------------|
 | `fp32`        | autocast off, floating inputs cast to float32                  | an autocast-disabled region at that line |
-| `hf32_off`    | `torch.npu.matmul.allow_hf32` / `conv.allow_hf32` off around it | the same flags around that line |
+| `hf32_off`    | `torch.npu.matmul.allow_hf32` / `conv.allow_hf32` off around it and its backward | the same flags around that line |
 | `finite_fill` | a fill value of +-inf becomes the tensor dtype's max / min     | `torch.finfo(x.dtype).min` at that line |
 | `inf_nan_mode`| (the whole run) fp16 in INF_NAN mode, not saturation           | `INF_NAN_MODE_ENABLE=1` |
 
@@ -19,6 +19,7 @@ editing the code.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -82,9 +83,11 @@ class FixChange:
                     f"    return run\n{apply}\n# or at the line, with its fp16/bf16 tensor inputs cast (x.float()):\n"
                     + text.split("\n", 1)[1])
         if self.kind == "hf32_off":
-            return (f"{where}\nmatmul_hf32, conv_hf32 = torch.npu.matmul.allow_hf32, torch.npu.conv.allow_hf32\n"
-                    f"torch.npu.matmul.allow_hf32 = torch.npu.conv.allow_hf32 = False\n{original}\n"
-                    "torch.npu.matmul.allow_hf32, torch.npu.conv.allow_hf32 = matmul_hf32, conv_hf32")
+            flag = "torch.npu.conv.allow_hf32" if "conv" in self.api.lower() else "torch.npu.matmul.allow_hf32"
+            return (f"{where} (its forward, and its backward inside loss.backward())\n"
+                    f"#   {original}\n"
+                    f"{flag} = False  # for the whole step: the op's backward runs later, in loss.backward()\n"
+                    "# (to keep HF32 for the other ops, npu-run --precision-fix applies it to this op alone)")
         finite = _finite_fill_source(self.source)
         if finite is not None:
             return f"{where}\n{finite}"
@@ -205,15 +208,10 @@ class PrecisionFixSession:
             with torch.autocast(device, enabled=False):
                 return func(*_to_fp32(args), **_to_fp32(kwargs))
         if change.kind == "hf32_off":
-            flags = _hf32_flags()
-            before = [owner.allow_hf32 for owner in flags]
-            for owner in flags:
-                owner.allow_hf32 = False
-            try:
-                return func(*args, **kwargs)
-            finally:
-                for owner, value in zip(flags, before):
-                    owner.allow_hf32 = value
+            with _hf32_off():
+                result = func(*args, **kwargs)
+            _hf32_off_in_backward(result)
+            return result
         if change.kind == "finite_fill":
             dtype = _fill_dtype(args, kwargs)
             return func(*_finite(args, dtype), **_finite(kwargs, dtype))
@@ -291,6 +289,42 @@ def _hf32_flags() -> list:
     npu = getattr(torch, "npu", None)
     return [owner for owner in (getattr(npu, "matmul", None), getattr(npu, "conv", None))
             if owner is not None and hasattr(owner, "allow_hf32")]
+
+
+@contextlib.contextmanager
+def _hf32_off():
+    flags = _hf32_flags()
+    before = [owner.allow_hf32 for owner in flags]
+    for owner in flags:
+        owner.allow_hf32 = False
+    try:
+        yield
+    finally:
+        for owner, value in zip(flags, before):
+            owner.allow_hf32 = value
+
+
+def _hf32_off_in_backward(result) -> None:
+    """The op's backward (its autograd node: the input and weight gradients of a conv or matmul)
+    runs with HF32 off too: a pre-hook turns it off, a hook restores it."""
+    for tensor in _tensors(result):
+        node = tensor.grad_fn
+        if node is None:
+            continue
+        saved: list = []
+
+        def turn_off(grad_outputs, saved=saved):
+            saved.append([(owner, owner.allow_hf32) for owner in _hf32_flags()])
+            for owner, _ in saved[-1]:
+                owner.allow_hf32 = False
+
+        def restore(grad_inputs, grad_outputs, saved=saved):
+            for owner, value in saved.pop() if saved else ():
+                owner.allow_hf32 = value
+
+        node.register_prehook(turn_off)
+        node.register_hook(restore)
+        return  # one node computes the op's backward
 
 
 def _fill_dtype(args, kwargs):

@@ -372,3 +372,29 @@ def test_a_step_only_grad_scaler_skipped_gets_advice_not_precision_changes(tmp_p
                       skipped_by_grad_scaler="target")
     advice = grad_scaler_only(CompareResult(tmp_path, tmp_path, [pair], Thresholds()))
     assert "init_scale" in advice and "no precision problem" in advice
+
+
+def test_hf32_off_covers_the_ops_backward_too(npu):
+    """A conv's weight gradient is a conv of its own (in the backward): HF32 off for the op must
+    reach it, else a problem arising in the backward (a ResNet's) finds no fix."""
+    torch.manual_seed(0)
+    x = (torch.rand(2, 3, 8, 8) * 255).to(npu).requires_grad_()
+    weight = torch.randn(4, 3, 3, 3).to(npu).requires_grad_()
+
+    def weight_grad(fix: PrecisionFix | None, hf32: bool) -> torch.Tensor:
+        torch.npu.conv.allow_hf32 = hf32
+        try:
+            if fix is None:
+                out = F.conv2d(x, weight)
+            else:
+                with PrecisionFixSession(fix):
+                    out = F.conv2d(x, weight)
+            return torch.autograd.grad((out * out.detach()).sum(), weight)[0].cpu().double()
+        finally:
+            torch.npu.conv.allow_hf32 = True  # torch_npu's default
+
+    exact = weight_grad(None, hf32=False)
+    assert not torch.equal(weight_grad(None, hf32=True), exact)  # HF32 changes it
+    fixed = weight_grad(PrecisionFix([FixChange("hf32_off", "Functional.conv2d", "")]), hf32=True)
+    assert torch.equal(fixed, exact)
+    assert torch.npu.conv.allow_hf32  # restored after the backward
