@@ -274,6 +274,29 @@ def _run_target(options: RunOptions) -> int:
     return 0
 
 
+# What needs the emulated device (its numerics, its overflow flag, its host-side timeline)
+_EMULATOR_ONLY = {"golden": "--golden (the golden run turns the emulator's numerics off: record it with --emulate)",
+                  "detect_overflow": "--detect-overflow (it reads the emulator's overflow flag: on an Ascend host "
+                                     "use msprobe's overflow check)",
+                  "profile": "--profile (it records the emulator's host timeline: on an Ascend host use "
+                             "torch_npu.profiler)"}
+
+
+def _use_the_real_device(options: RunOptions) -> None:
+    """On an Ascend host (a real torch_npu installed, no --emulate): the script runs on the real NPU,
+    and the options that work the same there come along: --replay, --dump, --precision-fix (what
+    npu-compare --find-fix's trials use), --seed, torchrun's launch."""
+    refused = [text for option, text in _EMULATOR_ONLY.items() if getattr(options, option)]
+    if refused:
+        raise UserError("a real torch_npu is installed, so the script runs on the Ascend device, where "
+                        + "; ".join(refused) + " does not apply; or pass --emulate for npukit's emulated NPU")
+    try:
+        import torch_npu  # noqa: F401  (the real one: registers the Ascend device)
+    except ImportError as exc:
+        raise UserError(f"a real torch_npu is installed, but it does not import ({exc}): on an Ascend host set "
+                        "up CANN (source set_env.sh); elsewhere pass --emulate for npukit's emulated NPU") from None
+
+
 def _free_script_globals(namespace: dict) -> None:
     """Frees what the finished script left in its globals once torch.distributed's threads had the
     GIL. A gloo thread destroying a collective it has just finished needs the GIL (to free its
@@ -299,19 +322,19 @@ def main(options: RunOptions) -> int:
         raise UserError("--nnodes, --rdzv-endpoint, --rdzv-conf and --local-addr go with --nproc-per-node "
                         "(torchrun's launch)")
     if real_torch_npu_installed() and not options.emulate:
-        raise UserError("a real torch_npu is installed: run the script with plain python on the Ascend host, "
-                        "or pass --emulate to use npukit's emulated NPU anyway")
-    if not 0 <= options.devices <= 64:
-        raise UserError(f"--devices must be from 0 to 64, got {options.devices}")
-    if "NPUKIT_DEVICE_COUNT" not in os.environ and "ASCEND_RT_VISIBLE_DEVICES" not in os.environ:
-        os.environ["NPUKIT_DEVICE_COUNT"] = str(options.devices)
-    if options.golden:
-        os.environ["NPUKIT_GOLDEN"] = "1"
+        _use_the_real_device(options)
+    else:
+        if not 0 <= options.devices <= 64:
+            raise UserError(f"--devices must be from 0 to 64, got {options.devices}")
+        if "NPUKIT_DEVICE_COUNT" not in os.environ and "ASCEND_RT_VISIBLE_DEVICES" not in os.environ:
+            os.environ["NPUKIT_DEVICE_COUNT"] = str(options.devices)
+        if options.golden:
+            os.environ["NPUKIT_GOLDEN"] = "1"
 
-    import npukit.npu_backend  # noqa: F401  (installs the device)
-    from npukit.npu_backend.torch_npu_shim import install_torch_npu
+        import npukit.npu_backend  # noqa: F401  (installs the device)
+        from npukit.npu_backend.torch_npu_shim import install_torch_npu
 
-    install_torch_npu()
+        install_torch_npu()
     if options.transfer_to_npu:
         import torch_npu.contrib.transfer_to_npu  # noqa: F401  (applies the patches)
     if options.golden:

@@ -113,7 +113,7 @@ for step in range(2):
 
 
 def _npukit(entry_point: str, *args, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO), COLUMNS="200", **(env or {}))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200", **(env or {})}
     code = f"from npukit.cli import {entry_point}; {entry_point}()"
     return subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=600)
@@ -398,3 +398,39 @@ def test_hf32_off_covers_the_ops_backward_too(npu):
     fixed = weight_grad(PrecisionFix([FixChange("hf32_off", "Functional.conv2d", "")]), hf32=True)
     assert torch.equal(fixed, exact)
     assert torch.npu.conv.allow_hf32  # restored after the backward
+
+
+# A stand-in for torch_npu on an Ascend host: a package of its own (not npukit's shim) that
+# registers the npu device when imported, as the real one does; here the device is the emulator.
+STAND_IN = '''
+import os
+import npukit.npu_backend  # noqa: F401  (the device; the real package registers the Ascend one)
+with open(os.environ["STAND_IN_LOG"], "a") as log:
+    log.write("imported\\n")
+'''
+
+
+def test_on_an_ascend_host_the_trials_run_on_the_real_device(tmp_path):
+    """npu-run with a real torch_npu installed runs the script on it, with --replay, --dump and
+    --precision-fix (what the fix finder's trials need); emulator-only options are refused."""
+    site = tmp_path / "site" / "torch_npu"
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text(STAND_IN)
+    log = tmp_path / "imports.log"
+    real = {"PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{REPO}", "STAND_IN_LOG": str(log)}
+    (tmp_path / "train.py").write_text(OFFSET_LINEAR)
+    common = ["--seed", "0", "--replay", "replay"]
+    golden = _npukit("run_main", "--emulate", "--golden", "--dump", "golden", *common, "train.py", cwd=tmp_path,
+                     env=real)
+    assert golden.returncode == 0, golden.stderr
+    assert not log.exists()  # --emulate: npukit's own torch_npu answered the import
+    refused = _npukit("run_main", "--detect-overflow", *common, "train.py", cwd=tmp_path, env=real)
+    assert refused.returncode == 2 and "--detect-overflow" in refused.stderr and "msprobe" in refused.stderr
+    target = _npukit("run_main", "--dump", "npu", *common, "train.py", cwd=tmp_path, env=real)
+    assert target.returncode == 0, target.stderr
+    found = _npukit("compare_main", "golden", "npu", "--top", "0", "--find-fix", "--find-fix-json", "fix.json", "--",
+                    "npu-run", *common, "--dump", "npu", "train.py", cwd=tmp_path, env=real)
+    result = json.loads((tmp_path / "fix.json").read_text())
+    assert [(c["kind"], c["module"]) for c in result["fix"]] == [("fp32", "fc1")], found.stdout
+    # the NPU run and every trial imported the host's torch_npu
+    assert log.read_text().count("imported") == 1 + result["runs"]
