@@ -122,6 +122,10 @@ def dtype_class(dtype: str) -> str | None:
     return None
 
 
+NONFINITE_IN_TARGET_ONLY = "non-finite values in target only"
+NONFINITE_IN_GOLDEN_ONLY = "non-finite values in golden only"  # an fp16 inf a saturating device clamped
+
+
 @dataclass
 class Row:
     """One compared tensor (msprobe: one line of the result table)."""
@@ -548,7 +552,7 @@ def _judge_stats(row: Row, limits: DtypeLimits, thresholds: Thresholds) -> None:
     if golden_bad != target_bad:
         row.negligible = False
         row.error, row.verdict = math.inf, ERROR
-        row.message = "non-finite values in " + ("target only" if target_bad else "golden only")
+        row.message = NONFINITE_IN_TARGET_ONLY if target_bad else NONFINITE_IN_GOLDEN_ONLY
         return
     if golden_bad:
         row.error, row.verdict, row.message = 0.0, WARN, "non-finite values on both sides"

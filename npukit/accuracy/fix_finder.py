@@ -26,6 +26,7 @@ from pathlib import Path
 from npukit.accuracy import naming
 from npukit.accuracy.compare import (
     ERROR,
+    NONFINITE_IN_GOLDEN_ONLY,
     WARN,
     CompareResult,
     Thresholds,
@@ -138,7 +139,17 @@ def candidates_from(result: CompareResult, limit: int = MAX_CANDIDATES) -> list[
         for change in _changes_for(entry, dump):
             if change not in found:
                 found.append(change)
-    return _grouped(found)[:limit]
+    found = _grouped(found)[:limit]
+    if _saturated(pair):  # last: a code fix is preferred, and a 910A has no INF_NAN mode
+        found.append(FixChange("inf_nan_mode"))
+    return found
+
+
+def _saturated(pair) -> bool:
+    """The target ran fp16 in saturation mode: an fp16 value the golden run had as inf or nan is
+    finite in the target (saturation clamps to +-65504, nan to 0)."""
+    return any(row.message == NONFINITE_IN_GOLDEN_ONLY and row.target is not None and row.target.dtype == "torch.float16"
+               for row in pair.rows)
 
 
 def _grouped(changes: list[FixChange]) -> list[FixChange]:
@@ -341,7 +352,17 @@ def run_find_fix(golden: Path, target: Path, result: CompareResult, command: lis
                       f" ({trial.note}; {time.perf_counter() - started:.1f} s)")
 
     runner = TrialRunner(golden, command, work, anchor_name, thresholds, on_trial=show)
-    fix = find_fix(candidates, runner, max_runs)
+    if console.is_terminal:  # a bar while each run of the step goes (seconds to minutes)
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        limit = min(max_runs, bound + len(candidates))
+        with Progress(TextColumn("find-fix: run {task.completed:.0f} of at most {task.total:.0f}"), BarColumn(),
+                      TimeElapsedColumn(), console=console, transient=True) as progress:
+            task = progress.add_task("runs", total=limit)
+            runner.on_trial = lambda trial: (progress.advance(task), show(trial))
+            fix = find_fix(candidates, runner, max_runs)
+    else:
+        fix = find_fix(candidates, runner, max_runs)
     after = next((t for t in reversed(runner.trials) if t.fixed and t.changes == fix), None) if fix else None
     return FixResult(candidates, before, fix, after, runner.trials, anchor_name)
 
