@@ -302,9 +302,20 @@ def _free_script_globals(namespace: dict) -> None:
     GIL. A gloo thread destroying a collective it has just finished needs the GIL (to free its
     tensors' Python objects), and freeing a DDP model runs its process group's destructor, which
     joins that thread while holding the GIL: 1 run in 3 of 2 nodes x 4 ranks hung at exit so."""
-    if "torch.distributed" in sys.modules:
+    if _gloo_threads_may_run():
         time.sleep(0.5)  # the GIL released: a gloo thread waiting for it gets it and finishes
     namespace.clear()
+
+
+def _gloo_threads_may_run() -> bool:
+    """The run made a process group whose gloo threads may still be finishing a collective: an hccl
+    group (npukit's, run by gloo), or a group still initialized (a gloo one of the script's own)."""
+    distributed = sys.modules.get("npukit.npu_backend.distributed")
+    if distributed is not None and distributed.groups_made:
+        return True
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 
 
 def _is_runner_frame(filename: str) -> bool:

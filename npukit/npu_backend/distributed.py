@@ -100,6 +100,8 @@ class _AliasWork(dist.Work):
 # joins that thread while holding the GIL, and the process hangs at exit (a DDP model still alive
 # after destroy_process_group). shutdown() waits for them, with the GIL released, first.
 _WITH_PYTHON_CALLBACKS: set = set()
+# Whether this process made an hccl group (gloo threads that may still need the GIL at exit)
+groups_made = 0
 
 
 def _settled(work: _AliasWork) -> bool:
@@ -113,6 +115,8 @@ class ProcessGroupHCCL(dist.ProcessGroup):
     """ProcessGroup "hccl" for npu (and CPU) tensors, run by gloo on their zero-copy CPU aliases."""
 
     def __init__(self, store, rank: int, size: int, timeout: timedelta):
+        global groups_made
+        groups_made += 1
         super().__init__(rank, size)
         self._gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
         # The group's name (which functional collectives resolve groups by) is kept by its
