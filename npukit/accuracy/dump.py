@@ -360,6 +360,30 @@ class _StepRecord:
             self.entries.append(entry)
 
 
+_TORCH = os.sep + "torch" + os.sep
+_TORCH_DISTRIBUTED = _TORCH + "distributed" + os.sep
+# torch's own Python an op call may pass through between its caller and __torch_function__
+_THROUGH = tuple(_TORCH + name for name in ("overrides.py", "_tensor.py", "functional.py", "_jit_internal.py"))
+
+
+def _called_by_torch_distributed() -> bool:
+    """The op is called by torch.distributed's own Python (FSDP2 sharding and gathering parameters,
+    DDP's helpers), not by the model: not the user's op, and it may read a buffer a collective has
+    not filled yet (FSDP2 views its all-gather output, a torch.empty, before the gather: a correct
+    4-rank run compared as diverging on every rank with errors up to 1e40)."""
+    frame = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            return False
+        filename = frame.f_code.co_filename
+        if _TORCH_DISTRIBUTED in filename:
+            return True
+        if not filename.endswith(_THROUGH):
+            return False
+        frame = frame.f_back
+    return False
+
+
 class ApiMode(TorchFunctionMode):
     """Hands each torch / functional / Tensor api call to `handle(api, func, args, kwargs)` while
     `wanted()` is true (torch's functions are not patched; only the Tensor operators are wrapped, to
@@ -388,7 +412,7 @@ class ApiMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         api = self._table.get(func)
-        if api is None or self._kind in _broken_hooks or not self._wanted():
+        if api is None or self._kind in _broken_hooks or not self._wanted() or _called_by_torch_distributed():
             return func(*args, **kwargs)
         api = naming.OperatorNames.take(api)
         # The handler runs the op itself (between measuring inputs and outputs). An error of the op

@@ -162,3 +162,41 @@ def test_many_steps_show_the_step_where_it_began(four_ranks, tmp_path):
     text = console.file.getvalue()
     assert "step1/rank0" in text and "step2/rank0" not in text and "... 16 more step/rank pairs" in text
     assert "it began on rank 3, step 1 at Functional.linear.0.forward" in text
+
+
+FSDP2_SCRIPT = """
+import sys
+import torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+dist.init_process_group("hccl")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).npu()
+for layer in (model[0], model[2]):
+    fully_shard(layer)
+fully_shard(model)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+g = torch.Generator().manual_seed(rank)
+x, y = torch.randn(4, 8, generator=g).npu(), torch.randn(4, 4, generator=g).npu()
+if len(sys.argv) > 1 and rank == int(sys.argv[1]):
+    x = x * 3  # a bug on this rank only
+loss = F.mse_loss(model(x), y)
+optimizer.zero_grad()
+loss.backward()
+optimizer.step()
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp2_a_correct_run_is_quiet_and_a_bug_on_one_rank_is_named_there(tmp_path):
+    """FSDP2 views its all-gather buffer (a torch.empty) before the gather fills it: dumped as an op,
+    that read garbage, and a correct 4-rank run diverged on every rank with errors up to 1e40.
+    Ops torch.distributed's own Python makes are not the model's and are not dumped."""
+    (tmp_path / "train.py").write_text(FSDP2_SCRIPT)
+    npu_run(tmp_path, 4, "golden")
+    npu_run(tmp_path, 4, "npu")
+    npu_run(tmp_path, 4, "bug", "2")
+    quiet = compare_dirs(tmp_path / "golden", tmp_path / "npu")
+    assert not quiet.failed() and quiet.counts()["error"] == 0 and quiet.across_ranks is None
+    began = compare_dirs(tmp_path / "golden", tmp_path / "bug").across_ranks
+    assert (began.ranks, began.entry, began.phase) == ([2], "Functional.linear.0.forward", "forward")
