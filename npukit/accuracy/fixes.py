@@ -248,14 +248,11 @@ def module_matches(pattern: str, path: str) -> bool:
 
 
 def _user_line() -> str:
-    """`file.py:LINE` of the innermost frame outside torch and npukit: the call site of the op."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if not any(part in filename for part in (f"{os.sep}torch{os.sep}", f"{os.sep}npukit{os.sep}", "<frozen")):
-            return f"{os.path.basename(filename)}:{frame.f_lineno}"
-        frame = frame.f_back
-    return ""
+    """`file.py:LINE` of the op's call site in the user's code, as the dump's stack names it."""
+    from npukit.accuracy.stacks import user_call_site
+
+    site = user_call_site(sys._getframe(2))
+    return f"{os.path.basename(site[0])}:{site[1]}" if site else ""
 
 
 def _tensors(value):

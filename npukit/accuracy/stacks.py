@@ -36,6 +36,21 @@ def _kind(code) -> int:
     return _KEEP
 
 
+def user_call_site(frame) -> tuple[str, int] | None:
+    """(file, line) of the first of the user's own frames from `frame` outwards, by the rule the
+    dump's stacks follow (torch's and npukit's frames skipped; None at the launcher)."""
+    for _ in range(_MAX_WALK):
+        if frame is None:
+            return None
+        kind = _kind(frame.f_code)
+        if kind == _STOP:
+            return None
+        if kind == _KEEP:
+            return frame.f_code.co_filename, frame.f_lineno
+        frame = frame.f_back
+    return None
+
+
 class CallStacks:
     """Interned user call stacks: capture() returns a small id, frames(id) the frames."""
 
