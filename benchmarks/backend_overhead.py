@@ -11,7 +11,13 @@ than the emulator costs (the small MLP: foreach 12 us a step slower than the loo
 itself). So every case builds its optimizer with foreach=True, the path the npu takes by default;
 the small MLP's pair with each device's default is printed as well, for information.
 
-    python benchmarks/backend_overhead.py [--repeats 7] [--steps 10]
+The small MLP's ratio depends on the process more than on anything within one: the same code read
+1.116 to 1.148 in six fresh processes, while blocks within a process agreed (the CPU step alone
+moved between 240 and 274 us from process to process: where the allocator put the model). So that
+case is measured in --processes fresh processes and the median of their ratios is the figure, with
+the range printed beside it.
+
+    python benchmarks/backend_overhead.py [--repeats 7] [--steps 10] [--processes 5]
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import torch.nn.functional as F
 TARGETS = {"MLP": 1.30, "small MLP": 1.15, "CNN": 1.10, "GPT block": 1.10, "GPT AMP": 1.25}
 OP_OVERHEAD_TARGET_US = 0.3
 MIN_BLOCK_SECONDS = 0.02
+PROCESS_MEDIAN_CASES = ("small MLP",)  # see the module docstring
 SAME_OPTIMIZER = {"foreach": True}  # see the module docstring
 
 
@@ -151,6 +158,17 @@ def step_ratio(name: str, repeats: int, steps: int, make_case=None) -> tuple[flo
     return cpu_wall, npu_wall, npu_wall / cpu_wall, npu_time / cpu_time
 
 
+def step_ratio_over_processes(name: str, repeats: int, steps: int, processes: int) -> tuple[tuple, list[float]]:
+    """step_ratio in `processes` fresh interpreters: (the run with the median ratio, every ratio)."""
+    runs = []
+    for _ in range(processes):
+        out = subprocess.check_output([sys.executable, __file__, "--one-case", name, "--repeats", str(repeats),
+                                       "--steps", str(steps)], text=True)
+        runs.append(tuple(map(float, out.split())))
+    runs.sort(key=lambda run: run[2])
+    return runs[len(runs) // 2], [run[2] for run in runs]
+
+
 def op_overhead_us(repeats: int = 2000) -> dict[str, tuple[float, float]]:
     results = {}
     a_cpu, b_cpu = torch.randn(8, 8), torch.randn(8, 8)
@@ -188,19 +206,35 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--processes", type=int, default=5,
+                        help="fresh processes for the small MLP, whose median ratio is the figure")
+    parser.add_argument("--one-case", help=argparse.SUPPRESS)  # a child of step_ratio_over_processes
     args = parser.parse_args()
     torch.set_num_threads(1)
     import npukit.npu_backend  # noqa: F401
 
+    if args.one_case:
+        print(*step_ratio(args.one_case, args.repeats, args.steps))
+        return 0
+
     print(f"torch {torch.__version__}, 1 thread, {args.repeats} interleaved repeats x {args.steps} steps, medians")
     print(f"{'model':<10} {'cpu ms/step':>12} {'npu ms/step':>12} {'ratio':>7} {'cpu-time ratio':>15} {'target':>7}")
     met = True
+    spreads = []
     for name in CASES:
-        cpu, npu, ratio, cpu_time_ratio = step_ratio(name, args.repeats, args.steps)
+        if name in PROCESS_MEDIAN_CASES and args.processes > 1:
+            (cpu, npu, ratio, cpu_time_ratio), ratios = step_ratio_over_processes(name, args.repeats, args.steps,
+                                                                                  args.processes)
+            spreads.append(f"{name}: the median of {len(ratios)} processes, which read "
+                           + ", ".join(f"{r:.3f}" for r in ratios))
+        else:
+            cpu, npu, ratio, cpu_time_ratio = step_ratio(name, args.repeats, args.steps)
         ok = ratio <= TARGETS[name]
         met &= ok
         print(f"{name:<10} {cpu * 1e3:>12.2f} {npu * 1e3:>12.2f} {ratio:>7.3f} {cpu_time_ratio:>15.3f} "
               f"{'<=' + str(TARGETS[name]):>7} {'ok' if ok else 'MISSED'}")
+    for spread in spreads:
+        print(f"({spread})")
     info_name, make_case = DEFAULT_OPTIMIZER_CASE
     cpu, npu, ratio, cpu_time_ratio = step_ratio(info_name, args.repeats, args.steps, make_case)
     print(f"{info_name}: cpu {cpu * 1e3:.3f} ms, npu {npu * 1e3:.3f} ms, ratio {ratio:.3f} (information:\n"
