@@ -642,14 +642,16 @@ def find_divergence(pair_label: str, pairs: list, rows: list[Row], golden: RankD
             if leaf.producer is not None:
                 consumers.setdefault(leaf.producer, []).append(entry)
     golden_items, target_items = _single_values(golden), _single_values(target)
-    # In mixed precision a result (a loss, an output) differs by more than one op's rounding: an
-    # amplified error that leaves results within the error limit has not changed what is computed.
-    absorbed_limit = thresholds.error_rel_l2 if run_class != "fp32" else None
+    # What the run's precision explains in a result (a loss, the step's gradient): more than one op's
+    # rounding, up to `amplification` times its warn limit (5% for fp16 and HF32, 30% for bf16).
+    update_limit = thresholds.amplification * thresholds.limits(run_class).warn_rel_l2
+    # In mixed precision an amplified error that leaves every result within that has not changed
+    # what is computed. (The error limit alone let an HF32 cancellation leave the loss 14% off.)
+    absorbed_limit = min(update_limit, thresholds.error_rel_l2) if run_class != "fp32" else None
     # What the training computes from the step: an amplified error that leaves the whole gradient
     # (all weights' gradients as one vector, as clip_grad_norm_ sees it) within what the run's
     # precision explains changed nothing the step updates.
     update_error = _gradient_error(rows)
-    update_limit = thresholds.amplification * thresholds.limits(run_class).warn_rel_l2
     consequential = update_error > update_limit
     for order, (golden_entry, target_entry) in enumerate(pairs):
         entry = target_entry or golden_entry
@@ -747,9 +749,9 @@ def find_divergence(pair_label: str, pairs: list, rows: list[Row], golden: RankD
                         return _divergence(pair_label, (_entry_of_leaf(origin.name), "target-only", row),
                                            golden, target, out_err)
             if target_entry.direction != naming.BACKWARD and target.has_producers:
-                revealed = _revealed_by_cancellation(outputs, inputs, target_lineage, limit)
+                revealed = _revealed_by_cancellation(outputs, inputs, target_lineage, limit, thresholds.amplification)
                 if revealed is not None:
-                    return _cancellation_divergence(pair_label, revealed, target_entry, target, out_err)
+                    return _cancellation_divergence(pair_label, revealed, target_entry, target, out_err, hf32)
             reason = f"{_amplification_text(out_err, in_err)} ({'warn' if limit == warn else 'error'} limit {limit:g})"
             return _make_divergence(pair_label, target_entry, golden_entry, reason, target, in_err, out_err)
     return None
@@ -838,11 +840,13 @@ def _number_error(golden: DumpEntry, target: DumpEntry, golden_items: set, targe
 
 
 def _revealed_by_cancellation(outputs: list[Row], inputs: list[Row], lineage: _Lineage,
-                              limit: float) -> tuple[Row, Row, TensorLeaf] | None:
+                              limit: float, slack: float) -> tuple[Row, Row, TensorLeaf] | None:
     """(input row, output row, the input's producing leaf) when the op only revealed an error it was given: its output is far
     smaller than its inputs (a difference of nearly equal values) and carries about the absolute
-    error they brought, so a small relative error of the input became a large one of the output.
-    The signal was lost where that input was rounded: its producer."""
+    error they brought (within `slack` times: statistics dumps measure a tensor's error by its max,
+    min, mean and norm, which understate an elementwise error), so a small relative error of the
+    input became a large one of the output. The signal was lost where that input was rounded: its
+    producer."""
     for out in outputs:
         if _err(out) <= limit or not out.norm or out.target is None:
             continue
@@ -858,7 +862,7 @@ def _revealed_by_cancellation(outputs: list[Row], inputs: list[Row], lineage: _L
             return None
         largest_input = max(size for _, size, _ in carried)
         absolute_in = sum(error for error, _, _ in carried)
-        if out.norm < 0.1 * largest_input and out.error * out.norm <= 2 * absolute_in:
+        if out.norm < 0.1 * largest_input and out.error * out.norm <= slack * absolute_in:
             _, _, culprit = max(carried, key=lambda item: item[0])
             origin = lineage.origin(culprit.target)
             if origin.suffix.startswith("output"):
@@ -866,13 +870,18 @@ def _revealed_by_cancellation(outputs: list[Row], inputs: list[Row], lineage: _L
     return None
 
 
-def _cancellation_divergence(pair_label, revealed, consumer, dump, out_err) -> Divergence:
+def _cancellation_divergence(pair_label, revealed, consumer, dump, out_err, hf32: frozenset) -> Divergence:
     input_row, output_row, origin = revealed
     producer = dump.by_name()[_entry_of_leaf(origin.name)]
+    if _entry_class(producer, hf32) == "hf32":
+        switch = f"torch.npu.{'conv' if hf32_kind(producer.name) == 'conv' else 'matmul'}.allow_hf32"
+        remedy = f"HF32 rounds this op's inputs to 10 mantissa bits: set {switch} = False around it"
+    else:
+        remedy = "Compute this op and the cancellation in fp32"
     reason = (f"its output (relative error {_fmt(input_row.error)}) loses the signal it carries: "
               f"{consumer.name} subtracts nearly equal values (its output is {output_row.norm / input_row.norm:.2g}x "
               f"the size of this input) and its relative error becomes {_fmt(out_err)}. "
-              "Compute this op and the cancellation in fp32, or remove the large common offset")
+              f"{remedy}, or remove the large common offset")
     return Divergence(
         pair=pair_label,
         entry=producer.name,
