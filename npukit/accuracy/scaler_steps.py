@@ -19,12 +19,14 @@ class GradScalerStepWatch:
     """before(): called as GradScaler.step starts (the gradients are still scaled).
     after(skipped, scale): called when it returns; skipped when no optimizer.step ran inside.
     `inside` > 0 while GradScaler.step, unscale_ or update runs: sessions record none of their
-    ops, and optimizer hooks leave ending the step to `after`."""
+    ops, and optimizer hooks leave ending the step to `after`. `optimizer`: the optimizer of the
+    GradScaler.step call in progress. updated(): called when GradScaler.update returns."""
 
     def __init__(self, is_active: Callable[[], bool], before: Callable[[], None],
-                 after: Callable[[bool, float], None]) -> None:
-        self.is_active, self.before, self.after = is_active, before, after
+                 after: Callable[[bool, float], None], updated: Callable[[], None] | None = None) -> None:
+        self.is_active, self.before, self.after, self.updated = is_active, before, after, updated
         self.inside = 0
+        self.optimizer = None
         self._optimizer_steps = 0
         self._installed: tuple | None = None
 
@@ -48,10 +50,20 @@ class GradScalerStepWatch:
             if not watch.is_active() or not scaler.is_enabled():
                 return originals["step"](scaler, optimizer, *args, **kwargs)
             scale = scaler.get_scale()
-            watch.before()
-            optimizer_steps = watch._optimizer_steps
-            result = bookkeeping(originals["step"])(scaler, optimizer, *args, **kwargs)
-            watch.after(watch._optimizer_steps == optimizer_steps, scale)
+            watch.optimizer = optimizer
+            try:
+                watch.before()
+                optimizer_steps = watch._optimizer_steps
+                result = bookkeeping(originals["step"])(scaler, optimizer, *args, **kwargs)
+                watch.after(watch._optimizer_steps == optimizer_steps, scale)
+            finally:
+                watch.optimizer = None
+            return result
+
+        def update(scaler, *args, **kwargs):
+            result = bookkeeping(originals["update"])(scaler, *args, **kwargs)
+            if watch.updated is not None and watch.is_active():
+                watch.updated()
             return result
 
         def count(optimizer, args, kwargs) -> None:
@@ -60,7 +72,7 @@ class GradScalerStepWatch:
         handle = optimizer_hooks.register_optimizer_step_pre_hook(count)
         scaler_cls.step = step
         scaler_cls.unscale_ = bookkeeping(originals["unscale_"])
-        scaler_cls.update = bookkeeping(originals["update"])
+        scaler_cls.update = update
         self._installed = (scaler_cls, originals, handle)
 
     def remove(self) -> None:

@@ -26,6 +26,7 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
+from npukit.accuracy.scaler_steps import GradScalerStepWatch
 from npukit.errors import UserError
 from npukit.files import check_output_location, output_folder, refuse_links_inside
 from npukit.profiler.extract import GC_ANNOTATION_PREFIX, table_from_profiler
@@ -336,6 +337,11 @@ class ProfileSession:
         self._namer = _ModuleNamer()
         self._gc = _GcMarker()
         self._p2p = _P2PMarker()
+        # Under GradScaler a step ends when GradScaler.update returns (its ops are the step's), also
+        # when GradScaler.step skipped optimizer.step (inf/nan gradients)
+        self._scaler_steps = GradScalerStepWatch(lambda: True, self._end_scaler_step, self._after_scaler_step,
+                                                 self._end_scaler_step)
+        self._scaler_step_ending = None  # the optimizer whose step ends when GradScaler.update returns
 
     # -- user API ------------------------------------------------------------------------
     def step(self) -> None:
@@ -371,6 +377,7 @@ class ProfileSession:
             schedule=step_schedule,
         )
         self._hooks.append(register_optimizer_step_post_hook(self._on_optimizer_step))
+        self._scaler_steps.install()
         self._namer.install()
         self._p2p.install()
         self._gc.prepare()
@@ -387,6 +394,7 @@ class ProfileSession:
             for hook in self._hooks:
                 hook.remove()
             self._hooks.clear()
+            self._scaler_steps.remove()
             self._namer.remove()
             self._p2p.remove()
             self._gc.remove()
@@ -403,6 +411,22 @@ class ProfileSession:
                 old.unlink(missing_ok=True)
 
     def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
+        if self._scaler_steps.optimizer is optimizer:  # inside GradScaler.step
+            self._scaler_step_ending = optimizer
+        else:
+            self._end_auto_step(optimizer)
+
+    def _after_scaler_step(self, skipped: bool, scale: float) -> None:
+        if skipped:
+            self._scaler_step_ending = self._scaler_steps.optimizer
+
+    def _end_scaler_step(self) -> None:
+        """GradScaler.update returned (or, without one, the next GradScaler.step starts)."""
+        optimizer, self._scaler_step_ending = self._scaler_step_ending, None
+        if optimizer is not None:
+            self._end_auto_step(optimizer)
+
+    def _end_auto_step(self, optimizer) -> None:
         if self._explicit_steps or not self.auto_steps:
             return
         if self._step_clock is None:

@@ -114,6 +114,28 @@ def test_explicit_step_and_rank_from_env(tmp_path, monkeypatch):
     assert not list(tmp_path.glob("*.json"))
 
 
+def test_under_grad_scaler_a_step_ends_after_its_update_and_a_skipped_step_is_one(tmp_path):
+    """GradScaler skips optimizer.step where the gradients hold inf/nan (common while the loss scale
+    settles): that step still ends, not with the next step's optimizer.step. A step ends when
+    GradScaler.update returns: the update's ops are the step's, the last one is no step of its own."""
+    weight = torch.nn.Parameter(torch.randn(64, 64))
+    optimizer = torch.optim.SGD([weight], lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256)
+    x = torch.randn(64, 64)
+    with npukit.profiler.profile(tmp_path, steps="0,0,5", trace=False):  # one more than the loop runs
+        for step in range(4):
+            loss = torch.mm(x, weight).sum() * (float("inf") if step == 1 else 1.0)
+            optimizer.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+    table = EventTable.load(tmp_path / "rank0")
+    assert table.meta["steps"] == [0, 1, 2, 3]
+    forward_mm = (_names(table) == "aten::mm") & (table.phase != PHASE_BACKWARD) & table.top_level
+    assert sorted(table.step[forward_mm].tolist()) == [0, 1, 2, 3]
+    assert sorted(table.step[_names(table) == "aten::_amp_update_scale_"].tolist()) == [0, 1, 2, 3]
+
+
 def test_schedule_never_active_writes_nothing_and_says_why(tmp_path, capsys):
     with ProfileSession(tmp_path, steps="0,0,1"):
         train_steps(MatmulNet(), 1, batch=4)
