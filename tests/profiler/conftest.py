@@ -81,7 +81,10 @@ def npu_device():
 
 
 REPO = Path(__file__).resolve().parents[2]
-DDP_SCRIPT = """
+# The straggler fixture's rank 1 sleeps this long before each forward: long against what a busy
+# shared machine adds to an all_reduce of 1 MB (10-20 ms seen), which the sleeping rank pays too.
+SLEEP_US = 100_000
+DDP_SCRIPT = f"""
 import os, sys, time, torch, torch.distributed as dist, torch.nn as nn
 dist.init_process_group("hccl")
 straggler = int(sys.argv[1])
@@ -91,7 +94,7 @@ optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
 for step in range(4):
     x = torch.randn(16, 256, device="npu")
     if dist.get_rank() == straggler:
-        time.sleep(0.05)  # a slower input pipeline on one rank
+        time.sleep({SLEEP_US / 1e6})  # a slower input pipeline on one rank
     loss = ddp(x).square().mean()
     optimizer.zero_grad()
     loss.backward()
@@ -138,5 +141,5 @@ def _descendants(pid: int) -> list[int]:
 
 @pytest.fixture(scope="session")
 def straggler_profile(tmp_path_factory):
-    """A 2-rank DDP run recorded by npu-run; rank 1 sleeps 50 ms before each forward."""
+    """A 2-rank DDP run recorded by npu-run; rank 1 sleeps SLEEP_US before each forward."""
     return npu_run_profile(tmp_path_factory.mktemp("ddp"), DDP_SCRIPT, 2, "1")

@@ -23,9 +23,7 @@ from npukit.profiler.commands import run_cluster
 from npukit.profiler.summary import covered_ns, interval_union
 from npukit.profiler.table import EVENTS_FILE
 
-from .conftest import REPO, npu_run_profile
-
-SLEEP_US = 50_000  # the straggler fixture's rank 1 sleeps 50 ms before each forward
+from .conftest import REPO, SLEEP_US, npu_run_profile
 
 
 def npu_profile(*args: str, cwd: Path) -> subprocess.CompletedProcess:
