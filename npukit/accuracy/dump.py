@@ -81,6 +81,15 @@ def tensors_in(value) -> list[torch.Tensor]:
     return found
 
 
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of a DTensor (FSDP2's sharded parameters and their gradients): its local
+    shard, a plain tensor; any other tensor as it is."""
+    distributed_tensor = sys.modules.get("torch.distributed.tensor")
+    if distributed_tensor is not None and isinstance(tensor, distributed_tensor.DTensor):
+        return tensor._local_tensor
+    return tensor
+
+
 def unintercepted(function):
     """Run a hook with torch-function handling off: its own tensor accesses (.shape, .dtype, ...)
     would otherwise each go through the api mode (the mode is off only inside its own handler).
@@ -757,7 +766,7 @@ class DumpSession:
     def _record_parameter_grads(self) -> None:
         for module, path in list(self._paths.items()):
             grads = {
-                key: param.grad
+                key: local_shard(param.grad)  # FSDP2: this rank's shard of the reduced gradient
                 for key, param in module._parameters.items()
                 if param is not None and param.grad is not None
             }

@@ -51,6 +51,7 @@ from npukit.accuracy.dump import (
     StatsBuffer,
     describe_value,
     fill_stats,
+    local_shard,
     rank_from_env,
     tensors_in,
     unintercepted,
@@ -379,6 +380,7 @@ class OverflowSession:
         self.events: list[dict] = []
         self.skipped_steps: list[dict] = []
         self.step_index = 0
+        self._brought: dict[int, str] = {}  # step -> the first collective that brought inf/nan here
         self._event_count = 0
         self._shown_sites: list[tuple] = []  # (op, kind, first stack line) of events printed
         self._repeats = 0
@@ -442,6 +444,7 @@ class OverflowSession:
             optimizer_hooks.register_optimizer_step_post_hook(self._on_optimizer_post_step),
         ]
         self._scaler_steps.install()
+        self._watch_collectives(True)
         if self.level == "api":
             self._mode = ApiMode(lambda: not self._paused and not self._scaler_steps.inside, self._run_api,
                                  naming.creation_table())
@@ -474,6 +477,7 @@ class OverflowSession:
                 handle.remove()
             self._handles = []
             self._scaler_steps.remove()
+            self._watch_collectives(False)
             self._write_report(final=True)
             self._print_summary()
 
@@ -487,7 +491,7 @@ class OverflowSession:
         skipped = None
         if skipped_by_scaler:
             skipped = {"step": self.step_index, "rank": self.rank, "scale": scale, "first_overflow": None,
-                       "overflows": 0}
+                       "overflows": 0, "nonfinite_from_collective": self._brought.get(self.step_index)}
             self.skipped_steps.append(skipped)
         if state.ops or state.unattributed_flag or skipped_by_scaler or state.checks.pending:
             self._resolve(skipped_by_scaler=skipped_by_scaler)
@@ -505,11 +509,23 @@ class OverflowSession:
             self._print(f"[yellow]step {self.step_index}: skipped by GradScaler[/] (scale {scale:g})"
                         + (f"; gradients overflowed first in {handled[0]['name']}" if handled else ""))
         self._state = _StepState(self.underflow)
+        self._brought.pop(self.step_index, None)
         self._auto_ended = self._auto_step
         self._read_mode()
         self._module_stack = []
         self._step_root = None
         self.step_index += 1
+
+    def _watch_collectives(self, watch: bool) -> None:
+        """Be told, by the emulated NPU's hccl group, of the collectives that bring inf/nan to this
+        rank from finite inputs: they name how an overflow on another rank reached it."""
+        distributed = sys.modules.get("npukit.npu_backend.distributed")
+        if distributed is not None:
+            (distributed.observe_nonfinite if watch else distributed.forget_nonfinite)(self._on_nonfinite_collective)
+
+    def _on_nonfinite_collective(self, collective: str) -> None:
+        if self._checking:
+            self._brought.setdefault(self.step_index, collective)
 
     def _read_mode(self) -> None:
         self._saturation = _saturation_mode()
@@ -651,7 +667,7 @@ class OverflowSession:
             return
         state = self._state
         for module, path in list(self._paths.items()):
-            grads = [(key, param.grad) for key, param in module._parameters.items()
+            grads = [(key, local_shard(param.grad)) for key, param in module._parameters.items()
                      if param is not None and param.grad is not None]
             if not grads:
                 continue
@@ -1212,11 +1228,15 @@ def _where_it_began(merged: dict) -> dict | None:
     first = merged["events"][0]
     step = first["step"]
     own = {event["rank"] for event in merged["events"] if event["step"] == step} - {first["rank"]}
-    skipped = {item["rank"] for item in merged["skipped_steps"] if item["step"] == step}
+    skipped = [item for item in merged["skipped_steps"] if item["step"] == step]
+    reached = {item["rank"] for item in skipped} - own - {first["rank"]}
+    # the collectives that brought inf/nan to the reached ranks (where the hccl group tells)
+    through = [item.get("nonfinite_from_collective") for item in skipped if item["rank"] in reached]
     return {"rank": first["rank"], "step": step, "name": first["name"], "direction": first["direction"],
             "module": first.get("module"), "module_class": first.get("module_class"),
             "ranks_with_their_own_overflow": sorted(own),
-            "ranks_reached_through_a_collective": sorted(skipped - own - {first["rank"]})}
+            "ranks_reached_through_a_collective": sorted(reached),
+            "collectives": list(dict.fromkeys(name for name in through if name))}
 
 
 def across_ranks_line(began: dict, report: Path) -> str:
@@ -1224,8 +1244,13 @@ def across_ranks_line(began: dict, report: Path) -> str:
     line = (f"overflow across ranks: it began on rank {began['rank']}, step {began['step']}: "
             f"{began['name'] or 'an op the detector does not see'}{where}")
     if began["ranks_reached_through_a_collective"]:
-        line += (f"; it reached rank(s) {number_ranges(began['ranks_reached_through_a_collective'])} through a collective "
-                 "(their step was skipped with no overflowing op of their own, e.g. DDP's gradient all-reduce)")
+        reached = number_ranges(began["ranks_reached_through_a_collective"])
+        if began.get("collectives"):
+            line += (f"; then it spread to rank(s) {reached} through {' and '.join(began['collectives'])} (inf/nan in its"
+                     " output from finite inputs there; their step was skipped with no overflowing op of their own)")
+        else:
+            line += (f"; it reached rank(s) {reached} through a collective (their step was skipped with no overflowing"
+                     " op of their own, e.g. DDP's gradient all-reduce)")
     if began["ranks_with_their_own_overflow"]:
         line += f"; rank(s) {number_ranges(began['ranks_with_their_own_overflow'])} overflowed later in the step too"
     return line + f". All ranks: {report}"

@@ -19,6 +19,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from npukit.profiler import COLLECTIVE_MARK
+
 BACKEND_NAME = "hccl"
 
 
@@ -36,6 +38,45 @@ def cpu_alias(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(tensor.dtype).as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
 
 
+def _started(asked: str, runs: str, start, *args):
+    """start(*args), a gloo work; while a profiler records, inside the range that names the
+    collective asked for and the one gloo runs for it (npukit.profiler.COLLECTIVE_MARK)."""
+    if not torch.autograd._profiler_enabled():
+        return start(*args)
+    with torch.autograd.profiler.record_function(f"{COLLECTIVE_MARK}{asked}:{runs}"):
+        return start(*args)
+
+
+# Told of each collective that brings inf/nan into this process: its outputs hold them although this
+# rank's inputs to it were finite (the overflow detector names so how an overflow spread over ranks).
+_NONFINITE_OBSERVERS: list = []
+
+
+def observe_nonfinite(callback) -> None:
+    """callback(collective) (all_reduce, reduce_scatter, all_gather, broadcast, all_to_all) once the
+    collective has completed, when it wrote inf/nan here from finite inputs; remove it with
+    forget_nonfinite. It may run on a gloo thread."""
+    _NONFINITE_OBSERVERS.append(callback)
+
+
+def forget_nonfinite(callback) -> None:
+    if callback in _NONFINITE_OBSERVERS:
+        _NONFINITE_OBSERVERS.remove(callback)
+
+
+def _finite(tensors) -> bool:
+    with torch._C.DisableTorchFunction():  # the CPU aliases' own check, not an op of the model
+        return all(not t.is_floating_point() or bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def _watch(asked: str, inputs, outputs):
+    """What to check when the work completes, checked before it starts: (collective, its output
+    aliases) where someone observes and the inputs are finite; else None."""
+    if not _NONFINITE_OBSERVERS or not _finite(inputs):
+        return None
+    return asked, outputs
+
+
 def _aliases(tensors):
     return [cpu_alias(t) for t in tensors]
 
@@ -47,10 +88,17 @@ def _nested_aliases(tensor_lists):
 class _AliasWork(dist.Work):
     """The gloo work(s) of one collective, whose result and future yield the caller's (npu) tensors."""
 
-    def __init__(self, gloo_works, result):
+    def __init__(self, gloo_works, result, watch=None):
         super().__init__()
         self._gloo_works = gloo_works if isinstance(gloo_works, list) else [gloo_works]
         self._result = result
+        self._watch = watch  # (collective, output aliases) to check once it completes
+
+    def _completed(self) -> None:
+        watch, self._watch = self._watch, None
+        if watch is not None and not _finite(watch[1]):
+            for callback in list(_NONFINITE_OBSERVERS):
+                callback(watch[0])
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         for work in self._gloo_works:
@@ -58,6 +106,7 @@ class _AliasWork(dist.Work):
                 work.wait()
             else:
                 work.wait(timeout)
+        self._completed()
         return True
 
     def is_completed(self) -> bool:
@@ -87,6 +136,7 @@ class _AliasWork(dist.Work):
 
         def caller_tensors(done: torch.futures.Future):
             done.wait()  # re-raises a failed collective's error, which then fails the returned future
+            self._completed()
             return result
 
         future = torch.futures.collect_all([work.get_future() for work in self._gloo_works]).then(caller_tensors)
@@ -139,33 +189,47 @@ class ProcessGroupHCCL(dist.ProcessGroup):
 
     # Each override hands gloo the CPU aliases and returns a work whose result is the caller's tensors.
     def broadcast(self, tensors, opts):
-        return _AliasWork(self._gloo.broadcast(_aliases(tensors), opts), tensors)
+        aliases = _aliases(tensors)
+        watch = _watch("broadcast", aliases, aliases)
+        return _AliasWork(self._gloo.broadcast(aliases, opts), tensors, watch)
 
     def allreduce(self, tensors, opts):
-        return _AliasWork(self._gloo.allreduce(_aliases(tensors), opts), tensors)
+        aliases = _aliases(tensors)
+        watch = _watch("all_reduce", aliases, aliases)
+        # marked too: the all_reduces gloo runs are named in order, those asked for and the others
+        return _AliasWork(_started("all_reduce", "all_reduce", self._gloo.allreduce, aliases, opts), tensors, watch)
 
     def allreduce_coalesced(self, tensors, opts):
-        return _AliasWork(self._gloo.allreduce_coalesced(_aliases(tensors), opts), tensors)
+        aliases = _aliases(tensors)
+        watch = _watch("all_reduce", aliases, aliases)
+        return _AliasWork(_started("all_reduce", "all_reduce", self._gloo.allreduce_coalesced, aliases, opts), tensors,
+                          watch)
 
     def reduce(self, tensors, opts):
         return _AliasWork(self._gloo.reduce(_aliases(tensors), opts), tensors)
 
     def allgather(self, output_lists, input_tensors, opts):
-        work = self._gloo.allgather(_nested_aliases(output_lists), _aliases(input_tensors), opts)
-        return _AliasWork(work, output_lists)
+        outputs, inputs = _nested_aliases(output_lists), _aliases(input_tensors)
+        watch = _watch("all_gather", inputs, [alias for aliases in outputs for alias in aliases])
+        return _AliasWork(self._gloo.allgather(outputs, inputs, opts), output_lists, watch)
 
     def _allgather_base(self, output, input, opts):
-        return _AliasWork(self._gloo._allgather_base(cpu_alias(output), cpu_alias(input), opts), [output])
+        output_alias, input_alias = cpu_alias(output), cpu_alias(input)
+        watch = _watch("all_gather", [input_alias], [output_alias])
+        return _AliasWork(self._gloo._allgather_base(output_alias, input_alias, opts), [output], watch)
 
     def allgather_coalesced(self, output_lists, input_tensors, opts):
-        work = self._gloo.allgather_coalesced(_nested_aliases(output_lists), _aliases(input_tensors), opts)
-        return _AliasWork(work, output_lists)
+        outputs, inputs = _nested_aliases(output_lists), _aliases(input_tensors)
+        watch = _watch("all_gather", inputs, [alias for aliases in outputs for alias in aliases])
+        return _AliasWork(self._gloo.allgather_coalesced(outputs, inputs, opts), output_lists, watch)
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts):
         # gloo has no coalesced form: one collective per pair, in order, awaited together.
-        works = [self._gloo._allgather_base(cpu_alias(output), cpu_alias(input), opts)
-                 for output, input in zip(outputs, inputs, strict=True)]
-        return _AliasWork(works, outputs)
+        output_aliases, input_aliases = _aliases(outputs), _aliases(inputs)
+        watch = _watch("all_gather", input_aliases, output_aliases)
+        works = [self._gloo._allgather_base(output, input, opts)
+                 for output, input in zip(output_aliases, input_aliases, strict=True)]
+        return _AliasWork(works, outputs, watch)
 
     def gather(self, output_lists, input_tensors, opts):
         work = self._gloo.gather(_nested_aliases(output_lists), _aliases(input_tensors), opts)
@@ -176,25 +240,34 @@ class ProcessGroupHCCL(dist.ProcessGroup):
         return _AliasWork(work, output_tensors)
 
     def reduce_scatter(self, output_tensors, input_lists, opts):
-        work = self._gloo.reduce_scatter(_aliases(output_tensors), _nested_aliases(input_lists), opts)
-        return _AliasWork(work, output_tensors)
+        outputs, inputs = _aliases(output_tensors), _nested_aliases(input_lists)
+        watch = _watch("reduce_scatter", [alias for aliases in inputs for alias in aliases], outputs)
+        work = _started("reduce_scatter", "all_reduce", self._gloo.reduce_scatter, outputs, inputs, opts)
+        return _AliasWork(work, output_tensors, watch)
 
     def _reduce_scatter_base(self, output, input, opts):
-        return _AliasWork(self._gloo._reduce_scatter_base(cpu_alias(output), cpu_alias(input), opts), [output])
+        output_alias, input_alias = cpu_alias(output), cpu_alias(input)
+        watch = _watch("reduce_scatter", [input_alias], [output_alias])
+        return _AliasWork(_started("reduce_scatter", "all_reduce", self._gloo._reduce_scatter_base, output_alias,
+                                   input_alias, opts), [output], watch)
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts):
-        works = [self._gloo._reduce_scatter_base(cpu_alias(output), cpu_alias(input), opts)
-                 for output, input in zip(outputs, inputs, strict=True)]
-        return _AliasWork(works, outputs)
+        output_aliases, input_aliases = _aliases(outputs), _aliases(inputs)
+        watch = _watch("reduce_scatter", input_aliases, output_aliases)
+        works = [_started("reduce_scatter", "all_reduce", self._gloo._reduce_scatter_base, output, input, opts)
+                 for output, input in zip(output_aliases, input_aliases, strict=True)]
+        return _AliasWork(works, outputs, watch)
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts):
-        work = self._gloo.alltoall_base(cpu_alias(output), cpu_alias(input), output_split_sizes,
-                                        input_split_sizes, opts)
-        return _AliasWork(work, [output])
+        output_alias, input_alias = cpu_alias(output), cpu_alias(input)
+        watch = _watch("all_to_all", [input_alias], [output_alias])
+        work = self._gloo.alltoall_base(output_alias, input_alias, output_split_sizes, input_split_sizes, opts)
+        return _AliasWork(work, [output], watch)
 
     def alltoall(self, output_tensors, input_tensors, opts):
-        work = self._gloo.alltoall(_aliases(output_tensors), _aliases(input_tensors), opts)
-        return _AliasWork(work, output_tensors)
+        outputs, inputs = _aliases(output_tensors), _aliases(input_tensors)
+        watch = _watch("all_to_all", inputs, outputs)
+        return _AliasWork(self._gloo.alltoall(outputs, inputs, opts), output_tensors, watch)
 
     def send(self, tensors, dst_rank: int, tag: int):
         return _AliasWork(self._gloo.send(_aliases(tensors), dst_rank, tag), tensors)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from npukit.profiler import COLLECTIVE_MARK
 from npukit.profiler.cost import CONV_OPS, element_size, numel, op_cost
 from npukit.profiler.table import (
     KIND_ANNOTATION,
@@ -265,8 +266,40 @@ def table_from_profiler(prof, module_names: dict[int, str] | None = None, meta: 
     table = builder.build(meta)
     _assign_steps(table, step_ranges)
     _sort_by_start(table)
+    _name_collectives_as_asked(table)
     _nest_in_annotations(table)
     return table
+
+
+def _name_collectives_as_asked(table: EventTable) -> None:
+    """Name each gloo work by the collective its caller asked for, from the COLLECTIVE_MARK range
+    the hccl group recorded around its start: gloo runs a reduce_scatter as an all_reduce and
+    records it as one. A group's works start in the order they were asked for, each at or after
+    its range began: the n-th range naming works of a kind takes the first such work not yet taken
+    that starts at or after it. Works no range names (another group's) keep gloo's name."""
+    marks = {i: text[len(COLLECTIVE_MARK):].split(":") for i, text in enumerate(table.strings)
+             if text.startswith(COLLECTIVE_MARK)}
+    if not marks:
+        return
+    ranges: dict[str, list[tuple[int, str]]] = {}
+    for row in np.flatnonzero(np.isin(table.name_id, list(marks))).tolist():  # rows are in start order
+        asked, runs = marks[int(table.name_id[row])]
+        ranges.setdefault(runs, []).append((int(table.start_ns[row]), asked))
+    for runs, started in ranges.items():
+        if f"gloo:{runs}" not in table.strings or all(asked == runs for _, asked in started):
+            continue
+        works = np.flatnonzero((table.kind == KIND_COMM) & (table.name_id == table.strings.index(f"gloo:{runs}")))
+        position = 0
+        for start, asked in started:
+            while position < len(works) and table.start_ns[works[position]] < start:
+                position += 1
+            if position == len(works):
+                break
+            if asked != runs:
+                if f"gloo:{asked}" not in table.strings:
+                    table.strings.append(f"gloo:{asked}")
+                table.name_id[works[position]] = table.strings.index(f"gloo:{asked}")
+            position += 1
 
 
 def _nest_in_annotations(table: EventTable) -> None:

@@ -17,6 +17,7 @@ from npukit.accuracy.dumpfile import load_rank_dump
 from npukit.accuracy.overflow import OverflowSession, OverflowStop, merge_rank_reports
 from npukit.errors import UserError
 from npukit.npu_backend import numerics
+from tests.npu_backend.conftest import DDP_TRAIN
 
 from .models import Net
 
@@ -282,31 +283,12 @@ def test_across_ranks_an_earlier_step_comes_before_an_earlier_time(tmp_path):
 
 
 def test_a_two_rank_ddp_run_names_the_rank_whose_batch_overflowed(tmp_path):
-    """npu-run --nproc-per-node 2 --detect-overflow: rank 1's batch overflows fp16; rank 0 only
-    skips the step (GradScaler saw the inf DDP's all-reduce brought). Said once, by the last rank."""
+    """npu-run --nproc-per-node 2 --detect-overflow: rank 1's batch overflows fp16 at step 1; rank 0
+    only skips the step (GradScaler saw the inf DDP's all-reduce brought). Said once, by the last rank."""
     script = tmp_path / "ddp_inf.py"
-    script.write_text(textwrap.dedent("""
-        import torch, torch.distributed as dist, torch.nn as nn
-        dist.init_process_group("hccl")
-        rank = dist.get_rank()
-        torch.manual_seed(0)
-        model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).npu())
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        scaler = torch.amp.GradScaler("npu", init_scale=256)
-        for step in range(3):
-            x = torch.randn(8, 16, device="npu")
-            if rank == 1 and step == 1:
-                x = x * 1e5  # this rank's batch overflows fp16 in its first linear
-            with torch.autocast("npu", dtype=torch.float16):
-                loss = model(x).float().square().mean()
-            optimizer.zero_grad()
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-        dist.destroy_process_group()
-    """))
+    script.write_text(DDP_TRAIN)
     run = subprocess.run([sys.executable, "-m", "npukit.run", "--nproc-per-node", "2", "--detect-overflow",
-                          str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                          str(script), "0", "1", "1"], capture_output=True, text=True, cwd=tmp_path, timeout=300,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert run.returncode == 0, run.stderr[-3000:]
     output = run.stdout + run.stderr
@@ -314,6 +296,8 @@ def test_a_two_rank_ddp_run_names_the_rank_whose_batch_overflowed(tmp_path):
     began = json.loads((tmp_path / "overflow" / "overflow.json").read_text())["across_ranks"]
     assert (began["rank"], began["step"], began["name"]) == (1, 1, "Functional.linear.0.forward")
     assert began["ranks_reached_through_a_collective"] == [0] and began["ranks_with_their_own_overflow"] == []
+    # the hccl group saw DDP's gradient all_reduce write inf/nan on rank 0 from its finite gradients
+    assert began["collectives"] == ["all_reduce"] and "then it spread to rank(s) 0 through all_reduce" in output
 
 
 @pytest.mark.parametrize("options, message", [

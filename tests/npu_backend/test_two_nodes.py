@@ -17,37 +17,11 @@ from pathlib import Path
 import pytest
 
 from npukit.profiler.cluster import cluster_summary, load_ranks
+from tests.npu_backend.conftest import DDP_TRAIN as TRAIN
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "multinode" / "two_nodes.sh"
 
-TRAIN = textwrap.dedent("""
-    import os, time, torch, torch.distributed as dist, torch.nn as nn
-    dist.init_process_group("hccl")
-    rank = dist.get_rank()
-    torch.manual_seed(0)
-    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)).npu())
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = torch.amp.GradScaler("npu", init_scale=256)
-    for step in range(4):
-        x = torch.randn(8, 64, device="npu")
-        if rank == 5:
-            time.sleep(0.05)  # a slower input pipeline on node 1's second rank
-        if rank == 6 and step == 2:
-            x = x * 1e5  # this rank's batch overflows fp16 in its first linear
-        with torch.autocast("npu", dtype=torch.float16):
-            loss = model(x).float().square().mean()
-        optimizer.zero_grad()
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-    weights = model.module[0].weight.detach().cpu()
-    everyone = [torch.empty_like(weights) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, weights)
-    print(f"rank {rank} of {dist.get_world_size()} on node {os.environ['GROUP_RANK']}: "
-          f"weights equal everywhere {all(torch.equal(w, weights) for w in everyone)}", flush=True)
-    dist.destroy_process_group()
-""")
 
 
 def _netns_available() -> bool:

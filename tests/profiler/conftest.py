@@ -108,13 +108,21 @@ def npu_run_profile(tmp_path: Path, script: str, nproc: int, *args: str, timeout
     path = tmp_path / "script.py"
     path.write_text(script)
     out = tmp_path / "prof"
+    npu_run_ranks(tmp_path, nproc, "--profile", str(out), str(path), *args, timeout=timeout)
+    return out
+
+
+def npu_run_ranks(folder: Path, nproc: int, *arguments: str, timeout: float = 240) -> str:
+    """`npu-run --nproc-per-node N ARGUMENTS` in folder (npu-run's options, the script and its
+    arguments); its output (stdout and stderr). A run that does not end in time is killed, with
+    every rank."""
     # its own process group, so a hang kills torchrun and every rank (not only the launcher: the
     # ranks would keep torchrun's port for the next run)
-    run = subprocess.Popen([sys.executable, "-m", "npukit.run", "--nproc-per-node", str(nproc), "--profile", str(out),
-                            str(path), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO)), start_new_session=True)
+    run = subprocess.Popen([sys.executable, "-m", "npukit.run", "--nproc-per-node", str(nproc), *arguments],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=folder,
+                           env=dict(os.environ, PYTHONPATH=str(REPO)), start_new_session=True)
     try:
-        _, stderr = run.communicate(timeout=timeout)
+        stdout, stderr = run.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         for pid in [*_descendants(run.pid), run.pid]:  # torchrun starts each rank in a session of its own
             with contextlib.suppress(OSError):
@@ -122,7 +130,7 @@ def npu_run_profile(tmp_path: Path, script: str, nproc: int, *args: str, timeout
         _, stderr = run.communicate(timeout=60)
         pytest.fail(f"the {nproc}-rank run did not finish in {timeout} s: {stderr[-3000:]}")
     assert run.returncode == 0, stderr[-3000:]
-    return out
+    return stdout + stderr
 
 
 def _descendants(pid: int) -> list[int]:

@@ -1,6 +1,7 @@
 """The cluster view, `npu-profile DIR` over every rank: per-rank step split, the slowest rank and the
 wait it causes in each collective, the send/recv matrix, one trace of all ranks; on profiles
-recorded by `npu-run --nproc-per-node N` (2 and 8 ranks), and with a rank whose table is broken."""
+recorded by `npu-run --nproc-per-node N` (2 ranks; 8 in tests/npu_backend/test_eight_ranks.py), and
+with a rank whose table is broken."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -173,51 +173,6 @@ def _quiet():
     from rich.console import Console
 
     return Console(file=open(os.devnull, "w"), width=200)  # noqa: SIM115 (closed with the process)
-
-
-DDP8_SCRIPT = """
-import sys, time, torch, torch.distributed as dist, torch.nn as nn
-dist.init_process_group("hccl")
-straggler, rank = int(sys.argv[1]), dist.get_rank()
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(64, 64), nn.Linear(64, 8)
-
-    def forward(self, x):
-        if rank == straggler:
-            time.sleep(0.2)  # the injected straggler: slower in its forward
-        return self.fc2(torch.relu(self.fc1(x)))
-
-ddp = nn.parallel.DistributedDataParallel(Net().npu())
-optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
-for step in range(4):
-    loss = ddp(torch.randn(8, 64, device="npu")).square().mean()
-    optimizer.zero_grad()
-    loss.backward()
-    optimizer.step()
-dist.destroy_process_group()
-"""
-
-
-def test_eight_ranks_name_the_injected_straggler(tmp_path):
-    started = time.perf_counter()
-    prof = npu_run_profile(tmp_path, DDP8_SCRIPT, 8, "5", timeout=400)
-    recorded = time.perf_counter() - started
-    cluster = cluster_summary(load_ranks(prof))
-    assert cluster.ranks == list(range(8)) and cluster.steps == [1, 2, 3]
-    assert cluster.slowest["rank"] == 5, cluster.slowest
-    # every other rank waits in the all_reduce for rank 5's sleep, each step
-    waits = cluster.slowest["others_waiting_us"]
-    assert sorted(waits) == ["0", "1", "2", "3", "4", "6", "7"]
-    assert all(wait > 0.5 * 200_000 for wait in waits.values()), waits
-    [all_reduce] = [row for row in cluster.collectives if row["collective"] == "gloo:all_reduce"]
-    assert all_reduce["waited_for_rank"] == 5
-    late = [call for call in cluster.calls if call["collective"] == "gloo:all_reduce" and call["step"] >= 1]
-    assert sum(call["last_rank"] == 5 for call in late) >= len(late) - 1
-    assert {f.rule for f in advise_cluster(cluster)} == {"straggler-rank"}
-    print(f"8-rank run recorded in {recorded:.1f} s")
 
 
 def test_interval_helpers_match_a_brute_force_count():
