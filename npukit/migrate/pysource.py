@@ -55,7 +55,6 @@ class PythonMigrator(AuditRules, CallRules, DeviceRules, NameRules, SourceModel)
     def analyse(self, *, audit: bool = True) -> tuple[list[Edit], list[Finding]]:
         """Edits and findings; with audit, every CUDA use the edits leave is reported (not for --runtime)."""
         self.flow_uses: set[tuple] = set()
-        self.backend_flag_seen = False
         self._build_bindings()
         self._claim_for_codemods()
         self._handle_imports()

@@ -142,13 +142,6 @@ class DeviceRules:
                 self._rewrite_device_expr(keyword.value, "argparse-default")
             elif keyword.arg == "choices":
                 self._rewrite_device_choices(keyword.value, "argparse-default")
-        for arg in call.args:
-            flag_name = string_value(arg)
-            if flag_name and flag_name.startswith("-") and "cuda" in flag_name.lower():
-                self._flag(arg, Flag("cli-flag", "info", f"the CLI flag {flag_name} keeps its name (it is your interface)",
-                                     "only the .cuda() calls it guards were rewritten; consider renaming the flag"))
-            if flag_name and flag_name.startswith("-") and "backend" in flag_name.lower():
-                self.backend_flag_seen = True
 
     def _rewrite_device_choices(self, expr: ast.AST, rule: str) -> None:
         items = expr.elts if isinstance(expr, (ast.List, ast.Tuple, ast.Set)) else [expr]

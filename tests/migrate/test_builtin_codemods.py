@@ -20,6 +20,7 @@ from npukit.migrate.codemods import (
     AutocastGpuDtype,
     Bf16Autocast,
     CompileModes,
+    CudaCliFlags,
     CudaDefaultDevices,
     CudaEnvironment,
     CudaMethods,
@@ -753,3 +754,14 @@ def test_libcsts_tool_runs_distributed_backends(tmp_path):
                                                                    "dist.init_process_group(backend)\nx = 'nccl'\n")
     assert text == "import torch.distributed as dist\nbackend = 'hccl'\ndist.init_process_group(backend)\nx = 'nccl'\n"
     assert "4:5: info backend-string: 'nccl' is not in a recognised backend position" in warnings
+
+
+@pytest.mark.parametrize(("code", "expected"), [
+    ("import argparse\np = argparse.ArgumentParser()\np.add_argument('--no-cuda', '--CUDA', action='store_true')\n"
+     "p.add_argument('-c', '--use_' 'cuda', type=int)\n",
+     ["3:16 cli-flag", "3:29 cli-flag", "4:22 cli-flag"]),  # every spelling of a flag, adjacent literals too
+    ("p.add_argument('cuda')\np.add_argument('--device', default='cuda')\np.add_argument(*['--cuda'])\n"
+     "p.add_option('--cuda')\nadd_argument('--cuda')\n", []),  # a positional's name, a value, not argparse's
+])
+def test_cuda_cli_flags_are_reported_and_keep_their_names(code, expected):
+    assert _warned(CudaCliFlags, code) == expected
