@@ -190,8 +190,8 @@ class DistributedBackends(StringPlaces, NpuCodemod):
         if method == "add_argument":
             for arg in keywords:
                 name = arg.keyword.value if arg.keyword is not None else None
-                if name == "default" and not device_literals(arg.value, self.facts):
-                    literal = backend_literal(arg.value)
+                if name == "default":
+                    literal = backend_literal(arg.value)  # a plain backend string is never a device value
                     if literal is not None:
                         self._rewrite(literal, "argparse-default")
                 elif name == "choices":
@@ -228,16 +228,15 @@ class DistributedBackends(StringPlaces, NpuCodemod):
     def _assignments(self) -> None:
         """Variables and attributes holding a backend string: rewritten when named like a backend or
         seen flowing into a backend argument; dict entries keyed like a backend."""
-        scopes = self.facts.scopes
-        candidates: list[tuple[tuple, str, cst.BaseExpression]] = []  # (flow key, name, value)
+        candidates: list[tuple[cst.CSTNode, str, cst.BaseExpression]] = []  # (binder, name, value)
         keyed: list[tuple[cst.BaseExpression, cst.BaseExpression]] = []  # (key, value)
         for node in self.assignments:
             targets = [t.target for t in node.targets] if isinstance(node, cst.Assign) else [node.target]
             for target in targets:
                 if isinstance(target, cst.Name):
-                    candidates.append(((scopes.scope_of.get(node, scopes.module), target.value), target.value, node.value))
+                    candidates.append((node, target.value, node.value))
                 elif isinstance(target, cst.Attribute):
-                    candidates.append((("attr", self._source(target)), target.attr.value, node.value))
+                    candidates.append((target, target.attr.value, node.value))
                 elif isinstance(target, cst.Subscript) and len(target.slice) == 1 and \
                         target.slice[0].comma is cst.MaybeSentinel.DEFAULT and isinstance(target.slice[0].slice, cst.Index):
                     keyed.append((target.slice[0].slice.value, node.value))  # kwargs["backend"] = "nccl"
@@ -245,12 +244,12 @@ class DistributedBackends(StringPlaces, NpuCodemod):
             params = function.params
             for param in (*params.posonly_params, *params.params, *params.kwonly_params):
                 if param.default is not None:
-                    candidates.append(((function, param.name.value), param.name.value, param.default))
-        for key, name, value in candidates:
-            if device_literals(value, self.facts):
-                continue  # a device value: the device rules' business
+                    candidates.append((function, param.name.value, param.default))
+        for binder, name, value in candidates:
             literals = backend_literals(value)
-            if literals and (key in self.flow_uses or "backend" in name.lower()):
+            if not literals or device_literals(value, self.facts):
+                continue  # a device value ("cuda" if x else "nccl"): the device rules' business
+            if "backend" in name.lower() or self.flow_uses and self._flow_key(binder, name) in self.flow_uses:
                 for literal in literals:
                     self._rewrite(literal, "backend-string")
         keyed = [(element.key, element.value) for node in self.dicts for element in node.elements
@@ -260,6 +259,16 @@ class DistributedBackends(StringPlaces, NpuCodemod):
             if key_text is not None and "device" not in key_text.lower() and "backend" in key_text.lower():
                 for literal in backend_literals(value):
                     self._rewrite(literal, "backend-string")
+
+    def _flow_key(self, binder: cst.CSTNode, name: str) -> tuple:
+        """What _note_flow_use notes for a variable bound by an assignment or a parameter of a
+        function, or for an attribute assigned."""
+        if isinstance(binder, cst.Attribute):
+            return "attr", self._source(binder)
+        if isinstance(binder, (cst.Assign, cst.AnnAssign)):
+            scopes = self.facts.scopes
+            return scopes.scope_of.get(binder, scopes.module), name
+        return binder, name
 
     def _note_flow_use(self, expr: cst.BaseExpression) -> None:
         if isinstance(expr, cst.Name) and expr.value not in self.facts.bindings:
