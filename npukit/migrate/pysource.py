@@ -55,8 +55,6 @@ class PythonMigrator(AuditRules, CallRules, DeviceRules, NameRules, SourceModel)
     def analyse(self, *, audit: bool = True) -> tuple[list[Edit], list[Finding]]:
         """Edits and findings; with audit, every CUDA use the edits leave is reported (not for --runtime)."""
         self.flow_uses: set[tuple] = set()
-        self._pending_backend_sinks: list[ast.AST] = []
-        self.backend_flag_seen = False
         self._build_bindings()
         self._claim_for_codemods()
         self._handle_imports()
@@ -68,7 +66,6 @@ class PythonMigrator(AuditRules, CallRules, DeviceRules, NameRules, SourceModel)
         self._handle_attributes()
         self._handle_strings()
         self._handle_fstrings()
-        self._flag_backend_sinks()
         self._run_builtin_codemods()
         edits = sorted(self.edits.values(), key=lambda e: (e.start, e.end))
         edits = drop_overlaps(edits)

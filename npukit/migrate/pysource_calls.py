@@ -33,7 +33,6 @@ class CallRules:
                 ):
                     self._handle_amp_call(call, qualified)
             self._handle_device_sinks(call, qualified, method)
-            self._handle_backend_sinks(call, qualified, method)
             if method == "add_argument":
                 self._handle_argparse(call)
             elif method == "startswith" and self._is_device_like(func.value) and call.args:

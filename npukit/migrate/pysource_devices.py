@@ -9,7 +9,6 @@ reported, never guessed; docstrings, comments and log messages are never touched
 from __future__ import annotations
 
 import ast
-import re
 
 from npukit.migrate import rules
 from npukit.migrate.pysource_model import last_name, string_value
@@ -59,24 +58,6 @@ class DeviceRules:
         for literal in literals:
             self._rewrite_string_prefix(literal, "cuda", "npu", rule)
         return bool(literals)
-
-    def _backend_literal(self, expr: ast.AST) -> ast.Constant | None:
-        value = string_value(expr)
-        if value is not None and rules.BACKEND_VALUE.match(value) and "nccl" in value:
-            return expr
-        return None
-
-    def _backend_literals(self, expr: ast.AST) -> list[ast.Constant]:
-        """The "nccl" literals an expression can evaluate to: the literal itself, or the branches of a
-        conditional (`"gloo" if not torch.cuda.is_available() else "nccl"`), nested ones included."""
-        if isinstance(expr, ast.IfExp):
-            return self._backend_literals(expr.body) + self._backend_literals(expr.orelse)
-        literal = self._backend_literal(expr)
-        return [literal] if literal is not None else []
-
-    def _rewrite_backend(self, node: ast.Constant, rule: str) -> None:
-        new = re.sub(r"\bnccl\b", "hccl", re.sub(r"\bcuda\b", "npu", node.value))
-        self._rewrite_string_value(node, new, rule)
 
     def _is_int_ordinal(self, expr: ast.AST) -> bool:
         if isinstance(expr, ast.Constant):
@@ -135,7 +116,7 @@ class DeviceRules:
             elif ints_allowed and self._is_int_ordinal(expr):
                 self._rewrite_int_ordinal(expr)
             else:
-                self._note_flow_use(expr, "device")
+                self._note_flow_use(expr)
 
     def _local_device_arguments(self, call: ast.Call) -> list[ast.AST]:
         """Positional arguments of this file's own functions whose parameter is named like a device."""
@@ -155,48 +136,19 @@ class DeviceRules:
         return [arg for arg, param in zip(call.args, params)
                 if not isinstance(arg, ast.Starred) and "device" in param.lower()]
 
-    def _handle_backend_sinks(self, call: ast.Call, qualified: str | None, method: str | None) -> None:
-        exprs = [k.value for k in call.keywords if k.arg == "backend"]
-        name = (qualified or "").rsplit(".", 1)[-1] or method
-        if name == "init_process_group" and call.args:
-            exprs.append(call.args[0])
-        for expr in exprs:
-            literals = self._backend_literals(expr)
-            for literal in literals:
-                self._rewrite_backend(literal, "backend-string")
-            if not literals and isinstance(expr, (ast.Name, ast.Attribute)):
-                self._note_flow_use(expr, "backend")
-                if name == "init_process_group" and isinstance(expr, ast.Attribute) and self.qualname(expr) is None:
-                    self._pending_backend_sinks.append(expr)
-
     def _handle_argparse(self, call: ast.Call) -> None:
         for keyword in call.keywords:
             if keyword.arg == "default":
-                if self._rewrite_device_expr(keyword.value, "argparse-default"):
-                    continue
-                literal = self._backend_literal(keyword.value)
-                if literal is not None:
-                    self._rewrite_backend(literal, "argparse-default")
+                self._rewrite_device_expr(keyword.value, "argparse-default")
             elif keyword.arg == "choices":
                 self._rewrite_device_choices(keyword.value, "argparse-default")
-        for arg in call.args:
-            flag_name = string_value(arg)
-            if flag_name and flag_name.startswith("-") and "cuda" in flag_name.lower():
-                self._flag(arg, Flag("cli-flag", "info", f"the CLI flag {flag_name} keeps its name (it is your interface)",
-                                     "only the .cuda() calls it guards were rewritten; consider renaming the flag"))
-            if flag_name and flag_name.startswith("-") and "backend" in flag_name.lower():
-                self.backend_flag_seen = True
 
     def _rewrite_device_choices(self, expr: ast.AST, rule: str) -> None:
         items = expr.elts if isinstance(expr, (ast.List, ast.Tuple, ast.Set)) else [expr]
         for item in items:
             value = string_value(item)
-            if value is None:
-                continue
-            if rules.DEVICE_TEMPLATE.match(value):
+            if value is not None and rules.DEVICE_TEMPLATE.match(value):
                 self._rewrite_string_prefix(item, "cuda", "npu", rule)
-            elif self._backend_literal(item) is not None:
-                self._rewrite_backend(item, rule)
 
     def _handle_compares(self) -> None:
         for node in self.compares:
@@ -205,31 +157,26 @@ class DeviceRules:
                 left, right = operands[index], operands[index + 1]
                 if isinstance(op, (ast.Eq, ast.NotEq, ast.Is, ast.IsNot)):
                     for const, other in ((left, right), (right, left)):
-                        if string_value(const) is None:
-                            continue
-                        if self._backend_literal(const) is not None and string_value(other) is None:
-                            self._rewrite_backend(const, "backend-compare")
-                        elif rules.DEVICE_VALUE.match(const.value) and self._is_device_like(other):
+                        if string_value(const) is not None and rules.DEVICE_VALUE.match(const.value) \
+                                and self._is_device_like(other):
                             self._rewrite_string_prefix(const, "cuda", "npu", "device-compare")
                 elif isinstance(op, (ast.In, ast.NotIn)):
                     if isinstance(right, (ast.List, ast.Tuple, ast.Set)):
                         for item in right.elts:
-                            if self._backend_literal(item) is not None:
-                                self._rewrite_backend(item, "backend-compare")
-                            elif string_value(item) is not None and rules.DEVICE_VALUE.match(item.value) \
+                            if string_value(item) is not None and rules.DEVICE_VALUE.match(item.value) \
                                     and self._is_device_like(left):
                                 self._rewrite_string_prefix(item, "cuda", "npu", "device-compare")
                     elif string_value(left) is not None and rules.DEVICE_VALUE.match(left.value) \
                             and self._is_device_like(right):
                         self._rewrite_string_prefix(left, "cuda", "npu", "device-compare")
 
-    def _note_flow_use(self, expr: ast.AST, kind: str) -> None:
+    def _note_flow_use(self, expr: ast.AST) -> None:
+        """A variable or attribute that flows into a device use: ("attr", source) or (scope id, name)."""
         if isinstance(expr, ast.Name) and expr.id not in self.bindings:
             scope = self.scope_of.get(id(expr), self.tree)
-            defining = self._defining_scope(expr.id, scope)
-            self.flow_uses.add((kind, id(defining), expr.id))
+            self.flow_uses.add((id(self._defining_scope(expr.id, scope)), expr.id))
         elif isinstance(expr, ast.Attribute) and self.qualname(expr) is None:
-            self.flow_uses.add((kind, "attr", self.pos.segment(expr)))
+            self.flow_uses.add(("attr", self.pos.segment(expr)))
 
     def _defining_scope(self, name: str, scope: ast.AST) -> ast.AST:
         current = scope
@@ -244,7 +191,7 @@ class DeviceRules:
         return self.tree
 
     def _handle_assignments(self) -> None:
-        candidates: list[tuple[str, object, str, ast.AST]] = []  # (kind, key, name, value)
+        candidates: list[tuple[tuple, str, ast.AST]] = []  # (flow key, name, value)
         for node in self.assigns:
             value = node.value
             if value is None:
@@ -253,38 +200,30 @@ class DeviceRules:
             scope = self.scope_of.get(id(node), self.tree)
             for target in targets:
                 if isinstance(target, ast.Name):
-                    candidates.append(("name", (id(scope), target.id), target.id, value))
+                    candidates.append(((id(scope), target.id), target.id, value))
                 elif isinstance(target, ast.Attribute):
-                    candidates.append(("attr", ("attr", self.pos.segment(target)), target.attr, value))
+                    candidates.append((("attr", self.pos.segment(target)), target.attr, value))
         for function in self.functions:
             arguments = function.args
             positional = arguments.posonlyargs + arguments.args
             for arg, default in zip(positional[len(positional) - len(arguments.defaults):], arguments.defaults):
-                candidates.append(("name", (id(function), arg.arg), arg.arg, default))
+                candidates.append(((id(function), arg.arg), arg.arg, default))
             for arg, default in zip(arguments.kwonlyargs, arguments.kw_defaults):
                 if default is not None:
-                    candidates.append(("name", (id(function), arg.arg), arg.arg, default))
-        for _kind, key, name, value in candidates:
+                    candidates.append(((id(function), arg.arg), arg.arg, default))
+        for key, name, value in candidates:
             lowered = name.lower()
             literals = self._device_literals(value)
             if literals:
-                used = ("device", *key) in self.flow_uses if key[0] != "attr" else ("device", "attr", key[1]) in self.flow_uses
-                if used or "device" in lowered or lowered in ("dev", "accelerator") or lowered.endswith("_dev"):
+                if key in self.flow_uses or "device" in lowered or lowered in ("dev", "accelerator") or lowered.endswith("_dev"):
                     for literal in literals:
                         self._rewrite_string_prefix(literal, "cuda", "npu", "device-variable")
                 elif isinstance(value, ast.Constant):
                     self._flag(value, Flag("device-string", "info",
                                            f"'{value.value}' is assigned to `{name}` but not seen flowing into a device use",
                                            "if it is a device, change it to 'npu' by hand"))
-                continue
-            backend_literals = self._backend_literals(value)  # "nccl", or a conditional choosing it
-            if backend_literals:
-                used = ("backend", *key) in self.flow_uses if key[0] != "attr" else ("backend", "attr", key[1]) in self.flow_uses
-                if used or "backend" in lowered:
-                    for literal in backend_literals:
-                        self._rewrite_backend(literal, "backend-string")
-        # dict displays: {"device": "cuda", "backend": "nccl"} configure a device/backend by key; so
-        # does an item assignment: kwargs["device_type"] = "cuda"
+        # dict displays: {"device": "cuda"} configure a device by key; so does an item assignment:
+        # kwargs["device_type"] = "cuda"
         keyed = [(node.keys, node.values) for node in self.dicts]
         keyed += [([target.slice], [node.value]) for node in self.assigns if node.value is not None
                   for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
@@ -296,15 +235,6 @@ class DeviceRules:
                     continue
                 if "device" in key_text.lower():
                     self._rewrite_device_expr(value, "device-variable")
-                elif "backend" in key_text.lower():
-                    for literal in self._backend_literals(value):
-                        self._rewrite_backend(literal, "backend-string")
-        for call in self.calls:  # dict(backend="nccl")
-            if isinstance(call.func, ast.Name) and call.func.id == "dict":
-                for keyword in call.keywords:
-                    if keyword.arg and "backend" in keyword.arg.lower():
-                        for literal in self._backend_literals(keyword.value):
-                            self._rewrite_backend(literal, "backend-string")
 
     def _handle_strings(self) -> None:
         for node in self.strings:
@@ -324,16 +254,6 @@ class DeviceRules:
                 self._flag(node, Flag("device-string", "info",
                                       f"'{value}' is not in a recognised device position and was left unchanged",
                                       "change it to 'npu' by hand if it names the device"))
-            elif self._backend_literal(node) is not None and not is_dict_key and self._chosen_by_cuda_test(node):
-                self._flag(node, Flag("backend-choice", "warning",
-                                      f"'{value}' is chosen by a CUDA availability test that was migrated to NPU, so "
-                                      "the migrated code picks it exactly on NPU hosts (where NCCL does not exist); "
-                                      "it was not seen flowing into a process-group backend, so it was left unchanged",
-                                      "change it to 'hccl' if it names the process-group backend"))
-            elif self._backend_literal(node) is not None and not is_dict_key:
-                self._flag(node, Flag("backend-string", "info",
-                                      f"'{value}' is not in a recognised backend position and was left unchanged",
-                                      "change it to 'hccl' by hand if it names the process-group backend"))
 
     def _handle_fstrings(self) -> None:
         for node in self.fstrings:
@@ -351,20 +271,3 @@ class DeviceRules:
             if any(isinstance(sub, ast.Call) and self.qualname(sub.func) == "torch.cuda.is_available"
                    for sub in ast.walk(node.test)):
                 self._rewrite_device_expr(node, "device-string")
-
-    def _chosen_by_cuda_test(self, node: ast.AST) -> bool:
-        """A branch of a conditional expression whose test calls torch.cuda.is_available() (nested IfExps too)."""
-        current = node
-        up = self.parent.get(id(current))
-        while isinstance(up, ast.IfExp) and current is not up.test:
-            if any(isinstance(sub, ast.Call) and self.qualname(sub.func) == "torch.cuda.is_available"
-                   for sub in ast.walk(up.test)):
-                return True
-            current, up = up, self.parent.get(id(up))
-        return False
-
-    def _flag_backend_sinks(self) -> None:
-        for expr in self._pending_backend_sinks:
-            self._flag(expr, Flag("backend-string", "info",
-                                  f"the process-group backend comes from {self.pos.segment(expr)}",
-                                  "make sure it resolves to 'hccl' (argparse/config defaults of 'nccl' were rewritten)"))

@@ -399,19 +399,3 @@ class SourceModel:
         """The CUDA-only libraries taking device strings that this file imports (isaacgym, warp ...)."""
         roots = {name.split(".")[0] for node in self.imports for name in imported_names(node)}
         return frozenset(roots & set(rules.CUDA_ONLY_DEVICE_LIBRARIES))
-
-    def _rewrite_string_value(self, node: ast.Constant, new_value: str, rule: str, *, needs_torch_npu: bool = True) -> bool:
-        """Replace the whole value of a simple (escape-free) string literal, keeping prefix and quotes."""
-        if id(node) in self.claimed:
-            return True
-        segment = self.pos.segment(node)
-        head = _STRING_HEAD.match(segment)
-        if head is None:
-            return False
-        quote = head.group(2)
-        body = segment[head.end():len(segment) - len(quote)]
-        if body != node.value or not segment.endswith(quote) or "\\" in body:
-            return False
-        self.claimed.add(id(node))
-        self._edit(node, f"{head.group(1)}{quote}{new_value}{quote}", rule, needs_torch_npu=needs_torch_npu)
-        return True

@@ -20,6 +20,7 @@ from npukit.migrate.codemods import (
     AutocastGpuDtype,
     Bf16Autocast,
     CompileModes,
+    CudaCliFlags,
     CudaDefaultDevices,
     CudaEnvironment,
     CudaMethods,
@@ -27,6 +28,7 @@ from npukit.migrate.codemods import (
     DdpSetDevice,
     DefaultTensorType,
     DeviceModelChecks,
+    DistributedBackends,
     DualTargetCode,
     ThirdPartyCuda,
     TorchLoadMapLocation,
@@ -87,19 +89,25 @@ def test_cuda_environment_reports_what_it_does_not_rename():
     assert _warnings(code) == ["2:23 env-var", "3:12 env-var", "4:41 env-var", "5:16 nvidia-smi", "6:7 env-var"]
 
 
-def test_libcsts_tool_runs_one_builtin_codemod(tmp_path):
+def _libcst_tool(tmp_path: Path, codemod: str, code: str) -> tuple[str, str]:
+    """(the file's new text, the tool's stderr) after `python -m libcst.tool codemod` ran one built-in
+    codemod on a folder holding `code`."""
     (tmp_path / "src").mkdir()
-    (tmp_path / "src" / "launch.py").write_text('import os\nos.environ["CUDA_VISIBLE_DEVICES"] = "3"\n'
-                                                'os.environ["NCCL_IB_DISABLE"] = "1"\n')
+    (tmp_path / "src" / "launch.py").write_text(code)
     env = dict(os.environ, PYTHONPATH=str(REPO))
     run = subprocess.run([sys.executable, "-m", "libcst.tool", "codemod", "--no-format", "-x",
-                          "npukit.migrate.codemods.CudaEnvironment", "src"], cwd=tmp_path, capture_output=True,
+                          f"npukit.migrate.codemods.{codemod}", "src"], cwd=tmp_path, capture_output=True,
                          text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr
-    assert (tmp_path / "src" / "launch.py").read_text() == ('import os\nos.environ["ASCEND_RT_VISIBLE_DEVICES"] = "3"\n'
-                                                            'os.environ["NCCL_IB_DISABLE"] = "1"\n')
-    assert "2:12: warning visible-devices:" in run.stderr
-    assert "3:12: warning env-var: NCCL_IB_DISABLE: NCCL_* variables have no effect" in run.stderr
+    return (tmp_path / "src" / "launch.py").read_text(), run.stderr
+
+
+def test_libcsts_tool_runs_one_builtin_codemod(tmp_path):
+    text, warnings = _libcst_tool(tmp_path, "CudaEnvironment", 'import os\nos.environ["CUDA_VISIBLE_DEVICES"] = "3"\n'
+                                                               'os.environ["NCCL_IB_DISABLE"] = "1"\n')
+    assert text == 'import os\nos.environ["ASCEND_RT_VISIBLE_DEVICES"] = "3"\nos.environ["NCCL_IB_DISABLE"] = "1"\n'
+    assert "2:12: warning visible-devices:" in warnings
+    assert "3:12: warning env-var: NCCL_IB_DISABLE: NCCL_* variables have no effect" in warnings
 
 
 def test_npu_migrate_reports_the_codemods_edits_and_findings_under_their_rules():
@@ -655,7 +663,105 @@ def test_the_trees_classes_with_their_own_cuda_come_through_the_codemod_context(
     ("import torch\ntorch.cuda.synchronize()\n", None),  # nothing of its own: no parse
 ])
 def test_cuda_methods_ask_for_the_whole_file_only_when_the_file_decides(code, whole_file):
+    assert _asks_for_whole_file(CudaMethods, code) is whole_file
+
+
+def _asks_for_whole_file(codemod, code: str) -> bool | None:
+    """Whether npu-migrate parses all of the file for this codemod (None: none of it)."""
     migrator = PythonMigrator(code, "train.py")
     migrator._build_bindings()
-    found = CudaMethods.candidates(migrator)
-    assert (None if not found else any(node is migrator.tree for node in found)) is whole_file
+    found = codemod.candidates(migrator)
+    return None if not found else any(node is migrator.tree for node in found)
+
+
+class DistributedBackendsCase(CodemodTest):
+    TRANSFORM = DistributedBackends
+
+    def runTest(self):  # noqa: N802 (unittest's name)
+        # the backend argument, through the imports; prefix and quotes kept; device:backend pairs
+        self.assertCodemod("import torch.distributed as dist\nfrom torch.distributed import init_process_group as ipg\n"
+                           "dist.init_process_group(backend='nccl')\nipg(r\"cuda:nccl,cpu:gloo\")\n"
+                           "dist.new_group(backend='gloo' if cpu else \"\"\"nccl\"\"\")\n",
+                           "import torch.distributed as dist\nfrom torch.distributed import init_process_group as ipg\n"
+                           "dist.init_process_group(backend='hccl')\nipg(r\"npu:hccl,cpu:gloo\")\n"
+                           "dist.new_group(backend='gloo' if cpu else \"\"\"hccl\"\"\")\n")
+        # comparisons with an expression, argparse defaults and choices, a device's startswith
+        self.assertCodemod("if args.backend == 'nccl' or b in ('nccl', 'gloo'):\n    pass\n"
+                           "p.add_argument('--dist', default='nccl', choices=['nccl', 'gloo'])\n"
+                           "ok = device.startswith(('cuda', 'nccl'))\n",
+                           "if args.backend == 'hccl' or b in ('hccl', 'gloo'):\n    pass\n"
+                           "p.add_argument('--dist', default='hccl', choices=['hccl', 'gloo'])\n"
+                           "ok = device.startswith(('cuda', 'hccl'))\n")
+        # variables: named like a backend, or flowing into a backend argument (scopes respected)
+        self.assertCodemod("import torch.distributed as dist\ndist_backend = 'nccl'\npg = 'nccl'\nother = 'nccl'\n"
+                           "def setup(kind='nccl'):\n    other = 'gloo'\n    dist.init_process_group(pg, rank=0)\n"
+                           "    dist.new_group(backend=kind)\n    dist.new_group(backend=other)\n"
+                           "cfg = {'backend': 'nccl'}\nkw['dist_backend'] = 'nccl'\nd = dict(backend='nccl')\n",
+                           "import torch.distributed as dist\ndist_backend = 'hccl'\npg = 'hccl'\nother = 'nccl'\n"
+                           "def setup(kind='hccl'):\n    other = 'gloo'\n    dist.init_process_group(pg, rank=0)\n"
+                           "    dist.new_group(backend=kind)\n    dist.new_group(backend=other)\n"
+                           "cfg = {'backend': 'hccl'}\nkw['dist_backend'] = 'hccl'\nd = dict(backend='hccl')\n",
+                           expected_warnings=["4:9: info backend-string: 'nccl' is not in a recognised backend position "
+                                              "and was left unchanged (change it to 'hccl' by hand if it names the "
+                                              "process-group backend)"])
+        unchanged = [
+            '"""Uses nccl."""\nimport torch\n',  # a docstring
+            "import torch\nprint('nccl')\nlogger.info('backend %s', 'nccl')\nraise ValueError('nccl')\n",  # messages
+            "import torch\ntable = {'nccl': 1}\n",  # a dict key
+            "import torch\nb = 'nccl' if x else 'cuda'\n",  # a device value: the device rules' business
+            "import torch.distributed as dist\ndist.init_process_group(backend='n\\x63cl')\n",  # escapes: left
+            "import torch.distributed as dist\ndist.init_process_group(backend=b'nccl')\n",  # bytes
+            "print('no backend here')\n",
+        ]
+        for code in unchanged:
+            self.assertCodemod(code, code)
+
+
+def test_distributed_backends_as_a_libcst_codemod_test():
+    DistributedBackendsCase().runTest()
+
+
+@pytest.mark.parametrize(("code", "expected"), [
+    # a backend a CUDA availability test picks, which the migration turns into the NPU's test
+    ("import torch\nname = 'gloo' if not torch.cuda.is_available() else 'nccl'\nprint(name)\n",
+     ["2:53 backend-choice"]),
+    ("import torch\nname = ('nccl' if ok else 'mpi') if torch.cuda.is_available() else 'gloo'\n",
+     ["2:9 backend-choice"]),
+    # the backend read from the user's configuration: where it comes from is reported
+    ("import torch.distributed as dist\ndist.init_process_group(backend=args.dist_backend)\n",
+     ["2:33 backend-string"]),
+    ("import torch.distributed as dist\ndist.init_process_group(backend=dist.Backend.NCCL)\n", []),  # torch's own
+    # a backend spelled over adjacent literals is not rewritten: reported with the other "nccl"s
+    ("import torch\nb = 'nccl'\nbackend = 'nc' 'cl'\n", ["2:5 backend-string", "3:11 backend-string"]),
+])
+def test_distributed_backends_reports_what_it_leaves(code, expected):
+    assert _warned(DistributedBackends, code) == expected
+
+
+@pytest.mark.parametrize(("code", "whole_file"), [
+    ("import torch.distributed as dist\nb = 'nccl'\ndist.init_process_group(backend='nccl')\n", False),
+    # `pg` may flow from one statement into another's backend argument
+    ("import torch.distributed as dist\npg = 'nccl'\ndef f():\n    dist.init_process_group(pg)\n", True),
+    ("import torch.distributed as dist\ndist.init_process_group(args.backend)\n", False),  # reported: its statement
+    ("import torch.distributed as dist\ndist.init_process_group(backend)\n", None),  # nothing of its own: no parse
+])
+def test_distributed_backends_ask_for_the_whole_file_only_for_flows(code, whole_file):
+    assert _asks_for_whole_file(DistributedBackends, code) is whole_file
+
+
+def test_libcsts_tool_runs_distributed_backends(tmp_path):
+    text, warnings = _libcst_tool(tmp_path, "DistributedBackends", "import torch.distributed as dist\nbackend = 'nccl'\n"
+                                                                   "dist.init_process_group(backend)\nx = 'nccl'\n")
+    assert text == "import torch.distributed as dist\nbackend = 'hccl'\ndist.init_process_group(backend)\nx = 'nccl'\n"
+    assert "4:5: info backend-string: 'nccl' is not in a recognised backend position" in warnings
+
+
+@pytest.mark.parametrize(("code", "expected"), [
+    ("import argparse\np = argparse.ArgumentParser()\np.add_argument('--no-cuda', '--CUDA', action='store_true')\n"
+     "p.add_argument('-c', '--use_' 'cuda', type=int)\n",
+     ["3:16 cli-flag", "3:29 cli-flag", "4:22 cli-flag"]),  # every spelling of a flag, adjacent literals too
+    ("p.add_argument('cuda')\np.add_argument('--device', default='cuda')\np.add_argument(*['--cuda'])\n"
+     "p.add_option('--cuda')\nadd_argument('--cuda')\n", []),  # a positional's name, a value, not argparse's
+])
+def test_cuda_cli_flags_are_reported_and_keep_their_names(code, expected):
+    assert _warned(CudaCliFlags, code) == expected

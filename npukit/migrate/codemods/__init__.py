@@ -18,7 +18,9 @@ import libcst as cst
 from libcst.codemod import CodemodCommand
 
 from npukit.migrate.codemods.autocast_dtype import AutocastGpuDtype
+from npukit.migrate.codemods.backends import DistributedBackends
 from npukit.migrate.codemods.bf16_autocast import Bf16Autocast
+from npukit.migrate.codemods.cli_flags import CudaCliFlags
 from npukit.migrate.codemods.compile_modes import CompileModes
 from npukit.migrate.codemods.cuda_methods import CudaMethods
 from npukit.migrate.codemods.custom_ops import CustomCudaOps
@@ -36,9 +38,10 @@ from npukit.migrate.codemods.unsupported_methods import UnsupportedTensorMethods
 # The concerns ported from the ast engine so far, in the order they run (each on the original parse).
 BUILTIN_CODEMODS = (DualTargetCode, CudaEnvironment, CudaDefaultDevices, InfiniteFills, TorchLoadMapLocation, CustomCudaOps,
                     Bf16Autocast, DdpSetDevice, ThirdPartyCuda, DeviceModelChecks,
-                    DefaultTensorType, CompileModes, UnsupportedTensorMethods, AutocastGpuDtype, CudaMethods)
+                    DefaultTensorType, CompileModes, UnsupportedTensorMethods, AutocastGpuDtype, CudaMethods,
+                    DistributedBackends, CudaCliFlags)
 
-__all__ = ["BUILTIN_CODEMODS", "AutocastGpuDtype", "Bf16Autocast", "CompileModes", "CudaDefaultDevices", "CudaMethods", "CustomCudaOps", "DdpSetDevice", "DefaultTensorType", "DeviceModelChecks", "DualTargetCode", "CudaEnvironment", "InfiniteFills", "MigrateToNpu", "ThirdPartyCuda",
+__all__ = ["BUILTIN_CODEMODS", "AutocastGpuDtype", "Bf16Autocast", "CompileModes", "CudaCliFlags", "CudaDefaultDevices", "CudaMethods", "CustomCudaOps", "DdpSetDevice", "DefaultTensorType", "DeviceModelChecks", "DistributedBackends", "DualTargetCode", "CudaEnvironment", "InfiniteFills", "MigrateToNpu", "ThirdPartyCuda",
            "TorchLoadMapLocation",
            "UnsupportedTensorMethods"]
 

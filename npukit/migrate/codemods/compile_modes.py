@@ -5,17 +5,13 @@ from __future__ import annotations
 import libcst as cst
 
 from npukit.migrate.codemods.base import NpuCodemod, split_arguments
+from npukit.migrate.codemods.strings import literal_string
 from npukit.migrate.pysource_model import string_value
 from npukit.migrate.rules import Flag
 
 _GRAPH_MODES = ("reduce-overhead", "max-autotune")
 CUDA_GRAPH_MODE = Flag("compile", "warning", "mode='reduce-overhead'/'max-autotune' uses CUDA graphs",
                        "use backend='npugraph_ex' (torchair) for graph capture on NPU")
-
-
-def _string(node: cst.BaseExpression) -> str | None:
-    value = node.evaluated_value if isinstance(node, (cst.SimpleString, cst.ConcatenatedString)) else None
-    return value if isinstance(value, str) else None
 
 
 class CompileModes(NpuCodemod):
@@ -38,6 +34,6 @@ class CompileModes(NpuCodemod):
 
     def visit_Call(self, node: cst.Call) -> None:
         if self.facts.qualname(node.func) == "torch.compile" and any(
-                arg.keyword is not None and arg.keyword.value == "mode" and _string(arg.value) in _GRAPH_MODES
+                arg.keyword is not None and arg.keyword.value == "mode" and literal_string(arg.value) in _GRAPH_MODES
                 for arg in split_arguments(node)[1]):
             self.flag(node, CUDA_GRAPH_MODE)

@@ -9,6 +9,7 @@ import libcst as cst
 
 from npukit.migrate import rules
 from npukit.migrate.codemods.base import NpuCodemod, called_name
+from npukit.migrate.codemods.strings import literal_string
 from npukit.migrate.pysource_model import newline_of, string_value
 from npukit.migrate.rules import Flag
 
@@ -63,8 +64,7 @@ class DefaultTensorType(NpuCodemod):
                 and not call.args[0].keyword and not call.args[0].star):
             return
         arg = call.args[0].value
-        literal = arg.evaluated_value if isinstance(arg, (cst.SimpleString, cst.ConcatenatedString)) else None
-        dtype = default_dtype(self.facts.qualname(arg) or (literal if isinstance(literal, str) else None))
+        dtype = default_dtype(self.facts.qualname(arg) or literal_string(arg))
         torch = self.facts.torch_alias
         start, _ = self.facts.span(node)
         text = self.facts.positions.text

@@ -7,15 +7,15 @@ import re
 import libcst as cst
 
 from npukit.migrate import rules
-from npukit.migrate.codemods.base import NpuCodemod, called_name
+from npukit.migrate.codemods.base import NpuCodemod
+from npukit.migrate.codemods.strings import StringPlaces
 
 _NCCL_VARIABLE = re.compile(r"(TORCH_)?NCCL_[A-Z0-9_]+")
 _ALLOC_OPTION_WORDS = ("cudaMallocAsync", "pinned_use_cuda_host_register", "pinned_num_register_threads",
                        "release_lock_on_cudamalloc", "pinned_use_background_threads")
-_STRINGS = (cst.SimpleString, cst.ConcatenatedString)
 
 
-class CudaEnvironment(NpuCodemod):
+class CudaEnvironment(StringPlaces, NpuCodemod):
     """`os.environ["CUDA_VISIBLE_DEVICES"]` -> `os.environ["ASCEND_RT_VISIBLE_DEVICES"]` (and the
     allocator, launch-blocking and NCCL socket variables); reported: CUDA-only variables (NCCL_*,
     CUBLAS_WORKSPACE_CONFIG), CUDA-only allocator options, nvidia-smi command lines, and variable
@@ -33,57 +33,6 @@ class CudaEnvironment(NpuCodemod):
     def candidates(cls, model) -> list:  # strings, not docstrings, holding one of the names
         return [node for node in model.strings
                 if id(node) not in model.docstrings and any(word in node.value for word in cls.FILES_CONTAINING)]
-
-    def __init__(self, context) -> None:
-        super().__init__(context)
-        self._not_code: set[int] = set()  # docstrings, and strings that are parts of a larger literal
-        self._dict_keys: set[int] = set()
-        self._text_depth = 0  # inside a print/log call or a raise: the string is a message
-
-    # ------------------------------------------------------------------ where a string is
-    def _note_docstring(self, body: cst.BaseSuite | tuple) -> None:
-        statements = body if isinstance(body, tuple) else body.body
-        first = statements[0] if statements else None
-        if isinstance(first, cst.SimpleStatementLine):
-            first = first.body[0]
-        if isinstance(first, cst.Expr) and isinstance(first.value, _STRINGS) and \
-                isinstance(first.value.evaluated_value, str):
-            self._not_code.add(id(first.value))
-
-    def visit_Module(self, node: cst.Module) -> None:
-        self._note_docstring(tuple(node.body))
-
-    def visit_ClassDef(self, node: cst.ClassDef) -> None:
-        self._note_docstring(node.body)
-
-    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
-        self._note_docstring(node.body)
-
-    def visit_ConcatenatedString(self, node: cst.ConcatenatedString) -> None:
-        self._not_code.update((id(node.left), id(node.right)))  # the outermost literal is the unit
-
-    def visit_FormattedStringExpression(self, node: cst.FormattedStringExpression) -> None:
-        if isinstance(node.expression, _STRINGS):  # f"{'...'}": part of the f-string, not a value of its own
-            self._not_code.add(id(node.expression))
-
-    def visit_DictElement(self, node: cst.DictElement) -> None:
-        self._dict_keys.add(id(node.key))
-
-    def visit_Call(self, node: cst.Call) -> None:
-        if called_name(node.func) in rules.LOG_CALLS:
-            self._text_depth += 1
-
-    def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.Call:
-        if called_name(original_node.func) in rules.LOG_CALLS:
-            self._text_depth -= 1
-        return updated_node
-
-    def visit_Raise(self, node: cst.Raise) -> None:
-        self._text_depth += 1
-
-    def leave_Raise(self, original_node: cst.Raise, updated_node: cst.Raise) -> cst.Raise:
-        self._text_depth -= 1
-        return updated_node
 
     # ------------------------------------------------------------------ the strings
     def leave_SimpleString(self, original_node: cst.SimpleString, updated_node: cst.SimpleString) -> cst.BaseExpression:
