@@ -36,7 +36,7 @@ from npukit.migrate.codemods import (
     UnsupportedApis,
     UnsupportedTensorMethods,
 )
-from npukit.migrate.codemods.base import FileFacts, run_builtin_codemods
+from npukit.migrate.codemods.base import FileFacts, _OnePass, run_builtin_codemods
 from npukit.migrate.codemods.cuda_methods import USER_CUDA_ATTRIBUTE, USER_CUDA_METHOD
 from npukit.migrate.model import TreeFacts
 from npukit.migrate.pysource import PythonMigrator, migrate_python
@@ -807,3 +807,39 @@ def test_libcsts_tool_runs_the_name_codemods(tmp_path, codemod):
                 "UnsupportedApis": code}[codemod]
     assert (tmp_path / "src" / "train.py").read_text() == expected
     assert ("5:1: warning unsupported-api" in run.stderr) == (codemod == "UnsupportedApis")
+
+
+class _Order(cst.CSTVisitor):
+    def __init__(self) -> None:
+        self.order: list[tuple[str, int]] = []
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        self.order.append(("visit", id(node)))
+        return True
+
+    def on_leave(self, original_node: cst.CSTNode) -> None:
+        self.order.append(("leave", id(original_node)))
+
+
+class _OrderOfThePass(_OnePass):
+    """The built-in codemods' pass, with one handler for every node that notes the order."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+        self.noted = _Order()
+
+    def _handlers(self, node_type: type) -> tuple[list, list]:
+        return [self.noted.on_visit], [lambda node, _: self.noted.on_leave(node)]
+
+
+@pytest.mark.parametrize("folder", ["npukit/migrate", "tests/migrate"])
+def test_the_codemods_pass_visits_nodes_in_libcsts_order(folder):
+    """The built-in codemods' pass walks the tree itself (libcst's visit rebuilds every node): it
+    calls their visit_ and leave_ methods in the order libcst's own visit would."""
+    for path in sorted((REPO / folder).rglob("*.py")):
+        module = cst.parse_module(path.read_text(encoding="utf-8"))
+        libcsts = _Order()
+        module.visit(libcsts)
+        walked = _OrderOfThePass()
+        walked.walk(module)
+        assert walked.noted.order == libcsts.order, path
