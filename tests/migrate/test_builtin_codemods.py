@@ -843,3 +843,25 @@ def test_the_codemods_pass_visits_nodes_in_libcsts_order(folder):
         walked = _OrderOfThePass()
         walked.walk(module)
         assert walked.noted.order == libcsts.order, path
+
+
+@pytest.mark.parametrize(("code", "with_torch"), [
+    ("from torch.backends import cudnn\ncudnn.allow_tf32 = True\n", "torch.npu.conv.allow_hf32 = True"),
+    ("from torch.cuda.amp import custom_fwd\n@custom_fwd\ndef f(x):\n    pass\nwrap(custom_fwd)\n",
+     '@torch.amp.custom_fwd(device_type="npu")'),
+])
+def test_a_name_is_not_rewritten_through_torch_where_the_file_never_imports_torch(code, with_torch):
+    """`torch.npu.conv.allow_hf32` / `@torch.amp.custom_fwd(...)` written into a file that reaches torch
+    only through `from torch... import` would be a NameError (the ast engine wrote them); the line is
+    left (the audit reports what stays CUDA). With torch imported, it is rewritten."""
+    migrated = migrate_python(code, "train.py").text
+    assert "torch." not in migrated.replace("from torch", "").replace("torch_npu.", "")
+    assert with_torch in migrate_python("import torch\n" + code, "train.py").text
+
+
+def test_custom_fwd_with_a_line_break_in_its_parentheses_gets_its_device_type():
+    """torch.amp.custom_fwd's device_type is a required keyword: the ast engine renamed
+    `@torch.cuda.amp.custom_fwd(\\n)` without adding it (a TypeError when the module is imported)."""
+    code = "import torch\n@torch.cuda.amp.custom_fwd(  # half\n)\ndef f(x):\n    pass\n"
+    assert migrate_python(code, "train.py").text == ('import torch_npu\nimport torch\n@torch.amp.custom_fwd(  # half\n'
+                                                     'device_type="npu")\ndef f(x):\n    pass\n')
