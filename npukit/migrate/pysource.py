@@ -57,13 +57,10 @@ class PythonMigrator(AuditRules, CallRules, DeviceRules, NameRules, SourceModel)
         self.flow_uses: set[tuple] = set()
         self._build_bindings()
         self._claim_for_codemods()
-        self._handle_imports()
-        self._handle_decorators()
         self._handle_calls()
         self._handle_compares()
         self._handle_availability_choices()
         self._handle_assignments()
-        self._handle_attributes()
         self._handle_strings()
         self._handle_fstrings()
         self._run_builtin_codemods()
@@ -89,8 +86,11 @@ class PythonMigrator(AuditRules, CallRules, DeviceRules, NameRules, SourceModel)
         kept inside the spans the codemods freeze.
         libcst parses only the top-level statements that hold a candidate of a codemod (its parse
         costs ~10x ast's), unless one of them needs the whole file."""
+        from libcst.codemod import CodemodContext
+
         from npukit.migrate.codemods import BUILTIN_CODEMODS
         from npukit.migrate.codemods.base import run_builtin_codemods
+        from npukit.migrate.codemods.cuda_namespace import RETARGETED_KEY
 
         concerned, candidates, whole_file = [], [], False
         for codemod in BUILTIN_CODEMODS:
@@ -102,8 +102,10 @@ class PythonMigrator(AuditRules, CallRules, DeviceRules, NameRules, SourceModel)
         if not concerned:
             return
         windows = None if whole_file else self._statement_windows(candidates)
+        context = CodemodContext(filename=self.path)
         edits, findings, frozen = run_builtin_codemods(self.text, self.path, tuple(concerned), self.facts,
-                                                       windows=windows, bindings=self.bindings)
+                                                       windows=windows, bindings=self.bindings, context=context)
+        self.rebound = context.scratch.get(RETARGETED_KEY, {})  # the audit's: names now bound to NPU modules
         if frozen:  # dual-target code: what the ast rules wrote there goes
             self.frozen.extend(frozen)
             self.edits = {span: edit for span, edit in self.edits.items()
@@ -118,11 +120,13 @@ class PythonMigrator(AuditRules, CallRules, DeviceRules, NameRules, SourceModel)
                     self.flag_nodes.append((finding.kind, self._node_starting_at(finding.line, finding.col - 1)))
 
     def _node_starting_at(self, line: int, col_offset: int) -> ast.AST:
-        """An ast expression starting where a codemod's finding is (for the conditions around it)."""
-        for node in (*self.attributes, *self.calls):
+        """An ast node starting where a codemod's finding is (for the conditions around it): an
+        attribute, a call, a name or an import statement."""
+        for node in (*self.attributes, *self.calls, *(name for names in self.loads.values() for name in names),
+                     *self.imports):
             if node.lineno == line and node.col_offset == col_offset:
                 return node
-        raise LookupError(f"{self.path}:{line}:{col_offset + 1}: no attribute or call starts here")
+        raise LookupError(f"{self.path}:{line}:{col_offset + 1}: no attribute, call, name or import starts here")
 
     def _statement_windows(self, nodes: list[ast.AST]) -> list[tuple[int, int]]:
         """(start, end) offsets of the runs of whole lines holding the top-level statements that

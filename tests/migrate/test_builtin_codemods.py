@@ -15,8 +15,10 @@ import pytest
 from libcst.codemod import CodemodContext, CodemodTest
 from libcst.metadata import MetadataWrapper, PositionProvider
 
+from npukit.migrate import rules
 from npukit.migrate.codemods import (
     BUILTIN_CODEMODS,
+    AmpUpgrade,
     AutocastGpuDtype,
     Bf16Autocast,
     CompileModes,
@@ -24,6 +26,7 @@ from npukit.migrate.codemods import (
     CudaDefaultDevices,
     CudaEnvironment,
     CudaMethods,
+    CudaNamespace,
     CustomCudaOps,
     DdpSetDevice,
     DefaultTensorType,
@@ -32,9 +35,10 @@ from npukit.migrate.codemods import (
     DualTargetCode,
     ThirdPartyCuda,
     TorchLoadMapLocation,
+    UnsupportedApis,
     UnsupportedTensorMethods,
 )
-from npukit.migrate.codemods.base import FileFacts, run_builtin_codemods
+from npukit.migrate.codemods.base import FileFacts, _OnePass, run_builtin_codemods
 from npukit.migrate.codemods.cuda_methods import USER_CUDA_ATTRIBUTE, USER_CUDA_METHOD
 from npukit.migrate.model import TreeFacts
 from npukit.migrate.pysource import PythonMigrator, migrate_python
@@ -717,6 +721,39 @@ class DistributedBackendsCase(CodemodTest):
             self.assertCodemod(code, code)
 
 
+class CudaNamespaceCase(CodemodTest):
+    TRANSFORM = CudaNamespace
+
+    def runTest(self):  # noqa: N802 (unittest's name)
+        # chains through any alias; renamed names; same-name submodule members
+        self.assertCodemod("import torch as th\nth.cuda.synchronize()\ng = th.cuda.CUDAGraph()\n"
+                           "th.cuda.memory._record_memory_history()\nth.cuda.nvtx.range_push('a')\n",
+                           "import torch as th\nth.npu.synchronize()\ng = th.npu.NPUGraph()\n"
+                           "th.npu.memory._record_memory_history()\nth.npu.mstx.range_push('a')\n")
+        # imports of torch.cuda retargeted in place: the names they bind keep their spelling
+        self.assertCodemod("import torch.cuda as tc\nfrom torch.cuda import Stream, CUDAGraph as G\ntc.synchronize()\n"
+                           "s = Stream()\n",
+                           "import torch_npu.npu as tc\nfrom torch_npu.npu import Stream, NPUGraph as G\ntc.synchronize()\n"
+                           "s = Stream()\n")
+        # a from-import that now needs two modules is split, each statement on a line of its own
+        self.assertCodemod("if x:\n    from torch.cuda import synchronize, comm\n",
+                           "if x:\n    from torch_npu.npu import synchronize\n    from torch.cuda import comm\n",
+                           expected_warnings=[f"2:5: error no-equivalent: {NO_COMM.reason} ({NO_COMM.suggestion})"])
+        # allow_tf32 becomes allow_hf32, with the precision note
+        tf32 = rules.RENAME_NOTES["torch.backends.cuda.matmul.allow_tf32"]
+        self.assertCodemod("import torch\ntorch.backends.cuda.matmul.allow_tf32 = True\n",
+                           "import torch\ntorch.npu.matmul.allow_hf32 = True\n",
+                           expected_warnings=[f"2:1: {tf32.severity} {tf32.kind}: {tf32.reason} ({tf32.suggestion})"])
+        unchanged = [
+            "import torch\nx = torch.npu.synchronize()\n",
+            "import numba\nk = numba.cuda.jit\n",  # another library's cuda
+            "x = y.cuda()\n",  # a value's: CudaMethods'
+            "print('no CUDA here')\n",
+        ]
+        for code in unchanged:
+            self.assertCodemod(code, code)
+
+
 def test_distributed_backends_as_a_libcst_codemod_test():
     DistributedBackendsCase().runTest()
 
@@ -765,3 +802,172 @@ def test_libcsts_tool_runs_distributed_backends(tmp_path):
 ])
 def test_cuda_cli_flags_are_reported_and_keep_their_names(code, expected):
     assert _warned(CudaCliFlags, code) == expected
+
+
+NO_COMM = rules.CUDA_FLAGGED["torch.cuda.comm"]
+
+
+def test_cuda_namespace_as_a_libcst_codemod_test():
+    CudaNamespaceCase().runTest()
+
+
+@pytest.mark.parametrize(("code", "expected"), [
+    # names without an NPU answer: the table's kinds, or unknown-cuda-api
+    ("import torch\nt = torch.cuda.temperature()\nx = torch.cuda.not_a_cuda_api\n",
+     ["2:5 no-equivalent", "3:5 unknown-cuda-api"]),
+    ("import torch\nif torch.version.cuda:\n    torch.backends.cudnn.benchmark = True\n", ["2:4 version-gate", "3:5 no-op"]),
+    # an import of a name torch_npu.npu lacks is reported where it is; its uses through the alias too
+    ("import torch.cuda._pin_memory_utils as pin\n", ["1:1 unknown-cuda-api"]),
+    ("import torch.cuda as tc\nx = tc.jiterator\ny = tc.not_a_cuda_api\n", ["2:5 no-equivalent", "3:5 unknown-cuda-api"]),
+    # mixing renamed names with others, with a comment inside: not split, reported
+    ("from torch.cuda import (synchronize,  # wait\n    comm)\n", ["1:1 no-equivalent", "1:1 import-split"]),
+    ("import torch\nf = torch.npu.synchronize\n", []),
+])
+def test_cuda_namespace_reports_what_it_does_not_rewrite(code, expected):
+    context = CodemodContext(filename="train.py")
+    CudaNamespace(context).transform_module(cst.parse_module(code))
+    assert [f"{w.split()[0].rstrip(':')} {w.split()[2].rstrip(':')}" for w in context.warnings] == expected
+
+
+class AmpUpgradeCase(CodemodTest):
+    TRANSFORM = AmpUpgrade
+
+    def runTest(self):  # noqa: N802 (unittest's name)
+        # autocast's positional arguments become keywords: torch.amp.autocast's first parameter is the device
+        self.assertCodemod("import torch\nwith torch.cuda.amp.autocast(True, torch.float16):\n    pass\n"
+                           "s = torch.cuda.amp.GradScaler(init_scale=2.0)\n",
+                           'import torch\nwith torch.amp.autocast("npu", enabled=True, dtype=torch.float16):\n    pass\n'
+                           's = torch.amp.GradScaler("npu", init_scale=2.0)\n')
+        # custom_fwd / custom_bwd: called or bare decorators get device_type
+        self.assertCodemod("import torch\n@torch.cuda.amp.custom_fwd(cast_inputs=torch.float32)\ndef f(x):\n    pass\n"
+                           "@torch.cuda.amp.custom_bwd\ndef g(x):\n    pass\n",
+                           'import torch\n@torch.amp.custom_fwd(cast_inputs=torch.float32, device_type="npu")\n'
+                           'def f(x):\n    pass\n@torch.amp.custom_bwd(device_type="npu")\ndef g(x):\n    pass\n')
+        unchanged = [
+            'import torch\nwith torch.amp.autocast("npu"):\n    pass\n',
+            "import torch\ns = torch.amp.GradScaler\n",
+            "from apex import amp\nm, o = amp.initialize(m, o)\n",
+        ]
+        for code in unchanged:
+            self.assertCodemod(code, code)
+
+
+def test_amp_upgrade_as_a_libcst_codemod_test():
+    AmpUpgradeCase().runTest()
+
+
+@pytest.mark.parametrize(("code", "expected"), [
+    # every use of the imported name can be given the device: the import becomes torch.amp's
+    ("from torch.cuda.amp import autocast, GradScaler\nwith autocast():\n    pass\ns = GradScaler()\n",
+     'from torch.amp import autocast, GradScaler\nwith autocast("npu"):\n    pass\ns = GradScaler("npu")\n'),
+    ("from torch.cuda.amp import custom_fwd\n@custom_fwd\ndef f(x):\n    pass\n",
+     'from torch.amp import custom_fwd\n@custom_fwd(device_type="npu")\ndef f(x):\n    pass\n'),
+    # one use cannot be (a value passed around): torch_npu.npu.amp's, which defaults to the NPU
+    ("from torch.cuda.amp import autocast\nctx = autocast\nwith autocast():\n    pass\n",
+     "from torch_npu.npu.amp import autocast\nctx = autocast\nwith autocast():\n    pass\n"),
+])
+def test_amp_imports_are_retargeted_by_how_their_names_are_used(code, expected):
+    assert migrate_python(code, "train.py").text == "import torch_npu\n" + expected
+
+
+@pytest.mark.parametrize(("code", "expected"), [
+    ("import torch\nwith torch.backends.cuda.sdp_kernel(enable_flash=True):\n    pass\n", ["2:6 unsupported-api"]),
+    ("from torch.cuda import comm\nout = comm.gather(xs)\n", ["2:7 unsupported-api"]),
+    # only a type: isinstance, except, annotations
+    ("from torch.nn.utils.rnn import PackedSequence as P\nimport torch\n"
+     "ok = isinstance(x, (P, int)) or torch.cuda.comm.scatter\n"
+     "def f(x: 'int', y: Optional[torch.cuda.comm.gather] = None) -> None:\n    pass\n",
+     ["3:33 unsupported-api"]),
+    ("import torch\nx = torch.nn.DataParallel(m)\n", []),  # in CUDA_FLAGGED: CudaNamespace's finding
+])
+def test_unsupported_apis_are_reported_where_they_are_used(code, expected):
+    assert _warned(UnsupportedApis, code) == expected
+
+
+def test_a_flagged_name_from_an_import_keeps_its_condition_whole_called_or_not():
+    """A name imported from torch.cuda that has no NPU answer (get_device_capability) leaves its
+    condition as it was, whether it is called there or only named."""
+    code = ("import torch\nfrom torch.cuda import get_device_capability as cap\n"
+            "bf16 = torch.cuda.is_available() and cap()[0] >= 8\nprobe = torch.cuda.is_available() and cap\n")
+    outcome = migrate_python(code, "train.py")
+    assert outcome.text == code
+    assert [(f.line, f.col, f.kind) for f in outcome.findings] == [
+        (2, 1, "device-capability"), (3, 8, "mixed-condition"), (3, 38, "device-capability"),
+        (4, 9, "mixed-condition"), (4, 39, "device-capability")]
+
+
+@pytest.mark.parametrize("codemod", ["CudaNamespace", "AmpUpgrade", "UnsupportedApis"])
+def test_libcsts_tool_runs_the_name_codemods(tmp_path, codemod):
+    (tmp_path / "src").mkdir()
+    code = ("import torch\ntorch.cuda.synchronize()\nwith torch.cuda.amp.autocast():\n    pass\n"
+            "torch.backends.cuda.enable_flash_sdp(False)\n")
+    (tmp_path / "src" / "train.py").write_text(code)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    run = subprocess.run([sys.executable, "-m", "libcst.tool", "codemod", "--no-format", "-x",
+                          f"npukit.migrate.codemods.{codemod}", "src"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr
+    # alone, CudaNamespace gives amp's autocast torch_npu.npu.amp's (AmpUpgrade, before it, claims it)
+    expected = {"CudaNamespace": code.replace("torch.cuda.", "torch.npu."),
+                "AmpUpgrade": code.replace("torch.cuda.amp.autocast()", 'torch.amp.autocast("npu")'),
+                "UnsupportedApis": code}[codemod]
+    assert (tmp_path / "src" / "train.py").read_text() == expected
+    assert ("5:1: warning unsupported-api" in run.stderr) == (codemod == "UnsupportedApis")
+
+
+class _Order(cst.CSTVisitor):
+    def __init__(self) -> None:
+        self.order: list[tuple[str, int]] = []
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        self.order.append(("visit", id(node)))
+        return True
+
+    def on_leave(self, original_node: cst.CSTNode) -> None:
+        self.order.append(("leave", id(original_node)))
+
+
+class _OrderOfThePass(_OnePass):
+    """The built-in codemods' pass, with one handler for every node that notes the order."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+        self.noted = _Order()
+
+    def _handlers(self, node_type: type) -> tuple[list, list]:
+        return [self.noted.on_visit], [lambda node, _: self.noted.on_leave(node)]
+
+
+@pytest.mark.parametrize("folder", ["npukit/migrate", "tests/migrate"])
+def test_the_codemods_pass_visits_nodes_in_libcsts_order(folder):
+    """The built-in codemods' pass walks the tree itself (libcst's visit rebuilds every node): it
+    calls their visit_ and leave_ methods in the order libcst's own visit would."""
+    for path in sorted((REPO / folder).rglob("*.py")):
+        module = cst.parse_module(path.read_text(encoding="utf-8"))
+        libcsts = _Order()
+        module.visit(libcsts)
+        walked = _OrderOfThePass()
+        walked.walk(module)
+        assert walked.noted.order == libcsts.order, path
+
+
+@pytest.mark.parametrize(("code", "with_torch"), [
+    ("from torch.backends import cudnn\ncudnn.allow_tf32 = True\n", "torch.npu.conv.allow_hf32 = True"),
+    ("from torch.cuda.amp import custom_fwd\n@custom_fwd\ndef f(x):\n    pass\nwrap(custom_fwd)\n",
+     '@torch.amp.custom_fwd(device_type="npu")'),
+])
+def test_a_name_is_not_rewritten_through_torch_where_the_file_never_imports_torch(code, with_torch):
+    """`torch.npu.conv.allow_hf32` / `@torch.amp.custom_fwd(...)` written into a file that reaches torch
+    only through `from torch... import` would be a NameError (the ast engine wrote them); the line is
+    left (the audit reports what stays CUDA). With torch imported, it is rewritten."""
+    migrated = migrate_python(code, "train.py").text
+    assert "torch." not in migrated.replace("from torch", "").replace("torch_npu.", "")
+    assert with_torch in migrate_python("import torch\n" + code, "train.py").text
+
+
+def test_custom_fwd_with_a_line_break_in_its_parentheses_gets_its_device_type():
+    """torch.amp.custom_fwd's device_type is a required keyword: the ast engine renamed
+    `@torch.cuda.amp.custom_fwd(\\n)` without adding it (a TypeError when the module is imported)."""
+    code = "import torch\n@torch.cuda.amp.custom_fwd(  # half\n)\ndef f(x):\n    pass\n"
+    assert migrate_python(code, "train.py").text == ('import torch_npu\nimport torch\n@torch.amp.custom_fwd(  # half\n'
+                                                     'device_type="npu")\ndef f(x):\n    pass\n')

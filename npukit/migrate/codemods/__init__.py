@@ -17,12 +17,14 @@ from __future__ import annotations
 import libcst as cst
 from libcst.codemod import CodemodCommand
 
+from npukit.migrate.codemods.amp_upgrade import AmpUpgrade
 from npukit.migrate.codemods.autocast_dtype import AutocastGpuDtype
 from npukit.migrate.codemods.backends import DistributedBackends
 from npukit.migrate.codemods.bf16_autocast import Bf16Autocast
 from npukit.migrate.codemods.cli_flags import CudaCliFlags
 from npukit.migrate.codemods.compile_modes import CompileModes
 from npukit.migrate.codemods.cuda_methods import CudaMethods
+from npukit.migrate.codemods.cuda_namespace import CudaNamespace
 from npukit.migrate.codemods.custom_ops import CustomCudaOps
 from npukit.migrate.codemods.ddp_set_device import DdpSetDevice
 from npukit.migrate.codemods.default_devices import CudaDefaultDevices
@@ -33,17 +35,18 @@ from npukit.migrate.codemods.environment import CudaEnvironment
 from npukit.migrate.codemods.infinite_fills import InfiniteFills
 from npukit.migrate.codemods.third_party import ThirdPartyCuda
 from npukit.migrate.codemods.torch_load import TorchLoadMapLocation
+from npukit.migrate.codemods.unsupported_apis import UnsupportedApis
 from npukit.migrate.codemods.unsupported_methods import UnsupportedTensorMethods
 
 # The concerns ported from the ast engine so far, in the order they run (each on the original parse).
-BUILTIN_CODEMODS = (DualTargetCode, CudaEnvironment, CudaDefaultDevices, InfiniteFills, TorchLoadMapLocation, CustomCudaOps,
+BUILTIN_CODEMODS = (DualTargetCode, AmpUpgrade, CudaNamespace, UnsupportedApis, CudaEnvironment, CudaDefaultDevices, InfiniteFills, TorchLoadMapLocation, CustomCudaOps,
                     Bf16Autocast, DdpSetDevice, ThirdPartyCuda, DeviceModelChecks,
                     DefaultTensorType, CompileModes, UnsupportedTensorMethods, AutocastGpuDtype, CudaMethods,
                     DistributedBackends, CudaCliFlags)
 
-__all__ = ["BUILTIN_CODEMODS", "AutocastGpuDtype", "Bf16Autocast", "CompileModes", "CudaCliFlags", "CudaDefaultDevices", "CudaMethods", "CustomCudaOps", "DdpSetDevice", "DefaultTensorType", "DeviceModelChecks", "DistributedBackends", "DualTargetCode", "CudaEnvironment", "InfiniteFills", "MigrateToNpu", "ThirdPartyCuda",
-           "TorchLoadMapLocation",
-           "UnsupportedTensorMethods"]
+__all__ = ["BUILTIN_CODEMODS", "AmpUpgrade", "AutocastGpuDtype", "Bf16Autocast", "CompileModes", "CudaCliFlags", "CudaDefaultDevices", "CudaEnvironment",
+           "CudaMethods", "CudaNamespace", "CustomCudaOps", "DdpSetDevice", "DefaultTensorType", "DeviceModelChecks", "DistributedBackends", "DualTargetCode",
+           "InfiniteFills", "MigrateToNpu", "ThirdPartyCuda", "TorchLoadMapLocation", "UnsupportedApis", "UnsupportedTensorMethods"]
 
 
 class MigrateToNpu(CodemodCommand):

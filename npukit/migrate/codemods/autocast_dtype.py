@@ -26,14 +26,11 @@ class AutocastGpuDtype(NpuCodemod):
     def candidates(cls, model) -> list:
         return [call for call in model.calls if model.qualname(call.func) in _DEVICE_GENERIC]
 
-    @classmethod
-    def claims(cls, model) -> list:
-        return [call.func for call in cls.candidates(model)]
-
     def visit_Call(self, node: cst.Call) -> None:
         new = _DEVICE_GENERIC.get(self.facts.qualname(node.func) or "")
         if new is None:
             return
+        self.claim(node.func)
         text = self.facts.replacement_text(node.func, new)
         if text is None:
             self.flag(node, Flag("amp-upgrade", "warning",

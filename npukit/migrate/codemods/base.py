@@ -20,7 +20,9 @@ codemod is WHOLE_FILE).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
+import inspect
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -30,7 +32,7 @@ from typing import NamedTuple
 import libcst as cst
 import libcst.matchers as matchers
 from libcst._nodes.internal import CodegenState
-from libcst.codemod import CodemodContext, VisitorBasedCodemodCommand
+from libcst.codemod import Codemod, CodemodContext, VisitorBasedCodemodCommand
 
 from npukit.migrate.codemods.scopes import Scopes, dotted_name
 from npukit.migrate.model import Edit, Finding, TreeFacts
@@ -63,11 +65,14 @@ class FileFacts:
         self.module = module
         self.tree = tree  # what the rest of the tree says (npu-migrate gathers it; empty under libcst's tool)
         self.offset = 0
+        self.whole_file = window is None
         if window is None:
             self.positions = Positions(text)
         else:
             self.offset, self.positions, self.__dict__["bindings"] = window
         self._spans: dict[cst.CSTNode, tuple[int, int]] | None = None
+        self.claimed: set[int] = set()  # ids of nodes a codemod deals with wholly: the name rules leave them
+        self.chain_entries: dict[int, tuple | None] = {}  # id of a name chain -> the rule governing it (cuda_namespace)
 
     def span(self, node: cst.CSTNode) -> tuple[int, int]:
         """The node's syntactic extent as offsets into the text (libcst's PositionProvider extent)."""
@@ -96,6 +101,57 @@ class FileFacts:
         """Which scope binds each name and where names are read."""
         return Scopes(self.module)
 
+    @functools.cached_property
+    def retargets(self):
+        """What becomes of the file's imports of torch.cuda (cuda_namespace.ImportRetargets)."""
+        from npukit.migrate.codemods.cuda_namespace import ImportRetargets
+
+        return ImportRetargets(self)
+
+    @functools.cached_property
+    def _reads(self) -> set[int]:
+        return {id(name) for names in self.scopes.reads.values() for name in names}
+
+    def is_read(self, name: cst.Name) -> bool:
+        """A Name that reads a variable (ast's Load context): not a target, an attribute's name, a keyword ..."""
+        return id(name) in self._reads
+
+    def module_binding_reaches(self, receiver: cst.BaseExpression, module_names: set[str]) -> bool:
+        """The receiver's root name is bound by `import x` (module_names: the names such statements
+        bind) at this use, not rebound to a value first: the last binding of the name before the use,
+        in the scope that defines it (a use in a nested scope of a name bound both ways cannot be
+        decided: no)."""
+        root = receiver
+        while isinstance(root, cst.Attribute):
+            root = root.value
+        if not isinstance(root, cst.Name) or root.value not in module_names:
+            return False
+        scopes = self.scopes
+        used_in = scopes.scope_of.get(root, scopes.module)
+        scope = scopes.defining_scope(root.value, used_in)
+        sites = self._binding_sites(root.value, scope)
+        if all(is_import for _, is_import in sites):
+            return True
+        if used_in is not scope:
+            return False
+        line = self._line(root)
+        before = [is_import for site_line, is_import in sites if site_line < line]
+        return bool(before) and before[-1]
+
+    def _binding_sites(self, name: str, scope: cst.CSTNode) -> list[tuple[int, bool]]:
+        """(line, is an import) of every binding of `name` directly in `scope`, in source order."""
+        scopes = self.scopes
+        sites = [(0, False)] if name in scopes.parameters.get(scope, ()) else []
+        sites += [(self._line(node), True) for node, names in scopes.imports
+                  if scopes.scope_of[node] is scope and name in names]
+        sites += [(self._line(node), False) for node in scopes.stores.get(name, ()) if scopes.scope_of[node] is scope]
+        sites += [(self._line(node.name), False) for node in scopes.definitions
+                  if node.name.value == name and scopes.scope_of[node] is scope]
+        return sorted(sites)
+
+    def _line(self, node: cst.CSTNode) -> int:
+        return self.line_col(self.span(node)[0])[0]
+
     @property
     def torch_alias(self) -> str | None:
         """The name torch is imported as (`import torch as th`: th); `torch` when the file uses torch
@@ -118,13 +174,14 @@ class FileFacts:
 
     def replacement_text(self, node: cst.BaseExpression, new_qualified: str) -> str | None:
         """Source text for a name chain (`torch.x.y`, `alias.y`, `y`) so that it means new_qualified:
-        through the chain's own root name when that already leads there, else through torch's alias
-        (only where torch may be named: names_torch); torch_npu names are written out."""
+        through the chain's own root name when that already leads there (as the rewritten imports bind
+        it: `retargets`), else through torch's alias (only where torch may be named: names_torch);
+        torch_npu names are written out."""
         root = node
         while isinstance(root, cst.Attribute):
             root = root.value
         if isinstance(root, cst.Name):
-            base = self.bindings.get(root.value)
+            base = self.retargets.rebound.get(root.value, self.bindings.get(root.value))
             if base is not None and (new_qualified == base or new_qualified.startswith(base + ".")):
                 return root.value + new_qualified[len(base):]
         top, _, rest = new_qualified.partition(".")
@@ -268,6 +325,12 @@ class NpuCodemod(VisitorBasedCodemodCommand):
     FILES_CONTAINING: tuple[str, ...] = ()  # a file without any of these does not concern the codemod
     RULES: tuple[str, ...] = ()  # the rewrite rules (rules.REWRITE_RULES) it writes
 
+    def __init__(self, context: CodemodContext) -> None:
+        # Codemod's part only: a built-in codemod always runs in _OnePass (under libcst's tool too), never in the
+        # matcher-decoratable driver, whose set-up introspects the class at every construction (10-35 ms, once
+        # per file and codemod, more than the rest of a small file's rewrite)
+        Codemod.__init__(self, context)
+
     @classmethod
     def concerns(cls, code: str) -> bool:
         return not cls.FILES_CONTAINING or any(word in code for word in cls.FILES_CONTAINING)
@@ -302,7 +365,7 @@ class NpuCodemod(VisitorBasedCodemodCommand):
         self.facts = self.context.scratch[FACTS_KEY] = FileFacts(
             filename or "<module>", tree, code,
             TreeFacts(local_packages=project_packages(filename) if filename else frozenset()))
-        tree.visit(_OnePass([self]))
+        _OnePass([self]).walk(tree)
         edits = drop_overlaps(sorted(self.context.scratch.get(EDITS_KEY, []), key=lambda e: (e.start, e.end)))
         return cst.parse_module(apply_edits(code, edits)) if edits else tree
 
@@ -350,6 +413,21 @@ class NpuCodemod(VisitorBasedCodemodCommand):
         under libcst's tool edits only what it edits itself)."""
         self.context.scratch.setdefault(FROZEN_KEY, []).append((start, end))
 
+    def claim(self, node: cst.CSTNode) -> None:
+        """`node` is this codemod's wholly: the name rules (CudaNamespace, UnsupportedApis) leave it."""
+        self.facts.claimed.add(id(node))
+
+    def rewrite_name(self, node: cst.BaseExpression, new_qualified: str, rule: str) -> bool:
+        """A name chain (`torch.cuda.x`, `alias.x`, `x`) rewritten to mean new_qualified
+        (FileFacts.replacement_text); False where it cannot be written."""
+        text = self.facts.replacement_text(node, new_qualified)
+        if text is None:
+            return False
+        # torch.OutOfMemoryError needs no torch_npu
+        needs_torch_npu = new_qualified.startswith(("torch.npu", "torch_npu")) or rule != "cuda-renamed"
+        self.replace_with_text(node, text, rule, needs_torch_npu=needs_torch_npu)
+        return True
+
     def replace(self, original: cst.CSTNode, new: cst.CSTNode, rule: str, *, needs_torch_npu: bool = True) -> cst.CSTNode:
         """`original` becomes `new`: the node to return from a leave_ method, and the edit recorded."""
         start, end = self.facts.span(original)
@@ -376,15 +454,16 @@ class NpuCodemod(VisitorBasedCodemodCommand):
 
 def run_builtin_codemods(text: str, path: str, codemods: tuple[type[NpuCodemod], ...],
                          tree: TreeFacts = TreeFacts(), *, windows: list[tuple[int, int]] | None = None,
-                         bindings: dict[str, str] | None = None) -> CodemodResults:
+                         bindings: dict[str, str] | None = None, context: CodemodContext | None = None) -> CodemodResults:
     """The edits (offsets into `text`) and findings of the built-in codemods that concern this file:
     one parse, one position pass, one traversal for them all. windows: (start, end) offsets of runs
     of whole top-level statements, parsed alone instead of the file (the file's import table,
-    `bindings`, is then given: a window does not hold every import)."""
+    `bindings`, is then given: a window does not hold every import). context: where the codemods
+    leave what else they tell (its scratch), a new one if not given."""
     concerned = [codemod for codemod in codemods if codemod.concerns(text)]
     if not concerned:
         return CodemodResults([], [], [])
-    context = CodemodContext(filename=path)
+    context = context or CodemodContext(filename=path)
     whole_file = Positions(text)
     for start, end in windows or [(0, len(text))]:
         piece = text[start:end]
@@ -398,7 +477,7 @@ def run_builtin_codemods(text: str, path: str, codemods: tuple[type[NpuCodemod],
         instances = [codemod_class(context) for codemod_class in concerned]
         for codemod in instances:
             codemod.facts = facts
-        module.visit(_OnePass(instances))
+        _OnePass(instances).walk(module)
     scratch = context.scratch
     return CodemodResults(scratch.get(EDITS_KEY, []), scratch.get(BUILTIN_FINDINGS_KEY, []), scratch.get(FROZEN_KEY, []))
 
@@ -422,6 +501,17 @@ class _OnePass(cst.CSTVisitor):
             self.handlers[node_type] = found
         return found
 
+    def walk(self, node: cst.CSTNode) -> None:
+        """The pass over `node`'s tree, in libcst's visiting order, without libcst's visit: that rebuilds
+        every node it passes (a visitor's too), two thirds of the pass's cost."""
+        visits, leaves = self._handlers(type(node))
+        for handler in visits:
+            handler(node)
+        for child in _children(node):
+            self.walk(child)
+        for handler in leaves:
+            handler(node, node)
+
     def on_visit(self, node: cst.CSTNode) -> bool:
         for handler in self._handlers(type(node))[0]:
             handler(node)
@@ -436,3 +526,26 @@ class _OnePass(cst.CSTVisitor):
 
     def on_leave_attribute(self, original_node: cst.CSTNode, attribute: str) -> None:
         pass
+
+
+_VISITED_FIELD = re.compile(r"visit_(?:required|optional|sequence|sentinel|body_sequence|iterable|body_iterable)"
+                            r"\(\s*self,\s*\"(\w+)\"")
+_CHILD_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def _children(node: cst.CSTNode):
+    """The nodes directly in `node`, in the order libcst's visit goes (its _visit_and_replace_children
+    names the fields in that order)."""
+    kind = type(node)
+    fields = _CHILD_FIELDS.get(kind)
+    if fields is None:
+        visited = _VISITED_FIELD.findall(inspect.getsource(kind._visit_and_replace_children))
+        fields = _CHILD_FIELDS[kind] = tuple(dict.fromkeys([*visited, *(f.name for f in dataclasses.fields(kind))]))
+    for name in fields:
+        value = getattr(node, name)
+        if isinstance(value, cst.CSTNode):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, cst.CSTNode):
+                    yield item

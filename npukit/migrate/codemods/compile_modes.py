@@ -27,13 +27,9 @@ class CompileModes(NpuCodemod):
         return [call for call in model.calls if model.qualname(call.func) == "torch.compile" and any(
             keyword.arg == "mode" and string_value(keyword.value) in _GRAPH_MODES for keyword in call.keywords)]
 
-    @classmethod
-    def claims(cls, model) -> list:
-        """The called name: its general torch.compile note would take this finding's place."""
-        return [call.func for call in cls.candidates(model)]
-
     def visit_Call(self, node: cst.Call) -> None:
         if self.facts.qualname(node.func) == "torch.compile" and any(
                 arg.keyword is not None and arg.keyword.value == "mode" and literal_string(arg.value) in _GRAPH_MODES
                 for arg in split_arguments(node)[1]):
             self.flag(node, CUDA_GRAPH_MODE)
+            self.claim(node.func)  # CudaNamespace's general torch.compile note would take this finding's place

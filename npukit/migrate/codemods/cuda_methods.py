@@ -235,42 +235,8 @@ class CudaMethods(_WrittenTargets, NpuCodemod):
         imports name (the namespace rules' business), not the tensor/module method."""
         receiver = self.facts.qualname(node.value)
         return receiver is not None and receiver not in TORCH_CLASSES_WITH_CUDA and (
-            receiver == "torch" or self._module_binding_reaches(node.value))
+            receiver == "torch" or self.facts.module_binding_reaches(node.value, self.module_names))
 
-    def _module_binding_reaches(self, receiver: cst.BaseExpression) -> bool:
-        """The receiver's root name is bound by `import x` at this use, not rebound to a value first:
-        the last binding of the name before the use, in the scope that defines it (a use in a nested
-        scope of a name bound both ways cannot be decided: no)."""
-        root = receiver
-        while isinstance(root, cst.Attribute):
-            root = root.value
-        if not isinstance(root, cst.Name) or root.value not in self.module_names:
-            return False
-        scopes = self.facts.scopes
-        used_in = scopes.scope_of.get(root, scopes.module)
-        scope = scopes.defining_scope(root.value, used_in)
-        sites = self._binding_sites(root.value, scope)
-        if all(is_import for _, is_import in sites):
-            return True
-        if used_in is not scope:
-            return False
-        line = self._line(root)
-        before = [is_import for site_line, is_import in sites if site_line < line]
-        return bool(before) and before[-1]
-
-    def _binding_sites(self, name: str, scope: cst.CSTNode) -> list[tuple[int, bool]]:
-        """(line, is an import) of every binding of `name` directly in `scope`, in source order."""
-        scopes = self.facts.scopes
-        sites = [(0, False)] if name in scopes.parameters.get(scope, ()) else []
-        sites += [(self._line(node), True) for node, names in scopes.imports
-                  if scopes.scope_of[node] is scope and name in names]
-        sites += [(self._line(node), False) for node in scopes.stores.get(name, ()) if scopes.scope_of[node] is scope]
-        sites += [(self._line(node.name), False) for node in scopes.definitions
-                  if node.name.value == name and scopes.scope_of[node] is scope]
-        return sorted(sites)
-
-    def _line(self, node: cst.CSTNode) -> int:
-        return self.facts.line_col(self.facts.span(node)[0])[0]
 
 
 def _root_name(node: cst.BaseExpression) -> str | None:

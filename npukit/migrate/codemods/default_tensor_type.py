@@ -71,6 +71,7 @@ class DefaultTensorType(NpuCodemod):
         indent = text[self.facts.positions.line_starts[self.facts.line_col(start)[0] - 1]:start]
         if dtype is None or torch is None or indent.strip():
             return
+        self.claim(arg)  # the tensor type: no other rule renames or reports it
         if not self.facts.names_torch(node):
             # `torch` would be a new name here (the call made through `from torch import ...`)
             self.flag(call, Flag("default-tensor-type", "warning",
