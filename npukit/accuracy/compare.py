@@ -474,9 +474,12 @@ def judge_rows(rows: list[Row], thresholds: Thresholds) -> None:
 
 def _gradient_scale_keys(rows: list[Row]) -> dict[int, tuple]:
     """What each gradient's magnitude is judged against (by id of its row): the gradients of its
-    backward op (incoming and outgoing), or for a weight's gradient -- a parameter's, or an op's
-    gradient for an argument no dumped op produced -- those of every weight; values computed from
-    the gradients after the backward, against the largest of them. A gradient far below
+    backward op (incoming and outgoing); for an op's gradient for an argument no dumped op produced
+    (a weight), those of every such argument; for a parameter's gradient as the optimizer gets it,
+    those of every parameter (not the backward's: under GradScaler those carry the loss scale, and
+    under FSDP they are the whole unreduced gradient, not the rank's shard, so a correct shard
+    looked like noise beside them); values computed from the gradients after the backward, against
+    the largest of them. A gradient far below
     that (a sum that cancels: the bias before a BatchNorm, a gain a following norm removes) is
     rounding noise in both runs and reaches no update that matters. Forward values have no such
     scale: a small result of a large input (a cancellation) is what the next ops compute with."""
@@ -508,7 +511,7 @@ def _gradient_scale_keys(rows: list[Row]) -> dict[int, tuple]:
             argument = "input." + leaf.suffix.partition(".")[2]
             is_weight = (row.role == "output" and row.pair in pairs_with_producers
                          and (row.pair, _forward_of(entry), argument) in sources)
-            keys[id(row)] = weights if is_weight else (row.pair, row.order)
+            keys[id(row)] = (row.pair, "weight-gradients") if is_weight else (row.pair, row.order)
     return keys
 
 

@@ -152,6 +152,11 @@ def test_fsdp2_the_scaled_input_is_named_at_its_rank_and_the_other_ranks_ops_are
             assert pair.divergence is None and all(row.verdict != "error" for row in forward), pair.pair
     assert began.line().startswith("it began on rank 2, step 0 at Functional.linear.0.forward (module fc1), in the "
                                    "forward")
+    # Every other rank's shard of the reduced gradient carries rank 2's input: each is reached. (Judged
+    # against the backward's loss-scaled, unreduced weight gradients, the shards passed as noise and
+    # six of the seven ranks were said to "show no difference".)
+    assert began.reached == [0, 1, 3, 4, 5, 6, 7] and began.clean == [], began.line()
+    assert "it reached ranks 0-1, 3-7 through FSDP's gradient reduce_scatter" in began.line(), began.line()
 
 
 def test_ddp_the_sleeping_rank_is_named_with_the_wait_it_causes_in_the_all_reduce(ddp):
