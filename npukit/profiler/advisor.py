@@ -91,7 +91,11 @@ class ProfileView:
         self.strings = table.string_array()
         self.names = self.strings[table.name_id]
         self.is_op = table.kind == KIND_OP
-        self.top = self.is_op & table.top_level
+        # The ops the user's code issued: every rule's advice is a change to their code, and the ops
+        # torch.distributed's Python runs (FSDP's copy-in/out views of a flat buffer, its CPU-side
+        # sharding at lazy init) are not theirs to change.
+        self.user_op = self.is_op & ~table.framework
+        self.top = self.user_op & table.top_level
         self.steps = max(len(table.op_steps()), 1)
         self.self_ns = table.self_ns()
         self.op_time_ns = float(self.self_ns[self.is_op].sum()) or 1.0
@@ -163,7 +167,7 @@ def rule_host_sync(view: ProfileView) -> Finding | None:
     if not view.device_run:
         return None
     rows = [
-        r for r in np.flatnonzero(view.is_op).tolist()
+        r for r in np.flatnonzero(view.user_op).tolist()
         if view.names[r] in SYNC_OPS and any(not d.startswith("cpu") for d in view.devices(r))
     ]
     # Count each user-visible sync once (item -> _local_scalar_dense are one sync).
@@ -189,14 +193,21 @@ def rule_host_device_copies(view: ProfileView) -> Finding | None:
     if not view.device_run:
         return None
     h2d, d2h = [], []
-    for r in np.flatnonzero(view.is_op).tolist():
-        if view.names[r] not in COPY_OPS:
-            continue
+    parent = view.table.parent
+    for r in np.flatnonzero(view.user_op).tolist():
+        if view.names[r] not in COPY_OPS or parent[r] >= 0 and view.names[parent[r]] in COPY_OPS:
+            continue  # one transfer: a backend's copy_ runs it as _copy_from(src, dst) inside
         devices = view.devices(r)
         if len(devices) < 2 or devices[0].split(":")[0] == devices[1].split(":")[0]:
             continue
-        # copy_(dst, src): dst on the host means device-to-host.
-        (d2h if devices[0].startswith("cpu") else h2d).append(r)
+        # copy_(dst, src), but _copy_from(src, dst) and _copy_from_and_resize(src, dst)
+        destination = devices[0] if view.names[r] == "aten::copy_" else devices[1]
+        (d2h if destination.startswith("cpu") else h2d).append(r)
+    if view.steps > 1:  # a copy made in one step only (model.to('npu') before the loop) is not per step
+        steps_of_site: dict[int, set[int]] = defaultdict(set)
+        for r in h2d + d2h:
+            steps_of_site[int(view.table.stack_id[r])].add(int(view.table.step[r]))
+        h2d, d2h = ([r for r in rows if len(steps_of_site[int(view.table.stack_id[r])]) > 1] for rows in (h2d, d2h))
     rows = h2d + d2h
     if not rows:
         return None

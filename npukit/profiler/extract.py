@@ -62,6 +62,17 @@ def is_user_file(file_name: str) -> bool:
     return path.parts[0] not in ("torch", "npukit", "torchgen", "functorch", "typing.py")
 
 
+# Python whose ops are the framework's doing, not the model's: torch.distributed (FSDP's sharding,
+# gathering and copy-in/out, DDP's helpers) and the emulated hccl group (its CPU aliases of npu memory).
+_FRAMEWORK_DIRS = (("torch", "distributed"), ("npukit", "npu_backend", "distributed.py"))
+
+
+def _is_framework_file(file_name: str) -> bool:
+    parts = Path(file_name).parts
+    return any(parts[i:i + len(marker)] == marker for marker in _FRAMEWORK_DIRS
+               for i in range(len(parts) - len(marker) + 1))
+
+
 @lru_cache(maxsize=1)
 def _library_roots() -> tuple[str, ...]:
     import torch
@@ -159,11 +170,12 @@ def table_from_profiler(prof, module_names: dict[int, str] | None = None, meta: 
     unreadable, first_error = 0, ""
 
     # Context per pending event: (parent row, stack, module, phase, top row, costed, autograd seq,
-    # torch's FLOP count of the enclosing conv call, which its conv-family children share).
-    pending = [(root, (-1, None, None, PHASE_OTHER, -1, False, -1, 0.0)) for root in reversed(roots)]
+    # torch's FLOP count of the enclosing conv call, which its conv-family children share, and
+    # whether the innermost Python function around it is torch.distributed's or the hccl group's).
+    pending = [(root, (-1, None, None, PHASE_OTHER, -1, False, -1, 0.0, False)) for root in reversed(roots)]
     while pending:
-        event, (parent, stack, module, phase, top_row, costed, node_seq, conv_flops) = pending.pop()
-        context = (parent, stack, module, phase, top_row, costed, node_seq, conv_flops)
+        event, (parent, stack, module, phase, top_row, costed, node_seq, conv_flops, framework) = pending.pop()
+        context = (parent, stack, module, phase, top_row, costed, node_seq, conv_flops, framework)
         try:
             tag = event.tag
             if tag == py_call or tag == py_ccall:
@@ -178,6 +190,14 @@ def table_from_profiler(prof, module_names: dict[int, str] | None = None, meta: 
                     callee = _frame_of(fields.callsite)
                     if callee is not None and is_user_file(callee[0]):
                         stack = f"{callee[0]} in {callee[2]}"
+                if tag == py_call:
+                    callee = _frame_of(fields.callsite)
+                    if callee is not None and not callee[0].startswith("<"):
+                        # Python of torch's own (nn, autograd, amp ...) neither starts nor ends it
+                        if _is_framework_file(callee[0]):
+                            framework = True
+                        elif is_user_file(callee[0]):
+                            framework = False
                 if tag == py_call and fields.module is not None:
                     module = module_names.get(fields.module.self_ptr, fields.module.cls_name)
                     if phase == PHASE_OTHER:
@@ -230,7 +250,8 @@ def table_from_profiler(prof, module_names: dict[int, str] | None = None, meta: 
                                     nbytes=float(sum(numel(shape) * element_size(dtype) for shape, dtype in tensors)))
                 row = builder.add(
                     name, start_ns=start, dur_ns=duration, kind=kind, phase=phase, parent=parent,
-                    thread=thread, stack=stack, module=module, seq=seq, **row_args,
+                    thread=thread, stack=stack, module=module, seq=seq, framework=framework and kind == KIND_OP,
+                    **row_args,
                 )
                 if kind == KIND_OP:
                     if seq >= 0 and phase != PHASE_BACKWARD:
@@ -248,8 +269,8 @@ def table_from_profiler(prof, module_names: dict[int, str] | None = None, meta: 
         except Exception as exc:  # one bad event (undecodable strings of a dynamo frame ...) never costs the recording
             unreadable += 1
             first_error = first_error or f"{type(exc).__name__}: {exc}"
-            (parent, stack, module, phase, top_row, costed, node_seq, conv_flops) = context
-        context = (parent, stack, module, phase, top_row, costed, node_seq, conv_flops)
+            (parent, stack, module, phase, top_row, costed, node_seq, conv_flops, framework) = context
+        context = (parent, stack, module, phase, top_row, costed, node_seq, conv_flops, framework)
         pending.extend((child, context) for child in reversed(event.children))
 
     for row, flops in inherited_flops.items():

@@ -342,6 +342,7 @@ class ProfileSession:
         self._scaler_steps = GradScalerStepWatch(lambda: True, self._end_scaler_step, self._after_scaler_step,
                                                  self._end_scaler_step)
         self._scaler_step_ending = None  # the optimizer whose step ends when GradScaler.update returns
+        self._stopping = False
 
     # -- user API ------------------------------------------------------------------------
     def step(self) -> None:
@@ -387,6 +388,7 @@ class ProfileSession:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        self._stopping = True
         try:
             with _without_kineto_markers():
                 self._profiler.__exit__(exc_type, exc, tb)
@@ -442,6 +444,10 @@ class ProfileSession:
 
     def _on_trace_ready(self, prof) -> None:
         table = table_from_profiler(prof, self._namer.names)
+        if self._stopping and self.steps_taken:
+            # The range open when recording stops runs from the last step's end to the end of the
+            # script (saving, destroy_process_group ...): not a training step.
+            table.step[table.step == self.steps_taken] = -1
         self.tables.append(table)
         if table.meta.get("unreadable_events"):
             print(f"npukit.profiler: {table.meta['unreadable_events']} profiler event(s) could not be read and were "

@@ -49,7 +49,9 @@ _INT_COLUMNS = {
 }
 _TIME_COLUMNS = {"start_ns": np.int64, "dur_ns": np.int64}
 _COST_COLUMNS = {"flops": np.float64, "bytes": np.float64, "top_level": np.bool_}
-COLUMN_DTYPES = {**_INT_COLUMNS, **_TIME_COLUMNS, **_COST_COLUMNS}
+# Columns that tables recorded by an earlier npukit lack: read as all False.
+_ADDED_COLUMNS = {"framework": np.bool_}
+COLUMN_DTYPES = {**_INT_COLUMNS, **_TIME_COLUMNS, **_COST_COLUMNS, **_ADDED_COLUMNS}
 
 
 @dataclass
@@ -59,6 +61,8 @@ class EventTable:
     parent: row index of the enclosing recorded event (-1 for roots); rows are in start order
     per thread. top_level: an op whose parent is not an op (what a user's code called; the unit
     for NPU time estimates). flops/bytes: this op's own cost estimate (0 when unknown).
+    framework: an op that torch.distributed's own Python (FSDP sharding and gathering parameters,
+    DDP's helpers) or the emulated hccl group called: real work, but not the user's code to change.
     """
 
     strings: list[str]
@@ -79,6 +83,7 @@ class EventTable:
     flops: np.ndarray
     bytes: np.ndarray
     top_level: np.ndarray
+    framework: np.ndarray
     meta: dict = field(default_factory=dict)
 
     def __len__(self) -> int:
@@ -129,7 +134,9 @@ class EventTable:
                 version = int(data["schema_version"]) if "schema_version" in data else -1
                 if version != SCHEMA_VERSION:
                     raise UserError(f"{path}: event table schema {version}, this npukit reads schema {SCHEMA_VERSION}; re-record the profile")
-                columns = {name: data[name] for name in cls.column_names()}
+                columns = {name: data[name] for name in cls.column_names() if name not in _ADDED_COLUMNS or name in data}
+                rows = len(columns["name_id"])
+                columns.update({name: np.zeros(rows, dtype) for name, dtype in _ADDED_COLUMNS.items() if name not in columns})
                 strings = data["strings"].tolist()
         except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as exc:
             reason = str(exc) or type(exc).__name__
@@ -249,6 +256,7 @@ class TableBuilder:
         flops: float = 0.0,
         nbytes: float = 0.0,
         top_level: bool = False,
+        framework: bool = False,
     ) -> int:
         rows = self._rows
         row = len(rows["name_id"])
@@ -269,6 +277,7 @@ class TableBuilder:
         rows["flops"].append(flops)
         rows["bytes"].append(nbytes)
         rows["top_level"].append(top_level)
+        rows["framework"].append(framework)
         return row
 
     def set(self, row: int, column: str, value) -> None:

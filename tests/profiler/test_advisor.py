@@ -241,3 +241,16 @@ def test_device_advice_on_npu(tmp_path, npu_device):
 
     fired = rules_fired(record(tmp_path, step))
     assert {"host-sync", "host-device-copies"} <= set(fired)
+
+
+def test_each_transfer_counts_once_in_its_direction(tmp_path, npu_device):
+    """The emulator's copy_ runs a transfer as _copy_from(src, dst) inside it (as out-of-tree
+    backends do): one transfer, and its direction is read from copy_'s (dst, src)."""
+    weight = torch.randn(64, 64)
+
+    def step(index: int) -> None:
+        batch = torch.randn(64, 64).to(npu_device)
+        (batch @ weight.to(npu_device)).cpu()
+
+    copies = rules_fired(record(tmp_path, step, steps=3))["host-device-copies"]
+    assert "2/step host-to-device and 1/step device-to-host" in copies.summary, copies.summary

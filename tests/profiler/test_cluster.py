@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 from npukit.errors import UserError
-from npukit.profiler.advisor import advise_cluster
+from npukit.profiler.advisor import advise, advise_cluster
 from npukit.profiler.cluster import _within, cluster_summary, load_ranks, parse_ranks
 from npukit.profiler.commands import run_cluster
 from npukit.profiler.summary import covered_ns, interval_union
-from npukit.profiler.table import EVENTS_FILE
+from npukit.profiler.table import EVENTS_FILE, KIND_OP, EventTable
 
 from .conftest import REPO, SLEEP_US, npu_run_profile
 
@@ -197,3 +197,48 @@ def test_rank_selections():
     assert parse_ranks("0,2-3") == {0, 2, 3}
     with pytest.raises(UserError, match="expected `all`"):
         parse_ranks("1-")
+
+
+# A correct FSDP2 run under GradScaler, with work after its training loop (an evaluation pass).
+FSDP2_SCRIPT = """
+import torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+dist.init_process_group("hccl")
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).npu()
+fully_shard(model[0])
+fully_shard(model[2])
+fully_shard(model)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+scaler = torch.amp.GradScaler("npu")
+g = torch.Generator().manual_seed(dist.get_rank())
+for step in range(4):
+    x, y = torch.randn(4, 16, generator=g).npu(), torch.randn(4, 4, generator=g).npu()
+    with torch.autocast("npu", dtype=torch.float16):
+        loss = F.mse_loss(model(x).float(), y)
+    optimizer.zero_grad()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+with torch.no_grad():
+    model(x)
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp2_ranks_get_advice_on_their_own_code_only_and_work_after_the_loop_is_no_step(tmp_path):
+    """FSDP2's own Python works on CPU tensors at lazy init and views its flat all-gather buffer
+    in many shapes (one call site: the module's forward): neither is the user's to change. The
+    evaluation after the last step is not a fifth step."""
+    prof = npu_run_profile(tmp_path, FSDP2_SCRIPT, 2)
+    cluster = cluster_summary(load_ranks(prof))
+    assert cluster.steps == [1, 2, 3]  # 4 steps, the first (start-up) left out; not [1, 2, 3, 4]
+    for rank in (0, 1):
+        table = EventTable.load(prof / f"rank{rank}")
+        assert table.framework[table.kind == KIND_OP].any()  # FSDP's ops are there, marked
+        fired = {finding.rule: finding for finding in advise(table)}
+        assert not {"host-ops", "dynamic-shapes"} & set(fired), [fired[r].evidence for r in fired]
+        # each step moves its batch (x, y) to the NPU; model.npu() before the loop is not per step
+        copies = fired["host-device-copies"]
+        assert "2/step host-to-device and 0/step device-to-host" in copies.summary, copies.summary
+        assert all("script.py:14" in line for line in copies.evidence), copies.evidence
