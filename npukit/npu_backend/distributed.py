@@ -172,6 +172,10 @@ class ProcessGroupHCCL(dist.ProcessGroup):
         # The group's name (which functional collectives resolve groups by) is kept by its
         # registered backends; gloo is the real one for CPU tensors.
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)
+        # init_process_group(device_id=torch.device("npu", i)) asks the group for its npu backend
+        # (whether it supports splitting); so do DeviceMesh and split_group. Collectives do not go
+        # through it: the overrides below take npu tensors to gloo as CPU aliases.
+        self._register_backend(torch.device("npu"), dist.ProcessGroup.BackendType.CUSTOM, self._gloo)
 
     def shutdown(self) -> None:
         """destroy_process_group calls this: finish what gloo threads still complete into Python."""

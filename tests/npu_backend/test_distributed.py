@@ -192,6 +192,21 @@ def test_hccl_group_runs_collectives_in_place_on_npu_tensors(single_rank_group):
     assert out.device.type == "npu" and out.tolist() == [7.0, 8.0]
 
 
+def test_a_group_bound_to_its_npu_with_device_id_runs_collectives():
+    """`init_process_group(backend=get_default_backend_for_device(d), device_id=d)`, as
+    pytorch/examples' FSDP2 example writes it, asks the group for its npu backend; it failed with
+    "No backend type associated with device type npu"."""
+    device = torch.device("npu", 0)
+    backend = dist.get_default_backend_for_device(device)
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device)
+    try:
+        tensor = torch.arange(3.0, device=device)
+        dist.all_reduce(tensor)
+        assert backend == "hccl" and tensor.device == device and tensor.tolist() == [0.0, 1.0, 2.0]
+    finally:
+        dist.destroy_process_group()
+
+
 def test_destroying_the_group_first_finishes_the_collectives_whose_futures_run_python(single_rank_group):
     """A gloo thread completing a future with a Python callback needs the GIL: a group destroyed
     with such a collective in flight (DDP alive after destroy_process_group) hung both ranks of a
