@@ -243,6 +243,41 @@ class _ModuleNamer:
                 self._refs[id(sub)] = weakref.ref(sub)
 
 
+class _SwapPause:
+    """Lets torch.utils.swap_tensors work while a profile records.
+
+    torch.profiler keeps weak references to the tensors it records (each op input's, with shapes;
+    each called module's parameters, with stacks), and swap_tensors refuses a tensor that has any
+    (pytorch/pytorch#170137). nn.Module._apply swaps parameters that way for tensor subclasses,
+    so FSDP2's `model.to_empty(device=...)` after a meta-device init failed under `npu-run
+    --profile` and ran without it. The first swap while recording ends the recording cycle (its
+    table and trace are kept; ending it frees the references) and the swap goes ahead; recording
+    starts again at the next step boundary. (Started again from inside a module call instead, at
+    the next forward, torch's Python tracer grew by gigabytes as it stopped, on that example.)"""
+
+    def __init__(self, recording, pause) -> None:
+        self._recording, self._pause = recording, pause
+        self._original = None
+
+    def install(self) -> None:
+        import torch.utils
+
+        self._original = torch.utils.swap_tensors
+        torch.utils.swap_tensors = self._swap
+
+    def remove(self) -> None:
+        import torch.utils
+
+        if self._original is not None:
+            torch.utils.swap_tensors = self._original
+            self._original = None
+
+    def _swap(self, t1, t2) -> None:
+        if self._recording():
+            self._pause()
+        self._original(t1, t2)
+
+
 class _GcMarker:
     """Marks Python garbage-collection pauses as "Python GC gen<N>" ranges in the profile.
 
@@ -343,6 +378,9 @@ class ProfileSession:
                                                  self._end_scaler_step)
         self._scaler_step_ending = None  # the optimizer whose step ends when GradScaler.update returns
         self._stopping = False
+        self._pausing = False
+        self._new_profiler = None
+        self._swaps = _SwapPause(lambda: self._profiler is not None, self._pause_recording)
 
     # -- user API ------------------------------------------------------------------------
     def step(self) -> None:
@@ -369,33 +407,39 @@ class ProfileSession:
             # An explicit always-record schedule: without one torch does not mark ProfilerStep ranges.
             def step_schedule(step: int) -> ProfilerAction:
                 return ProfilerAction.RECORD
-        self._profiler = profile(
-            activities=[ProfilerActivity.CPU],
-            record_shapes=self.record_shapes,
-            with_stack=self.with_stack,
-            with_flops=True,
-            on_trace_ready=self._on_trace_ready,
-            schedule=step_schedule,
-        )
+
+        def new_profiler():
+            return profile(
+                activities=[ProfilerActivity.CPU],
+                record_shapes=self.record_shapes,
+                with_stack=self.with_stack,
+                with_flops=True,
+                on_trace_ready=self._on_trace_ready,
+                schedule=step_schedule,
+            )
+
+        self._new_profiler = new_profiler
         self._hooks.append(register_optimizer_step_post_hook(self._on_optimizer_step))
         self._scaler_steps.install()
         self._namer.install()
         self._p2p.install()
+        self._swaps.install()
         self._gc.prepare()
-        with _without_kineto_markers():
-            self._profiler.__enter__()
+        self._start_recording()
         self._gc.install()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self._stopping = True
         try:
-            with _without_kineto_markers():
-                self._profiler.__exit__(exc_type, exc, tb)
+            if self._profiler is not None:
+                with _without_kineto_markers():
+                    self._profiler.__exit__(exc_type, exc, tb)
         finally:
             for hook in self._hooks:
                 hook.remove()
             self._hooks.clear()
+            self._swaps.remove()
             self._scaler_steps.remove()
             self._namer.remove()
             self._p2p.remove()
@@ -439,14 +483,38 @@ class ProfileSession:
 
     def _advance(self) -> None:
         self.steps_taken += 1
+        if self._profiler is None:  # paused for a tensor swap: the next step is recorded again
+            self._start_recording()
+            return
         with _without_kineto_markers():
             self._profiler.step()
 
+    def _start_recording(self) -> None:
+        """Start a recording cycle whose steps are numbered on from the steps already taken."""
+        self._profiler = self._new_profiler()
+        self._profiler.step_num = self.steps_taken
+        self._profiler.current_action = self._profiler.schedule(self.steps_taken)
+        with _without_kineto_markers():
+            self._profiler.__enter__()
+
+    def _pause_recording(self) -> None:
+        """End the recording cycle (its table and trace are kept) and drop torch's profiler, with
+        the references it holds to the tensors it recorded."""
+        profiler, self._profiler = self._profiler, None
+        self._pausing = True
+        try:
+            with _without_kineto_markers():
+                profiler.__exit__(None, None, None)
+        finally:
+            self._pausing = False
+        del profiler
+        gc.collect()
+
     def _on_trace_ready(self, prof) -> None:
         table = table_from_profiler(prof, self._namer.names)
-        if self._stopping and self.steps_taken:
-            # The range open when recording stops runs from the last step's end to the end of the
-            # script (saving, destroy_process_group ...): not a training step.
+        if self._pausing or self._stopping and self.steps_taken:
+            # The range open when recording stops is no training step: it runs from the last step's
+            # end to the end of the script (saving, destroy_process_group ...) or to a tensor swap.
             table.step[table.step == self.steps_taken] = -1
         self.tables.append(table)
         if table.meta.get("unreadable_events"):

@@ -193,3 +193,36 @@ def train_steps_on(model, device) -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
+
+
+def test_a_tensor_swap_while_recording_goes_ahead_and_recording_resumes_at_the_next_step(tmp_path):
+    """torch.profiler's references to recorded tensors made torch.utils.swap_tensors refuse them
+    (pytorch/pytorch#170137): FSDP2's to_empty after a meta-device init, under `npu-run --profile`,
+    failed with "_apply(): Couldn't swap Embedding.weight". The swap ends the recording cycle; the
+    step it interrupted is no step; recording starts again at the next one."""
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = model.weight
+    with _swapping_conversions():
+        with npukit.profiler.profile(tmp_path) as prof:
+            for step in range(4):
+                model(torch.randn(2, 4)).sum().backward()
+                optimizer.step()
+                if step == 1:
+                    model.to_empty(device="cpu")  # swaps each parameter
+                    model.reset_parameters()
+    assert model.weight is before and torch.isfinite(model.weight).all()  # swapped in place
+    table = EventTable.load(tmp_path / "rank0")
+    assert table.meta["steps"] == [0, 1, 3]  # step 2 (the swap's) is not a step; 3 recorded again
+    assert len(prof.traces) == 2 and all((tmp_path / name).is_file() for name in prof.traces)
+
+
+class _swapping_conversions:
+    """nn.Module._apply swaps parameters (as it does for tensor subclasses such as FSDP2's DTensors)."""
+
+    def __enter__(self):
+        self.before = torch.__future__.get_swap_module_params_on_conversion()
+        torch.__future__.set_swap_module_params_on_conversion(True)
+
+    def __exit__(self, *exc):
+        torch.__future__.set_swap_module_params_on_conversion(self.before)
