@@ -36,7 +36,7 @@ from npukit.accuracy._stats import stats as one_pass_stats
 from npukit.accuracy.dumpfile import DUMPED_BY, HF32_OPS
 from npukit.accuracy.scaler_steps import GradScalerStepWatch
 from npukit.accuracy.stacks import CallStacks
-from npukit.accuracy.tensor_io import strided_form, tensor_to_numpy, write_tensor
+from npukit.accuracy.tensor_io import local_shard, strided_form, tensor_to_numpy, write_tensor
 from npukit.errors import UserError
 from npukit.files import check_output_location, output_folder, refuse_links_inside, write_text_atomic
 
@@ -79,15 +79,6 @@ def tensors_in(value) -> list[torch.Tensor]:
         elif isinstance(item, dict):
             pending.extend(reversed(item.values()))
     return found
-
-
-def local_shard(tensor: torch.Tensor) -> torch.Tensor:
-    """What this rank holds of a DTensor (FSDP2's sharded parameters and their gradients): its local
-    shard, a plain tensor; any other tensor as it is."""
-    distributed_tensor = sys.modules.get("torch.distributed.tensor")
-    if distributed_tensor is not None and isinstance(tensor, distributed_tensor.DTensor):
-        return tensor._local_tensor
-    return tensor
 
 
 def unintercepted(function):
@@ -924,6 +915,7 @@ class DumpSession:
 
     def _describe(self, value, leaf_name: str, is_output: bool):
         if isinstance(value, torch.Tensor):
+            value = local_shard(value)  # a DTensor is dumped as this rank's shard: shape, statistics, data
             if value.is_nested:  # no single shape, no statistics: described, not measured
                 return {"type": "torch.Tensor", "layout": "nested", "dtype": str(value.dtype)}
             return self._tensor_leaf(value, leaf_name, is_output)

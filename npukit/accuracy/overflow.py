@@ -51,7 +51,6 @@ from npukit.accuracy.dump import (
     StatsBuffer,
     describe_value,
     fill_stats,
-    local_shard,
     rank_from_env,
     tensors_in,
     unintercepted,
@@ -60,7 +59,7 @@ from npukit.accuracy.dump import (
 from npukit.accuracy.graph import OpNodes
 from npukit.accuracy.scaler_steps import GradScalerStepWatch
 from npukit.accuracy.stacks import CallStacks
-from npukit.accuracy.tensor_io import strided_form, write_tensor
+from npukit.accuracy.tensor_io import local_shard, strided_form, write_tensor
 from npukit.console import number_ranges
 from npukit.errors import UserError
 from npukit.files import check_output_location

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pickle
 import re
+import sys
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -90,11 +91,22 @@ def write_tensor(path: Path, tensor) -> None:
         np.lib.format.write_array(handle, array, allow_pickle=False)
 
 
+def local_shard(tensor):
+    """What this rank holds of a DTensor (FSDP2's sharded parameters and their gradients, the
+    tensors DTensor ops return): its local shard, a plain tensor; any other tensor as it is."""
+    distributed_tensor = sys.modules.get("torch.distributed.tensor")
+    if distributed_tensor is not None and isinstance(tensor, distributed_tensor.DTensor):
+        return tensor._local_tensor
+    return tensor
+
+
 def strided_form(data):
     """The same values as a plain strided tensor: sparse and mkldnn tensors made dense (the
-    implicit zeros are values too), quantized ones dequantized; None for nested tensors."""
+    implicit zeros are values too), quantized ones dequantized, a DTensor's local shard; None for
+    nested tensors."""
     import torch
 
+    data = local_shard(data)
     if data.is_nested:
         return None
     if data.is_quantized:

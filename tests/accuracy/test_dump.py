@@ -545,3 +545,25 @@ def test_module_backward_output_lists_only_the_arguments_that_need_a_gradient(tm
     for name in ("Module.second._TwoInputs.backward.0", "Module.third._TwoInputs.backward.0"):
         [grad] = data[name]["output"]
         assert grad["shape"] == [3] and grad["Max"] == grad["Min"] == 1.0, name
+
+
+def test_a_dtensor_is_dumped_as_this_ranks_shard(tmp_path, npu):
+    """DTensor ops return DTensors (FSDP2's parameters cast under its mixed-precision policy,
+    `Tensor.to`): a wrapper with no data of its own. Its statistics failed ("stats: shape and
+    strides differ in length, or no data": the hook switched off, nothing more dumped, on
+    pytorch/examples' FSDP2 example); it is dumped as its local shard, as FSDP2's gradients are."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    dist.init_process_group("hccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        weight = distribute_tensor(torch.arange(12.0, device=npu).view(4, 3), init_device_mesh("npu", (1,)), [Shard(0)])
+        with DumpSession(tmp_path, level="api", mode="tensor"):
+            nn.Identity()(weight)
+            weight.to(torch.bfloat16)
+    finally:
+        dist.destroy_process_group()
+    leaf = load(tmp_path)["data"]["Tensor.to.0.forward"]["output"][0]
+    assert leaf["shape"] == [4, 3] and leaf["dtype"] == "torch.bfloat16" and (leaf["Max"], leaf["Min"]) == (11.0, 0.0)
+    raw = read_tensor(tmp_path / "step0/rank0/dump_tensor_data" / leaf["data_name"], leaf["dtype"])
+    assert torch.equal(torch.from_numpy(np.array(raw)).view(torch.bfloat16).float(), torch.arange(12.0).view(4, 3))
