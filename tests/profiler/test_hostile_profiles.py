@@ -60,6 +60,19 @@ def test_a_broken_profile_is_named(tmp_path, case):
         EventTable.load(tmp_path)
 
 
+def test_a_profile_recorded_before_the_framework_column_loads_with_none_marked(tmp_path):
+    _profile(tmp_path)
+    with np.load(tmp_path / EVENTS_FILE, allow_pickle=False) as data:
+        arrays = {name: data[name] for name in data.files if name != "framework"}
+    with open(tmp_path / EVENTS_FILE, "wb") as handle:
+        np.savez(handle, **arrays)
+    table = EventTable.load(tmp_path)
+    assert len(table) == 3 and table.framework.dtype == np.bool_ and not table.framework.any()
+    CASES["float column of text"][0](tmp_path)  # the other columns are still checked
+    with pytest.raises(UserError, match=CASES["float column of text"][1]):
+        EventTable.load(tmp_path)
+
+
 @pytest.mark.parametrize("case", ["empty events.npz", "negative name_id"])
 def test_npu_profile_exits_2_with_the_file_named(tmp_path, case):
     _profile(tmp_path / "prof")
