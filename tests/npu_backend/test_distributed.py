@@ -161,6 +161,43 @@ def test_npu_run_two_rank_ddp_and_fsdp_train_like_one_process_and_collectives_wo
             "broadcast [6.0, 6.0, 6.0] total [3.0] received [42.0, 43.0] on npu:1 npu:1 npu:1") in out
 
 
+META_INIT_SCRIPT = textwrap.dedent("""
+    import os, torch, torch.distributed as dist, torch.nn as nn
+    from torch.distributed.fsdp import fully_shard
+
+    device = torch.device("npu", int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend=dist.get_default_backend_for_device(device), device_id=device)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 4))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    model.to_empty(device=device)
+    for layer in model:
+        layer.reset_parameters()  # DTensor random ops: each rank draws its own shard
+    weight = model[0].weight.full_tensor()
+    model(torch.ones(2, 16, device=device)).sum().backward()
+    print(f"rank {dist.get_rank()} weight {weight.sum().item():.6f} {weight.abs().max().item() <= 0.25} "
+          f"shards differ {not torch.equal(weight[:16], weight[16:])} grad {model[0].weight.grad is not None}")
+    dist.destroy_process_group()
+""")
+
+
+def test_fsdp2_meta_device_init_draws_each_shard_of_one_weight(tmp_path):
+    """FSDP2's documented initialisation (pytorch/examples' FSDP2 example): a model built on the
+    meta device, sharded, materialised on the rank's npu and reset, then trained."""
+    script = tmp_path / "meta_init.py"
+    script.write_text(META_INIT_SCRIPT)
+    env = dict(os.environ, PET_STANDALONE="1", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, "-m", "npukit.run", "--nproc-per-node", "2", str(script)],
+                            capture_output=True, text=True, env=env, timeout=150)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
+    assert len(lines) == 2 and lines[0][len("rank 0"):] == lines[1][len("rank 1"):], lines  # one weight
+    assert lines[0].endswith("True shards differ True grad True"), lines  # kaiming-uniform bound 1/sqrt(16)
+
+
 @pytest.fixture
 def single_rank_group():
     def init(backend: str):

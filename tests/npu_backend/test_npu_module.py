@@ -66,6 +66,33 @@ def test_rng_is_per_device_and_reproducible():
     assert torch.equal(torch.randn(4, device="npu", generator=generator).cpu(), e.cpu())
 
 
+def test_rng_state_is_seed_and_philox_offset_as_torch_npus():
+    """DTensor's random ops (FSDP2's meta-device init, then reset_parameters) read the state as
+    (seed, offset) and write offsets into it; the state was the CPU generator's 5056 bytes, and
+    pytorch/examples' FSDP2 example failed in reset_parameters."""
+    torch.npu.manual_seed(11)
+    state = torch.npu.get_rng_state()
+    assert state.dtype == torch.uint8 and state.numel() == 16
+    assert state[:8].view(torch.int64).item() == 11 and state[8:].view(torch.int64).item() == 0
+    first = torch.rand(10, device="npu")
+    after = torch.npu.get_rng_state()
+    assert after[8:].view(torch.int64).item() == 12  # 10 elements, rounded up to a multiple of 4
+    # a state made by hand (another offset, as DTensor does per shard) draws the same on every
+    # generator set to it, and something else than its neighbour
+    shard = state.clone()
+    shard[8:] = torch.tensor([1000], dtype=torch.int64).view(torch.uint8)
+    generator = torch.Generator(device="npu")
+    generator.set_state(shard)
+    torch.npu.set_rng_state(shard)
+    drawn = torch.rand(10, device="npu")
+    assert torch.equal(torch.rand(10, device="npu", generator=generator), drawn)
+    assert not torch.equal(drawn, first)
+    torch.npu.set_rng_state(state)
+    assert torch.equal(torch.rand(10, device="npu"), first)
+    with pytest.raises(RuntimeError, match="16 bytes of uint8"):
+        torch.npu.set_rng_state(torch.get_rng_state())
+
+
 def test_memory_accounting_follows_allocations():
     torch.npu.empty_cache()
     before = torch.npu.memory_allocated()

@@ -9,6 +9,7 @@
 #include <torch/extension.h>
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/PhiloxRNGEngine.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -724,27 +725,86 @@ bool is_generator_type(const c10::TypePtr& type) {
 }
 
 // ------------------------------------------------------------------ generators
-// An npu generator owns a CPU generator; CPU kernels receive the inner one.
+// An npu generator's state is torch_npu's (and CUDA's): 16 bytes, the seed and a philox offset
+// that each random op advances by its element count rounded up to 4. DTensor's random ops (FSDP2's
+// meta-device init, then reset_parameters) read and write that offset to give each shard its own
+// part of one stream. The numbers come from a CPU generator the CPU kernels draw from: seeded
+// with the seed, it streams exactly as torch's CPU generator does; once the state is read or set,
+// it continues from a state made from (seed, offset) alone, so that equal states draw equal numbers
+// on every rank and a state set back draws again what it drew.
 struct NpuGeneratorImpl final : public c10::GeneratorImpl {
   at::Generator inner;
+  uint64_t seed_;
+  uint64_t offset_ = 0;
   NpuGeneratorImpl(c10::DeviceIndex idx, uint64_t seed)
       : c10::GeneratorImpl(c10::Device(kNpu, idx), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1)),
-        inner(at::make_generator<at::CPUGeneratorImpl>(seed)) {}
-  void set_current_seed(uint64_t seed) override { inner.set_current_seed(seed); }
-  void set_offset(uint64_t offset) override { inner.set_offset(offset); }
-  uint64_t get_offset() const override { return inner.get_offset(); }
-  uint64_t current_seed() const override { return inner.current_seed(); }
-  uint64_t seed() override { return inner.seed(); }
-  void set_state(const c10::TensorImpl& state) override { inner.unsafeGetGeneratorImpl()->set_state(state); }
+        inner(at::make_generator<at::CPUGeneratorImpl>(seed)), seed_(seed) {}
+  void set_current_seed(uint64_t seed) override {
+    seed_ = seed;
+    offset_ = 0;
+    inner.set_current_seed(seed);
+  }
+  void set_offset(uint64_t offset) override {
+    offset_ = offset;
+    continue_from_state();
+  }
+  uint64_t get_offset() const override { return offset_; }
+  uint64_t current_seed() const override { return seed_; }
+  uint64_t seed() override {
+    uint64_t random = c10::detail::getNonDeterministicRandom();
+    set_current_seed(random);
+    return random;
+  }
+  void set_state(const c10::TensorImpl& state) override {
+    TORCH_CHECK(state.dtype() == caffe2::TypeMeta::Make<uint8_t>() && state.numel() == 16 && state.is_contiguous(),
+                "an npu generator's RNG state is 16 bytes of uint8 (its seed and philox offset, as torch_npu's), "
+                "got ", state.numel(), " elements of ", state.dtype().name());
+    const auto* bytes = static_cast<const uint8_t*>(state.data());
+    std::memcpy(&seed_, bytes, 8);
+    std::memcpy(&offset_, bytes + 8, 8);
+    continue_from_state();
+  }
   c10::intrusive_ptr<c10::TensorImpl> get_state() const override {
-    return inner.unsafeGetGeneratorImpl()->get_state();
+    auto state = at::empty({16}, at::TensorOptions().dtype(at::kByte));
+    std::memcpy(state.data_ptr<uint8_t>(), &seed_, 8);
+    std::memcpy(state.data_ptr<uint8_t>() + 8, &offset_, 8);
+    // the numbers drawn from now on are the ones this state stands for
+    const_cast<NpuGeneratorImpl*>(this)->continue_from_state();
+    return state.getIntrusivePtr();
+  }
+  // The CPU generator a random op over `numel` elements draws from; the offset moves past it.
+  at::Generator draw(int64_t numel) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    offset_ += ((std::max<int64_t>(numel, 1) + 3) / 4) * 4;
+    return inner;
   }
   static c10::DeviceType device_type() { return kNpu; }
 
  private:
+  void continue_from_state() {
+    if (offset_ == 0) {  // freshly seeded: the CPU generator's own stream
+      inner.set_current_seed(seed_);
+      return;
+    }
+    at::mt19937_data_pod data{};
+    data.seed_ = seed_;
+    data.seeded_ = true;
+    data.left_ = 1;
+    data.next_ = 0;
+    at::Philox4_32 philox(seed_, offset_);
+    for (auto& word : data.state_) word = philox();
+    auto* cpu = static_cast<at::CPUGeneratorImpl*>(inner.unsafeGetGeneratorImpl());
+    at::mt19937 engine;
+    engine.set_data(data);
+    cpu->set_engine(engine);
+    cpu->set_next_float_normal_sample(std::nullopt);
+    cpu->set_next_double_normal_sample(std::nullopt);
+  }
   NpuGeneratorImpl* clone_impl() const override {
     auto* copy = new NpuGeneratorImpl(device_.index(), 0);
     copy->inner = inner.clone();
+    copy->seed_ = seed_;
+    copy->offset_ = offset_;
     return copy;
   }
 };
@@ -760,10 +820,11 @@ const at::Generator& default_generator(c10::DeviceIndex idx) {
   return g_default_generators[idx];
 }
 
-at::Generator cpu_generator_for(const at::Generator& gen) {
+// The generator a CPU kernel gets for `gen` (an npu generator gives its CPU one, advanced past
+// a draw of `numel` elements).
+at::Generator cpu_generator_for(const at::Generator& gen, int64_t numel) {
   if (gen.defined() && gen.device().type() == kNpu) {
-    auto* impl = static_cast<NpuGeneratorImpl*>(gen.unsafeGetGeneratorImpl());
-    return impl->inner;
+    return static_cast<NpuGeneratorImpl*>(gen.unsafeGetGeneratorImpl())->draw(numel);
   }
   return gen;
 }
@@ -777,7 +838,7 @@ void run_on_cpu(const c10::OperatorHandle& op, torch::jit::Stack* stack, Policy 
   Translation tr;
   tr.op_name = schema.name().c_str();
   tr.keep_aliases = true;  // the kernel pops the arguments from the stack
-  c10::SmallVector<size_t, 2> default_generator_slots;
+  c10::SmallVector<size_t, 2> generator_slots, default_generator_slots;
   // The npu arguments, moved off the stack (no refcount change) and kept alive for the call.
   c10::SmallVector<c10::IValue, 4> npu_arguments;
 
@@ -809,14 +870,21 @@ void run_on_cpu(const c10::OperatorHandle& op, torch::jit::Stack* stack, Policy 
     } else if (value.isDevice()) {
       value = tr.to_cpu(value.toDevice());
     } else if (value.isGenerator()) {
-      value = cpu_generator_for(value.toGenerator());
+      generator_slots.push_back(begin + i);
     } else if (value.isNone() && is_generator_type(arguments[i].type())) {
       default_generator_slots.push_back(begin + i);
     }
   }
   tr.check_arguments(schema.name());
-  for (size_t slot : default_generator_slots)
-    (*stack)[slot] = cpu_generator_for(default_generator(tr.device));
+  if (!generator_slots.empty() || !default_generator_slots.empty()) {
+    int64_t numel = 0;  // a random op draws about one number per element of its largest tensor
+    for (size_t i = begin; i < stack->size(); ++i)
+      if ((*stack)[i].isTensor()) numel = std::max(numel, (*stack)[i].toTensor().numel());
+    for (size_t slot : generator_slots)
+      (*stack)[slot] = cpu_generator_for((*stack)[slot].toGenerator(), numel);
+    for (size_t slot : default_generator_slots)
+      (*stack)[slot] = cpu_generator_for(default_generator(tr.device), numel);
+  }
 
   std::optional<MatmulCast> cast;
   if (policy != Policy::None) {
