@@ -728,7 +728,9 @@ def find_divergence(pair_label: str, pairs: list, rows: list[Row], golden: RankD
             continue
         if in_err <= warn and source_err > warn:
             reason = (f"a weight or input that no dumped op produced differs (error {_fmt(source_err)});"
-                      f" output error {_fmt(out_err)}")
+                      f" output error {_fmt(out_err)}. If the runs were not seeded alike (scripts that never"
+                      " call manual_seed start from other weights each run), run both with `npu-run --seed N`;"
+                      " a data difference: `--replay DIR`")
             return _make_divergence(pair_label, target_entry, golden_entry, reason, target, in_err, out_err)
         # A product whose result is far smaller than its operands (a 128->1 value head near 0) grows
         # their relative error by that ratio: the error it is expected to give.

@@ -234,7 +234,7 @@ _ONE_PASS_KINDS = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "
 
 def _host_stats(data: torch.Tensor) -> list[float]:
     kind = _ONE_PASS_KINDS.get(data.dtype)
-    if kind is not None:
+    if kind is not None and data.data_ptr():  # a tensor subclass without data of its own: torch's path
         # One read of the data instead of torch's four reductions (3-10x faster, and summed more
         # exactly); slices and transposes are read in place. The kernel skips NaN in max/min,
         # so data with nan or inf takes torch's path below.
@@ -915,7 +915,6 @@ class DumpSession:
 
     def _describe(self, value, leaf_name: str, is_output: bool):
         if isinstance(value, torch.Tensor):
-            value = local_shard(value)  # a DTensor is dumped as this rank's shard: shape, statistics, data
             if value.is_nested:  # no single shape, no statistics: described, not measured
                 return {"type": "torch.Tensor", "layout": "nested", "dtype": str(value.dtype)}
             return self._tensor_leaf(value, leaf_name, is_output)
@@ -938,6 +937,9 @@ class DumpSession:
         same_values_as: a tensor holding the same elements (the input of a reshape): its statistics
         are reused.
         """
+        tensor = local_shard(tensor)  # a DTensor is dumped as this rank's shard: shape, statistics, data
+        if same_values_as is not None:
+            same_values_as = local_shard(same_values_as)
         record = self._record
         key = id(tensor)
         version = _version(tensor)

@@ -962,6 +962,7 @@ class OverflowSession:
 
         def describe(value, leaf_name):
             if isinstance(value, torch.Tensor):
+                value = local_shard(value)
                 leaf = {"type": "torch.Tensor", "dtype": str(value.dtype), "shape": list(value.shape),
                         "requires_grad": value.requires_grad, "data_name": f"{leaf_name}.npy"}
                 with torch._C.DisableTorchFunction():

@@ -92,11 +92,16 @@ def write_tensor(path: Path, tensor) -> None:
 
 
 def local_shard(tensor):
-    """What this rank holds of a DTensor (FSDP2's sharded parameters and their gradients, the
-    tensors DTensor ops return): its local shard, a plain tensor; any other tensor as it is."""
+    """What this rank holds, as a tensor with data of its own: a DTensor's local shard (FSDP2's
+    sharded parameters and their gradients, what DTensor ops return), the result of a functional
+    collective still in flight (tensor parallelism's outputs: AsyncCollectiveTensor, waited for);
+    any other tensor as it is."""
     distributed_tensor = sys.modules.get("torch.distributed.tensor")
     if distributed_tensor is not None and isinstance(tensor, distributed_tensor.DTensor):
-        return tensor._local_tensor
+        tensor = tensor._local_tensor
+    functional = sys.modules.get("torch.distributed._functional_collectives")
+    if functional is not None and isinstance(tensor, functional.AsyncCollectiveTensor):
+        tensor = tensor.trigger_wait()
     return tensor
 
 

@@ -549,10 +549,13 @@ def test_module_backward_output_lists_only_the_arguments_that_need_a_gradient(tm
 
 def test_a_dtensor_is_dumped_as_this_ranks_shard(tmp_path, npu):
     """DTensor ops return DTensors (FSDP2's parameters cast under its mixed-precision policy,
-    `Tensor.to`): a wrapper with no data of its own. Its statistics failed ("stats: shape and
-    strides differ in length, or no data": the hook switched off, nothing more dumped, on
-    pytorch/examples' FSDP2 example); it is dumped as its local shard, as FSDP2's gradients are."""
+    `Tensor.to`), tensor parallelism's functional collectives AsyncCollectiveTensors: wrappers with
+    no data of their own. Their statistics failed ("stats: shape and strides differ in length, or
+    no data": the hook switched off, nothing more dumped, on pytorch/examples' FSDP2 and tensor
+    parallel examples); a DTensor is dumped as its local shard, as FSDP2's gradients are, and a
+    collective's result once it has arrived."""
     import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
     dist.init_process_group("hccl", store=dist.HashStore(), rank=0, world_size=1)
@@ -561,8 +564,14 @@ def test_a_dtensor_is_dumped_as_this_ranks_shard(tmp_path, npu):
         with DumpSession(tmp_path, level="api", mode="tensor"):
             nn.Identity()(weight)
             weight.to(torch.bfloat16)
+            # tensor parallelism's outputs: a functional collective's result, still in flight
+            in_flight = funcol.all_reduce(torch.full((2,), 3.0, device=npu), "sum", dist.group.WORLD)
+            assert isinstance(in_flight, funcol.AsyncCollectiveTensor)
+            in_flight.sum()
     finally:
         dist.destroy_process_group()
+    summed = load(tmp_path)["data"]["Tensor.sum.0.forward"]["input_args"][0]
+    assert summed["shape"] == [2] and (summed["Max"], summed["Min"]) == (3.0, 3.0)
     leaf = load(tmp_path)["data"]["Tensor.to.0.forward"]["output"][0]
     assert leaf["shape"] == [4, 3] and leaf["dtype"] == "torch.bfloat16" and (leaf["Max"], leaf["Min"]) == (11.0, 0.0)
     raw = read_tensor(tmp_path / "step0/rank0/dump_tensor_data" / leaf["data_name"], leaf["dtype"])
