@@ -289,9 +289,13 @@ def rule_dynamic_shapes(view: ProfileView) -> Finding | None:
     for r in rows.tolist():
         site = (int(table.name_id[r]), int(table.stack_id[r]))
         shapes_by_site_step[site][int(table.step[r])].add(int(table.shapes_id[r]))
+    recorded = sorted({int(step) for step in table.step[rows].tolist()})
+    # The first recorded step is warm-up when two more follow: its first-call work (lazy
+    # initialisation, caches filled once) is not a shape that changes from step to step.
+    warm_up = recorded[0] if len(recorded) >= 3 else None
     changing = []
     for site, per_step in shapes_by_site_step.items():
-        variants = {frozenset(s) for s in per_step.values()}
+        variants = {frozenset(s) for step, s in per_step.items() if step != warm_up}
         if len(variants) > 1:
             changing.append((site, set().union(*variants)))
     if not changing:

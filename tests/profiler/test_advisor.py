@@ -82,10 +82,28 @@ def test_tiny_ops(tmp_path):
 
 def test_dynamic_shapes(tmp_path):
     model = torch.nn.Linear(64, 64).bfloat16()
-    batches = [8, 12, 16]
+    batches = [8, 12, 16, 20]
     step = train_step_fn(model, lambda i: torch.randn(batches[i], 64, dtype=torch.bfloat16))
-    finding = rules_fired(record(tmp_path, step, steps=3))["dynamic-shapes"]
+    finding = rules_fired(record(tmp_path, step, steps=4))["dynamic-shapes"]
+    # the first step is warm-up: the shapes of the three after it
     assert any("aten::linear" in e and "3 shapes" in e for e in finding.evidence)
+
+
+def test_shapes_seen_only_in_the_first_step_are_warm_up(tmp_path):
+    """First-call work (tensor parallelism's first forward detaches each parameter, in its own
+    shape, at the model's line) is not a shape that changes from step to step."""
+    class FirstCallWork(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear, self.calls = torch.nn.Linear(64, 64), 0
+
+        def forward(self, x):
+            self.calls += 1
+            rows = 3 if self.calls == 1 else 8  # one call site, another shape in the first step only
+            return self.linear(x) + torch.ones(rows, 64).mean(0)
+
+    step = train_step_fn(FirstCallWork(), lambda i: torch.randn(8, 64))
+    assert "dynamic-shapes" not in rules_fired(record(tmp_path, step, steps=3))
 
 
 def test_matmul_alignment(tmp_path):
