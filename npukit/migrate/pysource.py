@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import bisect
 import dataclasses
+import re
 from dataclasses import dataclass
 
 from npukit.migrate.model import Change, Edit, Finding, TreeFacts
@@ -84,8 +85,9 @@ class PythonMigrator(AuditRules, CallRules, DeviceRules, NameRules, SourceModel)
         """The concerns already ported to libcst codemods (npukit.migrate.codemods), on the same text:
         their edits join the others before conditions and the audit; no edit (of either engine) is
         kept inside the spans the codemods freeze.
-        libcst parses only the top-level statements that hold a candidate of a codemod (its parse
-        costs ~10x ast's), unless one of them needs the whole file."""
+        libcst parses only the statements that hold a candidate of a codemod, with the context the
+        codemod asks for (its parse costs ~10x ast's: `windows`), unless one of them needs the whole
+        file."""
         from libcst.codemod import CodemodContext
 
         from npukit.migrate.codemods import BUILTIN_CODEMODS
@@ -97,11 +99,11 @@ class PythonMigrator(AuditRules, CallRules, DeviceRules, NameRules, SourceModel)
             found = codemod.candidates(self) if codemod.concerns(self.text) else []
             if found:
                 concerned.append(codemod)
-                candidates += found
+                candidates.append((codemod, found))
                 whole_file = whole_file or codemod.WHOLE_FILE or any(node is self.tree for node in found)
         if not concerned:
             return
-        windows = None if whole_file else self._statement_windows(candidates)
+        windows = None if whole_file else self.windows(candidates)
         context = CodemodContext(filename=self.path)
         edits, findings, frozen = run_builtin_codemods(self.text, self.path, tuple(concerned), self.facts,
                                                        windows=windows, bindings=self.bindings, context=context)
@@ -127,6 +129,79 @@ class PythonMigrator(AuditRules, CallRules, DeviceRules, NameRules, SourceModel)
             if node.lineno == line and node.col_offset == col_offset:
                 return node
         raise LookupError(f"{self.path}:{line}:{col_offset + 1}: no attribute, call, name or import starts here")
+
+    def windows(self, found: list[tuple[type, list[ast.AST]]]) -> list:
+        """The windows libcst parses for the codemods' candidates ((codemod, its candidates) pairs):
+        for each candidate the statement its codemod's context() asks for (NpuCodemod.CONTEXT), or
+        the nearest statement around it that stands alone (`_stands_alone`); those at the top level
+        are joined as `_statement_windows` joins them, a nested one inside another window is part of
+        it. Each window runs the codemods with a candidate in it, and only those."""
+        from npukit.migrate.codemods import BUILTIN_CODEMODS
+        from npukit.migrate.codemods.base import Window
+
+        top: list[tuple[ast.AST, type]] = []
+        nested: dict[tuple[int, int], set] = {}  # (first line, last line) -> codemods
+        for codemod, nodes in found:
+            for node in nodes:
+                lines = self._window_lines(node, codemod.context(self, node))
+                if lines is None:
+                    top.append((node, codemod))
+                else:
+                    nested.setdefault(lines, set()).add(codemod)
+        starts = self.pos.line_starts
+        windows = [[start, end, set(), False] for start, end in self._statement_windows([node for node, _ in top])]
+        firsts = [window[0] for window in windows]
+        for node, codemod in top:
+            windows[bisect.bisect_right(firsts, starts[node.lineno - 1]) - 1][2].add(codemod)
+        for (first, last), codemods in sorted(nested.items(), key=lambda item: (item[0][0], -item[0][1])):
+            start = starts[first - 1]
+            end = starts[last] if last < len(starts) else len(self.text)
+            index = bisect.bisect_right(firsts, start) - 1
+            holder = windows[index] if index >= 0 else None
+            if holder is not None and end <= holder[1]:  # inside a window already chosen
+                holder[2].update(codemods)
+                continue
+            windows.insert(index + 1, [start, end, set(codemods), True])
+            firsts.insert(index + 1, start)
+        return [Window(start, end, tuple(c for c in BUILTIN_CODEMODS if c in codemods), is_nested)
+                for start, end, codemods, is_nested in windows]
+
+    def _window_lines(self, node: ast.AST, context: str) -> tuple[int, int] | None:
+        """(first line, last line) of the nested statement a candidate's window is, for its context
+        ("statement", "function", "class", "module"); None for the top-level statement holding it."""
+        holders = []  # the statements holding the node, the innermost first
+        current = node
+        while current is not self.tree:
+            if isinstance(current, ast.stmt):
+                holders.append(current)
+            current = self.parent[id(current)]
+        if len(holders) < 2 or context == "module":
+            return None
+        wanted = {"statement": ast.stmt, "function": (ast.FunctionDef, ast.AsyncFunctionDef),
+                  "class": ast.ClassDef}[context]
+        index = next((i for i, statement in enumerate(holders) if isinstance(statement, wanted)), len(holders) - 1)
+        while index < len(holders) - 1 and not self._stands_alone(holders[index], holders[index + 1]):
+            index += 1
+        if index == len(holders) - 1:
+            return None
+        statement = holders[index]
+        return _first_line(statement), statement.end_lineno
+
+    def _stands_alone(self, statement: ast.stmt, holder: ast.stmt) -> bool:
+        """A nested statement whose lines parse alone (under `if 1:`) as it is in the file: it starts
+        its first line (no `x = 1; y = 2`, `if a: b`, `else: b`, nor a line continued by `\\` above),
+        it is not an `elif`, and no statement follows it on its last line."""
+        first = _first_line(statement)
+        line = self.pos.line_text(first)
+        rest = line.lstrip(" \t")
+        if (rest.startswith("@") if first < statement.lineno else len(line) - len(rest) != statement.col_offset) or \
+                _ELIF.match(rest) or first > 1 and self.pos.line_text(first - 1).endswith("\\"):
+            return False
+        for statements in _statement_lists(holder):
+            for index, sibling in enumerate(statements):
+                if sibling is statement:
+                    return index + 1 == len(statements) or _first_line(statements[index + 1]) > statement.end_lineno
+        return False
 
     def _statement_windows(self, nodes: list[ast.AST]) -> list[tuple[int, int]]:
         """(start, end) offsets of the runs of whole lines holding the top-level statements that
@@ -177,6 +252,24 @@ class PythonMigrator(AuditRules, CallRules, DeviceRules, NameRules, SourceModel)
         if last.end_lineno < len(self.pos.line_starts):
             return self.pos.line_starts[last.end_lineno]
         return len(self.text)
+
+
+_ELIF = re.compile(r"elif\b")
+
+
+def _first_line(statement: ast.stmt) -> int:
+    """The line a statement starts on, its decorators included."""
+    return min([statement.lineno, *(decorator.lineno for decorator in getattr(statement, "decorator_list", ()))])
+
+
+def _statement_lists(holder: ast.stmt):
+    """The statement lists directly in a compound statement: its bodies, else, finally, handlers, cases."""
+    for name in ("body", "orelse", "finalbody"):
+        statements = getattr(holder, name, None)
+        if isinstance(statements, list):
+            yield statements
+    for part in (*getattr(holder, "handlers", ()), *getattr(holder, "cases", ())):
+        yield part.body
 
 
 _DEFINITIONS = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)

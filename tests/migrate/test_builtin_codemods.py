@@ -347,9 +347,9 @@ def _both_ways(code: str, path: str, tree: TreeFacts = TreeFacts()):
     # the codemods npu-migrate may give windows of this file
     local = tuple(codemod for codemod in BUILTIN_CODEMODS if not codemod.WHOLE_FILE and not any(
         node is migrator.tree for node in found.get(codemod, ())))
-    nodes = [node for codemod in local for node in found.get(codemod, ())]
+    nodes = [(codemod, found[codemod]) for codemod in local if found.get(codemod)]
     whole = run_builtin_codemods(code, path, local, tree)
-    windows = migrator._statement_windows(nodes) if nodes else []
+    windows = migrator.windows(nodes) if nodes else []
     parts = run_builtin_codemods(code, path, local, tree, windows=windows, bindings=migrator.bindings)
     return whole, parts, windows
 
@@ -364,7 +364,7 @@ def test_statement_windows_give_what_the_whole_file_gives():
     assert [(f.line, f.kind) for f in whole[1]] == [(4, "visible-devices"), (5, "env-var"), (12, "inf-fill")]
     # statements 2-6 (sharing lines, and the bare string taking the statement before) and the def
     # with its decorator; not the module docstring, the import nor the blank line
-    lines = [(WINDOW_CASES.count("\n", 0, start) + 1, WINDOW_CASES.count("\n", 0, end)) for start, end in windows]
+    lines = [(WINDOW_CASES.count("\n", 0, start) + 1, WINDOW_CASES.count("\n", 0, end)) for start, end, *_ in windows]
     assert lines == [(3, 6), (8, 12)]
 
 
