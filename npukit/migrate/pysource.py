@@ -194,7 +194,7 @@ class PythonMigrator(AuditRules, CallRules, DeviceRules, NameRules, SourceModel)
         first = _first_line(statement)
         line = self.pos.line_text(first)
         rest = line.lstrip(" \t")
-        if (rest.startswith("@") if first < statement.lineno else len(line) - len(rest) != statement.col_offset) or \
+        if (not rest.startswith("@") if first < statement.lineno else len(line) - len(rest) != statement.col_offset) or \
                 _ELIF.match(rest) or first > 1 and self.pos.line_text(first - 1).endswith("\\"):
             return False
         for statements in _statement_lists(holder):

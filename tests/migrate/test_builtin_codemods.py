@@ -368,6 +368,85 @@ def test_statement_windows_give_what_the_whole_file_gives():
     assert lines == [(3, 6), (8, 12)]
 
 
+NESTED_CASES = [
+    # (code, the (first line, last line, nested) of each window): a statement in a method
+    ("import torch\nclass Net:\n    def step(self):\n        x = 1\n        torch.cuda.synchronize()\n        return x\n",
+     [(5, 5, True)]),
+    # tabs, and a string whose lines are less indented than the statement (no dedent: the bytes stay)
+    ("import os, torch\nclass Net:\n\tdef step(self):\n\t\tdoc = '''\nNCCL_DEBUG\n'''\n"
+     "\t\tos.environ['CUDA_VISIBLE_DEVICES'] = '0'\n\t\treturn torch.cuda.current_device()\n",
+     [(4, 6, True), (7, 7, True), (8, 8, True)]),
+    # a decorator holding a candidate: the def from its first decorator
+    ("import torch\nclass Net:\n    @decorate(1)\n    @torch.cuda.nvtx.range('step')\n    def step(self):\n"
+     "        pass\n", [(3, 6, True)]),
+    # an else clause's statement; an elif's test takes the whole if
+    ("import torch\ndef f(a):\n    if a:\n        pass\n    else:\n        torch.cuda.synchronize()\n"
+     "    if a:\n        pass\n    elif torch.cuda.is_available():\n        pass\n", [(6, 6, True), (7, 10, True)]),
+    # statements that do not start their line, or share their last line, take the statement around them
+    ("import torch\ndef f(a):\n    if a: torch.cuda.synchronize()\n    b = 1; torch.cuda.synchronize()\n"
+     "    else_ = torch.cuda.is_available(); c = 2\n", [(2, 5, False)]),
+    # a line continued into the statement's first line: the statement around it
+    ("import torch\ndef f(a):\n    if a: \\\n        torch.cuda.synchronize()\n", [(3, 4, True)]),
+    # a bare string statement is not a docstring inside a window
+    ("import torch\ndef f():\n    '''doc: NCCL_DEBUG'''\n    'NCCL_DEBUG'\n    x = 1\n", [(4, 4, True)]),
+    # CRLF line endings; a candidate in a nested function
+    ("import torch\r\ndef f():\r\n    def g():\r\n        return torch.cuda.current_device()\r\n    return g\r\n",
+     [(4, 4, True)]),
+]
+
+
+@pytest.mark.parametrize(("code", "lines"), NESTED_CASES)
+def test_nested_windows_give_what_the_whole_file_gives(code, lines):
+    whole, parts, windows = _both_ways(code, "train.py")
+    assert [sorted(found, key=str) for found in whole] == [sorted(found, key=str) for found in parts]
+    assert whole[0] or whole[1]
+    assert [(code.count("\n", 0, w.start) + 1, code.count("\n", 0, w.end), w.nested) for w in windows] == lines
+
+
+def test_nested_windows_map_edits_back_exactly():
+    code = "import os\nclass Net:\n\tdef step(self):\n\t\tdoc = '''\nx\n'''\n\t\tos.environ['CUDA_VISIBLE_DEVICES'] = '0'\n"
+    whole, parts, windows = _both_ways(code, "train.py")
+    assert [w.nested for w in windows] == [True]
+    assert [(e.line, e.col, code[e.start:e.end], e.text) for e in parts[0]] == \
+        [(7, 14, "'CUDA_VISIBLE_DEVICES'", "'ASCEND_RT_VISIBLE_DEVICES'")]
+    assert migrate_python(code, "train.py").text == code.replace("CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES")
+
+
+def test_a_window_runs_only_the_codemods_with_a_candidate_in_it():
+    code = "import os, torch\ndef f():\n    os.environ['NCCL_DEBUG'] = 'INFO'\n    torch.cuda.synchronize()\n"
+    migrator = PythonMigrator(code, "train.py")
+    migrator._build_bindings()
+    found = [(codemod, codemod.candidates(migrator)) for codemod in (CudaNamespace, CudaEnvironment)]
+    assert [(w.codemods, w.nested) for w in migrator.windows(found)] == [((CudaEnvironment,), True),
+                                                                          ((CudaNamespace,), True)]
+
+
+@pytest.mark.parametrize(("code", "windows"), [
+    # self.cuda() of a class of the tree's: the class around it decides, so the window is the class
+    ("import torch\nif True:\n    class Box2(Box):\n        def go(self):\n            return self.cuda()\n",
+     [(3, 5, True)]),
+    # a name bound in an enclosing function to one of those classes: the whole file decides
+    ("import torch\ndef outer():\n    model = Box()\n    def inner():\n        return model.cuda()\n    return inner\n",
+     None),
+    # bound to anything else: the statement
+    ("import torch\ndef outer():\n    model = Net()\n    def inner():\n        return model.cuda()\n    return inner\n",
+     [(5, 5, True)]),
+])
+def test_cuda_methods_windows_with_the_trees_classes(code, windows):
+    tree = TreeFacts(cuda_method_classes=frozenset({"Box"}))
+    migrator = PythonMigrator(code, "train.py", tree)
+    migrator._build_bindings()
+    found = CudaMethods.candidates(migrator)
+    if windows is None:
+        assert found == [migrator.tree]
+        return
+    assert [(code.count("\n", 0, w.start) + 1, code.count("\n", 0, w.end), w.nested)
+            for w in migrator.windows([(CudaMethods, found)])] == windows
+    whole, parts, _ = _both_ways(code, "train.py", tree)
+    assert [sorted(f, key=str) for f in whole] == [sorted(f, key=str) for f in parts]
+    assert whole[0] or whole[1]
+
+
 @pytest.mark.parametrize("folder", ["npukit", "tests"])
 def test_statement_windows_agree_with_the_whole_file_on_this_repository(folder):
     compared = 0
