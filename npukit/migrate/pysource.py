@@ -133,27 +133,28 @@ class PythonMigrator(AuditRules, CallRules, DeviceRules, NameRules, SourceModel)
     def windows(self, found: list[tuple[type, list[ast.AST]]]) -> list:
         """The windows libcst parses for the codemods' candidates ((codemod, its candidates) pairs):
         for each candidate the statement its codemod's context() asks for (NpuCodemod.CONTEXT), or
-        the nearest statement around it that stands alone (`_stands_alone`); those at the top level
-        are joined as `_statement_windows` joins them, a nested one inside another window is part of
-        it. Each window runs the codemods with a candidate in it, and only those."""
+        the nearest statement around it that stands alone (`_stands_alone`); only the header of a
+        def or class when the candidate is in it (a decorator, an annotation, a base: `_window_of`).
+        Whole top-level statements are joined as `_statement_windows` joins them; a window inside
+        another is part of it. Each window runs the codemods with a candidate in it, and only those."""
         from npukit.migrate.codemods import BUILTIN_CODEMODS
         from npukit.migrate.codemods.base import Window
 
         top: list[tuple[ast.AST, type]] = []
-        nested: dict[tuple[int, int], set] = {}  # (first line, last line) -> codemods
+        parts: dict[tuple[int, int, bool, str], set] = {}  # (first line, last line, nested, suffix) -> codemods
         for codemod, nodes in found:
             for node in nodes:
-                lines = self._window_lines(node, codemod.context(self, node))
-                if lines is None:
+                part = self._window_of(node, codemod.context(self, node))
+                if part is None:
                     top.append((node, codemod))
                 else:
-                    nested.setdefault(lines, set()).add(codemod)
+                    parts.setdefault(part, set()).add(codemod)
         starts = self.pos.line_starts
-        windows = [[start, end, set(), False] for start, end in self._statement_windows([node for node, _ in top])]
+        windows = [[start, end, set(), False, ""] for start, end in self._statement_windows([node for node, _ in top])]
         firsts = [window[0] for window in windows]
         for node, codemod in top:
             windows[bisect.bisect_right(firsts, starts[node.lineno - 1]) - 1][2].add(codemod)
-        for (first, last), codemods in sorted(nested.items(), key=lambda item: (item[0][0], -item[0][1])):
+        for (first, last, nested, suffix), codemods in sorted(parts.items(), key=lambda item: (item[0][0], -item[0][1])):
             start = starts[first - 1]
             end = starts[last] if last < len(starts) else len(self.text)
             index = bisect.bisect_right(firsts, start) - 1
@@ -161,31 +162,50 @@ class PythonMigrator(AuditRules, CallRules, DeviceRules, NameRules, SourceModel)
             if holder is not None and end <= holder[1]:  # inside a window already chosen
                 holder[2].update(codemods)
                 continue
-            windows.insert(index + 1, [start, end, set(codemods), True])
+            windows.insert(index + 1, [start, end, set(codemods), nested, suffix])
             firsts.insert(index + 1, start)
-        return [Window(start, end, tuple(c for c in BUILTIN_CODEMODS if c in codemods), is_nested)
-                for start, end, codemods, is_nested in windows]
+        return [Window(start, end, tuple(c for c in BUILTIN_CODEMODS if c in codemods), nested, suffix)
+                for start, end, codemods, nested, suffix in windows]
 
-    def _window_lines(self, node: ast.AST, context: str) -> tuple[int, int] | None:
-        """(first line, last line) of the nested statement a candidate's window is, for its context
-        ("statement", "function", "class", "module"); None for the top-level statement holding it."""
+    def _window_of(self, node: ast.AST, context: str) -> tuple[int, int, bool, str] | None:
+        """(first line, last line, nested, suffix) of the window a candidate needs for its context
+        ("statement", "function", "class", "module"); None for the whole top-level statement holding
+        it. For a candidate in the header of the def or class its context asks for, the window is the
+        header (decorators to the line of its colon), closed by the suffix: a synthetic `pass` body."""
         holders = []  # the statements holding the node, the innermost first
-        current = node
+        below = []  # for each, what in it holds the node
+        current, child = node, node
         while current is not self.tree:
             if isinstance(current, ast.stmt):
                 holders.append(current)
-            current = self.parent[id(current)]
-        if len(holders) < 2 or context == "module":
+                below.append(child)
+            child, current = current, self.parent[id(current)]
+        if context == "module":
             return None
         wanted = {"statement": ast.stmt, "function": (ast.FunctionDef, ast.AsyncFunctionDef),
                   "class": ast.ClassDef}[context]
         index = next((i for i, statement in enumerate(holders) if isinstance(statement, wanted)), len(holders) - 1)
         while index < len(holders) - 1 and not self._stands_alone(holders[index], holders[index + 1]):
             index += 1
+        statement = holders[index]
+        if context == "statement" and isinstance(statement, _DEFINITIONS[2:]) and statement is not node and \
+                not any(below[index] is inner for inner in statement.body):
+            header = self._header_lines(statement)
+            if header is not None:
+                line = self.pos.line_text(header[0])
+                indent = line[:len(line) - len(line.lstrip(" \t"))]
+                return header[0], header[1], index < len(holders) - 1, f"{indent} pass{newline_of(self.text)}"
         if index == len(holders) - 1:
             return None
-        statement = holders[index]
-        return _first_line(statement), statement.end_lineno
+        return _first_line(statement), statement.end_lineno, True, ""
+
+    def _header_lines(self, statement: ast.stmt) -> tuple[int, int] | None:
+        """(first line, last line) of a def's or class's header when its body starts on a line of its
+        own (the header then ends on the line before, a comment line or two included)."""
+        last = _first_line(statement.body[0]) - 1
+        if last < statement.lineno or self.pos.line_text(last).endswith("\\"):
+            return None
+        return _first_line(statement), last
 
     def _stands_alone(self, statement: ast.stmt, holder: ast.stmt) -> bool:
         """A nested statement whose lines parse alone (under `if 1:`) as it is in the file: it starts

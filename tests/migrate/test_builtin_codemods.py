@@ -362,10 +362,11 @@ def test_statement_windows_give_what_the_whole_file_gives():
     assert sorted(whole[1], key=str) == sorted(parts[1], key=str)
     # the bare string statement is code to the ast engine too; the docstrings are not
     assert [(f.line, f.kind) for f in whole[1]] == [(4, "visible-devices"), (5, "env-var"), (12, "inf-fill")]
-    # statements 2-6 (sharing lines, and the bare string taking the statement before) and the def
-    # with its decorator; not the module docstring, the import nor the blank line
+    # statements 2-6 (sharing lines, and the bare string taking the statement before), the def's
+    # header with its decorator and the return statement in its `if`; not the module docstring, the
+    # import nor the blank line
     lines = [(WINDOW_CASES.count("\n", 0, start) + 1, WINDOW_CASES.count("\n", 0, end)) for start, end, *_ in windows]
-    assert lines == [(3, 6), (8, 12)]
+    assert lines == [(3, 6), (8, 9), (12, 12)]
 
 
 NESTED_CASES = [
@@ -376,9 +377,12 @@ NESTED_CASES = [
     ("import os, torch\nclass Net:\n\tdef step(self):\n\t\tdoc = '''\nNCCL_DEBUG\n'''\n"
      "\t\tos.environ['CUDA_VISIBLE_DEVICES'] = '0'\n\t\treturn torch.cuda.current_device()\n",
      [(4, 6, True), (7, 7, True), (8, 8, True)]),
-    # a decorator holding a candidate: the def from its first decorator
-    ("import torch\nclass Net:\n    @decorate(1)\n    @torch.cuda.nvtx.range('step')\n    def step(self):\n"
-     "        pass\n", [(3, 6, True)]),
+    # a decorator holding a candidate: the def's header from its first decorator (a synthetic body
+    # closes it), nested or at the top level; a body on the header's line: the whole def
+    ("import torch\nclass Net:\n    @decorate(1)\n    @torch.cuda.nvtx.range('step')\n    def step(self,\n"
+     "             x):\n        # a comment\n        return x\n", [(3, 7, True)]),
+    ("import torch\n@torch.jit.script\nclass Net:\n    def step(self, x: torch.cuda.Stream):\n        return x\n"
+     "    @torch.cuda.nvtx.range('go')\n    def go(self): return 1\n", [(2, 3, False), (4, 4, True), (6, 7, True)]),
     # an else clause's statement; an elif's test takes the whole if
     ("import torch\ndef f(a):\n    if a:\n        pass\n    else:\n        torch.cuda.synchronize()\n"
      "    if a:\n        pass\n    elif torch.cuda.is_available():\n        pass\n", [(6, 6, True), (7, 10, True)]),

@@ -63,13 +63,14 @@ class CodemodResults(NamedTuple):
 class Window(NamedTuple):
     """A run of whole lines of a file that libcst parses alone, for some of the codemods.
     nested: the lines are statements of an indented block, parsed as the body of a synthetic
-    `if 1:` (their text and offsets unchanged, no dedent); codemods: the ones that run on it (None:
-    every codemod concerned by the file)."""
+    `if 1:` (their text and offsets unchanged, no dedent); suffix: text parsed after them (a header's
+    synthetic body); codemods: the ones that run on it (None: every codemod concerned by the file)."""
 
     start: int
     end: int
     codemods: tuple | None = None
     nested: bool = False
+    suffix: str = ""  # parsed after the lines: the synthetic body of a def or class header
 
 
 NESTED_HEADER = "if 1:"  # what a nested window is parsed under (no scope, no docstring, no name)
@@ -504,7 +505,7 @@ def run_builtin_codemods(text: str, path: str, codemods: tuple[type[NpuCodemod],
         window = Window(*window)
         start, end = window.start, window.end
         header = NESTED_HEADER + newline_of(text[start:end]) if window.nested else ""
-        piece = header + text[start:end]
+        piece = header + text[start:end] + window.suffix
         try:
             module = cst.parse_module(piece)
         except cst.ParserSyntaxError as exc:
