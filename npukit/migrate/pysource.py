@@ -77,9 +77,10 @@ class PythonMigrator(AuditRules, CallRules, DeviceRules, NameRules, SourceModel)
         """The nodes the ported codemods deal with wholly are claimed: the ast rules leave them."""
         from npukit.migrate.codemods import BUILTIN_CODEMODS
 
-        for codemod in BUILTIN_CODEMODS:
-            if codemod.concerns(self.text):
-                self.claimed.update(id(node) for node in codemod.claims(self))
+        # the text pre-filter, once per file (a codemod's words are looked for in all of the text)
+        self.concerned_codemods = [codemod for codemod in BUILTIN_CODEMODS if codemod.concerns(self.text)]
+        for codemod in self.concerned_codemods:
+            self.claimed.update(id(node) for node in codemod.claims(self))
 
     def _run_builtin_codemods(self) -> None:
         """The concerns already ported to libcst codemods (npukit.migrate.codemods), on the same text:
@@ -90,13 +91,12 @@ class PythonMigrator(AuditRules, CallRules, DeviceRules, NameRules, SourceModel)
         file."""
         from libcst.codemod import CodemodContext
 
-        from npukit.migrate.codemods import BUILTIN_CODEMODS
         from npukit.migrate.codemods.base import run_builtin_codemods
         from npukit.migrate.codemods.cuda_namespace import RETARGETED_KEY
 
         concerned, candidates, whole_file = [], [], False
-        for codemod in BUILTIN_CODEMODS:
-            found = codemod.candidates(self) if codemod.concerns(self.text) else []
+        for codemod in self.concerned_codemods:
+            found = codemod.candidates(self)
             if found:
                 concerned.append(codemod)
                 candidates.append((codemod, found))
@@ -182,9 +182,12 @@ class PythonMigrator(AuditRules, CallRules, DeviceRules, NameRules, SourceModel)
             child, current = current, self.parent[id(current)]
         if context == "module":
             return None
-        wanted = {"statement": ast.stmt, "function": (ast.FunctionDef, ast.AsyncFunctionDef),
-                  "class": ast.ClassDef}[context]
-        index = next((i for i, statement in enumerate(holders) if isinstance(statement, wanted)), len(holders) - 1)
+        if context == "function":  # the def whose body holds it (not one whose header does: that is the scope around)
+            index = next((i for i, statement in enumerate(holders) if isinstance(statement, _FUNCTIONS) and
+                          any(below[i] is inner for inner in statement.body)), len(holders) - 1)
+        else:
+            wanted = ast.ClassDef if context == "class" else ast.stmt
+            index = next((i for i, statement in enumerate(holders) if isinstance(statement, wanted)), len(holders) - 1)
         while index < len(holders) - 1 and not self._stands_alone(holders[index], holders[index + 1]):
             index += 1
         statement = holders[index]
@@ -275,6 +278,7 @@ class PythonMigrator(AuditRules, CallRules, DeviceRules, NameRules, SourceModel)
 
 
 _ELIF = re.compile(r"elif\b")
+_FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
 
 
 def _first_line(statement: ast.stmt) -> int:

@@ -451,6 +451,33 @@ def test_cuda_methods_windows_with_the_trees_classes(code, windows):
     assert whole[0] or whole[1]
 
 
+@pytest.mark.parametrize(("code", "windows"), [
+    # in a function: the function (the scope that binds what it loads), its reads followed there
+    ("import torch\nclass Net:\n    def restore(self, path):\n        ckpt = torch.load(path)\n"
+     "        self.load_state_dict(ckpt)\n        return torch.load(path)\n", [(3, 6, True)]),
+    # the name bound in the enclosing function is read in a nested one: the whole def that binds it
+    ("import torch\ndef outer(path):\n    state = torch.load(path)\n    def inner(m):\n        m.load_state_dict(state)\n"
+     "    return inner\n", [(2, 6, False)]),
+    # in a lambda or a default value: the scope around it is not a function's body
+    ("import torch\nload = lambda p: torch.load(p)\n", None),
+    ("import torch\ndef f(state=torch.load('a.pt')):\n    return state\n", None),
+    # at the top level, or where torch.save may have written the same file: the whole file
+    ("import torch\nckpt = torch.load('a.pt')\ndef f(m):\n    m.load_state_dict(ckpt)\n", None),
+    ("import torch\ndef save(x, path):\n    torch.save(x, path)\ndef load(path):\n    return torch.load(path)\n", None),
+])
+def test_torch_load_windows(code, windows):
+    migrator = PythonMigrator(code, "train.py")
+    migrator._build_bindings()
+    found = TorchLoadMapLocation.candidates(migrator)
+    whole, parts, chosen = _both_ways(code, "train.py")
+    if windows is None:
+        assert found == [migrator.tree]
+    else:
+        assert [(code.count("\n", 0, w.start) + 1, code.count("\n", 0, w.end), w.nested) for w in chosen] == windows
+        assert [sorted(f, key=str) for f in whole] == [sorted(f, key=str) for f in parts]
+        assert len(whole[0]) == code.count("torch.load(")
+
+
 @pytest.mark.parametrize("folder", ["npukit", "tests"])
 def test_statement_windows_agree_with_the_whole_file_on_this_repository(folder):
     compared = 0

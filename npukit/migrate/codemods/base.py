@@ -364,7 +364,8 @@ class NpuCodemod(VisitorBasedCodemodCommand):
     # How much code around a candidate the codemod needs to decide on it (npu-migrate parses no less):
     # "statement": the innermost statement holding it (a compound statement whole when the candidate
     #   is in its header: an `if` test, a decorator, an `except` type, a parameter's annotation);
-    # "function" / "class": the innermost def / class holding it (its decorators and header too);
+    # "function": the innermost def whose body holds it (its scope), the def whole;
+    # "class": the innermost class holding it, whole;
     # "module": the top-level statement holding it (the safe default: what it sees of its scopes is
     #   all it would see of the module's).
     # Either way the file's import table is given; a name an enclosing function binds is not seen.
