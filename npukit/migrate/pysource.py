@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import bisect
 import dataclasses
+import re
 from dataclasses import dataclass
 
 from npukit.migrate.model import Change, Edit, Finding, TreeFacts
@@ -76,32 +77,33 @@ class PythonMigrator(AuditRules, CallRules, DeviceRules, NameRules, SourceModel)
         """The nodes the ported codemods deal with wholly are claimed: the ast rules leave them."""
         from npukit.migrate.codemods import BUILTIN_CODEMODS
 
-        for codemod in BUILTIN_CODEMODS:
-            if codemod.concerns(self.text):
-                self.claimed.update(id(node) for node in codemod.claims(self))
+        # the text pre-filter, once per file (a codemod's words are looked for in all of the text)
+        self.concerned_codemods = [codemod for codemod in BUILTIN_CODEMODS if codemod.concerns(self.text)]
+        for codemod in self.concerned_codemods:
+            self.claimed.update(id(node) for node in codemod.claims(self))
 
     def _run_builtin_codemods(self) -> None:
         """The concerns already ported to libcst codemods (npukit.migrate.codemods), on the same text:
         their edits join the others before conditions and the audit; no edit (of either engine) is
         kept inside the spans the codemods freeze.
-        libcst parses only the top-level statements that hold a candidate of a codemod (its parse
-        costs ~10x ast's), unless one of them needs the whole file."""
+        libcst parses only the statements that hold a candidate of a codemod, with the context the
+        codemod asks for (its parse costs ~10x ast's: `windows`), unless one of them needs the whole
+        file."""
         from libcst.codemod import CodemodContext
 
-        from npukit.migrate.codemods import BUILTIN_CODEMODS
         from npukit.migrate.codemods.base import run_builtin_codemods
         from npukit.migrate.codemods.cuda_namespace import RETARGETED_KEY
 
         concerned, candidates, whole_file = [], [], False
-        for codemod in BUILTIN_CODEMODS:
-            found = codemod.candidates(self) if codemod.concerns(self.text) else []
+        for codemod in self.concerned_codemods:
+            found = codemod.candidates(self)
             if found:
                 concerned.append(codemod)
-                candidates += found
+                candidates.append((codemod, found))
                 whole_file = whole_file or codemod.WHOLE_FILE or any(node is self.tree for node in found)
         if not concerned:
             return
-        windows = None if whole_file else self._statement_windows(candidates)
+        windows = None if whole_file else self.windows(candidates)
         context = CodemodContext(filename=self.path)
         edits, findings, frozen = run_builtin_codemods(self.text, self.path, tuple(concerned), self.facts,
                                                        windows=windows, bindings=self.bindings, context=context)
@@ -127,6 +129,102 @@ class PythonMigrator(AuditRules, CallRules, DeviceRules, NameRules, SourceModel)
             if node.lineno == line and node.col_offset == col_offset:
                 return node
         raise LookupError(f"{self.path}:{line}:{col_offset + 1}: no attribute, call, name or import starts here")
+
+    def windows(self, found: list[tuple[type, list[ast.AST]]]) -> list:
+        """The windows libcst parses for the codemods' candidates ((codemod, its candidates) pairs):
+        for each candidate the statement its codemod's context() asks for (NpuCodemod.CONTEXT), or
+        the nearest statement around it that stands alone (`_stands_alone`); only the header of a
+        def or class when the candidate is in it (a decorator, an annotation, a base: `_window_of`).
+        Whole top-level statements are joined as `_statement_windows` joins them; a window inside
+        another is part of it. Each window runs the codemods with a candidate in it, and only those."""
+        from npukit.migrate.codemods import BUILTIN_CODEMODS
+        from npukit.migrate.codemods.base import Window
+
+        top: list[tuple[ast.AST, type]] = []
+        parts: dict[tuple[int, int, bool, str], set] = {}  # (first line, last line, nested, suffix) -> codemods
+        for codemod, nodes in found:
+            for node in nodes:
+                part = self._window_of(node, codemod.context(self, node))
+                if part is None:
+                    top.append((node, codemod))
+                else:
+                    parts.setdefault(part, set()).add(codemod)
+        starts = self.pos.line_starts
+        windows = [[start, end, set(), False, ""] for start, end in self._statement_windows([node for node, _ in top])]
+        firsts = [window[0] for window in windows]
+        for node, codemod in top:
+            windows[bisect.bisect_right(firsts, starts[node.lineno - 1]) - 1][2].add(codemod)
+        for (first, last, nested, suffix), codemods in sorted(parts.items(), key=lambda item: (item[0][0], -item[0][1])):
+            start = starts[first - 1]
+            end = starts[last] if last < len(starts) else len(self.text)
+            index = bisect.bisect_right(firsts, start) - 1
+            holder = windows[index] if index >= 0 else None
+            if holder is not None and end <= holder[1]:  # inside a window already chosen
+                holder[2].update(codemods)
+                continue
+            windows.insert(index + 1, [start, end, set(codemods), nested, suffix])
+            firsts.insert(index + 1, start)
+        return [Window(start, end, tuple(c for c in BUILTIN_CODEMODS if c in codemods), nested, suffix)
+                for start, end, codemods, nested, suffix in windows]
+
+    def _window_of(self, node: ast.AST, context: str) -> tuple[int, int, bool, str] | None:
+        """(first line, last line, nested, suffix) of the window a candidate needs for its context
+        ("statement", "function", "class", "module"); None for the whole top-level statement holding
+        it. For a candidate in the header of the def or class its context asks for, the window is the
+        header (decorators to the line of its colon), closed by the suffix: a synthetic `pass` body."""
+        holders = []  # the statements holding the node, the innermost first
+        below = []  # for each, what in it holds the node
+        current, child = node, node
+        while current is not self.tree:
+            if isinstance(current, ast.stmt):
+                holders.append(current)
+                below.append(child)
+            child, current = current, self.parent[id(current)]
+        if context == "module":
+            return None
+        if context == "function":  # the def whose body holds it (not one whose header does: that is the scope around)
+            index = next((i for i, statement in enumerate(holders) if isinstance(statement, _FUNCTIONS) and
+                          any(below[i] is inner for inner in statement.body)), len(holders) - 1)
+        else:
+            wanted = ast.ClassDef if context == "class" else ast.stmt
+            index = next((i for i, statement in enumerate(holders) if isinstance(statement, wanted)), len(holders) - 1)
+        while index < len(holders) - 1 and not self._stands_alone(holders[index], holders[index + 1]):
+            index += 1
+        statement = holders[index]
+        if context == "statement" and isinstance(statement, _DEFINITIONS[2:]) and statement is not node and \
+                not any(below[index] is inner for inner in statement.body):
+            header = self._header_lines(statement)
+            if header is not None:
+                line = self.pos.line_text(header[0])
+                indent = line[:len(line) - len(line.lstrip(" \t"))]
+                return header[0], header[1], index < len(holders) - 1, f"{indent} pass{newline_of(self.text)}"
+        if index == len(holders) - 1:
+            return None
+        return _first_line(statement), statement.end_lineno, True, ""
+
+    def _header_lines(self, statement: ast.stmt) -> tuple[int, int] | None:
+        """(first line, last line) of a def's or class's header when its body starts on a line of its
+        own (the header then ends on the line before, a comment line or two included)."""
+        last = _first_line(statement.body[0]) - 1
+        if last < statement.lineno or self.pos.line_text(last).endswith("\\"):
+            return None
+        return _first_line(statement), last
+
+    def _stands_alone(self, statement: ast.stmt, holder: ast.stmt) -> bool:
+        """A nested statement whose lines parse alone (under `if 1:`) as it is in the file: it starts
+        its first line (no `x = 1; y = 2`, `if a: b`, `else: b`, nor a line continued by `\\` above),
+        it is not an `elif`, and no statement follows it on its last line."""
+        first = _first_line(statement)
+        line = self.pos.line_text(first)
+        rest = line.lstrip(" \t")
+        if (not rest.startswith("@") if first < statement.lineno else len(line) - len(rest) != statement.col_offset) or \
+                _ELIF.match(rest) or first > 1 and self.pos.line_text(first - 1).endswith("\\"):
+            return False
+        for statements in _statement_lists(holder):
+            for index, sibling in enumerate(statements):
+                if sibling is statement:
+                    return index + 1 == len(statements) or _first_line(statements[index + 1]) > statement.end_lineno
+        return False
 
     def _statement_windows(self, nodes: list[ast.AST]) -> list[tuple[int, int]]:
         """(start, end) offsets of the runs of whole lines holding the top-level statements that
@@ -177,6 +275,25 @@ class PythonMigrator(AuditRules, CallRules, DeviceRules, NameRules, SourceModel)
         if last.end_lineno < len(self.pos.line_starts):
             return self.pos.line_starts[last.end_lineno]
         return len(self.text)
+
+
+_ELIF = re.compile(r"elif\b")
+_FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+def _first_line(statement: ast.stmt) -> int:
+    """The line a statement starts on, its decorators included."""
+    return min([statement.lineno, *(decorator.lineno for decorator in getattr(statement, "decorator_list", ()))])
+
+
+def _statement_lists(holder: ast.stmt):
+    """The statement lists directly in a compound statement: its bodies, else, finally, handlers, cases."""
+    for name in ("body", "orelse", "finalbody"):
+        statements = getattr(holder, name, None)
+        if isinstance(statements, list):
+            yield statements
+    for part in (*getattr(holder, "handlers", ()), *getattr(holder, "cases", ())):
+        yield part.body
 
 
 _DEFINITIONS = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)

@@ -347,9 +347,9 @@ def _both_ways(code: str, path: str, tree: TreeFacts = TreeFacts()):
     # the codemods npu-migrate may give windows of this file
     local = tuple(codemod for codemod in BUILTIN_CODEMODS if not codemod.WHOLE_FILE and not any(
         node is migrator.tree for node in found.get(codemod, ())))
-    nodes = [node for codemod in local for node in found.get(codemod, ())]
+    nodes = [(codemod, found[codemod]) for codemod in local if found.get(codemod)]
     whole = run_builtin_codemods(code, path, local, tree)
-    windows = migrator._statement_windows(nodes) if nodes else []
+    windows = migrator.windows(nodes) if nodes else []
     parts = run_builtin_codemods(code, path, local, tree, windows=windows, bindings=migrator.bindings)
     return whole, parts, windows
 
@@ -362,10 +362,120 @@ def test_statement_windows_give_what_the_whole_file_gives():
     assert sorted(whole[1], key=str) == sorted(parts[1], key=str)
     # the bare string statement is code to the ast engine too; the docstrings are not
     assert [(f.line, f.kind) for f in whole[1]] == [(4, "visible-devices"), (5, "env-var"), (12, "inf-fill")]
-    # statements 2-6 (sharing lines, and the bare string taking the statement before) and the def
-    # with its decorator; not the module docstring, the import nor the blank line
-    lines = [(WINDOW_CASES.count("\n", 0, start) + 1, WINDOW_CASES.count("\n", 0, end)) for start, end in windows]
-    assert lines == [(3, 6), (8, 12)]
+    # statements 2-6 (sharing lines, and the bare string taking the statement before), the def's
+    # header with its decorator and the return statement in its `if`; not the module docstring, the
+    # import nor the blank line
+    lines = [(WINDOW_CASES.count("\n", 0, start) + 1, WINDOW_CASES.count("\n", 0, end)) for start, end, *_ in windows]
+    assert lines == [(3, 6), (8, 9), (12, 12)]
+
+
+NESTED_CASES = [
+    # (code, the (first line, last line, nested) of each window): a statement in a method
+    ("import torch\nclass Net:\n    def step(self):\n        x = 1\n        torch.cuda.synchronize()\n        return x\n",
+     [(5, 5, True)]),
+    # tabs, and a string whose lines are less indented than the statement (no dedent: the bytes stay)
+    ("import os, torch\nclass Net:\n\tdef step(self):\n\t\tdoc = '''\nNCCL_DEBUG\n'''\n"
+     "\t\tos.environ['CUDA_VISIBLE_DEVICES'] = '0'\n\t\treturn torch.cuda.current_device()\n",
+     [(4, 6, True), (7, 7, True), (8, 8, True)]),
+    # a decorator holding a candidate: the def's header from its first decorator (a synthetic body
+    # closes it), nested or at the top level; a body on the header's line: the whole def
+    ("import torch\nclass Net:\n    @decorate(1)\n    @torch.cuda.nvtx.range('step')\n    def step(self,\n"
+     "             x):\n        # a comment\n        return x\n", [(3, 7, True)]),
+    ("import torch\n@torch.jit.script\nclass Net:\n    def step(self, x: torch.cuda.Stream):\n        return x\n"
+     "    @torch.cuda.nvtx.range('go')\n    def go(self): return 1\n", [(2, 3, False), (4, 4, True), (6, 7, True)]),
+    # an else clause's statement; an elif's test takes the whole if
+    ("import torch\ndef f(a):\n    if a:\n        pass\n    else:\n        torch.cuda.synchronize()\n"
+     "    if a:\n        pass\n    elif torch.cuda.is_available():\n        pass\n", [(6, 6, True), (7, 10, True)]),
+    # statements that do not start their line, or share their last line, take the statement around them
+    ("import torch\ndef f(a):\n    if a: torch.cuda.synchronize()\n    b = 1; torch.cuda.synchronize()\n"
+     "    else_ = torch.cuda.is_available(); c = 2\n", [(2, 5, False)]),
+    # a line continued into the statement's first line: the statement around it
+    ("import torch\ndef f(a):\n    if a: \\\n        torch.cuda.synchronize()\n", [(3, 4, True)]),
+    # a bare string statement is not a docstring inside a window
+    ("import torch\ndef f():\n    '''doc: NCCL_DEBUG'''\n    'NCCL_DEBUG'\n    x = 1\n", [(4, 4, True)]),
+    # CRLF line endings; a candidate in a nested function
+    ("import torch\r\ndef f():\r\n    def g():\r\n        return torch.cuda.current_device()\r\n    return g\r\n",
+     [(4, 4, True)]),
+]
+
+
+@pytest.mark.parametrize(("code", "lines"), NESTED_CASES)
+def test_nested_windows_give_what_the_whole_file_gives(code, lines):
+    whole, parts, windows = _both_ways(code, "train.py")
+    assert [sorted(found, key=str) for found in whole] == [sorted(found, key=str) for found in parts]
+    assert whole[0] or whole[1]
+    assert [(code.count("\n", 0, w.start) + 1, code.count("\n", 0, w.end), w.nested) for w in windows] == lines
+
+
+def test_nested_windows_map_edits_back_exactly():
+    code = "import os\nclass Net:\n\tdef step(self):\n\t\tdoc = '''\nx\n'''\n\t\tos.environ['CUDA_VISIBLE_DEVICES'] = '0'\n"
+    whole, parts, windows = _both_ways(code, "train.py")
+    assert [w.nested for w in windows] == [True]
+    assert [(e.line, e.col, code[e.start:e.end], e.text) for e in parts[0]] == \
+        [(7, 14, "'CUDA_VISIBLE_DEVICES'", "'ASCEND_RT_VISIBLE_DEVICES'")]
+    assert migrate_python(code, "train.py").text == code.replace("CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES")
+
+
+def test_a_window_runs_only_the_codemods_with_a_candidate_in_it():
+    code = "import os, torch\ndef f():\n    os.environ['NCCL_DEBUG'] = 'INFO'\n    torch.cuda.synchronize()\n"
+    migrator = PythonMigrator(code, "train.py")
+    migrator._build_bindings()
+    found = [(codemod, codemod.candidates(migrator)) for codemod in (CudaNamespace, CudaEnvironment)]
+    assert [(w.codemods, w.nested) for w in migrator.windows(found)] == [((CudaEnvironment,), True),
+                                                                          ((CudaNamespace,), True)]
+
+
+@pytest.mark.parametrize(("code", "windows"), [
+    # self.cuda() of a class of the tree's: the class around it decides, so the window is the class
+    ("import torch\nif True:\n    class Box2(Box):\n        def go(self):\n            return self.cuda()\n",
+     [(3, 5, True)]),
+    # a name bound in an enclosing function to one of those classes: the whole file decides
+    ("import torch\ndef outer():\n    model = Box()\n    def inner():\n        return model.cuda()\n    return inner\n",
+     None),
+    # bound to anything else: the statement
+    ("import torch\ndef outer():\n    model = Net()\n    def inner():\n        return model.cuda()\n    return inner\n",
+     [(5, 5, True)]),
+])
+def test_cuda_methods_windows_with_the_trees_classes(code, windows):
+    tree = TreeFacts(cuda_method_classes=frozenset({"Box"}))
+    migrator = PythonMigrator(code, "train.py", tree)
+    migrator._build_bindings()
+    found = CudaMethods.candidates(migrator)
+    if windows is None:
+        assert found == [migrator.tree]
+        return
+    assert [(code.count("\n", 0, w.start) + 1, code.count("\n", 0, w.end), w.nested)
+            for w in migrator.windows([(CudaMethods, found)])] == windows
+    whole, parts, _ = _both_ways(code, "train.py", tree)
+    assert [sorted(f, key=str) for f in whole] == [sorted(f, key=str) for f in parts]
+    assert whole[0] or whole[1]
+
+
+@pytest.mark.parametrize(("code", "windows"), [
+    # in a function: the function (the scope that binds what it loads), its reads followed there
+    ("import torch\nclass Net:\n    def restore(self, path):\n        ckpt = torch.load(path)\n"
+     "        self.load_state_dict(ckpt)\n        return torch.load(path)\n", [(3, 6, True)]),
+    # the name bound in the enclosing function is read in a nested one: the whole def that binds it
+    ("import torch\ndef outer(path):\n    state = torch.load(path)\n    def inner(m):\n        m.load_state_dict(state)\n"
+     "    return inner\n", [(2, 6, False)]),
+    # in a lambda or a default value: the scope around it is not a function's body
+    ("import torch\nload = lambda p: torch.load(p)\n", None),
+    ("import torch\ndef f(state=torch.load('a.pt')):\n    return state\n", None),
+    # at the top level, or where torch.save may have written the same file: the whole file
+    ("import torch\nckpt = torch.load('a.pt')\ndef f(m):\n    m.load_state_dict(ckpt)\n", None),
+    ("import torch\ndef save(x, path):\n    torch.save(x, path)\ndef load(path):\n    return torch.load(path)\n", None),
+])
+def test_torch_load_windows(code, windows):
+    migrator = PythonMigrator(code, "train.py")
+    migrator._build_bindings()
+    found = TorchLoadMapLocation.candidates(migrator)
+    whole, parts, chosen = _both_ways(code, "train.py")
+    if windows is None:
+        assert found == [migrator.tree]
+    else:
+        assert [(code.count("\n", 0, w.start) + 1, code.count("\n", 0, w.end), w.nested) for w in chosen] == windows
+        assert [sorted(f, key=str) for f in whole] == [sorted(f, key=str) for f in parts]
+        assert len(whole[0]) == code.count("torch.load(")
 
 
 @pytest.mark.parametrize("folder", ["npukit", "tests"])

@@ -23,6 +23,7 @@ class AmpUpgrade(NpuCodemod):
     already default to the NPU and are left."""
 
     DESCRIPTION = "torch.cuda.amp.autocast/GradScaler/custom_fwd/custom_bwd -> torch.amp.* with device 'npu'"
+    CONTEXT = "statement"  # decided from the statement holding the candidate and the imports
     RULES = ("amp-upgrade",)
     FILES_CONTAINING = ("amp",)
 

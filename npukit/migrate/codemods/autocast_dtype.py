@@ -19,6 +19,7 @@ class AutocastGpuDtype(NpuCodemod):
     reported instead."""
 
     DESCRIPTION = "get/set_autocast_gpu_dtype -> get/set_autocast_dtype('npu', ...)"
+    CONTEXT = "statement"  # decided from the statement holding the candidate and the imports
     RULES = ("amp-upgrade",)
     FILES_CONTAINING = ("autocast_gpu_dtype",)
 

@@ -74,6 +74,9 @@ class DistributedBackends(StringPlaces, NpuCodemod):
     DESCRIPTION = "'nccl' process-group backends -> 'hccl' where they are backends; the rest reported"
     RULES = ("backend-string", "backend-compare", "argparse-default", "device-compare")
     FILES_CONTAINING = ("nccl", "init_process_group")
+    # a literal's place (argument, comparison, assignment, dict, conditional) is in its statement;
+    # a flow between statements makes candidates() ask for the whole file
+    CONTEXT = "statement"
 
     @classmethod
     def candidates(cls, model) -> list:

@@ -36,7 +36,13 @@ from libcst.codemod import Codemod, CodemodContext, VisitorBasedCodemodCommand
 
 from npukit.migrate.codemods.scopes import Scopes, dotted_name
 from npukit.migrate.model import Edit, Finding, TreeFacts
-from npukit.migrate.pysource_model import MigrationSyntaxError, Positions, apply_edits, drop_overlaps
+from npukit.migrate.pysource_model import (
+    MigrationSyntaxError,
+    Positions,
+    apply_edits,
+    drop_overlaps,
+    newline_of,
+)
 from npukit.migrate.rules import Flag
 
 _IMPORT_STATEMENT = re.compile(r"^[ \t]*import[ \t]+([\w. \t,]+)", re.MULTILINE)  # `import a.b as c, d`
@@ -52,6 +58,22 @@ class CodemodResults(NamedTuple):
     edits: list[Edit]
     findings: list[Finding]
     frozen: list[tuple[int, int]]
+
+
+class Window(NamedTuple):
+    """A run of whole lines of a file that libcst parses alone, for some of the codemods.
+    nested: the lines are statements of an indented block, parsed as the body of a synthetic
+    `if 1:` (their text and offsets unchanged, no dedent); suffix: text parsed after them (a header's
+    synthetic body); codemods: the ones that run on it (None: every codemod concerned by the file)."""
+
+    start: int
+    end: int
+    codemods: tuple | None = None
+    nested: bool = False
+    suffix: str = ""  # parsed after the lines: the synthetic body of a def or class header
+
+
+NESTED_HEADER = "if 1:"  # what a nested window is parsed under (no scope, no docstring, no name)
 
 
 class FileFacts:
@@ -336,8 +358,23 @@ class NpuCodemod(VisitorBasedCodemodCommand):
         return not cls.FILES_CONTAINING or any(word in code for word in cls.FILES_CONTAINING)
 
     # False: the codemod decides from the statement it acts on and the file's imports alone, so
-    # npu-migrate may give it only the top-level statements that hold its candidates
+    # npu-migrate may give it only the statements that hold its candidates (CONTEXT says which)
     WHOLE_FILE = False
+
+    # How much code around a candidate the codemod needs to decide on it (npu-migrate parses no less):
+    # "statement": the innermost statement holding it (a compound statement whole when the candidate
+    #   is in its header: an `if` test, a decorator, an `except` type, a parameter's annotation);
+    # "function": the innermost def whose body holds it (its scope), the def whole;
+    # "class": the innermost class holding it, whole;
+    # "module": the top-level statement holding it (the safe default: what it sees of its scopes is
+    #   all it would see of the module's).
+    # Either way the file's import table is given; a name an enclosing function binds is not seen.
+    CONTEXT = "module"
+
+    @classmethod
+    def context(cls, model, node) -> str:
+        """The CONTEXT a candidate (a node of `candidates()`) needs; a codemod may ask more for some."""
+        return cls.CONTEXT
 
     @classmethod
     def candidates(cls, model) -> list:
@@ -456,25 +493,29 @@ def run_builtin_codemods(text: str, path: str, codemods: tuple[type[NpuCodemod],
                          tree: TreeFacts = TreeFacts(), *, windows: list[tuple[int, int]] | None = None,
                          bindings: dict[str, str] | None = None, context: CodemodContext | None = None) -> CodemodResults:
     """The edits (offsets into `text`) and findings of the built-in codemods that concern this file:
-    one parse, one position pass, one traversal for them all. windows: (start, end) offsets of runs
-    of whole top-level statements, parsed alone instead of the file (the file's import table,
-    `bindings`, is then given: a window does not hold every import). context: where the codemods
-    leave what else they tell (its scratch), a new one if not given."""
+    one parse, one position pass, one traversal for them all. windows: `Window`s, or (start, end)
+    offsets of runs of whole top-level statements, parsed alone instead of the file (the file's
+    import table, `bindings`, is then given: a window does not hold every import). context: where the
+    codemods leave what else they tell (its scratch), a new one if not given."""
     concerned = [codemod for codemod in codemods if codemod.concerns(text)]
     if not concerned:
         return CodemodResults([], [], [])
     context = context or CodemodContext(filename=path)
     whole_file = Positions(text)
-    for start, end in windows or [(0, len(text))]:
-        piece = text[start:end]
+    for window in windows or [(0, len(text))]:
+        window = Window(*window)
+        start, end = window.start, window.end
+        header = NESTED_HEADER + newline_of(text[start:end]) if window.nested else ""
+        piece = header + text[start:end] + window.suffix
         try:
             module = cst.parse_module(piece)
         except cst.ParserSyntaxError as exc:
-            line = whole_file.text.count("\n", 0, start) + exc.raw_line
+            line = whole_file.text.count("\n", 0, start) + exc.raw_line - header.count("\n")
             raise MigrationSyntaxError(f"does not parse as Python 3 for libcst (line {line}: {exc.message})") from None
-        window = None if windows is None else (start, whole_file, bindings)
-        facts = context.scratch[FACTS_KEY] = FileFacts(path, module, piece, tree, window=window)
-        instances = [codemod_class(context) for codemod_class in concerned]
+        facts_window = None if windows is None else (start - len(header), whole_file, bindings)
+        facts = context.scratch[FACTS_KEY] = FileFacts(path, module, piece, tree, window=facts_window)
+        instances = [codemod_class(context) for codemod_class in concerned
+                     if window.codemods is None or codemod_class in window.codemods]
         for codemod in instances:
             codemod.facts = facts
         _OnePass(instances).walk(module)

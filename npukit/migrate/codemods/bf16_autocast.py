@@ -16,6 +16,7 @@ class Bf16Autocast(NpuCodemod):
     float16."""
 
     DESCRIPTION = "bfloat16 autocast reported (not every Ascend SoC has bf16)"
+    CONTEXT = "statement"  # decided from the statement holding the candidate and the imports
     FILES_CONTAINING = ("bfloat16",)
 
     @classmethod

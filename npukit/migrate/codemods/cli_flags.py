@@ -22,6 +22,7 @@ class CudaCliFlags(NpuCodemod):
     the other rules' business."""
 
     DESCRIPTION = "argparse flags named after CUDA reported (they keep their names)"
+    CONTEXT = "statement"  # decided from the statement holding the candidate and the imports
     FILES_CONTAINING = ("add_argument",)
 
     @classmethod

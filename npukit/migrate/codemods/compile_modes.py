@@ -20,6 +20,7 @@ class CompileModes(NpuCodemod):
     torch.compile gets the general `compile` note from the names rules.)"""
 
     DESCRIPTION = "torch.compile modes that capture CUDA graphs reported"
+    CONTEXT = "statement"  # decided from the statement holding the candidate and the imports
     FILES_CONTAINING = ("compile",)  # not the modes: a mode may be spelled as adjacent literals
 
     @classmethod

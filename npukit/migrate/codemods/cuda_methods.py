@@ -101,14 +101,38 @@ class CudaMethods(_WrittenTargets, NpuCodemod):
     RULES = ("cuda-method", "is-cuda")
     FILES_CONTAINING = ("cuda",)
 
+    CONTEXT = "statement"  # decided from its statement and the imports, or (context) its class
+
     @classmethod
     def candidates(cls, model) -> list:
         found = [node for node in model.attributes if model.cuda_method_use(node)]
-        if found and (model.cuda_method_classes or model.is_cuda_classes or any(
+        if found and (cls._file_classes_decide(model, found) or any(
                 node.attr in ATTRIBUTES and (not isinstance(node.ctx, ast.Load) or model.module_attribute_by_binding(node))
                 for node in model.attributes)):
             return [model.tree]  # decided by the file's classes, `cuda` data or the bindings of its imports
         return found
+
+    @classmethod
+    def context(cls, model, node) -> str:
+        """`self.cuda()`, `super().cuda()`: whose they are is decided by the class around them."""
+        return "class" if _self_or_super(node.value) else cls.CONTEXT
+
+    @staticmethod
+    def _file_classes_decide(model, found: list) -> bool:
+        """The user's classes with their own cuda / is_cuda (the tree's and the file's) decide a use
+        beyond its statement and class: a class of this file (not of the rest of the tree) does, and
+        so does `x = C(...)` anywhere in the file for a use on `x`."""
+        classes = model.cuda_method_classes | model.is_cuda_classes
+        if not classes:
+            return False
+        tree = model.facts
+        if model.cuda_method_classes - tree.cuda_method_classes or model.is_cuda_classes - tree.is_cuda_classes:
+            return True
+        receivers = {node.value.id for node in found if isinstance(node.value, ast.Name)}
+        return any(isinstance(assign, ast.Assign) and isinstance(assign.value, ast.Call) and
+                   _ast_called_name(assign.value.func) in classes and
+                   any(isinstance(target, ast.Name) and target.id in receivers for target in assign.targets)
+                   for assign in model.assigns)
 
     def visit_Module(self, node: cst.Module) -> None:
         self.written: dict[int, cst.CSTNode] = {}
@@ -237,6 +261,18 @@ class CudaMethods(_WrittenTargets, NpuCodemod):
         return receiver is not None and receiver not in TORCH_CLASSES_WITH_CUDA and (
             receiver == "torch" or self.facts.module_binding_reaches(node.value, self.module_names))
 
+
+
+def _self_or_super(receiver: ast.AST) -> bool:
+    return isinstance(receiver, ast.Name) and receiver.id == "self" or isinstance(receiver, ast.Call) and \
+        isinstance(receiver.func, ast.Name) and receiver.func.id == "super"
+
+
+def _ast_called_name(func: ast.AST) -> str | None:
+    """called_name for an ast call."""
+    if isinstance(func, ast.Name):
+        return func.id
+    return func.attr if isinstance(func, ast.Attribute) else None
 
 
 def _root_name(node: cst.BaseExpression) -> str | None:

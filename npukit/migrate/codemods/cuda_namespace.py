@@ -334,6 +334,7 @@ class CudaNamespace(TorchNameChains, NpuCodemod):
     (torch.cuda.amp calls are AmpUpgrade's; APIs on the unsupported list are UnsupportedApis'.)"""
 
     DESCRIPTION = "torch.cuda.* -> torch.npu.*, imports of torch.cuda -> torch_npu.npu, CUDA-only names reported"
+    CONTEXT = "statement"  # decided from the statement holding the candidate and the imports
     RULES = ("cuda-namespace", "cuda-import", "cuda-renamed", "cuda-graph", "nvtx-to-mstx", "tf32-to-hf32",
              "nccl-to-hccl", "profiler-activity", "amp-upgrade")
     # a chain or an import names its table entry's last part

@@ -18,6 +18,7 @@ class CustomCudaOps(NpuCodemod):
     which sees one file at a time, it reports nothing."""
 
     DESCRIPTION = "calls of this tree's custom CUDA ops reported (their kernels need porting)"
+    CONTEXT = "statement"  # decided from the statement holding the candidate and the imports
 
     @classmethod
     def candidates(cls, model) -> list:

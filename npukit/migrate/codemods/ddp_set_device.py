@@ -17,6 +17,7 @@ class DdpSetDevice(NpuCodemod):
     before building DDP, or all ranks use device 0."""
 
     DESCRIPTION = "DDP built in a file that never calls set_device reported"
+    CONTEXT = "statement"  # decided from the statement holding the candidate and the imports
 
     @classmethod
     def concerns(cls, code: str) -> bool:

@@ -27,6 +27,7 @@ class CudaDefaultDevices(NpuCodemod):
     """
 
     DESCRIPTION = "torch APIs whose device defaults to CUDA (GradScaler(), fork_rng() ...) get 'npu'"
+    CONTEXT = "statement"  # decided from the statement holding the candidate and the imports
     RULES = ("cuda-default-device", "fork-rng-device-type")
     FILES_CONTAINING = ("GradScaler", "autocast_enabled", "set_device_type", "fork_rng")  # in a call or its import
 

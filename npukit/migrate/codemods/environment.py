@@ -24,6 +24,7 @@ class CudaEnvironment(StringPlaces, NpuCodemod):
     """
 
     DESCRIPTION = "CUDA/NCCL environment variables in strings -> their Ascend names; the rest reported"
+    CONTEXT = "statement"  # decided from the statement holding the candidate and the imports
     RULES = ("env-var",)
     # the names ENV_RENAMES, ENV_FLAGGED and ENV_NAME know ("CUDA_" alone is in every CUDA_HOME)
     FILES_CONTAINING = ("CUDA_VISIBLE_DEVICES", "CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUDA_LAUNCH_BLOCKING",

@@ -21,6 +21,7 @@ class InfiniteFills(NpuCodemod):
     same code is right in INF_NAN mode (910B). The finding suggests torch.finfo(dtype).min."""
 
     DESCRIPTION = "fills with +-inf reported (fp16 overflow on a saturation-mode NPU)"
+    CONTEXT = "statement"  # decided from the statement holding the candidate and the imports
     @classmethod
     def concerns(cls, code: str) -> bool:  # float("Infinity"), float("INF") ...
         return _INF.search(code) is not None

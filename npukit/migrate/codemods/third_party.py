@@ -52,6 +52,7 @@ class ThirdPartyCuda(NpuCodemod):
     (npu-migrate's tree facts: mamba_ssm in mamba's own repository) is not a third party."""
 
     DESCRIPTION = "CUDA-only third-party libraries reported at their imports, calls and kernel decorators"
+    CONTEXT = "statement"  # decided from the statement holding the candidate and the imports
     FILES_CONTAINING = _LIBRARY_WORDS
 
     @classmethod

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+
 import libcst as cst
 
 from npukit.migrate import rules
@@ -26,12 +28,18 @@ class TorchLoadMapLocation(NpuCodemod):
     RULES = ("torch-load-map-location",)
     FILES_CONTAINING = ("load",)
 
-    WHOLE_FILE = True  # follows the loaded value to its reads anywhere in the file
+    # follows the loaded value to its reads in the scope that binds it: the function around a call in
+    # one; the whole file for a call outside functions, or where torch.save may have written the file
+    CONTEXT = "function"
 
     @classmethod
     def candidates(cls, model) -> list:  # torch.load calls without map_location, through the file's imports
-        return [call for call in model.calls if model.qualname(call.func) == rules.TORCH_LOAD and
-                rules.torch_load_lacks_map_location(len(call.args), {keyword.arg for keyword in call.keywords})]
+        found = [call for call in model.calls if model.qualname(call.func) == rules.TORCH_LOAD and
+                 rules.torch_load_lacks_map_location(len(call.args), {keyword.arg for keyword in call.keywords})]
+        if found and (not all(_in_function_body(model, call) for call in found) or _saved_keys(model) & {
+                _ast_file_key(_ast_argument(call, 0, "f")) for call in found}):
+            return [model.tree]
+        return found
 
     def __init__(self, context) -> None:
         super().__init__(context)
@@ -112,6 +120,41 @@ class TorchLoadMapLocation(NpuCodemod):
             return False  # rebound somewhere: the value's other uses are not followed
         uses = [use for use in scopes.reads.get(name, ()) if scopes.defining_scope(name, scopes.scope_of[use]) is scope]
         return bool(uses) and all(id(use) in self._state_dict_arguments for use in uses)
+
+
+def _saved_keys(model) -> set:
+    """What the file's torch.save calls write to as _ast_file_key sees it (a name, whatever its scope)."""
+    keys = {_ast_file_key(_ast_argument(call, 1, "f")) for call in model.calls if model.qualname(call.func) == "torch.save"}
+    return keys - {None}
+
+
+def _ast_file_key(node) -> tuple | None:
+    if isinstance(node, ast.Name):
+        return "name", node.id
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return "path", node.value
+    return None
+
+
+def _ast_argument(call, index: int, keyword: str):
+    """_argument in the `ast` model."""
+    for arg in call.keywords:
+        if arg.arg == keyword:
+            return arg.value
+    positional = call.args
+    if any(isinstance(arg, ast.Starred) for arg in positional[:index + 1]):
+        return None
+    return positional[index] if index < len(positional) else None
+
+
+def _in_function_body(model, node) -> bool:
+    """The node is in the body of a def (its scope is a function's), not only in lambdas or headers."""
+    child, current = node, model.parent.get(id(node))
+    while current is not None and current is not model.tree:
+        if isinstance(current, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(child is inner for inner in current.body):
+            return True
+        child, current = current, model.parent.get(id(current))
+    return False
 
 
 def _argument(call: cst.Call, index: int, keyword: str) -> cst.BaseExpression | None:

@@ -25,6 +25,7 @@ class UnsupportedApis(TorchNameChains, NpuCodemod):
     (The list's Tensor methods, whose receiver a codemod cannot know, are UnsupportedTensorMethods'.)"""
 
     DESCRIPTION = "uses of torch APIs torch_npu does not support reported"
+    CONTEXT = "statement"  # decided from the statement holding the candidate and the imports
     FILES_CONTAINING = tuple(sorted({name.rsplit(".", 1)[-1] for name in UNSUPPORTED_TORCH_APIS}))
 
     @classmethod

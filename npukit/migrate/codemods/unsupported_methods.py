@@ -18,6 +18,7 @@ class UnsupportedTensorMethods(NpuCodemod):
     rules' business): the receiver is probably a tensor, which is all a codemod can tell."""
 
     DESCRIPTION = "calls of tensor methods torch_npu does not support reported"
+    CONTEXT = "statement"  # decided from the statement holding the candidate and the imports
     FILES_CONTAINING = tuple(sorted(rules.UNSUPPORTED_TENSOR_METHODS))
 
     @classmethod
