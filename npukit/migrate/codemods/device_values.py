@@ -7,7 +7,7 @@ import ast
 import libcst as cst
 
 from npukit.migrate import rules
-from npukit.migrate.codemods.base import FileFacts, called_name, split_arguments
+from npukit.migrate.codemods.base import FileFacts, _children, called_name, split_arguments
 from npukit.migrate.codemods.strings import literal_string
 from npukit.migrate.pysource_model import string_value
 
@@ -90,3 +90,114 @@ def variable_name(expr: cst.BaseExpression) -> str | None:
     if isinstance(expr, cst.Attribute):
         return expr.attr.value
     return None
+
+
+def is_int_ordinal(expr: cst.BaseExpression, facts: FileFacts) -> bool:
+    """An int that names a device ordinal where a device is expected: `0`, `int(x)`, `local_rank`,
+    `args.gpu` (a name of rules.INT_ORDINAL_NAMES that is not an import)."""
+    if isinstance(expr, cst.Integer):
+        return True
+    if isinstance(expr, cst.Call) and isinstance(expr.func, cst.Name) and expr.func.value == "int":
+        return True
+    name = variable_name(expr)
+    return name is not None and name in rules.INT_ORDINAL_NAMES and facts.qualname(expr) is None
+
+
+def device_positions(call: cst.Call, facts: FileFacts) -> list[tuple[cst.BaseExpression, bool]]:
+    """The arguments of a call that are devices, each with whether an int ordinal may stand there:
+    keywords named like a device (`device=`, `map_location=`, `device_type=` ...), the first argument
+    of torch.device, torch.autocast ... (rules.DEVICE_FIRST_ARG) and of a value's `.to()` /
+    `.to_empty()`, torch.load's second, and the arguments of this file's own functions whose parameter
+    is named like a device (FileFacts.local_signatures)."""
+    positional, keywords = split_arguments(call)
+    positions = [(arg.value, arg.keyword.value == "device") for arg in keywords
+                 if arg.keyword is not None and rules.DEVICE_KEYWORD.match(arg.keyword.value)]
+    if positional and not positional[0].star:
+        qualified = facts.qualname(call.func)
+        if qualified in rules.DEVICE_FIRST_ARG:
+            positions.append((positional[0].value, False))
+        elif qualified is None and isinstance(call.func, cst.Attribute) and \
+                call.func.attr.value in rules.DEVICE_FIRST_ARG_METHODS:
+            positions.append((positional[0].value, True))
+        elif qualified == rules.TORCH_LOAD and len(positional) >= 2:
+            positions.append((positional[1].value, False))
+    if isinstance(call.func, cst.Name) and call.func.value not in facts.bindings:
+        params = facts.local_signatures.get(call.func.value, [])
+        positions += [(arg.value, False) for arg, param in zip(positional, params)
+                      if not arg.star and "device" in param.lower()]
+    return positions
+
+
+def local_signatures(facts: FileFacts) -> dict[str, list[str]]:
+    """The positional parameters of this file's functions by name; a name defined twice with
+    different parameters is ambiguous: none."""
+    signatures: dict[str, list[str]] = {}
+    for function in facts.scopes.definitions:
+        if isinstance(function, cst.FunctionDef):
+            params = [param.name.value for param in (*function.params.posonly_params, *function.params.params)]
+            if signatures.setdefault(function.name.value, params) != params:
+                signatures[function.name.value] = []
+    return signatures
+
+
+class Flows:
+    """Which variables and attributes of a file flow into a device use and which into a
+    process-group backend argument, a fact the device and backend codemods share (FileFacts.flows).
+
+    A use is a name or attribute standing in a device position (device_positions; an int ordinal
+    where one may stand is an ordinal, not a flow) or a backend one (backend_arguments). It is keyed
+    by the scope that binds the name (or the attribute's source text), as `key` keys a binding:
+    `device = "cuda"` ... `x.to(device)` is a flow when both keys meet."""
+
+    def __init__(self, facts: FileFacts) -> None:
+        self.facts = facts
+        self.device: set[tuple] = set()
+        self.backend: set[tuple] = set()
+        stack: list[cst.CSTNode] = [facts.module]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, cst.Call):
+                for expr, ints_allowed in device_positions(node, facts):
+                    if not (ints_allowed and is_int_ordinal(expr, facts)):
+                        self._note(self.device, expr)
+                for expr in backend_arguments(node, facts)[0]:
+                    if not backend_literals(expr) and variable_name(expr) is not None:
+                        self._note(self.backend, expr)
+            stack.extend(_children(node))
+
+    def _note(self, uses: set[tuple], expr: cst.BaseExpression) -> None:
+        facts = self.facts
+        if isinstance(expr, cst.Name) and expr.value not in facts.bindings:
+            scopes = facts.scopes
+            uses.add((scopes.defining_scope(expr.value, scopes.scope_of.get(expr, scopes.module)), expr.value))
+        elif isinstance(expr, cst.Attribute) and facts.qualname(expr) is None:
+            uses.add(("attr", source(expr, facts)))
+
+    def key(self, binder: cst.CSTNode, name: str) -> tuple:
+        """The key of a binding: an attribute assigned (binder: the Attribute), a variable assigned
+        (binder: the Assign / AnnAssign) or a parameter with a default (binder: its function)."""
+        if isinstance(binder, cst.Attribute):
+            return "attr", source(binder, self.facts)
+        if isinstance(binder, (cst.Assign, cst.AnnAssign)):
+            scopes = self.facts.scopes
+            return scopes.scope_of.get(binder, scopes.module), name
+        return binder, name
+
+
+def backend_arguments(call: cst.Call, facts: FileFacts) -> tuple[list[cst.BaseExpression], bool]:
+    """(the backend arguments of a call: `backend=` of any call, init_process_group's first; whether
+    it is init_process_group)."""
+    positional, keywords = split_arguments(call)
+    qualified = facts.qualname(call.func)
+    method = call.func.attr.value if isinstance(call.func, cst.Attribute) else None
+    values = [arg.value for arg in keywords if arg.keyword is not None and arg.keyword.value == "backend"]
+    is_init = ((qualified or "").rsplit(".", 1)[-1] or method) == "init_process_group"
+    if is_init and positional and not positional[0].star:
+        values.append(positional[0].value)
+    return values, is_init
+
+
+def source(node: cst.CSTNode, facts: FileFacts) -> str:
+    """The node's source text."""
+    start, end = facts.span(node)
+    return facts.positions.text[start:end]
