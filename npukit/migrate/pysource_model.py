@@ -287,6 +287,19 @@ class SourceModel:
             self.assigned[id(node)] = {a.arg for a in _all_args(node.args)}
         return inner
 
+    def _defining_scope(self, name: str, scope: ast.AST) -> ast.AST:
+        """The scope whose binding of `name` a read in `scope` sees (the module when none does)."""
+        current = scope
+        while current is not None:
+            if name in self.assigned.get(id(current), ()):
+                return current
+            if current is self.tree:
+                break
+            current = self.scope_of.get(id(current), self.tree)
+            while isinstance(current, ast.ClassDef):  # class bodies are not enclosing scopes for functions
+                current = self.scope_of.get(id(current), self.tree)
+        return self.tree
+
     def qualname(self, node: ast.AST) -> str | None:
         key = id(node)
         if key in self._qualname_cache:
