@@ -1045,9 +1045,21 @@ def test_device_strings_reports_what_it_leaves(code, expected):
     # a device literal may be passed to a function defined in another statement
     ("import torch\ndef setup(device):\n    pass\nsetup('cuda')\n", True),
     ("import torch\nx = t.to(device)\n", None),  # no device literal: no parse
+    # a dict holding one is not a device value; the file's function called without one
+    ("import torch\nopts = {'a': 'cuda'}\ndef g():\n    t.to(opts)\n", False),
+    ("import torch\ndef f(model, device):\n    pass\nf(m, d)\nx = t.to('cuda')\n", False),
+    ("import torch\ndef f(model, device):\n    pass\nkind = 'cuda' if ok else 'cpu'\nf(m, kind)\n", True),
 ])
 def test_device_strings_ask_for_the_whole_file_only_for_flows(code, whole_file):
     assert _asks_for_whole_file(DeviceStrings, code) is whole_file
+
+
+@pytest.mark.parametrize(("code", "whole_file"), [
+    ("import torch\nx = t.to(rank)\ny = torch.zeros(1, device=0)\nz = torch.device(args.local_rank)\n", False),
+    ("import torch\nx = t.to(y)\nz = torch.zeros(1, device=dev)\nw = t.to(torch.float16)\n", None),
+])
+def test_int_device_ordinals_parse_only_the_statements_with_an_ordinal(code, whole_file):
+    assert _asks_for_whole_file(IntDeviceOrdinals, code) is whole_file
 
 
 def test_one_flows_fact_serves_the_device_and_backend_codemods():

@@ -47,6 +47,23 @@ def _is_device_text(node: ast.AST) -> bool:
     return value is not None and bool(rules.DEVICE_TEMPLATE.match(value))
 
 
+def _holds_device(expr: ast.AST, literals: set[int]) -> bool:
+    """Whether one of `literals` (ids) may make `expr` a device value: the value itself, or reached
+    through conditionals, boolean operators, the left of `%` / `+` and a `.format` receiver (ast's
+    view of device_literals, for the screen)."""
+    if id(expr) in literals:
+        return True
+    if isinstance(expr, ast.IfExp):
+        return _holds_device(expr.body, literals) or _holds_device(expr.orelse, literals)
+    if isinstance(expr, ast.BoolOp):
+        return any(_holds_device(value, literals) for value in expr.values)
+    if isinstance(expr, ast.BinOp):
+        return _holds_device(expr.left, literals)
+    if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute):
+        return expr.func.attr == "format" and _holds_device(expr.func.value, literals)
+    return False
+
+
 class DeviceStrings(StringPlaces, NpuCodemod):
     """"cuda" (and "cuda:0", f"cuda:{rank}", "cuda:%d" % i, "cuda:{}".format(i)) becomes "npu"
     where it is a device use: a device argument (device_positions: `torch.device(...)`, `device=`,
@@ -68,32 +85,35 @@ class DeviceStrings(StringPlaces, NpuCodemod):
     @classmethod
     def candidates(cls, model) -> list:
         """The device literals; the whole file when a variable holding one may flow into a device use
-        in another statement, or a device literal may be passed to a function defined elsewhere."""
+        in another statement, or one may be passed to a function of the file with a device parameter."""
         literals = [node for node in (*model.strings, *model.fstrings)
                     if id(node) not in model.docstrings and _is_device_text(node)]
         if not literals:
             return []
         inside = {id(node) for node in literals}
-        holders = set()
+        holders = set()  # names not named like a device given a device value: they need the flows
         for node in model.assigns:
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            names = {last_name(target) for target in targets} - {None}
-            if node.value is not None and not all(_device_named(name) for name in names) and \
-                    any(id(sub) in inside for sub in ast.walk(node.value)):
-                holders |= names
+            if node.value is not None and _holds_device(node.value, inside):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                holders.update(name for name in map(last_name, targets) if name and not _device_named(name))
         for function in model.functions:
             arguments = function.args
-            defaults = [*arguments.defaults, *(d for d in arguments.kw_defaults if d is not None)]
-            if any(id(sub) in inside for default in defaults for sub in ast.walk(default)):
-                holders |= {arg.arg for arg in (*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs)}
-        local = {function.name for function in model.functions if isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef)
+            positional = arguments.posonlyargs + arguments.args
+            defaults = [*zip(positional[len(positional) - len(arguments.defaults):], arguments.defaults),
+                        *zip(arguments.kwonlyargs, arguments.kw_defaults)]
+            holders.update(arg.arg for arg, default in defaults
+                           if default is not None and not _device_named(arg.arg) and _holds_device(default, inside))
+        local = {function.name for function in model.functions if not isinstance(function, ast.Lambda)
                  and any("device" in arg.arg.lower() for arg in (*function.args.posonlyargs, *function.args.args))}
         for call in model.calls:
-            if isinstance(call.func, ast.Name) and call.func.id in local and call.args:
-                return [model.tree]
             sinks = [keyword.value for keyword in call.keywords if keyword.arg and rules.DEVICE_KEYWORD.match(keyword.arg)]
-            sinks += call.args[:2]
-            if holders & {last_name(sink) for sink in sinks}:
+            if isinstance(call.func, ast.Name) and call.func.id in local:
+                if any(_holds_device(arg, inside) for arg in call.args):
+                    return [model.tree]
+                sinks += call.args
+            else:
+                sinks += call.args[:2]
+            if holders and holders & {last_name(sink) for sink in sinks}:
                 return [model.tree]
         return literals
 

@@ -44,7 +44,10 @@ def _formatted_device(expr: cst.FormattedString | cst.ConcatenatedString, facts:
     """An f-string (or adjacent literals holding one) that is "cuda" or "cuda:" and placeholders
     only: its parts as Python joins them (ast's JoinedStr), from the literal's own text."""
     start, end = facts.span(expr)
-    joined = ast.parse(f"({facts.positions.text[start:end]})", mode="eval").body
+    text = facts.positions.text[start:end]
+    if "cuda" not in text:  # (spelled with escapes it could not be rewritten anyway)
+        return False
+    joined = ast.parse(f"({text})", mode="eval").body
     if not isinstance(joined, ast.JoinedStr) or not joined.values:
         return False
     first = string_value(joined.values[0])
@@ -132,12 +135,19 @@ def local_signatures(facts: FileFacts) -> dict[str, list[str]]:
     """The positional parameters of this file's functions by name; a name defined twice with
     different parameters is ambiguous: none."""
     signatures: dict[str, list[str]] = {}
-    for function in facts.scopes.definitions:
-        if isinstance(function, cst.FunctionDef):
-            params = [param.name.value for param in (*function.params.posonly_params, *function.params.params)]
-            if signatures.setdefault(function.name.value, params) != params:
-                signatures[function.name.value] = []
+    stack: list[cst.CSTNode] = [facts.module]
+    while stack:  # statements only: no function is defined inside an expression
+        node = stack.pop()
+        if isinstance(node, cst.FunctionDef):
+            params = [param.name.value for param in (*node.params.posonly_params, *node.params.params)]
+            if signatures.setdefault(node.name.value, params) != params:
+                signatures[node.name.value] = []
+        stack.extend(child for child in _children(node) if not isinstance(child, _NOT_HOLDING_STATEMENTS))
     return signatures
+
+
+_NOT_HOLDING_STATEMENTS = (cst.BaseExpression, cst.SimpleStatementLine, cst.BaseSmallStatement, cst.Parameters,
+                           cst.Decorator, cst.Name)
 
 
 class Flows:

@@ -9,12 +9,16 @@ import libcst as cst
 from npukit.migrate import rules
 from npukit.migrate.codemods.base import NpuCodemod, split_arguments
 from npukit.migrate.codemods.device_values import device_positions, is_int_ordinal, source
+from npukit.migrate.pysource_model import last_name
 
 
 def _may_be_ordinal(expr: ast.AST) -> bool:
     """What is_int_ordinal could say yes to (ast's view, for the screen)."""
-    return isinstance(expr, (ast.Name, ast.Attribute)) or isinstance(expr, ast.Constant) and type(expr.value) is int \
-        or isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.func.id == "int"
+    if isinstance(expr, ast.Constant):
+        return type(expr.value) is int
+    if isinstance(expr, ast.Call):
+        return isinstance(expr.func, ast.Name) and expr.func.id == "int"
+    return last_name(expr) in rules.INT_ORDINAL_NAMES
 
 
 class IntDeviceOrdinals(NpuCodemod):
