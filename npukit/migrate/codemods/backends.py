@@ -11,6 +11,7 @@ import libcst.matchers as m
 from npukit.migrate import rules
 from npukit.migrate.codemods.base import NpuCodemod, split_arguments
 from npukit.migrate.codemods.device_values import (
+    ValuePlaces,
     backend_arguments,
     backend_literal,
     backend_literals,
@@ -60,7 +61,7 @@ def _backend_arguments(model) -> list[ast.AST]:
     return found
 
 
-class DistributedBackends(StringPlaces, NpuCodemod):
+class DistributedBackends(ValuePlaces, StringPlaces, NpuCodemod):
     """"nccl" (and "cuda:nccl,cpu:gloo"-style pairs) becomes "hccl" ("npu:hccl,cpu:gloo") where it
     is a process-group backend: `init_process_group("nccl")`, any `backend=` argument, a comparison
     with an expression (`backend == "nccl"`, `x in ("nccl", "gloo")`), an argparse default or
@@ -99,38 +100,9 @@ class DistributedBackends(StringPlaces, NpuCodemod):
     def visit_Module(self, node: cst.Module) -> None:
         super().visit_Module(node)
         self.claimed: set[int] = set()  # literals rewritten (by the first rule that reaches them)
-        self.calls: list[cst.Call] = []
-        self.comparisons: list[cst.Comparison] = []
-        self.assignments: list[cst.Assign | cst.AnnAssign] = []
-        self.functions: list[cst.FunctionDef | cst.Lambda] = []
-        self.dicts: list[cst.Dict] = []
         self.strings: list[tuple[cst.BaseExpression, bool]] = []  # (literal, in message text)
         self.branch_of: dict[int, cst.IfExp] = {}  # id of a conditional's branch -> the conditional
         self.attribute_sinks: list[cst.Attribute] = []
-
-    def visit_Call(self, node: cst.Call) -> None:
-        super().visit_Call(node)
-        self.calls.append(node)
-
-    def visit_Comparison(self, node: cst.Comparison) -> None:
-        self.comparisons.append(node)
-
-    def visit_Assign(self, node: cst.Assign) -> None:
-        self.assignments.append(node)
-
-    def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
-        if node.value is not None:
-            self.assignments.append(node)
-
-    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
-        super().visit_FunctionDef(node)
-        self.functions.append(node)
-
-    def visit_Lambda(self, node: cst.Lambda) -> None:
-        self.functions.append(node)
-
-    def visit_Dict(self, node: cst.Dict) -> None:
-        self.dicts.append(node)
 
     def visit_IfExp(self, node: cst.IfExp) -> None:
         self.branch_of[id(node.body)] = self.branch_of[id(node.orelse)] = node
@@ -220,33 +192,15 @@ class DistributedBackends(StringPlaces, NpuCodemod):
     def _assignments(self) -> None:
         """Variables and attributes holding a backend string: rewritten when named like a backend or
         seen flowing into a backend argument; dict entries keyed like a backend."""
-        candidates: list[tuple[cst.CSTNode, str, cst.BaseExpression]] = []  # (binder, name, value)
-        keyed: list[tuple[cst.BaseExpression, cst.BaseExpression]] = []  # (key, value)
-        for node in self.assignments:
-            targets = [t.target for t in node.targets] if isinstance(node, cst.Assign) else [node.target]
-            for target in targets:
-                if isinstance(target, cst.Name):
-                    candidates.append((node, target.value, node.value))
-                elif isinstance(target, cst.Attribute):
-                    candidates.append((target, target.attr.value, node.value))
-                elif isinstance(target, cst.Subscript) and len(target.slice) == 1 and \
-                        target.slice[0].comma is cst.MaybeSentinel.DEFAULT and isinstance(target.slice[0].slice, cst.Index):
-                    keyed.append((target.slice[0].slice.value, node.value))  # kwargs["backend"] = "nccl"
-        for function in self.functions:
-            params = function.params
-            for param in (*params.posonly_params, *params.params, *params.kwonly_params):
-                if param.default is not None:
-                    candidates.append((function, param.name.value, param.default))
-        for binder, name, value in candidates:
+        bound, keyed = self.bound_values()
+        for binder, name, value in bound:
             literals = backend_literals(value)
             if not literals or device_literals(value, self.facts):
                 continue  # a device value ("cuda" if x else "nccl"): the device rules' business
             if "backend" in name.lower() or self.facts.flows.key(binder, name) in self.facts.flows.backend:
                 for literal in literals:
                     self._rewrite(literal, "backend-string")
-        keyed = [(element.key, element.value) for node in self.dicts for element in node.elements
-                 if isinstance(element, cst.DictElement)] + keyed
-        for key, value in keyed:
+        for key, value in keyed:  # {"backend": "nccl"}, kwargs["dist_backend"] = "nccl"
             key_text = literal_string(key)
             if key_text is not None and "device" not in key_text.lower() and "backend" in key_text.lower():
                 for literal in backend_literals(value):

@@ -10,6 +10,7 @@ import libcst as cst
 from npukit.migrate import rules
 from npukit.migrate.codemods.base import NpuCodemod, _children, split_arguments
 from npukit.migrate.codemods.device_values import (
+    ValuePlaces,
     device_literals,
     device_positions,
     is_device_like,
@@ -64,7 +65,7 @@ def _holds_device(expr: ast.AST, literals: set[int]) -> bool:
     return False
 
 
-class DeviceStrings(StringPlaces, NpuCodemod):
+class DeviceStrings(ValuePlaces, StringPlaces, NpuCodemod):
     """"cuda" (and "cuda:0", f"cuda:{rank}", "cuda:%d" % i, "cuda:{}".format(i)) becomes "npu"
     where it is a device use: a device argument (device_positions: `torch.device(...)`, `device=`,
     `.to(...)`, `map_location=` and the entries of a map_location dict, this file's own functions'
@@ -121,42 +122,13 @@ class DeviceStrings(StringPlaces, NpuCodemod):
         super().visit_Module(node)
         self.rewritten: set[int] = set()  # literals dealt with (by the first rule that reaches them)
         self.reported: set[int] = set()  # literals reported as assigned but not flowing (one finding each)
-        self.calls: list[cst.Call] = []
-        self.comparisons: list[cst.Comparison] = []
         self.conditionals: list[cst.IfExp] = []
-        self.assignments: list[cst.Assign | cst.AnnAssign] = []
-        self.functions: list[cst.FunctionDef | cst.Lambda] = []
-        self.dicts: list[cst.Dict] = []
         self.strings: list[cst.BaseExpression] = []  # code strings outside messages
         self.formatted: list[cst.BaseExpression] = []  # f-strings (and adjacent literals holding one) outside messages
         self._parents: dict[int, cst.CSTNode] | None = None
 
-    def visit_Call(self, node: cst.Call) -> None:
-        super().visit_Call(node)
-        self.calls.append(node)
-
-    def visit_Comparison(self, node: cst.Comparison) -> None:
-        self.comparisons.append(node)
-
     def visit_IfExp(self, node: cst.IfExp) -> None:
         self.conditionals.append(node)
-
-    def visit_Assign(self, node: cst.Assign) -> None:
-        self.assignments.append(node)
-
-    def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
-        if node.value is not None:
-            self.assignments.append(node)
-
-    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
-        super().visit_FunctionDef(node)
-        self.functions.append(node)
-
-    def visit_Lambda(self, node: cst.Lambda) -> None:
-        self.functions.append(node)
-
-    def visit_Dict(self, node: cst.Dict) -> None:
-        self.dicts.append(node)
 
     def visit_SimpleString(self, node: cst.SimpleString) -> None:
         self._note_string(node)
@@ -254,24 +226,8 @@ class DeviceStrings(StringPlaces, NpuCodemod):
         """Variables, attributes and parameter defaults holding a device value: rewritten when named
         like a device or seen flowing into a device use (else a plain string is reported); dict
         entries and item assignments keyed like a device."""
-        candidates: list[tuple[cst.CSTNode, str, cst.BaseExpression]] = []  # (binder, name, value)
-        keyed: list[tuple[cst.BaseExpression, cst.BaseExpression]] = []  # (key, value)
-        for node in self.assignments:
-            targets = [t.target for t in node.targets] if isinstance(node, cst.Assign) else [node.target]
-            for target in targets:
-                if isinstance(target, cst.Name):
-                    candidates.append((node, target.value, node.value))
-                elif isinstance(target, cst.Attribute):
-                    candidates.append((target, target.attr.value, node.value))
-                elif isinstance(target, cst.Subscript) and len(target.slice) == 1 and \
-                        target.slice[0].comma is cst.MaybeSentinel.DEFAULT and isinstance(target.slice[0].slice, cst.Index):
-                    keyed.append((target.slice[0].slice.value, node.value))  # kwargs["device_type"] = "cuda"
-        for function in self.functions:
-            params = function.params
-            for param in (*params.posonly_params, *params.params, *params.kwonly_params):
-                if param.default is not None:
-                    candidates.append((function, param.name.value, param.default))
-        for binder, name, value in candidates:
+        bound, keyed = self.bound_values()
+        for binder, name, value in bound:
             literals = device_literals(value, self.facts)
             if not literals:
                 continue
@@ -282,9 +238,7 @@ class DeviceStrings(StringPlaces, NpuCodemod):
                 self.reported.add(id(value))
                 self.flag(value, UNUSED_DEVICE, reason=f"'{literal_string(value)}' is assigned to `{name}` but not "
                                                        "seen flowing into a device use")
-        keyed = [(element.key, element.value) for node in self.dicts for element in node.elements
-                 if isinstance(element, cst.DictElement)] + keyed
-        for key, value in keyed:
+        for key, value in keyed:  # {"device": "cuda"}, kwargs["device_type"] = "cuda"
             key_text = literal_string(key)
             if key_text is not None and "device" in key_text.lower():
                 self._rewrite_value(value, "device-variable")

@@ -211,3 +211,67 @@ def source(node: cst.CSTNode, facts: FileFacts) -> str:
     """The node's source text."""
     start, end = facts.span(node)
     return facts.positions.text[start:end]
+
+
+class ValuePlaces:
+    """visit_ methods noting where a module's values are used and bound, for a codemod that decides
+    on its whole window in leave_Module (mixed in before StringPlaces): `calls`, `comparisons`,
+    `assignments` (with a value), `functions` (defs and lambdas: their defaults) and `dicts`."""
+
+    def visit_Module(self, node: cst.Module) -> None:
+        super().visit_Module(node)
+        self.calls: list[cst.Call] = []
+        self.comparisons: list[cst.Comparison] = []
+        self.assignments: list[cst.Assign | cst.AnnAssign] = []
+        self.functions: list[cst.FunctionDef | cst.Lambda] = []
+        self.dicts: list[cst.Dict] = []
+
+    def visit_Call(self, node: cst.Call) -> None:
+        super().visit_Call(node)
+        self.calls.append(node)
+
+    def visit_Comparison(self, node: cst.Comparison) -> None:
+        self.comparisons.append(node)
+
+    def visit_Assign(self, node: cst.Assign) -> None:
+        self.assignments.append(node)
+
+    def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
+        if node.value is not None:
+            self.assignments.append(node)
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        super().visit_FunctionDef(node)
+        self.functions.append(node)
+
+    def visit_Lambda(self, node: cst.Lambda) -> None:
+        self.functions.append(node)
+
+    def visit_Dict(self, node: cst.Dict) -> None:
+        self.dicts.append(node)
+
+    def bound_values(self) -> tuple[list[tuple[cst.CSTNode, str, cst.BaseExpression]],
+                                    list[tuple[cst.BaseExpression, cst.BaseExpression]]]:
+        """(binder, name, value) of each variable and attribute assigned and each parameter with a
+        default (binder as Flows.key takes it); (key, value) of each dict entry and item assignment
+        (`kwargs["device"] = ...`), dict entries first."""
+        bound: list[tuple[cst.CSTNode, str, cst.BaseExpression]] = []
+        items: list[tuple[cst.BaseExpression, cst.BaseExpression]] = []
+        for node in self.assignments:
+            targets = [t.target for t in node.targets] if isinstance(node, cst.Assign) else [node.target]
+            for target in targets:
+                if isinstance(target, cst.Name):
+                    bound.append((node, target.value, node.value))
+                elif isinstance(target, cst.Attribute):
+                    bound.append((target, target.attr.value, node.value))
+                elif isinstance(target, cst.Subscript) and len(target.slice) == 1 and \
+                        target.slice[0].comma is cst.MaybeSentinel.DEFAULT and isinstance(target.slice[0].slice, cst.Index):
+                    items.append((target.slice[0].slice.value, node.value))
+        for function in self.functions:
+            params = function.params
+            for param in (*params.posonly_params, *params.params, *params.kwonly_params):
+                if param.default is not None:
+                    bound.append((function, param.name.value, param.default))
+        keyed = [(element.key, element.value) for node in self.dicts for element in node.elements
+                 if isinstance(element, cst.DictElement)]
+        return bound, keyed + items
