@@ -18,8 +18,6 @@ from dataclasses import dataclass
 
 from npukit.migrate.model import Change, Edit, Finding, TreeFacts
 from npukit.migrate.pysource_audit import LEFT_AS_CUDA, AuditRules
-from npukit.migrate.pysource_calls import CallRules
-from npukit.migrate.pysource_devices import DeviceRules
 from npukit.migrate.pysource_model import (
     MigrationSyntaxError,
     Positions,
@@ -50,20 +48,13 @@ class PythonOutcome:
     edits: list[Edit]  # what turned the input into text (offsets into the input)
 
 
-class PythonMigrator(AuditRules, CallRules, DeviceRules, NameRules, SourceModel):
+class PythonMigrator(AuditRules, NameRules, SourceModel):
     """Analyses one module and produces non-overlapping edits plus findings."""
 
     def analyse(self, *, audit: bool = True) -> tuple[list[Edit], list[Finding]]:
         """Edits and findings; with audit, every CUDA use the edits leave is reported (not for --runtime)."""
-        self.flow_uses: set[tuple] = set()
         self._build_bindings()
         self._claim_for_codemods()
-        self._handle_calls()
-        self._handle_compares()
-        self._handle_availability_choices()
-        self._handle_assignments()
-        self._handle_strings()
-        self._handle_fstrings()
         self._run_builtin_codemods()
         edits = sorted(self.edits.values(), key=lambda e: (e.start, e.end))
         edits = drop_overlaps(edits)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ast
 import bisect
-import functools
 import re
 import warnings
 
@@ -19,8 +18,6 @@ from npukit.migrate.model import Edit, Finding, TreeFacts
 from npukit.migrate.rules import Flag
 
 _NEWLINE = re.compile(r"\r\n|\r|\n")
-
-_STRING_HEAD = re.compile(r"([A-Za-z]*)('''|\"\"\"|'|\")")
 
 _SCOPE_NODES = (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
 
@@ -287,6 +284,19 @@ class SourceModel:
             self.assigned[id(node)] = {a.arg for a in _all_args(node.args)}
         return inner
 
+    def _defining_scope(self, name: str, scope: ast.AST) -> ast.AST:
+        """The scope whose binding of `name` a read in `scope` sees (the module when none does)."""
+        current = scope
+        while current is not None:
+            if name in self.assigned.get(id(current), ()):
+                return current
+            if current is self.tree:
+                break
+            current = self.scope_of.get(id(current), self.tree)
+            while isinstance(current, ast.ClassDef):  # class bodies are not enclosing scopes for functions
+                current = self.scope_of.get(id(current), self.tree)
+        return self.tree
+
     def qualname(self, node: ast.AST) -> str | None:
         key = id(node)
         if key in self._qualname_cache:
@@ -333,69 +343,3 @@ class SourceModel:
             if isinstance(up, ast.Call) and last_name(up.func) in rules.LOG_CALLS:
                 return True
             current = up
-
-    def _rewrite_string_prefix(self, node: ast.AST, old: str, new: str, rule: str) -> bool:
-        """Rewrite the leading `old` of a string literal (plain or f-string) to `new`, keeping quotes."""
-        if id(node) in self.claimed:
-            return True
-        if old == "cuda" and self._bound_for_cuda_only_library(node):
-            return True
-        start, end = self.pos.span(node)
-        segment = self.text[start:end]
-        head = _STRING_HEAD.match(segment)
-        if head is None or not segment.startswith(old, head.end()):
-            return False
-        self.claimed.add(id(node))
-        at = start + head.end()
-        self._edit((at, at + len(old)), new, rule)
-        return True
-
-    def _bound_for_cuda_only_library(self, node: ast.AST) -> bool:
-        """A device string meant for a CUDA-only library this file imports (Isaac Gym's sim_device ...).
-
-        It is theirs, not torch's: it is kept and reported, never rewritten to "npu".
-        """
-        libraries = self.cuda_only_device_libraries
-        if not libraries:
-            return False
-        names = frozenset().union(*(rules.CUDA_ONLY_DEVICE_LIBRARIES[lib] for lib in libraries))
-        mentions = [name for name in names if name in self.text]
-
-        def carrier(name: str | None) -> str | None:  # sim_device, args.sim_device, sim_device_type ...
-            return name if name and any(known in name for known in names) else None
-
-        current, up = node, self.parent.get(id(node))
-        owner = None
-        while up is not None:
-            if isinstance(up, ast.Call) and current is not up.func:
-                qualified = self.qualname(up.func) or ""
-                if qualified.split(".")[0] in libraries:
-                    owner = qualified
-            elif isinstance(up, ast.keyword):
-                owner = owner or carrier(up.arg)
-            elif isinstance(up, ast.Compare):  # sim_device_type == "cuda"
-                owner = owner or next((carrier(last_name(side)) for side in (up.left, *up.comparators)
-                                       if side is not current and carrier(last_name(side))), None)
-            elif isinstance(up, (ast.Assign, ast.AnnAssign)):
-                targets = up.targets if isinstance(up, ast.Assign) else [up.target]
-                owner = owner or next((carrier(last_name(t)) for t in targets if carrier(last_name(t))), None)
-            elif isinstance(up, ast.Dict) and mentions:
-                owner = owner or next((m for m in mentions for k in up.values if m in (string_value(k) or "")), None)
-            if owner or isinstance(up, ast.stmt):
-                break
-            current, up = up, self.parent.get(id(up))
-        if owner is None:
-            return False
-        self.claimed.add(id(node))
-        self._flag(node, rules.Flag(
-            "cuda-only-device", "warning",
-            f"this device string goes to a CUDA-only library ({owner}, from {', '.join(sorted(libraries))}); "
-            "it was not rewritten to 'npu'", "on an NPU host run that library on the CPU (e.g. 'cpu'), or keep that "
-            "part on a CUDA host; see the cuda-only-library finding at its import"))
-        return True
-
-    @functools.cached_property
-    def cuda_only_device_libraries(self) -> frozenset[str]:
-        """The CUDA-only libraries taking device strings that this file imports (isaacgym, warp ...)."""
-        roots = {name.split(".")[0] for node in self.imports for name in imported_names(node)}
-        return frozenset(roots & set(rules.CUDA_ONLY_DEVICE_LIBRARIES))

@@ -31,14 +31,16 @@ from npukit.migrate.codemods import (
     DdpSetDevice,
     DefaultTensorType,
     DeviceModelChecks,
+    DeviceStrings,
     DistributedBackends,
     DualTargetCode,
+    IntDeviceOrdinals,
     ThirdPartyCuda,
     TorchLoadMapLocation,
     UnsupportedApis,
     UnsupportedTensorMethods,
 )
-from npukit.migrate.codemods.base import FileFacts, _OnePass, run_builtin_codemods
+from npukit.migrate.codemods.base import FACTS_KEY, FileFacts, _OnePass, run_builtin_codemods
 from npukit.migrate.codemods.cuda_methods import USER_CUDA_ATTRIBUTE, USER_CUDA_METHOD
 from npukit.migrate.model import TreeFacts
 from npukit.migrate.pysource import PythonMigrator, migrate_python
@@ -149,7 +151,7 @@ def test_findings_count_columns_in_utf8_bytes_like_every_other_finding():
 @pytest.mark.parametrize("source", [
     "examples/cuda_project/train_gpt.py",
     "npukit/migrate/codemods/environment.py",
-    "npukit/migrate/pysource_devices.py",
+    "npukit/migrate/codemods/device_strings.py",
 ])
 def test_the_codemods_positions_are_libcsts_positions(source):
     """FileFacts.span (a counting code generation) gives PositionProvider's extent for every node."""
@@ -1081,3 +1083,139 @@ def test_custom_fwd_with_a_line_break_in_its_parentheses_gets_its_device_type():
     code = "import torch\n@torch.cuda.amp.custom_fwd(  # half\n)\ndef f(x):\n    pass\n"
     assert migrate_python(code, "train.py").text == ('import torch_npu\nimport torch\n@torch.amp.custom_fwd(  # half\n'
                                                      'device_type="npu")\ndef f(x):\n    pass\n')
+
+
+class DeviceStringsCase(CodemodTest):
+    TRANSFORM = DeviceStrings
+
+    def runTest(self):  # noqa: N802 (unittest's name)
+        # device arguments, through the imports; prefix and quotes kept; templates, formats, conditionals
+        self.assertCodemod("import torch as th\nx = th.device('cuda')\ny = t.to(r\"cuda:1\")\nz = th.zeros(2, device=f'cuda:{rank}')\n"
+                           "m = th.load(f, map_location={'cuda:1': 'cuda:0'})\nw = t.to('cuda:%d' % i)\n"
+                           "v = t.to('cuda:{}'.format(i))\nu = t.to('cuda' if ok else 'cpu')\n",
+                           "import torch as th\nx = th.device('npu')\ny = t.to(r\"npu:1\")\nz = th.zeros(2, device=f'npu:{rank}')\n"
+                           "m = th.load(f, map_location={'npu:1': 'npu:0'})\nw = t.to('npu:%d' % i)\n"
+                           "v = t.to('npu:{}'.format(i))\nu = t.to('npu' if ok else 'cpu')\n")
+        # comparisons with a device, startswith, argparse, a conditional on CUDA's availability
+        self.assertCodemod("import torch\nif x.device.type == 'cuda' or args.device in ('cuda', 'cpu'):\n    pass\n"
+                           "ok = dev.startswith('cuda')\np.add_argument('--d', default='cuda', choices=['cuda', 'cpu'])\n"
+                           "name = 'cuda' if torch.cuda.is_available() else 'cpu'\n",
+                           "import torch\nif x.device.type == 'npu' or args.device in ('npu', 'cpu'):\n    pass\n"
+                           "ok = dev.startswith('npu')\np.add_argument('--d', default='npu', choices=['npu', 'cpu'])\n"
+                           "name = 'npu' if torch.cuda.is_available() else 'cpu'\n")
+        # variables: named like a device, or flowing into a device use (scopes respected); dict entries
+        self.assertCodemod("import torch\ndevice = 'cuda'\nkind = 'cuda'\nother = 'cuda'\n"
+                           "def run(where='cuda', *, dev='cuda'):\n    other = 'cpu'\n    t.to(kind)\n    t.to(where)\n"
+                           "    t.to(other)\ncfg = {'device': 'cuda'}\nkw['device_type'] = 'cuda'\nself.gpu_dev = 'cuda'\n",
+                           "import torch\ndevice = 'npu'\nkind = 'npu'\nother = 'cuda'\n"
+                           "def run(where='npu', *, dev='npu'):\n    other = 'cpu'\n    t.to(kind)\n    t.to(where)\n"
+                           "    t.to(other)\ncfg = {'device': 'npu'}\nkw['device_type'] = 'npu'\nself.gpu_dev = 'npu'\n",
+                           expected_warnings=["4:9: info device-string: 'cuda' is assigned to `other` but not seen flowing "
+                                              "into a device use (if it is a device, change it to 'npu' by hand)"])
+        # this file's own functions' device parameters; "cuda:..." texts anywhere in code
+        self.assertCodemod("def setup(model, device):\n    return model\nsetup(m, 'cuda')\nparts = ['cuda:0']\n"
+                           "where = f'cuda:{rank}'\n",
+                           "def setup(model, device):\n    return model\nsetup(m, 'npu')\nparts = ['npu:0']\n"
+                           "where = f'npu:{rank}'\n")
+        unchanged = [
+            '"""Runs on cuda."""\nimport torch\n',  # a docstring
+            "import torch\nprint('cuda:0')\nlogger.info('on %s', 'cuda')\nraise ValueError('cuda:0')\n",  # messages
+            "import torch\ntable = {'cuda:0': 1, f'cuda:{i}': 2}\n",  # dict keys
+            "import torch\nx = t.to('cu\\x64a')\n",  # escapes: left
+            "import torch\nx = t.to(b'cuda')\n",  # bytes
+            "import torch\nx = t.to('cuda' 'x')\n",  # not a device value
+            "x = t.to(0)\n",  # an ordinal: IntDeviceOrdinals'
+            "print('no device here')\n",
+        ]
+        for code in unchanged:
+            self.assertCodemod(code, code)
+
+
+def test_device_strings_as_a_libcst_codemod_test():
+    DeviceStringsCase().runTest()
+
+
+@pytest.mark.parametrize(("code", "expected"), [
+    # a bare "cuda" seen nowhere near a device use; a variable holding one that flows nowhere
+    ("import torch\nbackends = ['cuda', 'cpu']\nkind = 'cuda'\n", ["3:8 device-string", "2:13 device-string"]),
+    # a device string meant for a CUDA-only library the file imports
+    ("import torch\nfrom isaacgym import gymapi\nargs.sim_device = 'cuda:0'\n", ["3:19 cuda-only-device"]),
+    ("import torch\nimport warp as wp\nwp.zeros(3, device='cuda')\n", ["3:20 cuda-only-device"]),
+    ("import torch\nprint('cuda')\n", []),
+])
+def test_device_strings_reports_what_it_leaves(code, expected):
+    assert _warned(DeviceStrings, code) == expected
+
+
+@pytest.mark.parametrize(("code", "whole_file"), [
+    ("import torch\nx = t.to('cuda')\ny = 'cuda:0'\n", False),
+    ("import torch\ndevice = 'cuda'\ndef f():\n    t.to(device)\n", False),  # named like a device: no flow needed
+    # `kind` may flow from one statement into another's device use
+    ("import torch\nkind = 'cuda'\ndef f():\n    t.to(kind)\n", True),
+    # a device literal may be passed to a function defined in another statement
+    ("import torch\ndef setup(device):\n    pass\nsetup('cuda')\n", True),
+    ("import torch\nx = t.to(device)\n", None),  # no device literal: no parse
+    # a dict holding one is not a device value; the file's function called without one
+    ("import torch\nopts = {'a': 'cuda'}\ndef g():\n    t.to(opts)\n", False),
+    ("import torch\ndef f(model, device):\n    pass\nf(m, d)\nx = t.to('cuda')\n", False),
+    ("import torch\ndef f(model, device):\n    pass\nkind = 'cuda' if ok else 'cpu'\nf(m, kind)\n", True),
+])
+def test_device_strings_ask_for_the_whole_file_only_for_flows(code, whole_file):
+    assert _asks_for_whole_file(DeviceStrings, code) is whole_file
+
+
+@pytest.mark.parametrize(("code", "whole_file"), [
+    ("import torch\nx = t.to(rank)\ny = torch.zeros(1, device=0)\nz = torch.device(args.local_rank)\n", False),
+    ("import torch\nx = t.to(y)\nz = torch.zeros(1, device=dev)\nw = t.to(torch.float16)\n", None),
+])
+def test_int_device_ordinals_parse_only_the_statements_with_an_ordinal(code, whole_file):
+    assert _asks_for_whole_file(IntDeviceOrdinals, code) is whole_file
+
+
+def test_one_flows_fact_serves_the_device_and_backend_codemods():
+    code = ("import torch\nimport torch.distributed as dist\nkind = 'cuda'\npg = 'nccl'\nt.to(kind)\n"
+            "dist.init_process_group(pg)\n")
+    context = CodemodContext(filename="train.py")
+    edits, findings, _ = run_builtin_codemods(code, "train.py", (DeviceStrings, DistributedBackends), context=context)
+    facts = context.scratch[FACTS_KEY]
+    assert {name for _, name in facts.flows.device} == {"kind"} and {name for _, name in facts.flows.backend} == {"pg"}
+    assert sorted((e.rule, e.text) for e in edits) == [("backend-string", "'hccl'"), ("device-variable", "npu")]
+    assert findings == []
+
+
+class IntDeviceOrdinalsCase(CodemodTest):
+    TRANSFORM = IntDeviceOrdinals
+
+    def runTest(self):  # noqa: N802 (unittest's name)
+        self.assertCodemod("import torch\nx = t.to(0)\ny = t.to(args.local_rank)\nz = torch.zeros(1, device=int(r))\n"
+                           "d = torch.device(local_rank)\nm.to_empty(device=0x1)\n",
+                           "import torch\nx = t.to(\"npu:0\")\ny = t.to(f\"npu:{args.local_rank}\")\n"
+                           "z = torch.zeros(1, device=f\"npu:{int(r)}\")\nd = torch.device(\"npu\", local_rank)\n"
+                           "m.to_empty(device=\"npu:1\")\n")
+        self.assertCodemod("x = t.to(cfg['rank'])\ny = t.to(ranks[\"gpu\"].rank)\n",
+                           "x = t.to(cfg['rank'])\ny = t.to(f'npu:{ranks[\"gpu\"].rank}')\n")
+        unchanged = [
+            "import torch\nx = torch.device(0)\n",  # torch.device(0) is left: the device rules' literal
+            "import torch\nx = t.to(step)\n",  # not named like an ordinal
+            "import torch\nx = torch.ones(3).to(torch.float16)\n",  # a dtype
+            "import torch\nx = torch.load(f, map_location=0)\n",  # only device= takes an ordinal
+            "import torch\nfrom x import rank\ny = t.to(rank)\n",  # an import, not an ordinal
+            "x = t.to(a['x' + \"y\"].rank)\n",  # no quote left for an f-string
+        ]
+        for code in unchanged:
+            self.assertCodemod(code, code)
+
+
+def test_int_device_ordinals_as_a_libcst_codemod_test():
+    IntDeviceOrdinalsCase().runTest()
+
+
+@pytest.mark.parametrize("codemod", ["DeviceStrings", "IntDeviceOrdinals"])
+def test_libcsts_tool_runs_the_device_codemods(tmp_path, codemod):
+    text, warnings = _libcst_tool(tmp_path, codemod, "import torch\nkind = 'cuda'\nx = t.to(kind)\ny = t.to(0)\n"
+                                                     "z = 'cuda'\n")
+    if codemod == "DeviceStrings":
+        assert text == "import torch\nkind = 'npu'\nx = t.to(kind)\ny = t.to(0)\nz = 'cuda'\n"
+        assert "5:5: info device-string: 'cuda' is assigned to `z` but not seen flowing into a device use" in warnings
+    else:
+        assert text == "import torch\nkind = 'cuda'\nx = t.to(kind)\ny = t.to(\"npu:0\")\nz = 'cuda'\n"

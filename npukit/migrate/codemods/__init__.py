@@ -30,23 +30,25 @@ from npukit.migrate.codemods.ddp_set_device import DdpSetDevice
 from npukit.migrate.codemods.default_devices import CudaDefaultDevices
 from npukit.migrate.codemods.default_tensor_type import DefaultTensorType
 from npukit.migrate.codemods.device_model import DeviceModelChecks
+from npukit.migrate.codemods.device_strings import DeviceStrings
 from npukit.migrate.codemods.dual_target import DualTargetCode
 from npukit.migrate.codemods.environment import CudaEnvironment
 from npukit.migrate.codemods.infinite_fills import InfiniteFills
+from npukit.migrate.codemods.int_ordinals import IntDeviceOrdinals
 from npukit.migrate.codemods.third_party import ThirdPartyCuda
 from npukit.migrate.codemods.torch_load import TorchLoadMapLocation
 from npukit.migrate.codemods.unsupported_apis import UnsupportedApis
 from npukit.migrate.codemods.unsupported_methods import UnsupportedTensorMethods
 
 # The concerns ported from the ast engine so far, in the order they run (each on the original parse).
-BUILTIN_CODEMODS = (DualTargetCode, AmpUpgrade, CudaNamespace, UnsupportedApis, CudaEnvironment, CudaDefaultDevices, InfiniteFills, TorchLoadMapLocation, CustomCudaOps,
+BUILTIN_CODEMODS = (DualTargetCode, DeviceStrings, IntDeviceOrdinals, AmpUpgrade, CudaNamespace, UnsupportedApis, CudaEnvironment, CudaDefaultDevices, InfiniteFills, TorchLoadMapLocation, CustomCudaOps,
                     Bf16Autocast, DdpSetDevice, ThirdPartyCuda, DeviceModelChecks,
                     DefaultTensorType, CompileModes, UnsupportedTensorMethods, AutocastGpuDtype, CudaMethods,
                     DistributedBackends, CudaCliFlags)
 
 __all__ = ["BUILTIN_CODEMODS", "AmpUpgrade", "AutocastGpuDtype", "Bf16Autocast", "CompileModes", "CudaCliFlags", "CudaDefaultDevices", "CudaEnvironment",
-           "CudaMethods", "CudaNamespace", "CustomCudaOps", "DdpSetDevice", "DefaultTensorType", "DeviceModelChecks", "DistributedBackends", "DualTargetCode",
-           "InfiniteFills", "MigrateToNpu", "ThirdPartyCuda", "TorchLoadMapLocation", "UnsupportedApis", "UnsupportedTensorMethods"]
+           "CudaMethods", "CudaNamespace", "CustomCudaOps", "DdpSetDevice", "DefaultTensorType", "DeviceModelChecks", "DeviceStrings", "DistributedBackends", "DualTargetCode",
+           "InfiniteFills", "IntDeviceOrdinals", "MigrateToNpu", "ThirdPartyCuda", "TorchLoadMapLocation", "UnsupportedApis", "UnsupportedTensorMethods"]
 
 
 class MigrateToNpu(CodemodCommand):

@@ -11,11 +11,13 @@ import libcst.matchers as m
 from npukit.migrate import rules
 from npukit.migrate.codemods.base import NpuCodemod, split_arguments
 from npukit.migrate.codemods.device_values import (
+    ValuePlaces,
+    backend_arguments,
     backend_literal,
     backend_literals,
     device_literals,
     is_device_like,
-    variable_name,
+    source,
 )
 from npukit.migrate.codemods.strings import StringPlaces, literal_string
 from npukit.migrate.pysource_model import last_name, string_value
@@ -59,7 +61,7 @@ def _backend_arguments(model) -> list[ast.AST]:
     return found
 
 
-class DistributedBackends(StringPlaces, NpuCodemod):
+class DistributedBackends(ValuePlaces, StringPlaces, NpuCodemod):
     """"nccl" (and "cuda:nccl,cpu:gloo"-style pairs) becomes "hccl" ("npu:hccl,cpu:gloo") where it
     is a process-group backend: `init_process_group("nccl")`, any `backend=` argument, a comparison
     with an expression (`backend == "nccl"`, `x in ("nccl", "gloo")`), an argparse default or
@@ -101,39 +103,9 @@ class DistributedBackends(StringPlaces, NpuCodemod):
     def visit_Module(self, node: cst.Module) -> None:
         super().visit_Module(node)
         self.claimed: set[int] = set()  # literals rewritten (by the first rule that reaches them)
-        self.calls: list[cst.Call] = []
-        self.comparisons: list[cst.Comparison] = []
-        self.assignments: list[cst.Assign | cst.AnnAssign] = []
-        self.functions: list[cst.FunctionDef | cst.Lambda] = []
-        self.dicts: list[cst.Dict] = []
         self.strings: list[tuple[cst.BaseExpression, bool]] = []  # (literal, in message text)
         self.branch_of: dict[int, cst.IfExp] = {}  # id of a conditional's branch -> the conditional
-        self.flow_uses: set[tuple] = set()  # (scope, name) and ("attr", source) flowing into a backend
         self.attribute_sinks: list[cst.Attribute] = []
-
-    def visit_Call(self, node: cst.Call) -> None:
-        super().visit_Call(node)
-        self.calls.append(node)
-
-    def visit_Comparison(self, node: cst.Comparison) -> None:
-        self.comparisons.append(node)
-
-    def visit_Assign(self, node: cst.Assign) -> None:
-        self.assignments.append(node)
-
-    def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
-        if node.value is not None:
-            self.assignments.append(node)
-
-    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
-        super().visit_FunctionDef(node)
-        self.functions.append(node)
-
-    def visit_Lambda(self, node: cst.Lambda) -> None:
-        self.functions.append(node)
-
-    def visit_Dict(self, node: cst.Dict) -> None:
-        self.dicts.append(node)
 
     def visit_IfExp(self, node: cst.IfExp) -> None:
         self.branch_of[id(node.body)] = self.branch_of[id(node.orelse)] = node
@@ -169,27 +141,19 @@ class DistributedBackends(StringPlaces, NpuCodemod):
                 self.flag(node, UNPLACED_BACKEND,
                           reason=f"'{value}' is not in a recognised backend position and was left unchanged")
         for sink in self.attribute_sinks:
-            start, end = self.facts.span(sink)
-            self.flag(sink, BACKEND_FROM, reason=f"the process-group backend comes from {self.facts.positions.text[start:end]}")
+            self.flag(sink, BACKEND_FROM, reason=f"the process-group backend comes from {source(sink, self.facts)}")
         return updated_node
 
     def _call(self, call: cst.Call) -> None:
         positional, keywords = split_arguments(call)
-        qualified = self.facts.qualname(call.func)
         method = call.func.attr.value if isinstance(call.func, cst.Attribute) else None
-        # the backend argument: backend= of any call, init_process_group's first
-        values = [arg.value for arg in keywords if arg.keyword is not None and arg.keyword.value == "backend"]
-        is_init = ((qualified or "").rsplit(".", 1)[-1] or method) == "init_process_group"
-        if is_init and positional and not positional[0].star:
-            values.append(positional[0].value)
+        values, is_init = backend_arguments(call, self.facts)
         for value in values:
             literals = backend_literals(value)
             for literal in literals:
                 self._rewrite(literal, "backend-string")
-            if not literals and variable_name(value) is not None:
-                self._note_flow_use(value)
-                if is_init and isinstance(value, cst.Attribute) and self.facts.qualname(value) is None:
-                    self.attribute_sinks.append(value)
+            if is_init and not literals and isinstance(value, cst.Attribute) and self.facts.qualname(value) is None:
+                self.attribute_sinks.append(value)
         if method == "add_argument":
             for arg in keywords:
                 name = arg.keyword.value if arg.keyword is not None else None
@@ -231,54 +195,19 @@ class DistributedBackends(StringPlaces, NpuCodemod):
     def _assignments(self) -> None:
         """Variables and attributes holding a backend string: rewritten when named like a backend or
         seen flowing into a backend argument; dict entries keyed like a backend."""
-        candidates: list[tuple[cst.CSTNode, str, cst.BaseExpression]] = []  # (binder, name, value)
-        keyed: list[tuple[cst.BaseExpression, cst.BaseExpression]] = []  # (key, value)
-        for node in self.assignments:
-            targets = [t.target for t in node.targets] if isinstance(node, cst.Assign) else [node.target]
-            for target in targets:
-                if isinstance(target, cst.Name):
-                    candidates.append((node, target.value, node.value))
-                elif isinstance(target, cst.Attribute):
-                    candidates.append((target, target.attr.value, node.value))
-                elif isinstance(target, cst.Subscript) and len(target.slice) == 1 and \
-                        target.slice[0].comma is cst.MaybeSentinel.DEFAULT and isinstance(target.slice[0].slice, cst.Index):
-                    keyed.append((target.slice[0].slice.value, node.value))  # kwargs["backend"] = "nccl"
-        for function in self.functions:
-            params = function.params
-            for param in (*params.posonly_params, *params.params, *params.kwonly_params):
-                if param.default is not None:
-                    candidates.append((function, param.name.value, param.default))
-        for binder, name, value in candidates:
+        bound, keyed = self.bound_values()
+        for binder, name, value in bound:
             literals = backend_literals(value)
             if not literals or device_literals(value, self.facts):
                 continue  # a device value ("cuda" if x else "nccl"): the device rules' business
-            if "backend" in name.lower() or self.flow_uses and self._flow_key(binder, name) in self.flow_uses:
+            if "backend" in name.lower() or self.facts.flows.key(binder, name) in self.facts.flows.backend:
                 for literal in literals:
                     self._rewrite(literal, "backend-string")
-        keyed = [(element.key, element.value) for node in self.dicts for element in node.elements
-                 if isinstance(element, cst.DictElement)] + keyed
-        for key, value in keyed:
+        for key, value in keyed:  # {"backend": "nccl"}, kwargs["dist_backend"] = "nccl"
             key_text = literal_string(key)
             if key_text is not None and "device" not in key_text.lower() and "backend" in key_text.lower():
                 for literal in backend_literals(value):
                     self._rewrite(literal, "backend-string")
-
-    def _flow_key(self, binder: cst.CSTNode, name: str) -> tuple:
-        """What _note_flow_use notes for a variable bound by an assignment or a parameter of a
-        function, or for an attribute assigned."""
-        if isinstance(binder, cst.Attribute):
-            return "attr", self._source(binder)
-        if isinstance(binder, (cst.Assign, cst.AnnAssign)):
-            scopes = self.facts.scopes
-            return scopes.scope_of.get(binder, scopes.module), name
-        return binder, name
-
-    def _note_flow_use(self, expr: cst.BaseExpression) -> None:
-        if isinstance(expr, cst.Name) and expr.value not in self.facts.bindings:
-            scopes = self.facts.scopes
-            self.flow_uses.add((scopes.defining_scope(expr.value, scopes.scope_of.get(expr, scopes.module)), expr.value))
-        elif isinstance(expr, cst.Attribute) and self.facts.qualname(expr) is None:
-            self.flow_uses.add(("attr", self._source(expr)))
 
     def _chosen_by_cuda_test(self, node: cst.BaseExpression) -> bool:
         """A branch of a conditional expression whose test calls torch.cuda.is_available() (nested
@@ -302,8 +231,3 @@ class DistributedBackends(StringPlaces, NpuCodemod):
         self.claimed.add(id(literal))
         new = re.sub(r"\bnccl\b", "hccl", re.sub(r"\bcuda\b", "npu", value))
         self.replace_with_text(literal, f"{literal.prefix}{literal.quote}{new}{literal.quote}", rule)
-
-    def _source(self, node: cst.CSTNode) -> str:
-        start, end = self.facts.span(node)
-        return self.facts.positions.text[start:end]
-

@@ -8,8 +8,8 @@ methods look at nodes and say what they change and what they leave, through the 
   codemod returns the module with its edits applied);
 - `flag(node, Flag)` records a finding at file:line:col (and, under libcst's tool, prints a warning
   `line:col: severity kind: reason (suggestion)`).
-The per-file facts several codemods need (text, positions, the import table) are computed once and
-kept in `context.scratch` (`FileFacts`), so the codemods run on one parse, in one read-only pass.
+The per-file facts several codemods need (text, positions, the import table, scopes, device and backend
+flows) are computed once and kept in `context.scratch` (`FileFacts`), so the codemods run on one parse, in one read-only pass.
 
 A codemod declares `FILES_CONTAINING` (words one of which a file must contain for it to concern the
 codemod) and its `candidates(model)` in the file's `ast` model: the other files are not parsed by
@@ -129,6 +129,20 @@ class FileFacts:
         from npukit.migrate.codemods.cuda_namespace import ImportRetargets
 
         return ImportRetargets(self)
+
+    @functools.cached_property
+    def flows(self):
+        """Which variables and attributes flow into device uses and backend arguments (device_values.Flows)."""
+        from npukit.migrate.codemods.device_values import Flows
+
+        return Flows(self)
+
+    @functools.cached_property
+    def local_signatures(self) -> dict[str, list[str]]:
+        """This file's functions' positional parameters by name (device_values.local_signatures)."""
+        from npukit.migrate.codemods.device_values import local_signatures
+
+        return local_signatures(self)
 
     @functools.cached_property
     def _reads(self) -> set[int]:

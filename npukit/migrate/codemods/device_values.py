@@ -7,7 +7,7 @@ import ast
 import libcst as cst
 
 from npukit.migrate import rules
-from npukit.migrate.codemods.base import FileFacts, called_name, split_arguments
+from npukit.migrate.codemods.base import FileFacts, _children, called_name, split_arguments
 from npukit.migrate.codemods.strings import literal_string
 from npukit.migrate.pysource_model import string_value
 
@@ -44,7 +44,10 @@ def _formatted_device(expr: cst.FormattedString | cst.ConcatenatedString, facts:
     """An f-string (or adjacent literals holding one) that is "cuda" or "cuda:" and placeholders
     only: its parts as Python joins them (ast's JoinedStr), from the literal's own text."""
     start, end = facts.span(expr)
-    joined = ast.parse(f"({facts.positions.text[start:end]})", mode="eval").body
+    text = facts.positions.text[start:end]
+    if "cuda" not in text:  # (spelled with escapes it could not be rewritten anyway)
+        return False
+    joined = ast.parse(f"({text})", mode="eval").body
     if not isinstance(joined, ast.JoinedStr) or not joined.values:
         return False
     first = string_value(joined.values[0])
@@ -90,3 +93,185 @@ def variable_name(expr: cst.BaseExpression) -> str | None:
     if isinstance(expr, cst.Attribute):
         return expr.attr.value
     return None
+
+
+def is_int_ordinal(expr: cst.BaseExpression, facts: FileFacts) -> bool:
+    """An int that names a device ordinal where a device is expected: `0`, `int(x)`, `local_rank`,
+    `args.gpu` (a name of rules.INT_ORDINAL_NAMES that is not an import)."""
+    if isinstance(expr, cst.Integer):
+        return True
+    if isinstance(expr, cst.Call) and isinstance(expr.func, cst.Name) and expr.func.value == "int":
+        return True
+    name = variable_name(expr)
+    return name is not None and name in rules.INT_ORDINAL_NAMES and facts.qualname(expr) is None
+
+
+def device_positions(call: cst.Call, facts: FileFacts) -> list[tuple[cst.BaseExpression, bool]]:
+    """The arguments of a call that are devices, each with whether an int ordinal may stand there:
+    keywords named like a device (`device=`, `map_location=`, `device_type=` ...), the first argument
+    of torch.device, torch.autocast ... (rules.DEVICE_FIRST_ARG) and of a value's `.to()` /
+    `.to_empty()`, torch.load's second, and the arguments of this file's own functions whose parameter
+    is named like a device (FileFacts.local_signatures)."""
+    positional, keywords = split_arguments(call)
+    positions = [(arg.value, arg.keyword.value == "device") for arg in keywords
+                 if arg.keyword is not None and rules.DEVICE_KEYWORD.match(arg.keyword.value)]
+    if positional and not positional[0].star:
+        qualified = facts.qualname(call.func)
+        if qualified in rules.DEVICE_FIRST_ARG:
+            positions.append((positional[0].value, False))
+        elif qualified is None and isinstance(call.func, cst.Attribute) and \
+                call.func.attr.value in rules.DEVICE_FIRST_ARG_METHODS:
+            positions.append((positional[0].value, True))
+        elif qualified == rules.TORCH_LOAD and len(positional) >= 2:
+            positions.append((positional[1].value, False))
+    if isinstance(call.func, cst.Name) and call.func.value not in facts.bindings:
+        params = facts.local_signatures.get(call.func.value, [])
+        positions += [(arg.value, False) for arg, param in zip(positional, params)
+                      if not arg.star and "device" in param.lower()]
+    return positions
+
+
+def local_signatures(facts: FileFacts) -> dict[str, list[str]]:
+    """The positional parameters of this file's functions by name; a name defined twice with
+    different parameters is ambiguous: none."""
+    signatures: dict[str, list[str]] = {}
+    stack: list[cst.CSTNode] = [facts.module]
+    while stack:  # statements only: no function is defined inside an expression
+        node = stack.pop()
+        if isinstance(node, cst.FunctionDef):
+            params = [param.name.value for param in (*node.params.posonly_params, *node.params.params)]
+            if signatures.setdefault(node.name.value, params) != params:
+                signatures[node.name.value] = []
+        stack.extend(child for child in _children(node) if not isinstance(child, _NOT_HOLDING_STATEMENTS))
+    return signatures
+
+
+_NOT_HOLDING_STATEMENTS = (cst.BaseExpression, cst.SimpleStatementLine, cst.BaseSmallStatement, cst.Parameters,
+                           cst.Decorator, cst.Name)
+
+
+class Flows:
+    """Which variables and attributes of a file flow into a device use and which into a
+    process-group backend argument, a fact the device and backend codemods share (FileFacts.flows).
+
+    A use is a name or attribute standing in a device position (device_positions; an int ordinal
+    where one may stand is an ordinal, not a flow) or a backend one (backend_arguments). It is keyed
+    by the scope that binds the name (or the attribute's source text), as `key` keys a binding:
+    `device = "cuda"` ... `x.to(device)` is a flow when both keys meet."""
+
+    def __init__(self, facts: FileFacts) -> None:
+        self.facts = facts
+        self.device: set[tuple] = set()
+        self.backend: set[tuple] = set()
+        stack: list[cst.CSTNode] = [facts.module]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, cst.Call):
+                for expr, ints_allowed in device_positions(node, facts):
+                    if not (ints_allowed and is_int_ordinal(expr, facts)):
+                        self._note(self.device, expr)
+                for expr in backend_arguments(node, facts)[0]:
+                    if not backend_literals(expr) and variable_name(expr) is not None:
+                        self._note(self.backend, expr)
+            stack.extend(_children(node))
+
+    def _note(self, uses: set[tuple], expr: cst.BaseExpression) -> None:
+        facts = self.facts
+        if isinstance(expr, cst.Name) and expr.value not in facts.bindings:
+            scopes = facts.scopes
+            uses.add((scopes.defining_scope(expr.value, scopes.scope_of.get(expr, scopes.module)), expr.value))
+        elif isinstance(expr, cst.Attribute) and facts.qualname(expr) is None:
+            uses.add(("attr", source(expr, facts)))
+
+    def key(self, binder: cst.CSTNode, name: str) -> tuple:
+        """The key of a binding: an attribute assigned (binder: the Attribute), a variable assigned
+        (binder: the Assign / AnnAssign) or a parameter with a default (binder: its function)."""
+        if isinstance(binder, cst.Attribute):
+            return "attr", source(binder, self.facts)
+        if isinstance(binder, (cst.Assign, cst.AnnAssign)):
+            scopes = self.facts.scopes
+            return scopes.scope_of.get(binder, scopes.module), name
+        return binder, name
+
+
+def backend_arguments(call: cst.Call, facts: FileFacts) -> tuple[list[cst.BaseExpression], bool]:
+    """(the backend arguments of a call: `backend=` of any call, init_process_group's first; whether
+    it is init_process_group)."""
+    positional, keywords = split_arguments(call)
+    qualified = facts.qualname(call.func)
+    method = call.func.attr.value if isinstance(call.func, cst.Attribute) else None
+    values = [arg.value for arg in keywords if arg.keyword is not None and arg.keyword.value == "backend"]
+    is_init = ((qualified or "").rsplit(".", 1)[-1] or method) == "init_process_group"
+    if is_init and positional and not positional[0].star:
+        values.append(positional[0].value)
+    return values, is_init
+
+
+def source(node: cst.CSTNode, facts: FileFacts) -> str:
+    """The node's source text."""
+    start, end = facts.span(node)
+    return facts.positions.text[start:end]
+
+
+class ValuePlaces:
+    """visit_ methods noting where a module's values are used and bound, for a codemod that decides
+    on its whole window in leave_Module (mixed in before StringPlaces): `calls`, `comparisons`,
+    `assignments` (with a value), `functions` (defs and lambdas: their defaults) and `dicts`."""
+
+    def visit_Module(self, node: cst.Module) -> None:
+        super().visit_Module(node)
+        self.calls: list[cst.Call] = []
+        self.comparisons: list[cst.Comparison] = []
+        self.assignments: list[cst.Assign | cst.AnnAssign] = []
+        self.functions: list[cst.FunctionDef | cst.Lambda] = []
+        self.dicts: list[cst.Dict] = []
+
+    def visit_Call(self, node: cst.Call) -> None:
+        super().visit_Call(node)
+        self.calls.append(node)
+
+    def visit_Comparison(self, node: cst.Comparison) -> None:
+        self.comparisons.append(node)
+
+    def visit_Assign(self, node: cst.Assign) -> None:
+        self.assignments.append(node)
+
+    def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
+        if node.value is not None:
+            self.assignments.append(node)
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        super().visit_FunctionDef(node)
+        self.functions.append(node)
+
+    def visit_Lambda(self, node: cst.Lambda) -> None:
+        self.functions.append(node)
+
+    def visit_Dict(self, node: cst.Dict) -> None:
+        self.dicts.append(node)
+
+    def bound_values(self) -> tuple[list[tuple[cst.CSTNode, str, cst.BaseExpression]],
+                                    list[tuple[cst.BaseExpression, cst.BaseExpression]]]:
+        """(binder, name, value) of each variable and attribute assigned and each parameter with a
+        default (binder as Flows.key takes it); (key, value) of each dict entry and item assignment
+        (`kwargs["device"] = ...`), dict entries first."""
+        bound: list[tuple[cst.CSTNode, str, cst.BaseExpression]] = []
+        items: list[tuple[cst.BaseExpression, cst.BaseExpression]] = []
+        for node in self.assignments:
+            targets = [t.target for t in node.targets] if isinstance(node, cst.Assign) else [node.target]
+            for target in targets:
+                if isinstance(target, cst.Name):
+                    bound.append((node, target.value, node.value))
+                elif isinstance(target, cst.Attribute):
+                    bound.append((target, target.attr.value, node.value))
+                elif isinstance(target, cst.Subscript) and len(target.slice) == 1 and \
+                        target.slice[0].comma is cst.MaybeSentinel.DEFAULT and isinstance(target.slice[0].slice, cst.Index):
+                    items.append((target.slice[0].slice.value, node.value))
+        for function in self.functions:
+            params = function.params
+            for param in (*params.posonly_params, *params.params, *params.kwonly_params):
+                if param.default is not None:
+                    bound.append((function, param.name.value, param.default))
+        keyed = [(element.key, element.value) for node in self.dicts for element in node.elements
+                 if isinstance(element, cst.DictElement)]
+        return bound, keyed + items
