@@ -16,7 +16,6 @@ import dataclasses
 from dataclasses import dataclass
 
 from npukit.migrate.model import Change, Edit, Finding, TreeFacts
-from npukit.migrate.pysource_audit import LEFT_AS_CUDA, AuditRules
 from npukit.migrate.pysource_calls import CallRules
 from npukit.migrate.pysource_devices import DeviceRules
 from npukit.migrate.pysource_model import (
@@ -49,7 +48,7 @@ class PythonOutcome:
     edits: list[Edit]  # what turned the input into text (offsets into the input)
 
 
-class PythonMigrator(AuditRules, CallRules, DeviceRules, NameRules, SourceModel):
+class PythonMigrator(CallRules, DeviceRules, NameRules, SourceModel):
     """Analyses one module and produces non-overlapping edits plus findings."""
 
     def analyse(self, *, audit: bool = True) -> tuple[list[Edit], list[Finding]]:
@@ -63,12 +62,10 @@ class PythonMigrator(AuditRules, CallRules, DeviceRules, NameRules, SourceModel)
         self._handle_assignments()
         self._handle_strings()
         self._handle_fstrings()
-        self._run_builtin_codemods()
+        scratch = self._run_builtin_codemods()
         edits = sorted(self.edits.values(), key=lambda e: (e.start, e.end))
         edits = drop_overlaps(edits)
-        edits = self._keep_mixed_conditions_whole(edits)
-        if audit:
-            self.audit_leftovers(edits)
+        edits = self._audit(scratch, edits, leftovers=audit)
         findings = sorted(self.findings.values(), key=lambda f: (f.line, f.col, f.kind))
         return edits, findings
 
@@ -80,17 +77,17 @@ class PythonMigrator(AuditRules, CallRules, DeviceRules, NameRules, SourceModel)
             if codemod.concerns(self.text):
                 self.claimed.update(id(node) for node in codemod.claims(self))
 
-    def _run_builtin_codemods(self) -> None:
+    def _run_builtin_codemods(self) -> dict:
         """The concerns already ported to libcst codemods (npukit.migrate.codemods), on the same text:
-        their edits join the others before conditions and the audit; no edit (of either engine) is
-        kept inside the spans the codemods freeze.
+        their edits join the others before the audit; no edit (of either engine) is kept inside the
+        spans the codemods freeze. Returns the codemod context's scratch (what the audit collected).
         libcst parses only the top-level statements that hold a candidate of a codemod (its parse
-        costs ~10x ast's), unless one of them needs the whole file."""
+        costs ~10x ast's), unless one of them needs the whole file. The audit (CudaLeftovers) runs
+        wherever another codemod runs too: it keeps the conditions around their findings whole."""
         from libcst.codemod import CodemodContext
 
-        from npukit.migrate.codemods import BUILTIN_CODEMODS
+        from npukit.migrate.codemods import BUILTIN_CODEMODS, CudaLeftovers
         from npukit.migrate.codemods.base import run_builtin_codemods
-        from npukit.migrate.codemods.cuda_namespace import RETARGETED_KEY
 
         concerned, candidates, whole_file = [], [], False
         for codemod in BUILTIN_CODEMODS:
@@ -100,12 +97,13 @@ class PythonMigrator(AuditRules, CallRules, DeviceRules, NameRules, SourceModel)
                 candidates += found
                 whole_file = whole_file or codemod.WHOLE_FILE or any(node is self.tree for node in found)
         if not concerned:
-            return
+            return {}
+        if CudaLeftovers not in concerned:
+            concerned.append(CudaLeftovers)
         windows = None if whole_file else self._statement_windows(candidates)
         context = CodemodContext(filename=self.path)
         edits, findings, frozen = run_builtin_codemods(self.text, self.path, tuple(concerned), self.facts,
                                                        windows=windows, bindings=self.bindings, context=context)
-        self.rebound = context.scratch.get(RETARGETED_KEY, {})  # the audit's: names now bound to NPU modules
         if frozen:  # dual-target code: what the ast rules wrote there goes
             self.frozen.extend(frozen)
             self.edits = {span: edit for span, edit in self.edits.items()
@@ -113,20 +111,18 @@ class PythonMigrator(AuditRules, CallRules, DeviceRules, NameRules, SourceModel)
         for edit in edits:
             self._edit((edit.start, edit.end), edit.text, edit.rule, needs_torch_npu=edit.needs_torch_npu)
         for finding in findings:
-            key = (finding.line, finding.col - 1, finding.kind)
-            if key not in self.findings:
-                self.findings[key] = finding
-                if finding.kind in LEFT_AS_CUDA:  # the condition around it is kept whole
-                    self.flag_nodes.append((finding.kind, self._node_starting_at(finding.line, finding.col - 1)))
+            self.findings.setdefault((finding.line, finding.col - 1, finding.kind), finding)
+        return context.scratch
 
-    def _node_starting_at(self, line: int, col_offset: int) -> ast.AST:
-        """An ast node starting where a codemod's finding is (for the conditions around it): an
-        attribute, a call, a name or an import statement."""
-        for node in (*self.attributes, *self.calls, *(name for names in self.loads.values() for name in names),
-                     *self.imports):
-            if node.lineno == line and node.col_offset == col_offset:
-                return node
-        raise LookupError(f"{self.path}:{line}:{col_offset + 1}: no attribute, call, name or import starts here")
+    def _audit(self, scratch: dict, edits: list[Edit], *, leftovers: bool) -> list[Edit]:
+        """The audit of the composed edits (codemods.leftovers.audit): conditions kept whole, and with
+        leftovers every CUDA use they leave reported."""
+        from npukit.migrate.codemods.leftovers import audit
+
+        edits, findings = audit(scratch, edits, list(self.findings.values()), self.frozen, leftovers=leftovers)
+        for finding in findings:
+            self.findings.setdefault((finding.line, finding.col - 1, finding.kind), finding)
+        return edits
 
     def _statement_windows(self, nodes: list[ast.AST]) -> list[tuple[int, int]]:
         """(start, end) offsets of the runs of whole lines holding the top-level statements that
