@@ -98,6 +98,14 @@ def is_cuda_named(qualified: str | None) -> bool:
         any(_CUDA_SEGMENT.search(part) for part in qualified.split(".")[1:])
 
 
+def _ast_chain(model, node: ast.AST) -> ast.AST:
+    """The outermost name chain of the file's `ast` model that node is part of."""
+    up = model.parent.get(id(node))
+    while isinstance(up, ast.Attribute) and up.value is node:
+        node, up = up, model.parent.get(id(up))
+    return node
+
+
 @dataclass
 class _Use:
     kind: int
@@ -132,9 +140,10 @@ class CudaLeftovers(BindingTargets, StringPlaces, NpuCodemod):
     def candidates(cls, model) -> list:
         """The CUDA uses of the file's `ast` model, by the audit's own tests short of where a string is
         (text or code): the top-level statements holding them are the ones to audit."""
-        found = [node for node in model.attributes if node.attr in ("cuda", "is_cuda") or _CUDA_SEGMENT.search(node.attr)]
+        found = [node for node in model.attributes if node.attr in ("cuda", "is_cuda") or (
+            _CUDA_SEGMENT.search(node.attr) and is_cuda_named(model.qualname(_ast_chain(model, node))))]
         found += [use for name, uses in model.loads.items() if _CUDA_SEGMENT.search(model.bindings.get(name, ""))
-                  for use in uses]
+                  for use in uses if is_cuda_named(model.qualname(_ast_chain(model, use)))]
         found += [node for node in model.strings if id(node) not in model.docstrings and is_cuda_string(node.value)]
         found += [node for node in model.fstrings if node.values and is_cuda_fstring_start(string_value(node.values[0]))]
         found += [call for call in model.calls if last_name(call.func) in _CUDA_DEFAULTING_NAMES]
