@@ -124,9 +124,10 @@ class _Audit:
     path: str
     positions: Positions
     uses: list[_Use]
-    conditions: list[tuple[int, int]]  # outermost-first candidates: boolean operations and `not`
-    conditional_tests: list[tuple[int, int]]  # the tests of `a if test else b`
-    statement_tests: list[tuple[int, int]]  # the tests of if / elif / while / assert
+    # (FileFacts, node): their spans are only needed around a LEFT_AS_CUDA finding
+    conditions: list[tuple[object, cst.CSTNode]]  # boolean operations and `not`
+    conditional_tests: list[tuple[object, cst.CSTNode]]  # the tests of `a if test else b`
+    statement_tests: list[tuple[object, cst.CSTNode]]  # the tests of if / elif / while / assert
 
 
 class CudaLeftovers(BindingTargets, StringPlaces, NpuCodemod):
@@ -174,12 +175,13 @@ class CudaLeftovers(BindingTargets, StringPlaces, NpuCodemod):
             state = self.context.scratch[AUDIT_KEY] = _Audit(facts.path, facts.positions, [], [], [], [])
         self.state = state
         self.inner: set[int] = set()  # attributes' values: not the outermost part of a name chain
+        self.not_read: set[int] = set()  # attributes' and keywords' names (the cheap part of FileFacts.is_read)
         self.called: set[int] = set()  # the callees of calls
         self.targets: set[int] = set()  # attributes assigned or deleted
         self.parts: set[int] = set()  # the literals of an implicit concatenation
         self.import_depth = 0
         self.message_depth = 0  # inside a print/log/warning call, a raise, or a help=/msg= ... argument
-        self.assert_message: tuple[int, int] | None = None
+        self.assert_message: cst.BaseExpression | None = None
 
     def _bind(self, target: cst.CSTNode, deleted: bool) -> None:
         self.targets.update(id(node) for node in assigned_targets(target) if isinstance(node, cst.Attribute))
@@ -197,7 +199,8 @@ class CudaLeftovers(BindingTargets, StringPlaces, NpuCodemod):
         if self.assert_message is None:
             return False
         start, end = self.facts.span(node)
-        return self.assert_message[0] <= start and end <= self.assert_message[1]
+        message = self.facts.span(self.assert_message)
+        return message[0] <= start and end <= message[1]
 
     def visit_Import(self, node: cst.Import) -> None:
         self.import_depth += 1
@@ -249,6 +252,7 @@ class CudaLeftovers(BindingTargets, StringPlaces, NpuCodemod):
         return super().leave_Raise(original_node, updated_node)
 
     def visit_Arg(self, node: cst.Arg) -> None:
+        self.not_read.add(id(node.keyword))
         if node.keyword is not None and node.keyword.value in _TEXT_KEYWORDS:
             self.message_depth += 1
 
@@ -259,32 +263,33 @@ class CudaLeftovers(BindingTargets, StringPlaces, NpuCodemod):
 
     # ------------------------------------------------------------------ conditions
     def visit_Assert(self, node: cst.Assert) -> None:
-        self.state.statement_tests.append(self.facts.span(node.test))
-        self.assert_message = self.facts.span(node.msg) if node.msg is not None else None
+        self.state.statement_tests.append((self.facts, node.test))
+        self.assert_message = node.msg
 
     def leave_Assert(self, original_node: cst.Assert, updated_node: cst.Assert) -> cst.Assert:
         self.assert_message = None
         return updated_node
 
     def visit_If(self, node: cst.If) -> None:
-        self.state.statement_tests.append(self.facts.span(node.test))
+        self.state.statement_tests.append((self.facts, node.test))
 
     def visit_While(self, node: cst.While) -> None:
-        self.state.statement_tests.append(self.facts.span(node.test))
+        self.state.statement_tests.append((self.facts, node.test))
 
     def visit_IfExp(self, node: cst.IfExp) -> None:
-        self.state.conditional_tests.append(self.facts.span(node.test))
+        self.state.conditional_tests.append((self.facts, node.test))
 
     def visit_BooleanOperation(self, node: cst.BooleanOperation) -> None:
-        self.state.conditions.append(self.facts.span(node))
+        self.state.conditions.append((self.facts, node))
 
     def visit_UnaryOperation(self, node: cst.UnaryOperation) -> None:
         if isinstance(node.operator, cst.Not):
-            self.state.conditions.append(self.facts.span(node))
+            self.state.conditions.append((self.facts, node))
 
     # ------------------------------------------------------------------ names
     def visit_Attribute(self, node: cst.Attribute) -> None:
         self.inner.add(id(node.value))
+        self.not_read.add(id(node.attr))
         if self.import_depth:
             return
         attr = node.attr.value
@@ -298,7 +303,7 @@ class CudaLeftovers(BindingTargets, StringPlaces, NpuCodemod):
             self._chain(node)
 
     def visit_Name(self, node: cst.Name) -> None:
-        if not self.import_depth and id(node) not in self.inner and \
+        if not self.import_depth and id(node) not in self.inner and id(node) not in self.not_read and \
                 _CUDA_SEGMENT.search(self.facts.bindings.get(node.value, "")) and self.facts.is_read(node):
             self._chain(node)
 
@@ -350,20 +355,31 @@ class CudaLeftovers(BindingTargets, StringPlaces, NpuCodemod):
     def _string(self, node: cst.SimpleString | cst.ConcatenatedString) -> None:
         if id(node) in self._not_code:
             return
-        text = self._text(node)
-        if "\\" not in text and not _MAYBE_CUDA_STRING.search(text):
-            return  # (the value is spelled in the text)
+        if isinstance(node, cst.SimpleString) and "\\" not in node.value and not _MAYBE_CUDA_STRING.search(node.value):
+            return  # (the value is spelled in the literal)
         value = literal_string(node)
         if value is not None and is_cuda_string(value) and not self._is_message(node):
-            self._use(_STRING, node, self.facts.span(node), f"the string {text}")
+            self._use(_STRING, node, self.facts.span(node), f"the string {self._text(node)}")
 
     def _fstring(self, node: cst.BaseExpression) -> None:
+        literals = [part.value for part in _string_parts(node) if isinstance(part, (cst.SimpleString, cst.FormattedStringText))]
+        if not any("\\" in text or "cuda" in text or "nvidia-smi" in text for text in literals):
+            return  # (no literal of it could start it with those)
         text = self._text(node)
-        if "\\" not in text and "cuda" not in text and "nvidia-smi" not in text:
-            return
         values = ast.parse(f"(\n{text}\n)", mode="eval").body.values  # the literal text it starts with, as Python reads it
         if values and is_cuda_fstring_start(string_value(values[0])) and not self._is_message(node):
             self._use(_FSTRING, node, self.facts.span(node), f"the string {text}")
+
+
+def _string_parts(node: cst.BaseExpression):
+    """The literals of a (concatenated) f-string and the pieces of its f-strings."""
+    if isinstance(node, cst.ConcatenatedString):
+        yield from _string_parts(node.left)
+        yield from _string_parts(node.right)
+    elif isinstance(node, cst.FormattedString):
+        yield from node.parts
+    else:
+        yield node
 
 
 def cuda_uses(code: str, path: str = "<module>") -> list[tuple[int, str]]:
@@ -386,10 +402,14 @@ def audit(scratch: dict, edits: list[Edit], findings: list[Finding], frozen: lis
     new: list[Finding] = []
     keys = {(f.line, f.col, f.kind) for f in findings}
     kept_spans: list[tuple[int, int]] = []
+    spans = None
     for finding in findings:
         if finding.kind not in LEFT_AS_CUDA:
             continue
-        span = _condition_around(state, state.positions.offset(finding.line, finding.col - 1))
+        if spans is None:
+            spans = [[facts.span(node) for facts, node in nodes]
+                     for nodes in (state.conditions, state.conditional_tests, state.statement_tests)]
+        span = _condition_around(spans, state.positions.offset(finding.line, finding.col - 1))
         if span is None or span in kept_spans or not any(span[0] <= e.start and e.end <= span[1] for e in edits):
             continue
         kept_spans.append(span)
@@ -404,12 +424,12 @@ def audit(scratch: dict, edits: list[Edit], findings: list[Finding], frozen: lis
     return edits, new
 
 
-def _condition_around(state: _Audit, at: int) -> tuple[int, int] | None:
+def _condition_around(spans: list[list[tuple[int, int]]], at: int) -> tuple[int, int] | None:
     """The span of the condition holding the node that starts at `at`: the outermost boolean
     operation or `not` holding it, else the test of a conditional expression, else the test of the
     if / while / assert statement, within its statement."""
-    for spans, pick in ((state.conditions, max), (state.conditional_tests, min), (state.statement_tests, min)):
-        holding = [span for span in spans if span[0] <= at < span[1]]
+    for found, pick in zip(spans, (max, min, min)):
+        holding = [span for span in found if span[0] <= at < span[1]]
         if holding:
             return pick(holding, key=lambda span: span[1] - span[0])
     return None
