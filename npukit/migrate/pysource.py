@@ -17,7 +17,6 @@ import re
 from dataclasses import dataclass
 
 from npukit.migrate.model import Change, Edit, Finding, TreeFacts
-from npukit.migrate.pysource_audit import LEFT_AS_CUDA, AuditRules
 from npukit.migrate.pysource_model import (
     MigrationSyntaxError,
     Positions,
@@ -48,19 +47,17 @@ class PythonOutcome:
     edits: list[Edit]  # what turned the input into text (offsets into the input)
 
 
-class PythonMigrator(AuditRules, NameRules, SourceModel):
+class PythonMigrator(NameRules, SourceModel):
     """Analyses one module and produces non-overlapping edits plus findings."""
 
     def analyse(self, *, audit: bool = True) -> tuple[list[Edit], list[Finding]]:
         """Edits and findings; with audit, every CUDA use the edits leave is reported (not for --runtime)."""
         self._build_bindings()
         self._claim_for_codemods()
-        self._run_builtin_codemods()
+        scratch = self._run_builtin_codemods()
         edits = sorted(self.edits.values(), key=lambda e: (e.start, e.end))
         edits = drop_overlaps(edits)
-        edits = self._keep_mixed_conditions_whole(edits)
-        if audit:
-            self.audit_leftovers(edits)
+        edits = self._audit(scratch, edits, leftovers=audit)
         findings = sorted(self.findings.values(), key=lambda f: (f.line, f.col, f.kind))
         return edits, findings
 
@@ -73,17 +70,18 @@ class PythonMigrator(AuditRules, NameRules, SourceModel):
         for codemod in self.concerned_codemods:
             self.claimed.update(id(node) for node in codemod.claims(self))
 
-    def _run_builtin_codemods(self) -> None:
+    def _run_builtin_codemods(self) -> dict:
         """The concerns already ported to libcst codemods (npukit.migrate.codemods), on the same text:
-        their edits join the others before conditions and the audit; no edit (of either engine) is
-        kept inside the spans the codemods freeze.
+        their edits join the others before the audit; no edit (of either engine) is kept inside the
+        spans the codemods freeze. Returns the codemod context's scratch (what the audit collected).
         libcst parses only the statements that hold a candidate of a codemod, with the context the
         codemod asks for (its parse costs ~10x ast's: `windows`), unless one of them needs the whole
-        file."""
+        file. The audit (CudaLeftovers) runs in every window too: it keeps the conditions around the
+        other codemods' findings whole."""
         from libcst.codemod import CodemodContext
 
+        from npukit.migrate.codemods import CudaLeftovers
         from npukit.migrate.codemods.base import run_builtin_codemods
-        from npukit.migrate.codemods.cuda_namespace import RETARGETED_KEY
 
         concerned, candidates, whole_file = [], [], False
         for codemod in self.concerned_codemods:
@@ -93,12 +91,16 @@ class PythonMigrator(AuditRules, NameRules, SourceModel):
                 candidates.append((codemod, found))
                 whole_file = whole_file or codemod.WHOLE_FILE or any(node is self.tree for node in found)
         if not concerned:
-            return
-        windows = None if whole_file else self.windows(candidates)
+            return {}
+        if CudaLeftovers not in concerned:
+            concerned.append(CudaLeftovers)
+        windows = None
+        if not whole_file:
+            windows = [window._replace(codemods=(*window.codemods, CudaLeftovers))
+                       if CudaLeftovers not in window.codemods else window for window in self.windows(candidates)]
         context = CodemodContext(filename=self.path)
         edits, findings, frozen = run_builtin_codemods(self.text, self.path, tuple(concerned), self.facts,
                                                        windows=windows, bindings=self.bindings, context=context)
-        self.rebound = context.scratch.get(RETARGETED_KEY, {})  # the audit's: names now bound to NPU modules
         if frozen:  # dual-target code: what the ast rules wrote there goes
             self.frozen.extend(frozen)
             self.edits = {span: edit for span, edit in self.edits.items()
@@ -106,20 +108,18 @@ class PythonMigrator(AuditRules, NameRules, SourceModel):
         for edit in edits:
             self._edit((edit.start, edit.end), edit.text, edit.rule, needs_torch_npu=edit.needs_torch_npu)
         for finding in findings:
-            key = (finding.line, finding.col - 1, finding.kind)
-            if key not in self.findings:
-                self.findings[key] = finding
-                if finding.kind in LEFT_AS_CUDA:  # the condition around it is kept whole
-                    self.flag_nodes.append((finding.kind, self._node_starting_at(finding.line, finding.col - 1)))
+            self.findings.setdefault((finding.line, finding.col - 1, finding.kind), finding)
+        return context.scratch
 
-    def _node_starting_at(self, line: int, col_offset: int) -> ast.AST:
-        """An ast node starting where a codemod's finding is (for the conditions around it): an
-        attribute, a call, a name or an import statement."""
-        for node in (*self.attributes, *self.calls, *(name for names in self.loads.values() for name in names),
-                     *self.imports):
-            if node.lineno == line and node.col_offset == col_offset:
-                return node
-        raise LookupError(f"{self.path}:{line}:{col_offset + 1}: no attribute, call, name or import starts here")
+    def _audit(self, scratch: dict, edits: list[Edit], *, leftovers: bool) -> list[Edit]:
+        """The audit of the composed edits (codemods.leftovers.audit): conditions kept whole, and with
+        leftovers every CUDA use they leave reported."""
+        from npukit.migrate.codemods.leftovers import audit
+
+        edits, findings = audit(scratch, edits, list(self.findings.values()), self.frozen, leftovers=leftovers)
+        for finding in findings:
+            self.findings.setdefault((finding.line, finding.col - 1, finding.kind), finding)
+        return edits
 
     def windows(self, found: list[tuple[type, list[ast.AST]]]) -> list:
         """The windows libcst parses for the codemods' candidates ((codemod, its candidates) pairs):

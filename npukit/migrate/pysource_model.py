@@ -171,8 +171,6 @@ class SourceModel:
         self.findings: dict[tuple[int, int, str], Finding] = {}
         self.claimed: set[int] = set()  # ids of nodes a specific rule has dealt with
         self.frozen: list[tuple[int, int]] = []  # spans never edited (the CUDA branch of dual-target code)
-        self.reported_spans: list[tuple[int, int]] = []  # spans left as they were with one finding for all
-        self.flag_nodes: list[tuple[str, ast.AST]] = []  # (kind, node) of each finding
         self._qualname_cache: dict[int, str | None] = {}
         self._binding_site_cache: dict[tuple[str, int], list[tuple[int, bool]]] = {}
         self._collect()
@@ -327,7 +325,6 @@ class SourceModel:
         key = (node.lineno, node.col_offset, flag.kind)
         if key in self.findings:
             return
-        self.flag_nodes.append((flag.kind, node))
         self.findings[key] = Finding(
             path=self.path, line=node.lineno, col=node.col_offset + 1, kind=flag.kind, severity=flag.severity,
             code=self.pos.line_text(node.lineno).strip(), reason=reason or flag.reason, suggestion=flag.suggestion,

@@ -50,8 +50,6 @@ class NameRules:
         if "torch" not in self.bindings and "torch" not in self.assigned[id(self.tree)]:
             self.bindings["torch"] = "torch"
         self.torch_alias = next((name for name, q in self.bindings.items() if q == "torch"), None)
-        # alias -> expression-space target for aliases whose import is rewritten (CudaNamespace tells)
-        self.rebound: dict[str, str] = {}
 
     def cuda_method_use(self, node: ast.Attribute) -> bool:
         """`.cuda` / `.is_cuda` on a value (a tensor, a module, an object of the user's), not an attribute

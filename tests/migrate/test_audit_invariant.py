@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from npukit.migrate.pysource import PythonMigrator, migrate_python, remap_findings
+from npukit.migrate.codemods.leftovers import cuda_uses
+from npukit.migrate.pysource import migrate_python, remap_findings
 from tests.migrate.test_python_rules import REWRITES, UNCHANGED
 from tests.migrate.test_real_code_classes import CASES as CLASS_CASES
 from tests.migrate.test_tricky_cases import CASES as TRICKY_CASES
@@ -39,9 +40,7 @@ def _migrated(source: str):
 @pytest.mark.parametrize("case_id, source", SOURCES, ids=[s[0] for s in SOURCES])
 def test_every_cuda_use_left_in_the_output_is_reported(case_id: str, source: str) -> None:
     text, reported = _migrated(source)
-    reader = PythonMigrator(text, "case.py")  # the output, read afresh
-    reader._build_bindings()
-    left = [(node.lineno, what) for node, _, what in reader._cuda_uses()]
+    left = cuda_uses(text, "case.py")  # the output, read afresh
     silent = [(line, what) for line, what in left if line not in reported]
     assert not silent, f"{case_id}: silent CUDA uses in the output: {silent}\n{text}"
 
@@ -68,9 +67,7 @@ def test_token_scan_finds_no_unreported_cuda_call_or_literal(case_id: str, sourc
 def test_the_checks_can_fail() -> None:
     """A silent leftover is seen by both checks (the audit switched off)."""
     text = "import torch\nimport helpers\nhelpers.cuda()\nx = 'cuda'\n"
-    reader = PythonMigrator(text, "case.py")
-    reader._build_bindings()
-    assert {node.lineno for node, _, _ in reader._cuda_uses()} == {3, 4}
+    assert {line for line, _ in cuda_uses(text, "case.py")} == {3, 4}
     tokens = [t.string for t in tokenize.generate_tokens(io.StringIO(text).readline)]
     assert "cuda" in tokens and "'cuda'" in tokens
 

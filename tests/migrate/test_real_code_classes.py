@@ -1,7 +1,7 @@
 """Classes of migration mistakes found on open-source repositories, as minimal reproductions.
 
 Each case is (input, expected output, expected finding kinds): what the rewrite must produce, and
-what must be reported so that nothing CUDA is left silently (the audit of pysource_audit.py).
+what must be reported so that nothing CUDA is left silently (the audit: codemods/leftovers.py).
 """
 
 from __future__ import annotations

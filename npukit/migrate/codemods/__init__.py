@@ -35,6 +35,7 @@ from npukit.migrate.codemods.dual_target import DualTargetCode
 from npukit.migrate.codemods.environment import CudaEnvironment
 from npukit.migrate.codemods.infinite_fills import InfiniteFills
 from npukit.migrate.codemods.int_ordinals import IntDeviceOrdinals
+from npukit.migrate.codemods.leftovers import CudaLeftovers
 from npukit.migrate.codemods.third_party import ThirdPartyCuda
 from npukit.migrate.codemods.torch_load import TorchLoadMapLocation
 from npukit.migrate.codemods.unsupported_apis import UnsupportedApis
@@ -44,9 +45,9 @@ from npukit.migrate.codemods.unsupported_methods import UnsupportedTensorMethods
 BUILTIN_CODEMODS = (DualTargetCode, DeviceStrings, IntDeviceOrdinals, AmpUpgrade, CudaNamespace, UnsupportedApis, CudaEnvironment, CudaDefaultDevices, InfiniteFills, TorchLoadMapLocation, CustomCudaOps,
                     Bf16Autocast, DdpSetDevice, ThirdPartyCuda, DeviceModelChecks,
                     DefaultTensorType, CompileModes, UnsupportedTensorMethods, AutocastGpuDtype, CudaMethods,
-                    DistributedBackends, CudaCliFlags)
+                    DistributedBackends, CudaCliFlags, CudaLeftovers)
 
-__all__ = ["BUILTIN_CODEMODS", "AmpUpgrade", "AutocastGpuDtype", "Bf16Autocast", "CompileModes", "CudaCliFlags", "CudaDefaultDevices", "CudaEnvironment",
+__all__ = ["BUILTIN_CODEMODS", "AmpUpgrade", "AutocastGpuDtype", "Bf16Autocast", "CompileModes", "CudaCliFlags", "CudaDefaultDevices", "CudaEnvironment", "CudaLeftovers",
            "CudaMethods", "CudaNamespace", "CustomCudaOps", "DdpSetDevice", "DefaultTensorType", "DeviceModelChecks", "DeviceStrings", "DistributedBackends", "DualTargetCode",
            "InfiniteFills", "IntDeviceOrdinals", "MigrateToNpu", "ThirdPartyCuda", "TorchLoadMapLocation", "UnsupportedApis", "UnsupportedTensorMethods"]
 

@@ -10,11 +10,11 @@ from npukit.migrate import rules
 from npukit.migrate.codemods.base import NpuCodemod, keyword_names, split_arguments
 
 
-def lacks_device_argument(call: cst.Call, qualified: str) -> bool:
+def lacks_device_argument(call: cst.Call, qualified: str, *, starred_may_give_it: bool = True) -> bool:
     """rules.lacks_device_argument for a libcst call."""
     positional, keywords = split_arguments(call)
     return rules.lacks_device_argument(qualified, len(positional), any(arg.star == "*" for arg in positional),
-                                       keyword_names(keywords))
+                                       keyword_names(keywords), starred_may_give_it=starred_may_give_it)
 
 
 class CudaDefaultDevices(NpuCodemod):
