@@ -1,11 +1,12 @@
-"""CUDA -> NPU rewrite of one Python source, decided on its syntax tree.
+"""CUDA -> NPU rewrite of one Python source: the built-in libcst codemods, composed.
 
-The tree comes from the stdlib `ast` parser (C speed) and every rewrite is a replacement of the
-exact source span of one node, so everything outside the edited nodes - comments, formatting,
-quotes, line endings - stays byte-for-byte. Names are resolved through a per-file alias table
-built from the file's imports (`import torch as th`, `from torch import cuda`, ...); there is no
-whole-program analysis. Device strings are rewritten only where they are device uses: a device
-parameter, a comparison with a device expression, or a variable that flows into one.
+The rules are libcst codemods (npukit.migrate.codemods), the audit of what they leave too
+(CudaLeftovers). This module screens the file with the stdlib `ast` parser (C speed, ~10x cheaper
+than libcst's): which codemods a file concerns, the nodes they could act on and so the windows of
+the file libcst parses; then it composes the codemods' edits (each the replacement of one node's
+exact span, so everything else - comments, formatting, quotes, line endings - stays byte-for-byte),
+runs the audit, inserts `import torch_npu` and checks that the result parses. Names are resolved
+through a per-file alias table built from the file's imports; there is no whole-program analysis.
 """
 
 from __future__ import annotations
@@ -53,7 +54,6 @@ class PythonMigrator(NameRules, SourceModel):
     def analyse(self, *, audit: bool = True) -> tuple[list[Edit], list[Finding]]:
         """Edits and findings; with audit, every CUDA use the edits leave is reported (not for --runtime)."""
         self._build_bindings()
-        self._claim_for_codemods()
         scratch = self._run_builtin_codemods()
         edits = sorted(self.edits.values(), key=lambda e: (e.start, e.end))
         edits = drop_overlaps(edits)
@@ -61,30 +61,22 @@ class PythonMigrator(NameRules, SourceModel):
         findings = sorted(self.findings.values(), key=lambda f: (f.line, f.col, f.kind))
         return edits, findings
 
-    def _claim_for_codemods(self) -> None:
-        """The nodes the ported codemods deal with wholly are claimed: the ast rules leave them."""
-        from npukit.migrate.codemods import BUILTIN_CODEMODS
-
-        # the text pre-filter, once per file (a codemod's words are looked for in all of the text)
-        self.concerned_codemods = [codemod for codemod in BUILTIN_CODEMODS if codemod.concerns(self.text)]
-        for codemod in self.concerned_codemods:
-            self.claimed.update(id(node) for node in codemod.claims(self))
-
     def _run_builtin_codemods(self) -> dict:
-        """The concerns already ported to libcst codemods (npukit.migrate.codemods), on the same text:
-        their edits join the others before the audit; no edit (of either engine) is kept inside the
-        spans the codemods freeze. Returns the codemod context's scratch (what the audit collected).
+        """The built-in libcst codemods (npukit.migrate.codemods) on this file: their edits, composed,
+        go to the audit; no edit is kept inside the spans they freeze. Returns the codemod context's
+        scratch (what the audit collected).
         libcst parses only the statements that hold a candidate of a codemod, with the context the
         codemod asks for (its parse costs ~10x ast's: `windows`), unless one of them needs the whole
         file. The audit (CudaLeftovers) runs in every window too: it keeps the conditions around the
         other codemods' findings whole."""
         from libcst.codemod import CodemodContext
 
-        from npukit.migrate.codemods import CudaLeftovers
+        from npukit.migrate.codemods import BUILTIN_CODEMODS, CudaLeftovers
         from npukit.migrate.codemods.base import run_builtin_codemods
 
         concerned, candidates, whole_file = [], [], False
-        for codemod in self.concerned_codemods:
+        # the text pre-filter, once per file (a codemod's words are looked for in all of the text)
+        for codemod in (codemod for codemod in BUILTIN_CODEMODS if codemod.concerns(self.text)):
             found = codemod.candidates(self)
             if found:
                 concerned.append(codemod)

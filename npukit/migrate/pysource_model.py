@@ -1,9 +1,9 @@
-"""The parsed view of one Python source that every rewrite rule works on.
+"""The `ast` screen of one Python source, from which the codemods' candidates are chosen.
 
 `SourceModel` parses the text with the stdlib `ast` parser (C speed), collects in one pass the nodes
-the rules look at (calls, attributes, strings, comparisons, assignments, imports, scopes), and offers
-the two primitives every rule uses: `_edit` (replace one node's exact source span, so everything
-else stays byte-for-byte) and `_flag` (report something with file:line:col, reason and suggestion).
+the codemods' `candidates()` look at (calls, attributes, strings, comparisons, assignments, imports,
+scopes) and composes the edits the codemods record (`_edit`: one node's exact source span replaced,
+so everything else stays byte-for-byte).
 """
 
 from __future__ import annotations
@@ -13,9 +13,7 @@ import bisect
 import re
 import warnings
 
-from npukit.migrate import rules
 from npukit.migrate.model import Edit, Finding, TreeFacts
-from npukit.migrate.rules import Flag
 
 _NEWLINE = re.compile(r"\r\n|\r|\n")
 
@@ -169,7 +167,6 @@ class SourceModel:
         self.tree = parse_python(text, path)
         self.edits: dict[tuple[int, int], Edit] = {}
         self.findings: dict[tuple[int, int, str], Finding] = {}
-        self.claimed: set[int] = set()  # ids of nodes a specific rule has dealt with
         self.frozen: list[tuple[int, int]] = []  # spans never edited (the CUDA branch of dual-target code)
         self._qualname_cache: dict[int, str | None] = {}
         self._binding_site_cache: dict[tuple[str, int], list[tuple[int, bool]]] = {}
@@ -320,23 +317,3 @@ class SourceModel:
         line = bisect.bisect_right(self.pos.line_starts, start)
         col = start - self.pos.line_starts[line - 1] + 1  # where the replaced text itself starts
         self.edits.setdefault((start, end), Edit(start, end, text, rule, line, col, needs_torch_npu))
-
-    def _flag(self, node: ast.AST, flag: Flag, *, reason: str | None = None, end_line: int | None = None) -> None:
-        key = (node.lineno, node.col_offset, flag.kind)
-        if key in self.findings:
-            return
-        self.findings[key] = Finding(
-            path=self.path, line=node.lineno, col=node.col_offset + 1, kind=flag.kind, severity=flag.severity,
-            code=self.pos.line_text(node.lineno).strip(), reason=reason or flag.reason, suggestion=flag.suggestion,
-            end_line=end_line if end_line is not None and end_line > node.lineno else None,
-        )
-
-    def _in_log_call(self, node: ast.AST) -> bool:
-        current = node
-        while True:
-            up = self.parent.get(id(current))
-            if up is None or isinstance(up, ast.stmt):
-                return isinstance(up, ast.Raise)
-            if isinstance(up, ast.Call) and last_name(up.func) in rules.LOG_CALLS:
-                return True
-            current = up

@@ -398,12 +398,6 @@ class NpuCodemod(VisitorBasedCodemodCommand):
         WHOLE_FILE codemod). A necessary condition only: the codemod itself decides."""
         return [model.tree]
 
-    @classmethod
-    def claims(cls, model) -> list:
-        """Inside npu-migrate, while some rules still run on `ast`: the nodes of the file's `ast` model
-        this codemod deals with wholly, which those rules must leave alone (neither rename nor report)."""
-        return []
-
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
         """Under libcst's own tool: the module with this codemod's edits applied (the bytes
         npu-migrate writes for them)."""

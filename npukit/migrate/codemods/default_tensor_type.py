@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 import re
 
 import libcst as cst
@@ -10,7 +9,7 @@ import libcst as cst
 from npukit.migrate import rules
 from npukit.migrate.codemods.base import NpuCodemod, called_name
 from npukit.migrate.codemods.strings import literal_string
-from npukit.migrate.pysource_model import newline_of, string_value
+from npukit.migrate.pysource_model import newline_of
 from npukit.migrate.rules import Flag
 
 _CUDA_TENSOR_TYPE = re.compile(r"torch\.cuda\.(Float|Half|BFloat16|Double)Tensor")
@@ -43,20 +42,6 @@ class DefaultTensorType(NpuCodemod):
         legacy = model.facts.cuda_default_tensor_type or "set_default_tensor_type" in model.text
         return [call for call in model.calls if model.qualname(call.func) == _SET_DEFAULT or (
             legacy and model.qualname(call.func) in rules.LEGACY_CONSTRUCTORS and (call.args or call.keywords))]
-
-    @classmethod
-    def claims(cls, model) -> list:
-        """The tensor types of the calls it rewrites: no other rule renames or reports them."""
-        claimed = []
-        for call in model.calls:
-            if model.qualname(call.func) == _SET_DEFAULT and len(call.args) == 1 and not call.keywords:
-                arg = call.args[0]
-                statement = model.parent.get(id(call))
-                if default_dtype(model.qualname(arg) or string_value(arg)) and isinstance(statement, ast.Expr) and \
-                        model.torch_alias is not None and model.text[model.pos.line_starts[statement.lineno - 1]:
-                                                                     model.pos.span(statement)[0]].strip() == "":
-                    claimed.append(arg)
-        return claimed
 
     def visit_Expr(self, node: cst.Expr) -> None:
         call = node.value
