@@ -955,6 +955,9 @@ class AmpUpgradeCase(CodemodTest):
                            "@torch.cuda.amp.custom_bwd\ndef g(x):\n    pass\n",
                            'import torch\n@torch.amp.custom_fwd(cast_inputs=torch.float32, device_type="npu")\n'
                            'def f(x):\n    pass\n@torch.amp.custom_bwd(device_type="npu")\ndef g(x):\n    pass\n')
+        # torch.cuda.amp.GradScaler has no device: values unpacked into it come after the NPU
+        self.assertCodemod("import torch\ns = torch.cuda.amp.GradScaler(*options)\n",
+                           'import torch\ns = torch.amp.GradScaler("npu", *options)\n')
         unchanged = [
             'import torch\nwith torch.amp.autocast("npu"):\n    pass\n',
             "import torch\ns = torch.amp.GradScaler\n",
@@ -962,10 +965,23 @@ class AmpUpgradeCase(CodemodTest):
         ]
         for code in unchanged:
             self.assertCodemod(code, code)
+        # autocast(*args): the unpacked values cannot be given their names; reported, not rewritten
+        # (it became `enabled=*args`, which does not parse: an internal error, the file left alone)
+        code = "import torch\nwith torch.cuda.amp.autocast(*args):\n    pass\n"
+        self.assertCodemod(code, code, expected_warnings=[
+            "2:6: warning amp-upgrade: autocast's arguments are unpacked from a sequence (`*args`): torch.amp.autocast "
+            "takes the device first and dtype before enabled, so the call was left as it is (pass them by name: "
+            'torch.amp.autocast("npu", enabled=..., dtype=..., cache_enabled=...))'])
 
 
 def test_amp_upgrade_as_a_libcst_codemod_test():
     AmpUpgradeCase().runTest()
+
+
+def test_a_grad_scaler_imported_from_torch_cuda_amp_gets_the_npu_before_unpacked_arguments():
+    """It became `GradScaler(*options)` of torch.amp, whose first parameter is the device."""
+    outcome = migrate_python("from torch.cuda.amp import GradScaler\ns = GradScaler(*options)\n", "train.py")
+    assert outcome.text == 'import torch_npu\nfrom torch.amp import GradScaler\ns = GradScaler("npu", *options)\n'
 
 
 @pytest.mark.parametrize(("code", "expected"), [

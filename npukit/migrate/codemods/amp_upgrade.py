@@ -9,6 +9,7 @@ import libcst as cst
 from npukit.migrate import rules
 from npukit.migrate.codemods.base import NpuCodemod, split_arguments
 from npukit.migrate.codemods.cuda_namespace import PLAIN_DECORATORS
+from npukit.migrate.rules import Flag
 
 _AMP = "torch.cuda.amp."
 
@@ -76,15 +77,25 @@ class AmpUpgrade(NpuCodemod):
         if isinstance(root, cst.Name) and root.value in self.facts.retargets.rebound and not upgraded:
             return  # imported from torch_npu.npu.amp, whose defaults are already the NPU
         self.claim(node.func)
+        positional = split_arguments(node)[0][:len(rules.CUDA_AUTOCAST_POSITIONAL)]
+        if member == "autocast" and any(arg.star == "*" for arg in positional):
+            # autocast(*args): torch.amp.autocast takes the device first and (dtype, enabled) in the
+            # other order, so the unpacked values cannot be moved to their names
+            self.flag(node, Flag("amp-upgrade", "warning",
+                                 "autocast's arguments are unpacked from a sequence (`*args`): torch.amp.autocast "
+                                 "takes the device first and dtype before enabled, so the call was left as it is",
+                                 "pass them by name: torch.amp.autocast(\"npu\", enabled=..., dtype=..., "
+                                 "cache_enabled=...)"))
+            return
         if not upgraded and not self.rewrite_name(node.func, "torch.amp." + member, "amp-upgrade"):
             return
         if member == "autocast":
-            for index, arg in enumerate(split_arguments(node)[0][:len(rules.CUDA_AUTOCAST_POSITIONAL)]):
+            for index, arg in enumerate(positional):
                 start, end = self.facts.span(arg.value)
                 self.replace_with_text(arg.value, f"{rules.CUDA_AUTOCAST_POSITIONAL[index]}={self.facts.positions.text[start:end]}",
                                        "amp-upgrade")
             self.insert_first_argument(node, '"npu"', "amp-upgrade")
-        elif member == "GradScaler":
-            self.insert_first_argument(node, '"npu"', "amp-upgrade")
+        elif member == "GradScaler":  # torch.cuda.amp.GradScaler has no device: *args start after it
+            self.insert_first_argument(node, '"npu"', "amp-upgrade", before_unpacked=True)
         else:  # custom_fwd / custom_bwd used as @decorator(...)
             self.append_keyword(node, 'device_type="npu"', "amp-upgrade")

@@ -418,11 +418,13 @@ class NpuCodemod(VisitorBasedCodemodCommand):
         line, col = self.facts.line_col(start)
         self.context.scratch.setdefault(EDITS_KEY, []).append(Edit(start, end, text, rule, line, col, needs_torch_npu))
 
-    def insert_first_argument(self, call: cst.Call, text: str, rule: str, *, needs_torch_npu: bool = True) -> None:
-        """`f(...)` -> `f(text, ...)`; nothing when the first argument is `*args` (it may be the one)."""
+    def insert_first_argument(self, call: cst.Call, text: str, rule: str, *, needs_torch_npu: bool = True,
+                              before_unpacked: bool = False) -> None:
+        """`f(...)` -> `f(text, ...)`; nothing when the first argument is `*args` (it may be the one),
+        unless before_unpacked (the call being rewritten had no such parameter)."""
         positional, keywords = split_arguments(call)
         if positional:
-            if positional[0].star:
+            if positional[0].star and not before_unpacked:
                 return
             at = self.facts.span(positional[0])[0]
             self._record(at, at, f"{text}, ", rule, needs_torch_npu)
