@@ -8,6 +8,7 @@ echo/printf lines and anything that is not a command or a config value.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import json
 import re
 
@@ -260,6 +261,7 @@ def migrate_notebook(text: str, path: str, *, runtime: bool = False, lines_after
     sources = ["".join(c.get("source", "")) if isinstance(c.get("source"), list) else c.get("source", "") for _, c in code_cells]
     python_parts: list[str] = []
     shell_lines: list[tuple[int, int, str]] = []  # (cell position, line index, text)
+    written_files: list[tuple[int, str]] = []  # (cell position, name) of `%%writefile name.py` cells
     for position, source in enumerate(sources):
         lines = source.split("\n")
         first = lines[0].strip() if lines else ""
@@ -272,7 +274,9 @@ def migrate_notebook(text: str, path: str, *, runtime: bool = False, lines_after
             if whole_cell_shell or continued or stripped.startswith(("!", "%")) or (index == 0 and first.startswith("%%")):
                 if index or not first.startswith("%%") or whole_cell_shell:
                     shell_lines.append((position, index, line))
-                if continued:  # a comment, so its own indentation does not matter to Python
+                if continued or first.startswith("%%"):
+                    # a comment: its indentation does not matter to Python, and `import torch_npu`
+                    # goes below it (above a cell magic, the cell would fail: "%%time not found")
                     out_lines.append("#" * len(line))
                 else:
                     out_lines.append(indent + _neutral(len(stripped)) if stripped else line)
@@ -282,7 +286,10 @@ def migrate_notebook(text: str, path: str, *, runtime: bool = False, lines_after
             else:
                 out_lines.append(line)
         if first.startswith("%%") and not whole_cell_shell and not first.startswith(_CELL_PYTHON_MAGICS):
-            out_lines = [_neutral(len(line)) if line.strip() else line for line in out_lines]
+            out_lines = ["#" * len(line) for line in out_lines]  # not Python of this notebook
+            target = first.split(maxsplit=1)[1].strip() if first.startswith("%%writefile") and " " in first else ""
+            if target.split()[-1:] and target.split()[-1].endswith(".py"):
+                written_files.append((position, target.split()[-1]))
         python_parts.append("\n".join(out_lines))
     combined = "\n".join(python_parts)
     outcome = migrate_python(combined, path, runtime=runtime, entry_point=True,  # a notebook is run directly
@@ -325,12 +332,36 @@ def migrate_notebook(text: str, path: str, *, runtime: bool = False, lines_after
         cell_number = code_cells[position][0] + 1
         changes += [_relabel_change(c, cell_number) for c in cell_changes]
         findings += [_relabel_finding(f, cell_number) for f in cell_findings]
+    for position, name in written_files:  # a script the notebook writes: migrated as the module it is
+        changes_of, findings_of = _migrate_written_file(new_sources, position, name, path, runtime, lines_after, codemods)
+        cell_number = code_cells[position][0] + 1
+        changes += [_relabel_change(c, cell_number) for c in changes_of]
+        findings += [_relabel_finding(f, cell_number) for f in findings_of]
     if new_sources == sources:
         return text, [], findings
     for (_, cell), old, new in zip(code_cells, sources, new_sources):
         if old != new:
             cell["source"] = new.splitlines(keepends=True) if isinstance(cell.get("source"), list) else new
     return _dump_notebook(notebook, text), changes, findings
+
+
+def _migrate_written_file(sources: list[str], position: int, name: str, path: str, runtime: bool, lines_after: bool,
+                          codemods: tuple) -> tuple[list[Change], list[Finding]]:
+    """`%%writefile name.py` + a script: the script is migrated on its own (its lines count from the
+    cell's second line); sources[position] is replaced by the result."""
+    magic, _, script = sources[position].partition("\n")
+    try:
+        outcome = migrate_python(script, path, runtime=runtime, entry_point=True, codemods=codemods)
+    except MigrationSyntaxError as exc:
+        return [], [Finding(path, 2, 1, "unparsable", "error", magic, f"the script {name} it writes {exc}",
+                            "fix its syntax, then migrate again")]
+    changes, findings = outcome.changes, outcome.findings
+    if lines_after:
+        changes = remap_changes(changes, outcome.edits, outcome.text)
+        findings = remap_findings(findings, script, outcome.edits)
+    sources[position] = f"{magic}\n{outcome.text}"
+    shift = [dataclasses.replace(item, line=item.line + 1) for item in (*changes, *findings)]
+    return shift[:len(changes)], shift[len(changes):]
 
 
 def _edits_across_cells(edits, parts: list[str]) -> list:

@@ -162,6 +162,41 @@ def test_notebook_runtime_mode_imports_transfer_to_npu_in_the_first_code_cell() 
     assert cells[1]["source"][3] == "x = torch.zeros(1).cuda()"
 
 
+@pytest.mark.parametrize("cells, expected", [
+    # a Python cell magic first: the import goes below it (above, IPython says "Line magic function
+    # %%time not found" and the cell fails)
+    ([["%%time\n", "import torch\n", "x = torch.zeros(1).cuda()"]],
+     [["%%time\n", "import torch_npu\n", "import torch\n", "x = torch.zeros(1).npu()"]]),
+    # a cell that is not Python of the notebook (shell, a magic's own language) is no place for it
+    ([["%%capture\n", "!pip install diffusers"], ["import torch\n", "x = torch.zeros(1).cuda()"]],
+     [["%%capture\n", "!pip install diffusers"], ["import torch_npu\n", "import torch\n", "x = torch.zeros(1).npu()"]]),
+    ([["%%bash\n", "echo ready"], ["import torch\n", "x = torch.zeros(1).cuda()"]],
+     [["%%bash\n", "echo ready"], ["import torch_npu\n", "import torch\n", "x = torch.zeros(1).npu()"]]),
+    ([["%%html\n", "<b>cuda</b>"], ["import torch\n", "x = torch.zeros(1).cuda()"]],
+     [["%%html\n", "<b>cuda</b>"], ["import torch_npu\n", "import torch\n", "x = torch.zeros(1).npu()"]]),
+])
+def test_notebook_cell_magics_keep_the_first_line_of_their_cell(cells, expected) -> None:
+    text, _changes, _findings = migrate_notebook(_notebook(*(("code", cell) for cell in cells)), "nb.ipynb")
+    assert [cell["source"] for cell in json.loads(text)["cells"]] == expected
+    assert migrate_notebook(text, "nb.ipynb")[0] == text
+
+
+def test_a_script_the_notebook_writes_is_migrated_as_its_own_module() -> None:
+    """`%%writefile train.py`: its CUDA uses were neither rewritten nor reported (and a second run,
+    with the import inserted above the magic, rewrote them)."""
+    source = _notebook(("code", ["%%writefile train.py\n", "import torch\n", "x = torch.zeros(1).cuda()\n",
+                                 "major = torch.cuda.get_device_capability()[0]\n"]),
+                       ("code", ["!python train.py"]))
+    text, changes, findings = migrate_notebook(source, "nb.ipynb")
+    cells = json.loads(text)["cells"]
+    assert cells[0]["source"] == ["%%writefile train.py\n", "import torch_npu\n", "import torch\n",
+                                  "x = torch.zeros(1).npu()\n", "major = torch.cuda.get_device_capability()[0]\n"]
+    assert [(c.line, c.rule) for c in changes] == [(2, "import-torch-npu"), (3, "cuda-method")]
+    assert [(f.line, f.kind) for f in findings] == [(4, "device-capability")]
+    assert findings[0].reason.startswith("[cell 1] ")
+    assert migrate_notebook(text, "nb.ipynb")[0] == text
+
+
 def test_conda_environment_packages_are_flagged() -> None:
     source = ("name: train\nchannels: [pytorch, nvidia]\ndependencies:\n  - python=3.10\n  - pytorch-cuda=12.1\n"
               "  - nvidia::cuda-toolkit\n  - pip:\n    - flash-attn==2.5.0\n    - numpy\n")
