@@ -153,11 +153,15 @@ def markdown(run: MigrationRun) -> str:
     lines += ["", f"## Effort estimate (rough): {e['items_needing_a_human']} items, {effort_text(e)}", "",
               f"_{e['note']}_", "", "| kind | severity | items | minutes |", "|---|---|---:|---:|"]
     lines += [f"| {kind} | {v['severity']} | {v['items']} | {v['minutes']} |" for kind, v in e["by_kind"].items()]
-    lines += ["", "## Items needing a human", "", "| where | severity | kind | code | reason | suggestion |",
-              "|---|---|---|---|---|---|"]
-    for f in sorted(run.findings, key=lambda f: (SEVERITIES.index(f.severity), f.path, f.line)):
-        if f.severity != "info":
-            lines.append(f"| {f.path}:{f.line}:{f.col} | {f.severity} | {f.kind} | `{_md(f.code)}` | {_md(f.reason)} | {_md(f.suggestion)} |")
+    needing = [f for f in sorted(run.findings, key=lambda f: (SEVERITIES.index(f.severity), f.path, f.line))
+               if f.severity != "info"]
+    lines += ["", "## Items needing a human", ""]
+    if needing:
+        lines += ["| where | severity | kind | code | reason | suggestion |", "|---|---|---|---|---|---|"]
+        lines += [f"| {f.path}:{f.line}:{f.col} | {f.severity} | {f.kind} | `{_md(f.code)}` | {_md(f.reason)} | {_md(f.suggestion)} |"
+                  for f in needing]
+    else:
+        lines.append("None.")
     info = [f for f in run.findings if f.severity == "info"]
     if info:
         lines += ["", f"## For information ({len(info)})", ""]

@@ -91,6 +91,16 @@ def test_markdown(reports: tuple[Path, Path]) -> None:
     assert "## Effort estimate" in text
 
 
+def test_markdown_with_nothing_for_a_human_says_so(tmp_path: Path) -> None:
+    """An empty table's header was printed alone (facebookresearch/mae: all findings info)."""
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "train.py").write_text("import torch\nx = torch.zeros(1).cuda()\ntorch.backends.cudnn.benchmark = True\n")
+    write_reports(run_migration(MigrateOptions(target=source, dry_run=True)), tmp_path / "report")
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "## Items needing a human\n\nNone.\n" in text and "| where | severity |" not in text
+
+
 @dataclass
 class CliResult:
     returncode: int
