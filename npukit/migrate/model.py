@@ -82,3 +82,5 @@ class TreeFacts:
     # a file makes a CUDA tensor type the default (set_default_tensor_type(torch.cuda.HalfTensor)):
     # legacy constructors anywhere in the tree made CUDA tensors
     cuda_default_tensor_type: bool = False
+    # module name -> path of the tree's files that call set_device (a helper that selects the device)
+    set_device_modules: tuple[tuple[str, str], ...] = ()

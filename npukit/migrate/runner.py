@@ -211,11 +211,11 @@ def _usable_cores() -> int:
 def _gather_tree_facts(root: Path, candidates: list[str], runtime: bool) -> TreeFacts:
     native = [c for c in candidates if fs.kind_of(c) == "native"]
     python = [c for c in candidates if fs.kind_of(c) == "python"]
-    classes, is_cuda_classes, cuda_default_type = _python_tree_facts(root, python)
+    classes, is_cuda_classes, cuda_default_type, set_device_modules = _python_tree_facts(root, python)
     return TreeFacts(custom_ops=_custom_cuda_ops(root, native), cuda_method_classes=classes,
                      is_cuda_classes=is_cuda_classes, local_packages=_local_packages(python),
                      imported_modules=_imported_modules(root, python) if runtime else None,
-                     cuda_default_tensor_type=cuda_default_type)
+                     cuda_default_tensor_type=cuda_default_type, set_device_modules=set_device_modules)
 
 
 def _local_packages(python_files: list[str]) -> frozenset[str]:
@@ -259,15 +259,23 @@ _CUDA_DEFAULT_TENSOR_TYPE = re.compile(rb"set_default_tensor_type\(\s*['\"]?(?:t
 _OWN_IS_CUDA = re.compile(rb"def is_cuda\b|\bis_cuda\s*(:[^=\n]*)?=(?!=)")  # defined or assigned
 
 
-def _python_tree_facts(root: Path, python_files: list[str]) -> tuple[frozenset[str], frozenset[str], bool]:
+def _python_tree_facts(root: Path, python_files: list[str]) -> tuple[frozenset[str], frozenset[str], bool,
+                                                                   tuple[tuple[str, str], ...]]:
     """One read of the tree's Python files: classes that define their own `cuda` method (GA renamed
-    calls to them), classes with their own `is_cuda` (an attribute or property of the user's), and
-    whether a file makes a CUDA tensor type the default."""
+    calls to them), classes with their own `is_cuda` (an attribute or property of the user's),
+    whether a file makes a CUDA tensor type the default, and the modules that call set_device."""
     names: set[str] = set()
     is_cuda_names: set[str] = set()
     cuda_default_type = False
-    for data in _read_all(root, python_files):
+    set_device_modules: list[tuple[str, str]] = []
+    for relative in python_files:
+        try:
+            data = (root / relative).read_bytes()
+        except OSError:
+            continue
         cuda_default_type = cuda_default_type or bool(_CUDA_DEFAULT_TENSOR_TYPE.search(data))
+        if b"set_device(" in data:
+            set_device_modules.append((Path(relative).stem, relative.replace(os.sep, "/")))
         own_cuda = b"def cuda(" in data
         own_is_cuda = b"is_cuda" in data and _OWN_IS_CUDA.search(data) is not None
         if not (own_cuda or own_is_cuda):
@@ -281,7 +289,7 @@ def _python_tree_facts(root: Path, python_files: list[str]) -> tuple[frozenset[s
             isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name == "cuda" for item in node.body)}
         if own_is_cuda:
             is_cuda_names |= {node.name for node in classes if defines_is_cuda(node)}
-    return frozenset(names), frozenset(is_cuda_names), cuda_default_type
+    return frozenset(names), frozenset(is_cuda_names), cuda_default_type, tuple(set_device_modules)
 
 
 def _custom_cuda_ops(root: Path, native_files: list[str]) -> frozenset[str]:

@@ -237,6 +237,23 @@ def test_the_trees_own_package_is_not_a_cuda_only_library(tmp_path):
     assert kinds == [("train.py", 3, "cuda-only-library")]
 
 
+def test_ddp_in_a_file_whose_imported_helper_sets_the_device_names_the_helper(tmp_path):
+    """facebookresearch/mae: main_*.py build DDP after misc.init_distributed_mode(args), which calls
+    set_device in util/misc.py; the finding said only "this file never calls set_device"."""
+    from npukit.migrate.runner import MigrateOptions, run_migration
+
+    (tmp_path / "util").mkdir()
+    (tmp_path / "util" / "__init__.py").write_text("")
+    (tmp_path / "util" / "misc.py").write_text("import torch\n\ndef init(args):\n    torch.cuda.set_device(args.gpu)\n")
+    (tmp_path / "main.py").write_text("import torch\nimport util.misc as misc\nmisc.init(args)\n"
+                                      "m = torch.nn.parallel.DistributedDataParallel(model.cuda())\n")
+    (tmp_path / "other.py").write_text("import torch\nm = torch.nn.parallel.DistributedDataParallel(model.cuda())\n")
+    run = run_migration(MigrateOptions(tmp_path, dry_run=True, jobs=1, quiet=True))
+    reasons = {f.path: f.reason for result in run.results for f in result.findings if f.kind == "ddp-set-device"}
+    assert reasons["main.py"].endswith("(the tree's util/misc.py, which it imports, does: make sure that runs first)")
+    assert reasons["other.py"].endswith("this file never calls set_device")
+
+
 def test_a_notebook_shell_line_continued_with_a_backslash(tmp_path):
     import json
 

@@ -29,7 +29,12 @@ class DdpSetDevice(NpuCodemod):
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.Call:
         if self.facts.qualname(original_node.func) in _DDP_CLASSES:
-            self.flag(original_node, Flag("ddp-set-device", "info",
-                                          "DDP on NPU needs the process's device set first; this file never calls set_device",
+            reason = "DDP on NPU needs the process's device set first; this file never calls set_device"
+            # a module of the tree this file imports that calls it (mae: misc.init_distributed_mode)
+            helpers = [path for module, path in self.facts.tree.set_device_modules
+                       if any(module in name.split(".") for name in self.facts.bindings.values())]
+            if helpers:
+                reason += f" (the tree's {', '.join(helpers[:3])}, which it imports, does: make sure that runs first)"
+            self.flag(original_node, Flag("ddp-set-device", "info", reason,
                                           "call torch.npu.set_device(local_rank) before building DDP"))
         return updated_node
