@@ -1128,6 +1128,9 @@ class DeviceStringsCase(CodemodTest):
                            "    t.to(other)\ncfg = {'device': 'npu'}\nkw['device_type'] = 'npu'\nself.gpu_dev = 'npu'\n",
                            expected_warnings=["4:9: info device-string: 'cuda' is assigned to `other` but not seen flowing "
                                               "into a device use (if it is a device, change it to 'npu' by hand)"])
+        # a "cuda:0" says by itself it is a device: rewritten, and not also reported as a "cuda" left
+        # unchanged (it was both)
+        self.assertCodemod("import torch\nname = 'cuda:0'\n", "import torch\nname = 'npu:0'\n", expected_warnings=[])
         # this file's own functions' device parameters; "cuda:..." texts anywhere in code
         self.assertCodemod("def setup(model, device):\n    return model\nsetup(m, 'cuda')\nparts = ['cuda:0']\n"
                            "where = f'cuda:{rank}'\n",

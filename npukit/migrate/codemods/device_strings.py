@@ -234,7 +234,8 @@ class DeviceStrings(ValuePlaces, StringPlaces, NpuCodemod):
             if _device_named(name) or self.facts.flows.key(binder, name) in self.facts.flows.device:
                 for literal in literals:
                     self._rewrite(literal, "device-variable")
-            elif literal_string(value) is not None and id(value) not in self.reported:
+            elif literal_string(value) == "cuda" and id(value) not in self.reported:
+                # ("cuda:0", "cuda:{}" say by themselves they are devices: rewritten as strings, below)
                 self.reported.add(id(value))
                 self.flag(value, UNUSED_DEVICE, reason=f"'{literal_string(value)}' is assigned to `{name}` but not "
                                                        "seen flowing into a device use")
