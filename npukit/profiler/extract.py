@@ -44,6 +44,8 @@ AUTOGRAD_NODE_PREFIX = "autograd::engine::evaluate_function: "
 # The ranges a process group's backend records around each collective it runs, on its own threads
 # (gloo) or streams: the time the collective took, which the calling thread does not show.
 COLLECTIVE_PREFIXES = ("gloo:", "nccl:", "hccl:")
+# table.meta key (never saved): [(start ns since the epoch, gloo's name, the name asked for)]
+RENAMED_COLLECTIVES = "renamed_collectives"
 
 
 @lru_cache(maxsize=4096)
@@ -320,6 +322,9 @@ def _name_collectives_as_asked(table: EventTable) -> None:
                 if f"gloo:{asked}" not in table.strings:
                     table.strings.append(f"gloo:{asked}")
                 table.name_id[works[position]] = table.strings.index(f"gloo:{asked}")
+                # for the Chrome trace of this cycle (record.export_trace), which keeps gloo's names
+                table.meta.setdefault(RENAMED_COLLECTIVES, []).append(
+                    (int(table.start_ns[works[position]]) + table.meta["origin_ns"], f"gloo:{runs}", f"gloo:{asked}"))
             position += 1
 
 

@@ -18,6 +18,7 @@ import datetime
 import gc
 import json
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -29,14 +30,14 @@ from pathlib import Path
 from npukit.accuracy.scaler_steps import GradScalerStepWatch
 from npukit.errors import UserError
 from npukit.files import check_output_location, output_folder, refuse_links_inside
-from npukit.profiler.extract import GC_ANNOTATION_PREFIX, table_from_profiler
+from npukit.profiler.extract import GC_ANNOTATION_PREFIX, RENAMED_COLLECTIVES, table_from_profiler
 from npukit.profiler.table import EVENTS_FILE, META_FILE, EventTable, write_meta
 
 LARGE_PROFILE_EVENTS = 100_000
 TRACE_SUFFIX = ".pt.trace.json"  # torch.profiler.tensorboard_trace_handler's, which the viewers look for
 
 
-def export_trace(prof, target: Path, rank: int, world_size: int) -> None:
+def export_trace(prof, target: Path, rank: int, world_size: int, renamed: list | None = None) -> None:
     """prof's Chrome trace written to `target` whole or not at all, naming `target` inside
     (`traceName`) and, when torch did not (the profiler started before init_process_group, as
     under npu-run), the rank (`distributedInfo`), which HolisticTraceAnalysis needs to tell the
@@ -46,12 +47,36 @@ def export_trace(prof, target: Path, rank: int, world_size: int) -> None:
     try:
         partial.unlink(missing_ok=True)  # never written through a link left there
         prof.export_chrome_trace(str(partial))
+        if renamed:
+            _rename_collectives(partial, renamed)
         _patch_trace_end(partial, target, {"rank": rank, "world_size": world_size})
         os.replace(partial, target)
     except OSError as exc:
         raise UserError(f"{target}: cannot write the trace ({exc.strerror or exc})") from None
     finally:
         partial.unlink(missing_ok=True)
+
+
+_GLOO_WORK = re.compile(rb'"name": "(gloo:\w+)",(\s*"pid": -?\d+,\s*"tid": -?\d+,\s*"ts": )(\d+\.\d+)')
+
+
+def _rename_collectives(trace: Path, renamed: list) -> None:
+    """Give the gloo works the profile names by the collective asked for (extract.RENAMED_COLLECTIVES:
+    FSDP's reduce_scatter, which gloo records as an all_reduce) their names in the trace too, found
+    by name and start (kineto writes ts as microseconds since baseTimeNanoseconds, 3 decimals)."""
+    data = trace.read_bytes()
+    base = re.search(rb'"baseTimeNanoseconds": (\d+)', data[:65536])
+    if base is None:
+        return
+    origin = int(base.group(1))
+    names = {(f"{(start - origin) // 1000}.{(start - origin) % 1000:03d}".encode(), old.encode()): new.encode()
+             for start, old, new in renamed}  # integer arithmetic: a float has too few digits here
+
+    def rename(match: re.Match) -> bytes:
+        new = names.get((match.group(3), match.group(1)))
+        return match.group(0) if new is None else b'"name": "' + new + b'",' + match.group(2) + match.group(3)
+
+    trace.write_bytes(_GLOO_WORK.sub(rename, data))
 
 
 def _patch_trace_end(trace: Path, final: Path, distributed_info: dict) -> None:
@@ -512,6 +537,7 @@ class ProfileSession:
 
     def _on_trace_ready(self, prof) -> None:
         table = table_from_profiler(prof, self._namer.names)
+        renamed = table.meta.pop(RENAMED_COLLECTIVES, [])
         if self._pausing or self._stopping and self.steps_taken:
             # The range open when recording stops is no training step: it runs from the last step's
             # end to the end of the script (saving, destroy_process_group ...) or to a tensor swap.
@@ -530,7 +556,7 @@ class ProfileSession:
         if self.write_trace:
             output_folder(self.root)
             target = self.root / f"{self.worker_name}.{time.time_ns()}{TRACE_SUFFIX}"
-            export_trace(prof, target, self.rank, int(os.environ.get("WORLD_SIZE", "1")))
+            export_trace(prof, target, self.rank, int(os.environ.get("WORLD_SIZE", "1")), renamed)
             self.traces.append(target.name)
 
     def _write_table(self) -> None:

@@ -21,7 +21,7 @@ from npukit.profiler.advisor import advise, advise_cluster
 from npukit.profiler.cluster import _within, cluster_summary, load_ranks, parse_ranks
 from npukit.profiler.commands import run_cluster
 from npukit.profiler.summary import covered_ns, interval_union
-from npukit.profiler.table import EVENTS_FILE, KIND_OP, EventTable
+from npukit.profiler.table import EVENTS_FILE, KIND_COMM, KIND_OP, EventTable
 
 from .conftest import REPO, SLEEP_US, npu_run_profile
 
@@ -242,3 +242,11 @@ def test_fsdp2_ranks_get_advice_on_their_own_code_only_and_work_after_the_loop_i
         copies = fired["host-device-copies"]
         assert "2/step host-to-device and 0/step device-to-host" in copies.summary, copies.summary
         assert all("script.py:14" in line for line in copies.evidence), copies.evidence
+        # the rank's Chrome trace names FSDP's reduce_scatter as the table does (gloo records it as an
+        # all_reduce; the trace said so)
+        strings = table.string_array()
+        in_table = sorted(strings[table.name_id[table.kind == KIND_COMM]].tolist())
+        [trace] = prof.glob(f"rank{rank}.*.pt.trace.json")
+        events = json.loads(trace.read_text())["traceEvents"]
+        assert sorted(e["name"] for e in events if str(e.get("name", "")).startswith("gloo:")) == in_table
+        assert "gloo:reduce_scatter" in in_table
