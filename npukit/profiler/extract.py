@@ -69,6 +69,7 @@ def is_user_file(file_name: str) -> bool:
 _FRAMEWORK_DIRS = (("torch", "distributed"), ("npukit", "npu_backend", "distributed.py"))
 
 
+@lru_cache(maxsize=4096)  # once per file: called for every Python call event
 def _is_framework_file(file_name: str) -> bool:
     parts = Path(file_name).parts
     return any(parts[i:i + len(marker)] == marker for marker in _FRAMEWORK_DIRS
