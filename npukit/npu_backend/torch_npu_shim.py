@@ -3,7 +3,10 @@
 `install_torch_npu()` puts `torch_npu`, `torch_npu.npu` (= torch.npu), `torch_npu.npu.utils`,
 `torch_npu.npu.amp`, `torch_npu.contrib.transfer_to_npu` and `torch_npu.profiler` in
 sys.modules. Importing `torch_npu.contrib.transfer_to_npu` applies the transfer patches, as the
-real one does. torch_npu's fused `npu_*` ops need the real device and raise NotImplementedError.
+real one does. torch_npu's fused `npu_*` ops are the emulator's (`npukit.npu_backend.fused`): each
+is `torch.ops.npu.<name>`; an op of the wheel's docs not emulated raises one clear error naming it.
+Every module has a `__spec__`, as an imported package does: `importlib.util.find_spec("torch_npu")`
+(transformers, accelerate, deepspeed detect the NPU with it) raises ValueError on a module without.
 """
 
 from __future__ import annotations
@@ -18,24 +21,13 @@ import torch
 
 import npukit.npu_backend  # noqa: F401  (installs the device)
 
-# The migration-relevant fused ops of torch_npu (shared/reference/torch_npu_api.md).
-FUSED_OPS = (
-    "npu_fusion_attention", "npu_fused_infer_attention_score", "npu_prompt_flash_attention",
-    "npu_incre_flash_attention", "npu_rms_norm", "npu_rotary_mul", "npu_apply_rotary_pos_emb",
-    "npu_swiglu", "npu_geglu", "npu_grouped_matmul", "npu_quant_matmul", "npu_weight_quant_batchmatmul",
-    "npu_dropout_with_add_softmax", "npu_scaled_masked_softmax", "npu_roi_align", "npu_format_cast",
-    "npu_confusion_transpose", "npu_bmmV2", "npu_layer_norm_eval", "npu_silu",
-)
-
-
-def _fused_op(name: str):
-    def raiser(*args, **kwargs):
-        raise NotImplementedError(
-            f"torch_npu.{name} is a fused Ascend kernel that the npukit emulator does not provide; "
-            "use the equivalent PyTorch ops when running on the emulator")
-
-    raiser.__name__ = name
-    return raiser
+# Python submodules of torch_npu that fused families provide: torch_npu name -> npukit module
+# (imported at install when present).
+SUBMODULES = {
+    "torch_npu.optim": "npukit.npu_backend.fused.optim",
+    "torch_npu.contrib.module": "npukit.npu_backend.fused.contrib_module",
+    "torch_npu.contrib.function": "npukit.npu_backend.fused.contrib_function",
+}
 
 
 class _TransferFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -59,11 +51,46 @@ class _TransferFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module.to_npu_device = transfer.to_npu_device
 
 
-def _module(name: str, doc: str) -> types.ModuleType:
+def _module(name: str, doc: str, package: bool = False) -> types.ModuleType:
     module = types.ModuleType(name, doc)
     module.__file__ = __file__
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None, origin=__file__, is_package=package)
+    module.__spec__.has_location = True
+    if package:
+        module.__path__ = []  # so `import torch_npu.x` works
+        module.__spec__.submodule_search_locations = []
     sys.modules[name] = module
     return module
+
+
+def _alias(name: str, module: types.ModuleType) -> None:
+    """`name` in sys.modules is the existing `module` (torch_npu.npu is torch.npu), with a spec
+    whose name is the module's own, as importlib gives a module imported under another name."""
+    if getattr(module, "__spec__", None) is None:
+        module.__spec__ = importlib.machinery.ModuleSpec(module.__name__, None, origin=getattr(module, "__file__", None))
+    sys.modules[name] = module
+
+
+def _install_fused_ops(root: types.ModuleType) -> None:
+    from npukit.npu_backend import fused
+    from npukit.npu_backend.fused.wheel_ops import UNFUSED, WHEEL_DOCUMENTED_OPS
+
+    for op in fused.public_ops():
+        setattr(root, op.name, op.packet)
+    for family in fused.FAMILIES:  # plain Python attributes a family adds (torch_npu.get_npu_format ...)
+        module = sys.modules.get(f"{fused.__name__}.{family}")
+        for name, value in getattr(module, "TORCH_NPU_ATTRIBUTES", {}).items():
+            setattr(root, name, value)
+    for name in WHEEL_DOCUMENTED_OPS:
+        if not hasattr(root, name):
+            setattr(root, name, fused.missing_op(name, UNFUSED.get(name)))
+    for public, implementation in SUBMODULES.items():
+        if importlib.util.find_spec(implementation) is None:
+            continue
+        module = importlib.import_module(implementation)
+        _alias(public, module)
+        parent, _, child = public.rpartition(".")
+        setattr(sys.modules[parent], child, module)
 
 
 def install_torch_npu() -> types.ModuleType:
@@ -72,19 +99,15 @@ def install_torch_npu() -> types.ModuleType:
     if existing is not None and getattr(existing, "__npukit__", False):
         return existing
     npu = torch.npu
-    root = _module("torch_npu", "torch_npu, emulated by npukit (no Ascend hardware needed)")
+    root = _module("torch_npu", "torch_npu, emulated by npukit (no Ascend hardware needed)", package=True)
     root.__npukit__ = True
     root.__version__ = torch.__version__.split("+")[0] + "+npukit"
-    root.__path__ = []  # a package, so `import torch_npu.x` works
     root.npu = npu
-    sys.modules["torch_npu.npu"] = npu
+    _alias("torch_npu.npu", npu)
     for sub in npu.SUBMODULES:
-        sys.modules[f"torch_npu.npu.{sub}"] = getattr(npu, sub)
-    for name in FUSED_OPS:
-        setattr(root, name, _fused_op(name))
+        _alias(f"torch_npu.npu.{sub}", getattr(npu, sub))
 
-    contrib = _module("torch_npu.contrib", "torch_npu.contrib (emulated)")
-    contrib.__path__ = []
+    contrib = _module("torch_npu.contrib", "torch_npu.contrib (emulated)", package=True)
     root.contrib = contrib
     if not any(isinstance(finder, _TransferFinder) for finder in sys.meta_path):
         sys.meta_path.insert(0, _TransferFinder())
@@ -96,4 +119,5 @@ def install_torch_npu() -> types.ModuleType:
     profiler.ProfilerActivity = types.SimpleNamespace(CPU=torch.profiler.ProfilerActivity.CPU,
                                                       NPU=torch.profiler.ProfilerActivity.CPU)
     root.profiler = profiler
+    _install_fused_ops(root)
     return root

@@ -1,0 +1,168 @@
+"""torch_npu's fused ops (`torch_npu.npu_*`) on the emulated NPU.
+
+Each op is a `torch.library` op in the `npu` namespace with the schema of the real torch_npu 2.13
+wheel, so `torch.ops.npu.X` and `torch_npu.X` are the same op, a dump names it `NPU.X` (as msprobe
+names torch_npu's ops) and torch.compile sees its fake (meta) kernel. One module per family
+(attention, norms, rotary, softmax, layout, matmul, moe, quant, optim) defines its ops with
+`fused_op`; semantics come from torch_npu's own op docs (`_op_plugin_docs.py` in the wheel).
+
+One Python kernel serves both devices and decides the numerics from where it runs:
+- on an npu tensor with the device's numerics on, it computes the reference decomposition the way
+  the fused kernel does (`npu_numerics(x)` is true): low-precision inputs are computed in fp32 and
+  rounded where the kernel rounds (its documented output dtype, and intermediates the kernel keeps
+  in the input dtype), through the device's own ops, so fp16 saturation and HF32 apply;
+- on a CPU tensor, or in a golden run (`npu-run --golden`: every policy off), it is the golden
+  reference: the same decomposition in fp32 with no intermediate rounding.
+
+Backward is registered with `torch.library.register_autograd` and calls the op's grad op where
+torch_npu defines one (`npu_rms_norm_backward` ...), so the grad op is an op of its own too.
+
+An op of the wheel's docs that is not emulated is still an attribute of `torch_npu` and raises one
+`NotImplementedError` naming it and its unfused equivalent (`missing_op`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from npukit.npu_backend import _C
+
+NAMESPACE = "npu"
+# The families, in the order their modules are imported (each defines its ops at import).
+FAMILIES = ("norms", "activations", "rotary", "softmax", "layout", "attention", "matmul", "moe", "quant", "optim")
+
+_LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")  # noqa: TOR901 (ops live as long as the process)
+
+
+@dataclass(frozen=True)
+class FusedOp:
+    name: str          # torch_npu's name: torch_npu.<name>, torch.ops.npu.<name>
+    family: str        # the module under npukit/npu_backend/fused that defines it
+    unfused: str       # the PyTorch ops it stands for, as a user would write them
+    public: bool       # an attribute of torch_npu (grad ops are torch.ops.npu only)
+
+    @property
+    def packet(self) -> torch._ops.OpOverloadPacket:
+        return getattr(torch.ops.npu, self.name)
+
+
+REGISTRY: dict[str, FusedOp] = {}
+
+
+def fused_op(schema: str, *, unfused: str, fake: Callable | bool = True, public: bool = True,
+             family: str | None = None) -> Callable:
+    """Define `npu::<schema>` and register the decorated function as its kernel for npu and CPU.
+
+    `fake`: True when the kernel itself runs on fake tensors (no data-dependent shapes, no
+    `.item()`), a function for the fake kernel otherwise, False for none (the op then cannot be
+    traced by torch.compile; say why where it is defined).
+    """
+    name = schema.split("(", 1)[0]
+
+    def register(kernel: Callable) -> Callable:
+        if name in REGISTRY:
+            raise RuntimeError(f"npu::{name} is defined twice")
+        _LIBRARY.define(schema)
+        qualified = f"{NAMESPACE}::{name}"
+        for key in ("PrivateUse1", "CPU"):
+            _LIBRARY.impl(name, kernel, key)
+        if fake is True:
+            torch.library.register_fake(qualified, kernel, lib=_LIBRARY)
+        elif fake:
+            torch.library.register_fake(qualified, fake, lib=_LIBRARY)
+        REGISTRY[name] = FusedOp(name, family or kernel.__module__.rsplit(".", 1)[-1], unfused, public)
+        return kernel
+
+    return register
+
+
+def register_autograd(name: str, backward: Callable, setup_context: Callable) -> None:
+    torch.library.register_autograd(f"{NAMESPACE}::{name}", backward, setup_context=setup_context,
+                                    lib=_LIBRARY)
+
+
+# ---- numerics ------------------------------------------------------------------------------------
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def npu_numerics(tensor: torch.Tensor) -> bool:
+    """Does this kernel call compute with the NPU's numerics (rather than as the golden reference)?
+
+    True on an npu tensor unless the device's policies are off (a golden run, `numerics.golden()`).
+    """
+    if tensor.device.type != "npu":
+        return False
+    return bool(_C.get_fp32_accumulate() or _C.get_saturation())
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What a fused kernel computes in: fp32 for fp16/bf16/fp32 inputs (its vector units and cube
+    accumulators are fp32), the dtype itself otherwise."""
+    return torch.float32 if dtype in LOW_PRECISION else dtype
+
+
+def upcast(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """A tensor in the kernel's compute dtype (no copy when it is already)."""
+    if tensor is None:
+        return None
+    return tensor.to(compute_dtype(tensor.dtype))
+
+
+def round_intermediate(tensor: torch.Tensor, dtype: torch.dtype, npu: bool) -> torch.Tensor:
+    """An intermediate the fused kernel keeps in `dtype` (e.g. the attention probabilities it feeds
+    its second matmul in the input dtype): rounded with the NPU's numerics, kept exact in the golden
+    reference."""
+    if npu and dtype in LOW_PRECISION and tensor.dtype != dtype:
+        return tensor.to(dtype).to(tensor.dtype)
+    return tensor
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, in_dtype: torch.dtype, npu: bool) -> torch.Tensor:
+    """A cube-unit matmul of the fused kernel: inputs in `in_dtype` (fp16/bf16 inputs as the kernel
+    reads them), accumulated in fp32, the result in fp32. On the NPU the device's own matmul runs
+    (fp32 accumulation, HF32 when allowed); the golden reference multiplies the fp32 values."""
+    if npu and in_dtype in LOW_PRECISION:
+        return torch.matmul(a.to(in_dtype), b.to(in_dtype)).float()
+    return torch.matmul(a, b)
+
+
+# ---- missing ops ---------------------------------------------------------------------------------
+
+def missing_op(name: str, unfused: str | None = None) -> Callable:
+    """torch_npu.<name> for an op of the wheel that the emulator does not provide."""
+    hint = (f"compute it with its unfused equivalent, {unfused}" if unfused else
+            "compute it with the PyTorch ops its documentation (torch_npu's _op_plugin_docs.py) describes")
+
+    def raiser(*args, **kwargs):
+        raise NotImplementedError(
+            f"torch_npu.{name} is a fused Ascend kernel that the npukit emulator does not provide yet; "
+            f"on the emulator {hint} (docs/fused-ops.md lists every op and its state)")
+
+    raiser.__name__ = name
+    raiser.__qualname__ = name
+    raiser.npukit_missing = True
+    return raiser
+
+
+_loaded = False
+
+
+def load() -> dict[str, FusedOp]:
+    """Import every family module (idempotent): their ops are then in torch.ops.npu."""
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        for family in FAMILIES:
+            if importlib.util.find_spec(f"{__name__}.{family}") is not None:
+                importlib.import_module(f"{__name__}.{family}")
+    return REGISTRY
+
+
+def public_ops() -> Iterator[FusedOp]:
+    return (op for op in load().values() if op.public)
