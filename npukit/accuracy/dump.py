@@ -411,7 +411,7 @@ class ApiMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        api = self._table.get(func)
+        api = self._table.get(func) or naming.npu_op_api_name(func)
         if api is None or self._kind in _broken_hooks or not self._wanted() or _called_by_torch_distributed():
             return func(*args, **kwargs)
         api = naming.OperatorNames.take(api)

@@ -68,6 +68,18 @@ def api_name_table() -> dict:
     return table
 
 
+def npu_op_api_name(func) -> str | None:
+    """`NPU.npu_fusion_attention` for torch_npu's ops (`torch_npu.X`, `torch.ops.npu.X[.overload]`), as
+    msprobe names them; None for anything else. Works with the real torch_npu and the emulator alike."""
+    import torch
+
+    if isinstance(func, torch._ops.OpOverload):
+        func = func.overloadpacket
+    if isinstance(func, torch._ops.OpOverloadPacket) and func._qualified_op_name.startswith("npu::"):
+        return f"NPU.{func.__name__}"
+    return None
+
+
 class CallCounter:
     """Per-step call indices: the n-th call of an api or module name gets index n."""
 
