@@ -3,7 +3,7 @@
 Each op is a `torch.library` op in the `npu` namespace with the schema of the real torch_npu 2.13
 wheel, so `torch.ops.npu.X` and `torch_npu.X` are the same op, a dump names it `NPU.X` (as msprobe
 names torch_npu's ops) and torch.compile sees its fake (meta) kernel. One module per family
-(attention, norms, rotary, softmax, layout, matmul, moe, quant, optim) defines its ops with
+(`FAMILIES`) defines its ops with
 `fused_op`; semantics come from torch_npu's own op docs (`_op_plugin_docs.py` in the wheel).
 
 One Python kernel serves both devices and decides the numerics from where it runs:
@@ -34,7 +34,8 @@ from npukit.npu_backend import _C
 
 NAMESPACE = "npu"
 # The families, in the order their modules are imported (each defines its ops at import).
-FAMILIES = ("norms", "activations", "rotary", "softmax", "layout", "attention", "matmul", "moe", "quant", "optim")
+FAMILIES = ("norms", "activations", "rotary", "softmax", "layout", "attention", "matmul", "moe", "quant", "optim",
+            "status")
 
 _LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")  # noqa: TOR901 (ops live as long as the process)
 

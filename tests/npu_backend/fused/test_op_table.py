@@ -1,0 +1,33 @@
+"""The fused-op surface as a user meets it: torch_npu.X is torch.ops.npu.X, a missing op says so
+by name, and docs/fused-ops.md states what is emulated now."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import torch_npu
+from npukit.npu_backend import fused
+from npukit.npu_backend.fused import table
+from npukit.npu_backend.fused.wheel_ops import WHEEL_DOCUMENTED_OPS
+
+DOC = Path(__file__).resolve().parents[3] / "docs" / "fused-ops.md"
+
+
+def test_the_docs_table_is_current():
+    assert DOC.read_text() == table.render(), (
+        "docs/fused-ops.md is stale: python -m npukit.npu_backend.fused.table > docs/fused-ops.md")
+
+
+def test_every_emulated_op_is_one_op_under_both_names():
+    for op in fused.public_ops():
+        assert getattr(torch_npu, op.name) is getattr(torch.ops.npu, op.name), op.name
+
+
+def test_a_missing_op_raises_one_error_naming_it():
+    missing = [name for name in WHEEL_DOCUMENTED_OPS
+               if getattr(getattr(torch_npu, name), "npukit_missing", False)]
+    assert missing == [name for name in WHEEL_DOCUMENTED_OPS if table.rows()[WHEEL_DOCUMENTED_OPS.index(name)][1] == "missing"]
+    for name in missing:
+        with pytest.raises(NotImplementedError, match=rf"torch_npu\.{name} is a fused Ascend kernel"):
+            getattr(torch_npu, name)(torch.zeros(1, device="npu"))
