@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 import torch_npu
+
 from npukit.npu_backend import fused
 from npukit.npu_backend.fused import table
 from npukit.npu_backend.fused.wheel_ops import WHEEL_DOCUMENTED_OPS

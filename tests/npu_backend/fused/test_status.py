@@ -1,6 +1,6 @@
 import torch
-
 import torch_npu
+
 from npukit.npu_backend import numerics
 
 
