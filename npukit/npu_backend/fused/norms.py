@@ -1,8 +1,11 @@
-"""Norms: npu_rms_norm (+ its backward), the pattern every family module follows.
+"""Norms: npu_rms_norm (+ its backward), the pattern every family module follows; npu_add_rms_norm,
+npu_gemma_rms_norm and npu_layer_norm_eval.
 
 RmsNorm's kernel reads fp16/bf16 inputs, computes the mean square and the normalisation in fp32,
 multiplies by gamma in fp32 and rounds the result once to the input dtype; rstd is fp32 with the
-input's leading dims and a 1 for each of gamma's dims (torch_npu's meta kernel).
+input's leading dims and a 1 for each of gamma's dims (torch_npu's meta kernel). The other norms
+compute the same way. torch_npu defines a backward for npu_rms_norm only: the others raise when
+backpropagated through, as they do on the device (`register_no_derivative`).
 """
 
 from __future__ import annotations
@@ -50,3 +53,81 @@ def _rms_norm_backward(ctx, dy, _drstd):
 
 
 register_autograd("npu_rms_norm", _rms_norm_backward, _rms_norm_setup)
+
+
+# ---- ops torch_npu defines no derivative for ------------------------------------------------------
+
+def register_no_derivative(name: str) -> None:
+    """Backward of an op torch_npu gives no autograd formula (its libtorch_npu has no
+    Npu<Op>Backward0): the real op's grad_fn raises "the derivative ... is not implemented" when
+    backpropagated through, so the emulator raises too instead of differentiating its Python
+    decomposition (which would train here and fail on the device)."""
+
+    def setup(ctx, inputs, output):
+        pass
+
+    def backward(ctx, *grads):
+        raise NotImplementedError(
+            f"the derivative for torch_npu.{name} is not implemented: torch_npu defines no backward for it "
+            f"(on Ascend the backward pass fails the same way); call it under torch.no_grad() or use its "
+            f"unfused PyTorch equivalent where gradients are needed")
+
+    register_autograd(name, backward, setup)
+
+
+# ---- npu_add_rms_norm, npu_gemma_rms_norm, npu_layer_norm_eval -----------------------------------
+
+def _check_gamma(op: str, x: torch.Tensor, gamma: torch.Tensor) -> None:
+    if gamma.dim() == 0 or gamma.dim() > x.dim() or tuple(x.shape[x.dim() - gamma.dim():]) != tuple(gamma.shape):
+        raise ValueError(f"torch_npu.{op}: gamma's shape {tuple(gamma.shape)} must be the last dims of the "
+                         f"input's shape {tuple(x.shape)}")
+
+
+@fused_op("npu_add_rms_norm(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor, Tensor)",
+          unfused="x = x1 + x2; (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * gamma, rstd, x)")
+def npu_add_rms_norm(x1, x2, gamma, epsilon=1e-6):
+    if x1.shape != x2.shape:
+        raise ValueError(f"torch_npu.npu_add_rms_norm: x1 {tuple(x1.shape)} and x2 {tuple(x2.shape)} must have "
+                         "the same shape")
+    _check_gamma("npu_add_rms_norm", x1, gamma)
+    # AddRmsNorm adds in fp32 and normalises that fp32 sum; the sum it returns is rounded to x1's dtype.
+    x32 = upcast(x1) + upcast(x2)
+    rstd = torch.rsqrt(x32.pow(2).mean(_normalized_dims(x1, gamma), keepdim=True) + epsilon)
+    y = x32 * rstd * upcast(gamma)
+    return y.to(x1.dtype), rstd.float(), x32.to(x1.dtype)
+
+
+register_no_derivative("npu_add_rms_norm")
+
+
+@fused_op("npu_gemma_rms_norm(Tensor input, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)",
+          unfused="x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1 + gamma)")
+def npu_gemma_rms_norm(x, gamma, epsilon=1e-6):
+    _check_gamma("npu_gemma_rms_norm", x, gamma)
+    x32 = upcast(x)
+    rstd = torch.rsqrt(x32.pow(2).mean(_normalized_dims(x, gamma), keepdim=True) + epsilon)
+    # Gemma stores the scale minus one: the kernel multiplies by (1 + gamma) in fp32.
+    y = x32 * rstd * (1.0 + upcast(gamma))
+    return y.to(x.dtype), rstd.float()
+
+
+register_no_derivative("npu_gemma_rms_norm")
+
+
+@fused_op("npu_layer_norm_eval(Tensor input, int[] normalized_shape, Tensor? weight=None, Tensor? bias=None, "
+          "float eps=1e-05) -> Tensor",
+          unfused="torch.nn.functional.layer_norm(input, normalized_shape, weight, bias, eps)")
+def npu_layer_norm_eval(x, normalized_shape, weight=None, bias=None, eps=1e-5):
+    normalized_shape = tuple(normalized_shape)
+    if not normalized_shape or tuple(x.shape[x.dim() - len(normalized_shape):]) != normalized_shape:
+        raise ValueError(f"torch_npu.npu_layer_norm_eval: normalized_shape {list(normalized_shape)} must be the "
+                         f"last dims of the input's shape {tuple(x.shape)}")
+    for what, tensor in (("weight", weight), ("bias", bias)):
+        if tensor is not None and tuple(tensor.shape) != normalized_shape:
+            raise ValueError(f"torch_npu.npu_layer_norm_eval: {what}'s shape {tuple(tensor.shape)} must be "
+                             f"normalized_shape {list(normalized_shape)}")
+    y = torch.nn.functional.layer_norm(upcast(x), normalized_shape, upcast(weight), upcast(bias), eps)
+    return y.to(x.dtype)
+
+
+register_no_derivative("npu_layer_norm_eval")

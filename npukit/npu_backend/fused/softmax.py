@@ -1,0 +1,144 @@
+"""Softmax: npu_scaled_masked_softmax (+ its backward) and npu_dropout_with_add_softmax (+ its
+backward).
+
+ScaledMaskedSoftmax (Megatron's fused softmax): softmax((x * scale).masked_fill(mask, -10000))
+over the last dim, mask True = masked; with fixed_triu_mask the kernel makes the causal mask itself
+(True above the diagonal) and ignores the given one. DropoutWithAddSoftmax: y = x1 + alpha * x,
+softmax over dim, then dropout with drop probability `prob` (kept values scaled by 1 / (1 - prob)),
+returning the byte mask (1 = kept, one per element, flat), the softmax and the dropped output.
+Both read fp16/bf16, compute in fp32 and round each output once to the input dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from npukit.npu_backend.fused import fused_op, register_autograd, upcast
+
+MASKED_LOGIT = -10000.0  # what the kernel writes at masked positions (Megatron's value)
+SCALED_MASKED_SOFTMAX_SIZES = range(32, 4097, 32)  # H and W: multiples of 32 in [32, 4096]
+DROPOUT_ADD_SOFTMAX_SIZES = (128, 256, 384, 512)
+
+
+def _scaled_masked_mask(op: str, x: torch.Tensor, mask: torch.Tensor, fixed_triu_mask: bool) -> torch.Tensor:
+    if mask.dtype != torch.bool:
+        raise ValueError(f"torch_npu.{op}: mask must be a bool tensor (True = masked), got {mask.dtype}")
+    try:
+        torch.broadcast_shapes(mask.shape, x.shape)
+    except RuntimeError:
+        raise ValueError(f"torch_npu.{op}: mask {tuple(mask.shape)} does not broadcast to x {tuple(x.shape)}") from None
+    if fixed_triu_mask:
+        h, w = x.shape[-2:]
+        return torch.ones(h, w, dtype=torch.bool, device=x.device).triu(1)
+    return mask
+
+
+def _check_scaled_masked_softmax(op: str, x: torch.Tensor) -> None:
+    if x.dim() < 2 or x.shape[-2] not in SCALED_MASKED_SOFTMAX_SIZES or x.shape[-1] not in SCALED_MASKED_SOFTMAX_SIZES:
+        raise ValueError(f"torch_npu.{op}: x's last two dims (H, W) must be multiples of 32 in [32, 4096], "
+                         f"got shape {tuple(x.shape)}")
+
+
+@fused_op("npu_scaled_masked_softmax(Tensor x, Tensor mask, Scalar scale=1, bool fixed_triu_mask=False) -> Tensor",
+          unfused="torch.softmax((x * scale).masked_fill(mask, -10000), -1)")
+def npu_scaled_masked_softmax(x, mask, scale=1, fixed_triu_mask=False):
+    _check_scaled_masked_softmax("npu_scaled_masked_softmax", x)
+    mask = _scaled_masked_mask("npu_scaled_masked_softmax", x, mask, fixed_triu_mask)
+    logits = (upcast(x) * scale).masked_fill(mask, MASKED_LOGIT)
+    return torch.softmax(logits, -1).to(x.dtype)
+
+
+@fused_op("npu_scaled_masked_softmax_backward(Tensor y_grad, Tensor y, Tensor mask, Scalar scale, "
+          "bool fixed_triu_mask) -> Tensor",
+          unfused="autograd of npu_scaled_masked_softmax's decomposition", public=False)
+def npu_scaled_masked_softmax_backward(y_grad, y, mask, scale, fixed_triu_mask):
+    _check_scaled_masked_softmax("npu_scaled_masked_softmax_backward", y)
+    mask = _scaled_masked_mask("npu_scaled_masked_softmax_backward", y, mask, fixed_triu_mask)
+    dy, y32 = upcast(y_grad), upcast(y)
+    dx = y32 * (dy - (dy * y32).sum(-1, keepdim=True)) * scale
+    return dx.masked_fill(mask, 0.0).to(y_grad.dtype)
+
+
+def _scaled_masked_softmax_setup(ctx, inputs, output):
+    _, mask, scale, fixed_triu_mask = inputs
+    ctx.scale, ctx.fixed_triu_mask = scale, fixed_triu_mask
+    ctx.save_for_backward(output, mask)
+
+
+def _scaled_masked_softmax_backward(ctx, dy):
+    y, mask = ctx.saved_tensors
+    dx = torch.ops.npu.npu_scaled_masked_softmax_backward(dy, y, mask, ctx.scale, ctx.fixed_triu_mask)
+    return dx, None, None, None
+
+
+register_autograd("npu_scaled_masked_softmax", _scaled_masked_softmax_backward, _scaled_masked_softmax_setup)
+
+
+# ---- npu_dropout_with_add_softmax ----------------------------------------------------------------
+
+def _check_dropout_with_add_softmax(x, x1, prob, dim):
+    op = "torch_npu.npu_dropout_with_add_softmax"
+    if x.shape != x1.shape or x.dim() != 4:
+        raise ValueError(f"{op}: self and x1 must be 4-dim (N, C, H, W) of the same shape, got "
+                         f"{tuple(x.shape)} and {tuple(x1.shape)}")
+    n, c, h, w = x.shape
+    if h not in DROPOUT_ADD_SOFTMAX_SIZES or w not in DROPOUT_ADD_SOFTMAX_SIZES or (n * c) % 32:
+        raise ValueError(f"{op}: H and W must be one of {DROPOUT_ADD_SOFTMAX_SIZES} and N * C a multiple of 32, "
+                         f"got shape {tuple(x.shape)}")
+    if dim not in (-1, 3):
+        raise ValueError(f"{op}: dim must be -1 (the softmax runs over W), got {dim}")
+    if not 0.0 <= prob <= 1.0:
+        raise ValueError(f"{op}: prob (the drop probability) must be in [0, 1], got {prob}")
+
+
+def _keep_scale(prob: float) -> float:
+    return 0.0 if prob >= 1.0 else 1.0 / (1.0 - prob)
+
+
+@fused_op("npu_dropout_with_add_softmax(Tensor input, Tensor x1, Scalar alpha, float prob, int dim) "
+          "-> (Tensor, Tensor, Tensor)",
+          unfused="s = torch.softmax(x1 + alpha * x, dim); (mask, s, torch.nn.functional.dropout(s, prob))")
+def npu_dropout_with_add_softmax(x, x1, alpha, prob, dim):
+    _check_dropout_with_add_softmax(x, x1, prob, dim)
+    softmax = torch.softmax(upcast(x1) + alpha * upcast(x), dim)
+    # DropOutDoMaskV3's byte mask, one per element (1 = kept), from the device's generator (torch.manual_seed
+    # reproduces it).
+    keep = torch.rand(x.shape, device=x.device) >= prob
+    output = softmax * keep * _keep_scale(prob)
+    return keep.flatten().to(torch.uint8), softmax.to(x.dtype), output.to(x.dtype)
+
+
+@fused_op("npu_dropout_with_add_softmax_backward(Tensor grad, Tensor mask, Tensor softmax_out, Scalar alpha, "
+          "float prob, int dim) -> (Tensor, Tensor)",
+          unfused="autograd of npu_dropout_with_add_softmax's decomposition", public=False)
+def npu_dropout_with_add_softmax_backward(grad, mask, softmax_out, alpha, prob, dim):
+    if mask.numel() != grad.numel():
+        raise ValueError(f"torch_npu.npu_dropout_with_add_softmax_backward: mask has {mask.numel()} elements, "
+                         f"grad {grad.numel()}")
+    d_softmax = upcast(grad) * mask.reshape(grad.shape) * _keep_scale(prob)
+    s = upcast(softmax_out)
+    d_sum = s * (d_softmax - (d_softmax * s).sum(dim, keepdim=True))
+    return (alpha * d_sum).to(grad.dtype), d_sum.to(grad.dtype)
+
+
+def _dropout_add_softmax_setup(ctx, inputs, output):
+    _, _, alpha, prob, dim = inputs
+    ctx.alpha, ctx.prob, ctx.dim = alpha, prob, dim
+    ctx.save_for_backward(output[0], output[1])
+
+
+def _dropout_add_softmax_backward(ctx, _dmask, d_softmax, d_output):
+    mask, softmax = ctx.saved_tensors
+    backward = torch.ops.npu.npu_dropout_with_add_softmax_backward
+    dx = dx1 = None
+    if d_output is not None:
+        dx, dx1 = backward(d_output, mask, softmax, ctx.alpha, ctx.prob, ctx.dim)
+    if d_softmax is not None:
+        # A gradient reaching the softmax output itself: the same backward without the dropout.
+        keep_all = torch.ones_like(mask)
+        sx, sx1 = backward(d_softmax, keep_all, softmax, ctx.alpha, 0.0, ctx.dim)
+        dx, dx1 = (sx, sx1) if dx is None else (dx + sx, dx1 + sx1)
+    return dx, dx1, None, None, None
+
+
+register_autograd("npu_dropout_with_add_softmax", _dropout_add_softmax_backward, _dropout_add_softmax_setup)
