@@ -93,7 +93,7 @@ def npu_format_cast(x, acl_format, *, customize_dtype=None, input_dtype=None):
     return result
 
 
-def _format_cast_setup(ctx, inputs, output):
+def _format_cast_setup(ctx, inputs, keyword_only_inputs, output):
     pass
 
 

@@ -63,7 +63,7 @@ def register_no_derivative(name: str) -> None:
     backpropagated through, so the emulator raises too instead of differentiating its Python
     decomposition (which would train here and fail on the device)."""
 
-    def setup(ctx, inputs, output):
+    def setup(ctx, inputs, output, keyword_only_inputs=None):  # (ops with keyword-only arguments get those too)
         pass
 
     def backward(ctx, *grads):
