@@ -522,6 +522,27 @@ struct AliasCache {
 };
 thread_local AliasCache t_alias_cache;
 
+// A ZeroTensor (_efficientzerotensor: what sgn's and other backwards return for "no gradient") owns no
+// memory: its data pointer is null. The ZeroTensor dispatch key materialises it for most ops, but lets
+// some fall through to the device kernel with it (clone, copy_, dot, mul.Scalar, views, the factory
+// and utility functions), whose CPU kernels handle a ZeroTensor themselves. So its CPU view is a CPU
+// ZeroTensor of the same shape and dtype, never an alias of its (absent) memory, which the CPU kernel
+// would read through the null pointer; and a ZeroTensor result comes back as an npu ZeroTensor.
+at::Tensor efficient_zero_tensor(at::IntArrayRef size, std::optional<at::ScalarType> dtype,
+                                 std::optional<at::Layout> layout, std::optional<c10::Device> device,
+                                 std::optional<bool> pin_memory);
+
+at::Tensor cpu_zero_tensor_like(const at::Tensor& npu) {
+  at::Tensor cpu = at::_efficientzerotensor(npu.sizes(), npu.options().device(c10::kCPU));
+  if (npu.is_conj()) cpu._set_conj(true);
+  if (npu.is_neg()) cpu._set_neg(true);
+  return cpu;
+}
+
+at::Tensor npu_zero_tensor_like(const at::Tensor& cpu, c10::DeviceIndex device) {
+  return efficient_zero_tensor(cpu.sizes(), cpu.scalar_type(), std::nullopt, c10::Device(kNpu, device), std::nullopt);
+}
+
 // Ops that take CPU index tensors with npu operands, as on CUDA.
 bool takes_cpu_indices(const std::string& name) {
   return name == "aten::index" || name == "aten::_index_put_impl_" || name == "aten::index_put_" ||
@@ -583,6 +604,14 @@ struct Translation {
         if (is_write) written.emplace_back(npu_impl, alias);
         return at::Tensor(c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>::reclaim_copy(alias));
       }
+    if (t._is_zerotensor()) {
+      // Immutable and memoryless: nothing to write back, nothing to cache. Held here for the call,
+      // so an op returning it as it is (contiguous, alias) gives back the npu argument.
+      at::Tensor zero = cpu_zero_tensor_like(t);
+      kept.push_back(zero);
+      alias_of.emplace_back(zero.unsafeGetTensorImpl(), npu_impl);
+      return zero;
+    }
     const c10::Storage& npu_storage = t.storage();
     c10::StorageImpl* key = npu_storage.unsafeGetStorageImpl();
     c10::StorageImpl* cpu_storage = nullptr;
@@ -644,6 +673,7 @@ struct Translation {
     for (auto& [alias, npu] : alias_of)
       if (alias == cpu.unsafeGetTensorImpl())  // in-place / out= result
         return at::Tensor(c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>::reclaim_copy(npu));
+    if (cpu._is_zerotensor()) return npu_zero_tensor_like(cpu, device >= 0 ? device : t_current_device);
     c10::StorageImpl* key = cpu.storage().unsafeGetStorageImpl();
     for (auto& [cpu_impl, npu_storage] : cpu_to_npu)
       if (cpu_impl == key)
@@ -1221,6 +1251,7 @@ at::Tensor& set_empty(at::Tensor& self) {
 // silently wrote a wrong result).
 at::Tensor cpu_alias(const at::Tensor& t) {
   if (!t.is_privateuseone()) return t;
+  if (t._is_zerotensor()) return cpu_zero_tensor_like(t);
   return make_tensor_on(cpu_storage_for(t.storage()), c10::DispatchKey::CPU, t, t.dtype());
 }
 
