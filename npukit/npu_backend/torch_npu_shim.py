@@ -91,6 +91,9 @@ def _install_fused_ops(root: types.ModuleType) -> None:
         _alias(public, module)
         parent, _, child = public.rpartition(".")
         setattr(sys.modules[parent], child, module)
+        # names the real package re-exports from this submodule (torch_npu.contrib.ROIAlign ...)
+        for name in getattr(module, "PARENT_EXPORTS", ()):
+            setattr(sys.modules[parent], name, getattr(module, name))
 
 
 def install_torch_npu() -> types.ModuleType:
