@@ -1,0 +1,951 @@
+"""Attention: npu_fusion_attention (+ its grad op), npu_fusion_attention_v2 (+ grad), and the
+inference kernels npu_prompt_flash_attention, npu_incre_flash_attention and
+npu_fused_infer_attention_score.
+
+FlashAttentionScore computes, per batch and query head (key/value head = query head // (Nq / Nkv),
+GQA/MQA):
+
+    scores = scale * (q @ k^T + pse)          (v1, and v2 with pse_type=1: the documented formula)
+    scores = scale * (q @ k^T) + pse          (v2 with pse_type=0)
+    P = softmax(masked(scores)),  attention_out = dropout(P, keep_prob) @ v
+
+with q @ k^T accumulated in fp32 on the cube unit, the softmax in fp32 on the vector unit, the
+probabilities rounded to the input dtype before the P @ V matmul, and one rounding of the output
+to the input dtype. softmax_max and softmax_sum are the row max and the row sum of exp(scores - max),
+each repeated 8 times (the kernel's 32-byte blocks); the grad op recomputes P from them instead of
+keeping the probability matrix, as the flash-attention backward does.
+
+Masks (atten_mask True/1 = masked out) follow sparse_mode:
+  0 defaultMask: the given mask, and only the band -pre_tockens <= j - i <= next_tockens (top-left
+    origin) computed; no mask: everything computed, pre/next ignored;
+  1 allMask: the given mask;
+  2 leftUpCausal: j > i masked;  3 rightDownCausal: j - i > Skv - Sq masked;
+  4 band: j - i - (Skv - Sq) outside [-pre_tockens, next_tockens] masked (bottom-right origin);
+    2, 3 and 4 take the 2048x2048 compressed upper-triangular mask (torch.triu(ones, 1));
+  5 prefix (uncompressed): the given BNSS/B1SS mask;
+  6 prefix (compressed, 3072x2048 mask): rightDownCausal, plus the first prefix[b] keys of batch b;
+  7, 8 (TND, a sequence split across devices): rightDownCausal / leftUpCausal, except that the last
+    (mode 7) / first (mode 8) sequence is a bottom-right band of pre_tockens, next_tockens.
+Without atten_mask every mode computes everything (the documented behaviour). A row every key of
+which is masked gives zeros (the kernel's invalid-row correction) and no gradient.
+
+TND (varlen) takes cumulative sequence lengths; the sequences are gathered into a padded batch so
+that batch and heads are one batched matmul (no loop over sequences), and masks apply per sequence
+in its own coordinates. Dropout masks come from a counter-style generator seeded by (seed, offset):
+the forward returns the pair and the grad op regenerates the same mask from it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass
+
+import torch
+
+from npukit.npu_backend.fused import (
+    _LIBRARY,
+    compute_dtype,
+    fused_op,
+    npu_numerics,
+    register_autograd,
+    round_intermediate,
+)
+
+INT_MAX = 2147483647
+TRAINING_LAYOUTS = ("BSH", "SBH", "BSND", "BNSD", "TND")
+COMPRESSED_MASK_SIZE = 2048  # sparse modes 2, 3, 4, 7, 8: the 2048x2048 upper-triangular mask
+PREFIX_MASK_SHAPE = (3072, 2048)  # sparse mode 6: triu(2048x2048) over a 1024x2048 [0 | 1] block
+# What a masked score becomes before the softmax: far below any real score, finite so that a row
+# with every key masked gives no NaN (its output is zeroed afterwards).
+MASKED_SCORE = -1e30
+SOFTMAX_STAT_WIDTH = 8  # softmax_max / softmax_sum repeat each row's value 8 times
+
+
+# ---- geometry ------------------------------------------------------------------------------------
+
+@dataclass
+class _Varlen:
+    """TND sequences: per-sequence lengths and their offsets in T."""
+    q_lens: list[int]
+    kv_lens: list[int]
+    q_starts: list[int]
+    kv_starts: list[int]
+
+    @property
+    def batch(self) -> int:
+        return len(self.q_lens)
+
+
+@dataclass
+class _Geometry:
+    layout: str
+    batch: int
+    heads: int       # query heads (N)
+    kv_heads: int    # key/value heads (Nkv); heads % kv_heads == 0
+    sq: int          # query sequence (TND: the longest)
+    skv: int         # key/value sequence (TND: the longest)
+    d: int           # q/k head dim
+    dv: int          # v head dim
+    varlen: _Varlen | None = None
+    q_tokens: int = 0   # TND: T of query
+    kv_tokens: int = 0  # TND: T of key/value
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+
+def _cumulative_to_lengths(op: str, name: str, cumulative) -> tuple[list[int], list[int]]:
+    values = [int(v) for v in cumulative]
+    # Trailing zeros: sequences at the end that take no part (the documented [2, 5, 9, 0, 0]).
+    while len(values) > 1 and values[-1] == 0 and values[-2] != 0:
+        values.pop()
+    lengths, starts, previous = [], [], 0
+    for value in values:
+        if value < previous:
+            raise ValueError(f"torch_npu.{op}: {name} must be cumulative (non-decreasing), got {list(cumulative)}")
+        starts.append(previous)
+        lengths.append(value - previous)
+        previous = value
+    return lengths, starts
+
+
+def _varlen(op: str, actual_seq_qlen, actual_seq_kvlen, q_tokens: int, kv_tokens: int) -> _Varlen:
+    if actual_seq_qlen is None or actual_seq_kvlen is None:
+        raise ValueError(f"torch_npu.{op}: input_layout TND needs actual_seq_qlen and actual_seq_kvlen "
+                         "(cumulative sequence lengths)")
+    q_lens, q_starts = _cumulative_to_lengths(op, "actual_seq_qlen", actual_seq_qlen)
+    kv_lens, kv_starts = _cumulative_to_lengths(op, "actual_seq_kvlen", actual_seq_kvlen)
+    if len(q_lens) != len(kv_lens):
+        raise ValueError(f"torch_npu.{op}: actual_seq_qlen and actual_seq_kvlen must have the same length, got "
+                         f"{len(q_lens)} and {len(kv_lens)}")
+    if sum(q_lens) > q_tokens or sum(kv_lens) > kv_tokens:
+        raise ValueError(f"torch_npu.{op}: actual_seq_qlen/actual_seq_kvlen end at {sum(q_lens)}/{sum(kv_lens)}, "
+                         f"beyond the T of query/key ({q_tokens}/{kv_tokens})")
+    return _Varlen(q_lens, kv_lens, q_starts, kv_starts)
+
+
+def _split_hidden(op: str, what: str, hidden: int, head_dim: int) -> int:
+    if head_dim == 0 or hidden % head_dim:
+        raise ValueError(f"torch_npu.{op}: {what}'s hidden size {hidden} is not a multiple of the head dim {head_dim}")
+    return hidden // head_dim
+
+
+def _geometry(op: str, query, key, value, head_num: int, layout: str, actual_seq_qlen=None,
+              actual_seq_kvlen=None, kv_heads: int | None = None) -> _Geometry:
+    """Sizes of a q/k/v triple in `layout`; kv_heads is needed only for BSH/SBH inputs whose
+    key head count the shapes do not give (the inference ops' num_key_value_heads)."""
+    dims = {"BSH": 3, "SBH": 3, "TND": 3, "BNSD": 4, "BSND": 4}[layout]
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if tensor.dim() != dims:
+            raise ValueError(f"torch_npu.{op}: input_layout {layout} needs {dims}-D {name}, got shape {tuple(tensor.shape)}")
+    if head_num <= 0:
+        raise ValueError(f"torch_npu.{op}: head_num must be positive, got {head_num}")
+    if layout in ("BSH", "SBH"):
+        b_axis, s_axis = (0, 1) if layout == "BSH" else (1, 0)
+        d = _split_hidden(op, "query", query.shape[2], head_num)
+        nkv = kv_heads if kv_heads else _split_hidden(op, "key", key.shape[2], d)
+        dv = _split_hidden(op, "value", value.shape[2], nkv)
+        geometry = _Geometry(layout, query.shape[b_axis], head_num, nkv, query.shape[s_axis], key.shape[s_axis], d, dv)
+        if key.shape[b_axis] != geometry.batch or value.shape[b_axis] != geometry.batch:
+            raise ValueError(f"torch_npu.{op}: query, key and value must have the same batch size")
+    elif layout in ("BNSD", "BSND"):
+        n_axis, s_axis = (1, 2) if layout == "BNSD" else (2, 1)
+        if query.shape[n_axis] != head_num:
+            raise ValueError(f"torch_npu.{op}: head_num={head_num} but query ({layout}) has {query.shape[n_axis]} heads")
+        geometry = _Geometry(layout, query.shape[0], head_num, key.shape[n_axis], query.shape[s_axis],
+                             key.shape[s_axis], query.shape[3], value.shape[3])
+        if key.shape[0] != geometry.batch or value.shape[0] != geometry.batch:
+            raise ValueError(f"torch_npu.{op}: query, key and value must have the same batch size")
+    else:  # TND
+        if query.shape[1] != head_num:
+            raise ValueError(f"torch_npu.{op}: head_num={head_num} but query (TND) has {query.shape[1]} heads")
+        varlen = _varlen(op, actual_seq_qlen, actual_seq_kvlen, query.shape[0], key.shape[0])
+        geometry = _Geometry(layout, varlen.batch, head_num, key.shape[1], max(varlen.q_lens, default=0),
+                             max(varlen.kv_lens, default=0), query.shape[2], value.shape[2], varlen,
+                             query.shape[0], key.shape[0])
+    if geometry.kv_heads <= 0 or geometry.heads % geometry.kv_heads:
+        raise ValueError(f"torch_npu.{op}: query heads ({geometry.heads}) must be a multiple of key/value heads "
+                         f"({geometry.kv_heads})")
+    if key.dim() == 4 and key.shape[:3] != value.shape[:3] or key.dim() == 3 and layout == "TND" and \
+            key.shape[:2] != value.shape[:2]:
+        raise ValueError(f"torch_npu.{op}: key {tuple(key.shape)} and value {tuple(value.shape)} must agree but "
+                         "for the head dim")
+    if key.shape[-1] != query.shape[-1] and layout in ("BNSD", "BSND", "TND"):
+        raise ValueError(f"torch_npu.{op}: query and key must have the same head dim, got {query.shape[-1]} and "
+                         f"{key.shape[-1]}")
+    return geometry
+
+
+# ---- layouts -------------------------------------------------------------------------------------
+
+def _varlen_gather_index(lens: list[int], starts: list[int], padded: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, padded] token indices of each sequence (padding rows point at token 0) and its validity."""
+    position = torch.arange(padded, device=device)
+    lengths = torch.tensor(lens, device=device).unsqueeze(1)
+    valid = position < lengths
+    index = torch.where(valid, torch.tensor(starts, device=device).unsqueeze(1) + position, 0)
+    return index, valid
+
+
+def _to_bnsd(x: torch.Tensor, layout: str, heads: int, varlen: _Varlen | None = None, which: str = "q",
+             padded: int = 0) -> torch.Tensor:
+    """[B, N, S, D] view (TND: the sequences gathered into a zero-padded batch)."""
+    if layout == "BNSD":
+        return x
+    if layout == "BSND":
+        return x.transpose(1, 2)
+    if layout == "BSH":
+        return x.unflatten(2, (heads, -1)).transpose(1, 2)
+    if layout == "SBH":
+        return x.unflatten(2, (heads, -1)).permute(1, 2, 0, 3)
+    lens, starts = (varlen.q_lens, varlen.q_starts) if which == "q" else (varlen.kv_lens, varlen.kv_starts)
+    if x.shape[0] == 0:
+        return x.new_zeros(len(lens), x.shape[1], padded, x.shape[2])
+    index, valid = _varlen_gather_index(lens, starts, padded, x.device)
+    gathered = x[index] * valid[..., None, None].to(x.dtype)  # [B, S, N, D]
+    return gathered.transpose(1, 2)
+
+
+def _from_bnsd(y: torch.Tensor, layout: str, varlen: _Varlen | None = None, which: str = "q",
+               tokens: int = 0) -> torch.Tensor:
+    """The inverse of _to_bnsd (TND: the valid rows scattered back to [T, N, D], zeros elsewhere)."""
+    if layout == "BNSD":
+        return y.contiguous()
+    if layout == "BSND":
+        return y.transpose(1, 2).contiguous()
+    if layout == "BSH":
+        return y.transpose(1, 2).flatten(2).contiguous()
+    if layout == "SBH":
+        return y.permute(2, 0, 1, 3).flatten(2).contiguous()
+    lens = torch.tensor(varlen.q_lens if which == "q" else varlen.kv_lens, dtype=torch.long, device=y.device)
+    batch_index = torch.repeat_interleave(torch.arange(lens.shape[0], device=y.device), lens)
+    starts = torch.repeat_interleave(lens.cumsum(0) - lens, lens)
+    position = torch.arange(batch_index.shape[0], device=y.device) - starts
+    rows = y.transpose(1, 2)[batch_index, position]  # [sum(lens), N, D]
+    if rows.shape[0] < tokens:  # tokens after the last sequence take no part
+        rows = torch.cat([rows, rows.new_zeros(tokens - rows.shape[0], *rows.shape[1:])])
+    return rows
+
+
+def _out_shape(geometry: _Geometry, dv: int | None = None) -> list[int]:
+    dv = geometry.dv if dv is None else dv
+    b, n, sq = geometry.batch, geometry.heads, geometry.sq
+    return {"BSH": [b, sq, n * dv], "SBH": [sq, b, n * dv], "BNSD": [b, n, sq, dv], "BSND": [b, sq, n, dv],
+            "TND": [geometry.q_tokens, n, dv]}[geometry.layout]
+
+
+def _stat_shape(geometry: _Geometry) -> list[int]:
+    if geometry.layout == "TND":
+        return [geometry.q_tokens, geometry.heads, SOFTMAX_STAT_WIDTH]
+    return [geometry.batch, geometry.heads, geometry.sq, SOFTMAX_STAT_WIDTH]
+
+
+def _stats_to_rows(stat: torch.Tensor, geometry: _Geometry) -> torch.Tensor:
+    """softmax_max/sum ([B, N, Sq, 8] or [T, N, 8]) as [B, N, Sq] rows of the padded problem."""
+    if geometry.layout != "TND":
+        return stat[..., 0]
+    return _to_bnsd(stat[..., :1], "TND", geometry.heads, geometry.varlen, "q", geometry.sq)[..., 0]
+
+
+def _rows_to_stats(rows: torch.Tensor, geometry: _Geometry) -> torch.Tensor:
+    if geometry.layout == "TND":
+        rows = _from_bnsd(rows.unsqueeze(-1), "TND", geometry.varlen, "q", geometry.q_tokens)[..., 0]
+    return rows.unsqueeze(-1).expand(*rows.shape, SOFTMAX_STAT_WIDTH).contiguous()
+
+
+# ---- masks ---------------------------------------------------------------------------------------
+
+_checked_masks: dict[tuple, bool] = {}
+
+
+def _is_fake(tensor: torch.Tensor) -> bool:
+    return isinstance(tensor, torch._subclasses.FakeTensor) or tensor.device.type == "meta"
+
+
+def _check_compressed_mask(op: str, mask: torch.Tensor, sparse_mode: int) -> torch.Tensor:
+    """The 2048x2048 (mode 6: 3072x2048) optimised mask the kernel reads its causal tiles from.
+
+    Its shape, and (once per tensor version) its content: a different mask gives wrong results on
+    the NPU, so the emulator says so instead of computing something else."""
+    expected = PREFIX_MASK_SHAPE if sparse_mode == 6 else (COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE)
+    squeezed = mask
+    while squeezed.dim() > 2 and squeezed.shape[0] == 1:
+        squeezed = squeezed[0]
+    if tuple(squeezed.shape) != expected:
+        raise ValueError(f"torch_npu.{op}: sparse_mode={sparse_mode} takes the optimised atten_mask of shape "
+                         f"{expected[0]}x{expected[1]} (torch.triu(torch.ones(2048, 2048), 1).bool()"
+                         f"{' over a 1024x2048 [zeros | ones] block' if sparse_mode == 6 else ''}), got "
+                         f"{tuple(mask.shape)}")
+    if _is_fake(squeezed):
+        return squeezed
+    key = (squeezed.data_ptr(), squeezed._version, squeezed.device, sparse_mode)
+    if key not in _checked_masks:
+        size = COMPRESSED_MASK_SIZE
+        want = torch.ones(size, size, dtype=torch.bool, device=squeezed.device).triu(1)
+        if sparse_mode == 6:
+            lower = torch.zeros(PREFIX_MASK_SHAPE[0] - size, size, dtype=torch.bool, device=squeezed.device)
+            lower[:, size // 2:] = True
+            want = torch.cat([want, lower])
+        if not torch.equal(squeezed.bool(), want):
+            raise ValueError(f"torch_npu.{op}: sparse_mode={sparse_mode} needs atten_mask to be the optimised "
+                             "upper-triangular mask torch.triu(torch.ones(2048, 2048), diagonal=1).bool() (True above "
+                             "the diagonal); the NPU reads its causal tiles from it, another mask gives wrong results")
+        if len(_checked_masks) > 64:
+            _checked_masks.clear()
+        _checked_masks[key] = True
+    return squeezed
+
+
+def _band(diff: torch.Tensor, low: int | torch.Tensor, high: int | torch.Tensor) -> torch.Tensor:
+    """True where low <= diff <= high."""
+    return (diff >= low) & (diff <= high)
+
+
+def _structural_allowed(op, sparse_mode, diff, sq, skv, pre, nxt, prefix, batch_index, batch) -> torch.Tensor | None:
+    """Where the sparse mode lets a query attend a key (None: everywhere). diff = j - i; sq, skv: the
+    (per-sequence) lengths broadcastable against diff."""
+    offset = skv - sq  # bottom-right origin
+    if sparse_mode == 0:
+        if pre >= INT_MAX and nxt >= INT_MAX:
+            return None
+        return _band(diff, -pre, nxt)
+    if sparse_mode in (1, 5):
+        return None
+    if sparse_mode == 2:
+        return diff <= 0
+    if sparse_mode == 3:
+        return diff <= offset
+    if sparse_mode == 4:
+        return _band(diff - offset, -pre, nxt)
+    if sparse_mode == 6:
+        key_position = diff + torch.arange(diff.shape[-2], device=diff.device).unsqueeze(-1)  # j
+        prefix_len = torch.tensor(prefix, device=diff.device).view(-1, 1, 1) if prefix is not None else 0
+        return (diff <= offset) | (key_position < prefix_len)
+    if sparse_mode in (7, 8):
+        band = _band(diff - offset, -pre, nxt)
+        causal = diff <= offset if sparse_mode == 7 else diff <= 0
+        special = batch - 1 if sparse_mode == 7 else 0
+        return torch.where(batch_index == special, band, causal)
+    raise ValueError(f"torch_npu.{op}: sparse_mode must be in 0..8, got {sparse_mode}")
+
+
+def _user_mask(op: str, atten_mask: torch.Tensor, geometry: _Geometry) -> torch.Tensor:
+    """A full atten_mask (modes 0, 1, 5) as bool broadcastable to [B, N, Sq, Skv]."""
+    mask = atten_mask if atten_mask.dtype == torch.bool else atten_mask != 0
+    if geometry.layout == "TND":
+        if mask.dim() != 2:
+            raise ValueError(f"torch_npu.{op}: with input_layout TND atten_mask must be [maxSq, maxSkv], got "
+                             f"{tuple(atten_mask.shape)}")
+        if mask.shape[0] < geometry.sq or mask.shape[1] < geometry.skv:
+            raise ValueError(f"torch_npu.{op}: atten_mask {tuple(atten_mask.shape)} is smaller than the longest "
+                             f"sequences ({geometry.sq}, {geometry.skv})")
+        return mask[:geometry.sq, :geometry.skv]
+    if mask.dim() == 2:
+        mask = mask[None, None]
+    if mask.dim() != 4 or mask.shape[0] not in (1, geometry.batch) or mask.shape[1] not in (1, geometry.heads) \
+            or tuple(mask.shape[2:]) != (geometry.sq, geometry.skv):
+        raise ValueError(f"torch_npu.{op}: atten_mask must be [B, N, Sq, Skv], [B, 1, Sq, Skv], [1, 1, Sq, Skv] or "
+                         f"[Sq, Skv] = {geometry.sq}x{geometry.skv}, got {tuple(atten_mask.shape)}")
+    return mask
+
+
+@dataclass
+class _Masking:
+    bias: torch.Tensor | None       # additive fp32 bias (scaled pse, MASKED_SCORE at masked positions), 4-D
+    row_valid: torch.Tensor | None  # [B|1, N|1, Sq, 1] bool: rows with at least one key (None: all)
+
+
+def _masking(op: str, geometry: _Geometry, atten_mask, sparse_mode: int, pre: int, nxt: int, prefix,
+             pse_bias: torch.Tensor | None, device, q_lens=None, kv_lens=None) -> _Masking:
+    """The additive bias of the scores and the valid rows, for a (padded) [B, N, Sq, Skv] problem.
+
+    q_lens / kv_lens: per-batch valid lengths (TND sequences, or the inference ops'
+    actual_seq_lengths): keys beyond are masked, rows beyond give zeros."""
+    if sparse_mode < 0 or sparse_mode > 8:
+        raise ValueError(f"torch_npu.{op}: sparse_mode must be in 0..8, got {sparse_mode}")
+    varlen = geometry.varlen
+    if varlen is not None and sparse_mode == 5:
+        raise ValueError(f"torch_npu.{op}: sparse_mode=5 (uncompressed prefix) is not supported with input_layout TND")
+    if varlen is None and sparse_mode in (7, 8):
+        raise ValueError(f"torch_npu.{op}: sparse_mode={sparse_mode} is for input_layout TND only")
+    if varlen is not None:
+        q_lens, kv_lens = varlen.q_lens, varlen.kv_lens
+    masked = None
+    if atten_mask is not None:
+        if atten_mask.dtype not in (torch.bool, torch.uint8, torch.int8):
+            raise ValueError(f"torch_npu.{op}: atten_mask must be bool or uint8 (True/1 = masked), got {atten_mask.dtype}")
+        if sparse_mode in (0, 1, 5):
+            masked = _user_mask(op, atten_mask, geometry)
+            if sparse_mode == 5 and (masked.dim() != 4 or masked.shape[0] != geometry.batch):
+                raise ValueError(f"torch_npu.{op}: sparse_mode=5 needs a BNSS or B1SS atten_mask, got "
+                                 f"{tuple(atten_mask.shape)}")
+        else:
+            _check_compressed_mask(op, atten_mask, sparse_mode)
+        if sparse_mode in (5, 6) and prefix is None:
+            raise ValueError(f"torch_npu.{op}: sparse_mode={sparse_mode} needs prefix (one N per batch)")
+        per_batch = q_lens is not None
+        rows = torch.arange(geometry.sq, device=device).unsqueeze(1)
+        cols = torch.arange(geometry.skv, device=device).unsqueeze(0)
+        diff = cols - rows
+        batch_index = None
+        if per_batch:
+            diff = diff.unsqueeze(0)
+            sq = torch.tensor(q_lens, device=device).view(-1, 1, 1)
+            skv = torch.tensor(kv_lens, device=device).view(-1, 1, 1)
+            batch_index = torch.arange(len(q_lens), device=device).view(-1, 1, 1)
+        else:
+            sq, skv = geometry.sq, geometry.skv
+        allowed = _structural_allowed(op, sparse_mode, diff, sq, skv, pre, nxt, prefix, batch_index,
+                                      len(q_lens) if per_batch else geometry.batch)
+        if allowed is not None:
+            structural = ~allowed
+            if structural.dim() == 3:
+                structural = structural.unsqueeze(1)
+            masked = structural if masked is None else masked | structural
+    if q_lens is not None or kv_lens is not None:
+        # Padding: keys beyond a sequence's length are masked, rows beyond it give zeros.
+        q_len = torch.tensor(q_lens if q_lens is not None else [geometry.sq] * geometry.batch, device=device)
+        kv_len = torch.tensor(kv_lens if kv_lens is not None else [geometry.skv] * geometry.batch, device=device)
+        padding = (torch.arange(geometry.sq, device=device).view(1, 1, -1, 1) >= q_len.view(-1, 1, 1, 1)) | \
+                  (torch.arange(geometry.skv, device=device).view(1, 1, 1, -1) >= kv_len.view(-1, 1, 1, 1))
+        masked = padding if masked is None else masked | padding
+    if masked is None:
+        return _Masking(pse_bias, None)
+    if masked.dim() == 2:
+        masked = masked[None, None]
+    if pse_bias is None:
+        bias = torch.where(masked, MASKED_SCORE, 0.0)
+    else:
+        bias = pse_bias.masked_fill(masked, MASKED_SCORE)
+    return _Masking(bias, ~masked.all(-1, keepdim=True))
+
+
+# ---- the kernel's computation --------------------------------------------------------------------
+
+def _group(t: torch.Tensor, geometry: _Geometry) -> torch.Tensor:
+    """A [B|1, N|1, Sq|1, X] tensor as [B|1, Nkv|1, G|1, Sq|1, X], matching the grouped scores."""
+    if t.shape[1] == 1:
+        return t.unsqueeze(1)
+    return t.unflatten(1, (geometry.kv_heads, geometry.group))
+
+
+@dataclass
+class _Problem:
+    """q/k/v of one call as the batched matmuls read them: q [B*Nkv, G*Sq, D], k [B*Nkv, Skv, D],
+    v [B*Nkv, Skv, Dv], in the compute dtype; a group of query heads shares its key/value head."""
+    geometry: _Geometry
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    scale: float
+    masking: _Masking
+    in_dtype: torch.dtype   # what the kernel rounds its intermediates to (the input dtype)
+    npu: bool
+
+    def grouped(self, t3: torch.Tensor) -> torch.Tensor:
+        g = self.geometry
+        return t3.view(g.batch, g.kv_heads, g.group, g.sq, t3.shape[-1])
+
+    def heads(self, t3: torch.Tensor) -> torch.Tensor:
+        """[B*Nkv, G*Sq, X] as [B, N, Sq, X]."""
+        g = self.geometry
+        return t3.view(g.batch, g.heads, g.sq, t3.shape[-1])
+
+    def scores(self) -> torch.Tensor:
+        """scale * q @ k^T plus the bias (scaled pse, masked positions), fp32 [B*Nkv, G*Sq, Skv]."""
+        s = torch.bmm(self.q, self.k.transpose(1, 2)).mul_(self.scale)
+        if self.masking.bias is not None:
+            self.grouped(s).add_(_group(self.masking.bias, self.geometry))
+        return s
+
+
+def _problem(q4, k4, v4, geometry: _Geometry, scale: float, masking: _Masking, in_dtype, npu) -> _Problem:
+    g = geometry
+    dtype = compute_dtype(in_dtype)
+    q = q4.to(dtype).unflatten(1, (g.kv_heads, g.group)).reshape(g.batch * g.kv_heads, g.group * g.sq, g.d)
+    k = k4.to(dtype).reshape(g.batch * g.kv_heads, g.skv, k4.shape[-1])
+    v = v4.to(dtype).reshape(g.batch * g.kv_heads, g.skv, v4.shape[-1])
+    return _Problem(g, q, k, v, scale, masking, in_dtype, npu)
+
+
+def _dropped(shape, keep_prob: float, seed: int, offset: int, device) -> torch.Tensor:
+    """Which probabilities dropout zeroes: uniform 16-bit draws of a generator seeded by (seed,
+    offset), so the grad op regenerates the same mask from the pair the forward returns."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed((seed * 0x9E3779B97F4A7C15 + offset) % (1 << 63))
+    numel = math.prod(shape)
+    words = torch.empty((numel + 3) // 4, dtype=torch.int64, device=device).random_(-(1 << 63), None,
+                                                                                  generator=generator)
+    uniform16 = words.view(torch.int16)[:numel].view(shape)  # in [-32768, 32767]
+    threshold = round(keep_prob * 65536) - 32768
+    return uniform16 >= threshold
+
+
+def _draw_seed_offset(device) -> tuple[int, int]:
+    """Where a dropout mask's randomness comes from: the device generator's seed and a position
+    drawn from it (advancing it), so a seeded run reproduces its masks."""
+    index = device.index if device.index is not None else 0
+    generator = torch.npu.default_generators[index] if device.type == "npu" else torch.default_generator
+    offset = int(torch.empty((), dtype=torch.int64, device=device).random_(0, 1 << 62, generator=generator))
+    return int(generator.initial_seed()), offset
+
+
+def _forward(problem: _Problem, keep_prob: float, seed: int, offset: int, sink: torch.Tensor | None):
+    """attention_out [B, N, Sq, Dv] (compute dtype) and the softmax's row max and sum [B, N, Sq]."""
+    g = problem.geometry
+    s = problem.scores()
+    row_max = s.amax(-1, keepdim=True)
+    p = torch.softmax(s, -1)
+    del s
+    # The largest probability is exp(0) / sum: the row sum without another pass of exp.
+    row_sum = p.amax(-1, keepdim=True).reciprocal_()
+    if keep_prob < 1:
+        p.masked_fill_(_dropped(p.shape, keep_prob, seed, offset, p.device), 0).mul_(1 / keep_prob)
+    out = torch.bmm(round_intermediate(p, problem.in_dtype, problem.npu), problem.v)
+    out, row_max, row_sum = problem.heads(out), problem.heads(row_max), problem.heads(row_sum)
+    if sink is not None:
+        # A per-head logit that joins every row's softmax without a value: m = max(sink, max(S)),
+        # sum += exp(sink - m); the probabilities computed without it shrink by the same factor.
+        sink_logit = sink.to(out.dtype).view(1, g.heads, 1, 1)
+        new_max = torch.maximum(row_max, sink_logit)
+        kept = row_sum * torch.exp(row_max - new_max)
+        new_sum = kept + torch.exp(sink_logit - new_max)
+        out = out * (kept / new_sum)
+        row_max, row_sum = new_max, new_sum
+    if problem.masking.row_valid is not None:
+        out = out * problem.masking.row_valid
+    return out, row_max[..., 0], row_sum[..., 0]
+
+
+def _backward(problem: _Problem, dy4, out4, row_max, row_sum, keep_prob, seed, offset, sink, want_dpse: bool):
+    """dq [B, N, Sq, D], dk, dv [B, Nkv, Skv, D|Dv] (compute dtype), d(scores) [B, N, Sq, Skv] when
+    asked (for dpse), dsink [N] or None."""
+    g = problem.geometry
+    dtype = problem.q.dtype
+    dy = dy4.to(dtype)
+    if problem.masking.row_valid is not None:
+        dy = dy * problem.masking.row_valid  # rows with every key masked output zeros: no gradient
+    dy3 = dy.reshape(g.batch * g.kv_heads, g.group * g.sq, -1)
+    out3 = out4.to(dtype).reshape(dy3.shape)
+    # A padding row of a TND batch has sum 0: any finite value keeps its (zero) gradient finite.
+    log_sum_exp = (row_max + torch.log(row_sum.clamp_min(torch.finfo(torch.float32).tiny))).to(dtype).reshape(dy3.shape[0], dy3.shape[1], 1)
+    p = problem.scores().sub_(log_sum_exp).exp_()  # the forward's probabilities, from its statistics
+    dropped = _dropped(p.shape, keep_prob, seed, offset, p.device) if keep_prob < 1 else None
+    p_out = p if dropped is None else p.masked_fill(dropped, 0).mul_(1 / keep_prob)
+    dv = torch.bmm(round_intermediate(p_out, problem.in_dtype, problem.npu).transpose(1, 2), dy3)
+    del p_out
+    dp = torch.bmm(dy3, problem.v.transpose(1, 2))
+    if dropped is not None:
+        dp.masked_fill_(dropped, 0).mul_(1 / keep_prob)
+    row_dot = (dy3 * out3).sum(-1, keepdim=True)  # sum_j P_j dP_j, from the rounded output as the kernel does
+    ds = p.mul_(dp.sub_(row_dot))
+    del dp
+    ds_in = round_intermediate(ds, problem.in_dtype, problem.npu)
+    dq = torch.bmm(ds_in, problem.k).mul_(problem.scale)
+    dk = torch.bmm(ds_in.transpose(1, 2), problem.q).mul_(problem.scale)
+    dsink = None
+    if sink is not None:
+        p_sink = torch.exp(sink.to(dtype).view(1, g.heads, 1, 1) - problem.heads(log_sum_exp))
+        dsink = -(p_sink * problem.heads(row_dot)).sum((0, 2, 3))
+    return (problem.heads(dq), dk.view(g.batch, g.kv_heads, g.skv, -1), dv.view(g.batch, g.kv_heads, g.skv, -1),
+            problem.heads(ds) if want_dpse else None, dsink)
+
+
+# ---- npu_fusion_attention ------------------------------------------------------------------------
+
+def _layout(op: str, input_layout: str, allowed=TRAINING_LAYOUTS) -> str:
+    layout = input_layout.upper()
+    if layout not in allowed:
+        raise ValueError(f"torch_npu.{op}: input_layout must be one of {', '.join(allowed)}, got {input_layout!r}")
+    return layout
+
+
+def _check_dtypes(op: str, **tensors) -> None:
+    for name, tensor in tensors.items():
+        if tensor is not None and tensor.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            raise ValueError(f"torch_npu.{op}: {name} must be float16, bfloat16 or float32, got {tensor.dtype}")
+
+
+def _pse_bias(op: str, pse, geometry: _Geometry, scale: float, pse_type: int) -> torch.Tensor | None:
+    """pse as the fp32 bias added to scale * q @ k^T: scale * pse (pse_type 1: scale * (qk + pse)),
+    pse itself (pse_type 0: scale * qk + pse). BNSS, BN1S, 1NSS (TND: per sequence, padded)."""
+    if pse is None:
+        return None
+    b, n, sq, skv = geometry.batch, geometry.heads, geometry.sq, geometry.skv
+    if pse.dim() != 4 or pse.shape[0] not in (1, b) or pse.shape[1] != n or pse.shape[2] not in (1, sq) \
+            or pse.shape[3] != skv:
+        hint = (" (the alibi-compressed form, the last 1024 rows, is not emulated: pass the full pse)"
+                if pse.dim() == 4 and pse.shape[2] == 1024 and sq > 1024 else "")
+        raise ValueError(f"torch_npu.{op}: pse must be [B, N, Sq, Skv], [B, N, 1, Skv] or [1, N, Sq, Skv] = "
+                         f"[{b}, {n}, {sq}, {skv}], got {tuple(pse.shape)}{hint}")
+    bias = pse.to(compute_dtype(pse.dtype) if pse.dtype != torch.float64 else torch.float64)
+    return bias * scale if pse_type == 1 else bias.clone()
+
+
+@dataclass
+class _Call:
+    """Everything one npu_fusion_attention(_v2) call decides before computing."""
+    geometry: _Geometry
+    problem: _Problem
+    numels: int
+
+
+def _prepare(op: str, query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale, keep_prob,
+             pre_tokens, next_tokens, prefix, actual_seq_qlen, actual_seq_kvlen, sparse_mode, softmax_layout, sink,
+             pse_type=1, query_rope=None, key_rope=None) -> _Call:
+    layout = _layout(op, input_layout)
+    _check_dtypes(op, query=query, key=key, value=value, pse=pse)
+    if padding_mask is not None:
+        raise ValueError(f"torch_npu.{op}: padding_mask is reserved and not supported (pass None); "
+                         "use atten_mask")
+    if not 0 < keep_prob <= 1:
+        raise ValueError(f"torch_npu.{op}: keep_prob must be in (0, 1], got {keep_prob}")
+    if softmax_layout not in ("", "TND") or softmax_layout == "TND" and layout != "TND":
+        raise ValueError(f"torch_npu.{op}: softmax_layout must be '' or 'TND' (with input_layout TND), "
+                         f"got {softmax_layout!r}")
+    if pse is not None and sparse_mode in (7, 8):
+        raise ValueError(f"torch_npu.{op}: sparse_mode={sparse_mode} does not take pse")
+    if sink is not None and (sink.dim() != 1 or sink.shape[0] != head_num):
+        raise ValueError(f"torch_npu.{op}: sink must have shape [head_num] = [{head_num}], got {tuple(sink.shape)}")
+    if query_rope is not None:
+        query = torch.cat([query, query_rope.to(query.dtype)], -1)
+        key = torch.cat([key, key_rope.to(key.dtype)], -1)
+    geometry = _geometry(op, query, key, value, head_num, layout, actual_seq_qlen, actual_seq_kvlen)
+    varlen = geometry.varlen
+    q4 = _to_bnsd(query, layout, geometry.heads, varlen, "q", geometry.sq)
+    k4 = _to_bnsd(key, layout, geometry.kv_heads, varlen, "kv", geometry.skv)
+    v4 = _to_bnsd(value, layout, geometry.kv_heads, varlen, "kv", geometry.skv)
+    pse_bias = _pse_bias(op, pse, geometry, scale, pse_type)
+    masking = _masking(op, geometry, atten_mask, sparse_mode, pre_tokens, next_tokens, prefix, pse_bias,
+                       query.device)
+    problem = _problem(q4, k4, v4, geometry, scale, masking, query.dtype, npu_numerics(query))
+    if varlen is not None:
+        numels = geometry.heads * sum(a * b for a, b in zip(varlen.q_lens, varlen.kv_lens))
+    else:
+        numels = geometry.batch * geometry.heads * geometry.sq * geometry.skv
+    return _Call(geometry, problem, numels)
+
+
+def _seed_offset(op: str, query, keep_prob: float, seed: int, offset: int) -> tuple[int, int]:
+    if keep_prob >= 1:
+        return 0, 0
+    if seed or offset:
+        return seed, offset
+    return _draw_seed_offset(query.device)
+
+
+def _fusion_attention(op, query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale,
+                      keep_prob, pre_tokens, next_tokens, prefix, actual_seq_qlen, actual_seq_kvlen, sparse_mode,
+                      softmax_layout, sink, dropout_mask, seed, offset, pse_type=1, query_rope=None, key_rope=None):
+    if dropout_mask is not None:
+        raise NotImplementedError(f"torch_npu.{op}: an external dropout_mask is not emulated; pass keep_prob "
+                                  "(and seed/offset to fix the mask)")
+    call = _prepare(op, query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale, keep_prob,
+                    pre_tokens, next_tokens, prefix, actual_seq_qlen, actual_seq_kvlen, sparse_mode, softmax_layout,
+                    sink, pse_type, query_rope, key_rope)
+    seed, offset = _seed_offset(op, query, keep_prob, seed, offset)
+    out, row_max, row_sum = _forward(call.problem, keep_prob, seed, offset, sink)
+    g = call.geometry
+    attention_out = _from_bnsd(out.to(query.dtype), g.layout, g.varlen, "q", g.q_tokens)
+    return (attention_out, _rows_to_stats(row_max.float(), g), _rows_to_stats(row_sum.float(), g),
+            query.new_empty(0), seed, offset, call.numels)
+
+
+def _fusion_attention_fake(op, query, key, value, head_num, input_layout, actual_seq_qlen, actual_seq_kvlen,
+                           keep_prob, seed, offset, query_rope=None, key_rope=None):
+    layout = _layout(op, input_layout)
+    if query_rope is not None:
+        query = torch.cat([query, query_rope], -1)
+        key = torch.cat([key, key_rope], -1)
+    g = _geometry(op, query, key, value, head_num, layout, actual_seq_qlen, actual_seq_kvlen)
+    if keep_prob < 1 and not (seed or offset):
+        # A traced graph keeps the int outputs its fake kernel returns: the forward's freshly drawn
+        # seed would not reach the backward, which would drop other elements.
+        raise RuntimeError(f"torch_npu.{op}: under torch.compile, keep_prob < 1 needs an explicit seed and offset "
+                           "(the graph cannot carry the seed the kernel draws to its backward)")
+    numels = (g.heads * sum(a * b for a, b in zip(g.varlen.q_lens, g.varlen.kv_lens)) if g.varlen
+              else g.batch * g.heads * g.sq * g.skv)
+    seed, offset = (seed, offset) if keep_prob < 1 else (0, 0)
+    stat = query.new_empty(_stat_shape(g), dtype=torch.float32)
+    return (query.new_empty(_out_shape(g)), stat, torch.empty_like(stat), query.new_empty(0), seed, offset, numels)
+
+
+_FUSION_ATTENTION_SCHEMA = (
+    "npu_fusion_attention(Tensor query, Tensor key, Tensor value, int head_num, str input_layout, Tensor? pse=None, "
+    "Tensor? padding_mask=None, Tensor? atten_mask=None, float scale=1., float keep_prob=1., "
+    "int pre_tockens=2147483647, int next_tockens=2147483647, int inner_precise=0, int[]? prefix=None, "
+    "int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, bool gen_mask_parallel=True, "
+    "bool sync=False, str softmax_layout=\"\", Tensor? sink=None, Tensor? dropout_mask=None, int seed=0, "
+    "int offset=0) -> (Tensor, Tensor, Tensor, Tensor, int, int, int)")
+_UNFUSED = "torch.softmax(q @ k.transpose(-1, -2) * scale + mask, -1) @ v (torch.nn.functional.scaled_dot_product_attention)"
+
+
+def _fusion_attention_v1_fake(query, key, value, head_num, input_layout, pse=None, padding_mask=None,
+                              atten_mask=None, scale=1.0, keep_prob=1.0, pre_tockens=INT_MAX, next_tockens=INT_MAX,
+                              inner_precise=0, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None,
+                              sparse_mode=0, gen_mask_parallel=True, sync=False, softmax_layout="", sink=None,
+                              dropout_mask=None, seed=0, offset=0):
+    return _fusion_attention_fake("npu_fusion_attention", query, key, value, head_num, input_layout,
+                                  actual_seq_qlen, actual_seq_kvlen, keep_prob, seed, offset)
+
+
+@fused_op(_FUSION_ATTENTION_SCHEMA, unfused=_UNFUSED, fake=_fusion_attention_v1_fake)
+def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, padding_mask=None, atten_mask=None,
+                         scale=1.0, keep_prob=1.0, pre_tockens=INT_MAX, next_tockens=INT_MAX, inner_precise=0,
+                         prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0,
+                         gen_mask_parallel=True, sync=False, softmax_layout="", sink=None, dropout_mask=None, seed=0,
+                         offset=0):
+    return _fusion_attention("npu_fusion_attention", query, key, value, head_num, input_layout, pse, padding_mask,
+                             atten_mask, scale, keep_prob, pre_tockens, next_tockens, prefix, actual_seq_qlen,
+                             actual_seq_kvlen, sparse_mode, softmax_layout, sink, dropout_mask, seed, offset)
+
+
+def _fusion_attention_grad(op, query, key, value, dy, head_num, input_layout, pse, padding_mask, atten_mask,
+                           softmax_max, softmax_sum, attention_in, scale, keep_prob, pre_tokens, next_tokens, seed,
+                           offset, prefix, actual_seq_qlen, actual_seq_kvlen, sparse_mode, softmax_layout, sink,
+                           pse_type=1, query_rope=None, key_rope=None):
+    """dq, dk, dv, dpse, dsink (and, with rope inputs, dq_rope and dk_rope)."""
+    for name, tensor in (("softmax_max", softmax_max), ("softmax_sum", softmax_sum), ("attention_in", attention_in)):
+        if tensor is None:
+            raise ValueError(f"torch_npu.{op}: {name} is required (the forward's output of that name)")
+    call = _prepare(op, query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale, keep_prob,
+                    pre_tokens, next_tokens, prefix, actual_seq_qlen, actual_seq_kvlen, sparse_mode, softmax_layout,
+                    sink, pse_type, query_rope, key_rope)
+    g = call.geometry
+    dy4 = _to_bnsd(dy, g.layout, g.heads, g.varlen, "q", g.sq)
+    out4 = _to_bnsd(attention_in, g.layout, g.heads, g.varlen, "q", g.sq)
+    row_max = _stats_to_rows(softmax_max, g).to(call.problem.q.dtype)
+    row_sum = _stats_to_rows(softmax_sum, g).to(call.problem.q.dtype)
+    dq, dk, dv, dscores, dsink = _backward(call.problem, dy4, out4, row_max, row_sum, keep_prob, seed, offset, sink,
+                                           pse is not None)
+    dq = _from_bnsd(dq.to(query.dtype), g.layout, g.varlen, "q", g.q_tokens)
+    dk = _from_bnsd(dk.to(query.dtype), g.layout, g.varlen, "kv", g.kv_tokens)
+    dv = _from_bnsd(dv.to(query.dtype), g.layout, g.varlen, "kv", g.kv_tokens)
+    if pse is not None:
+        # scores = scale * (qk + pse) (pse_type 1) or scale * qk + pse (pse_type 0)
+        dscores = dscores * scale if pse_type == 1 else dscores
+        dpse = dscores.sum_to_size(pse.shape).to(pse.dtype)
+    else:
+        dpse = query.new_empty(0)
+    dsink = dsink.to(sink.dtype) if sink is not None else query.new_empty(0, dtype=torch.float32)
+    if query_rope is not None:
+        d_rope = query_rope.shape[-1]
+        dq, dq_rope = dq[..., :-d_rope].contiguous(), dq[..., -d_rope:].contiguous()
+        dk, dk_rope = dk[..., :-d_rope].contiguous(), dk[..., -d_rope:].contiguous()
+        return dq, dk, dv, dpse, dsink, dq_rope.to(query_rope.dtype), dk_rope.to(key_rope.dtype)
+    return dq, dk, dv, dpse, dsink, None, None
+
+
+def _grad_fake(query, key, value, pse, sink, query_rope=None, key_rope=None):
+    dpse = pse.new_empty(pse.shape) if pse is not None else query.new_empty(0)
+    dsink = sink.new_empty(sink.shape) if sink is not None else query.new_empty(0, dtype=torch.float32)
+    return (query.new_empty(query.shape), key.new_empty(key.shape, dtype=query.dtype),
+            value.new_empty(value.shape, dtype=query.dtype), dpse, dsink,
+            query_rope.new_empty(query_rope.shape) if query_rope is not None else query.new_empty(0),
+            key_rope.new_empty(key_rope.shape) if key_rope is not None else query.new_empty(0))
+
+
+_GRAD_SCHEMA = (
+    "npu_fusion_attention_grad(Tensor query, Tensor key, Tensor value, Tensor dy, int head_num, str input_layout, *, "
+    "Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, Tensor? softmax_max=None, "
+    "Tensor? softmax_sum=None, Tensor? softmax_in=None, Tensor? attention_in=None, float scale_value=1., "
+    "float keep_prob=1., int pre_tockens=2147483647, int next_tockens=2147483647, int inner_precise=0, int seed=0, "
+    "int offset=0, int numels=0, int[]? prefix=None, int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, "
+    "int sparse_mode=0, bool gen_mask_parallel=True, bool sync=False, str softmax_layout=\"\", Tensor? sink=None) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+
+
+def _fusion_attention_grad_fake(query, key, value, dy, head_num, input_layout, *, pse=None, sink=None, **_):
+    return _grad_fake(query, key, value, pse, sink)[:5]
+
+
+@fused_op(_GRAD_SCHEMA, unfused="autograd of npu_fusion_attention's decomposition", public=False,
+          fake=_fusion_attention_grad_fake)
+def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, pse=None, padding_mask=None,
+                              atten_mask=None, softmax_max=None, softmax_sum=None, softmax_in=None,
+                              attention_in=None, scale_value=1.0, keep_prob=1.0, pre_tockens=INT_MAX,
+                              next_tockens=INT_MAX, inner_precise=0, seed=0, offset=0, numels=0, prefix=None,
+                              actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True,
+                              sync=False, softmax_layout="", sink=None):
+    return _fusion_attention_grad("npu_fusion_attention_grad", query, key, value, dy, head_num, input_layout, pse,
+                                  padding_mask, atten_mask, softmax_max, softmax_sum, attention_in, scale_value,
+                                  keep_prob, pre_tockens, next_tockens, seed, offset, prefix, actual_seq_qlen,
+                                  actual_seq_kvlen, sparse_mode, softmax_layout, sink)[:5]
+
+
+_V1_ARGS = ("query", "key", "value", "head_num", "input_layout", "pse", "padding_mask", "atten_mask", "scale",
+            "keep_prob", "pre_tockens", "next_tockens", "inner_precise", "prefix", "actual_seq_qlen",
+            "actual_seq_kvlen", "sparse_mode", "gen_mask_parallel", "sync", "softmax_layout", "sink", "dropout_mask",
+            "seed", "offset")
+
+
+def _fusion_attention_setup(ctx, inputs, output):
+    args = dict(zip(_V1_ARGS, inputs))
+    ctx.args = {name: value for name, value in args.items() if not isinstance(value, torch.Tensor)}
+    ctx.args.update(seed=output[4], offset=output[5], numels=output[6])
+    ctx.has = {name: args[name] is not None for name in ("pse", "atten_mask", "sink")}
+    ctx.save_for_backward(args["query"], args["key"], args["value"], args["pse"], args["atten_mask"], args["sink"],
+                          output[0], output[1], output[2])
+
+
+def _fusion_attention_backward(ctx, d_out, _dmax, _dsum, _dsoftmax, *_ints):
+    query, key, value, pse, atten_mask, sink, out, softmax_max, softmax_sum = ctx.saved_tensors
+    a = ctx.args
+    if d_out is None:
+        d_out = torch.zeros_like(out)
+    dq, dk, dv, dpse, dsink = torch.ops.npu.npu_fusion_attention_grad(
+        query, key, value, d_out, a["head_num"], a["input_layout"], pse=pse, atten_mask=atten_mask,
+        softmax_max=softmax_max, softmax_sum=softmax_sum, attention_in=out, scale_value=a["scale"],
+        keep_prob=a["keep_prob"], pre_tockens=a["pre_tockens"], next_tockens=a["next_tockens"],
+        inner_precise=a["inner_precise"], seed=a["seed"], offset=a["offset"], numels=a["numels"], prefix=a["prefix"],
+        actual_seq_qlen=a["actual_seq_qlen"], actual_seq_kvlen=a["actual_seq_kvlen"], sparse_mode=a["sparse_mode"],
+        softmax_layout=a["softmax_layout"], sink=sink)
+    grads = {"query": dq, "key": dk, "value": dv, "pse": dpse if ctx.has["pse"] else None,
+             "sink": dsink if ctx.has["sink"] else None}
+    return tuple(grads.get(name) for name in _V1_ARGS)
+
+
+register_autograd("npu_fusion_attention", _fusion_attention_backward, _fusion_attention_setup)
+
+
+# ---- npu_fusion_attention_v2 ---------------------------------------------------------------------
+
+def _check_v2(op: str, pse, query_rope, key_rope, input_layout, keep_prob, pse_type, query) -> None:
+    if pse_type in (2, 3):
+        raise NotImplementedError(f"torch_npu.{op}: pse_type={pse_type} (the alibi pse the kernel generates from "
+                                  "per-head slopes, with q_start_idx/kv_start_idx) is not emulated; pass the full pse "
+                                  "with pse_type 0 or 1")
+    if pse_type not in (0, 1):
+        raise ValueError(f"torch_npu.{op}: pse_type must be 0, 1, 2 or 3, got {pse_type}")
+    if (query_rope is None) != (key_rope is None):
+        raise ValueError(f"torch_npu.{op}: query_rope and key_rope go together")
+    if query_rope is not None:
+        if input_layout.upper() != "TND":
+            raise ValueError(f"torch_npu.{op}: query_rope/key_rope are supported with input_layout TND only")
+        if keep_prob != 1 or pse is not None:
+            raise ValueError(f"torch_npu.{op}: with query_rope/key_rope keep_prob must be 1 and pse None")
+        if not all(t.dtype == torch.bfloat16 for t in (query, query_rope, key_rope)):
+            raise ValueError(f"torch_npu.{op}: with query_rope/key_rope the inputs must be bfloat16")
+
+
+_V2_SCHEMA = (
+    "npu_fusion_attention_v2(Tensor query, Tensor key, Tensor value, int head_num, str input_layout, *, "
+    "Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, Tensor? query_rope=None, "
+    "Tensor? key_rope=None, float scale=1., float keep_prob=1., int pre_tokens=2147483647, "
+    "int next_tokens=2147483647, int inner_precise=0, int[]? prefix=None, int[]? actual_seq_qlen=None, "
+    "int[]? actual_seq_kvlen=None, int sparse_mode=0, bool gen_mask_parallel=True, bool sync=False, int pse_type=1, "
+    "int[]? q_start_idx=None, int[]? kv_start_idx=None, str softmax_layout=\"\", Tensor? sink=None, "
+    "Tensor? dropout_mask=None, int seed=0, int offset=0) -> (Tensor, Tensor, Tensor, Tensor, int, int, int)")
+
+
+def _fusion_attention_v2_fake(query, key, value, head_num, input_layout, *, query_rope=None, key_rope=None,
+                              keep_prob=1.0, actual_seq_qlen=None, actual_seq_kvlen=None, seed=0, offset=0, **_):
+    return _fusion_attention_fake("npu_fusion_attention_v2", query, key, value, head_num, input_layout,
+                                  actual_seq_qlen, actual_seq_kvlen, keep_prob, seed, offset, query_rope, key_rope)
+
+
+@fused_op(_V2_SCHEMA, unfused=_UNFUSED, fake=_fusion_attention_v2_fake)
+def npu_fusion_attention_v2(query, key, value, head_num, input_layout, *, pse=None, padding_mask=None,
+                            atten_mask=None, query_rope=None, key_rope=None, scale=1.0, keep_prob=1.0,
+                            pre_tokens=INT_MAX, next_tokens=INT_MAX, inner_precise=0, prefix=None,
+                            actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True,
+                            sync=False, pse_type=1, q_start_idx=None, kv_start_idx=None, softmax_layout="",
+                            sink=None, dropout_mask=None, seed=0, offset=0):
+    op = "npu_fusion_attention_v2"
+    _check_v2(op, pse, query_rope, key_rope, input_layout, keep_prob, pse_type, query)
+    return _fusion_attention(op, query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale,
+                             keep_prob, pre_tokens, next_tokens, prefix, actual_seq_qlen, actual_seq_kvlen,
+                             sparse_mode, softmax_layout, sink, dropout_mask, seed, offset, pse_type, query_rope,
+                             key_rope)
+
+
+_GRAD_V2_SCHEMA = (
+    "npu_fusion_attention_grad_v2(Tensor query, Tensor key, Tensor value, Tensor dy, int head_num, "
+    "str input_layout, *, Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, "
+    "Tensor? softmax_max=None, Tensor? softmax_sum=None, Tensor? softmax_in=None, Tensor? attention_in=None, "
+    "Tensor? query_rope=None, Tensor? key_rope=None, float scale_value=1., float keep_prob=1., "
+    "int pre_tokens=2147483647, int next_tokens=2147483647, int inner_precise=0, int seed=0, int offset=0, "
+    "int numels=0, int[]? prefix=None, int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, "
+    "bool gen_mask_parallel=True, bool sync=False, int pse_type=1, int[]? q_start_idx=None, "
+    "int[]? kv_start_idx=None, str softmax_layout=\"\", Tensor? sink=None) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+
+
+def _fusion_attention_grad_v2_fake(query, key, value, dy, head_num, input_layout, *, pse=None, sink=None,
+                                   query_rope=None, key_rope=None, **_):
+    dq, dk, dv, dpse, dsink, dq_rope, dk_rope = _grad_fake(query, key, value, pse, sink, query_rope, key_rope)
+    return dq, dk, dv, dpse, dq_rope, dk_rope, dsink
+
+
+@fused_op(_GRAD_V2_SCHEMA, unfused="autograd of npu_fusion_attention_v2's decomposition", public=False,
+          fake=_fusion_attention_grad_v2_fake)
+def npu_fusion_attention_grad_v2(query, key, value, dy, head_num, input_layout, *, pse=None, padding_mask=None,
+                                 atten_mask=None, softmax_max=None, softmax_sum=None, softmax_in=None,
+                                 attention_in=None, query_rope=None, key_rope=None, scale_value=1.0, keep_prob=1.0,
+                                 pre_tokens=INT_MAX, next_tokens=INT_MAX, inner_precise=0, seed=0, offset=0,
+                                 numels=0, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0,
+                                 gen_mask_parallel=True, sync=False, pse_type=1, q_start_idx=None, kv_start_idx=None,
+                                 softmax_layout="", sink=None):
+    op = "npu_fusion_attention_grad_v2"
+    _check_v2(op, pse, query_rope, key_rope, input_layout, keep_prob, pse_type, query)
+    dq, dk, dv, dpse, dsink, dq_rope, dk_rope = _fusion_attention_grad(
+        op, query, key, value, dy, head_num, input_layout, pse, padding_mask, atten_mask, softmax_max, softmax_sum,
+        attention_in, scale_value, keep_prob, pre_tokens, next_tokens, seed, offset, prefix, actual_seq_qlen,
+        actual_seq_kvlen, sparse_mode, softmax_layout, sink, pse_type, query_rope, key_rope)
+    if dq_rope is None:
+        dq_rope, dk_rope = query.new_empty(0), query.new_empty(0)
+    return dq, dk, dv, dpse, dq_rope, dk_rope, dsink
+
+
+_V2_TENSORS = ("query", "key", "value", "pse", "atten_mask", "query_rope", "key_rope", "sink")
+
+
+class _FusionAttentionV2Function(torch.autograd.Function):
+    """Autograd of npu_fusion_attention_v2 through npu_fusion_attention_grad_v2 (its tensors are
+    keyword-only, which torch.library.register_autograd does not take)."""
+
+    @staticmethod
+    def forward(ctx, args, *tensors):
+        kwargs = dict(args, **dict(zip(_V2_TENSORS, tensors)))
+        with torch._C._AutoDispatchBelowAutograd():
+            outputs = torch.ops.npu.npu_fusion_attention_v2.default(**kwargs)
+        ctx.args = dict(args, seed=outputs[4], offset=outputs[5], numels=outputs[6])
+        ctx.present = [t is not None for t in tensors]
+        ctx.save_for_backward(*tensors, outputs[0], outputs[1], outputs[2])
+        ctx.mark_non_differentiable(outputs[1], outputs[2], outputs[3])
+        return outputs
+
+    @staticmethod
+    def backward(ctx, d_out, *_rest):
+        saved = dict(zip(_V2_TENSORS + ("out", "softmax_max", "softmax_sum"), ctx.saved_tensors))
+        a = ctx.args
+        if d_out is None:
+            d_out = torch.zeros_like(saved["out"])
+        dq, dk, dv, dpse, dq_rope, dk_rope, dsink = torch.ops.npu.npu_fusion_attention_grad_v2(
+            saved["query"], saved["key"], saved["value"], d_out, a["head_num"], a["input_layout"], pse=saved["pse"],
+            atten_mask=saved["atten_mask"], softmax_max=saved["softmax_max"], softmax_sum=saved["softmax_sum"],
+            attention_in=saved["out"], query_rope=saved["query_rope"], key_rope=saved["key_rope"],
+            scale_value=a["scale"], keep_prob=a["keep_prob"], pre_tokens=a["pre_tokens"],
+            next_tokens=a["next_tokens"], inner_precise=a["inner_precise"], seed=a["seed"], offset=a["offset"],
+            numels=a["numels"], prefix=a["prefix"], actual_seq_qlen=a["actual_seq_qlen"],
+            actual_seq_kvlen=a["actual_seq_kvlen"], sparse_mode=a["sparse_mode"], pse_type=a["pse_type"],
+            softmax_layout=a["softmax_layout"], sink=saved["sink"])
+        grads = {"query": dq, "key": dk, "value": dv, "pse": dpse, "query_rope": dq_rope, "key_rope": dk_rope,
+                 "sink": dsink}
+        return (None, *(grads.get(name) if present else None for name, present in zip(_V2_TENSORS, ctx.present)))
+
+
+_V2_SIGNATURE = inspect.signature(npu_fusion_attention_v2)
+
+
+def _fusion_attention_v2_autograd(*args, **kwargs):
+    bound = _V2_SIGNATURE.bind(*args, **kwargs)
+    bound.apply_defaults()
+    tensors = [bound.arguments[name] for name in _V2_TENSORS]
+    args = {name: value for name, value in bound.arguments.items() if name not in _V2_TENSORS}
+    return _FusionAttentionV2Function.apply(args, *tensors)
+
+
+_LIBRARY.impl("npu_fusion_attention_v2", _fusion_attention_v2_autograd, "Autograd")

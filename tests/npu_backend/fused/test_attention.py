@@ -1,0 +1,440 @@
+import math
+
+import pytest
+import torch
+import torch_npu
+
+from npukit.npu_backend import numerics
+from tests.npu_backend.fused.reference import assert_close_to_reference, relative_error
+
+INT_MAX = 2147483647  # the default pre_tockens / next_tockens
+CAUSAL_2048 = torch.ones(2048, 2048, dtype=torch.bool).triu(1)  # the optimised mask of sparse modes 2/3/4
+
+
+# ---- the fp64 reference, from the documented formula --------------------------------------------
+
+def attention_fp64(q, k, v, scale, masked=None, pse=None, pse_type=1, sink=None, dropped=None, keep_prob=1.0):
+    """softmax(Mask(scale * (q k^T + pse))) @ v per head, in BNSD; key/value head h // (N / Nkv)
+    serves query head h; a row with every key masked gives zeros; sink: one more logit per head
+    that takes part in the softmax without a value; dropped: the probabilities dropout zeroes."""
+    q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = q @ k.transpose(-1, -2)
+    if pse is not None:
+        s = (s + pse.double()) * scale if pse_type == 1 else s * scale + pse.double()
+    else:
+        s = s * scale
+    lowest = torch.finfo(torch.float64).min
+    if masked is not None:
+        s = s.masked_fill(masked, lowest)
+    if sink is not None:
+        s = torch.cat([s, sink.double().view(1, -1, 1, 1).expand(*s.shape[:3], 1)], -1)
+    p = torch.softmax(s, -1)
+    if sink is not None:
+        p = p[..., :-1]
+    if masked is not None:
+        p = torch.where(masked.all(-1, keepdim=True), 0.0, p)
+    if dropped is not None:
+        p = p.masked_fill(dropped, 0) / keep_prob
+    return p @ v
+
+
+def softmax_stats_fp64(q, k, scale, masked=None):
+    """The row max of the scaled, masked scores and the row sum of exp(scores - max)."""
+    q, k = q.double(), k.double()
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+    s = q @ k.transpose(-1, -2) * scale
+    if masked is not None:
+        s = s.masked_fill(masked, -math.inf)
+    row_max = s.amax(-1, keepdim=True)
+    return row_max[..., 0], torch.exp(s - row_max).sum(-1)
+
+
+def band_mask(sq, skv, pre, nxt, bottom_right=False):
+    """True outside pre <= i - j + offset ... : the keys a query row does not see (docs' triu/tril)."""
+    offset = skv - sq if bottom_right else 0
+    ones = torch.ones(sq, skv, dtype=torch.bool)
+    return ones.triu(nxt + 1 + offset) | ones.tril(-pre - 1 + offset)
+
+
+def to_layout(x_bnsd, layout):
+    if layout == "BNSD":
+        return x_bnsd
+    if layout == "BSND":
+        return x_bnsd.transpose(1, 2)
+    if layout == "BSH":
+        return x_bnsd.transpose(1, 2).flatten(2)
+    return x_bnsd.permute(2, 0, 1, 3).flatten(2)  # SBH
+
+
+def leaves(*tensors, dtype=torch.float32, device="npu"):
+    return [t.detach().to(dtype).to(device).contiguous().requires_grad_() for t in tensors]
+
+
+def grads_fp64(fn, *inputs, grad_output):
+    inputs = [t.detach().double().requires_grad_() for t in inputs]
+    out = fn(*inputs)
+    return out, torch.autograd.grad(out, inputs, grad_output.double())
+
+
+def qkv(b=2, n=4, nkv=2, sq=12, skv=20, d=16, dv=16, seed=0):
+    torch.manual_seed(seed)
+    return torch.randn(b, n, sq, d), torch.randn(b, nkv, skv, d), torch.randn(b, nkv, skv, dv)
+
+
+# ---- npu_fusion_attention ------------------------------------------------------------------------
+
+def test_fusion_attention_is_one_op_in_torch_ops_npu():
+    assert torch_npu.npu_fusion_attention is torch.ops.npu.npu_fusion_attention
+    assert torch_npu.npu_fusion_attention_v2 is torch.ops.npu.npu_fusion_attention_v2
+
+
+@pytest.mark.parametrize("layout", ["BNSD", "BSND", "BSH", "SBH"])
+def test_fusion_attention_layouts_gqa_forward_backward_against_fp64(layout):
+    q, k, v = qkv(n=4, nkv=2)
+    masked = torch.rand(12, 20) > 0.7
+    scale = 0.25
+    dy = torch.randn(2, 4, 12, 16)
+    ref, (dq_ref, dk_ref, dv_ref) = grads_fp64(lambda a, b, c: attention_fp64(a, b, c, scale, masked), q, k, v,
+                                                grad_output=dy)
+    qn, kn, vn = leaves(to_layout(q, layout), to_layout(k, layout), to_layout(v, layout))
+    out, softmax_max, softmax_sum, softmax_out, seed, offset, numels = torch_npu.npu_fusion_attention(
+        qn, kn, vn, 4, layout, atten_mask=masked.npu(), scale=scale)
+    assert out.shape == qn.shape and out.dtype == torch.float32 and out.device.type == "npu"
+    assert softmax_max.shape == (2, 4, 12, 8) and softmax_sum.dtype == torch.float32
+    assert softmax_out.numel() == 0 and (seed, offset, numels) == (0, 0, 2 * 4 * 12 * 20)
+    torch.testing.assert_close(out.cpu().double(), to_layout(ref, layout), rtol=1e-5, atol=1e-5)
+    max_ref, sum_ref = softmax_stats_fp64(q, k, scale, masked)
+    torch.testing.assert_close(softmax_max[..., 3].cpu().double(), max_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(softmax_sum[..., 0].cpu().double(), sum_ref, rtol=1e-5, atol=1e-5)
+    dq, dk, dv = torch.autograd.grad(out, [qn, kn, vn], to_layout(dy, layout).npu())
+    for got, want, name in ((dq, dq_ref, "dq"), (dk, dk_ref, "dk"), (dv, dv_ref, "dv")):
+        torch.testing.assert_close(got.cpu().double(), to_layout(want, layout), rtol=1e-4, atol=1e-5, msg=name)
+
+
+SPARSE_CASES = {
+    # sparse_mode: (pre_tockens, next_tockens, Sq, Skv, the keys each query row may not see)
+    "0-band": (0, 3, 2, 16, 16, lambda sq, skv: band_mask(sq, skv, 3, 2)),
+    "0-causal": (0, INT_MAX, 0, 12, 20, lambda sq, skv: band_mask(sq, skv, INT_MAX, 0)),
+    "1-all": (1, 5, 5, 12, 20, None),
+    "2-left-up": (2, INT_MAX, INT_MAX, 12, 20, lambda sq, skv: band_mask(sq, skv, INT_MAX, 0)),
+    "2-left-up-sq>skv": (2, INT_MAX, INT_MAX, 20, 12, lambda sq, skv: band_mask(sq, skv, INT_MAX, 0)),
+    "3-right-down": (3, INT_MAX, INT_MAX, 12, 20, lambda sq, skv: band_mask(sq, skv, INT_MAX, 0, True)),
+    "3-right-down-sq>skv": (3, INT_MAX, INT_MAX, 20, 12, lambda sq, skv: band_mask(sq, skv, INT_MAX, 0, True)),
+    "4-band": (4, 4, 1, 12, 20, lambda sq, skv: band_mask(sq, skv, 4, 1, True)),
+    "4-band-negative-next": (4, 9, -3, 12, 20, lambda sq, skv: band_mask(sq, skv, 9, -3, True)),
+}
+
+
+@pytest.mark.parametrize("case", list(SPARSE_CASES))
+def test_fusion_attention_sparse_modes_against_fp64(case):
+    mode, pre, nxt, sq, skv, make_mask = SPARSE_CASES[case]
+    q, k, v = qkv(sq=sq, skv=skv, seed=1)
+    if mode == 1:  # allMask: any full mask, pre/next ignored
+        masked = torch.rand(2, 1, sq, skv) > 0.6
+        op_mask = masked
+    else:
+        masked = make_mask(sq, skv)
+        op_mask = CAUSAL_2048 if mode in (2, 3, 4) else masked
+    scale = 0.3
+    dy = torch.randn(2, 4, sq, 16)
+    ref, grads_ref = grads_fp64(lambda a, b, c: attention_fp64(a, b, c, scale, masked), q, k, v, grad_output=dy)
+    qn, kn, vn = leaves(q, k, v)
+    out = torch_npu.npu_fusion_attention(qn, kn, vn, 4, "BNSD", atten_mask=op_mask.npu(), scale=scale,
+                                         pre_tockens=pre, next_tockens=nxt, sparse_mode=mode)[0]
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=1e-5, atol=1e-5)
+    for got, want in zip(torch.autograd.grad(out, [qn, kn, vn], dy.npu()), grads_ref):
+        torch.testing.assert_close(got.cpu().double(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_fusion_attention_without_mask_computes_everything_whatever_the_sparse_mode():
+    q, k, v = qkv()
+    full = torch_npu.npu_fusion_attention(q, k, v, 4, "BNSD", scale=0.3)[0]
+    for mode, pre, nxt in ((2, INT_MAX, INT_MAX), (3, INT_MAX, INT_MAX), (4, 1, 1), (0, 1, 0)):
+        out = torch_npu.npu_fusion_attention(q, k, v, 4, "BNSD", scale=0.3, sparse_mode=mode, pre_tockens=pre,
+                                             next_tockens=nxt)[0]
+        torch.testing.assert_close(out, full)
+    torch.testing.assert_close(full.double(), attention_fp64(q, k, v, 0.3), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("pse_shape", [(2, 4, 12, 20), (1, 4, 12, 20), (2, 4, 1, 20)])
+def test_fusion_attention_pse_and_its_gradient(pse_shape):
+    q, k, v = qkv()
+    pse = torch.randn(pse_shape)
+    masked = band_mask(12, 20, INT_MAX, 0)
+    scale = 0.3
+    dy = torch.randn(2, 4, 12, 16)
+    ref, grads_ref = grads_fp64(lambda a, b, c, p: attention_fp64(a, b, c, scale, masked, pse=p), q, k, v, pse,
+                                grad_output=dy)
+    qn, kn, vn, pn = leaves(q, k, v, pse)
+    out = torch_npu.npu_fusion_attention(qn, kn, vn, 4, "BNSD", pse=pn, atten_mask=masked.npu(), scale=scale)[0]
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=1e-5, atol=1e-5)
+    grads = torch.autograd.grad(out, [qn, kn, vn, pn], dy.npu())
+    assert grads[3].shape == pse_shape
+    for got, want in zip(grads, grads_ref):
+        torch.testing.assert_close(got.cpu().double(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_fusion_attention_sink_takes_part_in_the_softmax():
+    q, k, v = qkv(n=4, nkv=4, sq=10, skv=10)
+    sink = torch.linspace(-0.5, 1.5, 4)
+    dy = torch.randn(2, 4, 10, 16)
+    masked = band_mask(10, 10, INT_MAX, 0)
+    ref, grads_ref = grads_fp64(lambda a, b, c, s: attention_fp64(a, b, c, 0.25, masked, sink=s), q, k, v, sink,
+                                grad_output=dy)
+    qn, kn, vn, sn = leaves(q, k, v, sink)
+    out, softmax_max, softmax_sum = torch_npu.npu_fusion_attention(qn, kn, vn, 4, "BNSD", scale=0.25,
+                                                                   atten_mask=masked.npu(), sink=sn)[:3]
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=1e-5, atol=1e-5)
+    # m = max(sink, max(S)), sum = sum(exp(S - m)) + exp(sink - m) (the v2 docs' formula)
+    s = (q.double() @ k.double().transpose(-1, -2) * 0.25).masked_fill(masked, -math.inf)
+    m = torch.maximum(s.amax(-1), sink.double().view(1, 4, 1))
+    total = torch.exp(s - m[..., None]).sum(-1) + torch.exp(sink.double().view(1, 4, 1) - m)
+    torch.testing.assert_close(softmax_max[..., 0].cpu().double(), m, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(softmax_sum[..., 0].cpu().double(), total, rtol=1e-5, atol=1e-6)
+    for got, want in zip(torch.autograd.grad(out, [qn, kn, vn, sn], dy.npu()), grads_ref):
+        torch.testing.assert_close(got.cpu().double(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_fusion_attention_dropout_keeps_the_documented_fraction_and_scales_by_keep_prob():
+    """With v = I the output is the dropped probability matrix itself."""
+    torch.manual_seed(3)
+    b, n, s = 2, 2, 64
+    q, k = torch.randn(b, n, s, 16), torch.randn(b, n, s, 16)
+    v = torch.eye(s).expand(b, n, s, s).contiguous()
+    keep_prob = 0.8
+    out, *_, seed, offset, numels = torch_npu.npu_fusion_attention(q.npu(), k.npu(), v.npu(), n, "BNSD", scale=0.25,
+                                                                   keep_prob=keep_prob)
+    assert numels == b * n * s * s and (seed, offset) != (0, 0)
+    p = attention_fp64(q, k, torch.eye(s).expand(b, n, s, s), 0.25)
+    out = out.cpu().double()
+    kept = out != 0
+    assert abs(kept.double().mean().item() - keep_prob) < 0.02
+    torch.testing.assert_close(out[kept], (p / keep_prob)[kept], rtol=1e-5, atol=1e-7)
+    # the same seed and offset give the same mask; a new call draws a new one
+    again = torch_npu.npu_fusion_attention(q.npu(), k.npu(), v.npu(), n, "BNSD", scale=0.25, keep_prob=keep_prob,
+                                           seed=seed, offset=offset)[0]
+    torch.testing.assert_close(again.cpu().double(), out)
+    fresh = torch_npu.npu_fusion_attention(q.npu(), k.npu(), v.npu(), n, "BNSD", scale=0.25, keep_prob=keep_prob)
+    assert fresh[5] != offset and not torch.equal(fresh[0].cpu().double(), out)
+
+
+def test_fusion_attention_dropout_backward_regenerates_the_forward_mask():
+    """gradcheck in fp64: the grad op's mask is the forward's (from the returned seed and offset)."""
+    q, k, v = (t.double().requires_grad_() for t in qkv(b=1, n=2, nkv=1, sq=5, skv=6, d=4, dv=4))
+    mask = band_mask(5, 6, INT_MAX, 1)
+
+    def fn(a, b, c):
+        return torch_npu.npu_fusion_attention(a, b, c, 2, "BNSD", atten_mask=mask, scale=0.5, keep_prob=0.6,
+                                              seed=1234, offset=77)[0]
+    assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-6)
+    torch.manual_seed(5)
+    first = torch_npu.npu_fusion_attention(q, k, v, 2, "BNSD", scale=0.5, keep_prob=0.6)
+    torch.manual_seed(5)
+    second = torch_npu.npu_fusion_attention(q, k, v, 2, "BNSD", scale=0.5, keep_prob=0.6)
+    assert first[4:6] == second[4:6]  # a seeded run reproduces its masks
+    torch.testing.assert_close(first[0], second[0])
+
+
+def cumulative(lengths):
+    return [sum(lengths[:i + 1]) for i in range(len(lengths))]
+
+
+@pytest.mark.parametrize("sparse_mode", [0, 2, 3])
+def test_fusion_attention_tnd_varlen_equals_each_sequence_alone(sparse_mode):
+    torch.manual_seed(4)
+    q_lens, kv_lens = [3, 7, 1, 5], [5, 7, 4, 9]
+    n, nkv, d = 4, 2, 8
+    q = torch.randn(sum(q_lens), n, d)
+    k, v = torch.randn(sum(kv_lens), nkv, d), torch.randn(sum(kv_lens), nkv, d)
+    dy = torch.randn(sum(q_lens), n, d)
+    mask = CAUSAL_2048 if sparse_mode else None
+    qn, kn, vn = leaves(q, k, v)
+    out, softmax_max = torch_npu.npu_fusion_attention(
+        qn, kn, vn, n, "TND", atten_mask=None if mask is None else mask.npu(), scale=0.3, sparse_mode=sparse_mode,
+        actual_seq_qlen=cumulative(q_lens), actual_seq_kvlen=cumulative(kv_lens))[:2]
+    assert out.shape == (sum(q_lens), n, d) and softmax_max.shape == (sum(q_lens), n, 8)
+    dq, dk, dv = torch.autograd.grad(out, [qn, kn, vn], dy.npu())
+    qs, ks, dys = q.split(q_lens), k.split(kv_lens), dy.split(q_lens)
+    vs = v.split(kv_lens)
+    for i in range(len(q_lens)):
+        # sequence i alone, BSND with B = 1, its own sparse mode's mask in its own coordinates
+        a, b, c = (t.unsqueeze(0).contiguous().requires_grad_() for t in (qs[i], ks[i], vs[i]))
+        alone = torch_npu.npu_fusion_attention(a, b, c, n, "BSND", atten_mask=mask, scale=0.3,
+                                               sparse_mode=sparse_mode)[0]
+        grads = torch.autograd.grad(alone, [a, b, c], dys[i].unsqueeze(0))
+        torch.testing.assert_close(out.cpu().split(q_lens)[i], alone[0].detach(), rtol=1e-5, atol=1e-6)
+        for got, want, lens in zip((dq, dk, dv), grads, (q_lens, kv_lens, kv_lens)):
+            torch.testing.assert_close(got.cpu().split(lens)[i], want[0], rtol=1e-4, atol=1e-5)
+
+
+def test_fusion_attention_tnd_split_sequence_modes_7_and_8():
+    """Mode 7: rightDownCausal but the last sequence a bottom-right band; mode 8: leftUpCausal but
+    the first sequence a band (the docs' examples of a sequence split across devices)."""
+    torch.manual_seed(6)
+    n, d = 2, 8
+    for mode, q_lens, kv_lens, pre, nxt in ((7, [3, 2], [3, 6], 6, -2), (8, [3, 5, 4], [4, 5, 4], 4, 1)):
+        q = torch.randn(sum(q_lens), n, d)
+        k, v = torch.randn(sum(kv_lens), n, d), torch.randn(sum(kv_lens), n, d)
+        out = torch_npu.npu_fusion_attention(q, k, v, n, "TND", atten_mask=CAUSAL_2048, scale=0.4, sparse_mode=mode,
+                                             pre_tockens=pre, next_tockens=nxt, actual_seq_qlen=cumulative(q_lens),
+                                             actual_seq_kvlen=cumulative(kv_lens))[0]
+        special = len(q_lens) - 1 if mode == 7 else 0
+        for i, (qs, ks, vs) in enumerate(zip(q.split(q_lens), k.split(kv_lens), v.split(kv_lens))):
+            sq, skv = q_lens[i], kv_lens[i]
+            if i == special:
+                masked = band_mask(sq, skv, pre, nxt, bottom_right=True)
+            else:
+                masked = band_mask(sq, skv, INT_MAX, 0, bottom_right=mode == 7)
+            want = attention_fp64(qs.transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None], 0.4,
+                                  masked)[0].transpose(0, 1)
+            torch.testing.assert_close(out.split(q_lens)[i].double(), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fusion_attention_low_precision_against_fp64_and_the_kernels_accumulation(dtype):
+    q, k, v = (t.to(dtype) for t in qkv(sq=32, skv=48, d=32, dv=32, seed=7))
+    masked = band_mask(32, 48, INT_MAX, 0, bottom_right=True)
+    dy = torch.randn(2, 4, 32, 32).to(dtype)
+    ref, grads_ref = grads_fp64(lambda a, b, c: attention_fp64(a, b, c, 0.2, masked), q, k, v, grad_output=dy)
+    qn, kn, vn = leaves(q, k, v, dtype=dtype)
+    out = torch_npu.npu_fusion_attention(qn, kn, vn, 4, "BNSD", atten_mask=CAUSAL_2048.npu(), scale=0.2,
+                                         sparse_mode=3)[0]
+    assert out.dtype == dtype
+    assert_close_to_reference(out, ref, dtype, "attention_out")
+    for got, want, name in zip(torch.autograd.grad(out, [qn, kn, vn], dy.npu()), grads_ref, ("dq", "dk", "dv")):
+        assert got.dtype == dtype
+        assert_close_to_reference(got, want, dtype, name, factor=3)
+    # The kernel's accumulation: fp32 scores and softmax, probabilities rounded to the input dtype
+    # for the P @ V matmul (fp32 accumulation), one rounding of the output.
+    s = (q.float() @ k.float().repeat_interleave(2, 1).transpose(-1, -2) * 0.2).masked_fill(masked, -math.inf)
+    p = torch.softmax(s, -1).to(dtype).float()
+    kernel = (p @ v.float().repeat_interleave(2, 1)).to(dtype)
+    assert relative_error(out, kernel) < relative_error(kernel, ref) * 0.05 + 1e-6
+
+
+def test_fusion_attention_golden_run_is_the_cpu_kernel():
+    q, k, v = (t.half() for t in qkv())
+    with numerics.golden():
+        golden = torch_npu.npu_fusion_attention(q.npu(), k.npu(), v.npu(), 4, "BNSD", scale=0.3,
+                                                atten_mask=CAUSAL_2048.npu(), sparse_mode=2)
+    cpu = torch_npu.npu_fusion_attention(q, k, v, 4, "BNSD", scale=0.3, atten_mask=CAUSAL_2048, sparse_mode=2)
+    for a, b in zip(golden[:3], cpu[:3]):
+        assert torch.equal(a.cpu(), b)
+
+
+def test_fusion_attention_under_autocast():
+    torch.manual_seed(8)
+    x = torch.randn(2, 12, 32).npu()
+    weights = [torch.randn(32, 32).npu() for _ in range(3)]
+    with torch.autocast("npu", dtype=torch.float16):
+        q, k, v = (torch.nn.functional.linear(x, w) for w in weights)
+        out = torch_npu.npu_fusion_attention(q, k, v, 4, "BSH", scale=0.35, atten_mask=CAUSAL_2048.npu(),
+                                             sparse_mode=2)[0]
+    assert out.dtype == torch.float16 and out.shape == (2, 12, 32)
+    bnsd = [t.cpu().unflatten(2, (4, 8)).transpose(1, 2) for t in (q, k, v)]
+    ref = attention_fp64(*bnsd, 0.35, band_mask(12, 12, INT_MAX, 0)).transpose(1, 2).flatten(2)
+    assert_close_to_reference(out, ref, torch.float16, "attention_out")
+
+
+def test_fusion_attention_under_compile_forward_and_backward_equal_eager():
+    q, k, v = qkv()
+
+    def step(a, b, c):
+        out = torch_npu.npu_fusion_attention(a, b, c, 4, "BNSD", scale=0.3, atten_mask=CAUSAL_2048.npu(),
+                                             sparse_mode=3)[0]
+        return (out * out).sum()
+
+    compiled = torch.compile(step, backend="npu", fullgraph=True)
+    eager_inputs, compiled_inputs = leaves(q, k, v), leaves(q, k, v)
+    step(*eager_inputs).backward()
+    loss = compiled(*compiled_inputs)
+    loss.backward()
+    torch.testing.assert_close(loss.cpu(), step(*eager_inputs).detach().cpu())
+    for a, b in zip(compiled_inputs, eager_inputs):
+        torch.testing.assert_close(a.grad.cpu(), b.grad.cpu())
+
+
+def test_fusion_attention_refuses_what_the_kernel_refuses():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="input_layout"):
+        torch_npu.npu_fusion_attention(q, k, v, 4, "BHSD")
+    with pytest.raises(ValueError, match="2048x2048"):
+        torch_npu.npu_fusion_attention(q, k, v, 4, "BNSD", atten_mask=band_mask(12, 20, INT_MAX, 0), sparse_mode=3)
+    with pytest.raises(ValueError, match="upper-triangular"):
+        torch_npu.npu_fusion_attention(q, k, v, 4, "BNSD", atten_mask=torch.zeros(2048, 2048, dtype=torch.bool),
+                                       sparse_mode=2)
+    with pytest.raises(ValueError, match="padding_mask"):
+        torch_npu.npu_fusion_attention(q, k, v, 4, "BNSD", padding_mask=torch.zeros(1))
+    with pytest.raises(ValueError, match="TND only"):
+        torch_npu.npu_fusion_attention(q, k, v, 4, "BNSD", atten_mask=CAUSAL_2048, sparse_mode=7)
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        torch_npu.npu_fusion_attention(q, k[:, :1].expand(2, 3, 20, 16), v[:, :1].expand(2, 3, 20, 16), 4, "BNSD")
+    with pytest.raises(NotImplementedError, match="dropout_mask"):
+        torch_npu.npu_fusion_attention(q, k, v, 4, "BNSD", keep_prob=0.9, dropout_mask=torch.ones(8, dtype=torch.uint8))
+
+
+# ---- npu_fusion_attention_v2 ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("pse_type", [0, 1])
+def test_fusion_attention_v2_pse_type_orders_scale_and_pse(pse_type):
+    """pse_type 1: scale * (qk + pse); pse_type 0: scale * qk + pse."""
+    q, k, v = qkv()
+    pse = torch.randn(1, 4, 12, 20)
+    dy = torch.randn(2, 4, 12, 16)
+    ref, grads_ref = grads_fp64(lambda a, b, c, p: attention_fp64(a, b, c, 0.3, pse=p, pse_type=pse_type), q, k, v,
+                                pse, grad_output=dy)
+    qn, kn, vn, pn = leaves(q, k, v, pse)
+    out = torch_npu.npu_fusion_attention_v2(qn, kn, vn, 4, "bnsd", pse=pn, scale=0.3, pse_type=pse_type)[0]
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=1e-5, atol=1e-5)
+    for got, want in zip(torch.autograd.grad(out, [qn, kn, vn, pn], dy.npu()), grads_ref):
+        torch.testing.assert_close(got.cpu().double(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_fusion_attention_v2_equals_v1_where_they_overlap():
+    q, k, v = qkv()
+    sink = torch.randn(4)
+    args = dict(atten_mask=CAUSAL_2048, scale=0.3, sparse_mode=4)
+    v1 = torch_npu.npu_fusion_attention(q, k, v, 4, "BNSD", pre_tockens=3, next_tockens=2, sink=sink, **args)
+    v2 = torch_npu.npu_fusion_attention_v2(q, k, v, 4, "BNSD", pre_tokens=3, next_tokens=2, sink=sink, **args)
+    for a, b in zip(v1[:3], v2[:3]):
+        torch.testing.assert_close(a, b)
+
+
+def test_fusion_attention_v2_rope_adds_the_rope_scores():
+    """scale * (q k^T + q_rope k_rope^T), TND, bf16; dq_rope and dk_rope through autograd."""
+    torch.manual_seed(9)
+    lens = [5, 3]
+    n, d, d_rope = 2, 16, 8
+    q, k, v = torch.randn(8, n, d), torch.randn(8, n, d), torch.randn(8, n, d)
+    q_rope, k_rope = torch.randn(8, n, d_rope), torch.randn(8, n, d_rope)
+    mask = CAUSAL_2048
+    inputs = leaves(q, k, v, q_rope, k_rope, dtype=torch.bfloat16)
+    out = torch_npu.npu_fusion_attention_v2(inputs[0], inputs[1], inputs[2], n, "TND", query_rope=inputs[3],
+                                            key_rope=inputs[4], atten_mask=mask.npu(), scale=0.2, sparse_mode=3,
+                                            actual_seq_qlen=cumulative(lens), actual_seq_kvlen=cumulative(lens))[0]
+    dy = torch.randn(8, n, d).bfloat16()
+    grads = torch.autograd.grad(out, inputs, dy.npu())
+    bf = [t.detach().cpu() for t in inputs]
+
+    def per_sequence(a, b, c, qr, kr):
+        outs = []
+        for qs, ks, vs, qrs, krs in zip(*(t.split(lens) for t in (a, b, c, qr, kr))):
+            bnsd = [t.transpose(0, 1)[None] for t in (torch.cat([qs, qrs], -1), torch.cat([ks, krs], -1), vs)]
+            outs.append(attention_fp64(*bnsd, 0.2, band_mask(len(qs), len(ks), INT_MAX, 0))[0].transpose(0, 1))
+        return torch.cat(outs)
+    ref, grads_ref = grads_fp64(per_sequence, *bf, grad_output=dy)
+    assert_close_to_reference(out, ref, torch.bfloat16, "attention_out")
+    for got, want, name in zip(grads, grads_ref, ("dq", "dk", "dv", "dq_rope", "dk_rope")):
+        assert got.shape == want.shape
+        assert_close_to_reference(got, want, torch.bfloat16, name, factor=3)
+
+
+def test_fusion_attention_v2_names_what_it_does_not_emulate():
+    q, k, v = qkv()
+    with pytest.raises(NotImplementedError, match="pse_type=2"):
+        torch_npu.npu_fusion_attention_v2(q, k, v, 4, "BNSD", pse=torch.rand(4), pse_type=2)
+    with pytest.raises(ValueError, match="TND only"):
+        torch_npu.npu_fusion_attention_v2(q.bfloat16(), k.bfloat16(), v.bfloat16(), 4, "BNSD",
+                                          query_rope=q.bfloat16(), key_rope=k.bfloat16())
