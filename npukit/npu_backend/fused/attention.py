@@ -50,6 +50,7 @@ from npukit.npu_backend.fused import (
     npu_numerics,
     register_autograd,
     round_intermediate,
+    upcast,
 )
 
 INT_MAX = 2147483647
@@ -949,3 +950,244 @@ def _fusion_attention_v2_autograd(*args, **kwargs):
 
 
 _LIBRARY.impl("npu_fusion_attention_v2", _fusion_attention_v2_autograd, "Autograd")
+
+
+# ---- inference: npu_prompt_flash_attention, npu_incre_flash_attention, npu_fused_infer_attention_score ----
+
+INFER_LAYOUTS = ("BSH", "BSND", "BNSD", "BNSD_BSND", "TND")
+
+
+def _refuse(op: str, **arguments) -> None:
+    """Quantization, paging and padding arguments this emulation does not compute: name them."""
+    given = [name for name, value in arguments.items() if value is not None]
+    if given:
+        raise NotImplementedError(f"torch_npu.{op}: {', '.join(given)} (quantization / left-padding / shared-prefix "
+                                  "arguments) are not emulated; pass float16/bfloat16/float32 query, key and value "
+                                  "without them")
+
+
+def _per_batch(op: str, name: str, lengths, batch: int) -> list[int] | None:
+    """actual_seq_lengths(_kv) of a non-TND layout: one value for every batch, or the first B."""
+    if lengths is None:
+        return None
+    values = [int(v) for v in lengths]
+    if len(values) == 1:
+        return values * batch
+    if len(values) < batch:
+        raise ValueError(f"torch_npu.{op}: {name} must have 1 or at least B={batch} values, got {len(values)}")
+    return values[:batch]
+
+
+def _paged(op: str, cache: torch.Tensor, block_table: torch.Tensor, block_size: int, kv_heads: int) -> torch.Tensor:
+    """The [B, Nkv, S, D] keys (values) of a paged cache: (blocknum, blocksize, H) or
+    (blocknum, Nkv, blocksize, D) blocks, gathered along each batch's row of block_table."""
+    if block_table.dim() != 2:
+        raise ValueError(f"torch_npu.{op}: block_table must be 2-D [B, max blocks per sequence], got "
+                         f"{tuple(block_table.shape)}")
+    size_axis = 1 if cache.dim() == 3 else 2
+    if cache.dim() not in (3, 4) or block_size <= 0 or cache.shape[size_axis] != block_size:
+        raise ValueError(f"torch_npu.{op}: with block_table the key/value cache must be (blocknum, block_size, H) or "
+                         f"(blocknum, Nkv, block_size, D) with block_size={block_size}, got {tuple(cache.shape)}")
+    blocks = cache[block_table.long()]  # [B, blocks, block_size, H] or [B, blocks, Nkv, block_size, D]
+    b, n_blocks = block_table.shape
+    if cache.dim() == 3:
+        return blocks.reshape(b, n_blocks * block_size, kv_heads, -1).transpose(1, 2)
+    return blocks.permute(0, 2, 1, 3, 4).reshape(b, cache.shape[1], n_blocks * block_size, cache.shape[3])
+
+
+def _infer_mask(op: str, atten_mask, sparse_mode: int, sq: int, skv: int, varlen: bool):
+    """atten_mask as _masking takes it: a full mask [B|1, 1, Sq, Skv] cut to the sequence lengths
+    (the inference kernels accept masks padded beyond them), the compressed mask as it is."""
+    if atten_mask is None or sparse_mode in (2, 3, 4) or varlen:
+        return atten_mask
+    mask = atten_mask
+    if mask.dim() == 2:
+        mask = mask[:, None, None, :] if sq == 1 and mask.shape[0] != 1 else mask[None, None]
+    elif mask.dim() == 3:
+        mask = mask[:, None]
+    if mask.dim() != 4 or mask.shape[-2] < sq or mask.shape[-1] < skv:
+        raise ValueError(f"torch_npu.{op}: atten_mask must be (Q_S, KV_S), (B, Q_S, KV_S), (B, 1, Q_S, KV_S) or, for "
+                         f"Q_S = 1, (B, KV_S), at least {sq}x{skv}; got {tuple(atten_mask.shape)}")
+    return mask[..., :sq, :skv]
+
+
+def _infer_attention(op, query, key, value, *, layout, num_heads, num_key_value_heads, scale, atten_mask, pse_shift,
+                     q_lengths, kv_lengths, pre_tokens, next_tokens, sparse_mode, block_table=None, block_size=0,
+                     query_rope=None, key_rope=None, incremental=False):
+    """attention_out in the output layout and the rows' log-sum-exp [B, N, Sq] (padded TND rows)."""
+    if layout not in INFER_LAYOUTS:
+        raise ValueError(f"torch_npu.{op}: input_layout must be one of {', '.join(INFER_LAYOUTS)}, got {layout!r}")
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if tensor.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise NotImplementedError(f"torch_npu.{op}: {name} of dtype {tensor.dtype} (int8/int4 quantized inputs) "
+                                      "is not emulated; pass float16, bfloat16 or float32")
+    if sparse_mode not in (0, 1, 2, 3, 4):
+        raise NotImplementedError(f"torch_npu.{op}: sparse_mode={sparse_mode} is not supported (0..4 are)")
+    if (query_rope is None) != (key_rope is None):
+        raise ValueError(f"torch_npu.{op}: query_rope and key_rope go together")
+    in_layout, out_layout = ("BNSD", "BSND") if layout == "BNSD_BSND" else (layout, layout)
+    if query_rope is not None:  # MLA: the rope part of the scores, q_rope k_rope^T, joins q k^T
+        query = torch.cat([query, query_rope.to(query.dtype)], -1)
+        key = torch.cat([key, key_rope.to(key.dtype)], -1)
+    varlen = in_layout == "TND"
+    if block_table is not None:
+        if varlen:
+            raise NotImplementedError(f"torch_npu.{op}: block_table (paged KV cache) with input_layout TND is not "
+                                      "emulated")
+        if kv_lengths is None:
+            raise ValueError(f"torch_npu.{op}: with block_table, the kv sequence lengths (actual_seq_lengths"
+                             f"{'' if incremental else '_kv'}) are required")
+        q4 = _to_bnsd(query, in_layout, num_heads)
+        kv_heads = num_key_value_heads or num_heads
+        if key.dim() == 3 and key.shape[2] % kv_heads:
+            raise ValueError(f"torch_npu.{op}: the cache's H={key.shape[2]} is not a multiple of num_key_value_heads")
+        k4 = _paged(op, key, block_table, block_size, kv_heads)
+        v4 = _paged(op, value, block_table, block_size, kv_heads)
+        geometry = _Geometry(in_layout, q4.shape[0], num_heads, k4.shape[1], q4.shape[2], k4.shape[2], q4.shape[3],
+                             v4.shape[3])
+        if geometry.heads % geometry.kv_heads:
+            raise ValueError(f"torch_npu.{op}: num_heads ({num_heads}) must be a multiple of the key/value heads "
+                             f"({geometry.kv_heads})")
+    else:
+        geometry = _geometry(op, query, key, value, num_heads, in_layout, q_lengths if varlen else None,
+                             kv_lengths if varlen else None, kv_heads=num_key_value_heads or None)
+        if num_key_value_heads and geometry.kv_heads != num_key_value_heads:
+            raise ValueError(f"torch_npu.{op}: num_key_value_heads={num_key_value_heads} but key has "
+                             f"{geometry.kv_heads} heads")
+        q4 = _to_bnsd(query, in_layout, geometry.heads, geometry.varlen, "q", geometry.sq)
+        k4 = _to_bnsd(key, in_layout, geometry.kv_heads, geometry.varlen, "kv", geometry.skv)
+        v4 = _to_bnsd(value, in_layout, geometry.kv_heads, geometry.varlen, "kv", geometry.skv)
+    q_lens = None if varlen else _per_batch(op, "actual_seq_lengths", q_lengths, geometry.batch)
+    kv_lens = None if varlen else _per_batch(op, "actual_seq_lengths_kv", kv_lengths, geometry.batch)
+    for lens, bound, name in ((q_lens, geometry.sq, "query"), (kv_lens, geometry.skv, "key/value")):
+        if lens is not None and max(lens) > bound:
+            raise ValueError(f"torch_npu.{op}: an actual sequence length exceeds the {name} sequence ({bound})")
+    if incremental:  # one new token per sequence: no sparse mode, no band
+        sparse_mode, pre_tokens, next_tokens = 0, INT_MAX, INT_MAX
+    pse_bias = None
+    if pse_shift is not None:
+        if pse_shift.dim() != 4 or pse_shift.shape[0] not in (1, geometry.batch) or pse_shift.shape[1] != num_heads \
+                or pse_shift.shape[2] < geometry.sq or pse_shift.shape[3] < geometry.skv:
+            raise ValueError(f"torch_npu.{op}: pse_shift must be (B, N, Q_S, KV_S) or (1, N, Q_S, KV_S), got "
+                             f"{tuple(pse_shift.shape)}")
+        pse_bias = upcast(pse_shift[:, :, :geometry.sq, :geometry.skv])  # scale * q k^T + pse_shift
+    mask = _infer_mask(op, atten_mask, sparse_mode, geometry.sq, geometry.skv, varlen)
+    masking = _masking(op, geometry, mask, sparse_mode, pre_tokens, next_tokens, None, pse_bias, query.device,
+                       q_lens, kv_lens)
+    problem = _problem(q4, k4, v4, geometry, scale, masking, query.dtype, npu_numerics(query))
+    out, row_max, row_sum = _forward(problem, 1.0, 0, 0, None)
+    out = _from_bnsd(out.to(query.dtype), out_layout, geometry.varlen, "q", geometry.q_tokens)
+    return out, row_max + torch.log(row_sum), geometry
+
+
+_PFA_SCHEMA = (
+    "npu_prompt_flash_attention(Tensor query, Tensor key, Tensor value, *, Tensor? padding_mask=None, "
+    "Tensor? atten_mask=None, Tensor? pse_shift=None, int[]? actual_seq_lengths=None, Tensor? deq_scale1=None, "
+    "Tensor? quant_scale1=None, Tensor? deq_scale2=None, Tensor? quant_scale2=None, Tensor? quant_offset2=None, "
+    "int num_heads=1, float scale_value=1.0, int pre_tokens=2147483647, int next_tokens=0, str input_layout=\"BSH\", "
+    "int num_key_value_heads=0, int[]? actual_seq_lengths_kv=None, int sparse_mode=0) -> Tensor")
+_INFER_UNFUSED = "torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=~atten_mask, scale=scale)"
+
+
+@fused_op(_PFA_SCHEMA, unfused=_INFER_UNFUSED)
+def npu_prompt_flash_attention(query, key, value, *, padding_mask=None, atten_mask=None, pse_shift=None,
+                               actual_seq_lengths=None, deq_scale1=None, quant_scale1=None, deq_scale2=None,
+                               quant_scale2=None, quant_offset2=None, num_heads=1, scale_value=1.0,
+                               pre_tokens=INT_MAX, next_tokens=0, input_layout="BSH", num_key_value_heads=0,
+                               actual_seq_lengths_kv=None, sparse_mode=0):
+    op = "npu_prompt_flash_attention"
+    _refuse(op, deq_scale1=deq_scale1, quant_scale1=quant_scale1, deq_scale2=deq_scale2, quant_scale2=quant_scale2,
+            quant_offset2=quant_offset2)
+    if padding_mask is not None:
+        raise ValueError(f"torch_npu.{op}: padding_mask is reserved and not supported (pass None)")
+    return _infer_attention(op, query, key, value, layout=input_layout, num_heads=num_heads,
+                            num_key_value_heads=num_key_value_heads, scale=scale_value, atten_mask=atten_mask,
+                            pse_shift=pse_shift, q_lengths=actual_seq_lengths, kv_lengths=actual_seq_lengths_kv,
+                            pre_tokens=pre_tokens, next_tokens=next_tokens, sparse_mode=sparse_mode)[0]
+
+
+_IFA_SCHEMA = (
+    "npu_incre_flash_attention(Tensor query, Tensor key, Tensor value, *, Tensor? padding_mask=None, "
+    "Tensor? atten_mask=None, Tensor? pse_shift=None, SymInt[]? actual_seq_lengths=None, "
+    "Tensor? antiquant_scale=None, Tensor? antiquant_offset=None, Tensor? block_table=None, "
+    "Tensor? dequant_scale1=None, Tensor? quant_scale1=None, Tensor? dequant_scale2=None, Tensor? quant_scale2=None, "
+    "Tensor? quant_offset2=None, Tensor? kv_padding_size=None, int num_heads=1, float scale_value=1.0, "
+    "str input_layout=\"BSH\", int num_key_value_heads=0, int block_size=0, int inner_precise=1) -> Tensor")
+
+
+@fused_op(_IFA_SCHEMA, unfused=_INFER_UNFUSED)
+def npu_incre_flash_attention(query, key, value, *, padding_mask=None, atten_mask=None, pse_shift=None,
+                              actual_seq_lengths=None, antiquant_scale=None, antiquant_offset=None, block_table=None,
+                              dequant_scale1=None, quant_scale1=None, dequant_scale2=None, quant_scale2=None,
+                              quant_offset2=None, kv_padding_size=None, num_heads=1, scale_value=1.0,
+                              input_layout="BSH", num_key_value_heads=0, block_size=0, inner_precise=1):
+    op = "npu_incre_flash_attention"
+    _refuse(op, antiquant_scale=antiquant_scale, antiquant_offset=antiquant_offset, dequant_scale1=dequant_scale1,
+            quant_scale1=quant_scale1, dequant_scale2=dequant_scale2, quant_scale2=quant_scale2,
+            quant_offset2=quant_offset2, kv_padding_size=kv_padding_size)
+    if padding_mask is not None:
+        raise ValueError(f"torch_npu.{op}: padding_mask is reserved and not supported (pass None)")
+    if input_layout not in ("BSH", "BSND", "BNSD"):
+        raise ValueError(f"torch_npu.{op}: input_layout must be BSH, BSND or BNSD, got {input_layout!r}")
+    return _infer_attention(op, query, key, value, layout=input_layout, num_heads=num_heads,
+                            num_key_value_heads=num_key_value_heads, scale=scale_value, atten_mask=atten_mask,
+                            pse_shift=pse_shift, q_lengths=None, kv_lengths=actual_seq_lengths, pre_tokens=INT_MAX,
+                            next_tokens=INT_MAX, sparse_mode=0, block_table=block_table, block_size=block_size,
+                            incremental=True)[0]
+
+
+_FIA_SCHEMA = (
+    "npu_fused_infer_attention_score(Tensor query, Tensor key, Tensor value, *, Tensor? pse_shift=None, "
+    "Tensor? atten_mask=None, SymInt[]? actual_seq_lengths=None, SymInt[]? actual_seq_lengths_kv=None, "
+    "Tensor? dequant_scale1=None, Tensor? quant_scale1=None, Tensor? dequant_scale2=None, Tensor? quant_scale2=None, "
+    "Tensor? quant_offset2=None, Tensor? antiquant_scale=None, Tensor? antiquant_offset=None, "
+    "Tensor? key_antiquant_scale=None, Tensor? key_antiquant_offset=None, Tensor? value_antiquant_scale=None, "
+    "Tensor? value_antiquant_offset=None, Tensor? block_table=None, Tensor? query_padding_size=None, "
+    "Tensor? kv_padding_size=None, Tensor? key_shared_prefix=None, Tensor? value_shared_prefix=None, "
+    "SymInt[]? actual_shared_prefix_len=None, Tensor? query_rope=None, Tensor? key_rope=None, "
+    "Tensor? key_rope_antiquant_scale=None, int num_heads=1, float scale=1.0, int pre_tokens=2147483647, "
+    "int next_tokens=2147483647, str input_layout=\"BSH\", int num_key_value_heads=0, int sparse_mode=0, "
+    "int inner_precise=0, int block_size=0, int antiquant_mode=0, int key_antiquant_mode=0, "
+    "int value_antiquant_mode=0, bool softmax_lse_flag=False) -> (Tensor, Tensor)")
+
+
+@fused_op(_FIA_SCHEMA, unfused=_INFER_UNFUSED)
+def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_mask=None, actual_seq_lengths=None,
+                                    actual_seq_lengths_kv=None, dequant_scale1=None, quant_scale1=None,
+                                    dequant_scale2=None, quant_scale2=None, quant_offset2=None, antiquant_scale=None,
+                                    antiquant_offset=None, key_antiquant_scale=None, key_antiquant_offset=None,
+                                    value_antiquant_scale=None, value_antiquant_offset=None, block_table=None,
+                                    query_padding_size=None, kv_padding_size=None, key_shared_prefix=None,
+                                    value_shared_prefix=None, actual_shared_prefix_len=None, query_rope=None,
+                                    key_rope=None, key_rope_antiquant_scale=None, num_heads=1, scale=1.0,
+                                    pre_tokens=INT_MAX, next_tokens=INT_MAX, input_layout="BSH",
+                                    num_key_value_heads=0, sparse_mode=0, inner_precise=0, block_size=0,
+                                    antiquant_mode=0, key_antiquant_mode=0, value_antiquant_mode=0,
+                                    softmax_lse_flag=False):
+    op = "npu_fused_infer_attention_score"
+    _refuse(op, dequant_scale1=dequant_scale1, quant_scale1=quant_scale1, dequant_scale2=dequant_scale2,
+            quant_scale2=quant_scale2, quant_offset2=quant_offset2, antiquant_scale=antiquant_scale,
+            antiquant_offset=antiquant_offset, key_antiquant_scale=key_antiquant_scale,
+            key_antiquant_offset=key_antiquant_offset, value_antiquant_scale=value_antiquant_scale,
+            value_antiquant_offset=value_antiquant_offset, query_padding_size=query_padding_size,
+            kv_padding_size=kv_padding_size, key_shared_prefix=key_shared_prefix,
+            value_shared_prefix=value_shared_prefix, actual_shared_prefix_len=actual_shared_prefix_len,
+            key_rope_antiquant_scale=key_rope_antiquant_scale)
+    if sparse_mode == 9:
+        raise NotImplementedError(f"torch_npu.{op}: sparse_mode=9 (tree mask) is not emulated")
+    layout = input_layout
+    seq_axis = {"BSH": 1, "BSND": 1, "BNSD": 2, "BNSD_BSND": 2, "TND": 0}.get(layout, 1)
+    # Q_S = 1 takes the incremental (IncreFlashAttention) branch: no sparse mode, no band.
+    incremental = layout != "TND" and query.shape[seq_axis] == 1 and query_rope is None
+    out, log_sum_exp, geometry = _infer_attention(
+        op, query, key, value, layout=layout, num_heads=num_heads, num_key_value_heads=num_key_value_heads,
+        scale=scale, atten_mask=atten_mask, pse_shift=pse_shift, q_lengths=actual_seq_lengths,
+        kv_lengths=actual_seq_lengths_kv, pre_tokens=pre_tokens, next_tokens=next_tokens, sparse_mode=sparse_mode,
+        block_table=block_table, block_size=block_size, query_rope=query_rope, key_rope=key_rope,
+        incremental=incremental)
+    if not softmax_lse_flag:
+        return out, query.new_zeros(1, dtype=torch.float32)
+    lse = log_sum_exp.float().unsqueeze(-1)  # [B, N, Sq, 1]
+    if geometry.layout == "TND":
+        lse = _from_bnsd(lse, "TND", geometry.varlen, "q", geometry.q_tokens)  # [T, N, 1]
+    return out, lse

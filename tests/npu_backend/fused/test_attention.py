@@ -1,3 +1,4 @@
+import copy
 import math
 
 import pytest
@@ -438,3 +439,209 @@ def test_fusion_attention_v2_names_what_it_does_not_emulate():
     with pytest.raises(ValueError, match="TND only"):
         torch_npu.npu_fusion_attention_v2(q.bfloat16(), k.bfloat16(), v.bfloat16(), 4, "BNSD",
                                           query_rope=q.bfloat16(), key_rope=k.bfloat16())
+
+
+# ---- inference: prompt / incremental / fused infer attention --------------------------------------
+
+def per_batch_fp64(q, k, v, scale, masks, q_lens=None, kv_lens=None, pse=None):
+    """attention_fp64 of each batch item in its own lengths (BNSD); query rows beyond a length give
+    zeros, keys beyond it are not seen."""
+    out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=torch.float64)
+    for i in range(q.shape[0]):
+        sq = q.shape[2] if q_lens is None else q_lens[i]
+        skv = k.shape[2] if kv_lens is None else kv_lens[i]
+        mask = None if masks is None else masks(i, sq, skv)
+        bias = None if pse is None else pse[i if pse.shape[0] > 1 else 0, :, :sq, :skv][None]
+        out[i, :, :sq] = attention_fp64(q[i:i + 1, :, :sq], k[i:i + 1, :, :skv], v[i:i + 1, :, :skv], scale, mask,
+                                        pse=bias, pse_type=0)[0]
+    return out
+
+
+@pytest.mark.parametrize("layout", ["BNSD", "BSND", "BSH", "BNSD_BSND"])
+def test_prompt_flash_attention_layouts_gqa_causal_mask_against_fp64(layout):
+    q, k, v = (t.half() for t in qkv(n=4, nkv=2, sq=10, skv=10, seed=10))
+    mask = band_mask(10, 10, INT_MAX, 0)
+    in_layout = "BNSD" if layout == "BNSD_BSND" else layout
+    out = torch_npu.npu_prompt_flash_attention(
+        to_layout(q, in_layout).npu(), to_layout(k, in_layout).npu(), to_layout(v, in_layout).npu(),
+        atten_mask=mask.npu(), num_heads=4, num_key_value_heads=2, scale_value=0.25, input_layout=layout)
+    ref = attention_fp64(q, k, v, 0.25, mask)
+    assert out.dtype == torch.float16
+    assert_close_to_reference(out, to_layout(ref, "BSND" if layout == "BNSD_BSND" else layout), torch.float16, "out")
+
+
+def test_prompt_flash_attention_actual_lengths_and_sparse_modes():
+    q, k, v = qkv(n=2, nkv=2, sq=8, skv=12, seed=11)
+    q_lens, kv_lens = [5, 8], [9, 12]
+    # mode 3 (2048 mask): bottom-right causal in each batch's own lengths
+    out = torch_npu.npu_prompt_flash_attention(q.npu(), k.npu(), v.npu(), atten_mask=CAUSAL_2048.npu(), num_heads=2,
+                                               scale_value=0.3, input_layout="BNSD", sparse_mode=3,
+                                               actual_seq_lengths=q_lens, actual_seq_lengths_kv=kv_lens)
+    ref = per_batch_fp64(q, k, v, 0.3, lambda i, sq, skv: band_mask(sq, skv, INT_MAX, 0, True), q_lens, kv_lens)
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=1e-5, atol=1e-6)
+    # mode 0: the mask, and the band pre_tokens/next_tokens (default next_tokens=0: causal)
+    padding = torch.zeros(2, 1, 8, 12, dtype=torch.bool)
+    padding[0, ..., 10:] = True
+    out = torch_npu.npu_prompt_flash_attention(q.npu(), k.npu(), v.npu(), atten_mask=padding.npu(), num_heads=2,
+                                               scale_value=0.3, input_layout="BNSD", pre_tokens=3)
+    ref = per_batch_fp64(q, k, v, 0.3, lambda i, sq, skv: padding[i, 0] | band_mask(sq, skv, 3, 0))
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_prompt_flash_attention_pse_shift_is_added_to_the_scaled_scores():
+    q, k, v = qkv(n=2, nkv=2, sq=6, skv=8, seed=12)
+    pse = torch.randn(1, 2, 6, 8)
+    out = torch_npu.npu_prompt_flash_attention(q, k, v, pse_shift=pse, num_heads=2, scale_value=0.3,
+                                               input_layout="BNSD", next_tokens=INT_MAX)
+    torch.testing.assert_close(out.double(), attention_fp64(q, k, v, 0.3, pse=pse, pse_type=0), rtol=1e-5, atol=1e-6)
+
+
+def test_incre_flash_attention_decode_step_against_fp64():
+    torch.manual_seed(13)
+    b, n, nkv, d, skv = 3, 8, 2, 16, 20
+    q = torch.randn(b, 1, n * d).bfloat16()
+    k, v = torch.randn(b, skv, nkv * d).bfloat16(), torch.randn(b, skv, nkv * d).bfloat16()
+    kv_lens = [20, 7, 13]
+    mask = torch.rand(b, skv) > 0.8  # (B, KV_S) for Q_S = 1
+    mask[:, 0] = False
+    out = torch_npu.npu_incre_flash_attention(q.npu(), k.npu(), v.npu(), atten_mask=mask.npu(),
+                                              actual_seq_lengths=kv_lens, num_heads=n, num_key_value_heads=nkv,
+                                              scale_value=d ** -0.5, input_layout="BSH")
+    bnsd = [t.unflatten(2, (-1, d)).transpose(1, 2) for t in (q, k, v)]
+    ref = per_batch_fp64(*bnsd, d ** -0.5, lambda i, sq, skv: mask[i, :skv][None], kv_lens=kv_lens)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    assert_close_to_reference(out, ref.transpose(1, 2).flatten(2), torch.bfloat16, "out")
+
+
+@pytest.mark.parametrize("cache_layout", ["(blocknum, blocksize, H)", "(blocknum, Nkv, blocksize, D)"])
+def test_incre_flash_attention_paged_cache_equals_the_contiguous_cache(cache_layout):
+    torch.manual_seed(14)
+    b, n, nkv, d, block = 2, 4, 2, 8, 4
+    kv_lens = [10, 6]
+    q = torch.randn(b, n, 1, d)
+    k, v = torch.randn(b, nkv, 12, d), torch.randn(b, nkv, 12, d)
+    contiguous = torch_npu.npu_incre_flash_attention(q, k, v, actual_seq_lengths=kv_lens, num_heads=n,
+                                                     num_key_value_heads=nkv, scale_value=0.3, input_layout="BNSD")
+    # scatter each sequence's 3 blocks of 4 tokens over a shuffled pool of 8 blocks
+    block_table = torch.tensor([[5, 0, 3], [7, 2, 6]], dtype=torch.int32)
+    pools = []
+    for cache in (k, v):
+        blocks = cache.unflatten(2, (3, block)).permute(0, 2, 1, 3, 4)  # [B, 3, Nkv, block, D]
+        pool = torch.zeros(8, nkv, block, d)
+        pool[block_table.long()] = blocks
+        pools.append(pool if cache_layout.endswith("D)") else pool.transpose(1, 2).flatten(2))
+    paged = torch_npu.npu_incre_flash_attention(q, *pools, actual_seq_lengths=kv_lens, block_table=block_table,
+                                                block_size=block, num_heads=n, num_key_value_heads=nkv,
+                                                scale_value=0.3, input_layout="BNSD")
+    torch.testing.assert_close(paged, contiguous)
+    torch.testing.assert_close(contiguous.double(), per_batch_fp64(q, k, v, 0.3, None, kv_lens=kv_lens),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_fused_infer_attention_score_takes_the_prompt_and_the_incremental_branch():
+    q, k, v = qkv(n=4, nkv=2, sq=6, skv=9, seed=15)
+    mask = band_mask(6, 9, INT_MAX, 0, True)
+    out, lse = torch_npu.npu_fused_infer_attention_score(q, k, v, atten_mask=CAUSAL_2048, sparse_mode=3, num_heads=4,
+                                                         num_key_value_heads=2, scale=0.3, input_layout="BNSD",
+                                                         softmax_lse_flag=True)
+    torch.testing.assert_close(out.double(), attention_fp64(q, k, v, 0.3, mask), rtol=1e-5, atol=1e-6)
+    s = (q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2) * 0.3).masked_fill(mask, -math.inf)
+    assert lse.shape == (2, 4, 6, 1)
+    torch.testing.assert_close(lse.double(), torch.logsumexp(s, -1, keepdim=True), rtol=1e-5, atol=1e-6)
+    prompt = torch_npu.npu_prompt_flash_attention(q, k, v, atten_mask=CAUSAL_2048, sparse_mode=3, num_heads=4,
+                                                  num_key_value_heads=2, scale_value=0.3, input_layout="BNSD")
+    torch.testing.assert_close(out, prompt)
+    step = q[:, :, -1:]
+    out, lse = torch_npu.npu_fused_infer_attention_score(step, k, v, num_heads=4, num_key_value_heads=2, scale=0.3,
+                                                         input_layout="BNSD", actual_seq_lengths_kv=[9, 4],
+                                                         atten_mask=torch.zeros(2, 9, dtype=torch.bool))
+    assert lse.shape == (1,) and lse.item() == 0  # softmax_lse_flag=False
+    incre = torch_npu.npu_incre_flash_attention(step, k, v, num_heads=4, num_key_value_heads=2, scale_value=0.3,
+                                                input_layout="BNSD", actual_seq_lengths=[9, 4])
+    torch.testing.assert_close(out, incre)
+
+
+def test_fused_infer_attention_score_tnd_and_mla_rope():
+    torch.manual_seed(16)
+    q_lens, kv_lens, n, d, d_rope = [3, 5], [4, 8], 2, 16, 8
+    q, q_rope = torch.randn(8, n, d).bfloat16(), torch.randn(8, n, d_rope).bfloat16()
+    k, k_rope, v = torch.randn(12, n, d).bfloat16(), torch.randn(12, n, d_rope).bfloat16(), torch.randn(12, n, d).bfloat16()
+    out, lse = torch_npu.npu_fused_infer_attention_score(
+        q, k, v, query_rope=q_rope, key_rope=k_rope, atten_mask=CAUSAL_2048, sparse_mode=3, num_heads=n, scale=0.2,
+        input_layout="TND", actual_seq_lengths=cumulative(q_lens), actual_seq_lengths_kv=cumulative(kv_lens),
+        softmax_lse_flag=True)
+    assert out.shape == (8, n, d) and lse.shape == (8, n, 1)
+    refs = []
+    for qs, qrs, ks, krs, vs in zip(q.split(q_lens), q_rope.split(q_lens), k.split(kv_lens), k_rope.split(kv_lens),
+                                    v.split(kv_lens)):
+        bnsd = [t.transpose(0, 1)[None] for t in (torch.cat([qs, qrs], -1), torch.cat([ks, krs], -1), vs)]
+        refs.append(attention_fp64(*bnsd, 0.2, band_mask(len(qs), len(ks), INT_MAX, 0, True))[0].transpose(0, 1))
+    assert_close_to_reference(out, torch.cat(refs), torch.bfloat16, "out")
+
+
+def test_fused_infer_attention_score_under_compile():
+    q, k, v = (t.half().npu() for t in qkv(n=4, nkv=2, sq=6, skv=9))
+
+    def attend(a, b, c):
+        return torch_npu.npu_fused_infer_attention_score(a, b, c, atten_mask=CAUSAL_2048.npu(), sparse_mode=3,
+                                                         num_heads=4, num_key_value_heads=2, scale=0.3,
+                                                         input_layout="BNSD", softmax_lse_flag=True)
+    compiled = torch.compile(attend, backend="npu", fullgraph=True)
+    for a, b in zip(compiled(q, k, v), attend(q, k, v)):
+        torch.testing.assert_close(a.cpu(), b.cpu())
+
+
+def test_inference_ops_name_the_arguments_they_do_not_emulate():
+    q, k, v = qkv(n=2, nkv=2, sq=1, skv=8)
+    with pytest.raises(NotImplementedError, match="quant_scale2"):
+        torch_npu.npu_prompt_flash_attention(q, k, v, num_heads=2, input_layout="BNSD", quant_scale2=torch.ones(1))
+    with pytest.raises(NotImplementedError, match="kv_padding_size"):
+        torch_npu.npu_incre_flash_attention(q, k, v, num_heads=2, input_layout="BNSD", kv_padding_size=torch.ones(1))
+    with pytest.raises(NotImplementedError, match="antiquant_scale, antiquant_offset"):
+        torch_npu.npu_fused_infer_attention_score(q, k, v, num_heads=2, input_layout="BNSD",
+                                                  antiquant_scale=torch.ones(2), antiquant_offset=torch.ones(2))
+    with pytest.raises(NotImplementedError, match="int8"):
+        torch_npu.npu_fused_infer_attention_score(q, k.to(torch.int8), v.to(torch.int8), num_heads=2,
+                                                  input_layout="BNSD")
+    with pytest.raises(ValueError, match="block_table"):
+        torch_npu.npu_incre_flash_attention(q, k, v, num_heads=2, input_layout="BNSD",
+                                            block_table=torch.zeros(2, 1, dtype=torch.int32), block_size=8)
+
+
+# ---- transformers' NPU flash-attention path --------------------------------------------------------
+
+def test_transformers_flash_attention_2_on_npu_calls_fusion_attention_as_it_does(monkeypatch):
+    """transformers' integrations/npu_flash_attention.py: BSND with the 2048 causal mask and
+    sparse_mode 3 for a full batch, TND with cumulative lengths for a padded one (varlen)."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.integrations import npu_flash_attention
+
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs["input_layout"] if "input_layout" in kwargs else args[4], kwargs.get("sparse_mode"),
+                      tuple(kwargs["atten_mask"].shape)))
+        return torch_npu.npu_fusion_attention(*args, **kwargs)
+    monkeypatch.setattr(npu_flash_attention, "npu_fusion_attention", spy)
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(17)
+    # each model its own config: _from_config records the attention implementation in it
+    flash = LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation="flash_attention_2",
+                                          dtype=torch.bfloat16)
+    eager = LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation="eager", dtype=torch.float32)
+    assert flash.config._attn_implementation == "flash_attention_2"
+    eager.load_state_dict(flash.state_dict())
+    flash, eager = flash.npu(), eager.npu()
+    ids = torch.randint(0, 64, (2, 12)).npu()
+    padding = torch.ones(2, 12, dtype=torch.long).npu()
+    padding[1, :4] = 0  # left padding: transformers unpads to TND
+    for mask in (None, padding):
+        logits = flash(ids, attention_mask=mask).logits
+        want = eager(ids, attention_mask=mask).logits
+        keep = slice(None) if mask is None else mask.bool()
+        assert_close_to_reference(logits[keep], want[keep], torch.bfloat16, "logits", factor=2)
+    logits.float().sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in flash.parameters())
+    assert calls == [("BSND", 3, (2048, 2048)), ("TND", 3, (2048, 2048))]
