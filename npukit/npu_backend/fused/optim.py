@@ -73,21 +73,22 @@ def npu_apply_adam_w_out_kernel(beta1_power, beta2_power, lr, weight_decay, beta
     var, m, v = _check_out(op, grad, out)
     if amsgrad and max_grad_norm is None:
         raise ValueError(f"torch_npu.{op}: amsgrad=True needs max_grad_norm")
-    g = grad.float()
+    # fp32 states are updated in place; fp16/bf16 ones through fp32 copies, rounded once at the end
+    var32, m32, v32, g = (t.float() for t in (var, m, v, grad))
     if maximize:
         g = -g
-    m32 = m.float() * beta1 + (1 - beta1) * g
-    v32 = v.float() * beta2 + (1 - beta2) * g * g
+    m32.mul_(beta1).add_(g, alpha=1 - beta1)
+    v32.mul_(beta2).addcmul_(g, g, value=1 - beta2)
     if amsgrad:
-        v32 = torch.maximum(max_grad_norm.float(), v32)
+        torch.maximum(v32, max_grad_norm.float(), out=v32)
     bias_correction1 = 1 - float(beta1_power) * float(beta1)
     bias_correction2 = 1 - float(beta2_power) * float(beta2)
-    var32 = var.float()
-    update = (m32 / bias_correction1) / ((v32 / bias_correction2).sqrt() + epsilon)
-    var32 = var32 - lr * update - lr * weight_decay * var32
-    var.copy_(var32)
-    m.copy_(m32)
-    v.copy_(v32)
+    # var - lr * m_hat / (sqrt(v_hat) + eps) - lr * weight_decay * var
+    denominator = v32.div(bias_correction2).sqrt_().add_(epsilon)
+    var32.mul_(1 - lr * weight_decay).addcdiv_(m32, denominator, value=-lr / bias_correction1)
+    for target, result in ((var, var32), (m, m32), (v, v32)):
+        if target is not result:
+            target.copy_(result)
     return var, m, v
 
 
@@ -108,14 +109,15 @@ def npu_apply_adam_out_kernel(beta1_power, beta2_power, lr, beta1, beta2, epsilo
     m += (g - m)(1 - b1); v += (g^2 - v)(1 - b2); var -= lr_t m / (sqrt(v) + eps), with Nesterov
     var -= lr_t (b1 m + (1 - b1) g) / (sqrt(v) + eps)."""
     var, m, v = _check_out("npu_apply_adam", grad, out)
-    g = grad.float()
-    m32 = m.float() + (g - m.float()) * (1 - beta1)
-    v32 = v.float() + (g * g - v.float()) * (1 - beta2)
+    var32, m32, v32, g = (t.float() for t in (var, m, v, grad))
+    m32.add_(g - m32, alpha=1 - beta1)
+    v32.add_(g * g - v32, alpha=1 - beta2)
     lr_t = lr * math.sqrt(1 - float(beta2_power)) / (1 - float(beta1_power))
     numerator = m32 * beta1 + (1 - beta1) * g if use_nesterov else m32
-    var.copy_(var.float() - lr_t * numerator / (v32.sqrt() + epsilon))
-    m.copy_(m32)
-    v.copy_(v32)
+    var32.addcdiv_(numerator, v32.sqrt().add_(epsilon), value=-lr_t)
+    for target, result in ((var, var32), (m, m32), (v, v32)):
+        if target is not result:
+            target.copy_(result)
     return var, m, v
 
 

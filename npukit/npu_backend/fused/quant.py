@@ -55,13 +55,16 @@ def _target(op: str, argument: str, code: int | None, allowed: tuple[int, ...], 
     return _SCALAR_TYPES[code]
 
 
-def _saturate(values: torch.Tensor, target) -> torch.Tensor:
-    """fp32 values -> `target`: round half to even and saturate (integers), or the float8 cast."""
+def _saturate(values: torch.Tensor, target, in_range: bool = False) -> torch.Tensor:
+    """fp32 values -> `target`: round half to even and saturate (integers), or the float8 cast.
+    `in_range`: the values are known to lie within the target's range (no clamp needed)."""
     if target in _FLOAT8_MAX:
         bound = _FLOAT8_MAX[target]
-        return values.clamp(-bound, bound).to(target)
+        return values.to(target) if in_range else values.clamp(-bound, bound).to(target)
     low, high = _INTEGER_RANGE[target]
-    rounded = torch.round(values).clamp(low, high)
+    rounded = torch.round(values)
+    if not in_range:
+        rounded = rounded.clamp(low, high)
     if target is INT4:
         return pack_int4(rounded.to(torch.int32))
     return rounded.to(target)
@@ -74,14 +77,14 @@ def pack_int4(values: torch.Tensor) -> torch.Tensor:
     shifts = torch.tensor(_INT4_SHIFTS, dtype=torch.int64, device=values.device)
     words = (nibbles << shifts).sum(-1)
     # the 32-bit word as a signed int32 (bit 31 set -> negative)
-    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+    return (words - ((words >> 31) << 32)).to(torch.int32)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """int32 words of 8 int4 values -> int8 values, the last dim 8 times longer."""
     shifts = torch.tensor(_INT4_SHIFTS, dtype=torch.int64, device=packed.device)
     nibbles = (packed.to(torch.int64).unsqueeze(-1) >> shifts) & 0xF
-    values = nibbles - (nibbles >= 8).to(torch.int64) * 16
+    values = nibbles - ((nibbles >> 3) << 4)  # two's complement: 8..15 -> -8..-1
     return values.reshape(*packed.shape[:-1], packed.shape[-1] * 8).to(torch.int8)
 
 
@@ -99,10 +102,9 @@ def _unpack_int4_matrix(packed: torch.Tensor, op: str, argument: str) -> torch.T
 def decode_quant_param(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """An int64 scale word of npu_trans_quant_param -> (the FP19 scale as fp32, the 9-bit offset)."""
     low = words & 0xFFFFE000
-    low = torch.where(low >= 2 ** 31, low - 2 ** 32, low).to(torch.int32)
-    scale = low.view(torch.float32)
+    scale = (low - ((low >> 31) << 32)).to(torch.int32).view(torch.float32)
     offset = (words >> 37) & 0x1FF
-    offset = torch.where(offset >= 256, offset - 512, offset).to(torch.float32)
+    offset = (offset - ((offset >> 8) << 9)).to(torch.float32)  # 9-bit two's complement
     return scale, offset
 
 
@@ -169,8 +171,8 @@ def npu_dynamic_quant(x, *, smooth_scales=None, group_index=None, dst_type=None,
     if target is INT4 and x.shape[-1] % 8:
         raise ValueError(f"torch_npu.{op}: an int4 (torch.quint4x2) output needs the last dim of input "
                          f"({x.shape[-1]}) to be a multiple of 8")
-    dtype_max = float(dst_type_max) if dst_type_max > 0 else float(
-        _FLOAT8_MAX.get(target, _INTEGER_RANGE.get(target, (0, 0))[1]))
+    type_max = float(_FLOAT8_MAX.get(target, _INTEGER_RANGE.get(target, (0, 0))[1]))
+    dtype_max = float(dst_type_max) if dst_type_max > 0 else type_max
     values = x.float()
     if smooth_scales is not None:
         if smooth_scales.shape[-1] != x.shape[-1]:
@@ -199,9 +201,10 @@ def npu_dynamic_quant(x, *, smooth_scales=None, group_index=None, dst_type=None,
     else:
         amax = magnitude.amax().reshape([1] * x.dim())
     scale = amax / dtype_max
-    # an all-zero row has scale 0: its values quantize to 0 rather than 0/0
-    quotient = torch.where(scale > 0, values / torch.where(scale > 0, scale, 1.0), 0.0)
-    y = _saturate(quotient, target)
+    # an all-zero row has scale 0: its values (all 0) are divided by 1 rather than 0
+    # |values / scale| <= dtype_max by construction: no clamp unless dst_type_max exceeds the type
+    y = _saturate(values / torch.where(scale > 0, scale, torch.ones_like(scale)), target,
+                  in_range=dtype_max <= type_max)
     if quant_mode == "pertoken":
         scale = scale.squeeze(-1)
     elif quant_mode == "perchannel":
