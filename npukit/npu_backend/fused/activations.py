@@ -4,6 +4,11 @@ each with the backward op torch_npu defines for it.
 The vector kernels read fp16/bf16 inputs, compute in fp32 and round each output once to the input
 dtype (the GLUs' gelu output too: torch_npu returns it in the input dtype and its backward reads
 that rounded value back).
+
+Speed: a low-precision input is computed on one fp32 working copy updated in place (the fused
+kernel's registers), not through a chain of fresh fp32 temporaries; a single PyTorch op whose
+reduced-precision kernel already computes in fp32 and rounds once (silu, mish, silu_backward: the
+results are bit-identical) runs on the input directly.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from npukit.npu_backend.fused import fused_op, register_autograd, upcast
+from npukit.npu_backend.fused import LOW_PRECISION, fused_op, register_autograd, upcast
 
 # FastGelu's constant: fast_gelu(x) = x / (1 + exp(-1.702 x)) = x * sigmoid(1.702 x) (torch_npu's docs;
 # the training-series form x / (1 + exp(-1.702|x|)) * exp(0.851 x (x - |x|)) is the same function).
@@ -35,7 +40,11 @@ def _glu_halves(op: str, x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch
           unfused="a, b = x.chunk(2, dim); torch.nn.functional.silu(a) * b")
 def npu_swiglu(x, dim=-1):
     a, b = _glu_halves("npu_swiglu", x, dim)
-    return (F.silu(upcast(a)) * upcast(b)).to(x.dtype)
+    if x.dtype not in LOW_PRECISION:
+        return F.silu(a) * b
+    out = a.float()  # the fp32 working copy
+    F.silu(out, inplace=True)
+    return out.mul_(b.float()).to(x.dtype)
 
 
 @fused_op("npu_swiglu_backward(Tensor grad_output, Tensor input, int dim=-1) -> Tensor",
@@ -43,9 +52,12 @@ def npu_swiglu(x, dim=-1):
 def npu_swiglu_backward(grad_output, x, dim=-1):
     a, b = _glu_halves("npu_swiglu_backward", x, dim)
     a32, b32, dy = upcast(a), upcast(b), upcast(grad_output)
-    sig = torch.sigmoid(a32)
-    silu_grad = sig * (1 + a32 * (1 - sig))
-    return torch.cat([dy * b32 * silu_grad, dy * a32 * sig], dim).to(x.dtype)
+    dx = torch.empty(x.shape, dtype=a32.dtype, device=x.device)
+    da, db = dx.chunk(2, dim)
+    # d/da silu(a) b = silu'(a) b (torch's fused silu backward), d/db = silu(a)
+    torch.ops.aten.silu_backward.grad_input(dy * b32, a32, grad_input=da)
+    torch.mul(F.silu(a32), dy, out=db)
+    return dx.to(x.dtype)
 
 
 def _swiglu_setup(ctx, inputs, output):
@@ -70,16 +82,6 @@ def _gelu_mode(op: str, approximate: int) -> str:
     return GELU_APPROXIMATIONS[approximate]
 
 
-def _gelu_derivative(x32: torch.Tensor, mode: str) -> torch.Tensor:
-    if mode == "tanh":
-        inner_scale = (2 / torch.pi) ** 0.5
-        inner = inner_scale * (x32 + 0.044715 * x32.pow(3))
-        tanh = torch.tanh(inner)
-        return 0.5 * (1 + tanh) + 0.5 * x32 * (1 - tanh * tanh) * inner_scale * (1 + 3 * 0.044715 * x32 * x32)
-    cdf = 0.5 * (1 + torch.erf(x32 * 2 ** -0.5))
-    return cdf + x32 * torch.exp(-0.5 * x32 * x32) * (2 * torch.pi) ** -0.5
-
-
 @fused_op("npu_geglu(Tensor input, int dim=-1, int approximate=1, bool activate_left=False) -> (Tensor, Tensor)",
           unfused="a, b = x.chunk(2, dim); g = gelu(b); (a * g, g)  (gelu(a) * b with activate_left)")
 def npu_geglu(x, dim=-1, approximate=1, activate_left=False):
@@ -87,7 +89,9 @@ def npu_geglu(x, dim=-1, approximate=1, activate_left=False):
     a, b = _glu_halves("npu_geglu", x, dim)
     activated, linear = (a, b) if activate_left else (b, a)
     gelu = F.gelu(upcast(activated), approximate=mode)
-    return (gelu * upcast(linear)).to(x.dtype), gelu.to(x.dtype)
+    if x.dtype not in LOW_PRECISION:
+        return gelu * linear, gelu
+    return linear.float().mul_(gelu).to(x.dtype), gelu.to(x.dtype)
 
 
 @fused_op("npu_geglu_grad(Tensor grad_output, Tensor input, Tensor gelu, int dim=-1, int approximate=1, "
@@ -98,10 +102,15 @@ def npu_geglu_grad(grad_output, x, gelu, dim=-1, approximate=1, activate_left=Fa
     a, b = _glu_halves("npu_geglu_grad", x, dim)
     activated, linear = (a, b) if activate_left else (b, a)
     dy = upcast(grad_output)
-    d_activated = dy * upcast(linear) * _gelu_derivative(upcast(activated), mode)
-    d_linear = dy * upcast(gelu)
-    halves = [d_activated, d_linear] if activate_left else [d_linear, d_activated]
-    return torch.cat(halves, dim).to(x.dtype)
+    dx = torch.empty(x.shape, dtype=dy.dtype, device=x.device)
+    d_first, d_second = dx.chunk(2, dim)
+    d_activated, d_linear = (d_first, d_second) if activate_left else (d_second, d_first)
+    # gelu'(activated) * linear * dy through torch's fused gelu backward; the linear half's gradient
+    # reads the forward's (rounded) gelu output, as the kernel does.
+    torch.ops.aten.gelu_backward.grad_input(dy * upcast(linear), upcast(activated), approximate=mode,
+                                            grad_input=d_activated)
+    torch.mul(dy, upcast(gelu), out=d_linear)
+    return dx.to(x.dtype)
 
 
 def _geglu_setup(ctx, inputs, output):
@@ -122,7 +131,10 @@ register_autograd("npu_geglu", _geglu_backward, _geglu_setup)
 # ---- FastGelu ------------------------------------------------------------------------------------
 
 def _fast_gelu(x):
-    return (upcast(x) * torch.sigmoid(FAST_GELU_ALPHA * upcast(x))).to(x.dtype)
+    if x.dtype not in LOW_PRECISION:
+        return x * torch.sigmoid(FAST_GELU_ALPHA * x)
+    x32 = x.float()
+    return torch.mul(x32, FAST_GELU_ALPHA).sigmoid_().mul_(x32).to(x.dtype)
 
 
 @fused_op("fast_gelu(Tensor self) -> Tensor", unfused="x * torch.sigmoid(1.702 * x)")
@@ -138,9 +150,9 @@ def npu_fast_gelu(x):
 @fused_op("npu_fast_gelu_backward(Tensor grad, Tensor input) -> Tensor",
           unfused="autograd of x * torch.sigmoid(1.702 * x)", public=False)
 def npu_fast_gelu_backward(grad, x):
-    x32 = upcast(x)
-    sig = torch.sigmoid(FAST_GELU_ALPHA * x32)
-    return (upcast(grad) * (sig + FAST_GELU_ALPHA * x32 * sig * (1 - sig))).to(x.dtype)
+    # fast_gelu(x) = silu(1.702 x) / 1.702, so its derivative is silu'(1.702 x) = s + 1.702 x s (1 - s)
+    # with s = sigmoid(1.702 x): torch's fused silu backward at 1.702 x.
+    return torch.ops.aten.silu_backward(upcast(grad), FAST_GELU_ALPHA * upcast(x)).to(x.dtype)
 
 
 def _save_input(ctx, inputs, output):
@@ -160,12 +172,12 @@ register_autograd("npu_fast_gelu", _fast_gelu_backward, _save_input)
 
 @fused_op("npu_silu(Tensor input) -> Tensor", unfused="torch.nn.functional.silu(x)")
 def npu_silu(x):
-    return F.silu(upcast(x)).to(x.dtype)
+    return F.silu(x)  # fp16/bf16: computed in fp32, rounded once (see the module's docstring)
 
 
 @fused_op("npu_silu_(Tensor(a!) input) -> Tensor(a!)", unfused="torch.nn.functional.silu(x, inplace=True)")
 def npu_silu_(x):
-    return x.copy_(F.silu(upcast(x)))
+    return F.silu(x, inplace=True)
 
 
 @fused_op("npu_silu_backward(Tensor grad_output, Tensor x0, Tensor x1) -> Tensor",
@@ -173,6 +185,8 @@ def npu_silu_(x):
 def npu_silu_backward(grad_output, x0, x1):
     """x0 is the input, x1 the forward's output (torch_npu's derivative passes both): with
     s = sigmoid(x0), d silu / dx = s + x0 s (1 - s) = s + x1 (1 - s)."""
+    if grad_output.dtype == x0.dtype:
+        return torch.ops.aten.silu_backward(grad_output, x0)
     sig = torch.sigmoid(upcast(x0))
     return (upcast(grad_output) * (sig + upcast(x1) * (1 - sig))).to(grad_output.dtype)
 
@@ -193,18 +207,15 @@ register_autograd("npu_silu", _silu_backward, _silu_setup)
 
 @fused_op("npu_mish(Tensor input) -> Tensor", unfused="x * torch.tanh(torch.nn.functional.softplus(x))")
 def npu_mish(x):
-    x32 = upcast(x)
-    return (x32 * torch.tanh(F.softplus(x32))).to(x.dtype)
+    return F.mish(x)  # fp16/bf16: computed in fp32, rounded once (see the module's docstring)
 
 
 @fused_op("npu_mish_backward(Tensor grad, Tensor input) -> Tensor",
           unfused="autograd of x * torch.tanh(torch.nn.functional.softplus(x))", public=False)
 def npu_mish_backward(grad, x):
-    x32 = upcast(x)
-    tanh_sp = torch.tanh(F.softplus(x32))
-    # d/dx x tanh(sp(x)) = tanh(sp) + x (1 - tanh(sp)^2) sigmoid(x)
-    derivative = tanh_sp + x32 * (1 - tanh_sp * tanh_sp) * torch.sigmoid(x32)
-    return (upcast(grad) * derivative).to(x.dtype)
+    # d/dx x tanh(softplus(x)) = tanh(sp) + x (1 - tanh(sp)^2) sigmoid(x): torch's fused mish backward,
+    # on fp32 values (its fp16 kernel rounds inside).
+    return torch.ops.aten.mish_backward(upcast(grad), upcast(x)).to(x.dtype)
 
 
 def _mish_backward(ctx, dy):

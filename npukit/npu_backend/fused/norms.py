@@ -126,8 +126,10 @@ def npu_layer_norm_eval(x, normalized_shape, weight=None, bias=None, eps=1e-5):
         if tensor is not None and tuple(tensor.shape) != normalized_shape:
             raise ValueError(f"torch_npu.npu_layer_norm_eval: {what}'s shape {tuple(tensor.shape)} must be "
                              f"normalized_shape {list(normalized_shape)}")
-    y = torch.nn.functional.layer_norm(upcast(x), normalized_shape, upcast(weight), upcast(bias), eps)
-    return y.to(x.dtype)
+    # torch's layer norm computes fp16/bf16 inputs in fp32 and rounds once, with weights in the input's dtype
+    # or fp32 (autocast's mix), as the kernel does: it runs on the inputs directly.
+    weight, bias = (t if t is None or t.dtype in (x.dtype, torch.float32) else t.float() for t in (weight, bias))
+    return torch.nn.functional.layer_norm(x, normalized_shape, weight, bias, eps)
 
 
 register_no_derivative("npu_layer_norm_eval")

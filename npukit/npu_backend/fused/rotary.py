@@ -26,24 +26,35 @@ APPLY_ROTARY_LAYOUTS = {"BSND": 2, "SBND": 2, "BNSD": 1, "TND": 1}
 
 def rotate(x: torch.Tensor, mode: str) -> torch.Tensor:
     """rotate(x) of `x * cos + rotate(x) * sin` along the last dim."""
-    if mode == "half":
-        x1, x2 = x.chunk(2, -1)
-        return torch.cat((-x2, x1), -1)
-    if mode == "interleave":
-        return torch.stack((-x[..., 1::2], x[..., 0::2]), -1).flatten(-2)
-    q1, q2, q3, q4 = x.chunk(4, -1)
-    return torch.cat((-q2, q1, -q4, q3), -1)
+    if mode == "quarter":
+        return rotate(x.unflatten(-1, (2, -1)), "half").flatten(-2)
+    first, second = _pair_halves(x, mode)
+    return torch.stack((-second, first), -2 if mode == "half" else -1).flatten(-2)
 
 
-def rotate_transposed(g: torch.Tensor, mode: str) -> torch.Tensor:
-    """The adjoint of `rotate` (its inverse: a rotation by -90 degrees), for the backward."""
+def _pair_halves(x: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two members of every rotated pair: the two halves ('half') or the even and odd features
+    ('interleave') of the last dim (views)."""
     if mode == "half":
-        g1, g2 = g.chunk(2, -1)
-        return torch.cat((g2, -g1), -1)
-    if mode == "interleave":
-        return torch.stack((g[..., 1::2], -g[..., 0::2]), -1).flatten(-2)
-    q1, q2, q3, q4 = g.chunk(4, -1)
-    return torch.cat((q2, -q1, q4, -q3), -1)
+        return x.chunk(2, -1)
+    return x[..., 0::2], x[..., 1::2]
+
+
+def rotary_embed(x32: torch.Tensor, cos32: torch.Tensor, sin32: torch.Tensor, mode: str) -> torch.Tensor:
+    """x * cos + rotate(x) * sin, each pair (x1, x2) written as (x1 cos1 - x2 sin1, x2 cos2 + x1 sin2):
+    two passes into one new tensor, where a rotated copy, two products and a sum would take five."""
+    if mode == "quarter":  # the half rotation within each half of the last dim
+        halves = [t.unflatten(-1, (2, -1)) for t in (x32, cos32, sin32)]
+        return rotary_embed(*halves, "half").flatten(-2)
+    shape = torch.broadcast_shapes(x32.shape, cos32.shape, sin32.shape)
+    out = torch.empty(shape, dtype=torch.promote_types(x32.dtype, cos32.dtype), device=x32.device)
+    x1, x2 = _pair_halves(x32, mode)
+    c1, c2 = _pair_halves(cos32, mode)
+    s1, s2 = _pair_halves(sin32, mode)
+    o1, o2 = _pair_halves(out, mode)
+    torch.mul(x1, c1, out=o1).addcmul_(x2, s1, value=-1)
+    torch.mul(x2, c2, out=o2).addcmul_(x1, s2)
+    return out
 
 
 # ---- npu_rotary_mul ------------------------------------------------------------------------------
@@ -70,7 +81,7 @@ def npu_rotary_mul(x, r1, r2, rotary_mode="half", rotation=None):
     _check_rotary_mul("npu_rotary_mul", x, r1, r2, rotary_mode)
     x32 = upcast(x)
     if rotation is None:
-        rotated = rotate(x32, rotary_mode)
+        return rotary_embed(x32, upcast(r1), upcast(r2), rotary_mode).to(x.dtype)
     else:
         d = x.shape[-1]
         if rotation.shape != (d, d):
@@ -88,7 +99,12 @@ def npu_rotary_mul(x, r1, r2, rotary_mode="half", rotation=None):
 def npu_rotary_mul_backward(grad, x, r1, r2, rotary_mode="half"):
     _check_rotary_mul("npu_rotary_mul_backward", x, r1, r2, rotary_mode)
     dy, x32, r1_32, r2_32 = upcast(grad), upcast(x), upcast(r1), upcast(r2)
-    dx = dy * r1_32 + rotate_transposed(dy * r2_32, rotary_mode)
+    # dx = dy * r1 + rotate^T(dy * r2), rotate^T mapping a pair (g1, g2) to (g2, -g1): per pair
+    # (dy1 cos1 + dy2 sin2, dy2 cos2 - dy1 sin1), the forward's formula with sin's pair members swapped
+    # and negated (sin is the small broadcast table, usually).
+    first, second = _pair_halves(r2_32, rotary_mode)
+    swapped_sin = torch.stack((-second, -first), -2 if rotary_mode == "half" else -1).flatten(-2)
+    dx = rotary_embed(dy, r1_32, swapped_sin, rotary_mode)
     # r1/r2 broadcast over batch/heads: their gradients sum over the broadcast dims.
     dr1 = (dy * x32).sum_to_size(r1.shape)
     dr2 = (dy * rotate(x32, rotary_mode)).sum_to_size(r2.shape)
@@ -117,12 +133,11 @@ register_autograd("npu_rotary_mul", _rotary_mul_backward, _rotary_mul_setup)
 # ---- npu_apply_rotary_pos_emb --------------------------------------------------------------------
 
 def _apply_rotary(x32: torch.Tensor, cos32: torch.Tensor, sin32: torch.Tensor, mode: str) -> torch.Tensor:
-    """x * cos + rotate(x) * sin over the first cos.shape[-1] features (the rest pass through)."""
+    """rotary_embed over the first cos.shape[-1] features (the rest pass through)."""
     rotary_dim = cos32.shape[-1]
     if rotary_dim == x32.shape[-1]:
-        return x32 * cos32 + rotate(x32, mode) * sin32
-    x_rot, x_pass = x32[..., :rotary_dim], x32[..., rotary_dim:]
-    return torch.cat((x_rot * cos32 + rotate(x_rot, mode) * sin32, x_pass), -1)
+        return rotary_embed(x32, cos32, sin32, mode)
+    return torch.cat((rotary_embed(x32[..., :rotary_dim], cos32, sin32, mode), x32[..., rotary_dim:]), -1)
 
 
 def _check_apply_rotary(query, key, cos, sin, layout, rotary_mode):

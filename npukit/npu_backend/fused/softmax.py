@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from npukit.npu_backend.fused import fused_op, register_autograd, upcast
+from npukit.npu_backend.fused import LOW_PRECISION, fused_op, register_autograd, upcast
 
 MASKED_LOGIT = -10000.0  # what the kernel writes at masked positions (Megatron's value)
 SCALED_MASKED_SOFTMAX_SIZES = range(32, 4097, 32)  # H and W: multiples of 32 in [32, 4096]
@@ -44,7 +44,9 @@ def _check_scaled_masked_softmax(op: str, x: torch.Tensor) -> None:
 def npu_scaled_masked_softmax(x, mask, scale=1, fixed_triu_mask=False):
     _check_scaled_masked_softmax("npu_scaled_masked_softmax", x)
     mask = _scaled_masked_mask("npu_scaled_masked_softmax", x, mask, fixed_triu_mask)
-    logits = (upcast(x) * scale).masked_fill(mask, MASKED_LOGIT)
+    # One fp32 working copy of the logits, scaled and masked in place.
+    logits = x.float().mul_(scale) if x.dtype in LOW_PRECISION else x * scale
+    logits.masked_fill_(mask, MASKED_LOGIT)
     return torch.softmax(logits, -1).to(x.dtype)
 
 
@@ -54,9 +56,10 @@ def npu_scaled_masked_softmax(x, mask, scale=1, fixed_triu_mask=False):
 def npu_scaled_masked_softmax_backward(y_grad, y, mask, scale, fixed_triu_mask):
     _check_scaled_masked_softmax("npu_scaled_masked_softmax_backward", y)
     mask = _scaled_masked_mask("npu_scaled_masked_softmax_backward", y, mask, fixed_triu_mask)
+    # y (dy - sum(dy y)) through torch's fused softmax backward, then scaled and masked in place.
     dy, y32 = upcast(y_grad), upcast(y)
-    dx = y32 * (dy - (dy * y32).sum(-1, keepdim=True)) * scale
-    return dx.masked_fill(mask, 0.0).to(y_grad.dtype)
+    dx = torch.ops.aten._softmax_backward_data(dy, y32, -1, y32.dtype)
+    return dx.mul_(scale).masked_fill_(mask, 0.0).to(y_grad.dtype)
 
 
 def _scaled_masked_softmax_setup(ctx, inputs, output):
