@@ -81,6 +81,9 @@ def install(device_count: int | None = None) -> None:
         _C.set_device_count(_device_count_from_environment())
     _C.install()
     _C.route_composite_ops_to_cpu_kernels()
+    from npukit.npu_backend import aten_kernels
+
+    aten_kernels.install()  # the few aten ops whose CPU kernel refuses what the device takes
     if backend_name != "npu":
         torch.utils.rename_privateuse1_backend("npu")
 
