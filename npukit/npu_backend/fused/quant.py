@@ -1,5 +1,6 @@
-"""Quantization: npu_dynamic_quant, npu_quantize, npu_anti_quant, npu_trans_quant_param,
-npu_convert_weight_to_int4pack, npu_quant_matmul and npu_weight_quant_batchmatmul.
+"""Quantization: npu_dynamic_quant, npu_dynamic_quant_asymmetric, npu_quantize, npu_anti_quant,
+npu_trans_quant_param, npu_convert_weight_to_int4pack, npu_quant_matmul and
+npu_weight_quant_batchmatmul.
 
 Integer semantics follow torch_npu's op docs and the CANN operators behind them:
 - float -> integer conversions round half to even (the vector unit's default CAST_RINT) and
@@ -160,6 +161,44 @@ def npu_convert_weight_to_int4pack(weight, inner_k_tiles=0):
 def npu_dynamic_quant(x, *, smooth_scales=None, group_index=None, dst_type=None, quant_mode="pertoken",
                       dst_type_max=0.0):
     op = "npu_dynamic_quant"
+    target = _dynamic_target(op, x, dst_type, quant_mode, (1, 12, 16, 23, 24, 291, 292))
+    type_max = float(_FLOAT8_MAX.get(target, _INTEGER_RANGE.get(target, (0, 0))[1]))
+    dtype_max = float(dst_type_max) if dst_type_max > 0 else type_max
+    values = _smoothed(op, x, smooth_scales, group_index)
+    amax = _reduce(values.abs(), quant_mode, torch.amax)
+    scale = amax / dtype_max
+    # an all-zero row has scale 0: its values (all 0) are divided by 1 rather than 0
+    # |values / scale| <= dtype_max by construction: no clamp unless dst_type_max exceeds the type
+    y = _saturate(values / torch.where(scale > 0, scale, torch.ones_like(scale)), target,
+                  in_range=dtype_max <= type_max)
+    return y, _reduced_shape(scale, quant_mode)
+
+
+@fused_op("npu_dynamic_quant_asymmetric(Tensor input, *, Tensor? smooth_scales=None, Tensor? group_index=None, "
+          "int? dst_type=None, str quant_mode=\"pertoken\", float dst_type_max=0.0) -> (Tensor, Tensor, Tensor)",
+          unfused="scale = (x.amax(-1) - x.amin(-1)) / 255; offset = 127 - x.amax(-1) / scale; "
+                  "y = torch.round(x / scale[..., None] + offset[..., None]).to(torch.int8)")
+def npu_dynamic_quant_asymmetric(x, *, smooth_scales=None, group_index=None, dst_type=None, quant_mode="pertoken",
+                                 dst_type_max=0.0):
+    """scale = (rowMax - rowMin) / (DST_MAX - DST_MIN), offset = DST_MAX - rowMax / scale,
+    y = round(x / scale + offset) (int8: 127/-128, int4: 7/-8), after the smooth scales."""
+    op = "npu_dynamic_quant_asymmetric"
+    target = _dynamic_target(op, x, dst_type, quant_mode, (1, 12, 16))
+    if dst_type_max:
+        raise ValueError(f"torch_npu.{op}: dst_type_max applies to float8 outputs, not {_dtype_name(dst_type)}")
+    low, high = _INTEGER_RANGE[target]
+    values = _smoothed(op, x, smooth_scales, group_index)
+    row_max = _reduce(values, quant_mode, torch.amax)
+    row_min = _reduce(values, quant_mode, torch.amin)
+    scale = (row_max - row_min) / (high - low)
+    # a constant row has scale 0: divided by 1 instead (every value maps to DST_MAX)
+    safe_scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    offset = high - row_max / safe_scale
+    y = _saturate(values / safe_scale + offset, target)
+    return y, _reduced_shape(scale, quant_mode), _reduced_shape(offset, quant_mode)
+
+
+def _dynamic_target(op: str, x: torch.Tensor, dst_type, quant_mode: str, allowed: tuple[int, ...]):
     if x.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"torch_npu.{op}: input must be float16 or bfloat16, got {x.dtype}")
     if x.dim() < 2:
@@ -167,51 +206,54 @@ def npu_dynamic_quant(x, *, smooth_scales=None, group_index=None, dst_type=None,
     if quant_mode not in ("pertoken", "pertensor", "perchannel"):
         raise ValueError(f"torch_npu.{op}: quant_mode must be 'pertoken', 'pertensor' or 'perchannel', "
                          f"got {quant_mode!r}")
-    target = _target(op, "dst_type", dst_type, (1, 12, 16, 23, 24, 291, 292), 1)
+    target = _target(op, "dst_type", dst_type, allowed, 1)
     if target is INT4 and x.shape[-1] % 8:
         raise ValueError(f"torch_npu.{op}: an int4 (torch.quint4x2) output needs the last dim of input "
                          f"({x.shape[-1]}) to be a multiple of 8")
-    type_max = float(_FLOAT8_MAX.get(target, _INTEGER_RANGE.get(target, (0, 0))[1]))
-    dtype_max = float(dst_type_max) if dst_type_max > 0 else type_max
+    return target
+
+
+def _smoothed(op: str, x: torch.Tensor, smooth_scales, group_index) -> torch.Tensor:
+    """x in fp32, multiplied by its smooth scales (per MoE expert's rows with group_index)."""
     values = x.float()
-    if smooth_scales is not None:
-        if smooth_scales.shape[-1] != x.shape[-1]:
-            raise ValueError(f"torch_npu.{op}: smooth_scales' last dim ({smooth_scales.shape[-1]}) must equal "
-                             f"input's ({x.shape[-1]})")
-        smooth = smooth_scales.float()
-        if group_index is not None:
-            # MoE: rows [group_index[e-1], group_index[e]) use smooth_scales[e]
-            if smooth.dim() != 2 or group_index.dim() != 1 or group_index.shape[0] != smooth.shape[0]:
-                raise ValueError(f"torch_npu.{op}: with group_index, smooth_scales must be (experts, H) and "
-                                 f"group_index (experts,)")
-            rows = values.reshape(-1, x.shape[-1])
-            row_ids = torch.arange(rows.shape[0], device=x.device, dtype=group_index.dtype)
-            expert = torch.searchsorted(group_index, row_ids, right=True).clamp_max(smooth.shape[0] - 1)
-            values = (rows * smooth[expert]).reshape(x.shape)
-        else:
-            if smooth.dim() != 1:
-                raise ValueError(f"torch_npu.{op}: smooth_scales must be 1-D without group_index, got "
-                                 f"{smooth.dim()}-D")
-            values = values * smooth
-    magnitude = values.abs()
+    if smooth_scales is None:
+        return values
+    if smooth_scales.shape[-1] != x.shape[-1]:
+        raise ValueError(f"torch_npu.{op}: smooth_scales' last dim ({smooth_scales.shape[-1]}) must equal "
+                         f"input's ({x.shape[-1]})")
+    smooth = smooth_scales.float()
+    if group_index is None:
+        if smooth.dim() != 1:
+            raise ValueError(f"torch_npu.{op}: smooth_scales must be 1-D without group_index, got {smooth.dim()}-D")
+        return values * smooth
+    # MoE: rows [group_index[e-1], group_index[e]) use smooth_scales[e]
+    if smooth.dim() != 2 or group_index.dim() != 1 or group_index.shape[0] != smooth.shape[0]:
+        raise ValueError(f"torch_npu.{op}: with group_index, smooth_scales must be (experts, H) and group_index "
+                         f"(experts,)")
+    rows = values.reshape(-1, x.shape[-1])
+    row_ids = torch.arange(rows.shape[0], device=x.device, dtype=group_index.dtype)
+    expert = torch.searchsorted(group_index, row_ids, right=True).clamp_max(smooth.shape[0] - 1)
+    return (rows * smooth[expert]).reshape(x.shape)
+
+
+def _reduce(values: torch.Tensor, quant_mode: str, reduction) -> torch.Tensor:
+    """The per-token (last dim), per-channel (second-last dim) or per-tensor reduction, kept
+    broadcastable against values."""
     if quant_mode == "pertoken":
-        amax = magnitude.amax(-1, keepdim=True)
-    elif quant_mode == "perchannel":
-        amax = magnitude.amax(-2, keepdim=True)
-    else:
-        amax = magnitude.amax().reshape([1] * x.dim())
-    scale = amax / dtype_max
-    # an all-zero row has scale 0: its values (all 0) are divided by 1 rather than 0
-    # |values / scale| <= dtype_max by construction: no clamp unless dst_type_max exceeds the type
-    y = _saturate(values / torch.where(scale > 0, scale, torch.ones_like(scale)), target,
-                  in_range=dtype_max <= type_max)
+        return reduction(values, -1, keepdim=True)
+    if quant_mode == "perchannel":
+        return reduction(values, -2, keepdim=True)
+    return reduction(values.reshape(-1), 0).reshape([1] * values.dim())
+
+
+def _reduced_shape(param: torch.Tensor, quant_mode: str) -> torch.Tensor:
+    """A reduced parameter in the op's output shape: x's shape without its last (pertoken) or
+    second-last (perchannel) dim, or (1,) per tensor."""
     if quant_mode == "pertoken":
-        scale = scale.squeeze(-1)
-    elif quant_mode == "perchannel":
-        scale = scale.squeeze(-2)
-    else:
-        scale = scale.reshape(1)
-    return y, scale
+        return param.squeeze(-1)
+    if quant_mode == "perchannel":
+        return param.squeeze(-2)
+    return param.reshape(1)
 
 
 def _along_axis(param: torch.Tensor, x: torch.Tensor, axis: int) -> torch.Tensor:
@@ -329,8 +371,17 @@ def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=No
                          f"{tuple(pertoken_scale.shape)}")
     if bias is not None and bias.dtype not in (torch.int32, torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"torch_npu.{op}: bias must be int32, float32, float16 or bfloat16, got {bias.dtype}")
+    # the dtype combinations torch_npu accepts
     if target is torch.int32 and bias is not None and bias.dtype != torch.int32:
         raise ValueError(f"torch_npu.{op}: an int32 output needs an int32 bias, got {bias.dtype}")
+    if bias is not None and bias.dtype == torch.bfloat16 and target is not torch.bfloat16:
+        raise ValueError(f"torch_npu.{op}: a bfloat16 bias needs output_dtype=torch.bfloat16")
+    if bias is not None and bias.dtype == torch.float16 and (pertoken_scale is None or target is not torch.float16):
+        raise ValueError(f"torch_npu.{op}: a float16 bias needs pertoken_scale and output_dtype=torch.float16")
+    if scale.dtype == torch.bfloat16 and target not in (torch.bfloat16, torch.int32):
+        raise ValueError(f"torch_npu.{op}: a bfloat16 scale needs output_dtype torch.bfloat16 or torch.int32")
+    if offset is not None and (x1.dtype != torch.int8 or offset.dtype != torch.float32):
+        raise ValueError(f"torch_npu.{op}: offset must be float32 and needs int8 x1 and x2")
     # the cube unit's exact int32 accumulation
     accumulator = torch.matmul(a.to(torch.int32), b.to(torch.int32))
     if bias is not None and bias.dtype == torch.int32:

@@ -105,6 +105,28 @@ def test_dynamic_quant_under_compile_equals_eager():
     assert torch.equal(y.cpu(), y_eager.cpu()) and torch.equal(scale.cpu(), scale_eager.cpu())
 
 
+@pytest.mark.parametrize(("dst_type", "low", "high"), [(torch.int8, -128, 127), (torch.quint4x2, -8, 7)])
+def test_dynamic_quant_asymmetric_against_fp64(dst_type, low, high):
+    torch.manual_seed(20)
+    x = (torch.randn(5, 32) * 3 + 1).half()
+    smooth = (torch.rand(32) + 0.5).half()
+    y, scale, offset = torch_npu.npu_dynamic_quant_asymmetric(x.npu(), smooth_scales=smooth.npu(), dst_type=dst_type)
+    values = x.double() * smooth.double()
+    row_max, row_min = values.amax(-1, keepdim=True), values.amin(-1, keepdim=True)
+    scale_ref = (row_max - row_min) / (high - low)
+    offset_ref = high - row_max / scale_ref
+    y_ref = round_half_even(values / scale_ref + offset_ref).clamp(low, high)
+    assert scale.shape == offset.shape == (5,) and scale.dtype == offset.dtype == torch.float32
+    torch.testing.assert_close(scale.cpu().double(), scale_ref.squeeze(-1), rtol=1e-6, atol=0)
+    torch.testing.assert_close(offset.cpu().double(), offset_ref.squeeze(-1), rtol=1e-5, atol=1e-5)
+    if dst_type == torch.quint4x2:
+        assert y.dtype == torch.int32 and y.shape == (5, 4)
+        y = unpack_nibbles(y.cpu())
+    assert_integers_match(y, y_ref, "asymmetric y")
+    # every row spans the whole range
+    assert (y.cpu().long().amax(-1) == high).all() and (y.cpu().long().amin(-1) == low).all()
+
+
 # ---- npu_quantize / npu_anti_quant ---------------------------------------------------------------
 
 def test_quantize_div_mode_per_channel_with_zero_points_saturates():
@@ -256,6 +278,11 @@ def test_quant_matmul_names_unsupported_arguments():
         torch_npu.npu_quant_matmul(a, a.t(), torch.ones(1).npu(), x1_dtype=291)
     with pytest.raises(ValueError, match="npu_quant_matmul: x1's k"):
         torch_npu.npu_quant_matmul(a, a, torch.ones(1).npu())
+    with pytest.raises(ValueError, match="npu_quant_matmul: a bfloat16 bias needs output_dtype=torch.bfloat16"):
+        torch_npu.npu_quant_matmul(a, a.t(), torch.ones(1).npu(), bias=torch.ones(2).bfloat16().npu(),
+                                   output_dtype=torch.float16)
+    with pytest.raises(ValueError, match="npu_quant_matmul: a bfloat16 scale"):
+        torch_npu.npu_quant_matmul(a, a.t(), torch.ones(1).bfloat16().npu(), output_dtype=torch.float16)
 
 
 # ---- npu_weight_quant_batchmatmul ----------------------------------------------------------------
