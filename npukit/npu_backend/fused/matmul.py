@@ -26,7 +26,7 @@ from npukit.npu_backend.fused import _LIBRARY, NAMESPACE, fused_op, register_aut
 _SCALAR_TYPE_BY_NUMBER = {5: torch.float16, 6: torch.float32, 15: torch.bfloat16}
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # torch._grouped_mm wants every stride of its operands and result a multiple of 16 bytes.
-_FP32_ALIGNMENT = 4
+_ALIGNMENT_BYTES = 16
 
 
 def _fp32(tensor: torch.Tensor) -> torch.Tensor:
@@ -45,12 +45,16 @@ def _check_float(op: str, name: str, tensor: torch.Tensor) -> None:
         raise ValueError(f"{op}: {name} must be float16, bfloat16 or float32 on the emulator, got {tensor.dtype}")
 
 
+def _alignment(tensor: torch.Tensor) -> int:
+    return _ALIGNMENT_BYTES // tensor.element_size()
+
+
 def _pad_to_alignment(tensor: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
-    """`tensor` zero-padded so that each of `dims` is a multiple of 4 (zeros add nothing to a
-    product; the caller slices the padding off the result)."""
+    """`tensor` zero-padded so that each of `dims` spans a multiple of 16 bytes (zeros add nothing
+    to a product; the caller slices the padding off the result)."""
     pad = [0] * (2 * tensor.dim())
     for dim in dims:
-        pad[2 * (tensor.dim() - 1 - dim) + 1] = -tensor.shape[dim] % _FP32_ALIGNMENT
+        pad[2 * (tensor.dim() - 1 - dim) + 1] = -tensor.shape[dim] % _alignment(tensor)
     return torch.nn.functional.pad(tensor, pad) if any(pad) else tensor
 
 
@@ -58,7 +62,7 @@ def _with_aligned_strides(tensor: torch.Tensor) -> torch.Tensor:
     """torch._grouped_mm wants a unit stride and every other stride a multiple of 16 bytes: a
     (transposed) view that has them is used as it is, anything else as a contiguous copy."""
     strides = [stride for stride, size in zip(tensor.stride(), tensor.shape) if size > 1]
-    if 1 in strides and all(stride == 1 or stride % _FP32_ALIGNMENT == 0 for stride in strides):
+    if 1 in strides and all(stride == 1 or stride % _alignment(tensor) == 0 for stride in strides):
         return tensor
     return tensor.contiguous()
 
@@ -70,7 +74,8 @@ def _is_fake(tensor: torch.Tensor) -> bool:
 
 
 def grouped_rows_matmul(x32: torch.Tensor, weight32: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """[M, K] @ [E, K, N] -> [M, N]: rows offsets[e-1]:offsets[e] of x times weight e (fp32).
+    """[M, K] @ [E, K, N] -> [M, N]: rows offsets[e-1]:offsets[e] of x times weight e, in x's
+    dtype (fp32; or bf16 operands, which torch._grouped_mm accumulates in fp32 and rounds once).
 
     Rows past offsets[-1] belong to no group and are 0 (torch._grouped_mm leaves them unset)."""
     rows, n = x32.shape[0], weight32.shape[-1]
@@ -79,8 +84,8 @@ def grouped_rows_matmul(x32: torch.Tensor, weight32: torch.Tensor, offsets: torc
     x_ready = _with_aligned_strides(_pad_to_alignment(x32, (1,)))
     weight_ready = _with_aligned_strides(_pad_to_alignment(weight32, (1, 2)))
     out = torch._grouped_mm(x_ready, weight_ready, offs=offsets)[:, :n]
-    in_a_group = torch.arange(rows, device=x32.device) < offsets[-1:]
-    return out.masked_fill(~in_a_group.unsqueeze(1), 0)
+    out[int(offsets[-1]):].zero_()  # host memory: reading the last offset costs no device sync
+    return out
 
 
 def grouped_reduce_matmul(a32: torch.Tensor, b32: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -177,8 +182,13 @@ def _split_m(x, weight, bias, offsets, split_item, out_dtype, counts):
     stacked = _stacked_weight(weight)
     if offsets.numel() != stacked.shape[0]:
         raise ValueError(f"{_GMM}: group_list has {offsets.numel()} groups but weight has {stacked.shape[0]}")
-    out = grouped_rows_matmul(_fp32(x[0]), _fp32(stacked), offsets)
     stacked_bias = _stacked_bias(bias, stacked.shape[0])
+    if stacked_bias is None and x[0].dtype == stacked.dtype == out_dtype == torch.bfloat16:
+        # bf16 read, fp32 accumulation, one rounding: torch._grouped_mm does exactly that, without
+        # fp32 copies of x and the weights (fp16 goes through fp32: its cast applies saturation)
+        out = grouped_rows_matmul(x[0], stacked, offsets)
+        return [out] if split_item in (2, 3) else list(torch.split(out, counts or _group_sizes(offsets)))
+    out = grouped_rows_matmul(_fp32(x[0]), _fp32(stacked), offsets)
     if stacked_bias is not None:
         group, in_a_group = group_of_rows(offsets, out.shape[0])
         out = out + _fp32(stacked_bias)[group] * in_a_group.unsqueeze(1)
