@@ -66,9 +66,11 @@ def npu_apply_adam_w(beta1_power, beta2_power, lr, weight_decay, beta1, beta2, e
 def npu_apply_adam_w_out_kernel(beta1_power, beta2_power, lr, weight_decay, beta1, beta2, epsilon, grad,
                                 max_grad_norm, amsgrad, maximize, *, out):
     """The documented AdamW step, var, m, v updated in place (beta*_power are beta^(t-1)):
-    g = -grad if maximize; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2; v = max(max_grad_norm, v) if
-    amsgrad; var -= lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + lr * weight_decay * var.
-    Computed in fp32, each result rounded once to var's dtype."""
+    g = -grad if maximize; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2; var -= lr * (m / (1 - b1^t)) /
+    (sqrt(v' / (1 - b2^t)) + eps) + lr * weight_decay * var, where v' = max(max_grad_norm, v) with
+    amsgrad (the returned v stays the moving average, as msprobe's reference of this op has it; the
+    caller keeps the running maximum in max_grad_norm). Computed in fp32, each result rounded once
+    to var's dtype."""
     op = "npu_apply_adam_w"
     var, m, v = _check_out(op, grad, out)
     if amsgrad and max_grad_norm is None:
@@ -79,12 +81,12 @@ def npu_apply_adam_w_out_kernel(beta1_power, beta2_power, lr, weight_decay, beta
         g = -g
     m32.mul_(beta1).add_(g, alpha=1 - beta1)
     v32.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    if amsgrad:
-        torch.maximum(v32, max_grad_norm.float(), out=v32)
-    bias_correction1 = 1 - float(beta1_power) * float(beta1)
-    bias_correction2 = 1 - float(beta2_power) * float(beta2)
+    second_moment = torch.maximum(v32, max_grad_norm.float()) if amsgrad else v32
+    # a bias correction of exactly 0 (beta^t == 1) becomes eps instead of a division by 0
+    bias_correction1 = (1 - float(beta1_power) * float(beta1)) or epsilon
+    bias_correction2 = (1 - float(beta2_power) * float(beta2)) or epsilon
     # var - lr * m_hat / (sqrt(v_hat) + eps) - lr * weight_decay * var
-    denominator = v32.div(bias_correction2).sqrt_().add_(epsilon)
+    denominator = second_moment.div(bias_correction2).sqrt_().add_(epsilon)
     var32.mul_(1 - lr * weight_decay).addcdiv_(m32, denominator, value=-lr / bias_correction1)
     for target, result in ((var, var32), (m, m32), (v, v32)):
         if target is not result:

@@ -279,9 +279,9 @@ def adam_w_fp64(var, m, v, grad, step, lr, wd, b1, b2, eps, max_v=None, maximize
     g = -grad.double() if maximize else grad.double()
     m = b1 * m.double() + (1 - b1) * g
     v = b2 * v.double() + (1 - b2) * g * g
-    if max_v is not None:
-        v = torch.maximum(max_v.double(), v)
-    m_hat, v_hat = m / (1 - b1 ** step), v / (1 - b2 ** step)
+    # amsgrad: the update divides by max(max_grad_norm, v); v itself stays the moving average
+    second = v if max_v is None else torch.maximum(max_v.double(), v)
+    m_hat, v_hat = m / (1 - b1 ** step), second / (1 - b2 ** step)
     var = var.double()
     return var - lr / (v_hat.sqrt() + eps) * m_hat - lr * wd * var, m, v
 
