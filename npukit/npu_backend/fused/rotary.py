@@ -73,6 +73,9 @@ def _check_rotary_mul(op: str, x: torch.Tensor, r1: torch.Tensor, r2: torch.Tens
     if any(r not in (1, n) for r, n in zip(r1.shape, x.shape)) or r1.shape[-1] != x.shape[-1]:
         raise ValueError(f"torch_npu.{op}: r1/r2 of shape {tuple(r1.shape)} do not broadcast to the input's "
                          f"shape {tuple(x.shape)} (each dim 1 or the input's, the last dim D the input's)")
+    if mode == "interleave" and sum(size > 1 for size in r1.shape[:3]) > 1:
+        raise ValueError(f"torch_npu.{op}: in 'interleave' mode r1/r2 must be 11SD, 1S1D or S11D (one table "
+                         f"broadcast over batch and heads), got shape {tuple(r1.shape)}")
 
 
 @fused_op("npu_rotary_mul(Tensor input, Tensor r1, Tensor r2, str rotary_mode='half', Tensor? rotate=None) -> Tensor",
@@ -180,19 +183,21 @@ def _apply_rotary_pos_emb_out_of_place(query, key, cos, sin, layout, rotary_mode
     return q_out, k_out
 
 
-def _apply_rotary_pos_emb_fake(query, key, cos, sin, layout="BSND", rotary_mode="half"):
-    # Traced (torch.compile) it is out of place, as torch_npu's graph mode is (it moves q and k first).
+@fused_op("npu_apply_rotary_pos_emb(Tensor query, Tensor key, Tensor cos, Tensor sin, str layout='BSND', "
+          "str rotary_mode='half') -> (Tensor, Tensor)",
+          unfused="q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin (written into q and k)")
+def npu_apply_rotary_pos_emb(query, key, cos, sin, layout="BSND", rotary_mode="half"):
+    """The op itself is functional, as its schema says (and as torch_npu's graph mode runs it);
+    torch_npu.npu_apply_rotary_pos_emb is `apply_rotary_pos_emb_in_place`."""
     return _apply_rotary_pos_emb_out_of_place(query, key, cos, sin, layout, rotary_mode)
 
 
-@fused_op("npu_apply_rotary_pos_emb(Tensor query, Tensor key, Tensor cos, Tensor sin, str layout='BSND', "
-          "str rotary_mode='half') -> (Tensor, Tensor)",
-          unfused="q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin (written into q and k)",
-          fake=_apply_rotary_pos_emb_fake)
-def npu_apply_rotary_pos_emb(query, key, cos, sin, layout="BSND", rotary_mode="half"):
-    """Eager, the kernel updates query and key in place and returns them (torch_npu's docs: "直接对结果
-    执行原地更新"), although its schema declares no mutation."""
-    q_out, k_out = _apply_rotary_pos_emb_out_of_place(query, key, cos, sin, layout, rotary_mode)
+def apply_rotary_pos_emb_in_place(query, key, cos, sin, layout="BSND", rotary_mode="half"):
+    """torch_npu.npu_apply_rotary_pos_emb: eager, the kernel writes the results into query and key and
+    returns them (torch_npu's docs: "直接对结果执行原地更新") although its schema declares no mutation.
+    The copy is made here, in sight of autograd and torch.compile (which trace it as the mutation of
+    query and key it is), rather than hidden inside the op."""
+    q_out, k_out = torch.ops.npu.npu_apply_rotary_pos_emb(query, key, cos, sin, layout, rotary_mode)
     query.copy_(q_out)
     key.copy_(k_out)
     return query, key
@@ -288,3 +293,7 @@ def npu_mrope(positions, query, key, cos_sin_cache, head_size, *, mrope_section=
 
 
 register_no_derivative("npu_mrope")
+
+
+# Plain attributes of torch_npu (the shim sets them after the ops).
+TORCH_NPU_ATTRIBUTES = {"npu_apply_rotary_pos_emb": apply_rotary_pos_emb_in_place}

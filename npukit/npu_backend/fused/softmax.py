@@ -23,6 +23,9 @@ DROPOUT_ADD_SOFTMAX_SIZES = (128, 256, 384, 512)
 def _scaled_masked_mask(op: str, x: torch.Tensor, mask: torch.Tensor, fixed_triu_mask: bool) -> torch.Tensor:
     if mask.dtype != torch.bool:
         raise ValueError(f"torch_npu.{op}: mask must be a bool tensor (True = masked), got {mask.dtype}")
+    if mask.dim() != 4 or mask.shape[-2:] != x.shape[-2:]:
+        raise ValueError(f"torch_npu.{op}: mask must be 4-dim with x's last two dims, got {tuple(mask.shape)} "
+                         f"for x {tuple(x.shape)}")
     try:
         torch.broadcast_shapes(mask.shape, x.shape)
     except RuntimeError:
@@ -34,9 +37,9 @@ def _scaled_masked_mask(op: str, x: torch.Tensor, mask: torch.Tensor, fixed_triu
 
 
 def _check_scaled_masked_softmax(op: str, x: torch.Tensor) -> None:
-    if x.dim() < 2 or x.shape[-2] not in SCALED_MASKED_SOFTMAX_SIZES or x.shape[-1] not in SCALED_MASKED_SOFTMAX_SIZES:
-        raise ValueError(f"torch_npu.{op}: x's last two dims (H, W) must be multiples of 32 in [32, 4096], "
-                         f"got shape {tuple(x.shape)}")
+    if x.dim() != 4 or x.shape[-2] not in SCALED_MASKED_SOFTMAX_SIZES or x.shape[-1] not in SCALED_MASKED_SOFTMAX_SIZES:
+        raise ValueError(f"torch_npu.{op}: x must be 4-dim (N, C, H, W) with H and W multiples of 32 in "
+                         f"[32, 4096], got shape {tuple(x.shape)}")
 
 
 @fused_op("npu_scaled_masked_softmax(Tensor x, Tensor mask, Scalar scale=1, bool fixed_triu_mask=False) -> Tensor",

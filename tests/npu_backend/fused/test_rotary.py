@@ -44,8 +44,12 @@ BROADCASTS = [
 ]
 
 
-@pytest.mark.parametrize("mode", ["half", "interleave"])
-@pytest.mark.parametrize("shapes", BROADCASTS)
+# interleave mode takes the 11SD, 1S1D and S11D tables only (torch_npu's docs)
+MODE_BROADCASTS = [("half", shapes) for shapes in BROADCASTS] + \
+    [("interleave", shapes) for shapes in BROADCASTS if sum(size > 1 for size in shapes[1][:3]) == 1]
+
+
+@pytest.mark.parametrize(("mode", "shapes"), MODE_BROADCASTS)
 def test_rotary_mul_forward_and_backward_against_fp64(mode, shapes):
     torch.manual_seed(0)
     x_shape, r_shape = shapes
@@ -129,10 +133,15 @@ def test_rotary_mul_refuses_what_the_kernel_refuses():
         torch_npu.npu_rotary_mul(x[0], r[0], r[0])
     with pytest.raises(ValueError, match="npu_rotary_mul.*broadcast"):
         torch_npu.npu_rotary_mul(x, torch.randn(1, 3, 1, 8).npu(), torch.randn(1, 3, 1, 8).npu())
+    per_batch = torch.randn(1, 2, 3, 8).npu()
+    torch_npu.npu_rotary_mul(x, per_batch, per_batch)  # BNSD with a BNSD table: half mode only
+    with pytest.raises(ValueError, match="npu_rotary_mul.*'interleave' mode.*11SD"):
+        torch_npu.npu_rotary_mul(x, per_batch, per_batch, "interleave")
 
 
 def test_rotary_mul_golden_run_is_the_cpu_kernel():
-    x, r1, r2 = (torch.randn(1, 2, 3, 16).half() for _ in range(3))
+    x = torch.randn(1, 2, 3, 16).half()
+    r1, r2 = (torch.randn(1, 1, 3, 16).half() for _ in range(2))
     with numerics.golden():
         golden = torch_npu.npu_rotary_mul(x.npu(), r1.npu(), r2.npu(), "interleave").cpu()
     assert torch.equal(golden, torch_npu.npu_rotary_mul(x, r1, r2, "interleave"))
@@ -208,8 +217,9 @@ def test_apply_rotary_pos_emb_refuses_bad_arguments():
         torch_npu.npu_apply_rotary_pos_emb(q, q.clone(), c, c, rotary_mode="full")
     with pytest.raises(ValueError, match="npu_apply_rotary_pos_emb.*head dim"):
         torch_npu.npu_apply_rotary_pos_emb(q, q.clone(), q, q)
+    projected = q.clone().requires_grad_() * 2  # an activation (a leaf that requires grad cannot be updated)
+    q_out, _ = torch_npu.npu_apply_rotary_pos_emb(projected, q.clone(), c, c)
     with pytest.raises(NotImplementedError, match="derivative for torch_npu.npu_apply_rotary_pos_emb"):
-        q_out, _ = torch_npu.npu_apply_rotary_pos_emb(q.clone().requires_grad_(), q.clone(), c, c)
         q_out.sum().backward()
 
 
@@ -307,3 +317,22 @@ def test_mrope_under_compile_equals_eager():
 
     compiled = torch.compile(f, backend="npu", fullgraph=True)
     torch.testing.assert_close(compiled(positions, query, key, cache).cpu(), f(positions, query, key, cache).cpu())
+
+
+def test_apply_rotary_pos_emb_op_is_functional_and_compiles_as_the_in_place_update():
+    q, k = torch.randn(1, 4, 2, 16), torch.randn(1, 4, 2, 16)
+    angles = torch.randn(1, 4, 1, 16)
+    q_npu, k_npu, cos, sin = q.npu(), k.npu(), angles.cos().npu(), angles.sin().npu()
+    q_out, k_out = torch.ops.npu.npu_apply_rotary_pos_emb(q_npu, k_npu, cos, sin)  # the op, as its schema says
+    assert torch.equal(q_npu.cpu(), q) and torch.equal(k_npu.cpu(), k)
+
+    def f(a, b, c, s):
+        a_out, b_out = torch_npu.npu_apply_rotary_pos_emb(a, b, c, s)
+        return a_out + b_out
+
+    compiled = torch.compile(f, backend="npu", fullgraph=True)
+    q_c, k_c = q.npu(), k.npu()
+    result = compiled(q_c, k_c, cos, sin)
+    torch.testing.assert_close(q_c.cpu(), q_out.cpu())  # query and key updated in place, compiled too
+    torch.testing.assert_close(k_c.cpu(), k_out.cpu())
+    torch.testing.assert_close(result.cpu(), (q_out + k_out).cpu())

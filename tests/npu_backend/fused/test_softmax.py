@@ -74,8 +74,12 @@ def test_scaled_masked_softmax_refuses_what_the_kernel_refuses():
         torch_npu.npu_scaled_masked_softmax(torch.randn(1, 1, 30, 32).npu(), mask)
     with pytest.raises(ValueError, match="npu_scaled_masked_softmax.*bool"):
         torch_npu.npu_scaled_masked_softmax(torch.randn(1, 1, 32, 32).npu(), mask.float())
-    with pytest.raises(ValueError, match="npu_scaled_masked_softmax.*broadcast"):
+    with pytest.raises(ValueError, match="npu_scaled_masked_softmax.*mask must be 4-dim"):
         torch_npu.npu_scaled_masked_softmax(torch.randn(1, 1, 32, 64).npu(), mask)
+    with pytest.raises(ValueError, match="npu_scaled_masked_softmax.*broadcast"):
+        torch_npu.npu_scaled_masked_softmax(torch.randn(2, 2, 32, 32).npu(), mask.expand(3, 1, 32, 32))
+    with pytest.raises(ValueError, match="npu_scaled_masked_softmax.*4-dim"):
+        torch_npu.npu_scaled_masked_softmax(torch.randn(2, 32, 32).npu(), mask[0])
 
 
 # ---- npu_dropout_with_add_softmax ----------------------------------------------------------------
