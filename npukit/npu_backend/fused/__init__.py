@@ -124,7 +124,7 @@ def round_intermediate(tensor: torch.Tensor, dtype: torch.dtype, npu: bool) -> t
     return tensor
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor, in_dtype: torch.dtype, npu: bool) -> torch.Tensor:
+def cube_matmul(a: torch.Tensor, b: torch.Tensor, in_dtype: torch.dtype, npu: bool) -> torch.Tensor:
     """A cube-unit matmul of the fused kernel: inputs in `in_dtype` (fp16/bf16 inputs as the kernel
     reads them), accumulated in fp32, the result in fp32. On the NPU the device's own matmul runs
     (fp32 accumulation, HF32 when allowed); the golden reference multiplies the fp32 values."""

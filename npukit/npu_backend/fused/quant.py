@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from npukit.npu_backend.fused import LOW_PRECISION, fused_op, npu_numerics, round_intermediate
+from npukit.npu_backend.fused import cube_matmul, fused_op, npu_numerics, round_intermediate
 
 # c10 ScalarType numbers (and torch_npu's own float8 numbers) -> what the quant ops produce.
 INT4 = "int4"  # packed 8 to an int32
@@ -401,15 +401,6 @@ def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=No
     return _saturate(y, target) if target is torch.int8 else y.to(target)
 
 
-def _cube_matmul(a: torch.Tensor, b: torch.Tensor, in_dtype: torch.dtype, npu: bool) -> torch.Tensor:
-    """The cube unit's matmul of inputs it reads in `in_dtype`, accumulated in fp32 (the device's
-    own matmul on the NPU). fused.matmul does the same, but the attribute is shadowed by the
-    `matmul` family module once that is imported."""
-    if npu and in_dtype in LOW_PRECISION:
-        return torch.matmul(a.to(in_dtype), b.to(in_dtype)).float()
-    return torch.matmul(a, b)
-
-
 def _group_expand(param: torch.Tensor, k: int, group_size: int) -> torch.Tensor:
     """A per-group (ceil(k / group), n) parameter repeated to one row per k."""
     return param.repeat_interleave(group_size, dim=0)[:k]
@@ -468,7 +459,7 @@ def npu_weight_quant_batchmatmul(x, weight, antiquant_scale, antiquant_offset=No
     dequantized = w.float() if offset is None else w.float() + offset
     # the kernel dequantizes the weight into x's dtype and feeds the cube unit with it
     dequantized = round_intermediate(dequantized * scale, x.dtype, npu)
-    y = _cube_matmul(x.float(), dequantized, x.dtype, npu)
+    y = cube_matmul(x.float(), dequantized, x.dtype, npu)
     if bias is not None:
         y = y + bias.float().reshape(-1)
     if quant_scale is None:
