@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from npukit.npu_backend.fused import fused_op, register_autograd, upcast
+from npukit.npu_backend.fused import LOW_PRECISION, fused_op, register_autograd, upcast
 
 
 def _normalized_dims(x: torch.Tensor, gamma: torch.Tensor) -> list[int]:
@@ -32,12 +32,16 @@ def npu_rms_norm(x, gamma, epsilon=1e-6):
           unfused="autograd of npu_rms_norm's decomposition", public=False)
 def npu_rms_norm_backward(dy, x, gamma, rstd):
     dims = _normalized_dims(x, gamma)
-    dy32, x32, g32 = upcast(dy), upcast(x), upcast(gamma)
-    x_hat = x32 * rstd
+    g32 = upcast(gamma)
+    # x_hat and the gradient are fp32 working tensors of this kernel, updated in place (fresh copies of
+    # fp16/bf16 inputs; an fp32 input itself is never written).
+    x_hat = x.float().mul_(rstd) if x.dtype in LOW_PRECISION else x * rstd
+    dy32 = upcast(dy)
     dgamma = (dy32 * x_hat).sum(list(range(x.dim() - gamma.dim())))
-    dxhat = dy32 * g32
+    dxhat = dy32.mul_(g32) if dy.dtype in LOW_PRECISION else dy32 * g32
     # d/dx of x * rstd(x): rstd * (dxhat - x_hat * mean(dxhat * x_hat)) over the normalized dims
-    dx = rstd * (dxhat - x_hat * (dxhat * x_hat).mean(dims, keepdim=True))
+    projection = (dxhat * x_hat).mean(dims, keepdim=True)
+    dx = dxhat.sub_(x_hat.mul_(projection)).mul_(rstd)
     return dx.to(x.dtype), dgamma.to(gamma.dtype)
 
 

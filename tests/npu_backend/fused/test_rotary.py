@@ -336,3 +336,17 @@ def test_apply_rotary_pos_emb_op_is_functional_and_compiles_as_the_in_place_upda
     torch.testing.assert_close(q_c.cpu(), q_out.cpu())  # query and key updated in place, compiled too
     torch.testing.assert_close(k_c.cpu(), k_out.cpu())
     torch.testing.assert_close(result.cpu(), (q_out + k_out).cpu())
+
+
+def test_rotary_mul_fp16_rounds_once_like_the_kernel():
+    """fp16 in, fp32 inside, one rounding: the fp64 result rounded to fp16 (but for the rare tie of
+    an fp32 sum), where an fp16 decomposition rounds each product and the sum."""
+    torch.manual_seed(6)
+    x = (torch.randn(2, 16, 4, 64) * 4).half()
+    angles = torch.randn(1, 16, 1, 64)
+    cos, sin = angles.cos().half(), angles.sin().half()
+    y = torch_npu.npu_rotary_mul(x.npu(), cos.npu(), sin.npu()).cpu()
+    exact = rotary_mul64(x.double(), cos.double(), sin.double(), "half").half()
+    unfused = x * cos + rotate_half64(x) * sin
+    assert (y != exact).float().mean() < 0.001
+    assert (unfused != exact).float().mean() > 0.05

@@ -188,3 +188,14 @@ def test_under_autocast_and_compile():
     compiled(x_c, mask).backward()
     f(x_e, mask).backward()
     torch.testing.assert_close(x_c.grad.cpu(), x_e.grad.cpu())
+
+
+def test_scaled_masked_softmax_fp16_rounds_once_like_the_kernel():
+    torch.manual_seed(8)
+    x = (torch.randn(1, 4, 32, 64) * 4).half()
+    mask = torch.rand(1, 1, 32, 64) < 0.2
+    y = torch_npu.npu_scaled_masked_softmax(x.npu(), mask.npu(), 0.7).cpu()
+    exact = scaled_masked_softmax64(x, mask, 0.7, False).half()
+    unfused = torch.softmax((x * 0.7).masked_fill(mask, -10000), -1)  # fp16 logits, rounded before the softmax
+    assert (y != exact).float().mean() < 0.001
+    assert (unfused != exact).float().mean() > (y != exact).float().mean()
