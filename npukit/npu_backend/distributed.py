@@ -8,12 +8,24 @@ An npu tensor's storage is host memory, so every collective runs gloo directly o
 that aliases the same bytes (same shape, strides and offset): results land in the npu tensor
 with no copy. CPU tensors passed to the group go to gloo as they are, which is what a
 "npu:hccl,cpu:gloo" group does.
+
+The group follows torch_npu's ProcessGroupHCCL, not gloo, where they differ: all_gather_into_tensor
+and reduce_scatter_tensor take any output (input) of world_size times the other's elements (flat,
+stacked or concatenated, as NCCL and HCCL do); all_gather takes outputs of any shape and uneven
+sizes (HCCL's AllGatherV); AVG and PREMUL_SUM work (HCCL sums, then divides, or scales first);
+BAND/BOR/BXOR, the dtypes HCCL cannot reduce, any_source recv and allgather_coalesced are refused
+with HCCL's own messages; int16, uint16/32/64 and float8 move (and int16 reduces) although gloo
+has no such types.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
+import threading
+import time
+import warnings
 from datetime import timedelta
 
 import torch
@@ -85,16 +97,181 @@ def _nested_aliases(tensor_lists):
     return [_aliases(tensors) for tensors in tensor_lists]
 
 
+# ------------------------------------------------------------------ what HCCL accepts
+# From torch_npu's ProcessGroupHCCL (HCCLUtils.cpp's dtype map, ProcessGroupHCCL.cpp's
+# checkSupportedDataType and getHcclReduceOp) and torch_npu's error format.
+
+# Every dtype HCCL has a type for, with the name its errors give it; others cannot be communicated.
+_HCCL_TYPE_NAMES = {
+    torch.uint8: "at::kByte/at::kBool", torch.bool: "at::kByte/at::kBool", torch.int8: "at::kChar",
+    torch.int16: "at::kShort", torch.int32: "at::kInt", torch.int64: "at::kLong", torch.float16: "at::kHalf",
+    torch.float32: "at::kFloat", torch.float64: "at::kDouble", torch.bfloat16: "at::kBFloat16",
+    torch.uint16: "at::ScalarType::UInt16", torch.uint32: "at::ScalarType::UInt32",
+    torch.uint64: "at::ScalarType::UInt64", torch.float8_e4m3fn: "at::ScalarType::Float8_e4m3fn",
+    torch.float8_e5m2: "at::ScalarType::Float8_e5m2",
+}
+# The dtypes HCCL reduces (all_reduce, reduce, reduce_scatter) on the chips npukit emulates (Atlas A5,
+# Ascend950, adds uint64 and float64).
+_HCCL_REDUCIBLE = {torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32, torch.bfloat16}
+# all_reduce and reduce (not reduce_scatter) first cast these to int32, reduce, and copy back.
+_REDUCED_AS_INT32 = {torch.bool, torch.uint8}
+_PREMUL_SUM_DTYPES = {torch.float16, torch.float32, torch.bfloat16, torch.float64}
+_REFUSED_OPS = {dist.ReduceOp.BAND: "BAND", dist.ReduceOp.BOR: "BOR", dist.ReduceOp.BXOR: "BXOR"}
+_HCCL_OPS = {dist.ReduceOp.SUM, dist.ReduceOp.PRODUCT, dist.ReduceOp.MIN, dist.ReduceOp.MAX}
+
+# torch_npu's error codes: ERR02xxx (DIST), the code naming the kind of error.
+_ERROR_KINDS = {"PARAM": (1, "invalid parameter"), "TYPE": (2, "invalid type"), "VALUE": (3, "invalid value"),
+                "NOT_SUPPORT": (7, "feature not supported"), "NOT_FOUND": (8, "resource not found")}
+
+# gloo has no int16/uint16/32/64/float8: data movement runs on a same-width view of the bits.
+_GLOO_DTYPES = {torch.bool, torch.uint8, torch.int8, torch.int32, torch.int64, torch.float16, torch.bfloat16,
+                torch.float32, torch.float64, torch.complex64, torch.complex128}
+_SAME_WIDTH = {1: torch.uint8, 2: torch.float16, 4: torch.int32, 8: torch.int64}
+
+
+def hccl_error(message: str, kind: str, error: type = RuntimeError) -> Exception:
+    """The error torch_npu raises: its message, then the line naming the process, device, rank and code."""
+    code, meaning = _ERROR_KINDS[kind]
+    device = torch.npu.current_device() if hasattr(torch, "npu") else -1
+    return error(f"{message}\n[ERROR] {time.strftime('%Y-%m-%d-%H:%M:%S')} (PID:{os.getpid()}, Device:{device}, "
+                 f"RankID:{os.environ.get('RANK', -1)}) ERR02{code:03d} DIST {meaning}")
+
+
+def _on_npu(tensors) -> bool:
+    """Whether HCCL's rules apply: CPU tensors go to gloo as they are (a "cpu:gloo" backend's rules)."""
+    return any(tensor.device.type == "npu" for tensor in tensors)
+
+
+def _check_hccl_type(tensors) -> None:
+    """Every collective maps its dtype to HCCL's (complex, quantized and sub-byte types have none)."""
+    for tensor in tensors:
+        if tensor.device.type == "npu" and tensor.dtype not in _HCCL_TYPE_NAMES:
+            raise hccl_error("Unsupported data type for HCCL process group", "NOT_SUPPORT")
+
+
+def _check_reduction(collective: str, dtype: torch.dtype, op) -> None:
+    """The checks HCCL makes before a reduction, in its order: the dtype HCCL can reduce, then the op."""
+    if dtype not in _HCCL_TYPE_NAMES:
+        raise hccl_error("Unsupported data type for HCCL process group", "NOT_SUPPORT")
+    if dtype not in _HCCL_REDUCIBLE:
+        raise hccl_error(f"HCCL {collective}: Unsupported data type {_HCCL_TYPE_NAMES[dtype]}", "NOT_SUPPORT")
+    kind = op.op if isinstance(op, dist.ReduceOp) else op
+    if kind == dist.ReduceOp.PREMUL_SUM and dtype not in _PREMUL_SUM_DTYPES:
+        raise hccl_error("PreMulSum Data type must be half, float, bfloat16 or double", "TYPE")
+    if kind in _REFUSED_OPS:
+        raise hccl_error(f"Cannot use ReduceOp.{_REFUSED_OPS[kind]} with HCCL", "NOT_SUPPORT")
+    if kind not in _HCCL_OPS and kind not in (dist.ReduceOp.AVG, dist.ReduceOp.PREMUL_SUM):
+        raise hccl_error("Unhandled ReduceOp", "NOT_FOUND")
+    if kind == dist.ReduceOp.AVG and not dtype.is_floating_point:
+        # HCCL sums, then divides in place with torch's true division, which an integer tensor refuses.
+        name = {torch.int8: "Char", torch.int16: "Short", torch.int32: "Int", torch.int64: "Long"}[dtype]
+        raise RuntimeError(f"result type Float can't be cast to the desired output type {name}")
+
+
+def _gloo_bits(alias: torch.Tensor) -> torch.Tensor:
+    """The tensor gloo moves: itself, or a same-width view of its bits where gloo lacks its dtype."""
+    if alias.dtype in _GLOO_DTYPES:
+        return alias
+    return alias.view(_SAME_WIDTH[alias.element_size()])
+
+
+def _flat(alias: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of a contiguous tensor (HCCL refuses others: it reads them as flat buffers)."""
+    if not alias.is_contiguous():
+        raise hccl_error("Tensors must be contiguous", "TYPE")
+    return alias.view(-1)
+
+
+def _gloo_options(opts, op):
+    """A copy of a collective's options for gloo, reducing with `op`."""
+    copy = type(opts)()
+    for name in ("timeout", "rootRank", "rootTensor", "asyncOp"):
+        if hasattr(opts, name):
+            setattr(copy, name, getattr(opts, name))
+    copy.reduceOp = op
+    return copy
+
+
+class _Reduction:
+    """A reduction as HCCL runs it, on the tensors gloo reduces for the caller's.
+
+    HCCL reduces bool and uint8 (in all_reduce and reduce, not reduce_scatter) as int32 and copies
+    the result back; AVG is a SUM then a division of the result; PREMUL_SUM scales the input in place
+    (as torch_npu does: the caller's input holds the scaled values afterwards), then sums. gloo has
+    no int16: that is reduced as int32, and copied back, too.
+    """
+
+    def __init__(self, collective: str, dtype: torch.dtype, op, world: int, casts_small_ints: bool,
+                 hccl: bool = True):
+        self.hccl = hccl
+        if not hccl:  # CPU tensors: gloo's own reduction
+            self.dtype, self.factor, self.average, self.world = dtype, None, False, world
+            return
+        reduced = torch.int32 if casts_small_ints and dtype in _REDUCED_AS_INT32 else dtype
+        _check_reduction(collective, reduced, op)
+        self.dtype = torch.int32 if reduced == torch.int16 else reduced
+        kind = op.op if isinstance(op, dist.ReduceOp) else op
+        factor = op.factor if kind == dist.ReduceOp.PREMUL_SUM else None
+        self.factor = factor.item() if isinstance(factor, torch.Tensor) else factor
+        self.average = kind == dist.ReduceOp.AVG
+        self.gloo_op = dist.ReduceOp.SUM if kind in (dist.ReduceOp.AVG, dist.ReduceOp.PREMUL_SUM) else kind
+        self.world = world
+
+    def options(self, opts):
+        return _gloo_options(opts, self.gloo_op) if self.hccl else opts
+
+    def scale(self, tensor: torch.Tensor) -> None:
+        if self.factor is not None:
+            with torch._C.DisableTorchFunction():
+                tensor.mul_(self.factor)
+
+    def working(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The tensor gloo reduces for `tensor`: itself, or a copy in the dtype reduced."""
+        if tensor.dtype == self.dtype:
+            return tensor
+        with torch._C.DisableTorchFunction():
+            return tensor.to(self.dtype)
+
+    def finish(self, working: torch.Tensor, output: torch.Tensor) -> None:
+        """Once gloo has reduced into `working`: the division of AVG, the copy back to `output`."""
+        with torch._C.DisableTorchFunction():
+            if self.average:
+                working.div_(self.world)
+            if working is not output:
+                output.copy_(working)
+
+
+def _then(*steps):
+    """One callable running the steps (None: nothing to do once the collective completes)."""
+    steps = [step for step in steps if step is not None]
+    if not steps:
+        return None
+
+    def run():
+        for step in steps:
+            step()
+
+    return run
+
+
 class _AliasWork(dist.Work):
     """The gloo work(s) of one collective, whose result and future yield the caller's (npu) tensors."""
 
-    def __init__(self, gloo_works, result, watch=None):
+    def __init__(self, gloo_works, result, watch=None, finish=None):
         super().__init__()
         self._gloo_works = gloo_works if isinstance(gloo_works, list) else [gloo_works]
         self._result = result
         self._watch = watch  # (collective, output aliases) to check once it completes
+        # What HCCL does after the transfer and gloo does not (AVG's division, a copy from a working
+        # tensor to the caller's): run once, by whichever of wait() and the future comes first.
+        self._finish = finish
+        self._finishing = threading.Lock()
 
     def _completed(self) -> None:
+        with self._finishing:
+            finish, self._finish = self._finish, None
+            if finish is not None:
+                finish()
         watch, self._watch = self._watch, None
         if watch is not None and not _finite(watch[1]):
             for callback in list(_NONFINITE_OBSERVERS):
@@ -191,96 +368,214 @@ class ProcessGroupHCCL(dist.ProcessGroup):
     def name(self) -> str:
         return BACKEND_NAME
 
-    # Each override hands gloo the CPU aliases and returns a work whose result is the caller's tensors.
+    # Each override hands gloo the CPU aliases (or tensors standing in for them where HCCL's rules
+    # differ from gloo's) and returns a work whose result is the caller's tensors.
     def broadcast(self, tensors, opts):
+        _check_hccl_type(tensors)
         aliases = _aliases(tensors)
         watch = _watch("broadcast", aliases, aliases)
-        return _AliasWork(self._gloo.broadcast(aliases, opts), tensors, watch)
+        return _AliasWork(self._gloo.broadcast([_gloo_bits(a) for a in aliases], opts), tensors, watch)
+
+    def _all_reduce_in_place(self, collective, start, tensors, opts, watched=True):
+        """all_reduce, its coalesced form and reduce: in place, on working tensors where HCCL casts
+        (watched: the overflow detector is told of the all_reduces, not of reduce)."""
+        aliases, hccl = _aliases(tensors), _on_npu(tensors)
+        reductions = [_Reduction(collective, a.dtype, opts.reduceOp, self.size(), casts_small_ints=True, hccl=hccl)
+                      for a in aliases]
+        for reduction, alias in zip(reductions, aliases, strict=True):
+            reduction.scale(alias)  # PREMUL_SUM: the tensor reduced in place is scaled in place
+        watch = _watch("all_reduce", aliases, aliases) if watched else None
+        working = [r.working(a) for r, a in zip(reductions, aliases, strict=True)]
+        work = start(working, reductions[0].options(opts))
+        finish = _then(*[(lambda r=r, w=w, a=a: r.finish(w, a))
+                         for r, w, a in zip(reductions, working, aliases, strict=True)
+                         if r.average or w is not a])
+        return _AliasWork(work, tensors, watch, finish)
 
     def allreduce(self, tensors, opts):
-        aliases = _aliases(tensors)
-        watch = _watch("all_reduce", aliases, aliases)
         # marked too: the all_reduces gloo runs are named in order, those asked for and the others
-        return _AliasWork(_started("all_reduce", "all_reduce", self._gloo.allreduce, aliases, opts), tensors, watch)
+        def start(working, gloo_opts):
+            return _started("all_reduce", "all_reduce", self._gloo.allreduce, working, gloo_opts)
+
+        return self._all_reduce_in_place("allreduce", start, tensors, opts)
 
     def allreduce_coalesced(self, tensors, opts):
-        aliases = _aliases(tensors)
-        watch = _watch("all_reduce", aliases, aliases)
-        return _AliasWork(_started("all_reduce", "all_reduce", self._gloo.allreduce_coalesced, aliases, opts), tensors,
-                          watch)
+        def start(working, gloo_opts):
+            return _started("all_reduce", "all_reduce", self._gloo.allreduce_coalesced, working, gloo_opts)
+
+        return self._all_reduce_in_place("allreduce_coalesced", start, tensors, opts)
 
     def reduce(self, tensors, opts):
-        return _AliasWork(self._gloo.reduce(_aliases(tensors), opts), tensors)
+        return self._all_reduce_in_place("reduce", self._gloo.reduce, tensors, opts, watched=False)
 
     def allgather(self, output_lists, input_tensors, opts):
+        _check_hccl_type(input_tensors + [t for tensors in output_lists for t in tensors])
         outputs, inputs = _nested_aliases(output_lists), _aliases(input_tensors)
         watch = _watch("all_gather", inputs, [alias for aliases in outputs for alias in aliases])
-        return _AliasWork(self._gloo.allgather(outputs, inputs, opts), output_lists, watch)
+        if not _on_npu(input_tensors) or all(o.shape == inputs[0].shape and o.dtype == inputs[0].dtype
+                                             for o in outputs[0]):
+            gloo_outputs = [[_gloo_bits(o) for o in aliases] for aliases in outputs]
+            work = self._gloo.allgather(gloo_outputs, [_gloo_bits(i) for i in inputs], opts)
+            return _AliasWork(work, output_lists, watch)
+        work, finish = self._allgather_uneven(outputs[0], inputs[0], opts)
+        return _AliasWork(work, output_lists, watch, finish)
+
+    def _allgather_uneven(self, outputs, input, opts):
+        """all_gather into outputs of other shapes than the input's, or of uneven sizes (HCCL's
+        AllGatherV): each rank's input padded to the longest, gathered flat, and cut into the outputs."""
+        if len(outputs) != self.size():
+            raise hccl_error("Tensor list input to scatter/gather must match number of collective participants",
+                             "PARAM")
+        sizes = [o.numel() for o in outputs]
+        if sizes[self.rank()] != input.numel():
+            raise hccl_error("All tensor operands to scatter/gather must have the same size", "PARAM")
+        if any(o.dtype != input.dtype for o in outputs):
+            raise hccl_error("output tensor must have the same type as input tensor", "PARAM")
+        longest = max(sizes)
+        with torch._C.DisableTorchFunction():
+            padded = input.new_zeros(longest)
+            padded[:input.numel()] = input.reshape(-1)
+            gathered = input.new_empty(self.size() * longest)
+        work = self._gloo._allgather_base(_gloo_bits(gathered), _gloo_bits(padded), opts)
+
+        def cut():
+            with torch._C.DisableTorchFunction():
+                for rank, (output, size) in enumerate(zip(outputs, sizes, strict=True)):
+                    output.copy_(gathered[rank * longest:rank * longest + size].view(output.shape))
+
+        return work, cut
+
+    def _allgather_base_pair(self, output, input):
+        """The flat gloo tensors of one all_gather_into_tensor: HCCL takes any output of world_size
+        times the input's elements (flat, stacked or concatenated); gloo only the concatenation."""
+        output_alias, input_alias = cpu_alias(output), cpu_alias(input)
+        if not _on_npu([output, input]):
+            return output_alias, input_alias, output_alias, input_alias
+        _check_hccl_type([input, output])
+        if input.dtype != output.dtype:
+            raise hccl_error("output tensor must have the same type as input tensor", "PARAM")
+        if input.numel() * self.size() != output.numel():
+            raise hccl_error("output tensor size must be equal to world_size times input tensor size", "PARAM")
+        return output_alias, input_alias, _gloo_bits(_flat(output_alias)), _gloo_bits(_flat(input_alias))
 
     def _allgather_base(self, output, input, opts):
-        output_alias, input_alias = cpu_alias(output), cpu_alias(input)
+        output_alias, input_alias, gloo_output, gloo_input = self._allgather_base_pair(output, input)
         watch = _watch("all_gather", [input_alias], [output_alias])
-        return _AliasWork(self._gloo._allgather_base(output_alias, input_alias, opts), [output], watch)
+        return _AliasWork(self._gloo._allgather_base(gloo_output, gloo_input, opts), [output], watch)
 
     def allgather_coalesced(self, output_lists, input_tensors, opts):
-        outputs, inputs = _nested_aliases(output_lists), _aliases(input_tensors)
-        watch = _watch("all_gather", inputs, [alias for aliases in outputs for alias in aliases])
-        return _AliasWork(self._gloo.allgather_coalesced(outputs, inputs, opts), output_lists, watch)
+        if not _on_npu(input_tensors):
+            return _AliasWork(self._gloo.allgather_coalesced(output_lists, input_tensors, opts), output_lists)
+        # ProcessGroupHCCL does not implement it: the c10d Backend's refusal
+        raise RuntimeError(f"Backend {BACKEND_NAME} does not support allgather_coalesced")
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts):
         # gloo has no coalesced form: one collective per pair, in order, awaited together.
-        output_aliases, input_aliases = _aliases(outputs), _aliases(inputs)
-        watch = _watch("all_gather", input_aliases, output_aliases)
-        works = [self._gloo._allgather_base(output, input, opts)
-                 for output, input in zip(output_aliases, input_aliases, strict=True)]
+        pairs = [self._allgather_base_pair(output, input) for output, input in zip(outputs, inputs, strict=True)]
+        watch = _watch("all_gather", [pair[1] for pair in pairs], [pair[0] for pair in pairs])
+        works = [self._gloo._allgather_base(gloo_output, gloo_input, opts) for _, _, gloo_output, gloo_input in pairs]
         return _AliasWork(works, outputs, watch)
 
     def gather(self, output_lists, input_tensors, opts):
-        work = self._gloo.gather(_nested_aliases(output_lists), _aliases(input_tensors), opts)
+        # torch_npu has no HCCL gather: its torch.distributed.gather runs an all_gather, and says so on dst.
+        if self.rank() == opts.rootRank and _on_npu(input_tensors):
+            warnings.warn("HCCL doesn't support gather at the moment. Implemented with allgather instead.",
+                          stacklevel=2)
+        _check_hccl_type(input_tensors + [t for tensors in output_lists for t in tensors])
+        gloo_outputs = [[_gloo_bits(a) for a in aliases] for aliases in _nested_aliases(output_lists)]
+        work = self._gloo.gather(gloo_outputs, [_gloo_bits(a) for a in _aliases(input_tensors)], opts)
         return _AliasWork(work, output_lists)
 
     def scatter(self, output_tensors, input_lists, opts):
-        work = self._gloo.scatter(_aliases(output_tensors), _nested_aliases(input_lists), opts)
+        _check_hccl_type(output_tensors + [t for tensors in input_lists for t in tensors])
+        gloo_inputs = [[_gloo_bits(a) for a in aliases] for aliases in _nested_aliases(input_lists)]
+        work = self._gloo.scatter([_gloo_bits(a) for a in _aliases(output_tensors)], gloo_inputs, opts)
         return _AliasWork(work, output_tensors)
 
     def reduce_scatter(self, output_tensors, input_lists, opts):
         outputs, inputs = _aliases(output_tensors), _nested_aliases(input_lists)
+        reduction = _Reduction("reduce_scatter", outputs[0].dtype, opts.reduceOp, self.size(), casts_small_ints=False,
+                               hccl=_on_npu(output_tensors))
         watch = _watch("reduce_scatter", [alias for aliases in inputs for alias in aliases], outputs)
-        work = _started("reduce_scatter", "all_reduce", self._gloo.reduce_scatter, outputs, inputs, opts)
-        return _AliasWork(work, output_tensors, watch)
+        # HCCL scales its flat copy of the inputs for PREMUL_SUM, not the caller's tensors.
+        if reduction.factor is not None:
+            with torch._C.DisableTorchFunction():
+                inputs = [[alias.clone() for alias in aliases] for aliases in inputs]
+            for aliases in inputs:
+                for alias in aliases:
+                    reduction.scale(alias)
+        working_inputs = [[reduction.working(alias) for alias in aliases] for aliases in inputs]
+        working_outputs = [reduction.working(alias) for alias in outputs]
+        work = _started("reduce_scatter", "all_reduce", self._gloo.reduce_scatter, working_outputs, working_inputs,
+                        reduction.options(opts))
+        finish = _then(*[(lambda w=w, a=a: reduction.finish(w, a))
+                         for w, a in zip(working_outputs, outputs, strict=True) if reduction.average or w is not a])
+        return _AliasWork(work, output_tensors, watch, finish)
+
+    def _reduce_scatter_base_pair(self, collective, output, input, opts):
+        """The gloo tensors of one reduce_scatter_tensor: HCCL takes any input of world_size times the
+        output's elements (flat, stacked or concatenated); gloo only the concatenation."""
+        if not _on_npu([output, input]):
+            reduction = _Reduction(collective, input.dtype, opts.reduceOp, self.size(), False, hccl=False)
+            return output, input, output, input, reduction, None
+        if input.dtype != output.dtype:
+            raise hccl_error("input tensor must be the same type as the output tensor.", "TYPE")
+        if input.numel() != output.numel() * self.size():
+            raise hccl_error("input tensor must be the same size as output size times world size", "PARAM")
+        reduction = _Reduction(collective, input.dtype, opts.reduceOp, self.size(), casts_small_ints=False)
+        output_alias, input_alias = cpu_alias(output), cpu_alias(input)
+        flat_output, flat_input = _flat(output_alias), _flat(input_alias)
+        reduction.scale(flat_input)  # PREMUL_SUM: torch_npu scales the caller's input in place
+        working_output = reduction.working(flat_output)
+        finish = (lambda: reduction.finish(working_output, flat_output)) \
+            if reduction.average or working_output is not flat_output else None
+        return output_alias, input_alias, working_output, reduction.working(flat_input), reduction, finish
 
     def _reduce_scatter_base(self, output, input, opts):
-        output_alias, input_alias = cpu_alias(output), cpu_alias(input)
+        output_alias, input_alias, gloo_output, gloo_input, reduction, finish = self._reduce_scatter_base_pair(
+            "_reduce_scatter_base", output, input, opts)
         watch = _watch("reduce_scatter", [input_alias], [output_alias])
-        return _AliasWork(_started("reduce_scatter", "all_reduce", self._gloo._reduce_scatter_base, output_alias,
-                                   input_alias, opts), [output], watch)
+        work = _started("reduce_scatter", "all_reduce", self._gloo._reduce_scatter_base, gloo_output, gloo_input,
+                        reduction.options(opts))
+        return _AliasWork(work, [output], watch, finish)
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts):
-        output_aliases, input_aliases = _aliases(outputs), _aliases(inputs)
-        watch = _watch("reduce_scatter", input_aliases, output_aliases)
-        works = [_started("reduce_scatter", "all_reduce", self._gloo._reduce_scatter_base, output, input, opts)
-                 for output, input in zip(output_aliases, input_aliases, strict=True)]
-        return _AliasWork(works, outputs, watch)
+        pairs = [self._reduce_scatter_base_pair("reduce_scatter_tensor_coalesced", output, input, opts)
+                 for output, input in zip(outputs, inputs, strict=True)]
+        watch = _watch("reduce_scatter", [pair[1] for pair in pairs], [pair[0] for pair in pairs])
+        works = [_started("reduce_scatter", "all_reduce", self._gloo._reduce_scatter_base, gloo_output, gloo_input,
+                          reduction.options(opts))
+                 for _, _, gloo_output, gloo_input, reduction, _ in pairs]
+        return _AliasWork(works, outputs, watch, _then(*[pair[5] for pair in pairs]))
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts):
+        _check_hccl_type([output, input])
         output_alias, input_alias = cpu_alias(output), cpu_alias(input)
         watch = _watch("all_to_all", [input_alias], [output_alias])
-        work = self._gloo.alltoall_base(output_alias, input_alias, output_split_sizes, input_split_sizes, opts)
+        work = self._gloo.alltoall_base(_gloo_bits(output_alias), _gloo_bits(input_alias), output_split_sizes,
+                                        input_split_sizes, opts)
         return _AliasWork(work, [output], watch)
 
     def alltoall(self, output_tensors, input_tensors, opts):
+        _check_hccl_type(output_tensors + input_tensors)
         outputs, inputs = _aliases(output_tensors), _aliases(input_tensors)
         watch = _watch("all_to_all", inputs, outputs)
-        return _AliasWork(self._gloo.alltoall(outputs, inputs, opts), output_tensors, watch)
+        work = self._gloo.alltoall([_gloo_bits(a) for a in outputs], [_gloo_bits(a) for a in inputs], opts)
+        return _AliasWork(work, output_tensors, watch)
 
     def send(self, tensors, dst_rank: int, tag: int):
-        return _AliasWork(self._gloo.send(_aliases(tensors), dst_rank, tag), tensors)
+        _check_hccl_type(tensors)
+        return _AliasWork(self._gloo.send([_gloo_bits(a) for a in _aliases(tensors)], dst_rank, tag), tensors)
 
     def recv(self, tensors, src_rank: int, tag: int):
-        return _AliasWork(self._gloo.recv(_aliases(tensors), src_rank, tag), tensors)
+        _check_hccl_type(tensors)
+        return _AliasWork(self._gloo.recv([_gloo_bits(a) for a in _aliases(tensors)], src_rank, tag), tensors)
 
     def recv_anysource(self, tensors, tag: int):
-        return _AliasWork(self._gloo.recv_anysource(_aliases(tensors), tag), tensors)
+        if not _on_npu(tensors):
+            return _AliasWork(self._gloo.recv_anysource(tensors, tag), tensors)
+        # HCCL receives from a named rank only (dist.recv without src)
+        raise hccl_error("ProcessGroupHCCL does not support recv", "NOT_SUPPORT")
 
     # The Python-level entry points that torch.distributed calls by these names (C++ callers use
     # the virtual methods above).
