@@ -18,7 +18,9 @@ except what the docs leave undefined, which is filled with zeros (or -1 for indi
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
+from npukit.npu_backend import _C
 from npukit.npu_backend.fused import fused_op, register_autograd, upcast
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -39,6 +41,35 @@ def _check_dims(op: str, name: str, tensor: torch.Tensor, dims) -> None:
 def _inverse_permutation(order: torch.Tensor) -> torch.Tensor:
     """position[order[i]] = i."""
     return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+
+
+def _pair_rows(index: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """index [N, K] of rows (-1 or past the last row: the pair has none) as a safe gather index,
+    and which pairs have a row."""
+    present = (index >= 0) & (index < rows)
+    return index.clamp(0, max(rows - 1, 0)), present
+
+
+def _weighted_sum_of_rows(rows: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+                          out_dtype: torch.dtype) -> torch.Tensor:
+    """out[i] = sum_k weights[i, k] * rows[index[i, k]], accumulated in fp32.
+
+    The rows are gathered as they are and summed by a batched [1, K] @ [K, H] matmul: in the rows'
+    dtype when the weights and the output have it too (fp16/bf16 read, fp32 accumulation, one
+    rounding, as the kernel does, without fp32 copies of the [N, K, H] gathered rows), in fp32
+    otherwise. fp32 rows go through an elementwise sum while HF32 matmuls are on (the kernel's
+    vector unit does not round to HF32)."""
+    gathered = rows.index_select(0, index.reshape(-1)).reshape(*index.shape, rows.shape[-1])
+    if rows.dtype == torch.float32 and _C.get_matmul_hf32():
+        return (gathered * weights.float().unsqueeze(-1)).sum(1).to(out_dtype)
+    if weights.dtype == rows.dtype == out_dtype:
+        return torch.bmm(weights.unsqueeze(1), gathered).squeeze(1)
+    return torch.bmm(weights.float().unsqueeze(1), gathered.float()).squeeze(1).to(out_dtype)
+
+
+def _is_fake(tensor: torch.Tensor) -> bool:
+    """Tracing with fake tensors (torch.compile): values, and so data-dependent fills, do not exist."""
+    return isinstance(tensor, FakeTensor) or tensor.device.type == "meta"
 
 
 # ---- gating -------------------------------------------------------------------------------------
@@ -184,7 +215,7 @@ def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_nu
     valid = (flat_experts >= start) & (flat_experts < end) if end > 0 else torch.ones_like(flat_experts, dtype=torch.bool)
     # experts outside the active range sort last; equal experts keep their flat order i*K + j
     positions = torch.arange(pairs, device=device)
-    order = torch.argsort(torch.where(valid, flat_experts, end + 1) * pairs + positions)
+    order = torch.argsort(torch.where(valid, flat_experts, end + 1), stable=True)
     sorted_experts = flat_experts[order]
     valid_sorted = valid[order]
     token_of_sorted = order // k
@@ -203,11 +234,17 @@ def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_nu
         slot = torch.where(valid_sorted, positions, -1)
         out_rows = pairs if active_num <= 0 else min(active_num, pairs)
         kept = valid_sorted & (positions < out_rows)
-    # rows of expanded_x no pair fills are 0; pairs that do not land go to a spare last row
     landing = torch.where(kept, slot, out_rows)
-    expanded_x = x.new_zeros(out_rows + 1, x.shape[1]).index_copy_(0, landing, x[token_of_sorted])[:out_rows]
     if drop_pad_mode == 1:
+        # rows of expanded_x no pair fills are 0; pairs that do not land go to a spare last row
+        expanded_x = x.new_zeros(out_rows + 1, x.shape[1]).index_copy_(
+            0, landing, x.index_select(0, token_of_sorted))[:out_rows]
         expanded_x = expanded_x.reshape(expert_num, expert_capacity, x.shape[1])
+    else:
+        # sorted pair i is row i; the pairs outside the active range sort last and their rows are 0
+        expanded_x = x.index_select(0, token_of_sorted[:out_rows])
+        if not _is_fake(x):
+            expanded_x[int(valid.sum()):].zero_()  # host memory: the count costs no device sync
     if row_idx_type == 0:
         # gather index: expanded_row_idx[flat pair] = its row of expanded_x, -1 when it has none
         expanded_row_idx = torch.full((pairs,), -1, dtype=torch.int64, device=device).scatter_(0, order, slot)
@@ -254,25 +291,28 @@ def npu_moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales,
     if bias is not None and export_for_source_row is None:
         raise ValueError(f"{_FINALIZE}: bias needs export_for_source_row (the expert of each row's k-th choice)")
     hidden = expanded_permuted_rows.shape[-1]
-    expert_rows = upcast(expanded_permuted_rows).reshape(-1, hidden)
+    expert_rows = expanded_permuted_rows.reshape(-1, hidden)
     # drop_pad_mode 0/1 index the (row i, choice k) pair at k * N + i, modes 2/3 at i * K + k
     if drop_pad_mode in (0, 1):
         destination = expanded_src_to_dst_row.reshape(top_k, rows).t()
     else:
         destination = expanded_src_to_dst_row.reshape(rows, top_k)
-    destination = destination.long()
-    # drop/pad rows of -1 (a dropped pair) add nothing
-    present = (destination >= 0) & (destination < expert_rows.shape[0])
-    chosen = expert_rows[destination.clamp(0, max(expert_rows.shape[0] - 1, 0))]
-    if bias is not None:
-        chosen = chosen + upcast(bias)[export_for_source_row.long()]
-    weights = present.to(chosen.dtype)
+    # drop/pad rows of -1 (a dropped pair) add nothing, their bias neither
+    index, present = _pair_rows(destination.long(), expert_rows.shape[0])
+    weights = present.to(expanded_permuted_rows.dtype if scales is None else scales.dtype)
     if scales is not None:
-        weights = weights * upcast(scales)
-    out = (chosen * weights.unsqueeze(-1)).sum(1)
-    for skip in (skip1, skip2):
-        if skip is not None:
-            out = out + upcast(skip)
+        weights = weights * scales
+    extra = [skip for skip in (skip1, skip2) if skip is not None]
+    if not extra and bias is None:
+        return _weighted_sum_of_rows(expert_rows, index, weights, expanded_permuted_rows.dtype)
+    out = _weighted_sum_of_rows(expert_rows, index, weights, torch.float32)
+    if bias is not None:
+        # sum_k w[i, k] * bias[expert(i, k)]: the weights per expert [N, E] times bias [E, H]
+        experts = export_for_source_row.long()
+        per_expert = torch.zeros(rows, bias.shape[0], device=out.device).scatter_add_(1, experts, weights.float())
+        out = out + per_expert @ upcast(bias)
+    for skip in extra:
+        out = out + upcast(skip)
     return out.to(expanded_permuted_rows.dtype)
 
 
@@ -327,21 +367,17 @@ def npu_moe_token_permute(tokens, indices, num_out_tokens=None, padded_mode=Fals
     # sorted_indices[i]: the row of permuted_tokens that flat pair i (token i // topK) went to
     sorted_indices = _inverse_permutation(order).to(torch.int32)
     kept = _permuted_rows(order.numel(), num_out_tokens)
-    return tokens[order[:kept] // top_k], sorted_indices
-
-
-def _gather_pairs(rows32: torch.Tensor, sorted_indices: torch.Tensor, top_k: int):
-    """rows32[sorted_indices] as [N, topK, H], and which pairs have a row (indices past the
-    permuted rows, dropped by num_out_tokens, have none)."""
-    index = sorted_indices.long().reshape(-1, top_k)
-    present = (index >= 0) & (index < rows32.shape[0])
-    gathered = rows32[index.clamp(0, max(rows32.shape[0] - 1, 0))]
-    return gathered, present
+    return tokens.index_select(0, order[:kept] // top_k), sorted_indices
 
 
 def _permute_grad(grad_permuted, sorted_indices, top_k, tokens_dtype):
-    gathered, present = _gather_pairs(upcast(grad_permuted), sorted_indices, top_k)
-    return (gathered * present.unsqueeze(-1)).sum(1).to(tokens_dtype)
+    """grad_tokens[t] = sum_k grad_permuted[sorted_indices[t * topK + k]] (pairs num_out_tokens
+    dropped add nothing); the sum accumulates in fp32 and rounds once (torch's reduction of
+    fp16/bf16 does)."""
+    index, present = _pair_rows(sorted_indices.long().reshape(-1, top_k), grad_permuted.shape[0])
+    gathered = grad_permuted.index_select(0, index.reshape(-1)).reshape(*index.shape, grad_permuted.shape[1])
+    gathered = gathered.masked_fill_(~present.unsqueeze(-1), 0)
+    return gathered.sum(1, dtype=torch.float32 if gathered.dtype != tokens_dtype else None).to(tokens_dtype)
 
 
 @fused_op("npu_moe_token_permute_grad(Tensor tokens, Tensor grad_permuted_tokens, Tensor indices, "
@@ -396,30 +432,45 @@ def npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_
         if probs.numel() != sorted_indices.numel():
             raise ValueError(f"{_UNPERMUTE}: probs {tuple(probs.shape)} must hold one value per sorted index "
                              f"({sorted_indices.numel()})")
-    gathered, present = _gather_pairs(upcast(permuted_tokens), sorted_indices, top_k)
-    weights = present.to(gathered.dtype)
+    index, present = _pair_rows(sorted_indices.long().reshape(-1, top_k), permuted_tokens.shape[0])
+    weights = present.to(permuted_tokens.dtype if probs is None else probs.dtype)
     if probs is not None:
-        weights = weights * upcast(probs)
-    return (gathered * weights.unsqueeze(-1)).sum(1).to(permuted_tokens.dtype)
+        weights = weights * probs
+    return _weighted_sum_of_rows(permuted_tokens, index, weights, permuted_tokens.dtype)
 
 
 def _unpermute_grads(grad_unpermuted, sorted_indices, permuted_rows, permuted_dtype, probs, permuted_tokens):
     top_k = probs.shape[1] if probs is not None else 1
-    grad32 = upcast(grad_unpermuted)
-    index = sorted_indices.long().reshape(-1, top_k)
-    present = (index >= 0) & (index < permuted_rows)
-    weights = present.to(grad32.dtype)
+    index, present = _pair_rows(sorted_indices.long().reshape(-1, top_k), permuted_rows)
+    weights = present.to(grad_unpermuted.dtype if probs is None else probs.dtype)
     if probs is not None:
-        weights = weights * upcast(probs)
-    contributions = grad32.unsqueeze(1) * weights.unsqueeze(-1)  # [N, topK, H]
-    landing = torch.where(present, index, permuted_rows).reshape(-1)
-    grad_permuted = grad32.new_zeros(permuted_rows + 1, grad32.shape[1]).index_add_(
-        0, landing, contributions.reshape(-1, grad32.shape[1]))[:permuted_rows]
+        weights = weights * probs
+    # pair (t, k) sends weights[t, k] * grad[t] to its permuted row; each row has at most one pair,
+    # so each row gathers its pair's token gradient and scales it in place (the exact product,
+    # rounded once); a row no pair reaches (none when the rows come from npu_moe_token_permute)
+    # takes the spare weight 0
+    hidden = grad_unpermuted.shape[1]
+    pairs = index.numel()
+    pair_of_row = torch.full((permuted_rows + 1,), pairs, dtype=torch.long, device=index.device)
+    pair_of_row = pair_of_row.scatter_(0, torch.where(present, index, permuted_rows).reshape(-1),
+                                       torch.arange(pairs, device=index.device))[:permuted_rows]
+    weight_of_row = torch.cat([weights.reshape(-1), weights.new_zeros(1)]).index_select(0, pair_of_row)
+    token_of_row = (pair_of_row // top_k).clamp(max=max(grad_unpermuted.shape[0] - 1, 0))
+    grad_permuted = grad_unpermuted.index_select(0, token_of_row)
+    if grad_permuted.dtype == permuted_dtype:
+        grad_permuted = grad_permuted.mul_(weight_of_row.unsqueeze(1))
+    else:
+        grad_permuted = (upcast(grad_permuted) * weight_of_row.float().unsqueeze(1)).to(permuted_dtype)
     grad_probs = None
     if probs is not None:
-        gathered, _ = _gather_pairs(upcast(permuted_tokens), sorted_indices, top_k)
-        grad_probs = ((gathered * grad32.unsqueeze(1)).sum(-1) * present).to(probs.dtype)
-    return grad_permuted.to(permuted_dtype), grad_probs
+        # grad_probs[t, k] = <permuted[index[t, k]], grad[t]>: [K, H] @ [H, 1] per token
+        gathered = permuted_tokens.index_select(0, index.reshape(-1)).reshape(*index.shape, hidden)  # [N, K, H]
+        if gathered.dtype == grad_unpermuted.dtype == probs.dtype:
+            grad_probs = torch.bmm(gathered, grad_unpermuted.unsqueeze(-1)).squeeze(-1)
+        else:
+            grad_probs = torch.bmm(gathered.float(), upcast(grad_unpermuted).unsqueeze(-1)).squeeze(-1)
+        grad_probs = (grad_probs * present).to(probs.dtype)
+    return grad_permuted, grad_probs
 
 
 @fused_op("npu_moe_token_unpermute_grad(Tensor permuted_tokens, Tensor grad_unpermuted_tokens, Tensor sorted_indices, "
