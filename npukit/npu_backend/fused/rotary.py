@@ -143,8 +143,31 @@ def _apply_rotary(x32: torch.Tensor, cos32: torch.Tensor, sin32: torch.Tensor, m
     return torch.cat((rotary_embed(x32[..., :rotary_dim], cos32, sin32, mode), x32[..., rotary_dim:]), -1)
 
 
+def _atlas_350() -> bool:
+    """Is the emulated chip an Atlas 350 (Ascend950)? Its ApplyRotaryPosEmb takes every layout and mode
+    and partial rotary dims; Atlas A2/A3 (the default Ascend910B2) take BSND/TND, 'half', D 64 or 128."""
+    from npukit.npu_backend import npu
+
+    return npu.CHIP_NAME.startswith("Ascend950")
+
+
 def _check_apply_rotary(query, key, cos, sin, layout, rotary_mode):
     op = "torch_npu.npu_apply_rotary_pos_emb"
+    if len({t.dtype for t in (query, key, cos, sin)}) != 1:
+        raise ValueError(f"{op}: query, key, cos and sin must have the same dtype, got "
+                         f"{query.dtype}, {key.dtype}, {cos.dtype}, {sin.dtype}")
+    if not _atlas_350():
+        chip = "on Atlas A2/A3 (the emulated chip; NPUKIT_CHIP=Ascend950... emulates an Atlas 350, which takes more)"
+        if layout not in ("BSND", "TND") or rotary_mode != "half":
+            raise ValueError(f"{op}: layout must be BSND or TND and rotary_mode 'half' {chip}, got layout "
+                             f"{layout!r} and rotary_mode {rotary_mode!r}")
+        if query.shape[-1] not in (64, 128) or cos.shape[-1] != query.shape[-1]:
+            raise ValueError(f"{op}: the head dim D of query, key, cos and sin must be 64 or 128 {chip}, got "
+                             f"{query.shape[-1]} and cos/sin {cos.shape[-1]}")
+        leading = query.shape[:-2]  # (B, S) or (T,): cos/sin do not broadcast there
+        if cos.shape[:-2] != leading:
+            raise ValueError(f"{op}: cos/sin {tuple(cos.shape)} must match query {tuple(query.shape)} in every "
+                             f"dim but N (which is 1) and D {chip}")
     if layout not in APPLY_ROTARY_LAYOUTS:
         raise ValueError(f"{op}: layout must be one of {', '.join(APPLY_ROTARY_LAYOUTS)}, got {layout!r}")
     if rotary_mode not in APPLY_ROTARY_MODES:

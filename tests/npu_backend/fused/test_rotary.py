@@ -169,37 +169,55 @@ def test_rotary_mul_under_autocast_and_compile():
         torch.testing.assert_close(c.grad.cpu(), e.grad.cpu())
 
 
-# ---- npu_apply_rotary_pos_emb --------------------------------------------------------------------
+# ---- npu_apply_rotary_pos_emb ---------------------------------------------------------------------
 
-# layout -> (query shape, key shape, cos shape): B=2, S=6, Nq=4, Nk=2, D=16 (T=12 for TND)
+@pytest.fixture
+def atlas_350(monkeypatch):
+    """Emulate an Atlas 350 (its ApplyRotaryPosEmb takes every layout and mode)."""
+    from npukit.npu_backend import npu
+
+    monkeypatch.setattr(npu, "CHIP_NAME", "Ascend950PR")
+
+
+# layout -> (query shape, key shape, cos shape): B=2, S=6, Nq=4, Nk=2, D=64 (T=12 for TND)
 APPLY_LAYOUTS = {
-    "BSND": ((2, 6, 4, 16), (2, 6, 2, 16), (2, 6, 1, 16)),
-    "SBND": ((6, 2, 4, 16), (6, 2, 2, 16), (6, 2, 1, 16)),
-    "BNSD": ((2, 4, 6, 16), (2, 2, 6, 16), (2, 1, 6, 16)),
-    "TND": ((12, 4, 16), (12, 2, 16), (12, 1, 16)),
+    "BSND": ((2, 6, 4, 64), (2, 6, 2, 64), (2, 6, 1, 64)),
+    "SBND": ((6, 2, 4, 64), (6, 2, 2, 64), (6, 2, 1, 64)),
+    "BNSD": ((2, 4, 6, 64), (2, 2, 6, 64), (2, 1, 6, 64)),
+    "TND": ((12, 4, 64), (12, 2, 64), (12, 1, 64)),
 }
 
 
-@pytest.mark.parametrize("layout", list(APPLY_LAYOUTS))
-@pytest.mark.parametrize("mode", ["half", "interleave", "quarter"])
-def test_apply_rotary_pos_emb_updates_query_and_key_in_place(layout, mode):
+def check_apply_rotary(layout, mode, dtype=torch.float32):
     torch.manual_seed(2)
     q_shape, k_shape, c_shape = APPLY_LAYOUTS[layout]
     q, k = torch.randn(q_shape, dtype=torch.float64), torch.randn(k_shape, dtype=torch.float64)
     angles = torch.randn(c_shape, dtype=torch.float64)
-    cos, sin = angles.cos(), angles.sin()
-    q_npu, k_npu = q.float().npu(), k.float().npu()
-    q_out, k_out = torch_npu.npu_apply_rotary_pos_emb(q_npu, k_npu, cos.float().npu(), sin.float().npu(),
-                                                      layout=layout, rotary_mode=mode)
+    low = [t.to(dtype) for t in (q, k, angles.cos(), angles.sin())]
+    q_npu, k_npu, cos, sin = (t.npu() for t in low)
+    q_out, k_out = torch_npu.npu_apply_rotary_pos_emb(q_npu, k_npu, cos, sin, layout=layout, rotary_mode=mode)
     assert q_out is q_npu and k_out is k_npu  # "直接对结果执行原地更新"
-    assert_close_to_reference(q_npu, rotary_mul64(q, cos, sin, mode), torch.float32, "query")
-    assert_close_to_reference(k_npu, rotary_mul64(k, cos, sin, mode), torch.float32, "key")
+    q64, k64, cos64, sin64 = (t.double() for t in low)
+    assert_close_to_reference(q_npu, rotary_mul64(q64, cos64, sin64, mode), dtype, "query")
+    assert_close_to_reference(k_npu, rotary_mul64(k64, cos64, sin64, mode), dtype, "key")
+
+
+@pytest.mark.parametrize("layout", ["BSND", "TND"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_apply_rotary_pos_emb_updates_query_and_key_in_place(layout, dtype):
+    check_apply_rotary(layout, "half", dtype)
+
+
+@pytest.mark.parametrize("layout", list(APPLY_LAYOUTS))
+@pytest.mark.parametrize("mode", ["half", "interleave", "quarter"])
+def test_apply_rotary_pos_emb_every_layout_and_mode_on_atlas_350(atlas_350, layout, mode):
+    check_apply_rotary(layout, mode)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_apply_rotary_pos_emb_low_precision_and_partial_rotary_dim(dtype):
+def test_apply_rotary_pos_emb_partial_rotary_dim_on_atlas_350(atlas_350, dtype):
     q, k = torch.randn(2, 6, 4, 16, dtype=torch.float64), torch.randn(2, 6, 4, 16, dtype=torch.float64)
-    angles = torch.randn(2, 6, 1, 8, dtype=torch.float64)
+    angles = torch.randn(1, 6, 1, 8, dtype=torch.float64)  # cos/sin: B of 1 and D below the head dim
     low = [t.to(dtype) for t in (q, k, angles.cos(), angles.sin())]
     q_out, k_out = torch_npu.npu_apply_rotary_pos_emb(*(t.npu() for t in low))
     ref_q = torch.cat((rotary_mul64(low[0][..., :8].double(), low[2].double(), low[3].double(), "half"),
@@ -208,7 +226,22 @@ def test_apply_rotary_pos_emb_low_precision_and_partial_rotary_dim(dtype):
     assert_close_to_reference(q_out, ref_q, dtype, "query")
 
 
-def test_apply_rotary_pos_emb_refuses_bad_arguments():
+def test_apply_rotary_pos_emb_refuses_what_atlas_a2_refuses():
+    q = torch.randn(2, 6, 4, 64).npu()
+    c = torch.randn(2, 6, 1, 64).npu()
+    with pytest.raises(ValueError, match="npu_apply_rotary_pos_emb.*BSND or TND.*Atlas A2"):
+        torch_npu.npu_apply_rotary_pos_emb(q, q.clone(), c, c, layout="SBND")
+    with pytest.raises(ValueError, match="npu_apply_rotary_pos_emb.*'half'"):
+        torch_npu.npu_apply_rotary_pos_emb(q, q.clone(), c, c, rotary_mode="interleave")
+    with pytest.raises(ValueError, match="npu_apply_rotary_pos_emb.*64 or 128"):
+        torch_npu.npu_apply_rotary_pos_emb(q[..., :32], q[..., :32].clone(), c[..., :32], c[..., :32])
+    with pytest.raises(ValueError, match="npu_apply_rotary_pos_emb.*must match query"):
+        torch_npu.npu_apply_rotary_pos_emb(q, q.clone(), c[:1], c[:1])
+    with pytest.raises(ValueError, match="npu_apply_rotary_pos_emb.*same dtype"):
+        torch_npu.npu_apply_rotary_pos_emb(q, q.clone(), c.half(), c.half())
+
+
+def test_apply_rotary_pos_emb_refuses_bad_arguments(atlas_350):
     q = torch.randn(2, 6, 4, 16).npu()
     c = torch.randn(2, 6, 1, 16).npu()
     with pytest.raises(ValueError, match="npu_apply_rotary_pos_emb.*layout"):
@@ -320,8 +353,8 @@ def test_mrope_under_compile_equals_eager():
 
 
 def test_apply_rotary_pos_emb_op_is_functional_and_compiles_as_the_in_place_update():
-    q, k = torch.randn(1, 4, 2, 16), torch.randn(1, 4, 2, 16)
-    angles = torch.randn(1, 4, 1, 16)
+    q, k = torch.randn(1, 4, 2, 64), torch.randn(1, 4, 2, 64)
+    angles = torch.randn(1, 4, 1, 64)
     q_npu, k_npu, cos, sin = q.npu(), k.npu(), angles.cos().npu(), angles.sin().npu()
     q_out, k_out = torch.ops.npu.npu_apply_rotary_pos_emb(q_npu, k_npu, cos, sin)  # the op, as its schema says
     assert torch.equal(q_npu.cpu(), q) and torch.equal(k_npu.cpu(), k)
