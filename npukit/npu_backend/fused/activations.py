@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from npukit.npu_backend.fused import LOW_PRECISION, fused_op, register_autograd, upcast
+from npukit.npu_backend.fused.norms import check_float_dtypes
 
 # FastGelu's constant: fast_gelu(x) = x / (1 + exp(-1.702 x)) = x * sigmoid(1.702 x) (torch_npu's docs;
 # the training-series form x / (1 + exp(-1.702|x|)) * exp(0.851 x (x - |x|)) is the same function).
@@ -39,6 +40,7 @@ def _glu_halves(op: str, x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch
 @fused_op("npu_swiglu(Tensor input, int dim=-1) -> Tensor",
           unfused="a, b = x.chunk(2, dim); torch.nn.functional.silu(a) * b")
 def npu_swiglu(x, dim=-1):
+    check_float_dtypes("npu_swiglu", input=x)
     a, b = _glu_halves("npu_swiglu", x, dim)
     if x.dtype not in LOW_PRECISION:
         return F.silu(a) * b
@@ -85,6 +87,7 @@ def _gelu_mode(op: str, approximate: int) -> str:
 @fused_op("npu_geglu(Tensor input, int dim=-1, int approximate=1, bool activate_left=False) -> (Tensor, Tensor)",
           unfused="a, b = x.chunk(2, dim); g = gelu(b); (a * g, g)  (gelu(a) * b with activate_left)")
 def npu_geglu(x, dim=-1, approximate=1, activate_left=False):
+    check_float_dtypes("npu_geglu", input=x)
     mode = _gelu_mode("npu_geglu", approximate)
     a, b = _glu_halves("npu_geglu", x, dim)
     activated, linear = (a, b) if activate_left else (b, a)
@@ -139,11 +142,13 @@ def _fast_gelu(x):
 
 @fused_op("fast_gelu(Tensor self) -> Tensor", unfused="x * torch.sigmoid(1.702 * x)")
 def fast_gelu(x):
+    check_float_dtypes("fast_gelu", input=x)
     return _fast_gelu(x)
 
 
 @fused_op("npu_fast_gelu(Tensor input) -> Tensor", unfused="x * torch.sigmoid(1.702 * x)")
 def npu_fast_gelu(x):
+    check_float_dtypes("npu_fast_gelu", input=x)
     return _fast_gelu(x)
 
 
@@ -172,11 +177,13 @@ register_autograd("npu_fast_gelu", _fast_gelu_backward, _save_input)
 
 @fused_op("npu_silu(Tensor input) -> Tensor", unfused="torch.nn.functional.silu(x)")
 def npu_silu(x):
+    check_float_dtypes("npu_silu", input=x)
     return F.silu(x)  # fp16/bf16: computed in fp32, rounded once (see the module's docstring)
 
 
 @fused_op("npu_silu_(Tensor(a!) input) -> Tensor(a!)", unfused="torch.nn.functional.silu(x, inplace=True)")
 def npu_silu_(x):
+    check_float_dtypes("npu_silu_", input=x)
     return F.silu(x, inplace=True)
 
 
@@ -207,6 +214,7 @@ register_autograd("npu_silu", _silu_backward, _silu_setup)
 
 @fused_op("npu_mish(Tensor input) -> Tensor", unfused="x * torch.tanh(torch.nn.functional.softplus(x))")
 def npu_mish(x):
+    check_float_dtypes("npu_mish", input=x)
     return F.mish(x)  # fp16/bf16: computed in fp32, rounded once (see the module's docstring)
 
 

@@ -22,6 +22,7 @@ def _normalized_dims(x: torch.Tensor, gamma: torch.Tensor) -> list[int]:
 @fused_op("npu_rms_norm(Tensor input, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)",
           unfused="x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * gamma")
 def npu_rms_norm(x, gamma, epsilon=1e-6):
+    check_float_dtypes("npu_rms_norm", input=x, gamma=gamma)
     x32 = upcast(x)
     rstd = torch.rsqrt(x32.pow(2).mean(_normalized_dims(x, gamma), keepdim=True) + epsilon)
     y = x32 * rstd * upcast(gamma)
@@ -59,6 +60,20 @@ def _rms_norm_backward(ctx, dy, _drstd):
 register_autograd("npu_rms_norm", _rms_norm_backward, _rms_norm_setup)
 
 
+# ---- checks shared by the families ---------------------------------------------------------------
+
+KERNEL_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_float_dtypes(op: str, **tensors: torch.Tensor | None) -> None:
+    """The vector kernels take float16, bfloat16 and float32: an npu tensor of another dtype (float64,
+    an integer) is refused, naming the op and the argument. CPU tensors (the golden reference) pass."""
+    for name, tensor in tensors.items():
+        if tensor is not None and tensor.device.type == "npu" and tensor.dtype not in KERNEL_FLOAT_DTYPES:
+            raise ValueError(f"torch_npu.{op}: {name} must be float16, bfloat16 or float32 on the NPU, "
+                             f"got {tensor.dtype}")
+
+
 # ---- ops torch_npu defines no derivative for ------------------------------------------------------
 
 def register_no_derivative(name: str) -> None:
@@ -90,6 +105,7 @@ def _check_gamma(op: str, x: torch.Tensor, gamma: torch.Tensor) -> None:
 @fused_op("npu_add_rms_norm(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor, Tensor)",
           unfused="x = x1 + x2; (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * gamma, rstd, x)")
 def npu_add_rms_norm(x1, x2, gamma, epsilon=1e-6):
+    check_float_dtypes("npu_add_rms_norm", x1=x1, x2=x2, gamma=gamma)
     if x1.shape != x2.shape:
         raise ValueError(f"torch_npu.npu_add_rms_norm: x1 {tuple(x1.shape)} and x2 {tuple(x2.shape)} must have "
                          "the same shape")
@@ -107,6 +123,7 @@ register_no_derivative("npu_add_rms_norm")
 @fused_op("npu_gemma_rms_norm(Tensor input, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)",
           unfused="x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1 + gamma)")
 def npu_gemma_rms_norm(x, gamma, epsilon=1e-6):
+    check_float_dtypes("npu_gemma_rms_norm", input=x, gamma=gamma)
     _check_gamma("npu_gemma_rms_norm", x, gamma)
     x32 = upcast(x)
     rstd = torch.rsqrt(x32.pow(2).mean(_normalized_dims(x, gamma), keepdim=True) + epsilon)
@@ -122,6 +139,7 @@ register_no_derivative("npu_gemma_rms_norm")
           "float eps=1e-05) -> Tensor",
           unfused="torch.nn.functional.layer_norm(input, normalized_shape, weight, bias, eps)")
 def npu_layer_norm_eval(x, normalized_shape, weight=None, bias=None, eps=1e-5):
+    check_float_dtypes("npu_layer_norm_eval", input=x, weight=weight, bias=bias)
     normalized_shape = tuple(normalized_shape)
     if not normalized_shape or tuple(x.shape[x.dim() - len(normalized_shape):]) != normalized_shape:
         raise ValueError(f"torch_npu.npu_layer_norm_eval: normalized_shape {list(normalized_shape)} must be the "

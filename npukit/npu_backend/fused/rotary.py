@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from npukit.npu_backend.fused import fused_op, register_autograd, upcast
-from npukit.npu_backend.fused.norms import register_no_derivative
+from npukit.npu_backend.fused.norms import check_float_dtypes, register_no_derivative
 
 ROTARY_MUL_MODES = ("half", "interleave")
 APPLY_ROTARY_MODES = ("half", "interleave", "quarter")
@@ -60,6 +60,7 @@ def rotary_embed(x32: torch.Tensor, cos32: torch.Tensor, sin32: torch.Tensor, mo
 # ---- npu_rotary_mul ------------------------------------------------------------------------------
 
 def _check_rotary_mul(op: str, x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, mode: str) -> None:
+    check_float_dtypes(op, input=x, r1=r1, r2=r2)
     if mode not in ROTARY_MUL_MODES:
         raise ValueError(f"torch_npu.{op}: rotary_mode must be 'half' or 'interleave', got {mode!r}")
     for what, tensor in (("input", x), ("r1", r1), ("r2", r2)):
@@ -152,6 +153,7 @@ def _atlas_350() -> bool:
 
 
 def _check_apply_rotary(query, key, cos, sin, layout, rotary_mode):
+    check_float_dtypes("npu_apply_rotary_pos_emb", query=query, key=key, cos=cos, sin=sin)
     op = "torch_npu.npu_apply_rotary_pos_emb"
     if len({t.dtype for t in (query, key, cos, sin)}) != 1:
         raise ValueError(f"{op}: query, key, cos and sin must have the same dtype, got "
@@ -255,6 +257,7 @@ def _mrope_cos_sin(positions, cos_sin_cache, mrope_section, cache_mode):
 
 
 def _check_mrope(positions, query, key, cos_sin_cache, head_size, mrope_section, rotary_mode, cache_mode):
+    check_float_dtypes("npu_mrope", query=query, key=key, cos_sin_cache=cos_sin_cache)
     op = "torch_npu.npu_mrope"
     if rotary_mode not in ROTARY_MUL_MODES:
         raise ValueError(f"{op}: rotary_mode must be 'half' or 'interleave', got {rotary_mode!r}")

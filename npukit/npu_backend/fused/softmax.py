@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from npukit.npu_backend.fused import LOW_PRECISION, fused_op, register_autograd, upcast
+from npukit.npu_backend.fused.norms import check_float_dtypes
 
 MASKED_LOGIT = -10000.0  # what the kernel writes at masked positions (Megatron's value)
 SCALED_MASKED_SOFTMAX_SIZES = range(32, 4097, 32)  # H and W: multiples of 32 in [32, 4096]
@@ -37,6 +38,7 @@ def _scaled_masked_mask(op: str, x: torch.Tensor, mask: torch.Tensor, fixed_triu
 
 
 def _check_scaled_masked_softmax(op: str, x: torch.Tensor) -> None:
+    check_float_dtypes(op, x=x)
     if x.dim() != 4 or x.shape[-2] not in SCALED_MASKED_SOFTMAX_SIZES or x.shape[-1] not in SCALED_MASKED_SOFTMAX_SIZES:
         raise ValueError(f"torch_npu.{op}: x must be 4-dim (N, C, H, W) with H and W multiples of 32 in "
                          f"[32, 4096], got shape {tuple(x.shape)}")
@@ -83,6 +85,7 @@ register_autograd("npu_scaled_masked_softmax", _scaled_masked_softmax_backward, 
 # ---- npu_dropout_with_add_softmax ----------------------------------------------------------------
 
 def _check_dropout_with_add_softmax(x, x1, prob, dim):
+    check_float_dtypes("npu_dropout_with_add_softmax", input=x, x1=x1)
     op = "torch_npu.npu_dropout_with_add_softmax"
     if x.shape != x1.shape or x.dim() != 4:
         raise ValueError(f"{op}: self and x1 must be 4-dim (N, C, H, W) of the same shape, got "

@@ -192,3 +192,12 @@ def test_under_compile_forward_and_backward_equal_eager():
     compiled(x_c).backward()
     f(x_e).backward()
     torch.testing.assert_close(x_c.grad.cpu(), x_e.grad.cpu())
+
+
+def test_dtypes_the_kernels_do_not_take_are_refused_on_the_npu():
+    with pytest.raises(ValueError, match="torch_npu.npu_swiglu: input must be float16, bfloat16 or float32"):
+        torch_npu.npu_swiglu(torch.randn(2, 4, dtype=torch.float64).npu())
+    with pytest.raises(ValueError, match="torch_npu.npu_rms_norm: gamma must be float16"):
+        torch_npu.npu_rms_norm(torch.randn(2, 4).npu(), torch.ones(4, dtype=torch.int32).npu())
+    # the CPU kernel (the golden reference) computes any dtype
+    torch_npu.npu_swiglu(torch.randn(2, 4, dtype=torch.float64))
