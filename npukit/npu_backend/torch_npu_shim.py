@@ -14,12 +14,13 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import os
 import sys
 import types
 
 import torch
 
-import npukit.npu_backend  # noqa: F401  (installs the device)
+import npukit.npu_backend  # (installs the device)
 
 # Python submodules of torch_npu that fused families provide: torch_npu name -> npukit module
 # (imported at install when present).
@@ -123,4 +124,9 @@ def install_torch_npu() -> types.ModuleType:
                                                       NPU=torch.profiler.ProfilerActivity.CPU)
     root.profiler = profiler
     _install_fused_ops(root)
+    # CANN's set_env.sh exports ASCEND_HOME_PATH wherever torch_npu imports; tools read it without a
+    # default (DeepSpeed's NPU op builders: KeyError in deepspeed.init_distributed). The emulator is
+    # the toolkit here: the path is npukit's device package, where no CANN version is installed, so
+    # such tools find no CANN to compile kernels against, as is the case.
+    os.environ.setdefault("ASCEND_HOME_PATH", os.path.dirname(os.path.abspath(npukit.npu_backend.__file__)))
     return root
