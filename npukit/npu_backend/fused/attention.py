@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -258,7 +259,8 @@ def _rows_to_stats(rows: torch.Tensor, geometry: _Geometry) -> torch.Tensor:
 
 # ---- masks ---------------------------------------------------------------------------------------
 
-_checked_masks: dict[tuple, bool] = {}
+CACHED_MASKS = 8  # masks (and their checks) kept per process: a model passes the same few every step
+_checked_masks: dict[tuple, torch.Tensor] = {}
 
 
 def _is_fake(tensor: torch.Tensor) -> bool:
@@ -281,8 +283,9 @@ def _check_compressed_mask(op: str, mask: torch.Tensor, sparse_mode: int) -> tor
                          f"{tuple(mask.shape)}")
     if _is_fake(squeezed):
         return squeezed
-    key = (squeezed.data_ptr(), squeezed._version, squeezed.device, sparse_mode)
-    if key not in _checked_masks:
+    key = (id(mask), mask._version, sparse_mode)
+    checked = _checked_masks.get(key)
+    if checked is None or checked is not mask:
         size = COMPRESSED_MASK_SIZE
         want = torch.ones(size, size, dtype=torch.bool, device=squeezed.device).triu(1)
         if sparse_mode == 6:
@@ -293,9 +296,9 @@ def _check_compressed_mask(op: str, mask: torch.Tensor, sparse_mode: int) -> tor
             raise ValueError(f"torch_npu.{op}: sparse_mode={sparse_mode} needs atten_mask to be the optimised "
                              "upper-triangular mask torch.triu(torch.ones(2048, 2048), diagonal=1).bool() (True above "
                              "the diagonal); the NPU reads its causal tiles from it, another mask gives wrong results")
-        if len(_checked_masks) > 64:
+        if len(_checked_masks) >= CACHED_MASKS:
             _checked_masks.clear()
-        _checked_masks[key] = True
+        _checked_masks[key] = mask  # held, so that its id is not reused while cached
     return squeezed
 
 
@@ -358,8 +361,35 @@ class _Masking:
     row_valid: torch.Tensor | None  # [B|1, N|1, Sq, 1] bool: rows with at least one key (None: all)
 
 
+_masking_cache: OrderedDict[tuple, tuple[torch.Tensor | None, _Masking]] = OrderedDict()
+
+
 def _masking(op: str, geometry: _Geometry, atten_mask, sparse_mode: int, pre: int, nxt: int, prefix,
-             pse_bias: torch.Tensor | None, device, q_lens=None, kv_lens=None) -> _Masking:
+             pse_bias: torch.Tensor | None, query: torch.Tensor, q_lens=None, kv_lens=None) -> _Masking:
+    """_build_masking, remembered for the few masks a model passes every step (forward and
+    backward build the same one) when there is no pse to add."""
+    if pse_bias is not None or _is_fake(query):
+        return _build_masking(op, geometry, atten_mask, sparse_mode, pre, nxt, prefix, pse_bias, query.device,
+                              q_lens, kv_lens)
+    varlen = geometry.varlen
+    key = (query.device, sparse_mode, pre, nxt, geometry.batch, geometry.heads, geometry.sq, geometry.skv,
+           None if varlen is None else (tuple(varlen.q_lens), tuple(varlen.kv_lens)),
+           None if q_lens is None else tuple(q_lens), None if kv_lens is None else tuple(kv_lens),
+           None if prefix is None else tuple(prefix), id(atten_mask), getattr(atten_mask, "_version", None))
+    cached = _masking_cache.get(key)
+    if cached is not None and cached[0] is atten_mask:
+        _masking_cache.move_to_end(key)
+        return cached[1]
+    masking = _build_masking(op, geometry, atten_mask, sparse_mode, pre, nxt, prefix, None, query.device, q_lens,
+                             kv_lens)
+    _masking_cache[key] = (atten_mask, masking)  # the mask held, so that its id is not reused while cached
+    if len(_masking_cache) > CACHED_MASKS:
+        _masking_cache.popitem(last=False)
+    return masking
+
+
+def _build_masking(op: str, geometry: _Geometry, atten_mask, sparse_mode: int, pre: int, nxt: int, prefix,
+                   pse_bias: torch.Tensor | None, device, q_lens=None, kv_lens=None) -> _Masking:
     """The additive bias of the scores and the valid rows, for a (padded) [B, N, Sq, Skv] problem.
 
     q_lens / kv_lens: per-batch valid lengths (TND sequences, or the inference ops'
@@ -456,10 +486,29 @@ class _Problem:
 
     def scores(self) -> torch.Tensor:
         """scale * q @ k^T plus the bias (scaled pse, masked positions), fp32 [B*Nkv, G*Sq, Skv]."""
-        s = torch.bmm(self.q, self.k.transpose(1, 2)).mul_(self.scale)
-        if self.masking.bias is not None:
-            self.grouped(s).add_(_group(self.masking.bias, self.geometry))
+        k_t = self.k.transpose(1, 2)
+        bias = self.masking.bias
+        if bias is None:
+            return torch.bmm(self.q, k_t).mul_(self.scale)
+        bias3 = self._bias3(bias)
+        if bias3 is not None:  # one pass: the matmul adds it
+            return torch.baddbmm(bias3.to(self.q.dtype), self.q, k_t, alpha=self.scale)
+        s = torch.bmm(self.q, k_t).mul_(self.scale)
+        self.grouped(s).add_(_group(bias, self.geometry))
         return s
+
+    def _bias3(self, bias: torch.Tensor) -> torch.Tensor | None:
+        """The bias as a [1 or B*Nkv, G*Sq, Skv] tensor baddbmm broadcasts, when that needs no copy
+        of the scores' size (a bias per batch but not per head would)."""
+        g = self.geometry
+        if bias.shape[2] != g.sq and g.group > 1:
+            return None
+        if bias.shape[0] == 1 and bias.shape[1] == 1:
+            plane = bias[0, 0]
+            return (plane.repeat(g.group, 1) if g.group > 1 else plane).unsqueeze(0)
+        if bias.shape[1] == g.heads and (bias.shape[0] == g.batch or g.batch == 1) and bias.shape[2] == g.sq:
+            return bias.reshape(g.batch * g.kv_heads, g.group * g.sq, g.skv)
+        return None
 
 
 def _problem(q4, k4, v4, geometry: _Geometry, scale: float, masking: _Masking, in_dtype, npu) -> _Problem:
@@ -532,7 +581,9 @@ def _backward(problem: _Problem, dy4, out4, row_max, row_sum, keep_prob, seed, o
     out3 = out4.to(dtype).reshape(dy3.shape)
     # A padding row of a TND batch has sum 0: any finite value keeps its (zero) gradient finite.
     log_sum_exp = (row_max + torch.log(row_sum.clamp_min(torch.finfo(torch.float32).tiny))).to(dtype).reshape(dy3.shape[0], dy3.shape[1], 1)
-    p = problem.scores().sub_(log_sum_exp).exp_()  # the forward's probabilities, from its statistics
+    # The forward's probabilities, from its statistics. Floored at exp(-87) (a normal float, ~1e-38):
+    # the CPU's vectorised exp leaves its fast path for masked scores (-1e30) and denormal results.
+    p = problem.scores().sub_(log_sum_exp).clamp_min_(-87.0).exp_()
     dropped = _dropped(p.shape, keep_prob, seed, offset, p.device) if keep_prob < 1 else None
     p_out = p if dropped is None else p.masked_fill(dropped, 0).mul_(1 / keep_prob)
     dv = torch.bmm(round_intermediate(p_out, problem.in_dtype, problem.npu).transpose(1, 2), dy3)
@@ -619,8 +670,7 @@ def _prepare(op: str, query, key, value, head_num, input_layout, pse, padding_ma
     k4 = _to_bnsd(key, layout, geometry.kv_heads, varlen, "kv", geometry.skv)
     v4 = _to_bnsd(value, layout, geometry.kv_heads, varlen, "kv", geometry.skv)
     pse_bias = _pse_bias(op, pse, geometry, scale, pse_type)
-    masking = _masking(op, geometry, atten_mask, sparse_mode, pre_tokens, next_tokens, prefix, pse_bias,
-                       query.device)
+    masking = _masking(op, geometry, atten_mask, sparse_mode, pre_tokens, next_tokens, prefix, pse_bias, query)
     problem = _problem(q4, k4, v4, geometry, scale, masking, query.dtype, npu_numerics(query))
     if varlen is not None:
         numels = geometry.heads * sum(a * b for a, b in zip(varlen.q_lens, varlen.kv_lens))
@@ -1072,7 +1122,7 @@ def _infer_attention(op, query, key, value, *, layout, num_heads, num_key_value_
                              f"{tuple(pse_shift.shape)}")
         pse_bias = upcast(pse_shift[:, :, :geometry.sq, :geometry.skv])  # scale * q k^T + pse_shift
     mask = _infer_mask(op, atten_mask, sparse_mode, geometry.sq, geometry.skv, varlen)
-    masking = _masking(op, geometry, mask, sparse_mode, pre_tokens, next_tokens, None, pse_bias, query.device,
+    masking = _masking(op, geometry, mask, sparse_mode, pre_tokens, next_tokens, None, pse_bias, query,
                        q_lens, kv_lens)
     problem = _problem(q4, k4, v4, geometry, scale, masking, query.dtype, npu_numerics(query))
     out, row_max, row_sum = _forward(problem, 1.0, 0, 0, None)
