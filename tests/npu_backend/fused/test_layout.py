@@ -143,3 +143,23 @@ def test_golden_and_compile():
     t = torch.randn(2, 3, 4).npu()
     compiled = torch.compile(f, backend="npu", fullgraph=True)
     torch.testing.assert_close(compiled(t).cpu(), f(t).cpu())
+
+
+def test_every_op_of_these_families_is_on_torch_npu_and_torch_ops_npu():
+    from npukit.npu_backend import fused
+
+    families = {"norms", "activations", "rotary", "softmax", "layout"}
+    ops = [op for op in fused.load().values() if op.family in families]
+    assert {"npu_swiglu", "npu_rotary_mul", "npu_scaled_masked_softmax", "npu_format_cast", "fast_gelu"} <= \
+        {op.name for op in ops}
+    for op in ops:
+        if not op.public:  # grad ops: torch.ops.npu only, as in torch_npu
+            assert getattr(torch_npu, op.name, None) is not op.packet
+            continue
+        attribute = getattr(torch_npu, op.name)
+        assert not getattr(attribute, "npukit_missing", False), op.name
+        if op.name == "npu_apply_rotary_pos_emb":  # the in-place update around the functional op
+            assert attribute.__module__ == "npukit.npu_backend.fused.rotary"
+        else:
+            assert attribute is op.packet, op.name
+    assert torch_npu.get_npu_format is layout.get_npu_format
