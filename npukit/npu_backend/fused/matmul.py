@@ -18,7 +18,7 @@ from __future__ import annotations
 import warnings
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import is_fake
 
 from npukit.npu_backend.fused import _LIBRARY, NAMESPACE, fused_op, register_autograd, upcast
 
@@ -70,7 +70,7 @@ def _with_aligned_strides(tensor: torch.Tensor) -> torch.Tensor:
 def _is_fake(tensor: torch.Tensor) -> bool:
     """Tracing (torch.compile's fake tensors): torch._grouped_mm's meta kernel takes bf16 only, so
     the traced grouped matmuls are given their shape directly."""
-    return isinstance(tensor, FakeTensor) or tensor.device.type == "meta"
+    return is_fake(tensor) or tensor.device.type == "meta"
 
 
 def grouped_rows_matmul(x32: torch.Tensor, weight32: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -187,7 +187,7 @@ def _split_m(x, weight, bias, offsets, split_item, out_dtype, counts):
         # bf16 read, fp32 accumulation, one rounding: torch._grouped_mm does exactly that, without
         # fp32 copies of x and the weights (fp16 goes through fp32: its cast applies saturation)
         out = grouped_rows_matmul(x[0], stacked, offsets)
-        return [out] if split_item in (2, 3) else list(torch.split(out, counts or _group_sizes(offsets)))
+        return [out] if split_item in (2, 3) else _per_group(out, offsets, counts)
     out = grouped_rows_matmul(_fp32(x[0]), _fp32(stacked), offsets)
     if stacked_bias is not None:
         group, in_a_group = group_of_rows(offsets, out.shape[0])
@@ -196,7 +196,17 @@ def _split_m(x, weight, bias, offsets, split_item, out_dtype, counts):
     if split_item in (2, 3):
         return [out]
     # 单多多: one output per group, sized by group_list (data-dependent unless given as ints)
-    return list(torch.split(out, counts if counts is not None else _group_sizes(offsets)))
+    return _per_group(out, offsets, counts)
+
+
+def _per_group(out: torch.Tensor, offsets: torch.Tensor, counts) -> list[torch.Tensor]:
+    """单多多: the output split into one tensor per group, sized by group_list. Traced with a tensor
+    group_list, the sizes are unknown (unbacked) symbols."""
+    if _is_fake(out) and counts is None:
+        context = torch.library.get_ctx()
+        return [out.new_empty(context.new_dynamic_size(), out.shape[1]) for _ in range(offsets.numel())]
+    # a custom op's outputs may not alias one another: each group is a tensor of its own
+    return [part.clone() for part in torch.split(out, counts if counts is not None else _group_sizes(offsets))]
 
 
 def _group_sizes(offsets: torch.Tensor) -> list[int]:
@@ -211,7 +221,7 @@ def _split_k(x, weight, bias, offsets, split_item, out_dtype):
     if len(x) != 1 or len(weight) != 1 or x[0].dim() != 2 or weight[0].dim() != 2:
         raise ValueError(f"{_GMM}: group_type=2 takes one 2-D x [M, K] and one 2-D weight [K, N]")
     out = grouped_reduce_matmul(_fp32(x[0]), _fp32(weight[0]), offsets).to(out_dtype)
-    return [out] if split_item in (2, 3) else list(out.unbind(0))
+    return [out] if split_item in (2, 3) else [part.clone() for part in out.unbind(0)]
 
 
 def _per_list(x, weight, bias, split_item, out_dtype):
@@ -260,7 +270,7 @@ def grouped_matmul_forward(x, weight, bias, group_list, split_item, group_type, 
     "int? per_token_scale_dtype=None) -> Tensor[]",
     unfused="[x[rows of group e] @ weight[e] + bias[e] for each group e]",
     # split_item 0/1 with one x and a tensor group_list returns one tensor per group, sized by the
-    # group_list's values: only that form has data-dependent shapes (it then fails to trace).
+    # group_list's values: the only data-dependent shapes, traced as unbacked sizes.
     fake=True)
 def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
                        antiquant_offset=None, per_token_scale=None, group_list=None, activation_input=None,
@@ -333,44 +343,55 @@ def _warn_once_about_torch_npu() -> None:
 
 
 def _grad_of(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    return torch.zeros_like(like, dtype=torch.float32) if grad is None else _fp32(grad)
+    return torch.zeros_like(like) if grad is None else grad
+
+
+_SCALAR_TYPE_NUMBER = {dtype: number for number, dtype in _SCALAR_TYPE_BY_NUMBER.items()}
 
 
 def _grouped_matmul_backward(x, weight, bias, group_list, split_item, group_type, group_list_type, grads,
                              outputs):
-    """fp32 gradients of x, weight and bias (lists) for the grouped matmul's output gradients."""
+    """Gradients of x, weight and bias (lists, in their dtypes) for the output gradients.
+
+    The grouped forms differentiate as training code on Ascend does: two more grouped matmuls, M-split
+    for x's gradient and K-split (group_type=2) for the weight's, calls of the op itself (so a traced
+    backward keeps them as the op)."""
     grads = [_grad_of(g, out) for g, out in zip(grads, outputs)]
+    gmm = torch.ops.npu.npu_grouped_matmul.default
+
+    def grouped(a, b, split_type, dtype):
+        return gmm([a], [b], group_list=group_list, split_item=3, group_type=split_type,
+                   group_list_type=group_list_type, output_dtype=_SCALAR_TYPE_NUMBER[dtype])[0]
+
     if group_type == 2:
-        offsets = _offsets(group_list, group_list_type)
         dy = grads[0] if split_item in (2, 3) else torch.stack(grads)  # [E, M, N]
-        x32, w32 = _fp32(x[0]), _fp32(weight[0])
         # y[e] = x[:, K_e] @ w[K_e]: dx[:, K_e] = dy[e] @ w[K_e]^T, dw[K_e] = x[:, K_e]^T @ dy[e]
-        dx = grouped_rows_matmul(w32, dy.transpose(1, 2), offsets).t()
-        dw = grouped_rows_matmul(x32.t(), dy, offsets)
+        dx = grouped(weight[0], dy.transpose(1, 2), 0, x[0].dtype).t()
+        dw = grouped(x[0].t(), dy, 0, weight[0].dtype)
         return [dx], [dw], []
     if group_list is not None and len(x) == 1 and (group_type == 0 or len(weight) > 1 or weight[0].dim() == 3):
-        offsets = _offsets(group_list, group_list_type)
         dy = grads[0] if split_item in (2, 3) else torch.cat(grads)
         stacked = _stacked_weight(weight)
-        x32 = _fp32(x[0])
-        dx = grouped_rows_matmul(dy, _fp32(stacked).transpose(1, 2), offsets)
-        dw = grouped_reduce_matmul(x32.t(), dy, offsets)
+        dx = grouped(dy, stacked.transpose(1, 2), 0, x[0].dtype)
+        dw = grouped(x[0].t(), dy, 2, stacked.dtype)
         dws = [dw] if len(weight) == 1 and weight[0].dim() == 3 else list(dw.unbind(0))
         dbs = []
         if bias:
+            offsets = _offsets(group_list, group_list_type)
             group, in_a_group = group_of_rows(offsets, dy.shape[0])
             db = torch.zeros(stacked.shape[0], dy.shape[1], device=dy.device).index_add_(
-                0, group, dy * in_a_group.unsqueeze(1))
-            dbs = [db] if len(bias) == 1 and bias[0].dim() == 2 else list(db.unbind(0))
+                0, group, _fp32(dy) * in_a_group.unsqueeze(1))
+            dbs = [db.to(bias[0].dtype)] if len(bias) == 1 and bias[0].dim() == 2 else \
+                [row.to(b.dtype) for row, b in zip(db.unbind(0), bias)]
         return [dx], dws, dbs
     dys = list(torch.split(grads[0], [x_i.shape[0] for x_i in x])) if split_item in (2, 3) else grads
     dxs, dws, dbs = [], [], []
-    for x_i, weight_i, dy in zip(x, weight, dys):
-        w32 = _fp32(weight_i)
-        dxs.append(torch.matmul(dy, w32.t()))
-        dws.append(_fp32(x_i).reshape(-1, w32.shape[0]).t() @ dy.reshape(-1, w32.shape[1]))
+    for i, (x_i, weight_i, dy) in enumerate(zip(x, weight, dys)):
+        dy32, w32 = _fp32(dy), _fp32(weight_i)
+        dxs.append(torch.matmul(dy32, w32.t()).to(x_i.dtype))
+        dws.append((_fp32(x_i).reshape(-1, w32.shape[0]).t() @ dy32.reshape(-1, w32.shape[1])).to(weight_i.dtype))
         if bias:
-            dbs.append(dy.reshape(-1, w32.shape[1]).sum(0))
+            dbs.append(dy32.reshape(-1, w32.shape[1]).sum(0).to(bias[i].dtype))
     return dxs, dws, dbs
 
 
@@ -408,9 +429,7 @@ class _GroupedMatmulFunction(torch.autograd.Function):
         with torch.no_grad():
             dxs, dws, dbs = _grouped_matmul_backward(x, weight, bias, group_list, split_item, group_type,
                                                      group_list_type, grads, outputs)
-        rounded = ([g.to(t.dtype) for g, t in zip(dxs, x)] + [g.to(t.dtype) for g, t in zip(dws, weight)]
-                   + [g.to(t.dtype) for g, t in zip(dbs, bias)])
-        return (None, None, None, *rounded)
+        return (None, None, None, *dxs, *dws, *dbs)
 
 
 def _gmm_autograd_kernel(overload):

@@ -18,7 +18,7 @@ except what the docs leave undefined, which is filled with zeros (or -1 for indi
 from __future__ import annotations
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import is_fake
 
 from npukit.npu_backend import _C
 from npukit.npu_backend.fused import fused_op, register_autograd, upcast
@@ -69,7 +69,7 @@ def _weighted_sum_of_rows(rows: torch.Tensor, index: torch.Tensor, weights: torc
 
 def _is_fake(tensor: torch.Tensor) -> bool:
     """Tracing with fake tensors (torch.compile): values, and so data-dependent fills, do not exist."""
-    return isinstance(tensor, FakeTensor) or tensor.device.type == "meta"
+    return is_fake(tensor) or tensor.device.type == "meta"
 
 
 # ---- gating -------------------------------------------------------------------------------------

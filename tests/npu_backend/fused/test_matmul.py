@@ -224,6 +224,29 @@ def test_matmul_ops_under_compile_equal_eager():
         torch.testing.assert_close(got.cpu(), expected.cpu())
 
 
+def test_grouped_matmul_trains_under_compile():
+    """The traced backward keeps its grouped matmuls as the op; one output per group (sizes from
+    the group_list's values) traces with unbacked sizes."""
+    torch.manual_seed(10)
+    leaves = [torch.randn(9, 8).npu().requires_grad_(), torch.randn(3, 8, 4).npu().requires_grad_(),
+              torch.randn(3, 4).npu().requires_grad_()]
+    group_list = torch.tensor([2, 3, 4]).npu()
+
+    def loss(x, w, b):
+        (y,) = torch_npu.npu_grouped_matmul([x], [w], bias=[b], group_list=group_list, split_item=3, group_type=0,
+                                            group_list_type=1)
+        return y.relu().square().sum()
+
+    compiled_grads = torch.autograd.grad(torch.compile(loss, backend="npu", fullgraph=True)(*leaves), leaves)
+    for got, expected in zip(compiled_grads, torch.autograd.grad(loss(*leaves), leaves)):
+        torch.testing.assert_close(got.cpu(), expected.cpu())
+
+    per_group = torch.compile(lambda x, w: torch_npu.npu_grouped_matmul(
+        [x], [w], group_list=group_list, split_item=0, group_type=0, group_list_type=1), backend="npu",
+        fullgraph=True)(leaves[0].detach(), leaves[1].detach())
+    assert [tuple(t.shape) for t in per_group] == [(2, 4), (3, 4), (4, 4)]
+
+
 def test_matmul_ops_under_autocast_take_mixed_dtypes():
     torch.manual_seed(7)
     x = torch.randn(6, 16).npu()
