@@ -101,7 +101,7 @@ class _Geometry:
 def _cumulative_to_lengths(op: str, name: str, cumulative) -> tuple[list[int], list[int]]:
     values = [int(v) for v in cumulative]
     # Trailing zeros: sequences at the end that take no part (the documented [2, 5, 9, 0, 0]).
-    while len(values) > 1 and values[-1] == 0 and values[-2] != 0:
+    while len(values) > 1 and values[-1] == 0 and max(values[:-1]) > 0:
         values.pop()
     lengths, starts, previous = [], [], 0
     for value in values:
@@ -128,10 +128,11 @@ def _varlen(op: str, actual_seq_qlen, actual_seq_kvlen, q_tokens: int, kv_tokens
     return _Varlen(q_lens, kv_lens, q_starts, kv_starts)
 
 
-def _split_hidden(op: str, what: str, hidden: int, head_dim: int) -> int:
-    if head_dim == 0 or hidden % head_dim:
-        raise ValueError(f"torch_npu.{op}: {what}'s hidden size {hidden} is not a multiple of the head dim {head_dim}")
-    return hidden // head_dim
+def _split_hidden(op: str, what: str, hidden: int, parts: int, unit: str) -> int:
+    """hidden / parts, which must be whole (H = N * D)."""
+    if parts <= 0 or hidden % parts:
+        raise ValueError(f"torch_npu.{op}: {what}'s hidden size {hidden} is not a multiple of {parts} ({unit})")
+    return hidden // parts
 
 
 def _geometry(op: str, query, key, value, head_num: int, layout: str, actual_seq_qlen=None,
@@ -146,9 +147,12 @@ def _geometry(op: str, query, key, value, head_num: int, layout: str, actual_seq
         raise ValueError(f"torch_npu.{op}: head_num must be positive, got {head_num}")
     if layout in ("BSH", "SBH"):
         b_axis, s_axis = (0, 1) if layout == "BSH" else (1, 0)
-        d = _split_hidden(op, "query", query.shape[2], head_num)
-        nkv = kv_heads if kv_heads else _split_hidden(op, "key", key.shape[2], d)
-        dv = _split_hidden(op, "value", value.shape[2], nkv)
+        d = _split_hidden(op, "query", query.shape[2], head_num, "head_num")
+        nkv = kv_heads if kv_heads else _split_hidden(op, "key", key.shape[2], d, "the query's head dim")
+        if key.shape[2] != nkv * d:
+            raise ValueError(f"torch_npu.{op}: key's hidden size {key.shape[2]} is not num_key_value_heads ({nkv}) x "
+                             f"the head dim ({d})")
+        dv = _split_hidden(op, "value", value.shape[2], nkv, "key/value heads")
         geometry = _Geometry(layout, query.shape[b_axis], head_num, nkv, query.shape[s_axis], key.shape[s_axis], d, dv)
         if key.shape[b_axis] != geometry.batch or value.shape[b_axis] != geometry.batch:
             raise ValueError(f"torch_npu.{op}: query, key and value must have the same batch size")
@@ -1231,7 +1235,7 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
     incremental = layout != "TND" and query.shape[seq_axis] == 1 and query_rope is None
     out, log_sum_exp, geometry = _infer_attention(
         op, query, key, value, layout=layout, num_heads=num_heads, num_key_value_heads=num_key_value_heads,
-        scale=scale, atten_mask=atten_mask, pse_shift=pse_shift, q_lengths=actual_seq_lengths,
+        scale=scale, atten_mask=atten_mask, pse_shift=pse_shift, q_lengths=None if incremental else actual_seq_lengths,
         kv_lengths=actual_seq_lengths_kv, pre_tokens=pre_tokens, next_tokens=next_tokens, sparse_mode=sparse_mode,
         block_table=block_table, block_size=block_size, query_rope=query_rope, key_rope=key_rope,
         incremental=incremental)

@@ -256,6 +256,11 @@ def test_fusion_attention_tnd_varlen_equals_each_sequence_alone(sparse_mode):
         qn, kn, vn, n, "TND", atten_mask=None if mask is None else mask.npu(), scale=0.3, sparse_mode=sparse_mode,
         actual_seq_qlen=cumulative(q_lens), actual_seq_kvlen=cumulative(kv_lens))[:2]
     assert out.shape == (sum(q_lens), n, d) and softmax_max.shape == (sum(q_lens), n, 8)
+    # trailing zeros: sequences that take no part (the docs' [2, 5, 9, 0, 0])
+    trailing = torch_npu.npu_fusion_attention(
+        qn, kn, vn, n, "TND", atten_mask=None if mask is None else mask.npu(), scale=0.3, sparse_mode=sparse_mode,
+        actual_seq_qlen=cumulative(q_lens) + [0, 0], actual_seq_kvlen=cumulative(kv_lens) + [0, 0])[0]
+    torch.testing.assert_close(trailing, out)
     dq, dk, dv = torch.autograd.grad(out, [qn, kn, vn], dy.npu())
     qs, ks, dys = q.split(q_lens), k.split(kv_lens), dy.split(q_lens)
     vs = v.split(kv_lens)
@@ -645,3 +650,39 @@ def test_transformers_flash_attention_2_on_npu_calls_fusion_attention_as_it_does
     logits.float().sum().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in flash.parameters())
     assert calls == [("BSND", 3, (2048, 2048)), ("TND", 3, (2048, 2048))]
+
+
+def test_fusion_attention_prefix_modes_5_and_6():
+    """Mode 6 (compressed, the 3072x2048 mask): rightDownCausal plus the first prefix[b] keys of
+    batch b; mode 5 takes the same mask uncompressed (B1SS)."""
+    q, k, v = qkv(sq=8, skv=12, seed=18)
+    prefix = [6, 3]
+    masked = torch.stack([band_mask(8, 12, INT_MAX, 0, True) & (torch.arange(12) >= n) for n in prefix])[:, None]
+    compressed = torch.cat([CAUSAL_2048, torch.zeros(1024, 2048, dtype=torch.bool)])
+    compressed[2048:, 1024:] = True
+    ref = attention_fp64(q, k, v, 0.3, masked)
+    for mode, mask in ((6, compressed), (5, masked)):
+        out = torch_npu.npu_fusion_attention(q, k, v, 4, "BNSD", atten_mask=mask, scale=0.3, sparse_mode=mode,
+                                             prefix=prefix)[0]
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_fusion_attention_compile_tnd_and_dropout_with_an_explicit_seed():
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in qkv(b=1, n=2, nkv=2, sq=10, skv=10))
+    lens = cumulative([4, 6])
+
+    def attend(a, b, c, **kwargs):
+        return torch_npu.npu_fusion_attention(a, b, c, 2, "TND", scale=0.3, atten_mask=CAUSAL_2048.npu(),
+                                              sparse_mode=3, actual_seq_qlen=lens, actual_seq_kvlen=lens, **kwargs)[0]
+    inputs = leaves(q, k, v)
+    compiled = torch.compile(lambda a, b, c: attend(a, b, c, keep_prob=0.7, seed=11, offset=5), backend="npu",
+                             fullgraph=True)
+    out = compiled(*inputs)
+    torch.testing.assert_close(out.cpu(), attend(*inputs, keep_prob=0.7, seed=11, offset=5).detach().cpu())
+    grads = torch.autograd.grad(out.sum(), inputs)
+    eager = torch.autograd.grad(attend(*inputs, keep_prob=0.7, seed=11, offset=5).sum(), inputs)
+    for a, b in zip(grads, eager):
+        torch.testing.assert_close(a.cpu(), b.cpu())
+    # a seed the kernel draws cannot reach the compiled backward: refused, saying what to pass
+    with pytest.raises(Exception, match="explicit seed and offset"):
+        torch.compile(lambda a, b, c: attend(a, b, c, keep_prob=0.7), backend="npu", fullgraph=True)(*inputs)
