@@ -15,7 +15,9 @@ One Python kernel serves both devices and decides the numerics from where it run
   reference: the same decomposition in fp32 with no intermediate rounding.
 
 Backward is registered with `torch.library.register_autograd` and calls the op's grad op where
-torch_npu defines one (`npu_rms_norm_backward` ...), so the grad op is an op of its own too.
+torch_npu defines one (`npu_rms_norm_backward` ...), so the grad op is an op of its own too. An op
+torch_npu defines no backward for raises when backpropagated through, as on the device
+(`register_no_derivative`).
 
 An op of the wheel's docs that is not emulated is still an attribute of `torch_npu` and raises one
 `NotImplementedError` naming it and its unfused equivalent (`missing_op`).
@@ -85,6 +87,29 @@ def fused_op(schema: str, *, unfused: str, fake: Callable | bool = True, public:
 def register_autograd(name: str, backward: Callable, setup_context: Callable) -> None:
     torch.library.register_autograd(f"{NAMESPACE}::{name}", backward, setup_context=setup_context,
                                     lib=_LIBRARY)
+
+
+# Ops torch_npu gives no backward (`register_no_derivative`).
+NO_DERIVATIVE: set[str] = set()
+
+
+def register_no_derivative(name: str) -> None:
+    """Backward of an op torch_npu gives no autograd formula (its libtorch_npu has no
+    Npu<Op>Backward0): the real op's grad_fn raises "the derivative ... is not implemented" when
+    backpropagated through, so the emulator raises too instead of differentiating its Python
+    decomposition (which would train here and fail on the device)."""
+
+    def setup(ctx, inputs, output, keyword_only_inputs=None):  # (ops with keyword-only arguments get those too)
+        pass
+
+    def backward(ctx, *grads):
+        raise NotImplementedError(
+            f"the derivative for torch_npu.{name} is not implemented: torch_npu defines no backward for it "
+            f"(on Ascend the backward pass fails the same way); call it under torch.no_grad() or use its "
+            f"unfused PyTorch equivalent where gradients are needed")
+
+    register_autograd(name, backward, setup)
+    NO_DERIVATIVE.add(name)
 
 
 # ---- numerics ------------------------------------------------------------------------------------

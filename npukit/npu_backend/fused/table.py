@@ -49,7 +49,8 @@ def rows() -> list[tuple[str, str, str, str, str, str]]:
         elif op is None:
             result.append((name, "missing", "", "", "", UNFUSED.get(name, "see its documentation")))
         else:
-            result.append((name, "emulated", op.family, "yes" if _has_autograd(name) else "no",
+            backward = "none in torch_npu" if name in fused.NO_DERIVATIVE else "yes" if _has_autograd(name) else "no"
+            result.append((name, "emulated", op.family, backward,
                            "yes" if _has_fake(name) else "no", op.unfused))
     return result
 
