@@ -15,8 +15,7 @@ import weakref
 
 import torch
 
-from npukit.npu_backend.fused import _LIBRARY, NAMESPACE, fused_op, register_autograd
-from npukit.npu_backend.fused.norms import register_no_derivative
+from npukit.npu_backend.fused import _LIBRARY, NAMESPACE, fused_op, register_autograd, register_no_derivative
 
 # torch_npu's aclFormat values (torch_npu.npu.Format).
 ACL_FORMATS = {

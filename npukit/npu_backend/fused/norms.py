@@ -12,7 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from npukit.npu_backend.fused import LOW_PRECISION, fused_op, register_autograd, upcast
+from npukit.npu_backend.fused import (
+    LOW_PRECISION,
+    fused_op,
+    register_autograd,
+    register_no_derivative,
+    upcast,
+)
 
 
 def _normalized_dims(x: torch.Tensor, gamma: torch.Tensor) -> list[int]:
@@ -75,24 +81,6 @@ def check_float_dtypes(op: str, **tensors: torch.Tensor | None) -> None:
 
 
 # ---- ops torch_npu defines no derivative for ------------------------------------------------------
-
-def register_no_derivative(name: str) -> None:
-    """Backward of an op torch_npu gives no autograd formula (its libtorch_npu has no
-    Npu<Op>Backward0): the real op's grad_fn raises "the derivative ... is not implemented" when
-    backpropagated through, so the emulator raises too instead of differentiating its Python
-    decomposition (which would train here and fail on the device)."""
-
-    def setup(ctx, inputs, output, keyword_only_inputs=None):  # (ops with keyword-only arguments get those too)
-        pass
-
-    def backward(ctx, *grads):
-        raise NotImplementedError(
-            f"the derivative for torch_npu.{name} is not implemented: torch_npu defines no backward for it "
-            f"(on Ascend the backward pass fails the same way); call it under torch.no_grad() or use its "
-            f"unfused PyTorch equivalent where gradients are needed")
-
-    register_autograd(name, backward, setup)
-
 
 # ---- npu_add_rms_norm, npu_gemma_rms_norm, npu_layer_norm_eval -----------------------------------
 

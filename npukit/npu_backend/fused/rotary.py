@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from npukit.npu_backend.fused import fused_op, register_autograd, upcast
-from npukit.npu_backend.fused.norms import check_float_dtypes, register_no_derivative
+from npukit.npu_backend.fused import fused_op, register_autograd, register_no_derivative, upcast
+from npukit.npu_backend.fused.norms import check_float_dtypes
 
 ROTARY_MUL_MODES = ("half", "interleave")
 APPLY_ROTARY_MODES = ("half", "interleave", "quarter")
