@@ -196,16 +196,16 @@ class _Reduction:
     """A reduction as HCCL runs it, on the tensors gloo reduces for the caller's.
 
     HCCL reduces bool and uint8 (in all_reduce and reduce, not reduce_scatter) as int32 and copies
-    the result back; AVG is a SUM then a division of the result; PREMUL_SUM scales the input in place
-    (as torch_npu does: the caller's input holds the scaled values afterwards), then sums. gloo has
-    no int16: that is reduced as int32, and copied back, too.
+    the result back; PREMUL_SUM scales the input in place (as torch_npu does: the caller's input
+    holds the scaled values afterwards), then sums; AVG (floating dtypes only) sums then divides.
+    gloo has no int16: that is reduced as int32, and copied back, too.
     """
 
-    def __init__(self, collective: str, dtype: torch.dtype, op, world: int, casts_small_ints: bool,
+    def __init__(self, collective: str, dtype: torch.dtype, op, casts_small_ints: bool,
                  hccl: bool = True):
         self.hccl = hccl
         if not hccl:  # CPU tensors: gloo's own reduction
-            self.dtype, self.factor, self.average, self.world = dtype, None, False, world
+            self.dtype, self.factor = dtype, None
             return
         reduced = torch.int32 if casts_small_ints and dtype in _REDUCED_AS_INT32 else dtype
         _check_reduction(collective, reduced, op)
@@ -213,9 +213,8 @@ class _Reduction:
         kind = op.op if isinstance(op, dist.ReduceOp) else op
         factor = op.factor if kind == dist.ReduceOp.PREMUL_SUM else None
         self.factor = factor.item() if isinstance(factor, torch.Tensor) else factor
-        self.average = kind == dist.ReduceOp.AVG
-        self.gloo_op = dist.ReduceOp.SUM if kind in (dist.ReduceOp.AVG, dist.ReduceOp.PREMUL_SUM) else kind
-        self.world = world
+        # AVG (of the floating dtypes HCCL averages) is gloo's own: a sum then a division, as HCCL's.
+        self.gloo_op = dist.ReduceOp.SUM if kind == dist.ReduceOp.PREMUL_SUM else kind
 
     def options(self, opts):
         return _gloo_options(opts, self.gloo_op) if self.hccl else opts
@@ -232,13 +231,11 @@ class _Reduction:
         with torch._C.DisableTorchFunction():
             return tensor.to(self.dtype)
 
-    def finish(self, working: torch.Tensor, output: torch.Tensor) -> None:
-        """Once gloo has reduced into `working`: the division of AVG, the copy back to `output`."""
+    @staticmethod
+    def finish(working: torch.Tensor, output: torch.Tensor) -> None:
+        """Once gloo has reduced into `working`, a copy standing in for `output`: the copy back."""
         with torch._C.DisableTorchFunction():
-            if self.average:
-                working.div_(self.world)
-            if working is not output:
-                output.copy_(working)
+            output.copy_(working)
 
 
 def _then(*steps):
@@ -262,8 +259,8 @@ class _AliasWork(dist.Work):
         self._gloo_works = gloo_works if isinstance(gloo_works, list) else [gloo_works]
         self._result = result
         self._watch = watch  # (collective, output aliases) to check once it completes
-        # What HCCL does after the transfer and gloo does not (AVG's division, a copy from a working
-        # tensor to the caller's): run once, by whichever of wait() and the future comes first.
+        # What HCCL does after the transfer and gloo does not (the copy from a working tensor, int32
+        # for a bool, to the caller's): run once, by whichever of wait() and the future comes first.
         self._finish = finish
         self._finishing = threading.Lock()
 
@@ -380,7 +377,7 @@ class ProcessGroupHCCL(dist.ProcessGroup):
         """all_reduce, its coalesced form and reduce: in place, on working tensors where HCCL casts
         (watched: the overflow detector is told of the all_reduces, not of reduce)."""
         aliases, hccl = _aliases(tensors), _on_npu(tensors)
-        reductions = [_Reduction(collective, a.dtype, opts.reduceOp, self.size(), casts_small_ints=True, hccl=hccl)
+        reductions = [_Reduction(collective, a.dtype, opts.reduceOp, casts_small_ints=True, hccl=hccl)
                       for a in aliases]
         for reduction, alias in zip(reductions, aliases, strict=True):
             reduction.scale(alias)  # PREMUL_SUM: the tensor reduced in place is scaled in place
@@ -389,7 +386,7 @@ class ProcessGroupHCCL(dist.ProcessGroup):
         work = start(working, reductions[0].options(opts))
         finish = _then(*[(lambda r=r, w=w, a=a: r.finish(w, a))
                          for r, w, a in zip(reductions, working, aliases, strict=True)
-                         if r.average or w is not a])
+                         if w is not a])
         return _AliasWork(work, tensors, watch, finish)
 
     def allreduce(self, tensors, opts):
@@ -494,7 +491,7 @@ class ProcessGroupHCCL(dist.ProcessGroup):
 
     def reduce_scatter(self, output_tensors, input_lists, opts):
         outputs, inputs = _aliases(output_tensors), _nested_aliases(input_lists)
-        reduction = _Reduction("reduce_scatter", outputs[0].dtype, opts.reduceOp, self.size(), casts_small_ints=False,
+        reduction = _Reduction("reduce_scatter", outputs[0].dtype, opts.reduceOp, casts_small_ints=False,
                                hccl=_on_npu(output_tensors))
         watch = _watch("reduce_scatter", [alias for aliases in inputs for alias in aliases], outputs)
         # HCCL scales its flat copy of the inputs for PREMUL_SUM, not the caller's tensors.
@@ -509,26 +506,26 @@ class ProcessGroupHCCL(dist.ProcessGroup):
         work = _started("reduce_scatter", "all_reduce", self._gloo.reduce_scatter, working_outputs, working_inputs,
                         reduction.options(opts))
         finish = _then(*[(lambda w=w, a=a: reduction.finish(w, a))
-                         for w, a in zip(working_outputs, outputs, strict=True) if reduction.average or w is not a])
+                         for w, a in zip(working_outputs, outputs, strict=True) if w is not a])
         return _AliasWork(work, output_tensors, watch, finish)
 
     def _reduce_scatter_base_pair(self, collective, output, input, opts):
         """The gloo tensors of one reduce_scatter_tensor: HCCL takes any input of world_size times the
         output's elements (flat, stacked or concatenated); gloo only the concatenation."""
         if not _on_npu([output, input]):
-            reduction = _Reduction(collective, input.dtype, opts.reduceOp, self.size(), False, hccl=False)
+            reduction = _Reduction(collective, input.dtype, opts.reduceOp, casts_small_ints=False, hccl=False)
             return output, input, output, input, reduction, None
         if input.dtype != output.dtype:
             raise hccl_error("input tensor must be the same type as the output tensor.", "TYPE")
         if input.numel() != output.numel() * self.size():
             raise hccl_error("input tensor must be the same size as output size times world size", "PARAM")
-        reduction = _Reduction(collective, input.dtype, opts.reduceOp, self.size(), casts_small_ints=False)
+        reduction = _Reduction(collective, input.dtype, opts.reduceOp, casts_small_ints=False)
         output_alias, input_alias = cpu_alias(output), cpu_alias(input)
         flat_output, flat_input = _flat(output_alias), _flat(input_alias)
         reduction.scale(flat_input)  # PREMUL_SUM: torch_npu scales the caller's input in place
         working_output = reduction.working(flat_output)
         finish = (lambda: reduction.finish(working_output, flat_output)) \
-            if reduction.average or working_output is not flat_output else None
+            if working_output is not flat_output else None
         return output_alias, input_alias, working_output, reduction.working(flat_input), reduction, finish
 
     def _reduce_scatter_base(self, output, input, opts):
