@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from npukit.npu_backend import _C
 from npukit.npu_backend.fused import fused_op, register_autograd, upcast
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -52,19 +51,24 @@ def _pair_rows(index: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tens
 
 def _weighted_sum_of_rows(rows: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
                           out_dtype: torch.dtype) -> torch.Tensor:
-    """out[i] = sum_k weights[i, k] * rows[index[i, k]], accumulated in fp32.
+    """out[i] = sum_k weights[i, k] * rows[index[i, k]], accumulated in fp32 and rounded once.
 
-    The rows are gathered as they are and summed by a batched [1, K] @ [K, H] matmul: in the rows'
-    dtype when the weights and the output have it too (fp16/bf16 read, fp32 accumulation, one
-    rounding, as the kernel does, without fp32 copies of the [N, K, H] gathered rows), in fp32
-    otherwise. fp32 rows go through an elementwise sum while HF32 matmuls are on (the kernel's
-    vector unit does not round to HF32)."""
-    gathered = rows.index_select(0, index.reshape(-1)).reshape(*index.shape, rows.shape[-1])
-    if rows.dtype == torch.float32 and _C.get_matmul_hf32():
-        return (gathered * weights.float().unsqueeze(-1)).sum(1).to(out_dtype)
-    if weights.dtype == rows.dtype == out_dtype:
-        return torch.bmm(weights.unsqueeze(1), gathered).squeeze(1)
-    return torch.bmm(weights.float().unsqueeze(1), gathered.float()).squeeze(1).to(out_dtype)
+    One gather and one fused multiply-add into an fp32 accumulator per top-k slot: the products of
+    fp16/bf16 values are exact in fp32, so this is the kernel's fp32 arithmetic, without an fp32
+    copy of the [N, K, H] gathered rows. (A loop over the K slots, K <= 8 in practice: the batched
+    [1, K] @ [K, H] matmul runs one small matmul per token on the device and measured 2-3x slower.)"""
+    out = torch.zeros(index.shape[0], rows.shape[-1], device=rows.device, dtype=torch.float32)
+    weights32 = weights.float()
+    for slot in range(index.shape[1]):
+        out.addcmul_(rows.index_select(0, index[:, slot]), weights32[:, slot:slot + 1])
+    return out.to(out_dtype)
+
+
+def _row_dots(rows: torch.Tensor, index: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:
+    """dots[i, k] = <rows[index[i, k]], vectors[i]> in fp32 (one slot at a time, as above)."""
+    vectors32 = upcast(vectors)
+    return torch.stack([rows.index_select(0, index[:, slot]).float().mul_(vectors32).sum(-1)
+                        for slot in range(index.shape[1])], dim=1)
 
 
 def _is_fake(tensor: torch.Tensor) -> bool:
@@ -449,7 +453,6 @@ def _unpermute_grads(grad_unpermuted, sorted_indices, permuted_rows, permuted_dt
     # so each row gathers its pair's token gradient and scales it in place (the exact product,
     # rounded once); a row no pair reaches (none when the rows come from npu_moe_token_permute)
     # takes the spare weight 0
-    hidden = grad_unpermuted.shape[1]
     pairs = index.numel()
     pair_of_row = torch.full((permuted_rows + 1,), pairs, dtype=torch.long, device=index.device)
     pair_of_row = pair_of_row.scatter_(0, torch.where(present, index, permuted_rows).reshape(-1),
@@ -463,13 +466,8 @@ def _unpermute_grads(grad_unpermuted, sorted_indices, permuted_rows, permuted_dt
         grad_permuted = (upcast(grad_permuted) * weight_of_row.float().unsqueeze(1)).to(permuted_dtype)
     grad_probs = None
     if probs is not None:
-        # grad_probs[t, k] = <permuted[index[t, k]], grad[t]>: [K, H] @ [H, 1] per token
-        gathered = permuted_tokens.index_select(0, index.reshape(-1)).reshape(*index.shape, hidden)  # [N, K, H]
-        if gathered.dtype == grad_unpermuted.dtype == probs.dtype:
-            grad_probs = torch.bmm(gathered, grad_unpermuted.unsqueeze(-1)).squeeze(-1)
-        else:
-            grad_probs = torch.bmm(gathered.float(), upcast(grad_unpermuted).unsqueeze(-1)).squeeze(-1)
-        grad_probs = (grad_probs * present).to(probs.dtype)
+        # grad_probs[t, k] = <permuted[index[t, k]], grad[t]>
+        grad_probs = (_row_dots(permuted_tokens, index, grad_unpermuted) * present).to(probs.dtype)
     return grad_permuted, grad_probs
 
 
