@@ -40,6 +40,8 @@ def cpu_alias(tensor: torch.Tensor) -> torch.Tensor:
     """A CPU tensor viewing the same memory as `tensor` (npu or CPU; CPU tensors are returned as is)."""
     if tensor.device.type != "npu":
         return tensor
+    if tensor._is_zerotensor():  # sgn's gradient, say: no memory; read as the zeros it stands for
+        return torch.zeros(tensor.shape, dtype=tensor.dtype)
     storage = tensor.untyped_storage()
     if storage.nbytes() == 0:
         return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype)

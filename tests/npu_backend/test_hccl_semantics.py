@@ -86,6 +86,14 @@ SEMANTICS_SCRIPT = textwrap.dedent(r'''
                     return out.device == device and same_bits(out.view(expected.shape), expected) or out.cpu()
                 check(f"all_gather_into_tensor {form} {len(shape)}-D {dtype}", gather)
 
+    def gather_zero_tensor():  # sgn's gradient owns no memory: it is sent as the zeros it stands for
+        x = torch.tensor([-1.0, 2.0, 0.5], device=device, requires_grad=True)
+        grad, = torch.autograd.grad(torch.sgn(x).sum(), x)
+        out = torch.full((world * 3,), 7.0, device=device)
+        dist.all_gather_into_tensor(out, grad)
+        return grad._is_zerotensor() and out.tolist() == [0.0] * (world * 3) or out.tolist()
+    check("all_gather_into_tensor flat of a ZeroTensor", gather_zero_tensor)
+
     # ---- reduce_scatter_tensor: every dtype HCCL reduces, every op it has, every input form
     def reduced(stacked, op, dtype):
         """The reduction over ranks (dim 0) of exact small values, in float64, then cast."""
