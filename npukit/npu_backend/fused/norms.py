@@ -15,8 +15,10 @@ import torch
 from npukit.npu_backend.fused import (
     LOW_PRECISION,
     fused_op,
+    npu_numerics,
     register_autograd,
     register_no_derivative,
+    round_intermediate,
     upcast,
 )
 
@@ -98,11 +100,18 @@ def npu_add_rms_norm(x1, x2, gamma, epsilon=1e-6):
         raise ValueError(f"torch_npu.npu_add_rms_norm: x1 {tuple(x1.shape)} and x2 {tuple(x2.shape)} must have "
                          "the same shape")
     _check_gamma("npu_add_rms_norm", x1, gamma)
-    # AddRmsNorm adds in fp32 and normalises that fp32 sum; the sum it returns is rounded to x1's dtype.
-    x32 = upcast(x1) + upcast(x2)
+    # CANN's AddRmsNorm (Atlas A2/A3) keeps two intermediates in the input dtype: the sum x, which it
+    # returns and normalises as rounded, and x * rstd, which it multiplies by a gamma of the same dtype
+    # (an fp32 gamma multiplies the fp32 value); y is rounded once more.
+    dtype, npu = x1.dtype, npu_numerics(x1)
+    total = upcast(x1) + upcast(x2)
+    x32 = round_intermediate(total, dtype, npu)
     rstd = torch.rsqrt(x32.pow(2).mean(_normalized_dims(x1, gamma), keepdim=True) + epsilon)
-    y = x32 * rstd * upcast(gamma)
-    return y.to(x1.dtype), rstd.float(), x32.to(x1.dtype)
+    normalized = x32 * rstd
+    if gamma.dtype == dtype:
+        normalized = round_intermediate(normalized, dtype, npu)
+    y = normalized.mul_(upcast(gamma))
+    return y.to(dtype), rstd.float(), total.to(dtype)
 
 
 register_no_derivative("npu_add_rms_norm")

@@ -96,11 +96,33 @@ def test_add_rms_norm_returns_y_rstd_and_the_sum(dtype):
     gamma = torch.randn(32, dtype=torch.float64)
     x1_l, x2_l, g_l = x1.to(dtype), x2.to(dtype), gamma.to(dtype)
     y, rstd, x = torch_npu.npu_add_rms_norm(x1_l.npu(), x2_l.npu(), g_l.npu(), 1e-6)
-    total = x1_l.double() + x2_l.double()
     assert y.dtype == x.dtype == dtype and rstd.dtype == torch.float32 and rstd.shape == (3, 5, 1)
-    assert torch.equal(x.cpu(), total.to(dtype))  # the sum, rounded once to the dtype
-    assert_close_to_reference(y, rms_norm_fp64(total, g_l, 1e-6), dtype, "y")
+    total = (x1_l.double() + x2_l.double()).to(dtype)
+    assert torch.equal(x.cpu(), total)  # the sum, rounded once to the dtype ...
+    total = total.double()  # ... is what the kernel normalises
+    assert_close_to_reference(y, rms_norm_fp64(total, g_l, 1e-6), dtype, "y", factor=1.5)
     assert_close_to_reference(rstd, torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-6), torch.float32, "rstd")
+
+
+def test_add_rms_norm_fp16_keeps_the_kernels_intermediates_in_fp16():
+    """CANN's AddRmsNorm rounds the sum and x * rstd to fp16 before multiplying by an fp16 gamma;
+    an fp32 gamma multiplies the fp32 value; the golden run rounds only its outputs."""
+    torch.manual_seed(3)
+    x1, x2 = (torch.randn(16, 256) * 3).half(), (torch.randn(16, 256) * 3).half()
+    gamma = (torch.rand(256) + 0.5).half()
+    x = (x1.double() + x2.double()).half().double()
+    rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    kernel = ((x * rstd).half().double() * gamma.double()).half()
+    y = torch_npu.npu_add_rms_norm(x1.npu(), x2.npu(), gamma.npu())[0].cpu()
+    assert (y != kernel).float().mean() < 0.01
+    y_fp32_gamma = torch_npu.npu_add_rms_norm(x1.npu(), x2.npu(), gamma.float().npu())[0].cpu()
+    assert (y_fp32_gamma != (x * rstd * gamma.double()).half()).float().mean() < 0.01
+    with numerics.golden():
+        golden = torch_npu.npu_add_rms_norm(x1.npu(), x2.npu(), gamma.npu())[0].cpu()
+    exact = (x1.double() + x2.double()) * torch.rsqrt((x1.double() + x2.double()).pow(2).mean(-1, keepdim=True)
+                                                      + 1e-6) * gamma.double()
+    assert (golden != exact.half()).float().mean() < 0.01
+    assert (y != golden).any()
 
 
 def test_add_rms_norm_over_two_dims_of_gamma():
