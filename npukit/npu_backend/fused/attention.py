@@ -29,10 +29,12 @@ Masks (atten_mask True/1 = masked out) follow sparse_mode:
 Without atten_mask every mode computes everything (the documented behaviour). A row every key of
 which is masked gives zeros (the kernel's invalid-row correction) and no gradient.
 
-TND (varlen) takes cumulative sequence lengths; the sequences are gathered into a padded batch so
-that batch and heads are one batched matmul (no loop over sequences), and masks apply per sequence
-in its own coordinates. Dropout masks come from a counter-style generator seeded by (seed, offset):
-the forward returns the pair and the grad op regenerates the same mask from it.
+TND (varlen) takes cumulative sequence lengths. The sequences are gathered into a zero-padded
+batch (B * maxSq * maxSkv scores), or, when that is cheaper (one long sequence among short ones),
+all tokens are one sequence with a block-diagonal mask (Tq * Tkv scores); either way batch and
+heads are one batched matmul (no loop over sequences) and masks apply per sequence in its own
+coordinates. Dropout masks come from a generator seeded by (seed, offset): the forward returns the
+pair and the grad op regenerates the same mask from it.
 """
 
 from __future__ import annotations
@@ -68,15 +70,26 @@ SOFTMAX_STAT_WIDTH = 8  # softmax_max / softmax_sum repeat each row's value 8 ti
 
 @dataclass
 class _Varlen:
-    """TND sequences: per-sequence lengths and their offsets in T."""
+    """TND sequences: per-sequence lengths and their offsets in T. `packed`: computed as one
+    sequence of all T tokens with a block-diagonal mask (cheaper than a zero-padded batch when one
+    long sequence sits among many short ones)."""
     q_lens: list[int]
     kv_lens: list[int]
     q_starts: list[int]
     kv_starts: list[int]
+    packed: bool = False
 
     @property
     def batch(self) -> int:
         return len(self.q_lens)
+
+    @property
+    def max_q(self) -> int:
+        return max(self.q_lens, default=0)
+
+    @property
+    def max_kv(self) -> int:
+        return max(self.kv_lens, default=0)
 
 
 @dataclass
@@ -136,9 +149,10 @@ def _split_hidden(op: str, what: str, hidden: int, parts: int, unit: str) -> int
 
 
 def _geometry(op: str, query, key, value, head_num: int, layout: str, actual_seq_qlen=None,
-              actual_seq_kvlen=None, kv_heads: int | None = None) -> _Geometry:
+              actual_seq_kvlen=None, kv_heads: int | None = None, allow_packed: bool = True) -> _Geometry:
     """Sizes of a q/k/v triple in `layout`; kv_heads is needed only for BSH/SBH inputs whose
-    key head count the shapes do not give (the inference ops' num_key_value_heads)."""
+    key head count the shapes do not give (the inference ops' num_key_value_heads). TND: a padded
+    batch of the sequences, or (allow_packed, when cheaper) all tokens as one block-diagonal sequence."""
     dims = {"BSH": 3, "SBH": 3, "TND": 3, "BNSD": 4, "BSND": 4}[layout]
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         if tensor.dim() != dims:
@@ -168,8 +182,10 @@ def _geometry(op: str, query, key, value, head_num: int, layout: str, actual_seq
         if query.shape[1] != head_num:
             raise ValueError(f"torch_npu.{op}: head_num={head_num} but query (TND) has {query.shape[1]} heads")
         varlen = _varlen(op, actual_seq_qlen, actual_seq_kvlen, query.shape[0], key.shape[0])
-        geometry = _Geometry(layout, varlen.batch, head_num, key.shape[1], max(varlen.q_lens, default=0),
-                             max(varlen.kv_lens, default=0), query.shape[2], value.shape[2], varlen,
+        varlen.packed = allow_packed and query.shape[0] * key.shape[0] < varlen.batch * varlen.max_q * varlen.max_kv
+        batch, sq, skv = (1, query.shape[0], key.shape[0]) if varlen.packed else \
+            (varlen.batch, varlen.max_q, varlen.max_kv)
+        geometry = _Geometry(layout, batch, head_num, key.shape[1], sq, skv, query.shape[2], value.shape[2], varlen,
                              query.shape[0], key.shape[0])
     if geometry.kv_heads <= 0 or geometry.heads % geometry.kv_heads:
         raise ValueError(f"torch_npu.{op}: query heads ({geometry.heads}) must be a multiple of key/value heads "
@@ -206,6 +222,8 @@ def _to_bnsd(x: torch.Tensor, layout: str, heads: int, varlen: _Varlen | None = 
         return x.unflatten(2, (heads, -1)).transpose(1, 2)
     if layout == "SBH":
         return x.unflatten(2, (heads, -1)).permute(1, 2, 0, 3)
+    if varlen.packed:
+        return x.transpose(0, 1).unsqueeze(0)
     lens, starts = (varlen.q_lens, varlen.q_starts) if which == "q" else (varlen.kv_lens, varlen.kv_starts)
     if x.shape[0] == 0:
         return x.new_zeros(len(lens), x.shape[1], padded, x.shape[2])
@@ -225,6 +243,8 @@ def _from_bnsd(y: torch.Tensor, layout: str, varlen: _Varlen | None = None, whic
         return y.transpose(1, 2).flatten(2).contiguous()
     if layout == "SBH":
         return y.permute(2, 0, 1, 3).flatten(2).contiguous()
+    if varlen.packed:
+        return y[0].transpose(0, 1).contiguous()
     lens = torch.tensor(varlen.q_lens if which == "q" else varlen.kv_lens, dtype=torch.long, device=y.device)
     batch_index = torch.repeat_interleave(torch.arange(lens.shape[0], device=y.device), lens)
     starts = torch.repeat_interleave(lens.cumsum(0) - lens, lens)
@@ -264,6 +284,7 @@ def _rows_to_stats(rows: torch.Tensor, geometry: _Geometry) -> torch.Tensor:
 # ---- masks ---------------------------------------------------------------------------------------
 
 CACHED_MASKS = 8  # masks (and their checks) kept per process: a model passes the same few every step
+CACHED_BIAS_ELEMENTS = 1 << 22  # a per-batch/per-head mask as large as the scores is built anew
 _checked_masks: dict[tuple, torch.Tensor] = {}
 
 
@@ -311,9 +332,12 @@ def _band(diff: torch.Tensor, low: int | torch.Tensor, high: int | torch.Tensor)
     return (diff >= low) & (diff <= high)
 
 
-def _structural_allowed(op, sparse_mode, diff, sq, skv, pre, nxt, prefix, batch_index, batch) -> torch.Tensor | None:
-    """Where the sparse mode lets a query attend a key (None: everywhere). diff = j - i; sq, skv: the
-    (per-sequence) lengths broadcastable against diff."""
+def _structural_allowed(op, sparse_mode, i, j, sq, skv, pre, nxt, prefix_len, batch_index,
+                        batch) -> torch.Tensor | None:
+    """Where the sparse mode lets query position i attend key position j (None: everywhere), both
+    in their sequence's coordinates; sq, skv, prefix_len, batch_index: the sequence's lengths, prefix
+    and index, broadcastable against them."""
+    diff = j - i
     offset = skv - sq  # bottom-right origin
     if sparse_mode == 0:
         if pre >= INT_MAX and nxt >= INT_MAX:
@@ -328,9 +352,7 @@ def _structural_allowed(op, sparse_mode, diff, sq, skv, pre, nxt, prefix, batch_
     if sparse_mode == 4:
         return _band(diff - offset, -pre, nxt)
     if sparse_mode == 6:
-        key_position = diff + torch.arange(diff.shape[-2], device=diff.device).unsqueeze(-1)  # j
-        prefix_len = torch.tensor(prefix, device=diff.device).view(-1, 1, 1) if prefix is not None else 0
-        return (diff <= offset) | (key_position < prefix_len)
+        return (diff <= offset) | (j < prefix_len)
     if sparse_mode in (7, 8):
         band = _band(diff - offset, -pre, nxt)
         causal = diff <= offset if sparse_mode == 7 else diff <= 0
@@ -346,10 +368,11 @@ def _user_mask(op: str, atten_mask: torch.Tensor, geometry: _Geometry) -> torch.
         if mask.dim() != 2:
             raise ValueError(f"torch_npu.{op}: with input_layout TND atten_mask must be [maxSq, maxSkv], got "
                              f"{tuple(atten_mask.shape)}")
-        if mask.shape[0] < geometry.sq or mask.shape[1] < geometry.skv:
+        varlen = geometry.varlen
+        if mask.shape[0] < varlen.max_q or mask.shape[1] < varlen.max_kv:
             raise ValueError(f"torch_npu.{op}: atten_mask {tuple(atten_mask.shape)} is smaller than the longest "
-                             f"sequences ({geometry.sq}, {geometry.skv})")
-        return mask[:geometry.sq, :geometry.skv]
+                             f"sequences ({varlen.max_q}, {varlen.max_kv})")
+        return mask[:varlen.max_q, :varlen.max_kv]
     if mask.dim() == 2:
         mask = mask[None, None]
     if mask.dim() != 4 or mask.shape[0] not in (1, geometry.batch) or mask.shape[1] not in (1, geometry.heads) \
@@ -386,9 +409,10 @@ def _masking(op: str, geometry: _Geometry, atten_mask, sparse_mode: int, pre: in
         return cached[1]
     masking = _build_masking(op, geometry, atten_mask, sparse_mode, pre, nxt, prefix, None, query.device, q_lens,
                              kv_lens)
-    _masking_cache[key] = (atten_mask, masking)  # the mask held, so that its id is not reused while cached
-    if len(_masking_cache) > CACHED_MASKS:
-        _masking_cache.popitem(last=False)
+    if masking.bias is None or masking.bias.numel() <= CACHED_BIAS_ELEMENTS:
+        _masking_cache[key] = (atten_mask, masking)  # the mask held, so that its id is not reused while cached
+        if len(_masking_cache) > CACHED_MASKS:
+            _masking_cache.popitem(last=False)
     return masking
 
 
@@ -405,12 +429,15 @@ def _build_masking(op: str, geometry: _Geometry, atten_mask, sparse_mode: int, p
         raise ValueError(f"torch_npu.{op}: sparse_mode=5 (uncompressed prefix) is not supported with input_layout TND")
     if varlen is None and sparse_mode in (7, 8):
         raise ValueError(f"torch_npu.{op}: sparse_mode={sparse_mode} is for input_layout TND only")
+    if varlen is not None and varlen.packed:
+        masked = _packed_masked(op, geometry, atten_mask, sparse_mode, pre, nxt, prefix, device)
+        bias = torch.where(masked, MASKED_SCORE, 0.0) if pse_bias is None else pse_bias.masked_fill(masked, MASKED_SCORE)
+        return _Masking(bias, ~masked.all(-1, keepdim=True))
     if varlen is not None:
         q_lens, kv_lens = varlen.q_lens, varlen.kv_lens
     masked = None
     if atten_mask is not None:
-        if atten_mask.dtype not in (torch.bool, torch.uint8, torch.int8):
-            raise ValueError(f"torch_npu.{op}: atten_mask must be bool or uint8 (True/1 = masked), got {atten_mask.dtype}")
+        _check_mask_arguments(op, atten_mask, sparse_mode, prefix)
         if sparse_mode in (0, 1, 5):
             masked = _user_mask(op, atten_mask, geometry)
             if sparse_mode == 5 and (masked.dim() != 4 or masked.shape[0] != geometry.batch):
@@ -418,21 +445,18 @@ def _build_masking(op: str, geometry: _Geometry, atten_mask, sparse_mode: int, p
                                  f"{tuple(atten_mask.shape)}")
         else:
             _check_compressed_mask(op, atten_mask, sparse_mode)
-        if sparse_mode in (5, 6) and prefix is None:
-            raise ValueError(f"torch_npu.{op}: sparse_mode={sparse_mode} needs prefix (one N per batch)")
         per_batch = q_lens is not None
-        rows = torch.arange(geometry.sq, device=device).unsqueeze(1)
-        cols = torch.arange(geometry.skv, device=device).unsqueeze(0)
-        diff = cols - rows
+        i = torch.arange(geometry.sq, device=device).unsqueeze(1)
+        j = torch.arange(geometry.skv, device=device).unsqueeze(0)
         batch_index = None
+        prefix_len = None if prefix is None else torch.tensor(prefix, device=device).view(-1, 1, 1)
         if per_batch:
-            diff = diff.unsqueeze(0)
             sq = torch.tensor(q_lens, device=device).view(-1, 1, 1)
             skv = torch.tensor(kv_lens, device=device).view(-1, 1, 1)
             batch_index = torch.arange(len(q_lens), device=device).view(-1, 1, 1)
         else:
             sq, skv = geometry.sq, geometry.skv
-        allowed = _structural_allowed(op, sparse_mode, diff, sq, skv, pre, nxt, prefix, batch_index,
+        allowed = _structural_allowed(op, sparse_mode, i, j, sq, skv, pre, nxt, prefix_len, batch_index,
                                       len(q_lens) if per_batch else geometry.batch)
         if allowed is not None:
             structural = ~allowed
@@ -455,6 +479,50 @@ def _build_masking(op: str, geometry: _Geometry, atten_mask, sparse_mode: int, p
     else:
         bias = pse_bias.masked_fill(masked, MASKED_SCORE)
     return _Masking(bias, ~masked.all(-1, keepdim=True))
+
+
+def _token_positions(lens: list[int], tokens: int, missing: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's sequence (`missing` after the last one) and its position in it."""
+    lengths = torch.tensor(lens, dtype=torch.long, device=device)
+    sequence = torch.repeat_interleave(torch.arange(len(lens), device=device), lengths)
+    position = torch.arange(sequence.shape[0], device=device) - torch.repeat_interleave(lengths.cumsum(0) - lengths,
+                                                                                         lengths)
+    extra = tokens - sequence.shape[0]
+    return (torch.cat([sequence, sequence.new_full((extra,), missing)]),
+            torch.cat([position, position.new_zeros(extra)]))
+
+
+def _check_mask_arguments(op: str, atten_mask, sparse_mode: int, prefix) -> None:
+    if atten_mask.dtype not in (torch.bool, torch.uint8, torch.int8):
+        raise ValueError(f"torch_npu.{op}: atten_mask must be bool or uint8 (True/1 = masked), got {atten_mask.dtype}")
+    if sparse_mode in (5, 6) and prefix is None:
+        raise ValueError(f"torch_npu.{op}: sparse_mode={sparse_mode} needs prefix (one N per batch)")
+
+
+def _packed_masked(op: str, geometry: _Geometry, atten_mask, sparse_mode: int, pre: int, nxt: int, prefix,
+                   device) -> torch.Tensor:
+    """[1, 1, Tq, Tkv]: True where a query token may not see a key token: another sequence's, or
+    masked by the sparse mode in their own sequence's coordinates."""
+    varlen = geometry.varlen
+    q_seq, i = _token_positions(varlen.q_lens, geometry.sq, -1, device)
+    kv_seq, j = _token_positions(varlen.kv_lens, geometry.skv, -2, device)
+    masked = q_seq.unsqueeze(1) != kv_seq.unsqueeze(0)
+    if atten_mask is not None:
+        _check_mask_arguments(op, atten_mask, sparse_mode, prefix)
+        row_seq = q_seq.clamp_min(0).unsqueeze(1)
+        i, j = i.unsqueeze(1), j.unsqueeze(0)
+        if sparse_mode in (0, 1):  # the [maxSq, maxSkv] mask in each sequence's coordinates
+            user = _user_mask(op, atten_mask, geometry)
+            masked = masked | user[i.clamp_max(user.shape[0] - 1), j.clamp_max(user.shape[1] - 1)]
+        else:
+            _check_compressed_mask(op, atten_mask, sparse_mode)
+        sq = torch.tensor(varlen.q_lens, device=device)[row_seq]
+        skv = torch.tensor(varlen.kv_lens, device=device)[row_seq]
+        prefix_len = None if prefix is None else torch.tensor(prefix, device=device)[row_seq]
+        allowed = _structural_allowed(op, sparse_mode, i, j, sq, skv, pre, nxt, prefix_len, row_seq, varlen.batch)
+        if allowed is not None:
+            masked = masked | ~allowed
+    return masked[None, None]
 
 
 # ---- the kernel's computation --------------------------------------------------------------------
@@ -668,7 +736,9 @@ def _prepare(op: str, query, key, value, head_num, input_layout, pse, padding_ma
     if query_rope is not None:
         query = torch.cat([query, query_rope.to(query.dtype)], -1)
         key = torch.cat([key, key_rope.to(key.dtype)], -1)
-    geometry = _geometry(op, query, key, value, head_num, layout, actual_seq_qlen, actual_seq_kvlen)
+    # pse is given per sequence: its TND problem is the padded batch
+    geometry = _geometry(op, query, key, value, head_num, layout, actual_seq_qlen, actual_seq_kvlen,
+                         allow_packed=pse is None)
     varlen = geometry.varlen
     q4 = _to_bnsd(query, layout, geometry.heads, varlen, "q", geometry.sq)
     k4 = _to_bnsd(key, layout, geometry.kv_heads, varlen, "kv", geometry.skv)
@@ -1104,7 +1174,8 @@ def _infer_attention(op, query, key, value, *, layout, num_heads, num_key_value_
                              f"({geometry.kv_heads})")
     else:
         geometry = _geometry(op, query, key, value, num_heads, in_layout, q_lengths if varlen else None,
-                             kv_lengths if varlen else None, kv_heads=num_key_value_heads or None)
+                             kv_lengths if varlen else None, kv_heads=num_key_value_heads or None,
+                             allow_packed=pse_shift is None)
         if num_key_value_heads and geometry.kv_heads != num_key_value_heads:
             raise ValueError(f"torch_npu.{op}: num_key_value_heads={num_key_value_heads} but key has "
                              f"{geometry.kv_heads} heads")

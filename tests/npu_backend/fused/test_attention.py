@@ -242,35 +242,49 @@ def cumulative(lengths):
     return [sum(lengths[:i + 1]) for i in range(len(lengths))]
 
 
-@pytest.mark.parametrize("sparse_mode", [0, 2, 3])
-def test_fusion_attention_tnd_varlen_equals_each_sequence_alone(sparse_mode):
+TND_LENGTHS = {
+    # similar lengths: computed as a zero-padded batch of the sequences
+    "padded": ([3, 7, 1, 5], [5, 7, 4, 9]),
+    # one long sequence among short ones: computed as all tokens with a block-diagonal mask
+    "packed": ([12, 1, 2, 1, 1], [12, 3, 2, 1, 4]),
+}
+
+
+@pytest.mark.parametrize("lengths", list(TND_LENGTHS))
+@pytest.mark.parametrize("sparse_mode", ["none", "0-mask", 2, 3])
+def test_fusion_attention_tnd_varlen_equals_each_sequence_alone(sparse_mode, lengths):
     torch.manual_seed(4)
-    q_lens, kv_lens = [3, 7, 1, 5], [5, 7, 4, 9]
+    q_lens, kv_lens = TND_LENGTHS[lengths]
     n, nkv, d = 4, 2, 8
     q = torch.randn(sum(q_lens), n, d)
     k, v = torch.randn(sum(kv_lens), nkv, d), torch.randn(sum(kv_lens), nkv, d)
     dy = torch.randn(sum(q_lens), n, d)
-    mask = CAUSAL_2048 if sparse_mode else None
+    if sparse_mode == "0-mask":  # [maxSq, maxSkv], read in each sequence's coordinates
+        mask, mode = torch.rand(max(q_lens), max(kv_lens)) > 0.7, 0
+        mask[:, 0] = False
+    else:
+        mask, mode = (None, 0) if sparse_mode == "none" else (CAUSAL_2048, sparse_mode)
     qn, kn, vn = leaves(q, k, v)
     out, softmax_max = torch_npu.npu_fusion_attention(
-        qn, kn, vn, n, "TND", atten_mask=None if mask is None else mask.npu(), scale=0.3, sparse_mode=sparse_mode,
+        qn, kn, vn, n, "TND", atten_mask=None if mask is None else mask.npu(), scale=0.3, sparse_mode=mode,
         actual_seq_qlen=cumulative(q_lens), actual_seq_kvlen=cumulative(kv_lens))[:2]
     assert out.shape == (sum(q_lens), n, d) and softmax_max.shape == (sum(q_lens), n, 8)
     # trailing zeros: sequences that take no part (the docs' [2, 5, 9, 0, 0])
     trailing = torch_npu.npu_fusion_attention(
-        qn, kn, vn, n, "TND", atten_mask=None if mask is None else mask.npu(), scale=0.3, sparse_mode=sparse_mode,
+        qn, kn, vn, n, "TND", atten_mask=None if mask is None else mask.npu(), scale=0.3, sparse_mode=mode,
         actual_seq_qlen=cumulative(q_lens) + [0, 0], actual_seq_kvlen=cumulative(kv_lens) + [0, 0])[0]
     torch.testing.assert_close(trailing, out)
     dq, dk, dv = torch.autograd.grad(out, [qn, kn, vn], dy.npu())
-    qs, ks, dys = q.split(q_lens), k.split(kv_lens), dy.split(q_lens)
-    vs = v.split(kv_lens)
+    qs, ks, vs, dys = q.split(q_lens), k.split(kv_lens), v.split(kv_lens), dy.split(q_lens)
     for i in range(len(q_lens)):
         # sequence i alone, BSND with B = 1, its own sparse mode's mask in its own coordinates
         a, b, c = (t.unsqueeze(0).contiguous().requires_grad_() for t in (qs[i], ks[i], vs[i]))
-        alone = torch_npu.npu_fusion_attention(a, b, c, n, "BSND", atten_mask=mask, scale=0.3,
-                                               sparse_mode=sparse_mode)[0]
+        own_mask = mask if mode or mask is None else mask[:q_lens[i], :kv_lens[i]]
+        alone, alone_max = torch_npu.npu_fusion_attention(a, b, c, n, "BSND", atten_mask=own_mask, scale=0.3,
+                                                          sparse_mode=mode)[:2]
         grads = torch.autograd.grad(alone, [a, b, c], dys[i].unsqueeze(0))
         torch.testing.assert_close(out.cpu().split(q_lens)[i], alone[0].detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(softmax_max.cpu().split(q_lens)[i], alone_max[0].transpose(0, 1))
         for got, want, lens in zip((dq, dk, dv), grads, (q_lens, kv_lens, kv_lens)):
             torch.testing.assert_close(got.cpu().split(lens)[i], want[0], rtol=1e-4, atol=1e-5)
 
@@ -280,7 +294,8 @@ def test_fusion_attention_tnd_split_sequence_modes_7_and_8():
     the first sequence a band (the docs' examples of a sequence split across devices)."""
     torch.manual_seed(6)
     n, d = 2, 8
-    for mode, q_lens, kv_lens, pre, nxt in ((7, [3, 2], [3, 6], 6, -2), (8, [3, 5, 4], [4, 5, 4], 4, 1)):
+    for mode, q_lens, kv_lens, pre, nxt in ((7, [3, 2], [3, 6], 6, -2), (8, [3, 5, 4], [4, 5, 4], 4, 1),
+                                           (7, [1, 1, 9, 2], [2, 1, 9, 6], 6, -2), (8, [3, 9, 1, 1], [4, 9, 2, 1], 4, 1)):
         q = torch.randn(sum(q_lens), n, d)
         k, v = torch.randn(sum(kv_lens), n, d), torch.randn(sum(kv_lens), n, d)
         out = torch_npu.npu_fusion_attention(q, k, v, n, "TND", atten_mask=CAUSAL_2048, scale=0.4, sparse_mode=mode,
