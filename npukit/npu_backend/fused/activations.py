@@ -16,7 +16,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from npukit.npu_backend.fused import LOW_PRECISION, fused_op, register_autograd, upcast
+from npukit.npu_backend.fused import (
+    LOW_PRECISION,
+    fused_op,
+    npu_numerics,
+    register_autograd,
+    round_intermediate,
+    upcast,
+)
 from npukit.npu_backend.fused.norms import check_float_dtypes
 
 # FastGelu's constant: fast_gelu(x) = x / (1 + exp(-1.702 x)) = x * sigmoid(1.702 x) (torch_npu's docs;
@@ -94,7 +101,10 @@ def npu_geglu(x, dim=-1, approximate=1, activate_left=False):
     gelu = F.gelu(upcast(activated), approximate=mode)
     if x.dtype not in LOW_PRECISION:
         return gelu * linear, gelu
-    return linear.float().mul_(gelu).to(x.dtype), gelu.to(x.dtype)
+    # CANN's GeGluV2: the fp16 kernel multiplies the gelu output it rounded to fp16 by the fp16 half; the
+    # bf16 kernel multiplies the fp32 gelu and rounds once.
+    product_gelu = round_intermediate(gelu, torch.float16, npu_numerics(x)) if x.dtype == torch.float16 else gelu
+    return linear.float().mul_(product_gelu).to(x.dtype), gelu.to(x.dtype)
 
 
 @fused_op("npu_geglu_grad(Tensor grad_output, Tensor input, Tensor gelu, int dim=-1, int approximate=1, "

@@ -201,3 +201,20 @@ def test_dtypes_the_kernels_do_not_take_are_refused_on_the_npu():
         torch_npu.npu_rms_norm(torch.randn(2, 4).npu(), torch.ones(4, dtype=torch.int32).npu())
     # the CPU kernel (the golden reference) computes any dtype
     torch_npu.npu_swiglu(torch.randn(2, 4, dtype=torch.float64))
+
+
+def test_geglu_fp16_multiplies_the_rounded_gelu_like_the_kernel():
+    """CANN's fp16 GeGluV2 rounds gelu to fp16 (its second output) and multiplies that in fp16; the
+    bf16 kernel multiplies the fp32 gelu; the golden run rounds the outputs only."""
+    torch.manual_seed(4)
+    x = (torch.randn(32, 256) * 2).half()
+    a, b = x.double().chunk(2, -1)
+    gelu = gelu64(b, 1)
+    y, g = torch_npu.npu_geglu(x.npu())
+    assert (g.cpu() != gelu.half()).float().mean() < 0.01  # (an fp32 gelu rounds like fp64 but for rare ties)
+    kernel = (a * gelu.half().double()).half()
+    assert (y.cpu() != kernel).float().mean() < 0.01
+    with numerics.golden():
+        golden = torch_npu.npu_geglu(x.npu())[0].cpu()
+    assert (golden != (a * gelu).half()).float().mean() < 0.01
+    assert (golden != y.cpu()).any()
