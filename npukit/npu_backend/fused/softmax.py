@@ -6,14 +6,22 @@ over the last dim, mask True = masked; with fixed_triu_mask the kernel makes the
 (True above the diagonal) and ignores the given one. DropoutWithAddSoftmax: y = x1 + alpha * x,
 softmax over dim, then dropout with drop probability `prob` (kept values scaled by 1 / (1 - prob)),
 returning the byte mask (1 = kept, one per element, flat), the softmax and the dropped output.
-Both read fp16/bf16, compute in fp32 and round each output once to the input dtype.
+Both read fp16/bf16, compute in fp32 and round each output once to the input dtype (the fp16
+ScaledMaskedSoftmax kernel scales its logits in fp16 first).
 """
 
 from __future__ import annotations
 
 import torch
 
-from npukit.npu_backend.fused import LOW_PRECISION, fused_op, register_autograd, upcast
+from npukit.npu_backend.fused import (
+    LOW_PRECISION,
+    fused_op,
+    npu_numerics,
+    register_autograd,
+    round_intermediate,
+    upcast,
+)
 from npukit.npu_backend.fused.norms import check_float_dtypes
 
 MASKED_LOGIT = -10000.0  # what the kernel writes at masked positions (Megatron's value)
@@ -49,8 +57,13 @@ def _check_scaled_masked_softmax(op: str, x: torch.Tensor) -> None:
 def npu_scaled_masked_softmax(x, mask, scale=1, fixed_triu_mask=False):
     _check_scaled_masked_softmax("npu_scaled_masked_softmax", x)
     mask = _scaled_masked_mask("npu_scaled_masked_softmax", x, mask, fixed_triu_mask)
-    # One fp32 working copy of the logits, scaled and masked in place.
-    logits = x.float().mul_(scale) if x.dtype in LOW_PRECISION else x * scale
+    # One fp32 working copy of the logits, scaled and masked in place. CANN's fp16 kernel scales in fp16 (the
+    # scale and the product rounded to fp16) before its fp32 softmax; bf16 and fp32 scale in fp32.
+    if x.dtype == torch.float16 and npu_numerics(x):
+        logits = x.float().mul_(float(torch.tensor(float(scale), dtype=torch.float16)))
+        logits = round_intermediate(logits, torch.float16, True)
+    else:
+        logits = x.float().mul_(scale) if x.dtype in LOW_PRECISION else x * scale
     logits.masked_fill_(mask, MASKED_LOGIT)
     return torch.softmax(logits, -1).to(x.dtype)
 

@@ -190,12 +190,17 @@ def test_under_autocast_and_compile():
     torch.testing.assert_close(x_c.grad.cpu(), x_e.grad.cpu())
 
 
-def test_scaled_masked_softmax_fp16_rounds_once_like_the_kernel():
+def test_scaled_masked_softmax_fp16_scales_in_fp16_like_the_kernel():
+    """CANN's fp16 ScaledMaskedSoftmax multiplies x by the scale in fp16 (both rounded), then runs its
+    softmax in fp32 and rounds once; the golden run scales in fp32."""
     torch.manual_seed(8)
     x = (torch.randn(1, 4, 32, 64) * 4).half()
     mask = torch.rand(1, 1, 32, 64) < 0.2
     y = torch_npu.npu_scaled_masked_softmax(x.npu(), mask.npu(), 0.7).cpu()
-    exact = scaled_masked_softmax64(x, mask, 0.7, False).half()
-    unfused = torch.softmax((x * 0.7).masked_fill(mask, -10000), -1)  # fp16 logits, rounded before the softmax
-    assert (y != exact).float().mean() < 0.001
-    assert (unfused != exact).float().mean() > (y != exact).float().mean()
+    logits = (x.double() * torch.tensor(0.7).half().double()).half()  # fp16 product of fp16 values
+    kernel = scaled_masked_softmax64(logits, mask, 1.0, False).half()
+    assert (y != kernel).float().mean() < 0.001
+    with numerics.golden():
+        golden = torch_npu.npu_scaled_masked_softmax(x.npu(), mask.npu(), 0.7).cpu()
+    assert (golden != scaled_masked_softmax64(x, mask, 0.7, False).half()).float().mean() < 0.001
+    assert (golden != y).any()
