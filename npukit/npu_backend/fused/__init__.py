@@ -99,17 +99,56 @@ def register_no_derivative(name: str) -> None:
     backpropagated through, so the emulator raises too instead of differentiating its Python
     decomposition (which would train here and fail on the device)."""
 
+    packet_name, _, overload = name.partition(".")  # an overload ("op.List") is named by its op
+    message = (f"the derivative for torch_npu.{packet_name} is not implemented: torch_npu defines no backward for it "
+               f"(on Ascend the backward pass fails the same way); call it under torch.no_grad() or use its "
+               f"unfused PyTorch equivalent where gradients are needed")
+
     def setup(ctx, inputs, output, keyword_only_inputs=None):  # (ops with keyword-only arguments get those too)
         pass
 
     def backward(ctx, *grads):
-        raise NotImplementedError(
-            f"the derivative for torch_npu.{name} is not implemented: torch_npu defines no backward for it "
-            f"(on Ascend the backward pass fails the same way); call it under torch.no_grad() or use its "
-            f"unfused PyTorch equivalent where gradients are needed")
+        raise NotImplementedError(message)
 
-    register_autograd(name, backward, setup)
+    op = getattr(getattr(torch.ops.npu, packet_name), overload or "default")
+    if torch._library.utils.has_kwarg_only_tensors(op._schema):
+        # torch.library.register_autograd refuses keyword-only tensors: the same, by hand
+        _LIBRARY.impl(name, _raising_autograd_kernel(op, message), "Autograd")
+    else:
+        register_autograd(name, backward, setup)
     NO_DERIVATIVE.add(name)
+
+
+class _NoDerivative(torch.autograd.Function):
+    """Outputs computed below autograd, tied to the inputs that require grad by a node whose
+    backward raises."""
+
+    @staticmethod
+    def forward(ctx, message, outputs, *inputs):
+        ctx.message = message
+        ctx.mark_non_differentiable(*[out for out in outputs if not out.is_floating_point()])
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError(ctx.message)
+
+
+def _raising_autograd_kernel(op: torch._ops.OpOverload, message: str) -> Callable:
+    def kernel(*args, **kwargs):
+        with torch._C._AutoDispatchBelowAutograd():
+            outputs = op(*args, **kwargs)
+        inputs = [leaf for leaf in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+        if not inputs or not torch.is_grad_enabled():
+            return outputs
+        single = isinstance(outputs, torch.Tensor)
+        tracked = _NoDerivative.apply(message, (outputs,) if single else tuple(outputs), *inputs)
+        if single:
+            return tracked[0]
+        return list(tracked) if isinstance(outputs, list) else tuple(tracked)
+
+    return kernel
 
 
 # ---- numerics ------------------------------------------------------------------------------------
