@@ -1137,7 +1137,7 @@ def _infer_mask(op: str, atten_mask, sparse_mode: int, sq: int, skv: int, varlen
 
 def _infer_attention(op, query, key, value, *, layout, num_heads, num_key_value_heads, scale, atten_mask, pse_shift,
                      q_lengths, kv_lengths, pre_tokens, next_tokens, sparse_mode, block_table=None, block_size=0,
-                     query_rope=None, key_rope=None, incremental=False):
+                     query_rope=None, key_rope=None, incremental=False, sink=None):
     """attention_out in the output layout and the rows' log-sum-exp [B, N, Sq] (padded TND rows)."""
     if layout not in INFER_LAYOUTS:
         raise ValueError(f"torch_npu.{op}: input_layout must be one of {', '.join(INFER_LAYOUTS)}, got {layout!r}")
@@ -1200,7 +1200,10 @@ def _infer_attention(op, query, key, value, *, layout, num_heads, num_key_value_
     masking = _masking(op, geometry, mask, sparse_mode, pre_tokens, next_tokens, None, pse_bias, query,
                        q_lens, kv_lens)
     problem = _problem(q4, k4, v4, geometry, scale, masking, query.dtype, npu_numerics(query))
-    out, row_max, row_sum = _forward(problem, 1.0, 0, 0, None)
+    if sink is not None and (sink.dim() != 1 or sink.shape[0] != num_heads):
+        raise ValueError(f"torch_npu.{op}: learnable_sink must have shape (Q_N,) = ({num_heads},), got "
+                         f"{tuple(sink.shape)}")
+    out, row_max, row_sum = _forward(problem, 1.0, 0, 0, sink)
     out = _from_bnsd(out.to(query.dtype), out_layout, geometry.varlen, "q", geometry.q_tokens)
     return out, row_max + torch.log(row_sum), geometry
 
@@ -1298,21 +1301,81 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
             kv_padding_size=kv_padding_size, key_shared_prefix=key_shared_prefix,
             value_shared_prefix=value_shared_prefix, actual_shared_prefix_len=actual_shared_prefix_len,
             key_rope_antiquant_scale=key_rope_antiquant_scale)
+    return _fused_infer(op, query, key, value, pse_shift, atten_mask, actual_seq_lengths, actual_seq_lengths_kv,
+                        block_table, query_rope, key_rope, None, num_heads, num_key_value_heads, scale, pre_tokens,
+                        next_tokens, input_layout, sparse_mode, block_size, softmax_lse_flag)
+
+
+def _fused_infer(op, query, key, value, pse_shift, atten_mask, q_lengths, kv_lengths, block_table, query_rope,
+                 key_rope, sink, num_heads, num_key_value_heads, scale, pre_tokens, next_tokens, layout, sparse_mode,
+                 block_size, softmax_lse):
+    """FusedInferAttentionScore (v1 and v2): the incremental branch for Q_S = 1, the prompt branch
+    otherwise; attention_out and softmax_lse (log(sum) + max per row, or [1] zeros when not asked)."""
     if sparse_mode == 9:
         raise NotImplementedError(f"torch_npu.{op}: sparse_mode=9 (tree mask) is not emulated")
-    layout = input_layout
     seq_axis = {"BSH": 1, "BSND": 1, "BNSD": 2, "BNSD_BSND": 2, "TND": 0}.get(layout, 1)
     # Q_S = 1 takes the incremental (IncreFlashAttention) branch: no sparse mode, no band.
     incremental = layout != "TND" and query.shape[seq_axis] == 1 and query_rope is None
     out, log_sum_exp, geometry = _infer_attention(
         op, query, key, value, layout=layout, num_heads=num_heads, num_key_value_heads=num_key_value_heads,
-        scale=scale, atten_mask=atten_mask, pse_shift=pse_shift, q_lengths=None if incremental else actual_seq_lengths,
-        kv_lengths=actual_seq_lengths_kv, pre_tokens=pre_tokens, next_tokens=next_tokens, sparse_mode=sparse_mode,
+        scale=scale, atten_mask=atten_mask, pse_shift=pse_shift, q_lengths=None if incremental else q_lengths,
+        kv_lengths=kv_lengths, pre_tokens=pre_tokens, next_tokens=next_tokens, sparse_mode=sparse_mode,
         block_table=block_table, block_size=block_size, query_rope=query_rope, key_rope=key_rope,
-        incremental=incremental)
-    if not softmax_lse_flag:
+        incremental=incremental, sink=sink)
+    if not softmax_lse:
         return out, query.new_zeros(1, dtype=torch.float32)
     lse = log_sum_exp.float().unsqueeze(-1)  # [B, N, Sq, 1]
     if geometry.layout == "TND":
         lse = _from_bnsd(lse, "TND", geometry.varlen, "q", geometry.q_tokens)  # [T, N, 1]
     return out, lse
+
+
+_FIA_V2_SCHEMA = (
+    "npu_fused_infer_attention_score_v2(Tensor query, Tensor key, Tensor value, *, Tensor? query_rope=None, "
+    "Tensor? key_rope=None, Tensor? pse_shift=None, Tensor? atten_mask=None, SymInt[]? actual_seq_qlen=None, "
+    "SymInt[]? actual_seq_kvlen=None, Tensor? block_table=None, Tensor? dequant_scale_query=None, "
+    "Tensor? dequant_scale_key=None, Tensor? dequant_offset_key=None, Tensor? dequant_scale_value=None, "
+    "Tensor? dequant_offset_value=None, Tensor? dequant_scale_key_rope=None, Tensor? quant_scale_out=None, "
+    "Tensor? quant_offset_out=None, Tensor? quant_scale_p=None, Tensor? learnable_sink=None, int num_query_heads=1, "
+    "int num_key_value_heads=0, float softmax_scale=1.0, int pre_tokens=2147483647, int next_tokens=2147483647, "
+    "str input_layout=\"BSH\", int sparse_mode=0, int block_size=0, int query_quant_mode=0, int key_quant_mode=0, "
+    "int value_quant_mode=0, int inner_precise=0, bool return_softmax_lse=False, int? query_dtype=None, "
+    "int? key_dtype=None, int? value_dtype=None, int? query_rope_dtype=None, int? key_rope_dtype=None, "
+    "int? key_shared_prefix_dtype=None, int? value_shared_prefix_dtype=None, int? dequant_scale_query_dtype=None, "
+    "int? dequant_scale_key_dtype=None, int? dequant_scale_value_dtype=None, int? dequant_scale_key_rope_dtype=None, "
+    "int? out_dtype=None) -> (Tensor, Tensor)")
+
+
+@fused_op(_FIA_V2_SCHEMA, unfused=_INFER_UNFUSED)
+def npu_fused_infer_attention_score_v2(query, key, value, *, query_rope=None, key_rope=None, pse_shift=None,
+                                       atten_mask=None, actual_seq_qlen=None, actual_seq_kvlen=None,
+                                       block_table=None, dequant_scale_query=None, dequant_scale_key=None,
+                                       dequant_offset_key=None, dequant_scale_value=None, dequant_offset_value=None,
+                                       dequant_scale_key_rope=None, quant_scale_out=None, quant_offset_out=None,
+                                       quant_scale_p=None, learnable_sink=None, num_query_heads=1,
+                                       num_key_value_heads=0, softmax_scale=1.0, pre_tokens=INT_MAX,
+                                       next_tokens=INT_MAX, input_layout="BSH", sparse_mode=0, block_size=0,
+                                       query_quant_mode=0, key_quant_mode=0, value_quant_mode=0, inner_precise=0,
+                                       return_softmax_lse=False, query_dtype=None, key_dtype=None, value_dtype=None,
+                                       query_rope_dtype=None, key_rope_dtype=None, key_shared_prefix_dtype=None,
+                                       value_shared_prefix_dtype=None, dequant_scale_query_dtype=None,
+                                       dequant_scale_key_dtype=None, dequant_scale_value_dtype=None,
+                                       dequant_scale_key_rope_dtype=None, out_dtype=None):
+    op = "npu_fused_infer_attention_score_v2"
+    _refuse(op, dequant_scale_query=dequant_scale_query, dequant_scale_key=dequant_scale_key,
+            dequant_offset_key=dequant_offset_key, dequant_scale_value=dequant_scale_value,
+            dequant_offset_value=dequant_offset_value, dequant_scale_key_rope=dequant_scale_key_rope,
+            quant_scale_out=quant_scale_out, quant_offset_out=quant_offset_out, quant_scale_p=quant_scale_p,
+            query_dtype=query_dtype, key_dtype=key_dtype, value_dtype=value_dtype, query_rope_dtype=query_rope_dtype,
+            key_rope_dtype=key_rope_dtype, key_shared_prefix_dtype=key_shared_prefix_dtype,
+            value_shared_prefix_dtype=value_shared_prefix_dtype, dequant_scale_query_dtype=dequant_scale_query_dtype,
+            dequant_scale_key_dtype=dequant_scale_key_dtype, dequant_scale_value_dtype=dequant_scale_value_dtype,
+            dequant_scale_key_rope_dtype=dequant_scale_key_rope_dtype, out_dtype=out_dtype)
+    modes = {"query_quant_mode": query_quant_mode, "key_quant_mode": key_quant_mode,
+             "value_quant_mode": value_quant_mode}
+    quantized = [f"{name}={mode}" for name, mode in modes.items() if mode]
+    if quantized:
+        raise NotImplementedError(f"torch_npu.{op}: {', '.join(quantized)} (quantized query/key/value) is not emulated")
+    return _fused_infer(op, query, key, value, pse_shift, atten_mask, actual_seq_qlen, actual_seq_kvlen, block_table,
+                        query_rope, key_rope, learnable_sink, num_query_heads, num_key_value_heads, softmax_scale,
+                        pre_tokens, next_tokens, input_layout, sparse_mode, block_size, return_softmax_lse)

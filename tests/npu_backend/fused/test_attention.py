@@ -701,3 +701,23 @@ def test_fusion_attention_compile_tnd_and_dropout_with_an_explicit_seed():
     # a seed the kernel draws cannot reach the compiled backward: refused, saying what to pass
     with pytest.raises(Exception, match="explicit seed and offset"):
         torch.compile(lambda a, b, c: attend(a, b, c, keep_prob=0.7), backend="npu", fullgraph=True)(*inputs)
+
+
+def test_fused_infer_attention_score_v2_renames_v1_and_adds_a_learnable_sink():
+    q, k, v = (t.bfloat16() for t in qkv(n=4, nkv=2, sq=6, skv=9, seed=19))
+    common = dict(atten_mask=CAUSAL_2048, sparse_mode=3, num_key_value_heads=2, input_layout="BNSD")
+    v1 = torch_npu.npu_fused_infer_attention_score(q, k, v, num_heads=4, scale=0.3, softmax_lse_flag=True,
+                                                   actual_seq_lengths=[6, 4], actual_seq_lengths_kv=[9, 7], **common)
+    v2 = torch_npu.npu_fused_infer_attention_score_v2(q, k, v, num_query_heads=4, softmax_scale=0.3,
+                                                      return_softmax_lse=True, actual_seq_qlen=[6, 4],
+                                                      actual_seq_kvlen=[9, 7], **common)
+    for a, b in zip(v1, v2):
+        torch.testing.assert_close(a, b)
+    sink = torch.tensor([0.5, -1.0, 2.0, 0.0]).bfloat16()
+    out = torch_npu.npu_fused_infer_attention_score_v2(q, k, v, num_query_heads=4, softmax_scale=0.3,
+                                                       learnable_sink=sink, **common)[0]
+    ref = attention_fp64(q, k, v, 0.3, band_mask(6, 9, INT_MAX, 0, True), sink=sink)
+    assert_close_to_reference(out, ref, torch.bfloat16, "out")
+    with pytest.raises(NotImplementedError, match="key_quant_mode=1"):
+        torch_npu.npu_fused_infer_attention_score_v2(q, k, v, num_query_heads=4, key_quant_mode=1, value_quant_mode=1,
+                                                     input_layout="BNSD", num_key_value_heads=2)
