@@ -10,17 +10,22 @@ expert e's weight with `torch._grouped_mm` (one call for all groups, no Python l
 its K-split form (group_type=2, the weight gradient of a grouped matmul) is the same primitive.
 torch_npu 2.13 registers no autograd for npu_grouped_matmul (its docs: an inference interface;
 training code such as MindSpeed's gmm wraps it in a torch.autograd.Function whose backward calls
-npu_grouped_matmul again). The emulator differentiates it, and warns once that a real NPU will not.
+npu_grouped_matmul again): its backward raises here as on the device.
 """
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from npukit.npu_backend.fused import _LIBRARY, NAMESPACE, fused_op, register_autograd, upcast
+from npukit.npu_backend.fused import (
+    _LIBRARY,
+    NAMESPACE,
+    fused_op,
+    register_autograd,
+    register_no_derivative,
+    upcast,
+)
 
 # torch_npu's `int` dtype arguments take c10 ScalarType numbers (torch_npu's TORCH_DTYPE_MAP).
 _SCALAR_TYPE_BY_NUMBER = {5: torch.float16, 6: torch.float32, 15: torch.bfloat16}
@@ -326,121 +331,12 @@ for _key in ("PrivateUse1", "CPU"):
 torch.library.register_fake(f"{NAMESPACE}::npu_grouped_matmul.List", npu_grouped_matmul_list, lib=_LIBRARY)
 
 
-# ---- npu_grouped_matmul's autograd ---------------------------------------------------------------
-
-_warned_no_torch_npu_autograd = False
-
-
-def _warn_once_about_torch_npu() -> None:
-    global _warned_no_torch_npu_autograd
-    if not _warned_no_torch_npu_autograd:
-        _warned_no_torch_npu_autograd = True
-        warnings.warn(
-            "npu_grouped_matmul backward: torch_npu 2.13 registers no autograd for npu_grouped_matmul "
-            "(on an Ascend NPU this backward warns and gives no gradient); wrap it in a "
-            "torch.autograd.Function whose backward calls npu_grouped_matmul, as MindSpeed's gmm does. "
-            "The emulator differentiates it. [npukit emulated device]", stacklevel=3)
-
-
-def _grad_of(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    return torch.zeros_like(like) if grad is None else grad
-
-
-_SCALAR_TYPE_NUMBER = {dtype: number for number, dtype in _SCALAR_TYPE_BY_NUMBER.items()}
-
-
-def _grouped_matmul_backward(x, weight, bias, group_list, split_item, group_type, group_list_type, grads,
-                             outputs):
-    """Gradients of x, weight and bias (lists, in their dtypes) for the output gradients.
-
-    The grouped forms differentiate as training code on Ascend does: two more grouped matmuls, M-split
-    for x's gradient and K-split (group_type=2) for the weight's, calls of the op itself (so a traced
-    backward keeps them as the op)."""
-    grads = [_grad_of(g, out) for g, out in zip(grads, outputs)]
-    gmm = torch.ops.npu.npu_grouped_matmul.default
-
-    def grouped(a, b, split_type, dtype):
-        return gmm([a], [b], group_list=group_list, split_item=3, group_type=split_type,
-                   group_list_type=group_list_type, output_dtype=_SCALAR_TYPE_NUMBER[dtype])[0]
-
-    if group_type == 2:
-        dy = grads[0] if split_item in (2, 3) else torch.stack(grads)  # [E, M, N]
-        # y[e] = x[:, K_e] @ w[K_e]: dx[:, K_e] = dy[e] @ w[K_e]^T, dw[K_e] = x[:, K_e]^T @ dy[e]
-        dx = grouped(weight[0], dy.transpose(1, 2), 0, x[0].dtype).t()
-        dw = grouped(x[0].t(), dy, 0, weight[0].dtype)
-        return [dx], [dw], []
-    if group_list is not None and len(x) == 1 and (group_type == 0 or len(weight) > 1 or weight[0].dim() == 3):
-        dy = grads[0] if split_item in (2, 3) else torch.cat(grads)
-        stacked = _stacked_weight(weight)
-        dx = grouped(dy, stacked.transpose(1, 2), 0, x[0].dtype)
-        dw = grouped(x[0].t(), dy, 2, stacked.dtype)
-        dws = [dw] if len(weight) == 1 and weight[0].dim() == 3 else list(dw.unbind(0))
-        dbs = []
-        if bias:
-            offsets = _offsets(group_list, group_list_type)
-            group, in_a_group = group_of_rows(offsets, dy.shape[0])
-            db = torch.zeros(stacked.shape[0], dy.shape[1], device=dy.device).index_add_(
-                0, group, _fp32(dy) * in_a_group.unsqueeze(1))
-            dbs = [db.to(bias[0].dtype)] if len(bias) == 1 and bias[0].dim() == 2 else \
-                [row.to(b.dtype) for row, b in zip(db.unbind(0), bias)]
-        return [dx], dws, dbs
-    dys = list(torch.split(grads[0], [x_i.shape[0] for x_i in x])) if split_item in (2, 3) else grads
-    dxs, dws, dbs = [], [], []
-    for i, (x_i, weight_i, dy) in enumerate(zip(x, weight, dys)):
-        dy32, w32 = _fp32(dy), _fp32(weight_i)
-        dxs.append(torch.matmul(dy32, w32.t()).to(x_i.dtype))
-        dws.append((_fp32(x_i).reshape(-1, w32.shape[0]).t() @ dy32.reshape(-1, w32.shape[1])).to(weight_i.dtype))
-        if bias:
-            dbs.append(dy32.reshape(-1, w32.shape[1]).sum(0).to(bias[i].dtype))
-    return dxs, dws, dbs
-
-
-class _GroupedMatmulFunction(torch.autograd.Function):
-    """Autograd of both overloads: the tensors of x, weight and bias are its flat inputs."""
-
-    @staticmethod
-    def forward(ctx, overload, counts, kwargs, *tensors):
-        n_x, n_weight = counts[0], counts[1]
-        x, weight = list(tensors[:n_x]), list(tensors[n_x:n_x + n_weight])
-        bias = list(tensors[n_x + n_weight:]) or None
-        with torch._C._AutoDispatchBelowAutograd():
-            outputs = overload(x, weight, bias=bias, **kwargs)
-        ctx.counts, ctx.kwargs, ctx.overload = counts, kwargs, overload
-        ctx.save_for_backward(*tensors)
-        ctx.output_shapes = [(out.shape, out.dtype, out.device) for out in outputs]
-        return tuple(outputs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        _warn_once_about_torch_npu()
-        tensors = ctx.saved_tensors
-        n_x, n_weight = ctx.counts
-        x, weight = list(tensors[:n_x]), list(tensors[n_x:n_x + n_weight])
-        bias = list(tensors[n_x + n_weight:])
-        kwargs = ctx.kwargs
-        group_list = kwargs.get("group_list")
-        group_type = kwargs.get("group_type")
-        group_list_type = kwargs.get("group_list_type") or 0
-        if ctx.overload is torch.ops.npu.npu_grouped_matmul.List and group_list is not None:
-            group_list = torch.tensor(group_list, dtype=torch.int64, device=x[0].device)
-            group_type, group_list_type = (0 if len(x) == 1 else -1), 0
-        split_item = kwargs.get("split_item") or 0
-        outputs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.output_shapes]
-        with torch.no_grad():
-            dxs, dws, dbs = _grouped_matmul_backward(x, weight, bias, group_list, split_item, group_type,
-                                                     group_list_type, grads, outputs)
-        return (None, None, None, *dxs, *dws, *dbs)
-
-
-def _gmm_autograd_kernel(overload):
-    def kernel(x, weight, *, bias=None, **kwargs):
-        counts = (len(x), len(weight))
-        return list(_GroupedMatmulFunction.apply(overload, counts, kwargs, *x, *weight, *(bias or [])))
-    return kernel
-
-
-_LIBRARY.impl("npu_grouped_matmul", _gmm_autograd_kernel(torch.ops.npu.npu_grouped_matmul.default), "Autograd")
-_LIBRARY.impl("npu_grouped_matmul.List", _gmm_autograd_kernel(torch.ops.npu.npu_grouped_matmul.List), "Autograd")
+# torch_npu 2.13 defines no backward for npu_grouped_matmul (its docs: an inference interface; its
+# libtorch_npu has no NpuGroupedMatmulBackward0): training code wraps it in a torch.autograd.Function
+# whose backward is two more grouped matmuls, M-split for dx and K-split (group_type=2) for dweight,
+# as MindSpeed's gmm does. The emulator refuses the backward as the device does.
+register_no_derivative("npu_grouped_matmul")
+register_no_derivative("npu_grouped_matmul.List")
 
 
 # ---- npu_bmmV2 -------------------------------------------------------------------------------------

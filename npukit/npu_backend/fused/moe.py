@@ -9,7 +9,7 @@ the flat position i*K + j for npu_moe_init_routing_v2 and npu_moe_token_permute.
 
 Values are computed in fp32 and rounded once to the output dtype. Only npu_moe_token_permute and
 npu_moe_token_unpermute have autograd in torch_npu 2.13 (and here); the routing ops are inference
-interfaces there, so gradients do not flow through them on an NPU nor on the emulator.
+interfaces there, and backpropagating through them raises on the emulator as on the device.
 
 Shapes: every op's output sizes follow from its arguments (the fake kernels are the kernels),
 except what the docs leave undefined, which is filled with zeros (or -1 for indices) here.
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from npukit.npu_backend.fused import fused_op, register_autograd, upcast
+from npukit.npu_backend.fused import fused_op, register_autograd, register_no_derivative, upcast
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -334,6 +334,12 @@ def npu_moe_compute_expert_tokens(sorted_expert_for_source_row, num_expert):
     experts = torch.arange(num_expert, device=sorted_expert_for_source_row.device,
                            dtype=sorted_expert_for_source_row.dtype)
     return torch.searchsorted(sorted_expert_for_source_row, experts, right=True).to(sorted_expert_for_source_row.dtype)
+
+
+# torch_npu 2.13's routing ops are inference interfaces: no backward (no Npu<Op>Backward0 in libtorch_npu)
+for _routing_op in ("npu_moe_gating_top_k_softmax", "npu_moe_init_routing", "npu_moe_init_routing_v2",
+                    "npu_moe_finalize_routing", "npu_moe_compute_expert_tokens"):
+    register_no_derivative(_routing_op)
 
 
 # ---- token permute / unpermute ----------------------------------------------------------------------------

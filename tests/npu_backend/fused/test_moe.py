@@ -1,11 +1,10 @@
-import warnings
-
 import pytest
 import torch
 import torch_npu
 
 from npukit.npu_backend import numerics
 from tests.npu_backend.fused.reference import assert_close_to_reference
+from tests.npu_backend.fused.test_matmul import GmmFunction
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -36,6 +35,22 @@ def test_gating_top_k_softmax_against_fp64(dtype, shape):
     rows = x.numel() // 8
     expected_rows = torch.tensor([[j * rows + r for j in range(3)] for r in range(rows)]).reshape(row_idx.shape)
     assert torch.equal(row_idx.cpu().long(), expected_rows)
+
+
+def test_routing_ops_have_no_backward_as_in_torch_npu():
+    """torch_npu's routing ops are inference interfaces: backpropagating through them raises (here
+    as on the device) rather than training on the emulator only."""
+    x = torch.randn(4, 6, device="npu", requires_grad=True)
+    expert_idx = distinct_experts(4, 2, 3, seed=20).npu()
+    outputs = [
+        torch_npu.npu_moe_gating_top_k_softmax(x, k=2)[0],
+        torch_npu.npu_moe_init_routing_v2(x, expert_idx)[0],  # keyword-only tensor arguments
+        torch_npu.npu_moe_finalize_routing(x.repeat(2, 1), None, None, None, None,
+                                           torch.arange(8, dtype=torch.int32).npu(), None, 0, 2),
+    ]
+    for out in outputs:
+        with pytest.raises(NotImplementedError, match=r"the derivative for torch_npu\.npu_moe_\w+ is not implemented"):
+            out.sum().backward()
 
 
 def test_gating_refuses_a_k_beyond_the_experts():
@@ -358,8 +373,9 @@ def test_moe_inference_chain_equals_the_plain_layer():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_moe_training_chain_forward_and_backward_equal_the_plain_layer(dtype):
-    """The differentiable path: router probs in torch ops, npu_moe_token_permute -> npu_grouped_matmul
-    -> npu_moe_token_unpermute(probs); gradients of x, the router and the experts against fp64."""
+    """The differentiable path, as training code on Ascend writes it: router probs in torch ops,
+    npu_moe_token_permute -> npu_grouped_matmul (in a gmm autograd.Function) ->
+    npu_moe_token_unpermute(probs); gradients of x, the router and the experts against fp64."""
     torch.manual_seed(14)
     tokens, hidden, inner, experts, k = 12, 8, 12, 4, 2
     x, router = torch.randn(tokens, hidden), torch.randn(experts, hidden)
@@ -371,16 +387,13 @@ def test_moe_training_chain_forward_and_backward_equal_the_plain_layer(dtype):
         top_probs, top_experts = probs.topk(k, -1)
         permuted, sorted_indices = torch_npu.npu_moe_token_permute(x, top_experts)
         counts = torch.bincount(top_experts.flatten(), minlength=experts)
-        gmm = dict(group_list=counts, split_item=3, group_type=0, group_list_type=1)
-        (up,) = torch_npu.npu_grouped_matmul([permuted], [w_up], **gmm)
-        (down,) = torch_npu.npu_grouped_matmul([torch.relu(up)], [w_down], **gmm)
+        up = GmmFunction.apply(permuted, w_up, counts)  # torch_npu's gmm trains through such a Function
+        down = GmmFunction.apply(torch.relu(up), w_down, counts)
         return torch_npu.npu_moe_token_unpermute(down, sorted_indices, probs=top_probs.to(down.dtype))
 
     leaves = [t.to(dtype).npu().requires_grad_() for t in (x, router, w_up, w_down)]
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="npu_grouped_matmul backward")
-        out = layer(*leaves)
-        grads = torch.autograd.grad(out, leaves, grad_out.to(dtype).npu())
+    out = layer(*leaves)
+    grads = torch.autograd.grad(out, leaves, grad_out.to(dtype).npu())
     ref_leaves = [t.to(dtype).double().requires_grad_() for t in (x, router, w_up, w_down)]
     out_ref = moe_layer_fp64(*ref_leaves, k)
     grads_ref = torch.autograd.grad(out_ref, ref_leaves, grad_out.to(dtype).double())
