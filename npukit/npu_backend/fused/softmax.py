@@ -5,7 +5,8 @@ ScaledMaskedSoftmax (Megatron's fused softmax): softmax((x * scale).masked_fill(
 over the last dim, mask True = masked; with fixed_triu_mask the kernel makes the causal mask itself
 (True above the diagonal) and ignores the given one. DropoutWithAddSoftmax: y = x1 + alpha * x,
 softmax over dim, then dropout with drop probability `prob` (kept values scaled by 1 / (1 - prob)),
-returning the byte mask (1 = kept, one per element, flat), the softmax and the dropped output.
+returning the byte mask (1 = kept, one per element, flat), the softmax and the dropped output; its
+three stages round their results to the input dtype.
 Both read fp16/bf16, compute in fp32 and round each output once to the input dtype (the fp16
 ScaledMaskedSoftmax kernel scales its logits in fp16 first).
 """
@@ -122,12 +123,16 @@ def _keep_scale(prob: float) -> float:
           unfused="s = torch.softmax(x1 + alpha * x, dim); (mask, s, torch.nn.functional.dropout(s, prob))")
 def npu_dropout_with_add_softmax(x, x1, alpha, prob, dim):
     _check_dropout_with_add_softmax(x, x1, prob, dim)
-    softmax = torch.softmax(upcast(x1) + alpha * upcast(x), dim)
+    # The kernel chains AxpyV2, SoftmaxV2 and DropOutDoMaskV3: each stage's result is in the input dtype
+    # (the softmax is an output, the sum its input), the stages compute in fp32.
+    dtype, npu = x.dtype, npu_numerics(x)
+    logits = round_intermediate(torch.add(upcast(x1), upcast(x), alpha=alpha), dtype, npu)
+    softmax = round_intermediate(torch.softmax(logits, dim), dtype, npu)
     # DropOutDoMaskV3's byte mask, one per element (1 = kept), from the device's generator (torch.manual_seed
     # reproduces it).
     keep = torch.rand(x.shape, device=x.device) >= prob
     output = softmax * keep * _keep_scale(prob)
-    return keep.flatten().to(torch.uint8), softmax.to(x.dtype), output.to(x.dtype)
+    return keep.flatten().to(torch.uint8), softmax.to(dtype), output.to(dtype)
 
 
 @fused_op("npu_dropout_with_add_softmax_backward(Tensor grad, Tensor mask, Tensor softmax_out, Scalar alpha, "

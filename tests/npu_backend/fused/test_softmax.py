@@ -108,7 +108,7 @@ def test_dropout_with_add_softmax_forward_and_backward_against_fp64(dtype):
 
     refs = [t.to(dtype).double().requires_grad_() for t in (x, x1)]
     softmax_ref = add_softmax64(*refs, alpha)
-    out_ref = softmax_ref * keep / (1 - prob)
+    out_ref = softmax_ref * keep / (1 - prob)  # (the kernel drops out its rounded softmax: within tolerance)
     dy = torch.randn(SHAPE, dtype=torch.float64)
     grads_ref = torch.autograd.grad(out_ref, refs, dy)
     grads = torch.autograd.grad(out, [x_npu, x1_npu], dy.to(dtype).npu())
@@ -204,3 +204,15 @@ def test_scaled_masked_softmax_fp16_scales_in_fp16_like_the_kernel():
         golden = torch_npu.npu_scaled_masked_softmax(x.npu(), mask.npu(), 0.7).cpu()
     assert (golden != scaled_masked_softmax64(x, mask, 0.7, False).half()).float().mean() < 0.001
     assert (golden != y).any()
+
+
+def test_dropout_with_add_softmax_fp16_rounds_each_stage_like_the_kernel():
+    torch.manual_seed(9)
+    x, x1 = (torch.randn(SHAPE) * 3).half(), (torch.randn(SHAPE) * 3).half()
+    mask, softmax, out = (t.cpu() for t in torch_npu.npu_dropout_with_add_softmax(x.npu(), x1.npu(), 0.3, 0.25, -1))
+    logits = (x1.double() + 0.3 * x.double()).half().double()  # AxpyV2's fp16 result
+    e = torch.exp(logits - logits.amax(-1, keepdim=True))
+    expected_softmax = (e / e.sum(-1, keepdim=True)).half()
+    assert (softmax != expected_softmax).float().mean() < 0.001
+    keep = mask.reshape(SHAPE).double()
+    assert torch.equal(out, (softmax.double() * keep / 0.75).half())  # the dropout of the fp16 softmax
