@@ -156,7 +156,8 @@ def _geometry(op: str, query, key, value, head_num: int, layout: str, actual_seq
     dims = {"BSH": 3, "SBH": 3, "TND": 3, "BNSD": 4, "BSND": 4}[layout]
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         if tensor.dim() != dims:
-            raise ValueError(f"torch_npu.{op}: input_layout {layout} needs {dims}-D {name}, got shape {tuple(tensor.shape)}")
+            raise ValueError(f"torch_npu.{op}: input_layout {layout} needs {dims}-D {name}, got shape "
+                             f"{tuple(tensor.shape)}")
     if head_num <= 0:
         raise ValueError(f"torch_npu.{op}: head_num must be positive, got {head_num}")
     if layout in ("BSH", "SBH"):
@@ -173,7 +174,8 @@ def _geometry(op: str, query, key, value, head_num: int, layout: str, actual_seq
     elif layout in ("BNSD", "BSND"):
         n_axis, s_axis = (1, 2) if layout == "BNSD" else (2, 1)
         if query.shape[n_axis] != head_num:
-            raise ValueError(f"torch_npu.{op}: head_num={head_num} but query ({layout}) has {query.shape[n_axis]} heads")
+            raise ValueError(f"torch_npu.{op}: head_num={head_num} but query ({layout}) has "
+                             f"{query.shape[n_axis]} heads")
         geometry = _Geometry(layout, query.shape[0], head_num, key.shape[n_axis], query.shape[s_axis],
                              key.shape[s_axis], query.shape[3], value.shape[3])
         if key.shape[0] != geometry.batch or value.shape[0] != geometry.batch:
@@ -213,7 +215,8 @@ def _varlen_gather_index(lens: list[int], starts: list[int], padded: int, device
 
 def _to_bnsd(x: torch.Tensor, layout: str, heads: int, varlen: _Varlen | None = None, which: str = "q",
              padded: int = 0) -> torch.Tensor:
-    """[B, N, S, D] view (TND: the sequences gathered into a zero-padded batch)."""
+    """[B, N, S, D] view (TND: the sequences gathered into a zero-padded batch, or all tokens as one
+    sequence when packed)."""
     if layout == "BNSD":
         return x
     if layout == "BSND":
@@ -234,7 +237,8 @@ def _to_bnsd(x: torch.Tensor, layout: str, heads: int, varlen: _Varlen | None = 
 
 def _from_bnsd(y: torch.Tensor, layout: str, varlen: _Varlen | None = None, which: str = "q",
                tokens: int = 0) -> torch.Tensor:
-    """The inverse of _to_bnsd (TND: the valid rows scattered back to [T, N, D], zeros elsewhere)."""
+    """The inverse of _to_bnsd, contiguous (TND padded: the valid rows back in [T, N, D], zeros for
+    tokens after the last sequence)."""
     if layout == "BNSD":
         return y.contiguous()
     if layout == "BSND":
@@ -255,9 +259,9 @@ def _from_bnsd(y: torch.Tensor, layout: str, varlen: _Varlen | None = None, whic
     return rows
 
 
-def _out_shape(geometry: _Geometry, dv: int | None = None) -> list[int]:
-    dv = geometry.dv if dv is None else dv
-    b, n, sq = geometry.batch, geometry.heads, geometry.sq
+def _out_shape(geometry: _Geometry) -> list[int]:
+    """attention_out's shape in the input layout (the value's head dim)."""
+    b, n, sq, dv = geometry.batch, geometry.heads, geometry.sq, geometry.dv
     return {"BSH": [b, sq, n * dv], "SBH": [sq, b, n * dv], "BNSD": [b, n, sq, dv], "BSND": [b, sq, n, dv],
             "TND": [geometry.q_tokens, n, dv]}[geometry.layout]
 
@@ -431,7 +435,8 @@ def _build_masking(op: str, geometry: _Geometry, atten_mask, sparse_mode: int, p
         raise ValueError(f"torch_npu.{op}: sparse_mode={sparse_mode} is for input_layout TND only")
     if varlen is not None and varlen.packed:
         masked = _packed_masked(op, geometry, atten_mask, sparse_mode, pre, nxt, prefix, device)
-        bias = torch.where(masked, MASKED_SCORE, 0.0) if pse_bias is None else pse_bias.masked_fill(masked, MASKED_SCORE)
+        bias = (torch.where(masked, MASKED_SCORE, 0.0) if pse_bias is None
+                else pse_bias.masked_fill(masked, MASKED_SCORE))
         return _Masking(bias, ~masked.all(-1, keepdim=True))
     if varlen is not None:
         q_lens, kv_lens = varlen.q_lens, varlen.kv_lens
@@ -652,7 +657,8 @@ def _backward(problem: _Problem, dy4, out4, row_max, row_sum, keep_prob, seed, o
     dy3 = dy.reshape(g.batch * g.kv_heads, g.group * g.sq, -1)
     out3 = out4.to(dtype).reshape(dy3.shape)
     # A padding row of a TND batch has sum 0: any finite value keeps its (zero) gradient finite.
-    log_sum_exp = (row_max + torch.log(row_sum.clamp_min(torch.finfo(torch.float32).tiny))).to(dtype).reshape(dy3.shape[0], dy3.shape[1], 1)
+    log_sum_exp = row_max + torch.log(row_sum.clamp_min(torch.finfo(torch.float32).tiny))
+    log_sum_exp = log_sum_exp.to(dtype).reshape(dy3.shape[0], dy3.shape[1], 1)
     # The forward's probabilities, from its statistics. Floored at exp(-87) (a normal float, ~1e-38):
     # the CPU's vectorised exp leaves its fast path for masked scores (-1e30) and denormal results.
     p = problem.scores().sub_(log_sum_exp).clamp_min_(-87.0).exp_()
@@ -753,7 +759,7 @@ def _prepare(op: str, query, key, value, head_num, input_layout, pse, padding_ma
     return _Call(geometry, problem, numels)
 
 
-def _seed_offset(op: str, query, keep_prob: float, seed: int, offset: int) -> tuple[int, int]:
+def _seed_offset(query, keep_prob: float, seed: int, offset: int) -> tuple[int, int]:
     if keep_prob >= 1:
         return 0, 0
     if seed or offset:
@@ -770,7 +776,7 @@ def _fusion_attention(op, query, key, value, head_num, input_layout, pse, paddin
     call = _prepare(op, query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale, keep_prob,
                     pre_tokens, next_tokens, prefix, actual_seq_qlen, actual_seq_kvlen, sparse_mode, softmax_layout,
                     sink, pse_type, query_rope, key_rope)
-    seed, offset = _seed_offset(op, query, keep_prob, seed, offset)
+    seed, offset = _seed_offset(query, keep_prob, seed, offset)
     out, row_max, row_sum = _forward(call.problem, keep_prob, seed, offset, sink)
     g = call.geometry
     attention_out = _from_bnsd(out.to(query.dtype), g.layout, g.varlen, "q", g.q_tokens)
@@ -804,7 +810,8 @@ _FUSION_ATTENTION_SCHEMA = (
     "int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, bool gen_mask_parallel=True, "
     "bool sync=False, str softmax_layout=\"\", Tensor? sink=None, Tensor? dropout_mask=None, int seed=0, "
     "int offset=0) -> (Tensor, Tensor, Tensor, Tensor, int, int, int)")
-_UNFUSED = "torch.softmax(q @ k.transpose(-1, -2) * scale + mask, -1) @ v (torch.nn.functional.scaled_dot_product_attention)"
+_UNFUSED = ("torch.softmax(q @ k.transpose(-1, -2) * scale + mask, -1) @ v "
+            "(torch.nn.functional.scaled_dot_product_attention)")
 
 
 def _fusion_attention_v1_fake(query, key, value, head_num, input_layout, pse=None, padding_mask=None,

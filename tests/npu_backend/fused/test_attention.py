@@ -294,8 +294,9 @@ def test_fusion_attention_tnd_split_sequence_modes_7_and_8():
     the first sequence a band (the docs' examples of a sequence split across devices)."""
     torch.manual_seed(6)
     n, d = 2, 8
-    for mode, q_lens, kv_lens, pre, nxt in ((7, [3, 2], [3, 6], 6, -2), (8, [3, 5, 4], [4, 5, 4], 4, 1),
-                                           (7, [1, 1, 9, 2], [2, 1, 9, 6], 6, -2), (8, [3, 9, 1, 1], [4, 9, 2, 1], 4, 1)):
+    cases = ((7, [3, 2], [3, 6], 6, -2), (8, [3, 5, 4], [4, 5, 4], 4, 1),  # padded
+             (7, [1, 1, 9, 2], [2, 1, 9, 6], 6, -2), (8, [3, 9, 1, 1], [4, 9, 2, 1], 4, 1))  # packed
+    for mode, q_lens, kv_lens, pre, nxt in cases:
         q = torch.randn(sum(q_lens), n, d)
         k, v = torch.randn(sum(kv_lens), n, d), torch.randn(sum(kv_lens), n, d)
         out = torch_npu.npu_fusion_attention(q, k, v, n, "TND", atten_mask=CAUSAL_2048, scale=0.4, sparse_mode=mode,
@@ -585,7 +586,8 @@ def test_fused_infer_attention_score_tnd_and_mla_rope():
     torch.manual_seed(16)
     q_lens, kv_lens, n, d, d_rope = [3, 5], [4, 8], 2, 16, 8
     q, q_rope = torch.randn(8, n, d).bfloat16(), torch.randn(8, n, d_rope).bfloat16()
-    k, k_rope, v = torch.randn(12, n, d).bfloat16(), torch.randn(12, n, d_rope).bfloat16(), torch.randn(12, n, d).bfloat16()
+    k, k_rope = torch.randn(12, n, d).bfloat16(), torch.randn(12, n, d_rope).bfloat16()
+    v = torch.randn(12, n, d).bfloat16()
     out, lse = torch_npu.npu_fused_infer_attention_score(
         q, k, v, query_rope=q_rope, key_rope=k_rope, atten_mask=CAUSAL_2048, sparse_mode=3, num_heads=n, scale=0.2,
         input_layout="TND", actual_seq_lengths=cumulative(q_lens), actual_seq_lengths_kv=cumulative(kv_lens),
