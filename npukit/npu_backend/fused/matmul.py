@@ -78,16 +78,17 @@ def _is_fake(tensor: torch.Tensor) -> bool:
     return is_fake(tensor) or tensor.device.type == "meta"
 
 
-def grouped_rows_matmul(x32: torch.Tensor, weight32: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def grouped_rows_matmul(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """[M, K] @ [E, K, N] -> [M, N]: rows offsets[e-1]:offsets[e] of x times weight e, in x's
     dtype (fp32; or bf16 operands, which torch._grouped_mm accumulates in fp32 and rounds once).
 
     Rows past offsets[-1] belong to no group and are 0 (torch._grouped_mm leaves them unset)."""
-    rows, n = x32.shape[0], weight32.shape[-1]
-    if _is_fake(x32):
-        return x32.new_empty(rows, n)
-    x_ready = _with_aligned_strides(_pad_to_alignment(x32, (1,)))
-    weight_ready = _with_aligned_strides(_pad_to_alignment(weight32, (1, 2)))
+    rows, n = x.shape[0], weight.shape[-1]
+    if _is_fake(x):
+        return x.new_empty(rows, n)
+    _check_offsets(offsets, rows, "x.size(0)")
+    x_ready = _with_aligned_strides(_pad_to_alignment(x, (1,)))
+    weight_ready = _with_aligned_strides(_pad_to_alignment(weight, (1, 2)))
     out = torch._grouped_mm(x_ready, weight_ready, offs=offsets)[:, :n]
     out[int(offsets[-1]):].zero_()  # host memory: reading the last offset costs no device sync
     return out
@@ -99,9 +100,18 @@ def grouped_reduce_matmul(a32: torch.Tensor, b32: torch.Tensor, offsets: torch.T
     m, n = a32.shape[0], b32.shape[1]
     if _is_fake(a32):
         return a32.new_empty(offsets.shape[0], m, n)
+    _check_offsets(offsets, a32.shape[1], "the K of x")
     a_ready = _with_aligned_strides(_pad_to_alignment(a32, (0, 1)))
     b_ready = _with_aligned_strides(_pad_to_alignment(b32, (0, 1)))
     return torch._grouped_mm(a_ready, b_ready, offs=offsets)[:, :m, :n]
+
+
+def _check_offsets(offsets: torch.Tensor, limit: int, what: str) -> None:
+    """The groups must tile a prefix of the split dim (torch._grouped_mm would read past it)."""
+    ends = offsets.tolist()
+    if any(end < start for start, end in zip([0] + ends[:-1], ends)) or ends[-1] > limit:
+        raise ValueError(f"{_GMM}: group_list must give non-negative group sizes summing to at most {what} "
+                         f"({limit}); as cumulative ends it is {ends}")
 
 
 def group_of_rows(offsets: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:

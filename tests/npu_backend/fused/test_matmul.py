@@ -256,6 +256,9 @@ def test_grouped_matmul_refuses_what_torch_npu_refuses(kwargs, error):
     x, w = torch.randn(4, 8).npu(), torch.randn(2, 8, 4).npu()
     with pytest.raises(ValueError, match=f"npu_grouped_matmul: {error}"):
         torch_npu.npu_grouped_matmul([x], [w], group_list=torch.tensor([1, 3]).npu(), **kwargs)
+    with pytest.raises(ValueError, match=r"npu_grouped_matmul: group_list must give non-negative group sizes"):
+        torch_npu.npu_grouped_matmul([x], [w], group_list=torch.tensor([1, 5]).npu(), split_item=3, group_type=0,
+                                     group_list_type=1)
     with pytest.raises(NotImplementedError, match="npu_grouped_matmul: antiquant_scale"):
         torch_npu.npu_grouped_matmul([x], [w], antiquant_scale=[torch.ones(2, 4).npu()],
                                      group_list=torch.tensor([1, 3]).npu(), split_item=3, group_type=0)
