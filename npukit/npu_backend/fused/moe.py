@@ -130,7 +130,7 @@ def npu_moe_init_routing(x, row_idx, expert_idx, active_num):
     expanded_expert_idx = expert_idx.reshape(-1)[order]
     expanded_row_idx = _inverse_permutation(sorted_rows).to(torch.int32)
     active_rows = min(rows, active_num) * k
-    expanded_x = x[sorted_rows[:active_rows] % rows]
+    expanded_x = x.index_select(0, sorted_rows[:active_rows] % rows)
     return expanded_x, expanded_row_idx, expanded_expert_idx
 
 
