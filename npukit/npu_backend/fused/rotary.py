@@ -86,14 +86,13 @@ def npu_rotary_mul(x, r1, r2, rotary_mode="half", rotation=None):
     x32 = upcast(x)
     if rotation is None:
         return rotary_embed(x32, upcast(r1), upcast(r2), rotary_mode).to(x.dtype)
-    else:
-        d = x.shape[-1]
-        if rotation.shape != (d, d):
-            raise ValueError(f"torch_npu.npu_rotary_mul: rotate must be a ({d}, {d}) matrix for the input's last "
-                             f"dim, got shape {tuple(rotation.shape)}")
-        # The developer-built rotation matrix (argument `rotate`): rotate(x) = x @ rotate, exact since its
-        # entries are 0 and +-1.
-        rotated = torch.matmul(x32, rotation.to(x32.dtype))
+    d = x.shape[-1]
+    if rotation.shape != (d, d):
+        raise ValueError(f"torch_npu.npu_rotary_mul: rotate must be a ({d}, {d}) matrix for the input's last "
+                         f"dim, got shape {tuple(rotation.shape)}")
+    # The developer-built rotation matrix (argument `rotate`): rotate(x) = x @ rotate, exact since its
+    # entries are 0 and +-1.
+    rotated = torch.matmul(x32, rotation.to(x32.dtype))
     return (x32 * upcast(r1) + rotated * upcast(r2)).to(x.dtype)
 
 
