@@ -1,6 +1,6 @@
 """Attention: npu_fusion_attention (+ its grad op), npu_fusion_attention_v2 (+ grad), and the
 inference kernels npu_prompt_flash_attention, npu_incre_flash_attention and
-npu_fused_infer_attention_score.
+npu_fused_infer_attention_score (+ _v2).
 
 FlashAttentionScore computes, per batch and query head (key/value head = query head // (Nq / Nkv),
 GQA/MQA):
@@ -35,6 +35,11 @@ all tokens are one sequence with a block-diagonal mask (Tq * Tkv scores); either
 heads are one batched matmul (no loop over sequences) and masks apply per sequence in its own
 coordinates. Dropout masks come from a generator seeded by (seed, offset): the forward returns the
 pair and the grad op regenerates the same mask from it.
+
+The inference kernels compute the same attention forward-only: scores = scale * q @ k^T + pse_shift,
+the sparse modes 0-4 as above (prompt flash attention's next_tokens defaults to 0: with a mask,
+only the causal band), actual_seq_lengths(_kv) per batch (keys beyond masked, rows beyond zero),
+a paged KV cache gathered through block_table, and the MLA rope parts joined to q and k.
 """
 
 from __future__ import annotations
