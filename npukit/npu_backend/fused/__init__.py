@@ -58,19 +58,21 @@ REGISTRY: dict[str, FusedOp] = {}
 
 
 def fused_op(schema: str, *, unfused: str, fake: Callable | bool = True, public: bool = True,
-             family: str | None = None) -> Callable:
+             family: str | None = None, tags: tuple[torch.Tag, ...] = ()) -> Callable:
     """Define `npu::<schema>` and register the decorated function as its kernel for npu and CPU.
 
     `fake`: True when the kernel itself runs on fake tensors (no data-dependent shapes, no
     `.item()`), a function for the fake kernel otherwise, False for none (the op then cannot be
     traced by torch.compile; say why where it is defined).
+    `tags`: the op's torch.Tag's; an in-place op (`x_(Tensor(a!) self) -> Tensor(a!)`) needs
+    torch.Tag.inplace for torch.compile to functionalize it.
     """
     name = schema.split("(", 1)[0]
 
     def register(kernel: Callable) -> Callable:
         if name in REGISTRY:
             raise RuntimeError(f"npu::{name} is defined twice")
-        _LIBRARY.define(schema)
+        _LIBRARY.define(schema, tags=tags)
         qualified = f"{NAMESPACE}::{name}"
         for key in ("PrivateUse1", "CPU"):
             _LIBRARY.impl(name, kernel, key)
