@@ -191,7 +191,8 @@ def npu_silu(x):
     return F.silu(x)  # fp16/bf16: computed in fp32, rounded once (see the module's docstring)
 
 
-@fused_op("npu_silu_(Tensor(a!) input) -> Tensor(a!)", unfused="torch.nn.functional.silu(x, inplace=True)")
+@fused_op("npu_silu_(Tensor(a!) input) -> Tensor(a!)", unfused="torch.nn.functional.silu(x, inplace=True)",
+          tags=(torch.Tag.inplace,))
 def npu_silu_(x):
     check_float_dtypes("npu_silu_", input=x)
     return F.silu(x, inplace=True)

@@ -111,15 +111,15 @@ def _format_cast_in_place(x, acl_format):
 
 @fused_op("npu_format_cast_(Tensor(a!) input, Tensor src, *, int? customize_dtype=None, int? input_dtype=None) "
           "-> Tensor(a!)",
-          unfused="the tensor itself (formats are the device's internal memory layouts)")
+          unfused="the tensor itself (formats are the device's internal memory layouts)", tags=(torch.Tag.inplace,))
 def npu_format_cast_(x, src, *, customize_dtype=None, input_dtype=None):
     """Casts x in place to src's format (the .acl_format overload takes the format itself)."""
     return _format_cast_in_place(x, get_npu_format(src))
 
 
-def _define_overload(schema: str, kernel) -> None:
+def _define_overload(schema: str, kernel, tags: tuple[torch.Tag, ...] = ()) -> None:
     """An overload of an op fused_op defined (the op's registry entry covers its packet)."""
-    _LIBRARY.define(schema)
+    _LIBRARY.define(schema, tags=tags)
     name = schema.split("(", 1)[0]
     for key in ("PrivateUse1", "CPU"):
         _LIBRARY.impl(name, kernel, key)
@@ -131,7 +131,7 @@ def _format_cast_acl_format_(x, acl_format, *, customize_dtype=None, input_dtype
 
 
 _define_overload("npu_format_cast_.acl_format(Tensor(a!) input, int acl_format, *, int? customize_dtype=None, "
-                 "int? input_dtype=None) -> Tensor(a!)", _format_cast_acl_format_)
+                 "int? input_dtype=None) -> Tensor(a!)", _format_cast_acl_format_, tags=(torch.Tag.inplace,))
 
 
 # ---- transposes and broadcast --------------------------------------------------------------------

@@ -117,12 +117,16 @@ def test_silu_and_mish_against_fp64(dtype):
     check_forward_backward(torch_npu.npu_mish, mish64, x, dtype)
 
 
-def test_silu_in_place_writes_its_input():
+def test_silu_in_place_writes_its_input_eager_and_compiled():
     x = torch.randn(4, 5)
     x_npu = x.npu()
     out = torch_npu.npu_silu_(x_npu)
     assert out is x_npu
     assert_close_to_reference(x_npu, silu64(x.double()), torch.float32, "npu_silu_")
+    compiled = torch.compile(lambda t: torch_npu.npu_silu_(t) * 2, backend="npu", fullgraph=True)
+    y = x.npu()
+    result = compiled(y)
+    assert torch.equal(y.cpu(), x_npu.cpu()) and torch.equal(result.cpu(), x_npu.cpu() * 2)
 
 
 def test_backward_ops_are_ops_of_their_own():

@@ -74,6 +74,15 @@ def test_format_cast_under_compile():
     compiled = torch.compile(lambda t: torch_npu.npu_format_cast(t, FRACTAL_NZ) * 2, backend="npu", fullgraph=True)
     assert torch.equal(compiled(x).cpu(), x.cpu() * 2)
 
+    def in_place(t):
+        torch_npu.npu_format_cast_(t, FRACTAL_NZ)
+        return t + 1
+
+    # Compiled, the in-place cast traces (functionalized, it runs on a copy: the input's own memory is not
+    # tagged, a limitation of the emulator's tags under torch.compile).
+    y = torch.rand(4, 8).npu()
+    assert torch.equal(torch.compile(in_place, backend="npu", fullgraph=True)(y).cpu(), y.cpu() + 1)
+
 
 # ---- npu_confusion_transpose, npu_transpose, npu_broadcast ---------------------------------------
 
