@@ -386,40 +386,62 @@ class FusedPattern:
     rule: str
     title: str
     steps: tuple[frozenset[str], ...]  # each step: op names that may appear there
-    api: str
+    op: str                            # the torch_npu op recommended (npukit's emulator runs it)
+    code: str                          # the replacement, runnable as printed with the names `where` gives
+    where: str                         # what each name of `code` is, in the user's terms
     max_gap: int = 2  # unrelated ops tolerated between two pattern steps
+
+    @property
+    def change(self) -> str:
+        return f"Replace the sequence with `{self.code}`, where {self.where}."
 
 
 def _ops(*names: str) -> frozenset[str]:
     return frozenset(f"aten::{n}" for n in names)
 
 
+# Each recommendation runs as printed on npukit's emulator and on a real NPU, and equals the sequence
+# it replaces (tests/profiler/test_fused_advice.py runs every `code` against its unfused sequence).
 FUSED_PATTERNS = (
     FusedPattern(
         "fused-masked-softmax", "Masked softmax -> torch_npu.npu_scaled_masked_softmax",
         (_ops("masked_fill", "masked_fill_", "add", "add_", "where"), _ops("softmax", "_softmax")),
-        "torch_npu.npu_scaled_masked_softmax(x, mask, scale)", max_gap=1,
+        "npu_scaled_masked_softmax", "torch_npu.npu_scaled_masked_softmax(scores, mask, scale)",
+        "scores are the unscaled attention scores [batch, heads, q_len, kv_len] (the kernel takes q_len "
+        "and kv_len that are multiples of 32, from 32 to 4096), mask a 4-dim bool tensor [batch or 1, heads "
+        "or 1, q_len, kv_len] (True = masked out; a 2-dim mask: mask[None, None]) and scale the factor the "
+        "scores were multiplied by",
+        max_gap=1,
     ),
     FusedPattern(
         "fused-rms-norm", "RMSNorm written out -> torch_npu.npu_rms_norm",
         (_ops("pow", "square", "mul"), _ops("mean"), _ops("add", "add_"), _ops("rsqrt"), _ops("mul")),
-        "torch_npu.npu_rms_norm(x, weight, epsilon)[0]", max_gap=2,
+        "npu_rms_norm", "torch_npu.npu_rms_norm(x, weight, epsilon=eps)[0]",
+        "x is the normalised input, weight the norm's scale over x's last dim and eps its epsilon",
     ),
     FusedPattern(
         "fused-swiglu", "SiLU(x) * y -> torch_npu.npu_swiglu",
         (_ops("silu", "silu_"), _ops("mul")),
-        "torch_npu.npu_swiglu(torch.cat([x, y], -1)) (one fused kernel for the gated MLP)", max_gap=2,
+        "npu_swiglu", "torch_npu.npu_swiglu(torch.cat([gate, up], dim=-1), dim=-1)",
+        "gate is the tensor under SiLU and up the one it multiplies (better still: one Linear of twice "
+        "the width computing both, so the cat goes)",
     ),
     FusedPattern(
         "fused-attention", "Attention written out (matmul-softmax-matmul) -> torch_npu.npu_fusion_attention",
         (_ops("matmul", "bmm", "baddbmm"), _ops("softmax", "_softmax"), _ops("matmul", "bmm")),
-        "torch_npu.npu_fusion_attention(q, k, v, head_num, 'BNSD', scale=...) or "
-        "F.scaled_dot_product_attention", max_gap=4,
+        "npu_fusion_attention",
+        "torch_npu.npu_fusion_attention(q, k, v, q.shape[1], \"BNSD\", atten_mask=mask, "
+        "scale=q.shape[-1] ** -0.5)[0]",
+        "q, k, v are [batch, heads, seq, head_dim] and mask a bool [q_len, kv_len] tensor, True where a "
+        "position is masked out (None for none); F.scaled_dot_product_attention also runs fused",
+        max_gap=4,
     ),
     FusedPattern(
         "fused-rotary", "Rotary embedding written out -> torch_npu.npu_rotary_mul",
         (_ops("neg"), _ops("cat"), _ops("mul"), _ops("mul"), _ops("add")),
-        "torch_npu.npu_rotary_mul(x, cos, sin)", max_gap=3,
+        "npu_rotary_mul", "torch_npu.npu_rotary_mul(x, cos, sin)",
+        "x is [batch, heads, seq, head_dim] and cos, sin are [1, 1, seq, head_dim] (rotate_half's layout)",
+        max_gap=3,
     ),
 )
 
@@ -464,7 +486,7 @@ def rule_fused_patterns(view: ProfileView) -> list[Finding]:
             summary=f"{len(hits)} occurrence(s) ({view.per_step(len(hits))}) of "
                     + " -> ".join("/".join(sorted(n.split("::")[1] for n in step)) for step in pattern.steps),
             evidence=view.top_lines(hits, 5),
-            change=f"Replace the sequence with {pattern.api}.",
+            change=pattern.change,
         ))
     return findings
 
