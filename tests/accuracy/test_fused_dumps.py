@@ -13,24 +13,47 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch_npu
 
+HEADS, WIDTH, SEQ = 2, 16, 8
+
+
 class Block(nn.Module):
-    def __init__(self, width):
+    """A Llama-style block written with torch_npu's fused ops, as Ascend training code writes it."""
+
+    def __init__(self):
         super().__init__()
-        self.gamma = nn.Parameter(torch.ones(width))
-        self.up = nn.Linear(width, 4 * width)
-        self.down = nn.Linear(2 * width, width)
+        self.norm1 = nn.Parameter(torch.ones(WIDTH))
+        self.norm2 = nn.Parameter(torch.ones(WIDTH))
+        self.qkv = nn.Linear(WIDTH, 3 * WIDTH)
+        self.out = nn.Linear(WIDTH, WIDTH)
+        self.up = nn.Linear(WIDTH, 4 * WIDTH)
+        self.down = nn.Linear(2 * WIDTH, WIDTH)
 
-    def forward(self, x):
-        h = torch_npu.npu_rms_norm(x, self.gamma, epsilon=EPS)[0]
-        return x + self.down(torch_npu.npu_swiglu(self.up(h)) if SWIGLU else F.silu(self.up(h)[..., ::2]))
+    def forward(self, x, cos, sin, mask):
+        b, s, _ = x.shape
+        h = torch_npu.npu_rms_norm(x, self.norm1, epsilon=EPS)[0]
+        q, k, v = (t.view(b, s, HEADS, -1).transpose(1, 2) for t in self.qkv(h).chunk(3, dim=-1))
+        q, k = torch_npu.npu_rotary_mul(q, cos, sin), torch_npu.npu_rotary_mul(k, cos, sin)
+        attn = torch_npu.npu_fusion_attention(q, k, v, HEADS, "BNSD", atten_mask=mask,
+                                              scale=q.shape[-1] ** -0.5)[0]
+        x = x + self.out(attn.transpose(1, 2).reshape(b, s, WIDTH))
+        h = torch_npu.npu_rms_norm(x, self.norm2, epsilon=EPS)[0]
+        return x + self.down(torch_npu.npu_swiglu(self.up(h), dim=-1))
 
-model = nn.Sequential(nn.Linear(8, 16), Block(16), Block(16), nn.Linear(16, 4)).to("npu")
-optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+blocks = nn.ModuleList([Block(), Block()]).to("npu")
+head = nn.Linear(WIDTH, 4).to("npu")
+optimizer = torch.optim.SGD([*blocks.parameters(), *head.parameters()], lr=0.1)
+angles = torch.arange(SEQ, device="npu")[:, None] * torch.arange(1, WIDTH // HEADS // 2 + 1, device="npu")
+cos = torch.cat([angles.cos()] * 2, -1)[None, None]
+sin = torch.cat([angles.sin()] * 2, -1)[None, None]
+mask = torch.ones(SEQ, SEQ, dtype=torch.bool, device="npu").triu(1)  # True = masked
 for step in range(1):
-    x = torch.randn(4, 8, device="npu")
+    x = torch.randn(4, SEQ, WIDTH, device="npu")
     y = torch.randint(0, 4, (4,), device="npu")
     with torch.autocast("npu", dtype=torch.float16):
-        loss = F.cross_entropy(model(x), y)
+        for block in blocks:
+            x = block(x, cos, sin, mask)
+        loss = F.cross_entropy(head(x.mean(1)), y)
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
@@ -38,16 +61,10 @@ for step in range(1):
 
 
 def write_script(path, eps="1e-6"):
-    import torch_npu  # noqa: F401  (installed by the fused tests' conftest or npu-run)
-
-    swiglu = "True" if hasattr(__import__("torch").ops.npu, "npu_swiglu") else "False"
-    path.write_text(SCRIPT.replace("EPS", eps).replace("SWIGLU", swiglu))
+    path.write_text(SCRIPT.replace("EPS", eps))
 
 
 def test_fused_ops_dump_as_msprobe_names_them_and_compare_quietly(tmp_path, npu):
-    from npukit.npu_backend.torch_npu_shim import install_torch_npu
-
-    install_torch_npu()
     write_script(tmp_path / "train.py")
     write_script(tmp_path / "train_bug.py", eps="10.0")
     common = ["--seed", "0", "--replay", "replay", "--dump-mode", "tensor"]
@@ -60,13 +77,14 @@ def test_fused_ops_dump_as_msprobe_names_them_and_compare_quietly(tmp_path, npu)
 
     dump_json = next((tmp_path / "npu").rglob("dump.json"))
     names = set(json.loads(dump_json.read_text())["data"])
-    assert {"NPU.npu_rms_norm.0.forward", "NPU.npu_rms_norm.1.forward", "NPU.npu_rms_norm.0.backward"} <= names
+    for op, calls in (("npu_rms_norm", 4), ("npu_rotary_mul", 4), ("npu_fusion_attention", 2), ("npu_swiglu", 2)):
+        assert {f"NPU.{op}.{i}.{direction}" for i in range(calls) for direction in ("forward", "backward")} <= names, op
 
     quiet = compare_dirs(tmp_path / "golden", tmp_path / "npu")
     assert [pair.divergence for pair in quiet.pairs] == [None] and quiet.counts()["error"] == 0
 
     found = compare_dirs(tmp_path / "golden", tmp_path / "bug").pairs[0].divergence
-    assert found.entry == "NPU.npu_rms_norm.0.forward" and found.module_path == "1"
+    assert found.entry == "NPU.npu_rms_norm.0.forward" and found.module_path == "0"
     assert any("train_bug.py" in line for line in found.stack)
 
 
