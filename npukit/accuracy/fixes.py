@@ -186,7 +186,9 @@ class PrecisionFixSession:
             self._module_stack.pop()
 
     def _change_for(self, func) -> FixChange | None:
-        changes = self._by_api.get(self._names.get(func, ""))
+        from npukit.accuracy import naming
+
+        changes = self._by_api.get(self._names.get(func) or naming.npu_op_api_name(func) or "")
         if not changes:
             return None
         module = self._paths.get(self._module_stack[-1], "") if self._module_stack else ""

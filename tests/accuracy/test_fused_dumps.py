@@ -105,3 +105,26 @@ def test_overflow_inside_a_fused_op_is_named_at_the_op(tmp_path, npu):
     (tmp_path / "over.py").write_text(OVERFLOW)
     result = npukit("run_main", "--detect-overflow", "over.py", cwd=tmp_path)
     assert "NPU.npu_rms_norm" in result.stdout + result.stderr, result.stdout + result.stderr
+
+
+FIX_SCRIPT = '''
+import torch
+import torch_npu
+
+x = torch.randn(4, 64, device="npu").half()
+gamma = torch.randn(64, device="npu").half()
+y = torch_npu.npu_rms_norm(x, gamma)[0]
+print(y.dtype)
+'''
+
+
+def test_precision_fix_keeps_a_fused_op_in_fp32(tmp_path, npu):
+    """`npu-run --precision-fix` applies an fp32 change to a fused op by its msprobe name, as the
+    fix finder proposes it for a fused op named as the first divergence."""
+    (tmp_path / "fix.py").write_text(FIX_SCRIPT)
+    (tmp_path / "fix.json").write_text(json.dumps({"changes": [{"kind": "fp32", "api": "NPU.npu_rms_norm"}]}))
+    fixed = npukit("run_main", "--precision-fix", "fix.json", "fix.py", cwd=tmp_path)
+    assert fixed.returncode == 0, fixed.stderr
+    assert fixed.stdout.strip() == "torch.float32"
+    plain = npukit("run_main", "fix.py", cwd=tmp_path)
+    assert plain.stdout.strip() == "torch.float16"
