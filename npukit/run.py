@@ -343,9 +343,11 @@ def main(options: RunOptions) -> int:
             os.environ["NPUKIT_GOLDEN"] = "1"
 
         import npukit.npu_backend  # noqa: F401  (installs the device)
+        from npukit import autoload
         from npukit.npu_backend.torch_npu_shim import install_torch_npu
 
         install_torch_npu()
+        autoload.pass_on_to_child_processes()  # python processes the script starts emulate too
     if options.transfer_to_npu:
         import torch_npu.contrib.transfer_to_npu  # noqa: F401  (applies the patches)
     if options.golden:

@@ -105,9 +105,12 @@ def _install(options, activation: _Activation) -> None:
         os.environ["NPUKIT_GOLDEN"] = "1"
     try:
         import npukit.npu_backend  # noqa: F401  (installs the device)
+        from npukit import autoload
         from npukit.npu_backend.torch_npu_shim import install_torch_npu
 
         install_torch_npu()
+        # python processes the tests start (`accelerate launch`, subprocess, spawn) emulate too
+        autoload.pass_on_to_child_processes()
         if options.npukit_transfer:
             import torch_npu.contrib.transfer_to_npu  # noqa: F401  (applies the patches)
     except UserError as exc:

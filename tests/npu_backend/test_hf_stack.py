@@ -399,3 +399,51 @@ def test_deepspeed_zero_3_all_reduces_a_float64_norm_that_hccl_refuses(tmp_path)
     output = _run([str(NPU_RUN), "--nproc-per-node", "2", str(script), "3", "fp32"], tmp_path, expect_failure=True)
     assert "HCCL allreduce: Unsupported data type at::kDouble" in output
     assert "get_grad_norm_direct" in output
+
+
+# A script's own child process: plain `python`, as accelerate launch, deepspeed and
+# subprocess.run start them; it prints where torch_npu came from and where a tensor lands.
+CHILD_PROCESS = r'''
+import subprocess
+import sys
+
+child = subprocess.run([sys.executable, "-c", "import torch, torch_npu; "
+                        "print('CHILD', torch_npu.__npukit__, torch.npu.device_count(), torch.ones(1, device='npu').device)"],
+                       capture_output=True, text=True)
+print(child.stdout.strip() or child.stderr[-2000:], flush=True)
+'''
+
+
+def test_python_processes_started_under_npu_run_have_the_emulated_npu(tmp_path):
+    # On an Ascend host every process has torch_npu (torch loads it as a device backend):
+    # accelerate's tests start `accelerate launch`, which failed in the child without it.
+    script = tmp_path / "parent.py"
+    script.write_text(CHILD_PROCESS)
+    result = subprocess.run([str(NPU_RUN), "--devices", "3", str(script)], capture_output=True, text=True,
+                            timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "CHILD True 3 npu:0" in result.stdout, result.stdout + result.stderr
+
+
+def test_python_processes_started_by_tests_under_pytest_npu_have_the_emulated_npu(tmp_path):
+    (tmp_path / "test_child.py").write_text(
+        "import subprocess, sys, textwrap\n"
+        f"CHILD_PROCESS = {CHILD_PROCESS!r}\n"
+        "def test_child():\n"
+        "    out = subprocess.run([sys.executable, '-c', CHILD_PROCESS], capture_output=True, text=True).stdout\n"
+        "    assert 'CHILD True 2 npu:0' in out, out\n")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--npu",
+                             "--npu-devices", "2", "test_child.py"], capture_output=True, text=True, timeout=300,
+                            cwd=tmp_path)
+    assert result.returncode == 0 and "1 passed" in result.stdout, result.stdout + result.stderr
+
+
+def test_torch_alone_loads_no_emulator_without_the_switch(tmp_path):
+    # The entry point is imported by every `import torch` where npukit is installed: without
+    # NPUKIT_EMULATE it must leave the process as it was.
+    environment = {k: v for k, v in os.environ.items() if k != "NPUKIT_EMULATE"}
+    probe = ("import sys, torch; print('PROBE', hasattr(torch, 'npu'), 'torch_npu' in sys.modules, "
+             "'npukit.npu_backend' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                            env=environment)
+    assert "PROBE False False False" in result.stdout, result.stdout + result.stderr
