@@ -319,16 +319,19 @@ def test_peft_lora_trains_only_the_adapter_and_reloads(tmp_path):
         assert run["frozen_unchanged"] and run["reloaded_equal"], run
 
 
-def test_flash_attention_2_runs_through_npu_fusion_attention(tmp_path):
+def test_flash_attention_2_runs_through_npu_fusion_attention(tmp_path, cpu_reference):
     if not fusion_attention_emulated():
         pytest.skip("torch_npu.npu_fusion_attention is not emulated yet: transformers' flash_attention_2 on "
                     "an NPU calls it")
     _, runs = train(tmp_path, "--models", "llama,mixtral", "--attn", "flash_attention_2",
-                    "--precision", "fp16,bf16")
-    assert len(runs) == 4
+                    "--precision", "fp32,fp16,bf16")
+    assert len(runs) == 6
     for run in runs:
         assert run["device"] == "npu:0", run
         assert_learned(run)
+        if run["tag"].endswith("fp32"):  # the fused attention computes what the CPU's sdpa does
+            reference = cpu_reference[run["tag"].replace("flash_attention_2", "sdpa")]
+            assert run["losses"][0] == pytest.approx(reference["losses"][0], rel=1e-5, abs=1e-6), run["tag"]
 
 
 def test_trainer_on_two_ranks(tmp_path):
