@@ -452,17 +452,26 @@ def test_python_processes_started_under_npu_run_have_the_emulated_npu(tmp_path):
     assert "CHILD True 3 npu:0" in result.stdout, result.stdout + result.stderr
 
 
-def test_python_processes_started_by_tests_under_pytest_npu_have_the_emulated_npu(tmp_path):
-    (tmp_path / "test_child.py").write_text(
-        "import subprocess, sys, textwrap\n"
-        f"CHILD_PROCESS = {CHILD_PROCESS!r}\n"
-        "def test_child():\n"
-        "    out = subprocess.run([sys.executable, '-c', CHILD_PROCESS], capture_output=True, text=True).stdout\n"
-        "    assert 'CHILD True 2 npu:0' in out, out\n")
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--npu",
-                             "--npu-devices", "2", "test_child.py"], capture_output=True, text=True, timeout=300,
+def test_accelerate_launch_from_a_test_under_pytest_npu_runs_on_the_emulated_npu(tmp_path):
+    # accelerate's own test suite starts `accelerate launch` from its tests: under `pytest --npu`
+    # the launcher and both ranks have the emulated NPU (torch_npu, hccl, npu:0 and npu:1).
+    (tmp_path / "gather.py").write_text(ACCELERATE_GATHER)
+    accelerate = Path(sys.executable).with_name("accelerate")
+    (tmp_path / "test_launch.py").write_text(
+        "import subprocess\n"
+        "def test_launch():\n"
+        f"    out = subprocess.run([{str(accelerate)!r}, 'launch', '--num_processes', '2', '--num_machines', '1',\n"
+        "                          '--mixed_precision', 'no', '--dynamo_backend', 'no', 'gather.py'],\n"
+        "                         capture_output=True, text=True)\n"
+        "    print(out.stdout, out.stderr[-3000:])\n"
+        "    assert out.returncode == 0\n")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "--npu",
+                             "--npu-devices", "2", "test_launch.py"], capture_output=True, text=True, timeout=300,
                             cwd=tmp_path)
-    assert result.returncode == 0 and "1 passed" in result.stdout, result.stdout + result.stderr
+    assert result.returncode == 0 and "1 passed" in result.stdout, result.stdout[-6000:] + result.stderr[-3000:]
+    runs = _records(result.stdout)["GATHER"]
+    assert sorted((run["rank"], run["device"], run["backend"]) for run in runs) == [
+        (0, "npu:0", "hccl"), (1, "npu:1", "hccl")]
 
 
 def test_torch_alone_loads_no_emulator_without_the_switch(tmp_path):
