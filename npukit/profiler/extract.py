@@ -65,8 +65,17 @@ def is_user_file(file_name: str) -> bool:
 
 
 # Python whose ops are the framework's doing, not the model's: torch.distributed (FSDP's sharding,
-# gathering and copy-in/out, DDP's helpers) and the emulated hccl group (its CPU aliases of npu memory).
-_FRAMEWORK_DIRS = (("torch", "distributed"), ("npukit", "npu_backend", "distributed.py"))
+# gathering and copy-in/out, DDP's helpers), the emulated hccl group (its CPU aliases of npu memory)
+# and the emulator's Python kernels (torch_npu's fused ops, integer histc): on a device each is one
+# kernel reading its inputs there, so the host reads and copies of their emulation are not the
+# user's syncs (a grouped matmul's group_list check, histc's host copy). The op the user called
+# stays theirs: its row is recorded before its kernel's Python runs.
+_FRAMEWORK_DIRS = (
+    ("torch", "distributed"),
+    ("npukit", "npu_backend", "distributed.py"),
+    ("npukit", "npu_backend", "fused"),
+    ("npukit", "npu_backend", "aten_kernels.py"),
+)
 
 
 @lru_cache(maxsize=4096)  # once per file: called for every Python call event
