@@ -522,9 +522,12 @@ def rule_fused_optimizer(view: ProfileView) -> Finding | None:
     )
 
 
-def _step_time_ns(view: ProfileView) -> float:
+def _step_time_ns(view: ProfileView, only_step: int | None = None) -> float:
+    """Time of the recorded steps (their ProfilerStep ranges), or of one of them."""
     table = view.table
     is_step = (table.kind == KIND_ANNOTATION) & np.char.startswith(view.names.astype(str), STEP_PREFIX)
+    if only_step is not None:
+        is_step &= table.step == only_step
     return float(table.dur_ns[is_step].sum())
 
 
@@ -552,15 +555,27 @@ def rule_dataloader_wait(view: ProfileView) -> Finding | None:
 
 def rule_gc_pauses(view: ProfileView) -> Finding | None:
     table = view.table
-    rows = np.flatnonzero(table.kind == KIND_GC)
+    is_gc = table.kind == KIND_GC
+    steps = view.steps
+    step_ns = _step_time_ns(view)
+    # The first recorded step is warm-up when two more follow, as for dynamic-shapes: under npu-run
+    # --profile it holds the script's imports and model building (transformers' import collects
+    # hundreds of times), which are not pauses of the loop.
+    recorded = table.op_steps()
+    if len(recorded) >= 3:
+        warm_up = recorded[0]
+        is_gc &= table.step != warm_up
+        steps -= 1
+        step_ns -= _step_time_ns(view, only_step=warm_up)
+    rows = np.flatnonzero(is_gc)
     if not len(rows):
         return None
     gc_ns = float(table.dur_ns[rows].sum())
-    step_ns = _step_time_ns(view) or float(table.dur_ns[table.parent < 0].sum()) or 1.0
+    step_ns = step_ns or float(table.dur_ns[table.parent < 0].sum()) or 1.0
     longest = float(table.dur_ns[rows].max())
     share = 100 * gc_ns / step_ns
     # Young-generation collections are short and frequent: only a real share or one long pause counts.
-    if not ((share >= 5 and gc_ns / view.steps >= 1e6) or longest >= 20e6):
+    if not ((share >= 5 and gc_ns / steps >= 1e6) or longest >= 20e6):
         return None
     generations = Counter(view.names[r] for r in rows)
     return Finding(
@@ -570,7 +585,7 @@ def rule_gc_pauses(view: ProfileView) -> Finding | None:
         evidence=[f"{name}: {n}" for name, n in generations.most_common()] + view.top_lines(rows),
         change="Call gc.freeze() after building the model and data pipeline, and/or gc.disable() in the loop with "
                "gc.collect() every N steps; avoid creating many short-lived Python objects per step.",
-        est_us_per_step=gc_ns / 1e3 / view.steps,
+        est_us_per_step=gc_ns / 1e3 / steps,
     )
 
 
