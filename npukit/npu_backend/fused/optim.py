@@ -265,13 +265,11 @@ def _adam_update(optimizer, group, params, grads, beta1, beta2):
     torch._foreach_addcdiv_(params, exp_avgs, denominators, [-group["lr"] / (1 - beta1 ** step) for step in steps])
 
 
-class NpuFusedAdam(NpuFusedOptimizerBase):
-    """Adam (torch.optim.Adam's update; weight_decay is an L2 penalty added to the gradient).
+class _AdamArguments(NpuFusedOptimizerBase):
+    """The constructor checks and the amsgrad default Adam and AdamW share (they differ in weight
+    decay: added to the gradient, or decoupled)."""
 
-    Args: params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False.
-    """
-
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False):
+    def __init__(self, params, lr, betas, eps, weight_decay, amsgrad):
         _check_range("learning rate", lr)
         _check_range("epsilon value", eps)
         _check_range("beta parameter at index 0", betas[0], high=1.0)
@@ -283,6 +281,16 @@ class NpuFusedAdam(NpuFusedOptimizerBase):
         super().__setstate__(state)
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
+
+
+class NpuFusedAdam(_AdamArguments):
+    """Adam (torch.optim.Adam's update; weight_decay is an L2 penalty added to the gradient).
+
+    Args: params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False.
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False):
+        _AdamArguments.__init__(self, params, lr, betas, eps, weight_decay, amsgrad)
 
     def _group_step(self, group, params, grads):
         if group["weight_decay"] != 0:
@@ -290,24 +298,14 @@ class NpuFusedAdam(NpuFusedOptimizerBase):
         _adam_update(self, group, params, grads, *group["betas"])
 
 
-class NpuFusedAdamW(NpuFusedOptimizerBase):
+class NpuFusedAdamW(_AdamArguments):
     """AdamW (torch.optim.AdamW's update: decoupled weight decay, p *= 1 - lr * weight_decay).
 
     Args: params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False):
-        _check_range("learning rate", lr)
-        _check_range("epsilon value", eps)
-        _check_range("beta parameter at index 0", betas[0], high=1.0)
-        _check_range("beta parameter at index 1", betas[1], high=1.0)
-        _check_range("weight_decay value", weight_decay)
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad))
-
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        for group in self.param_groups:
-            group.setdefault("amsgrad", False)
+        _AdamArguments.__init__(self, params, lr, betas, eps, weight_decay, amsgrad)
 
     def _group_step(self, group, params, grads):
         torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
