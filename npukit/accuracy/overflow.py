@@ -399,6 +399,7 @@ class OverflowSession:
         self._scaler_steps = GradScalerStepWatch(lambda: self._active, self._before_scaler_step,
                                                  self._after_scaler_step)
         self._optimizer_exists: bool | None = None
+        self._optimizer_update: _OpRecord | None = None  # the running optimizer.step's, inputs checked
         self._step_root: weakref.ref | None = None
         self._paths = naming.ModulePaths()
         # (path, module, record (module level), flag value before the module ran)
@@ -547,6 +548,7 @@ class OverflowSession:
                 self._check_parameter_grads()
             # Read before the update: with action="stop" the weights never see the overflow.
             self._resolve()
+            self._optimizer_update = self._optimizer_update_record(optimizer)
         self._paused += 1
         if self._mode is not None:
             self._mode.lift()
@@ -556,8 +558,39 @@ class OverflowSession:
         if self._mode is not None:
             self._mode.restore()
         self._paused = max(0, self._paused - 1)
+        if self._paused == 0 and self._optimizer_update is not None:
+            record, self._optimizer_update = self._optimizer_update, None
+            updated = self._updated(optimizer)
+            # Checked afresh: an update through param.data (or a foreach op on the emulated device)
+            # leaves the parameter's version counter as it was, so its pre-step check would be reused.
+            for param in updated:
+                self._state.checks.seen.pop(id(param), None)
+            record.outputs = [self._check(param, f"output.{i}") for i, param in enumerate(updated)]
+            self._append(record)
         if self._auto_step and self._paused == 0 and not self._scaler_steps.inside:
             self._end_step()
+
+    @staticmethod
+    def _updated(optimizer) -> list[torch.Tensor]:
+        """The parameters an optimizer step updates: those with a gradient."""
+        return [local_shard(param) for group in optimizer.param_groups for param in group["params"]
+                if param.grad is not None]
+
+    def _optimizer_update_record(self, optimizer) -> _OpRecord | None:
+        """optimizer.step() as one op: finite parameters and gradients in, the parameters out. Its
+        update ops are not watched one by one (they are not the model's), but an update that makes a
+        weight inf/nan is where the run breaks: fp16 weights with Adam's eps=1e-8 (0 in fp16) divide
+        a zero moment by zero; the next forward only passes the nan on."""
+        if not self._checking or self.level != "api":
+            return None
+        params = self._updated(optimizer)
+        if not params:
+            return None
+        name = f"Optimizer.{type(optimizer).__name__}.step"
+        inputs = [self._check(param, f"input.{i}") for i, param in enumerate(params)]
+        inputs += [self._check(local_shard(param.grad), f"grad.{i}") for i, param in enumerate(params)]
+        return _OpRecord(naming.api_entry_name(name, self._state.counter.next(name)), naming.FORWARD, "",
+                         self._stack_id(), inputs)
 
     @unintercepted
     def _before_scaler_step(self) -> None:
