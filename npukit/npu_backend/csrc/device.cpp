@@ -497,27 +497,62 @@ at::Tensor make_tensor_on(c10::Storage storage, c10::DispatchKey key,
 // small models pass the same weights and activations to op after op, and making and freeing the
 // alias tensor was the largest part of their per-op cost. Per thread and direct-mapped; an npu
 // tensor's address is only compared, so a freed one costs nothing but a miss.
+//
+// A miss (a fresh activation or gradient, a new view) re-targets the alias its slot held when
+// nothing else refers to that one any more, instead of freeing it and making another: making and
+// freeing the alias tensor was a fifth of the emulator's instructions in an Adam step of a small
+// MLP, where most arguments are fresh. The slot's tensor is then set up exactly as a new one is
+// (storage, dtype, sizes, strides, offset, math bits); one a kernel changed in any other way
+// (extra metadata, a Python object, keys) is not re-targeted.
 struct AliasCache {
+  static constexpr size_t kSlots = 256;  // a training step's live tensors, with few collisions
   struct Entry {
     const c10::TensorImpl* npu = nullptr;
     at::Tensor alias;
+    c10::DispatchKeySet keys;  // the alias's keys when made, without the math bits
   };
-  std::array<Entry, 64> entries;
+  std::array<Entry, kSlots> entries;
 
-  static size_t slot(const c10::TensorImpl* npu) { return (reinterpret_cast<uintptr_t>(npu) >> 4) & 63; }
-  const at::Tensor* find(const at::Tensor& t, const c10::StorageImpl* cpu_storage) const {
-    const Entry& e = entries[slot(t.unsafeGetTensorImpl())];
-    if (e.npu != t.unsafeGetTensorImpl()) return nullptr;
-    const at::Tensor& a = e.alias;
-    bool same = a.storage().unsafeGetStorageImpl() == cpu_storage && a.dtype() == t.dtype() &&
-                a.storage_offset() == t.storage_offset() && a.sizes() == t.sizes() && a.strides() == t.strides() &&
-                a.is_conj() == t.is_conj() && a.is_neg() == t.is_neg();
-    return same ? &a : nullptr;
+  static size_t slot(const c10::TensorImpl* npu) {
+    // Fibonacci hashing: TensorImpls are malloc'd objects a few hundred bytes apart
+    return size_t((uint64_t(reinterpret_cast<uintptr_t>(npu) >> 4) * 0x9E3779B97F4A7C15ull) >> 56);
   }
-  void keep(const at::Tensor& t, const at::Tensor& alias) {
+  static_assert(kSlots == 256, "slot() keeps the top 8 bits of the hash");
+  static c10::DispatchKeySet without_math_bits(c10::DispatchKeySet keys) {
+    return keys.remove(c10::DispatchKey::Conjugate).remove(c10::DispatchKey::Negative);
+  }
+  static bool describes(const at::Tensor& a, const at::Tensor& t, const c10::StorageImpl* cpu_storage) {
+    return a.storage().unsafeGetStorageImpl() == cpu_storage && a.dtype() == t.dtype() &&
+           a.storage_offset() == t.storage_offset() && a.sizes() == t.sizes() && a.strides() == t.strides() &&
+           a.is_conj() == t.is_conj() && a.is_neg() == t.is_neg();
+  }
+  // Held by this entry alone and as it was made: it can become another tensor's alias.
+  static bool can_retarget(const Entry& e) {
+    if (!e.alias.defined() || e.alias.use_count() != 1 || e.alias.weak_use_count() != 1) return false;
+    c10::TensorImpl* impl = e.alias.unsafeGetTensorImpl();
+    return without_math_bits(impl->key_set()) == e.keys && impl->allow_tensor_metadata_change() &&
+           !impl->is_wrapped_number() && !impl->pyobj_slot()->load_pyobj() && !impl->get_backend_meta();
+  }
+  // The CPU alias of npu tensor `t`, whose storage's CPU alias is `cpu_storage`.
+  const at::Tensor& alias_for(const at::Tensor& t, c10::StorageImpl* cpu_storage) {
     Entry& e = entries[slot(t.unsafeGetTensorImpl())];
+    if (e.npu == t.unsafeGetTensorImpl() && describes(e.alias, t, cpu_storage)) return e.alias;
     e.npu = t.unsafeGetTensorImpl();
-    e.alias = alias;
+    c10::Storage storage(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(cpu_storage));
+    if (can_retarget(e)) {
+      c10::TensorImpl* impl = e.alias.unsafeGetTensorImpl();
+      impl->set_storage_and_dtype(std::move(storage), t.dtype());
+      if (impl->sizes() == t.sizes() && impl->strides() == t.strides())
+        impl->set_storage_offset(t.storage_offset());  // the slot's last tensor had this layout: common
+      else
+        impl->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
+      impl->_set_conj(t.is_conj());
+      impl->_set_neg(t.is_neg());
+      return e.alias;
+    }
+    e.alias = make_tensor_on(std::move(storage), c10::DispatchKey::CPU, t, t.dtype());
+    e.keys = without_math_bits(e.alias.key_set());
+    return e.alias;
   }
 };
 thread_local AliasCache t_alias_cache;
@@ -562,11 +597,12 @@ bool takes_cpu_indices(const std::string& name) {
 struct Translation {
   c10::DeviceIndex device = -1;
   c10::Device first_device{DeviceType::CPU};
-  // Inline capacity for the common op (a few tensors): no heap allocation per call for the maps.
-  c10::SmallVector<std::pair<c10::StorageImpl*, c10::StorageImpl*>, 4> npu_to_cpu;  // npu impl -> cpu impl
-  c10::SmallVector<std::pair<c10::StorageImpl*, c10::StorageImpl*>, 4> cpu_to_npu;  // cpu impl -> npu impl
-  c10::SmallVector<std::pair<c10::TensorImpl*, c10::TensorImpl*>, 4> alias_of;  // (cpu alias, npu arg)
-  c10::SmallVector<std::pair<c10::TensorImpl*, c10::TensorImpl*>, 2> written;  // (npu arg, cpu alias)
+  // Inline capacity for the common op, and for a foreach op over a small model's parameters (three
+  // lists of 6 in Adam): no heap allocation per call for the maps.
+  c10::SmallVector<std::pair<c10::StorageImpl*, c10::StorageImpl*>, 24> npu_to_cpu;  // npu impl -> cpu impl
+  c10::SmallVector<std::pair<c10::StorageImpl*, c10::StorageImpl*>, 24> cpu_to_npu;  // cpu impl -> npu impl
+  c10::SmallVector<std::pair<c10::TensorImpl*, c10::TensorImpl*>, 24> alias_of;  // (cpu alias, npu arg)
+  c10::SmallVector<std::pair<c10::TensorImpl*, c10::TensorImpl*>, 8> written;  // (npu arg, cpu alias)
   c10::SmallVector<c10::Storage, 1> one_off;  // CPU storages made for this call alone
   bool keep_aliases = false;
   c10::SmallVector<at::Tensor, 4> kept;  // aliases held here rather than by the caller
@@ -626,16 +662,7 @@ struct Translation {
       npu_to_cpu.emplace_back(key, cpu_storage);
       cpu_to_npu.emplace_back(cpu_storage, key);
     }
-    AliasCache& cache = t_alias_cache;
-    const at::Tensor* cached = cache.find(t, cpu_storage);
-    at::Tensor alias;
-    if (cached) {
-      alias = *cached;
-    } else {
-      alias = make_tensor_on(c10::Storage(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(cpu_storage)),
-                             c10::DispatchKey::CPU, t, t.dtype());
-      cache.keep(t, alias);
-    }
+    at::Tensor alias = t_alias_cache.alias_for(t, cpu_storage);
     if (keep_aliases) kept.push_back(alias);
     alias_of.emplace_back(alias.unsafeGetTensorImpl(), npu_impl);
     // A kernel may resize or re-stride a written alias: sync_written then gives the npu tensor the
@@ -998,7 +1025,7 @@ OpFacts read_op_facts(const char* name, const char* overload) {
 
 // An argument as the CPU kernel takes it. Types with no specialisation pass through unchanged.
 struct CpuTensorList {  // a Tensor[] argument, for at::TensorList and at::ITensorListRef parameters
-  std::vector<at::Tensor> tensors;
+  c10::SmallVector<at::Tensor, 8> tensors;  // inline: no heap allocation for a small model's lists
   operator at::TensorList() const { return tensors; }
   operator at::ITensorListRef() const { return at::ITensorListRef(at::TensorList(tensors)); }
 };
