@@ -1,6 +1,6 @@
 """In-place foreach ops on npu tensors bump the version counter, as on the CPU (found while running
-VeOmni's training under npu-run --detect-overflow; the emulator's foreach kernels live in
-csrc/device.cpp, which this test leaves to its owner: it is expected to fail until they do).
+VeOmni's training under npu-run --detect-overflow; the device kernel bumps every tensor an op
+returning nothing wrote, as CUDA's foreach kernels do).
 
 Without the bump autograd cannot see that a foreach update overwrote a tensor saved for backward:
 on the CPU `backward()` raises 'one of the variables needed for gradient computation has been
@@ -15,9 +15,6 @@ import torch
 import npukit.npu_backend  # noqa: F401  the emulated npu device
 
 NPU = "npu:0"
-
-pytestmark = pytest.mark.xfail(strict=True, reason="csrc/device.cpp: foreach in-place kernels do not bump "
-                                                   "the npu tensor's version counter")
 
 
 def test_foreach_in_place_ops_bump_the_version():

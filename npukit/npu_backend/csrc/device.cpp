@@ -737,7 +737,14 @@ struct Translation {
     }
   }
 
-  // Ops that write through an argument but return nothing (e.g. _foreach_add_).
+  // Ops that write through an argument but return nothing (e.g. _foreach_add_): the device kernel
+  // bumps the version of every tensor it wrote, as CUDA's foreach kernels do (the CPU kernel ran on
+  // the aliases and bumped theirs), so autograd sees a foreach update overwrite a saved tensor.
+  void bump_written_versions() {
+    for (auto& [npu, alias] : written)
+      if (!npu->is_inference()) npu->bump_version();
+  }
+
   void saturate_written() {
     if (g_saturation)
       for (auto& [npu, alias] : written)
@@ -986,7 +993,10 @@ void run_on_cpu(const c10::OperatorHandle& op, torch::jit::Stack* stack, Policy 
       value = converted;
     }
   }
-  if (num_returns == 0) tr.saturate_written();
+  if (num_returns == 0) {
+    tr.saturate_written();
+    tr.bump_written_versions();
+  }
 }
 
 void npu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
@@ -1166,6 +1176,7 @@ struct Unboxed<Op, policy, R(Args...)> {
       call_cpu_kernel();
       tr.sync_written();
       tr.saturate_written();
+      tr.bump_written_versions();
     } else if constexpr (std::is_same_v<R, at::Tensor&>) {
       at::Tensor& result = call_cpu_kernel();  // one of the written aliases
       tr.sync_written();
