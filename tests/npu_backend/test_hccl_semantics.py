@@ -12,7 +12,6 @@ recv from any source, allgather_coalesced. Two ranks under `npu-run --nproc-per-
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -20,10 +19,11 @@ import textwrap
 
 import pytest
 
-# Runs every check on both ranks; prints one line "RESULT <rank> <json>": check name -> True, or
-# what went wrong. Each rank's values depend on its rank, so a result shows where its parts came from.
+# Runs every check on both ranks; each writes results_<rank>.json beside the script: check name -> True,
+# or what went wrong (a file, not a printed line: the two ranks' long lines interleave in the
+# launcher's output). Each rank's values depend on its rank, so a result shows where its parts came from.
 SEMANTICS_SCRIPT = textwrap.dedent(r'''
-    import json, warnings
+    import json, pathlib, sys, warnings
     import torch, torch.distributed as dist
 
     dist.init_process_group("hccl")
@@ -293,7 +293,7 @@ SEMANTICS_SCRIPT = textwrap.dedent(r'''
         return tensor.tolist() == [3.0] or tensor.tolist()
     check("the group works after refusals", still_in_step)
 
-    print(f"RESULT {rank} {json.dumps(results)}", flush=True)
+    (pathlib.Path(sys.argv[0]).parent / f"results_{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 ''')
 
@@ -363,7 +363,8 @@ def two_rank_results(tmp_path_factory):
     script.write_text(SEMANTICS_SCRIPT)
     result = _launch(script)
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
-    by_rank = {int(rank): json.loads(line) for rank, line in re.findall(r"^RESULT (\d) (.*)$", result.stdout, re.M)}
+    by_rank = {rank: json.loads((script.parent / f"results_{rank}.json").read_text())
+               for rank in (0, 1) if (script.parent / f"results_{rank}.json").exists()}
     assert sorted(by_rank) == [0, 1], result.stdout[-3000:]
     return by_rank
 
