@@ -17,6 +17,13 @@ import torch
 _library: torch.library.Library | None = None
 
 
+def _type_name(dtype: torch.dtype) -> str:
+    """torch's C++ name of a dtype in its messages: float, long int, c10::Half ..."""
+    return {torch.float32: "float", torch.float64: "double", torch.int64: "long int", torch.int32: "int",
+            torch.int16: "short int", torch.int8: "signed char", torch.uint8: "unsigned char", torch.bool: "bool",
+            torch.float16: "c10::Half", torch.bfloat16: "c10::BFloat16"}.get(dtype, str(dtype))
+
+
 def _histc(self: torch.Tensor, bins: int = 100, min=0, max=0) -> torch.Tensor:
     # The CPU kernel runs on a host copy: integers counted in float64 (exact below 2**53,
     # where float32 would merge neighbouring large ids into one bin), the counts in the
@@ -28,6 +35,14 @@ def _histc(self: torch.Tensor, bins: int = 100, min=0, max=0) -> torch.Tensor:
 
 
 def _histc_out(self: torch.Tensor, bins: int = 100, min=0, max=0, *, out: torch.Tensor) -> torch.Tensor:
+    # out= is checked as the CPU and CUDA kernels check it: the input's dtype and device
+    if out.dtype != self.dtype:
+        raise RuntimeError(f"torch.histogram: input tensor and hist tensor should have the same dtype, but got "
+                           f"input {_type_name(self.dtype)} and hist {_type_name(out.dtype)}")
+    if out.device != self.device:
+        raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
+                           f"{self.device} and {out.device}! (when checking argument for argument out in method "
+                           "wrapper_PrivateUse1_out_histc_out)")
     counts = _histc(self, bins, min, max)
     out.resize_(counts.shape)
     out.copy_(counts)
