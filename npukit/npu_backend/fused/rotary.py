@@ -101,17 +101,21 @@ def npu_rotary_mul(x, r1, r2, rotary_mode="half", rotation=None):
           unfused="autograd of npu_rotary_mul's decomposition", public=False)
 def npu_rotary_mul_backward(grad, x, r1, r2, rotary_mode="half"):
     _check_rotary_mul("npu_rotary_mul_backward", x, r1, r2, rotary_mode)
-    dy, x32, r1_32, r2_32 = upcast(grad), upcast(x), upcast(r1), upcast(r2)
-    # dx = dy * r1 + rotate^T(dy * r2), rotate^T mapping a pair (g1, g2) to (g2, -g1): per pair
-    # (dy1 cos1 + dy2 sin2, dy2 cos2 - dy1 sin1), the forward's formula with sin's pair members swapped
-    # and negated (sin is the small broadcast table, usually).
-    first, second = _pair_halves(r2_32, rotary_mode)
-    swapped_sin = torch.stack((-second, -first), -2 if rotary_mode == "half" else -1).flatten(-2)
-    dx = rotary_embed(dy, r1_32, swapped_sin, rotary_mode)
+    dy, x32 = upcast(grad), upcast(x)
+    dx = _rotary_input_grad(dy, upcast(r1), upcast(r2), rotary_mode)
     # r1/r2 broadcast over batch/heads: their gradients sum over the broadcast dims.
     dr1 = (dy * x32).sum_to_size(r1.shape)
     dr2 = (dy * rotate(x32, rotary_mode)).sum_to_size(r2.shape)
     return dx.to(x.dtype), dr1.to(x.dtype), dr2.to(x.dtype)
+
+
+def _rotary_input_grad(dy: torch.Tensor, r1_32: torch.Tensor, r2_32: torch.Tensor, mode: str) -> torch.Tensor:
+    """dx = dy * r1 + rotate^T(dy * r2), rotate^T mapping a pair (g1, g2) to (g2, -g1): per pair
+    (dy1 cos1 + dy2 sin2, dy2 cos2 - dy1 sin1), the forward's formula with sin's pair members swapped
+    and negated (sin is the small broadcast table, usually)."""
+    first, second = _pair_halves(r2_32, mode)
+    swapped_sin = torch.stack((-second, -first), -2 if mode == "half" else -1).flatten(-2)
+    return rotary_embed(dy, r1_32, swapped_sin, mode)
 
 
 def _rotary_mul_setup(ctx, inputs, output):
@@ -126,6 +130,10 @@ def _rotary_mul_backward(ctx, dy):
         raise RuntimeError("torch_npu.npu_rotary_mul: the rotate matrix does not support backpropagation "
                            "(torch_npu's docs); call it without rotate where gradients are needed")
     x, r1, r2 = ctx.saved_tensors
+    if not (ctx.needs_input_grad[1] or ctx.needs_input_grad[2]):
+        # the usual case, constant cos/sin tables: the grad op's table gradients (a product and a
+        # reduction over the whole input each) would be computed to be dropped
+        return _rotary_input_grad(upcast(dy), upcast(r1), upcast(r2), ctx.mode).to(x.dtype), None, None, None, None
     dx, dr1, dr2 = torch.ops.npu.npu_rotary_mul_backward(dy, x, r1, r2, ctx.mode)
     return dx, dr1, dr2, None, None
 

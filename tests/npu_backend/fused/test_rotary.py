@@ -70,6 +70,21 @@ def test_rotary_mul_forward_and_backward_against_fp64(mode, shapes):
         assert_close_to_reference(grad, grad_ref, torch.float32, name)
 
 
+@pytest.mark.parametrize(("mode", "shapes"), MODE_BROADCASTS)
+def test_rotary_mul_input_gradient_with_constant_tables(mode, shapes):
+    """cos/sin tables that need no gradient (the usual case): only dx is computed, and it is the same."""
+    torch.manual_seed(1)
+    x_shape, r_shape = shapes
+    x, dy = torch.randn(x_shape, dtype=torch.float64), torch.randn(x_shape, dtype=torch.float64)
+    r1, r2 = (torch.rand(r_shape, dtype=torch.float64) * 2 - 1 for _ in range(2))
+    x_ref = x.clone().requires_grad_()
+    (dx_ref,) = torch.autograd.grad(rotary_mul64(x_ref, r1, r2, mode), [x_ref], dy)
+    x_npu = x.float().npu().requires_grad_()
+    y = torch_npu.npu_rotary_mul(x_npu, r1.float().npu(), r2.float().npu(), rotary_mode=mode)
+    (dx,) = torch.autograd.grad(y, [x_npu], dy.float().npu())
+    assert_close_to_reference(dx, dx_ref, torch.float32, "dx")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mode", ["half", "interleave"])
 def test_rotary_mul_low_precision(dtype, mode):
