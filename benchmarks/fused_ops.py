@@ -5,7 +5,11 @@ Interleaved blocks (unfused on CPU, fused on npu, repeated), medians, 1 thread, 
 20 ms. Target (issue #30): each fused op costs at most 1.2x its unfused decomposition: no Python loop
 per head, batch item or expert inside a kernel. Ops not emulated in this checkout are listed as such.
 
-    python benchmarks/fused_ops.py [--repeats 7] [--only NAME]
+Each op is measured in fp32, fp16 and bf16 (`--dtypes`): in low precision the unfused side is the
+same ops in that dtype on the CPU (each rounding to it), the fused side computes in fp32 inside and
+rounds once, as the kernel does.
+
+    python benchmarks/fused_ops.py [--repeats 7] [--only NAME] [--dtypes float32,float16,bfloat16]
 """
 
 from __future__ import annotations
@@ -129,9 +133,9 @@ def _time_block(fn) -> float:
             return elapsed / calls
 
 
-def ratio(make_case, repeats: int) -> tuple[float, float, float]:
-    fused, _ = make_case("npu")
-    _, unfused = make_case("cpu")
+def ratio(make_case, repeats: int, dtype: torch.dtype) -> tuple[float, float, float]:
+    fused, _ = make_case("npu", dtype)
+    _, unfused = make_case("cpu", dtype)
     for fn in (fused, unfused):  # warm-up: allocator, first-call caches
         _time_block(fn)
     fused_times, unfused_times = [], []
@@ -146,20 +150,25 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--only", default=None, help="one case, by op name")
+    parser.add_argument("--dtypes", default="float32,float16,bfloat16", help="comma-separated torch dtypes")
     args = parser.parse_args()
+    dtypes = [getattr(torch, name.strip()) for name in args.dtypes.split(",")]
     torch.set_num_threads(1)
     failed = 0
-    print(f"{'fused op (fwd+bwd)':<28} {'npu fused ms':>12} {'cpu unfused ms':>14} {'ratio':>7}  target <= {TARGET}")
+    print(f"{'fused op (fwd+bwd)':<28} {'dtype':<9} {'npu fused ms':>12} {'cpu unfused ms':>14} {'ratio':>7}  "
+          f"target <= {TARGET}")
     for name, (make_case, op) in CASES.items():
         if args.only and args.only != name:
             continue
         if not hasattr(torch.ops.npu, op):
             print(f"{name:<28} not emulated in this checkout")
             continue
-        r, f, u = ratio(make_case, args.repeats)
-        ok = r <= TARGET and math.isfinite(r)
-        failed += not ok
-        print(f"{name:<28} {f * 1e3:>12.3f} {u * 1e3:>14.3f} {r:>7.3f}  {'ok' if ok else 'OVER TARGET'}")
+        for dtype in dtypes:
+            r, f, u = ratio(make_case, args.repeats, dtype)
+            ok = r <= TARGET and math.isfinite(r)
+            failed += not ok
+            print(f"{name:<28} {str(dtype).replace('torch.', ''):<9} {f * 1e3:>12.3f} {u * 1e3:>14.3f} {r:>7.3f}  "
+                  f"{'ok' if ok else 'OVER TARGET'}")
     return 1 if failed else 0
 
 
