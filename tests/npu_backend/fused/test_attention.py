@@ -669,6 +669,38 @@ def test_transformers_flash_attention_2_on_npu_calls_fusion_attention_as_it_does
     assert calls == [("BSND", 3, (2048, 2048)), ("TND", 3, (2048, 2048))]
 
 
+def test_transformers_flash_attention_2_logits_and_gradients_equal_eager_in_fp32():
+    """A tiny Llama in fp32 with flash_attention_2 on npu (npu_fusion_attention) against the same
+    weights with eager attention: logits and every parameter's gradient within fp32 tolerance, for a
+    full batch (BSND) and a left-padded one (TND)."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(19)
+    flash = LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation="flash_attention_2",
+                                          dtype=torch.float32)
+    eager = LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation="eager", dtype=torch.float32)
+    eager.load_state_dict(flash.state_dict())
+    flash, eager = flash.npu(), eager.npu()
+    ids = torch.randint(0, 64, (2, 12)).npu()
+    padding = torch.ones(2, 12, dtype=torch.long).npu()
+    padding[1, :4] = 0
+    for mask in (None, padding):
+        keep = slice(None) if mask is None else mask.bool()
+        results = []
+        for model in (flash, eager):
+            model.zero_grad()
+            logits = model(ids, attention_mask=mask).logits
+            logits[keep].square().mean().backward()
+            results.append((logits[keep].detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        (flash_logits, flash_grads), (eager_logits, eager_grads) = results
+        torch.testing.assert_close(flash_logits.cpu(), eager_logits.cpu(), rtol=1e-4, atol=1e-5)
+        for name, grad in eager_grads.items():
+            torch.testing.assert_close(flash_grads[name].cpu(), grad.cpu(), rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_fusion_attention_prefix_modes_5_and_6():
     """Mode 6 (compressed, the 3072x2048 mask): rightDownCausal plus the first prefix[b] keys of
     batch b; mode 5 takes the same mask uncompressed (B1SS)."""
