@@ -2,7 +2,11 @@
 (`NPU.npu_rms_norm.0.forward`), golden (fp32 reference decomposition) vs NPU with no false
 divergence, and a wrong fused call named where it is."""
 
+import csv
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 from npukit.accuracy.compare import compare_dirs
 from tests.accuracy.test_journey import npukit
@@ -86,6 +90,20 @@ def test_fused_ops_dump_as_msprobe_names_them_and_compare_quietly(tmp_path, npu)
     found = compare_dirs(tmp_path / "golden", tmp_path / "bug").pairs[0].divergence
     assert found.entry == "NPU.npu_rms_norm.0.forward" and found.module_path == "0"
     assert any("train_bug.py" in line for line in found.stack)
+
+    # the peer tool: msprobe compare pairs every fused-op tensor of the two dumps, as for its own
+    msprobe = Path(sys.executable).with_name("msprobe")
+    run = subprocess.run([str(msprobe), "compare", "-gp", str(tmp_path / "golden" / "step0"),
+                          "-tp", str(tmp_path / "npu" / "step0"), "-o", str(tmp_path / "msprobe")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    [table] = (tmp_path / "msprobe").glob("compare_result_*.csv")
+    fused_rows = [row for row in csv.DictReader(table.open()) if row["NPU Name"].startswith("NPU.")]
+    assert {row["NPU Name"] for row in fused_rows} == {row["Bench Name"] for row in fused_rows}
+    assert {name for name in names if name.startswith("NPU.")} == \
+        {row["NPU Name"].split(".input.")[0].split(".output.")[0] for row in fused_rows}
+    cosines = [float(row["Cosine"]) for row in fused_rows if row["Cosine"] not in ("", "N/A", "unsupported")]
+    assert cosines and min(cosines) > 0.999
 
 
 OVERFLOW = '''
