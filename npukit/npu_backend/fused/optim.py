@@ -145,6 +145,14 @@ class NpuFusedOptimizerBase(Optimizer):
     that have gradients (`_group_step`), zero_grad and clip_grad_norm_fused_."""
 
     is_fused_optimizer = True
+    # group options a state_dict saved before they existed lacks: filled in when it is loaded
+    _GROUP_DEFAULTS: dict = {}
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for key, value in self._GROUP_DEFAULTS.items():
+                group.setdefault(key, value)
 
     def _parameters_with_grads(self, group: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         params, grads = [], []
@@ -277,10 +285,7 @@ class _AdamArguments(NpuFusedOptimizerBase):
         _check_range("weight_decay value", weight_decay)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad))
 
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        for group in self.param_groups:
-            group.setdefault("amsgrad", False)
+    _GROUP_DEFAULTS = {"amsgrad": False}
 
 
 class NpuFusedAdam(_AdamArguments):
@@ -329,10 +334,7 @@ class NpuFusedSGD(NpuFusedOptimizerBase):
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                                       nesterov=nesterov))
 
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        for group in self.param_groups:
-            group.setdefault("nesterov", False)
+    _GROUP_DEFAULTS = {"nesterov": False}
 
     def _group_step(self, group, params, grads):
         if group["weight_decay"] != 0:
@@ -401,11 +403,7 @@ class NpuFusedRMSprop(NpuFusedOptimizerBase):
         super().__init__(params, dict(lr=lr, momentum=momentum, alpha=alpha, eps=eps, centered=centered,
                                       weight_decay=weight_decay))
 
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        for group in self.param_groups:
-            group.setdefault("momentum", 0)
-            group.setdefault("centered", False)
+    _GROUP_DEFAULTS = {"momentum": 0, "centered": False}
 
     def _group_step(self, group, params, grads):
         alpha = group["alpha"]
@@ -451,11 +449,7 @@ class NpuFusedRMSpropTF(NpuFusedOptimizerBase):
                                       weight_decay=weight_decay, decoupled_decay=decoupled_decay,
                                       lr_in_momentum=lr_in_momentum))
 
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        for group in self.param_groups:
-            group.setdefault("momentum", 0)
-            group.setdefault("centered", False)
+    _GROUP_DEFAULTS = {"momentum": 0, "centered": False}
 
     def _group_step(self, group, params, grads):
         one_minus_alpha = 1.0 - group["alpha"]
