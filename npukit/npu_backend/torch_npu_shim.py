@@ -74,7 +74,7 @@ def _alias(name: str, module: types.ModuleType) -> None:
 
 def _install_fused_ops(root: types.ModuleType) -> None:
     from npukit.npu_backend import fused
-    from npukit.npu_backend.fused.wheel_ops import UNFUSED, WHEEL_DOCUMENTED_OPS
+    from npukit.npu_backend.fused.wheel_ops import WHEEL_DOCUMENTED_OPS, what_to_run_instead
 
     for op in fused.public_ops():
         setattr(root, op.name, op.packet)
@@ -84,7 +84,7 @@ def _install_fused_ops(root: types.ModuleType) -> None:
             setattr(root, name, value)
     for name in WHEEL_DOCUMENTED_OPS:
         if not hasattr(root, name):
-            setattr(root, name, fused.missing_op(name, UNFUSED.get(name)))
+            setattr(root, name, fused.missing_op(name, what_to_run_instead(name)))
     for public, implementation in SUBMODULES.items():
         if importlib.util.find_spec(implementation) is None:
             continue

@@ -201,15 +201,14 @@ def cube_matmul(a: torch.Tensor, b: torch.Tensor, in_dtype: torch.dtype, npu: bo
 
 # ---- missing ops ---------------------------------------------------------------------------------
 
-def missing_op(name: str, unfused: str | None = None) -> Callable:
-    """torch_npu.<name> for an op of the wheel that the emulator does not provide."""
-    hint = (f"compute it with its unfused equivalent, {unfused}" if unfused else
-            "compute it with the PyTorch ops its documentation (torch_npu's _op_plugin_docs.py) describes")
+def missing_op(name: str, instead: str) -> Callable:
+    """torch_npu.<name> for an op of the wheel that the emulator does not provide; `instead` is the
+    sentence saying what to run in its place (wheel_ops.what_to_run_instead)."""
 
     def raiser(*args, **kwargs):
         raise NotImplementedError(
             f"torch_npu.{name} is a fused Ascend kernel that the npukit emulator does not provide yet; "
-            f"on the emulator {hint} (docs/fused-ops.md lists every op and its state)")
+            f"on the emulator {instead} (docs/fused-ops.md lists every op and its state)")
 
     raiser.__name__ = name
     raiser.__qualname__ = name

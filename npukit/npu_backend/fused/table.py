@@ -11,7 +11,7 @@ import sys
 import torch
 
 from npukit.npu_backend import fused
-from npukit.npu_backend.fused.wheel_ops import UNFUSED, WHEEL_DOCUMENTED_OPS
+from npukit.npu_backend.fused.wheel_ops import NO_UNFUSED_EQUIVALENT, UNFUSED, WHEEL_DOCUMENTED_OPS
 
 HEADER = """# torch_npu's fused ops on the emulated NPU
 
@@ -47,7 +47,8 @@ def rows() -> list[tuple[str, str, str, str, str, str]]:
         if op is None and name in python_attributes:
             result.append((name, "emulated", python_attributes[name], "", "", "a Python function of torch_npu"))
         elif op is None:
-            result.append((name, "missing", "", "", "", UNFUSED.get(name, "see its documentation")))
+            instead = UNFUSED.get(name) or f"none: {NO_UNFUSED_EQUIVALENT[name]}"
+            result.append((name, "missing", "", "", "", instead))
         else:
             backward = "none in torch_npu" if name in fused.NO_DERIVATIVE else "yes" if _has_autograd(name) else "no"
             result.append((name, "emulated", op.family, backward,

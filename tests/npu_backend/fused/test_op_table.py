@@ -10,7 +10,7 @@ import torch_npu
 
 from npukit.npu_backend import fused
 from npukit.npu_backend.fused import table
-from npukit.npu_backend.fused.wheel_ops import WHEEL_DOCUMENTED_OPS
+from npukit.npu_backend.fused.wheel_ops import NO_UNFUSED_EQUIVALENT, UNFUSED, WHEEL_DOCUMENTED_OPS
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "fused-ops.md"
 
@@ -35,5 +35,16 @@ def test_a_missing_op_raises_one_error_naming_it():
                if getattr(getattr(torch_npu, name), "npukit_missing", False)]
     assert missing == [name for name in WHEEL_DOCUMENTED_OPS if table.rows()[WHEEL_DOCUMENTED_OPS.index(name)][1] == "missing"]
     for name in missing:
-        with pytest.raises(NotImplementedError, match=rf"torch_npu\.{name} is a fused Ascend kernel"):
+        with pytest.raises(NotImplementedError, match=rf"torch_npu\.{name} is a fused Ascend kernel") as raised:
             getattr(torch_npu, name)(torch.zeros(1, device="npu"))
+        # the error names what to run instead: the op's own unfused equivalent, or why there is none
+        instead = UNFUSED.get(name) or NO_UNFUSED_EQUIVALENT.get(name)
+        assert instead and instead in str(raised.value), name
+
+
+def test_every_hint_is_for_a_documented_op_the_emulator_lacks():
+    """A hint for an op that is emulated (or misspelled) would never be shown, and an op in both tables
+    would get two answers."""
+    missing = {name for name in WHEEL_DOCUMENTED_OPS if getattr(getattr(torch_npu, name), "npukit_missing", False)}
+    assert not UNFUSED.keys() & NO_UNFUSED_EQUIVALENT.keys()
+    assert set(UNFUSED) | set(NO_UNFUSED_EQUIVALENT) == missing
