@@ -20,8 +20,10 @@ $(STAMP): pyproject.toml setup.py $(wildcard npukit/*/csrc/*)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check npukit tests benchmarks examples
 
+# The main suite first (kept under 20 minutes on 2 cores), then the slow real-code suites.
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m slow
 
 demo: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash examples/demo.sh

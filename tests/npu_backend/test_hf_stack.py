@@ -21,6 +21,9 @@ import torch
 
 import npukit.npu_backend
 
+# A real-code suite (transformers, accelerate, peft, DeepSpeed): `make test` runs it after the main suite.
+pytestmark = pytest.mark.slow
+
 NPU_RUN = Path(sys.executable).with_name("npu-run")
 
 # Trains tiny models with the Trainer (`--models`, `--attn`, `--precision` are comma lists: every
