@@ -10,6 +10,7 @@ from pathlib import Path
 
 from npukit.accuracy import report_page
 from npukit.accuracy.compare import ERROR, PASS, UNMATCHED, WARN, CompareResult, Divergence, Row
+from npukit.accuracy.fixes import module_matches
 from npukit.accuracy.naming import split_entry_name
 from npukit.accuracy.ranks import rank_summaries, several_ranks
 from npukit.errors import UserError
@@ -692,6 +693,21 @@ def _resolve_fix(fix: dict, result: CompareResult, trees: list[_ModuleTree], row
     return -1, -1
 
 
+def _fix_places(record: dict, result: CompareResult, trees: list[_ModuleTree], row_nodes: dict) -> list[tuple[int, int]]:
+    """[(pair index, node id)] a fix record is shown on: a change made in every block (`blocks.*.fc`)
+    on each module it names (in the first pair, by _resolve_fix's order, that has them); else the one
+    node _resolve_fix() finds ((-1, -1): none)."""
+    pattern = record.get("node") or record.get("module")
+    if isinstance(pattern, str) and "*" in pattern:
+        order = [i for i in range(len(trees)) if record.get("pair") in (None, result.pairs[i].pair)]
+        order.sort(key=lambda i: result.pairs[i].divergence is None)
+        for index in order:
+            nodes = [node.id for node in trees[index].mine if node.key != _OUTSIDE and module_matches(pattern, node.path)]
+            if nodes:
+                return [(index, node) for node in nodes]
+    return [_resolve_fix(record, result, trees, row_nodes)]
+
+
 def _fix_records(fix) -> list[dict]:
     if fix is None:
         return []
@@ -750,14 +766,14 @@ def _page_data(result: CompareResult, fix=None) -> tuple[dict, list[str]]:
                            "divergence_node": divergence_node, "fix_node": -1})
     fixes = []
     for record in _fix_records(fix):
-        pair_index, node_id = _resolve_fix(record, result, trees, row_node)
-        if pair_index >= 0 and pairs_info[pair_index]["fix_node"] < 0:
-            pairs_info[pair_index]["fix_node"] = node_id
         shown = {key: str(record[key]) for key in ("summary", "code", "details") if record.get(key) is not None}
         if "summary" not in shown and record.get("description") is not None:
             shown["summary"] = str(record["description"])
-        fixes.append({**shown, "node": node_id, "pair": pair_index,
-                      "names": str(record.get("node") or record.get("module") or record.get("entry") or "")})
+        for pair_index, node_id in _fix_places(record, result, trees, row_node):
+            if pair_index >= 0 and pairs_info[pair_index]["fix_node"] < 0:
+                pairs_info[pair_index]["fix_node"] = node_id
+            fixes.append({**shown, "node": node_id, "pair": pair_index,
+                          "names": str(record.get("node") or record.get("module") or record.get("entry") or "")})
     rows = ordered_rows(result)
     notes = []
     if len(rows) > _HTML_ROW_LIMIT:
@@ -837,7 +853,8 @@ def write_html(result: CompareResult, path: Path, fix=None) -> None:
       - "node" or "module": where the fix applies, as a module path (`blocks.1.norm`; the root module
         by its class name or "(root)"), a module entry (`Module.blocks.1.norm.LayerNorm.forward.0`)
         or an op entry (`Functional.layer_norm.1.forward`: the module that op ran in); "" is the model
-        itself (the root module);
+        itself (the root module); a path with `*` for an index (`blocks.*.fc`: the fix finder's change
+        made in every block) is shown on each module it names;
       - "summary" (or "description", as the fix finder's FixResult.as_json()["fix"] items have it): one
         line, e.g. "keep blocks.1.norm's layer_norm in fp32: relative L2 0.41 -> 2e-6";
       - "code": the code to paste (shown verbatim, preformatted);
@@ -854,6 +871,8 @@ def write_html(result: CompareResult, path: Path, fix=None) -> None:
            "<h1>npu-compare report</h1>",
            f"<p>golden: <code>{html.escape(str(result.golden))}</code><br>target: <code>{html.escape(str(result.target))}</code></p>",
            "<p>" + ", ".join(f"<span class='{_css(key)}'>{counts.get(key, 0)} {key}</span>" for key in (PASS, WARN, ERROR, UNMATCHED)) + "</p>"]
+    if result.across_ranks is not None:  # as the terminal says it: the rank it began on, the ranks it reached
+        out.append(f"<div class='box'><b>First divergence across ranks:</b> {html.escape(result.across_ranks.line())}</div>")
     for pair in result.pairs:
         out.append(f"<h2>{html.escape(pair.pair)} ({html.escape(pair.mode)})</h2>")
         if pair.divergence:

@@ -270,7 +270,7 @@ function showPair(index) {
   var pair = P[index], start = pair.divergence_node;
   expanded = new Set(); childLimit = {};
   if (start < 0) start = pair.fix_node;
-  if (pair.fix_node >= 0) openPath(pair.fix_node);
+  (D.fixes || []).forEach(function (f) { if (f.pair === index && f.node >= 0) openPath(f.node); });  // every module a fix names
   if (start >= 0) openPath(start);
   selected = start;
   var note = document.getElementById('tree-note');

@@ -107,6 +107,18 @@ def test_the_rank_whose_input_was_scaled_is_where_it_began(four_ranks, tmp_path)
         == sum(report["summary"][key] for key in ("pass", "warn", "error"))
 
 
+def test_the_html_page_says_where_it_began_as_the_terminal_does(four_ranks, tmp_path):
+    import html
+
+    from npukit.accuracy.report import write_html
+
+    result = compare_dirs(four_ranks / "golden", four_ranks / "bug")
+    write_html(result, tmp_path / "page.html")
+    page = html.unescape((tmp_path / "page.html").read_text())
+    assert f"First divergence across ranks:</b> {result.across_ranks.line()}" in page
+    assert "it began on rank 3, step 0 at Functional.linear.0.forward" in page and "it reached ranks 0-2" in page
+
+
 def test_pairs_in_a_process_pool_give_what_one_process_gives(four_ranks):
     pooled = compare_dirs(four_ranks / "golden", four_ranks / "bug", workers=2)
     alone = compare_dirs(four_ranks / "golden", four_ranks / "bug", workers=1)

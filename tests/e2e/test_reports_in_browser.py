@@ -469,6 +469,30 @@ def test_a_fix_record_is_shown_on_its_module(chromium, nested_report, tmp_path):
     assert "no.such.module" in facts["fixBoxes"][1] and "a module the tree lacks" in facts["fixBoxes"][1]
 
 
+def test_a_fix_made_in_every_block_is_shown_on_each_blocks_module(chromium, nested_report, tmp_path):
+    """The fix finder's `"module": "encoder.blocks.*.fc"` (one change for every block) names no single
+    node: it is shown on each module it names, each path opened, not below the tree as unplaced."""
+    from npukit.accuracy.compare import compare_dirs
+    from npukit.accuracy.report import write_html
+
+    root, _, _ = nested_report
+    result = compare_dirs(root / "golden", root / "target", workers=1)
+    page = tmp_path / "every.html"
+    write_html(result, page, fix=[{"module": "encoder.blocks.*.fc", "description": "compute Functional.linear in every "
+                                   "encoder.blocks.*.fc in fp32", "code": "change_op(model, ...)"}])
+    with Chromium(chromium) as browser:
+        browser.open(page.resolve().as_uri())
+        browser.wait_for("window.npukitReady")
+        badge_on = browser.evaluate("[...document.querySelectorAll('#tree .badge.fix')].map(b => b.parentNode.title)")
+        unplaced = browser.evaluate("[...document.querySelectorAll('body > .fixbox')].map(b => b.textContent)")
+        browser.evaluate("document.querySelector('#tree li[data-node] > .label[title=\"encoder.blocks.0.fc\"]').click()")
+        shown = browser.evaluate("[...document.querySelectorAll('#node-ops .fixbox')].map(b => b.textContent)")
+        problems = browser.problems.all()
+    assert problems == [], problems
+    assert sorted(badge_on) == ["encoder.blocks.0.fc", "encoder.blocks.1.fc"] and unplaced == [], (badge_on, unplaced)
+    assert len(shown) == 1 and "every encoder.blocks.*.fc" in shown[0] and "change_op(model, ...)" in shown[0]
+
+
 def test_dumps_without_construct_json_say_how_the_page_groups_rows(chromium, nested_report, tmp_path):
     import shutil
 
