@@ -60,13 +60,20 @@ def npu_swiglu(x, dim=-1):
           unfused="autograd of npu_swiglu's decomposition", public=False)
 def npu_swiglu_backward(grad_output, x, dim=-1):
     a, b = _glu_halves("npu_swiglu_backward", x, dim)
-    a32, b32, dy = upcast(a), upcast(b), upcast(grad_output)
-    dx = torch.empty(x.shape, dtype=a32.dtype, device=x.device)
+    a32, dy = upcast(a), upcast(grad_output)
+    # The gradient is written in x's dtype straight into its two halves (out=: computed in fp32,
+    # rounded on store); the fp32 temporaries are working copies updated in place, so a call holds
+    # three half-size fp32 buffers instead of seven (fresh large buffers cost page faults).
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     da, db = dx.chunk(2, dim)
+    low_precision = x.dtype in LOW_PRECISION
+    gate = b.float().mul_(dy) if low_precision and dy.dtype == torch.float32 else upcast(b) * dy
     # d/da silu(a) b = silu'(a) b (torch's fused silu backward), d/db = silu(a)
-    torch.ops.aten.silu_backward.grad_input(dy * b32, a32, grad_input=da)
-    torch.mul(F.silu(a32), dy, out=db)
-    return dx.to(x.dtype)
+    torch.ops.aten.silu_backward.grad_input(gate, a32, grad_input=da)
+    del gate
+    silu = F.silu(a32, inplace=True) if low_precision else F.silu(a32)  # a32 is then a copy of its own
+    torch.mul(silu, dy, out=db)
+    return dx
 
 
 def _swiglu_setup(ctx, inputs, output):

@@ -31,6 +31,12 @@ def _normalized_dims(x: torch.Tensor, gamma: torch.Tensor) -> list[int]:
           unfused="x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * gamma")
 def npu_rms_norm(x, gamma, epsilon=1e-6):
     check_float_dtypes("npu_rms_norm", input=x, gamma=gamma)
+    if x.dtype in KERNEL_FLOAT_DTYPES and gamma.dtype in KERNEL_FLOAT_DTYPES:
+        # torch's own fused RMSNorm kernel computes exactly this decomposition (fp16/bf16 read, the mean
+        # square, rstd and x * rstd * gamma in fp32, y rounded once to x's dtype; bit for bit the ops
+        # below), in two passes over x and with no fp32 copy of it.
+        y, rstd = torch.ops.aten._fused_rms_norm(x, list(gamma.shape), gamma, epsilon)
+        return y, rstd
     x32 = upcast(x)
     rstd = torch.rsqrt(x32.pow(2).mean(_normalized_dims(x, gamma), keepdim=True) + epsilon)
     y = x32 * rstd * upcast(gamma)

@@ -13,6 +13,8 @@ ScaledMaskedSoftmax kernel scales its logits in fp16 first).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from npukit.npu_backend.fused import (
@@ -58,15 +60,22 @@ def _check_scaled_masked_softmax(op: str, x: torch.Tensor) -> None:
 def npu_scaled_masked_softmax(x, mask, scale=1, fixed_triu_mask=False):
     _check_scaled_masked_softmax("npu_scaled_masked_softmax", x)
     mask = _scaled_masked_mask("npu_scaled_masked_softmax", x, mask, fixed_triu_mask)
-    # One fp32 working copy of the logits, scaled and masked in place. CANN's fp16 kernel scales in fp16 (the
-    # scale and the product rounded to fp16) before its fp32 softmax; bf16 and fp32 scale in fp32.
+    # CANN's fp16 kernel scales in fp16 (the scale and the product rounded to fp16) before its fp32
+    # softmax: the device's own fp16 ops do exactly that (fp16 read, fp32 inside, one rounding each:
+    # the softmax of fp16 logits equals the fp32 softmax rounded once), with no fp32 copy. bf16 and fp32
+    # scale in fp32: one fp32 working copy of the logits, scaled and masked in place.
     if x.dtype == torch.float16 and npu_numerics(x):
-        logits = x.float().mul_(float(torch.tensor(float(scale), dtype=torch.float16)))
-        logits = round_intermediate(logits, torch.float16, True)
+        logits = x * _fp16_scale(scale)
     else:
         logits = x.float().mul_(scale) if x.dtype in LOW_PRECISION else x * scale
     logits.masked_fill_(mask, MASKED_LOGIT)
     return torch.softmax(logits, -1).to(x.dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _fp16_scale(scale: float) -> float:
+    """The scale as the fp16 kernel holds it (rounded to fp16), as a Python float."""
+    return float(torch.tensor(float(scale), dtype=torch.float16))
 
 
 @fused_op("npu_scaled_masked_softmax_backward(Tensor y_grad, Tensor y, Tensor mask, Scalar scale, "
