@@ -29,7 +29,9 @@ class FindFixOptions:
 def run_compare(golden: Path, target: Path, csv_path: Path | None, json_path: Path | None,
                 html_path: Path | None, top: int, overrides: list[str], workers: int | None, console,
                 find_fix: FindFixOptions | None = None) -> int:
-    """Returns the exit code: 1 when a divergence is found (or error rows no search judged), else 0."""
+    """Returns the exit code: 1 when a divergence is found or the compare cannot say there is none (a
+    dump an internal error switched off, less than most of either side paired, error rows no search
+    judged: CompareResult.problems()), else 0. The terminal, JSON and HTML reports say the same."""
     if find_fix is not None and find_fix.max_runs < 1:
         raise UserError("--find-fix-runs: must be >= 1")
     if top < 0:

@@ -22,8 +22,10 @@ from pathlib import Path
 
 from npukit.accuracy import naming
 from npukit.accuracy.dumpfile import (
+    INTERNAL_ERROR,
     TENSOR_DATA_DIR,
     DumpEntry,
+    Incomplete,
     RankDump,
     TensorLeaf,
     find_rank_dirs,
@@ -167,6 +169,27 @@ class Divergence:
 
 
 @dataclass
+class PairingCoverage:
+    """How many entries of each side's dump found a counterpart in the other (the entries compared:
+    a cross-tool pair leaves out what the tools record differently, said in PairResult.cross_tool)."""
+
+    golden_paired: int
+    golden_total: int
+    target_paired: int
+    target_total: int
+    stopped: str = ""  # what stopped pairing, when too little paired
+
+    def too_little(self) -> bool:
+        """Less than most of either side paired: the table says little about that side's run."""
+        return self.golden_paired * 2 <= self.golden_total or self.target_paired * 2 <= self.target_total
+
+    def text(self) -> str:
+        counts = (f"{self.golden_paired} of the golden run's {self.golden_total} entries and {self.target_paired}"
+                  f" of the target's {self.target_total} have a counterpart")
+        return f"{counts}; {self.stopped}" if self.stopped else counts
+
+
+@dataclass
 class PairResult:
     pair: str
     golden_pair: str  # the golden step/rank compared with it (another one when both dirs hold one dump)
@@ -186,6 +209,19 @@ class PairResult:
     cross_tool: str | None = None  # what was left out of a pair whose dumps two different tools wrote
     unsearched: str | None = None  # why no divergence was searched for (the runs' weights differ by design)
     noop_casts: list[str] = field(default_factory=list)  # one-sided backwards of casts a run needed not make
+    coverage: PairingCoverage | None = None
+    golden_incomplete: list[Incomplete] = field(default_factory=list)  # what each dump says it left out
+    target_incomplete: list[Incomplete] = field(default_factory=list)
+
+    def stopped_dumps(self) -> list[tuple[str, Incomplete]]:
+        """(side, first internal error) of each dump an internal error switched off: the rest of its
+        run is missing."""
+        stopped = []
+        for side, items in (("golden", self.golden_incomplete), ("target", self.target_incomplete)):
+            first = next((item for item in items if item.kind == INTERNAL_ERROR), None)
+            if first is not None:
+                stopped.append((side, first))
+        return stopped
 
 
 @dataclass
@@ -208,23 +244,45 @@ class CompareResult:
             counts[row.verdict] = counts.get(row.verdict, 0) + 1
         return counts
 
-    def unexplained_errors(self) -> list[Row]:
-        """Error rows no divergence search has judged. Where the search ran and named nothing, an
-        error row carries its inputs' error without amplifying it (a relu's mask where a
-        pre-activation near 0 has the other sign in bf16: one sample's gradient 30% apart, the
-        weights' a few percent): a correct run's. Searched or not, a divergence is one."""
+    def unexplained_errors(self, pair: PairResult | None = None) -> list[Row]:
+        """Error rows no divergence search has judged (of one pair, or of all). Where the search ran
+        and named nothing, an error row carries its inputs' error without amplifying it (a relu's
+        mask where a pre-activation near 0 has the other sign in bf16: one sample's gradient 30%
+        apart, the weights' a few percent): a correct run's. Searched or not, a divergence is one."""
         unexplained = []
-        for pair in self.pairs:
-            for row in pair.rows:
+        for each in self.pairs if pair is None else [pair]:
+            for row in each.rows:
                 if row.verdict != ERROR:
                     continue
-                if pair.unsearched or (pair.skipped_by_grad_scaler and _is_backward(row.target_entry)):
+                if each.unsearched or (each.skipped_by_grad_scaler and _is_backward(row.target_entry)):
                     unexplained.append(row)
         return unexplained
 
+    def pair_problems(self, pair: PairResult) -> list[str]:
+        """Why a pair cannot be said to have no divergence, besides a divergence it names: a dump an
+        internal error switched off, less than most of either side paired, error rows the search did
+        not judge. One sentence each."""
+        problems = []
+        for side, item in pair.stopped_dumps():
+            folder = pair.golden_dir if side == "golden" else pair.target_dir
+            problems.append(f"the {side}'s dump is incomplete ({folder}): {item.text()}")
+        if pair.coverage is not None and pair.coverage.too_little():
+            problems.append(f"too little paired: {pair.coverage.text()}")
+        unexplained = self.unexplained_errors(pair)
+        if unexplained:
+            problems.append(f"{len(unexplained)} error rows in a step or backward not searched for a divergence"
+                            " (said above)")
+        return problems
+
+    def problems(self) -> list[str]:
+        """pair_problems of every pair, each named by its step/rank when there are several."""
+        several = len(self.pairs) > 1
+        return [f"{pair.pair}: {problem}" if several else problem
+                for pair in self.pairs for problem in self.pair_problems(pair)]
+
     def failed(self) -> bool:
-        """npu-compare's exit 1: a divergence, or error rows the search did not judge."""
-        return any(pair.divergence for pair in self.pairs) or bool(self.unexplained_errors())
+        """npu-compare's exit 1: a divergence, or any of problems()."""
+        return any(pair.divergence for pair in self.pairs) or bool(self.problems())
 
 
 # ---------------------------------------------------------------------------- alignment
@@ -1113,6 +1171,40 @@ def _require_compared_data(rows, golden_entries: int, target_entries: int, golde
     raise UserError(f"nothing to compare between {golden_dir} and {target_dir}: {why}")
 
 
+def pairing_coverage(pairs: list, golden_entries: list, target_entries: list) -> PairingCoverage:
+    """How much of each side paired and, when less than most of a side did, what stopped it: one
+    dump ending early (the other's later entries have no counterpart), else the kinds of entry
+    only one side has."""
+    paired = sum(1 for golden, target in pairs if golden is not None and target is not None)
+    coverage = PairingCoverage(paired, len(golden_entries), paired, len(target_entries))
+    if not coverage.too_little():
+        return coverage
+    # Parameter gradients pair by module after the rest (see align): the stream is the other entries.
+    stream = [(g, t) for g, t in pairs if (g or t).direction != naming.PARAMETERS_GRAD]
+    last = max((index for index, (g, t) in enumerate(stream) if g is not None and t is not None), default=-1)
+    tail = stream[last + 1:]
+    for side, other, index in (("target", "golden", 1), ("golden", "target", 0)):
+        if tail and all(pair[index] is None for pair in tail):
+            after = f" after {stream[last][index].name}" if last >= 0 else ""
+            first = tail[0][1 - index].name
+            coverage.stopped = (f"the {side}'s dump ends early: nothing of it pairs with the {other}'s {len(tail)}"
+                                f" entries from {first} on (its dump recorded nothing{after})")
+            return coverage
+    kinds = []
+    for side, index in (("golden", 0), ("target", 1)):
+        counts: dict[str, int] = {}
+        for pair in pairs:
+            if pair[1 - index] is None and pair[index] is not None:
+                counts[pair[index].key] = counts.get(pair[index].key, 0) + 1
+        common = sorted(counts.items(), key=lambda item: -item[1])[:4]
+        if common:
+            more = len(counts) - len(common)
+            kinds.append(f"only in the {side}: " + ", ".join(f"{name} x{count}" for name, count in common)
+                         + (f" and {more} more kinds" if more > 0 else ""))
+    coverage.stopped = "; ".join(kinds) + " (different models, dump levels, scopes or op lists?)"
+    return coverage
+
+
 def _comparable_entries(golden: RankDump, target: RankDump) -> tuple[list, list, str | None]:
     """The entries of a pair that mean the same in both dumps. Dumps of one tool: all of them. An
     msprobe dump against an npukit one: forward api entries of the apis both tools record, module
@@ -1210,6 +1302,9 @@ def compare_pair(task: _PairTask, thresholds: Thresholds, workers: int | None = 
         skipped_by_grad_scaler=skipped,
         cross_tool=cross_tool,
         noop_casts=sorted(noop_cast_backwards(pairs)),
+        coverage=pairing_coverage(pairs, golden_entries, target_entries),
+        golden_incomplete=golden.incomplete,
+        target_incomplete=target.incomplete,
     )
     return result, len(golden.entries), len(target.entries)
 

@@ -83,6 +83,26 @@ class DumpEntry:
         yield from self.outputs
 
 
+INCOMPLETE = "npukit_incomplete"  # dump.json key: what the dump could not record
+INTERNAL_ERROR = "internal_error"  # a hook switched itself off: everything after `where` is missing
+COMPILED_REGION = "compiled_region"  # a torch.compile(fullgraph=True) region ran compiled, undumped
+
+
+@dataclass(frozen=True, slots=True)
+class Incomplete:
+    """One gap of a dump, as the dump wrote it in "npukit_incomplete"."""
+
+    kind: str  # INTERNAL_ERROR | COMPILED_REGION
+    where: str  # the api or module it happened at
+    detail: str  # the error message, or what the region is
+
+    def text(self) -> str:
+        if self.kind == INTERNAL_ERROR:
+            return f"recording stopped at {self.where} after an internal error ({self.detail}): everything after it is missing"
+        return f"{self.where} ran compiled (torch.compile fullgraph) and was not dumped" + (
+            f" ({self.detail})" if self.detail else "")
+
+
 @dataclass(slots=True)
 class RankDump:
     path: Path  # the directory holding dump.json
@@ -93,6 +113,7 @@ class RankDump:
     skipped_at_loss_scale: float | None = None  # GradScaler skipped this step's optimizer update
     by_npukit: bool = True  # False: another tool wrote it (msprobe): its api backward entries mean other things
     hf32: frozenset = frozenset()  # op kinds ("conv", "matmul") the run computed in HF32 when fp32
+    incomplete: list[Incomplete] = field(default_factory=list)  # what the dump left out (dump.json "npukit_incomplete")
 
     def by_name(self) -> dict[str, DumpEntry]:
         return {entry.name: entry for entry in self.entries}
@@ -169,7 +190,8 @@ def load_rank_dump(rank_dir: Path, label: str = "", contained: ContainedPaths | 
     # Dumps from before the DUMPED_BY key are npukit's when they hold producer links (msprobe writes none).
     by_npukit = header.get(DUMPED_BY) == "npukit" or parser.saw_producer
     return RankDump(rank_dir, label, str(header.get("task", "")), entries, parser.saw_producer,
-                    _skipped_at_loss_scale(header, dump_path), by_npukit, _hf32_ops(header, dump_path))
+                    _skipped_at_loss_scale(header, dump_path), by_npukit, _hf32_ops(header, dump_path),
+                    _incomplete(header, dump_path))
 
 
 DUMPED_BY = "dumped_by"  # dump.json key naming the writer
@@ -181,6 +203,21 @@ def _hf32_ops(header: dict, dump_path: Path) -> frozenset:
     if not isinstance(kinds, list) or not set(kinds) <= {"conv", "matmul"}:
         raise UserError(f"{dump_path}: \"{HF32_OPS}\" is {kinds!r}; expected a list of \"conv\", \"matmul\"")
     return frozenset(kinds)
+
+
+def _incomplete(header: dict, dump_path: Path) -> list[Incomplete]:
+    items = header.get(INCOMPLETE, [])
+    if not isinstance(items, list):
+        raise UserError(f"{dump_path}: \"{INCOMPLETE}\" is {items!r}; expected a list of objects")
+    found = []
+    for index, item in enumerate(items):
+        if not isinstance(item, dict) or item.get("kind") not in (INTERNAL_ERROR, COMPILED_REGION) \
+                or not all(isinstance(item.get(key, ""), str) for key in ("where", "detail")):
+            raise UserError(f"{dump_path}: \"{INCOMPLETE}\" item {index} is {item!r}; expected"
+                            f" {{\"kind\": \"{INTERNAL_ERROR}\" or \"{COMPILED_REGION}\", \"where\": str, \"detail\": str}}")
+        found.append(Incomplete(item["kind"], item.get("where", ""), item.get("detail", "")))
+    return found
+
 
 _SPACE = re.compile(r"[ \t\n\r]*")
 # Parsed entries take about this many times the size of their dump.json (measured: 746 MB for a

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from npukit.accuracy import report_page
 from npukit.accuracy.compare import ERROR, PASS, UNMATCHED, WARN, CompareResult, Divergence, Row
+from npukit.accuracy.dumpfile import COMPILED_REGION
 from npukit.accuracy.fixes import module_matches
 from npukit.accuracy.naming import split_entry_name
 from npukit.accuracy.ranks import rank_summaries, several_ranks
@@ -232,6 +233,9 @@ def result_json(result: CompareResult) -> dict:
         "target": str(result.target),
         "summary": result.counts(),
         "failed": result.failed(),  # npu-compare's exit 1
+        "headline": headline(result),  # the terminal's verdict line
+        "verdict": [head + rest for _, head, rest in verdict_lines(result)],
+        "problems": result.problems(),  # why no "no divergence" besides a divergence
         "only_golden": result.only_golden,
         "only_target": result.only_target,
         # several ranks: a summary per step/rank and where the divergence began across them
@@ -250,6 +254,14 @@ def result_json(result: CompareResult) -> dict:
                 "skipped_by_grad_scaler": pair.skipped_by_grad_scaler,
                 "cross_tool": pair.cross_tool,
                 "not_searched": pair.unsearched,
+                "problems": result.pair_problems(pair),
+                "coverage": None if pair.coverage is None else {
+                    "golden_paired": pair.coverage.golden_paired, "golden_entries": pair.coverage.golden_total,
+                    "target_paired": pair.coverage.target_paired, "target_entries": pair.coverage.target_total,
+                    "stopped": pair.coverage.stopped or None},
+                "incomplete": {side: [{"kind": item.kind, "where": item.where, "detail": item.detail} for item in items]
+                               for side, items in (("golden", pair.golden_incomplete),
+                                                   ("target", pair.target_incomplete))},
                 "first_divergence": divergence_record(pair.divergence),
                 "unmatched_golden": pair.unmatched_golden,
                 "unmatched_target": pair.unmatched_target,
@@ -295,36 +307,8 @@ def print_terminal(result: CompareResult, console, top: int = 20) -> None:
             console.print(f"[dim]not compared, only in {side}: {escape(', '.join(labels))}[/]")
     for pair in result.pairs:
         where = escape(f" [{pair.pair}]") if len(result.pairs) > 1 else ""
-        if pair.loss_scale != 1.0:
-            console.print(f"target gradients are loss-scaled by {pair.loss_scale:g}{where} (GradScaler): "
-                          "backward tensors compared after unscaling")
-        if pair.golden_pair != pair.pair:
-            same_step = pair.golden_pair.partition("/")[0] == pair.pair.partition("/")[0] and "/" in pair.pair
-            why = ("one process per step on each side, rank 0 (msprobe names it proc<pid>)" if same_step
-                   else "each folder holds one dump, of different steps or ranks")
-            console.print(f"[yellow]compared the golden run's {escape(pair.golden_pair)} with the target's "
-                          f"{escape(pair.pair)}[/]: {why}")
-        if pair.cross_tool:
-            console.print(f"[yellow]{escape(pair.cross_tool)}[/]{where}")
-        if pair.unsearched:
-            console.print(f"[yellow]{escape(pair.pair)}[/]: {escape(pair.unsearched)}")
-        if pair.skipped_by_grad_scaler:
-            side = {"both": "both runs", "golden": "the golden run", "target": "the target"}[pair.skipped_by_grad_scaler]
-            console.print(f"[yellow]GradScaler skipped this step in {side}{where}[/]: its gradients overflowed under"
-                          " loss scaling and no update used them; the backward is shown but not searched for a divergence")
-        if pair.golden_low_precision:
-            console.print(f"[yellow]the golden run was not fp32{where}[/]: {escape(pair.golden_low_precision)} "
-                          "(the code casts to a compute dtype itself; --golden only runs autocast regions in fp32): "
-                          "errors below are measured against a low-precision reference")
-        casts_only = set(pair.unmatched_golden + pair.unmatched_target) <= set(pair.noop_casts)
-        if pair.aligned and casts_only:
-            console.print(f"[dim]{escape(', '.join(pair.noop_casts))}{where}: a cast that changed nothing in the other"
-                          " run (its tensor had that dtype already) has no backward there; the op streams are the same[/]")
-        elif pair.aligned:
-            console.print(
-                f"[yellow]op streams differ{where}[/]: aligned by sequence "
-                f"({len(pair.unmatched_target)} calls only in target, {len(pair.unmatched_golden)} only in golden)"
-            )
+        for style, head, rest in pair_notes(result, pair):
+            console.print(f"[{style}]{escape(head)}[/]{escape(rest)}" if style else escape(head + rest))
         if pair.divergence:
             d = pair.divergence
             console.print(f"[bold red]First divergence{where}:[/] [bold]{escape(d.entry)}[/]"
@@ -364,19 +348,93 @@ def print_terminal(result: CompareResult, console, top: int = 20) -> None:
             console.print(f"[dim]... {len(shown) - top} more rows not passing (use --top or the CSV/HTML report)[/]")
     if several_ranks(result):
         _print_ranks(result, console)
+    styles = {"pass": "green", "fail": "bold red", "note": "dim"}
+    for kind, head, rest in verdict_lines(result):
+        console.print(f"[{styles[kind]}]{escape(head)}[/]{escape(rest)}" if head else f"[{styles[kind]}]{escape(rest)}[/]")
+
+
+def _where(result: CompareResult, pair) -> str:
+    return f" [{pair.pair}]" if len(result.pairs) > 1 else ""
+
+
+def pair_notes(result: CompareResult, pair) -> list[tuple[str, str, str]]:
+    """What the terminal and the HTML page say about one step/rank pair before its divergence:
+    (rich style of the head, head, rest) -- style "" for plain text. What makes the pair fail is
+    said in the verdict (verdict_lines)."""
+    where = _where(result, pair)
+    notes = []
+    if pair.loss_scale != 1.0:
+        notes.append(("", f"target gradients are loss-scaled by {pair.loss_scale:g}{where} (GradScaler): ",
+                      "backward tensors compared after unscaling"))
+    if pair.golden_pair != pair.pair:
+        same_step = pair.golden_pair.partition("/")[0] == pair.pair.partition("/")[0] and "/" in pair.pair
+        why = ("one process per step on each side, rank 0 (msprobe names it proc<pid>)" if same_step
+               else "each folder holds one dump, of different steps or ranks")
+        notes.append(("yellow", f"compared the golden run's {pair.golden_pair} with the target's {pair.pair}", f": {why}"))
+    not_dumped = _not_dumped_regions(pair)
+    if not_dumped:
+        notes.append(("yellow", f"not dumped{where}", f": {not_dumped}"))
+    if pair.cross_tool:
+        notes.append(("yellow", pair.cross_tool, where))
+    if pair.unsearched:
+        notes.append(("yellow", pair.pair, f": {pair.unsearched}"))
+    if pair.skipped_by_grad_scaler:
+        side = {"both": "both runs", "golden": "the golden run", "target": "the target"}[pair.skipped_by_grad_scaler]
+        notes.append(("yellow", f"GradScaler skipped this step in {side}{where}", ": its gradients overflowed under"
+                      " loss scaling and no update used them; the backward is shown but not searched for a divergence"))
+    if pair.golden_low_precision:
+        notes.append(("yellow", f"the golden run was not fp32{where}", f": {pair.golden_low_precision} (the code casts"
+                      " to a compute dtype itself; --golden only runs autocast regions in fp32): errors below are"
+                      " measured against a low-precision reference"))
+    casts_only = set(pair.unmatched_golden + pair.unmatched_target) <= set(pair.noop_casts)
+    if pair.aligned and casts_only:
+        notes.append(("dim", f"{', '.join(pair.noop_casts)}{where}: a cast that changed nothing in the other run (its"
+                      " tensor had that dtype already) has no backward there; the op streams are the same", ""))
+    elif pair.aligned:
+        notes.append(("yellow", f"op streams differ{where}", f": aligned by sequence ({len(pair.unmatched_target)} calls"
+                      f" only in target, {len(pair.unmatched_golden)} only in golden)"))
+    return notes
+
+
+def _not_dumped_regions(pair) -> str | None:
+    """The compiled regions (torch.compile fullgraph) a pair's dumps say they did not record, by side.
+    The same regions on both sides compare like for like: only their ops are missing."""
+    golden = {item.where for item in pair.golden_incomplete if item.kind == COMPILED_REGION}
+    target = {item.where for item in pair.target_incomplete if item.kind == COMPILED_REGION}
+    if not golden and not target:
+        return None
+    parts = [f"{label}: {', '.join(sorted(regions))}" for label, regions in
+             (("in both runs", golden & target), ("in the golden run only", golden - target),
+              ("in the target only", target - golden)) if regions]
+    return ("ran compiled (torch.compile(fullgraph=True)) and were not dumped, so their ops are not compared, "
+            + "; ".join(parts))
+
+
+def verdict_lines(result: CompareResult) -> list[tuple[str, str, str]]:
+    """The verdict, as the terminal, the JSON report and the HTML page all say it: (kind, head,
+    rest) lines, kind "pass" | "fail" | "note". The first line is the headline; "fail" exactly when
+    npu-compare exits 1 (result.failed())."""
+    counts = result.counts()
     summary = ", ".join(f"{counts[key]} {key}" for key in (PASS, WARN, ERROR, UNMATCHED) if counts.get(key))
-    if not result.failed():
-        console.print(f"[green]No divergence found[/]: {summary}.")
-        if counts.get(ERROR):
-            console.print(f"[dim]The {counts[ERROR]} error row{'s' if counts[ERROR] > 1 else ''} carry their inputs'"
-                          " error and no op amplified it (a relu's or max-pool's mask where a value near 0 changed"
-                          " sign in low precision moves a whole element of a gradient): the search names an op"
-                          " only where its error is its own.[/]")
-    else:
-        console.print(f"Summary: {summary}.  (* = first divergent op)")
-        if not any(pair.divergence for pair in result.pairs):
-            console.print(f"{len(result.unexplained_errors())} error rows in steps or backwards not searched for a"
-                          " divergence (said above): exit 1")
+    problems = result.problems()
+    if any(pair.divergence for pair in result.pairs):
+        return ([("fail", "", f"Summary: {summary}.  (* = first divergent op)")]
+                + [("fail", "and ", problem) for problem in problems])
+    if problems:
+        return ([("fail", "No verdict of no divergence", f": {summary}; exit 1:")]
+                + [("fail", "  ", problem) for problem in problems])
+    lines = [("pass", "No divergence found", f": {summary}.")]
+    if counts.get(ERROR):
+        lines.append(("note", "", f"The {counts[ERROR]} error row{'s' if counts[ERROR] > 1 else ''} carry their inputs'"
+                      " error and no op amplified it (a relu's or max-pool's mask where a value near 0 changed"
+                      " sign in low precision moves a whole element of a gradient): the search names an op"
+                      " only where its error is its own."))
+    return lines
+
+
+def headline(result: CompareResult) -> str:
+    _, head, rest = verdict_lines(result)[0]
+    return head + rest
 
 
 _RANK_ROWS = 16  # more step/rank pairs than this: the terminal shows one step's
@@ -870,20 +928,23 @@ def write_html(result: CompareResult, path: Path, fix=None) -> None:
            f"<style>{report_page.CSS}</style></head><body>",
            "<h1>npu-compare report</h1>",
            f"<p>golden: <code>{html.escape(str(result.golden))}</code><br>target: <code>{html.escape(str(result.target))}</code></p>",
-           "<p>" + ", ".join(f"<span class='{_css(key)}'>{counts.get(key, 0)} {key}</span>" for key in (PASS, WARN, ERROR, UNMATCHED)) + "</p>"]
+           "<p>" + ", ".join(f"<span class='{_css(key)}'>{counts.get(key, 0)} {key}</span>" for key in (PASS, WARN, ERROR, UNMATCHED)) + "</p>",
+           _verdict_html(result)]
     if result.across_ranks is not None:  # as the terminal says it: the rank it began on, the ranks it reached
         out.append(f"<div class='box'><b>First divergence across ranks:</b> {html.escape(result.across_ranks.line())}</div>")
     for pair in result.pairs:
         out.append(f"<h2>{html.escape(pair.pair)} ({html.escape(pair.mode)})</h2>")
+        out += [f"<p class='note'>{html.escape(head + rest)}</p>" for _, head, rest in pair_notes(result, pair)]
+        problems = result.pair_problems(pair)
         if pair.divergence:
             d = pair.divergence
             out.append("<div class='box'><b>First divergence:</b> "
                        f"<code>{html.escape(d.entry)}</code>"
                        + (f" in module <code>{html.escape(d.module_path)}</code>" if d.module_path else "")
                        + f" (<a href='#model'>in the model tree below</a>)<br>{html.escape(d.reason)}{_stack_html(d.stack)}</div>")
-        elif pair.unsearched:
-            out.append(f"<div class='box'>{html.escape(pair.unsearched)}</div>")
-        else:
+        elif problems:
+            out.append("<div class='box'>" + "<br>".join(html.escape(problem) for problem in problems) + "</div>")
+        elif not pair.unsearched:  # an unsearched pair's note says why
             out.append("<div class='ok'>No divergence found.</div>")
     verdict_boxes = "".join(
         f"<label class='{_css(verdict)}'><input type='checkbox' class='verdict' data-verdict='{index}' checked> "
@@ -922,6 +983,15 @@ def write_html(result: CompareResult, path: Path, fix=None) -> None:
     out.append(f"<script type='application/json' id='npukit-data'>{_json_for_script(data)}</script>")
     out.append(f"<script>{report_page.JS}</script></body></html>")
     write_text_atomic(path, "".join(out))
+
+
+def _verdict_html(result: CompareResult) -> str:
+    """verdict_lines as the page's first box: green when npu-compare exits 0, red when it exits 1."""
+    lines = verdict_lines(result)
+    css = "box" if lines[0][0] == "fail" else "ok"
+    body = "<br>".join(f"<b>{html.escape(head)}</b>{html.escape(rest)}" if kind != "note" else
+                       f"<span class='note'>{html.escape(head + rest)}</span>" for kind, head, rest in lines)
+    return f"<div class='{css}' id='verdict'>{body}</div>"
 
 
 def _stack_html(stack: list[str], shown: int = 6) -> str:
