@@ -421,7 +421,7 @@ def verdict_lines(result: CompareResult) -> list[tuple[str, str, str]]:
         return ([("fail", "", f"Summary: {summary}.  (* = first divergent op)")]
                 + [("fail", "and ", problem) for problem in problems])
     if problems:
-        return ([("fail", "No verdict of no divergence", f": {summary}; exit 1:")]
+        return ([("fail", "Cannot say there is no divergence", f": {summary} (exit 1):")]
                 + [("fail", "  ", problem) for problem in problems])
     lines = [("pass", "No divergence found", f": {summary}.")]
     if counts.get(ERROR):
