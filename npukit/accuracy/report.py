@@ -154,12 +154,13 @@ def write_csv(result: CompareResult, path: Path) -> None:
 
 
 RANK_CSV_COLUMNS = ["Step/Rank", "Step", "Rank", "pass", "warn", "error", "unmatched", "First Divergence",
-                    "Output Error", "Module", "Across Ranks", "First Difference", "Difference Error"]
+                    "Output Error", "Module", "Across Ranks", "First Difference", "Difference Error", "Problems"]
 
 
 def rank_records(result: CompareResult) -> list[dict]:
     """The per-rank summary (ranks.rank_summaries) as flat dicts keyed by RANK_CSV_COLUMNS."""
     records = []
+    pairs = {pair.pair: pair for pair in result.pairs}
     for summary in rank_summaries(result):
         divergence = summary.divergence
         records.append({
@@ -171,6 +172,8 @@ def rank_records(result: CompareResult) -> list[dict]:
             "Across Ranks": summary.role or None,
             "First Difference": summary.first_difference,
             "Difference Error": summary.difference_error,
+            # why no divergence can be claimed for this pair (CompareResult.pair_problems)
+            "Problems": "; ".join(result.pair_problems(pairs[summary.pair])) or None,
         })
     return records
 
@@ -459,7 +462,7 @@ def _print_ranks(result: CompareResult, console) -> None:
     for record in shown:
         role = record["Across Ranks"] or ""
         table.add_row(escape(record["Step/Rank"]), *(str(record[key]) for key in (PASS, WARN, ERROR, UNMATCHED)),
-                      escape(record["First Divergence"] or "none"),
+                      escape(record["First Divergence"] or ("cannot say: see below" if record["Problems"] else "none")),
                       _short(record["Output Error"]) if record["Output Error"] is not None else "",
                       f"[bold red]{role}[/]" if role == "source" else escape(role))
     console.print(table)
@@ -469,8 +472,13 @@ def _print_ranks(result: CompareResult, console) -> None:
         console.print(f"[bold red]First divergence across ranks:[/] {escape(result.across_ranks.line())}")
     else:
         diverged = sum(1 for pair in result.pairs if pair.divergence)
-        console.print(f"[green]no rank diverged[/] ({len(result.pairs)} step/rank pairs)" if not diverged else
-                      f"{diverged} step/rank pair(s) diverged, each on its own (one rank per step)")
+        if not diverged and result.problems():
+            console.print(f"[yellow]no divergence named on any rank[/] ({len(result.pairs)} step/rank pairs): the"
+                          " verdict below says why none can be claimed")
+        elif not diverged:
+            console.print(f"[green]no rank diverged[/] ({len(result.pairs)} step/rank pairs)")
+        else:
+            console.print(f"{diverged} step/rank pair(s) diverged, each on its own (one rank per step)")
 
 
 def _short(value: float) -> str:

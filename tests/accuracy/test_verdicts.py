@@ -6,6 +6,7 @@ headline, the JSON report and the HTML page say the same thing."""
 
 from __future__ import annotations
 
+import csv
 import html
 import io
 import json
@@ -257,4 +258,24 @@ def test_a_cross_tool_compare_draws_no_divergence_from_entries_one_tool_lacks(cn
     assert "golden dumped by msprobe, target by npukit" in terminal
     assert report["pairs"][0]["first_divergence"] is None
     assert code == 0
+    _assert_paths_agree(code, terminal, report, page)
+
+
+def test_a_rank_whose_dump_stopped_fails_the_multi_rank_compare_and_is_named_per_rank(inference_dump, tmp_path):
+    golden, target = tmp_path / "golden", tmp_path / "target"
+    for root in (golden, target):
+        for rank in (0, 1):
+            shutil.copytree(_dump_json(inference_dump).parent, root / "step0" / f"rank{rank}")
+    _edit(target / "step0" / "rank1", _stopped_after_first_layer)
+    code, terminal, report, page = _compare(golden, target, tmp_path)
+    assert code == 1
+    assert report["verdict"][1].strip().startswith("step0/rank1: the target's dump is incomplete")
+    ranks = {record["Step/Rank"]: record for record in report["ranks"]}
+    assert ranks["step0/rank0"]["Problems"] is None
+    assert "recording stopped at Tensor.to" in ranks["step0/rank1"]["Problems"]
+    with open(tmp_path / "report.ranks.csv", newline="") as handle:
+        problems = {row["Step/Rank"]: row["Problems"] for row in csv.DictReader(handle)}
+    assert problems["step0/rank0"] == "" and "recording stopped at Tensor.to" in problems["step0/rank1"]
+    said = " ".join(terminal.split())
+    assert "no rank diverged" not in said and "no divergence named on any rank" in said
     _assert_paths_agree(code, terminal, report, page)
