@@ -442,7 +442,7 @@ def _build_masking(op: str, geometry: _Geometry, atten_mask, sparse_mode: int, p
         masked = _packed_masked(op, geometry, atten_mask, sparse_mode, pre, nxt, prefix, device)
         bias = (torch.where(masked, MASKED_SCORE, 0.0) if pse_bias is None
                 else pse_bias.masked_fill(masked, MASKED_SCORE))
-        return _Masking(bias, ~masked.all(-1, keepdim=True))
+        return _Masking(bias, _valid_rows(masked))
     if varlen is not None:
         q_lens, kv_lens = varlen.q_lens, varlen.kv_lens
     masked = None
@@ -488,7 +488,16 @@ def _build_masking(op: str, geometry: _Geometry, atten_mask, sparse_mode: int, p
         bias = torch.where(masked, MASKED_SCORE, 0.0)
     else:
         bias = pse_bias.masked_fill(masked, MASKED_SCORE)
-    return _Masking(bias, ~masked.all(-1, keepdim=True))
+    return _Masking(bias, _valid_rows(masked))
+
+
+def _valid_rows(masked: torch.Tensor) -> torch.Tensor | None:
+    """_Masking.row_valid: the rows with at least one key, None when that is every row (as with a causal
+    mask: no pass over the output and its gradient to zero nothing)."""
+    row_valid = ~masked.all(-1, keepdim=True)
+    if not _is_fake(row_valid) and bool(row_valid.all()):
+        return None
+    return row_valid
 
 
 def _token_positions(lens: list[int], tokens: int, missing: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -556,6 +565,17 @@ class _Problem:
     masking: _Masking
     in_dtype: torch.dtype   # what the kernel rounds its intermediates to (the input dtype)
     npu: bool
+    q_in: torch.Tensor      # q, k, v as given (the input dtype), shaped as q, k, v
+    k_in: torch.Tensor
+    v_in: torch.Tensor
+
+    @property
+    def bf16_cube(self) -> bool:
+        """Can a matmul whose fp32 result the kernel rounds straight to the input dtype run as the CPU's
+        bf16 matmul? Its bf16 GEMM (AVX512-BF16) multiplies exactly, accumulates in fp32 and rounds
+        once: the cube unit's numerics, at a third of an fp32 matmul's cost. (No fp16 GEMM on the
+        CPU is faster than fp32; the golden run keeps fp32.)"""
+        return self.npu and self.in_dtype == torch.bfloat16
 
     def grouped(self, t3: torch.Tensor) -> torch.Tensor:
         g = self.geometry
@@ -596,10 +616,22 @@ class _Problem:
 def _problem(q4, k4, v4, geometry: _Geometry, scale: float, masking: _Masking, in_dtype, npu) -> _Problem:
     g = geometry
     dtype = compute_dtype(in_dtype)
-    q = q4.to(dtype).unflatten(1, (g.kv_heads, g.group)).reshape(g.batch * g.kv_heads, g.group * g.sq, g.d)
-    k = k4.to(dtype).reshape(g.batch * g.kv_heads, g.skv, k4.shape[-1])
-    v = v4.to(dtype).reshape(g.batch * g.kv_heads, g.skv, v4.shape[-1])
-    return _Problem(g, q, k, v, scale, masking, in_dtype, npu)
+    q_in = q4.unflatten(1, (g.kv_heads, g.group)).reshape(g.batch * g.kv_heads, g.group * g.sq, g.d)
+    k_in = k4.reshape(g.batch * g.kv_heads, g.skv, k4.shape[-1])
+    v_in = v4.reshape(g.batch * g.kv_heads, g.skv, v4.shape[-1])
+    return _Problem(g, q_in.to(dtype), k_in.to(dtype), v_in.to(dtype), scale, masking, in_dtype, npu, q_in, k_in,
+                    v_in)
+
+
+def _is_power_of_two(value: float) -> bool:
+    return value > 0 and math.frexp(value)[0] == 0.5
+
+
+def _bf16_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b as the CPU's bf16 batched GEMM (fp32 accumulation, one rounding to bf16): the npu device
+    runs an out= matmul as given, where its plain matmul would compute in fp32 (see _Problem.bf16_cube)."""
+    out = torch.empty(a.shape[0], a.shape[1], b.shape[2], dtype=torch.bfloat16, device=a.device)
+    return torch.bmm(a.to(torch.bfloat16), b.to(torch.bfloat16), out=out)
 
 
 def _dropped(shape, keep_prob: float, seed: int, offset: int, device) -> torch.Tensor:
@@ -635,7 +667,10 @@ def _forward(problem: _Problem, keep_prob: float, seed: int, offset: int, sink: 
     row_sum = p.amax(-1, keepdim=True).reciprocal_()
     if keep_prob < 1:
         p.masked_fill_(_dropped(p.shape, keep_prob, seed, offset, p.device), 0).mul_(1 / keep_prob)
-    out = torch.bmm(round_intermediate(p, problem.in_dtype, problem.npu), problem.v)
+    if problem.bf16_cube and sink is None and problem.masking.row_valid is None:
+        out = _bf16_matmul(p, problem.v_in)  # the output, rounded once to bf16 as the kernel does
+    else:
+        out = torch.bmm(round_intermediate(p, problem.in_dtype, problem.npu), problem.v)
     out, row_max, row_sum = problem.heads(out), problem.heads(row_max), problem.heads(row_sum)
     if sink is not None:
         # A per-head logit that joins every row's softmax without a value: m = max(sink, max(S)),
@@ -669,7 +704,10 @@ def _backward(problem: _Problem, dy4, out4, row_max, row_sum, keep_prob, seed, o
     p = problem.scores().sub_(log_sum_exp).clamp_min_(-87.0).exp_()
     dropped = _dropped(p.shape, keep_prob, seed, offset, p.device) if keep_prob < 1 else None
     p_out = p if dropped is None else p.masked_fill(dropped, 0).mul_(1 / keep_prob)
-    dv = torch.bmm(round_intermediate(p_out, problem.in_dtype, problem.npu).transpose(1, 2), dy3)
+    if problem.bf16_cube and problem.masking.row_valid is None:
+        dv = _bf16_matmul(p_out.transpose(1, 2), dy4.reshape(dy3.shape))  # dv, rounded once to bf16
+    else:
+        dv = torch.bmm(round_intermediate(p_out, problem.in_dtype, problem.npu).transpose(1, 2), dy3)
     del p_out
     dp = torch.bmm(dy3, problem.v.transpose(1, 2))
     if dropped is not None:
@@ -677,9 +715,16 @@ def _backward(problem: _Problem, dy4, out4, row_max, row_sum, keep_prob, seed, o
     row_dot = (dy3 * out3).sum(-1, keepdim=True)  # sum_j P_j dP_j, from the rounded output as the kernel does
     ds = p.mul_(dp.sub_(row_dot))
     del dp
-    ds_in = round_intermediate(ds, problem.in_dtype, problem.npu)
-    dq = torch.bmm(ds_in, problem.k).mul_(problem.scale)
-    dk = torch.bmm(ds_in.transpose(1, 2), problem.q).mul_(problem.scale)
+    if problem.bf16_cube and _is_power_of_two(problem.scale):
+        # dq, dk = scale * (dS @ k), scale * (dS^T @ q), rounded once to bf16: scaling by a power of two
+        # (head dim 16, 64, 256) commutes with the rounding, so the bf16 GEMM's result scaled is the same
+        ds_in = ds.to(torch.bfloat16)
+        dq = _bf16_matmul(ds_in, problem.k_in).mul_(problem.scale)
+        dk = _bf16_matmul(ds_in.transpose(1, 2), problem.q_in).mul_(problem.scale)
+    else:
+        ds_in = round_intermediate(ds, problem.in_dtype, problem.npu)
+        dq = torch.bmm(ds_in, problem.k).mul_(problem.scale)
+        dk = torch.bmm(ds_in.transpose(1, 2), problem.q).mul_(problem.scale)
     dsink = None
     if sink is not None:
         p_sink = torch.exp(sink.to(dtype).view(1, g.heads, 1, 1) - problem.heads(log_sum_exp))
