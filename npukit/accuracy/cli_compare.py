@@ -71,6 +71,11 @@ def _find_fix(golden: Path, target: Path, result, options: FindFixOptions, thres
     if skipped is not None:
         console.print(f"find-fix: no run made. {skipped}")
         return None
+    unseen = _unseen_runs(result)
+    if unseen is not None:
+        console.print(f"find-fix: no run made: {unseen}. Each trial would be judged on such a dump too;"
+                      " compare complete dumps of the two runs first")
+        return None
     work = options.work or target.with_name(target.name + ".find-fix")
     fix_result = run_find_fix(golden, target, result, options.command, work=work, max_runs=options.max_runs,
                               console=console, thresholds=thresholds)
@@ -86,6 +91,18 @@ def _find_fix(golden: Path, target: Path, result, options: FindFixOptions, thres
         write_text_atomic(options.json_path, json.dumps(fix_result.as_json(), indent=1))
         console.print(f"wrote {options.json_path}")
     return fix_result.as_json()["fix"]
+
+
+def _unseen_runs(result) -> str | None:
+    """Why the compare did not see the runs (a dump an internal error switched off, too little
+    paired), when that is so: a fix cannot be judged on what the dumps do not hold."""
+    for pair in result.pairs:
+        stopped = pair.stopped_dumps()
+        if stopped:
+            return f"the {stopped[0][0]}'s dump is incomplete ({stopped[0][1].text()})"
+        if pair.coverage is not None and pair.coverage.too_little():
+            return f"too little paired ({pair.coverage.text()})"
+    return None
 
 
 def _compare_with_progress(golden, target, thresholds, workers, console):

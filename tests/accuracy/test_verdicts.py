@@ -279,3 +279,19 @@ def test_a_rank_whose_dump_stopped_fails_the_multi_rank_compare_and_is_named_per
     said = " ".join(terminal.split())
     assert "no rank diverged" not in said and "no divergence named on any rank" in said
     _assert_paths_agree(code, terminal, report, page)
+
+
+def test_find_fix_makes_no_run_on_a_dump_an_internal_error_switched_off(inference_dump, tmp_path):
+    from npukit.accuracy.cli_compare import FindFixOptions
+
+    target = _copy(inference_dump, tmp_path, "target")
+    _edit(target, _stopped_after_first_layer)
+    out = io.StringIO()
+    fix = FindFixOptions(command=["npu-run", "--replay", str(tmp_path / "replay"), str(tmp_path / "never_run.py")],
+                         work=tmp_path / "work")
+    code = run_compare(inference_dump, target, None, None, None, top=0, overrides=[], workers=1,
+                       console=Console(file=out, width=250, color_system=None), find_fix=fix)
+    said = " ".join(out.getvalue().split())
+    assert code == 1
+    assert "find-fix: no run made: the target's dump is incomplete (recording stopped at Tensor.to" in said
+    assert not (tmp_path / "work").exists()
