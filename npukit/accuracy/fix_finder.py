@@ -6,10 +6,18 @@ are drawn: each op computed in fp32 instead of fp16/bf16, HF32 off for a matmul/
 computed in HF32, a fill with +-inf made finite. The step is run again (the user's command under
 `--replay`, with `--precision-fix` and a dump of its own) with sets of candidates applied, and each
 run is compared with the golden dump: a set fixes the run when that compare finds no divergence.
-The search is delta debugging: all candidates first (if they do not fix it, nothing smaller
-will), then halves, keeping the half that still fixes it, then single candidates dropped one by
-one while the rest still fixes it. One culprit among K candidates costs 1 + 2*ceil(log2 K) runs
-at most.
+The search bisects prefixes of the candidate list (nearest the problem first): all candidates
+first (if they do not fix it, nothing smaller will), then the shortest prefix that still fixes it,
+whose last candidate is then needed; that one is kept, tried alone, and the search goes on in the
+candidates before it until what is kept fixes the run. A change repeated in every block (`blocks.*.fc`,
+one candidate for all of them) that is part of the fix is then refined the same way over its blocks,
+those whose ops are off first: the fewest blocks that still fix it (`blocks.6.fc`, `blocks.7.fc`).
+Every set kept fixes the run and no change (or block) of the fix can be dropped.
+
+Runs, for K candidates and a fix of d changes: at most 1 + d*(ceil(log2 K) + 1) (ceil(log2 K) + 2 for
+one change, 2*ceil(log2 K) + 3 for two); refining a change over B blocks to b of them costs at most
+b*(ceil(log2 B) + 1) more. `--find-fix-runs` caps the total; at the cap the smallest set known to fix
+the run is proposed.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from npukit.accuracy.compare import (
     hf32_kind,
 )
 from npukit.accuracy.dumpfile import load_rank_dump
-from npukit.accuracy.fixes import FILL_APIS, FixChange, PrecisionFix, module_pattern
+from npukit.accuracy.fixes import FILL_APIS, FixChange, PrecisionFix, fix_code, module_pattern
 from npukit.errors import UserError
 from npukit.files import write_text_atomic
 
@@ -83,6 +91,7 @@ class FixResult:
             "before": trial(self.before), "after": trial(self.after),
             "runs": len(self.trials), "trials": [trial(t) for t in self.trials],
             "precision_fix_file": None if self.fix is None else json.loads(PrecisionFix(self.fix).to_json()),
+            "code": None if self.fix is None else fix_code(self.fix),
         }
 
 
@@ -123,9 +132,17 @@ def candidates_from(result: CompareResult, limit: int = MAX_CANDIDATES) -> list[
     """The changes worth trying, nearest the anchor first: the anchor and the forward ops before it
     (backwards), then the later ones whose outputs are off (error or warn rows); for each op, what
     its dtype and kind allow (most ops allow nothing: an fp32 add has no precision to gain)."""
+    return candidates_with_blocks(result, limit)[0]
+
+
+def candidates_with_blocks(result: CompareResult, limit: int = MAX_CANDIDATES
+                           ) -> tuple[list[FixChange], dict[FixChange, list[FixChange]]]:
+    """candidates_from(), and for each candidate grouped over the blocks of a model (`h.*.attn`) its
+    blocks' own changes, those whose ops are off (error or warn rows) first: the order in which
+    find_fix() narrows it down to the blocks that need it."""
     anchor = anchor_entry(result)
     if anchor is None:
-        return []
+        return [], {}
     pair, anchor_name = anchor
     dump = load_rank_dump(pair.target_dir, pair.pair)
     off = {row.target_entry for row in pair.rows if row.verdict in (ERROR, WARN) and row.target_entry}
@@ -135,14 +152,20 @@ def candidates_from(result: CompareResult, limit: int = MAX_CANDIDATES) -> list[
     # subtraction reveals); after it, only those that are off themselves
     ordered = [*reversed(ops[:at + 1]), *(entry for entry in ops[at + 1:] if entry.name in off)]
     found: list[FixChange] = []
+    off_changes: set[FixChange] = set()
     for entry in ordered:
         for change in _changes_for(entry, dump):
             if change not in found:
                 found.append(change)
-    found = _grouped(found)[:limit]
+            if entry.name in off:
+                off_changes.add(change)
+    grouped, members = _groups(found)
+    grouped = grouped[:limit]
+    blocks = {change: sorted(members[change], key=lambda member: member not in off_changes)
+              for change in grouped if change in members}
     if _saturated(pair):  # last: a code fix is preferred, and a 910A has no INF_NAN mode
-        found.append(FixChange("inf_nan_mode"))
-    return found
+        grouped.append(FixChange("inf_nan_mode"))
+    return grouped, blocks
 
 
 def _saturated(pair) -> bool:
@@ -155,21 +178,27 @@ def _saturated(pair) -> bool:
 def _grouped(changes: list[FixChange]) -> list[FixChange]:
     """The same change at the same line in modules that differ only by their indices (every block
     of a GPT: `h.0.attn`, `h.1.attn`) as one candidate for all of them (`h.*.attn`), placed where
-    the first of them was: a problem a model repeats in every layer needs the fix in every layer."""
+    the first of them was: a problem a model repeats in every layer needs the fix in every layer
+    (or, find_fix() then finds out, in a few of them)."""
+    return _groups(changes)[0]
+
+
+def _groups(changes: list[FixChange]) -> tuple[list[FixChange], dict[FixChange, list[FixChange]]]:
+    """_grouped(), and each grouped candidate -> the changes it stands for, in their order."""
     pattern_of = {change: module_pattern(change.module) for change in changes}
     groups: dict[tuple, list[FixChange]] = {}
     for change in changes:
         groups.setdefault((change.kind, change.api, change.line, pattern_of[change]), []).append(change)
-    grouped, placed = [], set()
+    grouped, members = [], {}
     for change in changes:
         key = (change.kind, change.api, change.line, pattern_of[change])
-        members = groups[key]
-        if len(members) == 1:
+        if len(groups[key]) == 1:
             grouped.append(change)
-        elif key not in placed:
-            placed.add(key)
-            grouped.append(FixChange(change.kind, change.api, key[3], change.line, change.source))
-    return grouped
+        elif change is groups[key][0]:
+            wildcard = FixChange(change.kind, change.api, key[3], change.line, change.source)
+            grouped.append(wildcard)
+            members[wildcard] = groups[key]
+    return grouped, members
 
 
 def _changes_for(entry, dump) -> list[FixChange]:
@@ -291,8 +320,11 @@ def _launcher(command: list[str]) -> tuple[list[str], list[str]]:
 
 
 # ---------------------------------------------------------------------------- the search
-def find_fix(candidates: list[FixChange], runner: TrialRunner, max_runs: int) -> list[FixChange] | None:
-    """A small subset of candidates that fixes the run (delta debugging), or None."""
+def find_fix(candidates: list[FixChange], runner: TrialRunner, max_runs: int,
+             members: dict[FixChange, list[FixChange]] | None = None) -> list[FixChange] | None:
+    """The fewest candidates that fix the run (each one needed), or None when all of them together
+    do not. `members`: a grouped candidate (`blocks.*.fc`) -> its blocks' own changes, most likely
+    needed first; a grouped candidate in the fix is narrowed to the fewest of them that still fix it."""
     def fixes(changes: list[FixChange]) -> bool | None:
         if len(runner.trials) >= max_runs:
             return None
@@ -300,30 +332,47 @@ def find_fix(candidates: list[FixChange], runner: TrialRunner, max_runs: int) ->
 
     if not candidates or not fixes(candidates):
         return None
-    current = list(candidates)
-    while len(current) > 1:  # halves: one culprit is found in log2 K steps
-        half = len(current) // 2
-        first, second = current[:half], current[half:]
-        verdict = fixes(first)
-        if verdict:
-            current = first
+    fix = _needed(list(candidates), [], fixes)
+    for change in list(fix):
+        blocks = (members or {}).get(change, [])
+        if len(blocks) < 2 or len(runner.trials) >= max_runs:
             continue
-        verdict = verdict if verdict is None else fixes(second)
-        if verdict:
-            current = second
-            continue
-        break  # both halves are needed (or the run cap is reached)
-    if len(current) > 1:  # drop single candidates while the rest still fixes it, the last first: the
-        for change in reversed(list(current)):  # first are nearest the problem and the preferred kinds
-            if len(current) == 1:
-                break
-            rest = [c for c in current if c != change]
-            verdict = fixes(rest)
+        at = fix.index(change)
+        rest = fix[:at] + fix[at + 1:]
+        narrowed = _needed(list(blocks), rest, fixes)
+        if len(narrowed) < len(blocks):  # (all of them: the grouped change stays, as it was run)
+            fix = fix[:at] + sorted(narrowed, key=_block_indices) + fix[at + 1:]
+    return fix
+
+
+def _block_indices(change: FixChange) -> tuple[int, ...]:
+    return tuple(int(part) for part in change.module.split(".") if part.isdigit())
+
+
+def _needed(pool: list[FixChange], kept: list[FixChange], fixes) -> list[FixChange]:
+    """The fewest of `pool` that, with `kept`, fix the run, known: `pool + kept` fixes it and `kept`
+    alone does not. The shortest prefix of the pool that fixes it ends with a change that is needed
+    (ceil(log2 len(pool)) runs); that one is kept and tried alone with `kept` (one run), and the search
+    goes on in the changes before it. At the run cap (fixes() gives None): the smallest set known to fix."""
+    needed: list[FixChange] = []
+    while pool:
+        fixing, failing = len(pool), 0  # pool[:fixing] + needed fixes it, pool[:failing] + needed does not
+        while fixing - failing > 1:
+            middle = (fixing + failing) // 2
+            verdict = fixes(pool[:middle] + needed + kept)
             if verdict is None:
-                break
-            if verdict:
-                current = rest
-    return current
+                return pool[:fixing] + needed
+            fixing, failing = (middle, failing) if verdict else (fixing, middle)
+        needed.insert(0, pool[fixing - 1])
+        pool = pool[:fixing - 1]
+        if not pool:
+            break
+        verdict = fixes(needed + kept)
+        if verdict is None:
+            return pool + needed
+        if verdict:
+            break
+    return needed
 
 
 def run_find_fix(golden: Path, target: Path, result: CompareResult, command: list[str], *, work: Path,
@@ -335,18 +384,25 @@ def run_find_fix(golden: Path, target: Path, result: CompareResult, command: lis
     if before is None or before.fixed:
         return None  # nothing to fix
     anchor_name = anchor[1]
-    candidates = candidates_from(result)
+    candidates, blocks = candidates_with_blocks(result)
     if not candidates:
         return FixResult([], before, None, None, [], anchor_name)
-    bound = 1 + 2 * math.ceil(math.log2(max(len(candidates), 2)))
-    console.print(f"find-fix: {len(candidates)} candidate change(s) around {anchor_name}; "
-                  f"at most {min(max_runs, bound + len(candidates))} runs of the step")
+    steps = math.ceil(math.log2(max(len(candidates), 2)))
+    console.print(f"find-fix: {len(candidates)} candidate change(s) around {anchor_name}; a fix of d changes takes at "
+                  f"most 1 + {steps + 1}*d runs of the step, and narrowing a change made in every block to b of its B "
+                  f"blocks b*(ceil(log2 B) + 1) more (at most {max_runs} runs: --find-fix-runs)")
     for index, change in enumerate(candidates):
         console.print(f"  [{index}] {change.describe()}")
     started = time.perf_counter()
+    group_of = {member: group for group, members in blocks.items() for member in members}
+
+    def label(change: FixChange) -> str:
+        if change in group_of:  # one block of a grouped candidate: [2] blocks.6.fc
+            return f"[{candidates.index(group_of[change])}] {change.module}"
+        return f"[{candidates.index(change)}]"
 
     def show(trial: Trial) -> None:
-        what = ", ".join(f"[{candidates.index(c)}]" for c in trial.changes)
+        what = ", ".join(label(c) for c in trial.changes)
         console.print(f"  run {len(runner.trials)}: {what or 'nothing'} -> {'FIXED' if trial.fixed else 'not fixed'}; "
                       f"error at {runner.anchor} {_fmt(trial.divergence_error)}, at the loss {_fmt(trial.loss_error)}"
                       f" ({trial.note}; {time.perf_counter() - started:.1f} s)")
@@ -355,15 +411,14 @@ def run_find_fix(golden: Path, target: Path, result: CompareResult, command: lis
     if console.is_terminal:  # a bar while each run of the step goes (seconds to minutes)
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-        limit = min(max_runs, bound + len(candidates))
-        with Progress(TextColumn("find-fix: run {task.completed:.0f} of at most {task.total:.0f}"), BarColumn(),
+        with Progress(TextColumn("find-fix: run {task.completed:.0f} (at most {task.total:.0f})"), BarColumn(),
                       TimeElapsedColumn(), console=console, transient=True) as progress:
-            task = progress.add_task("runs", total=limit)
+            task = progress.add_task("runs", total=max_runs)
             runner.on_trial = lambda trial: (progress.advance(task), show(trial))
-            fix = find_fix(candidates, runner, max_runs)
+            fix = find_fix(candidates, runner, max_runs, blocks)
     else:
-        fix = find_fix(candidates, runner, max_runs)
-    after = next((t for t in reversed(runner.trials) if t.fixed and t.changes == fix), None) if fix else None
+        fix = find_fix(candidates, runner, max_runs, blocks)
+    after = next((t for t in reversed(runner.trials) if t.fixed and set(t.changes) == set(fix)), None) if fix else None
     return FixResult(candidates, before, fix, after, runner.trials, anchor_name)
 
 
@@ -377,8 +432,9 @@ def print_fix(fix_result: FixResult, console) -> None:
     console.print(f"find-fix: fixed by {len(fix_result.fix)} change(s) in {len(fix_result.trials)} runs:")
     for change in fix_result.fix:
         console.print(f"  {change.describe()}")
-        for line in change.code().splitlines():
-            console.print(f"      {line}", markup=False, highlight=False)
+    console.print("  as code (it runs as printed, pasted once the model is built):")
+    for line in fix_code(fix_result.fix).splitlines():
+        console.print(f"      {line}" if line else "", markup=False, highlight=False, soft_wrap=True)
     console.print(f"  error at {fix_result.divergence}: {_fmt(before.divergence_error)} -> "
                   f"{_fmt(after.divergence_error if after else None)}; at the loss: {_fmt(before.loss_error)} -> "
                   f"{_fmt(after.loss_error if after else None)}")

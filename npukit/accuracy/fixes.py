@@ -55,43 +55,147 @@ class FixChange:
                 "finite_fill": f"fill with the dtype's min/max instead of +-inf in {where}"}[self.kind]
 
     def code(self) -> str:
-        """What to write in the user's code for this change, at `line` (shown as it is, from `source`)."""
-        if self.kind == "inf_nan_mode":
-            return "# before the run (Ascend 910B and later): fp16 with IEEE inf/nan, not saturation\nexport INF_NAN_MODE_ENABLE=1"
-        where = f"# {self.line or 'in ' + (self.module or 'the model') + chr(39) + 's forward'}: {self.describe(with_line=False)}"
-        original = self.source or "<the line that calls it>"
-        indented = "\n".join("    " + line for line in original.splitlines())
-        if self.kind == "fp32":
-            text = (f"{where}\nwith torch.autocast(\"npu\", enabled=False):  # fp32 here: cast its fp16/bf16 tensor "
-                    f"inputs with .float()\n{indented}")
-            if not self.module:
-                return text
-            if "*" in self.module:
-                apply = (f"for name, module in model.named_modules():  # every {self.module}\n"
-                         f"    if fnmatch.fnmatchcase(name, \"{self.module}\"):\n"
-                         "        module.forward = fp32_forward(module.forward)")
-            else:
-                apply = (f"module = model.get_submodule(\"{self.module}\")\n"
-                         "module.forward = fp32_forward(module.forward)")
-            # the module's forward in fp32 with its inputs cast: pasteable as it is, once the model is built
-            return ("# keep the module in fp32 under autocast, once the model is built:\n"
-                    "def fp32_forward(forward):\n"
-                    "    def run(*args, **kwargs):\n"
-                    "        with torch.autocast(\"npu\", enabled=False):\n"
-                    "            return forward(*(a.float() if torch.is_tensor(a) and a.is_floating_point() else a"
-                    " for a in args), **kwargs)\n"
-                    f"    return run\n{apply}\n# or at the line, with its fp16/bf16 tensor inputs cast (x.float()):\n"
-                    + text.split("\n", 1)[1])
-        if self.kind == "hf32_off":
-            flag = "torch.npu.conv.allow_hf32" if "conv" in self.api.lower() else "torch.npu.matmul.allow_hf32"
-            return (f"{where} (its forward, and its backward inside loss.backward())\n"
-                    f"#   {original}\n"
-                    f"{flag} = False  # for the whole step: the op's backward runs later, in loss.backward()\n"
-                    "# (to keep HF32 for the other ops, npu-run --precision-fix applies it to this op alone)")
-        finite = _finite_fill_source(self.source)
-        if finite is not None:
-            return f"{where}\n{finite}"
-        return f"{where}: write the fill value as torch.finfo(<tensor>.dtype).min (or .max for +inf)\n{original}"
+        """This change as code to paste (fix_code() of it alone)."""
+        return fix_code([self])
+
+
+# The code fix_code() prints for op changes: the change npu-run --precision-fix applies (PrecisionFixSession),
+# in torch's public API, for the user to paste once the model is built (no blank line inside the
+# function: it pastes into an interactive interpreter too).
+_CHANGE_OP = '''import os
+import re
+import sys
+
+import torch
+
+
+def change_op(model, modules, ops, line, kind):
+    """`ops` called by the forward of a module of `model` whose path matches `modules` (a regex), itself
+    and not in its sub-modules, at `line` ("train.py:16"; "": any line): kind "fp32" computes them in
+    fp32 (autocast off, fp16/bf16 inputs cast), "hf32_off" with HF32 off (forward and backward)."""
+    torch_dir = os.path.dirname(torch.__file__)
+    names = {module: name for name, module in model.named_modules()}
+    running = []  # (path, mode or None) of each module whose forward runs, innermost last
+    def called_at_line():
+        frame = sys._getframe(2)  # the op's caller, past torch's own frames
+        while frame is not None and frame.f_code.co_filename.startswith(torch_dir):
+            frame = frame.f_back
+        return not line or frame is not None and f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}" == line
+    def to_fp32(value):
+        if isinstance(value, torch.Tensor) and value.dtype in (torch.float16, torch.bfloat16):
+            return value.float()
+        if isinstance(value, (list, tuple)):
+            return type(value)(to_fp32(item) for item in value)
+        return {key: to_fp32(item) for key, item in value.items()} if isinstance(value, dict) else value
+    def set_hf32(allow):
+        before = (torch.npu.matmul.allow_hf32, torch.npu.conv.allow_hf32)
+        torch.npu.matmul.allow_hf32, torch.npu.conv.allow_hf32 = allow
+        return before
+    class ChangeOp(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if getattr(func, "overloadpacket", func) not in ops or running[-1][1] is not self or not called_at_line():
+                return func(*args, **kwargs)
+            if kind == "fp32":
+                device = next((a.device.type for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), "cpu")
+                with torch.autocast(device, enabled=False):
+                    return func(*to_fp32(args), **to_fp32(kwargs))
+            before = set_hf32((False, False))
+            try:
+                result = func(*args, **kwargs)
+            finally:
+                set_hf32(before)
+            node = next((t.grad_fn for t in (result if isinstance(result, (list, tuple)) else [result])
+                         if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
+            if node is not None:  # its backward (inside loss.backward()) with HF32 off too
+                saved = []
+                def turn_off(grad_outputs):
+                    saved.append(set_hf32((False, False)))
+                def restore(grad_inputs, grad_outputs):
+                    if saved:
+                        set_hf32(saved.pop())
+                node.register_prehook(turn_off)
+                node.register_hook(restore)
+            return result
+    def enter(module, args):
+        mode = ChangeOp() if re.fullmatch(modules, names[module]) else None
+        running.append((names[module], mode))
+        if mode is not None:
+            mode.__enter__()
+    def leave(module, args, output):
+        _, mode = running.pop()
+        if mode is not None:
+            mode.__exit__(None, None, None)
+    for module in names:
+        module.register_forward_pre_hook(enter)
+        module.register_forward_hook(leave, always_call=True)
+'''
+
+
+def fix_code(changes: list[FixChange]) -> str:
+    """The fix as code: pasted as it is once the model is built (named `model`), it makes the changes
+    npu-run --precision-fix applied, to the same ops in the same modules: an op change is change_op()
+    (defined once) per op and line, over the modules it names; a fill as the line with its value
+    spelled finite (to edit there); INF_NAN mode as the variable to set before the run."""
+    calls, edits = [], []
+    merged: dict[tuple, list[FixChange]] = {}
+    for change in changes:
+        if change.kind in ("fp32", "hf32_off"):
+            merged.setdefault((change.kind, change.api, change.line), []).append(change)
+        elif change.kind == "finite_fill":
+            where = f"# {change.line or 'in ' + (change.module or 'the model') + chr(39) + 's forward'}: {change.describe(False)}"
+            finite = _finite_fill_source(change.source)
+            edits.append(f"{where}, as\n#   {finite}" if finite is not None else
+                         f"{where}: write the fill value as torch.finfo(<tensor>.dtype).min (or .max for +inf)\n"
+                         f"#   {change.source or '<the line that calls it>'}")
+        else:
+            edits.append("# before the run (Ascend 910B and later), fp16 with IEEE inf/nan, not saturation: in the shell\n"
+                         "#   export INF_NAN_MODE_ENABLE=1")
+    for (kind, api, line), group in merged.items():
+        modules = "|".join(_module_regex(change.module) for change in group)
+        ops = ", ".join(_op_expressions(api)) + ","
+        where = "; ".join(change.describe() for change in group)
+        calls.append(f"# {where}\nchange_op(model, r\"{modules}\", ({ops}), \"{line}\", \"{kind}\")")
+        source = group[0].source
+        if kind == "fp32" and source:  # the same, written at the line instead (a comment: the paste runs)
+            calls.append(f"# or at {line or 'the line'}, with its fp16/bf16 tensor inputs cast (x.float()):\n"
+                         f"#   with torch.autocast(\"npu\", enabled=False):\n#       {source}")
+        elif kind == "hf32_off":  # the simpler, wider change: every matmul/conv of the step
+            flag = "torch.npu.conv.allow_hf32" if "conv" in api.lower() else "torch.npu.matmul.allow_hf32"
+            calls.append(f"# or, for every op of the step (its backward runs later, in loss.backward()):\n"
+                         f"#   {flag} = False")
+    head = "# paste once the model is built (`model`): the change(s) npu-run --precision-fix made\n" + _CHANGE_OP
+    parts = [head if calls else "", *calls, *edits]
+    return "\n".join(part for part in parts if part)
+
+
+def _module_regex(pattern: str) -> str:
+    """`blocks.*.fc` as the regex of the module paths module_matches() gives it."""
+    return r"\.".join("[^.]+" if part == "*" else re.escape(part) for part in pattern.split(".")) if pattern else ""
+
+
+def _op_expressions(api: str) -> list[str]:
+    """The Python names of the functions the dumps call `api` (`Functional.gelu`: torch.nn.functional.gelu)."""
+    from torch.overrides import get_overridable_functions
+
+    from npukit.accuracy import naming
+
+    if api.startswith("NPU."):
+        return [f"torch.ops.npu.{api[4:]}"]
+    table = naming.api_name_table()
+    found = []
+    for namespace, funcs in get_overridable_functions().items():
+        owner = getattr(namespace, "__name__", None)
+        if not isinstance(owner, str):
+            continue  # Tensor property getters
+        owner = "torch.Tensor" if owner == "Tensor" else owner
+        for func in funcs:
+            name = getattr(func, "__name__", None)
+            if name and table.get(func) == api and f"{owner}.{name}" not in found:
+                found.append(f"{owner}.{name}")
+    if not found:
+        raise UserError(f"no torch function is named {api} in the dumps (a fix names an op the dumps recorded)")
+    return found
 
 
 @dataclass

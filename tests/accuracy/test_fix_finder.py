@@ -4,6 +4,7 @@ made-up verdicts; npu-run --precision-fix on its own."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 
 from npukit.accuracy.compare import Thresholds
 from npukit.accuracy.fix_finder import Trial, TrialRunner, find_fix
-from npukit.accuracy.fixes import FixChange, PrecisionFix, PrecisionFixSession
+from npukit.accuracy.fixes import FixChange, PrecisionFix, PrecisionFixSession, module_matches
 from npukit.errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -112,6 +113,62 @@ for step in range(2):
 '''
 
 
+# A residual stream of 8 blocks under fp16 autocast whose blocks 6 and 7 write values past fp16's
+# range (their fc's weights are large): each block's fc is one candidate for every block, `blocks.*.fc`,
+# and fp32 in blocks 6 and 7 alone brings the run back.
+STREAM_MODEL = HEADER + '''
+class Block(nn.Module):
+    def __init__(self, gain):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        with torch.no_grad():
+            self.fc.weight.mul_(gain)
+
+    def forward(self, x):
+        return x + self.fc(x)
+
+
+class Stream(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(4e4 if index in (6, 7) else 1.0) for index in range(8))
+        self.norm, self.head = nn.LayerNorm(16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+torch.manual_seed(0)
+model = Stream().to("npu")
+'''
+STREAM = STREAM_MODEL + '''optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+x, y = torch.randn(8, 16, device="npu"), torch.randint(0, 4, (8,), device="npu")
+with torch.autocast("npu", dtype=torch.float16):
+    loss = F.cross_entropy(model(x), y)
+optimizer.zero_grad()
+loss.backward()
+optimizer.step()
+'''
+# After the printed fix is pasted (once the model is built): each fc's output dtype under autocast,
+# and the output's error against the model in fp32, before and after the paste.
+STREAM_CHECK = '''
+import json
+x = torch.randn(8, 16, device="npu")
+with torch.no_grad():
+    exact = model(x)
+    dtypes = {}
+    for index, block in enumerate(model.blocks):
+        block.fc.register_forward_hook(lambda module, args, output, index=index: dtypes.__setitem__(index, str(output.dtype)))
+    with torch.autocast("npu", dtype=torch.float16):
+        fixed = model(x).float()
+error = ((fixed - exact).norm() / exact.norm()).item()
+print("RESULT " + json.dumps({"dtypes": dtypes, "error": error if error == error else "nan",
+                              "finite": bool(torch.isfinite(fixed).all())}))
+'''
+
+
 def _npukit(entry_point: str, *args, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200", **(env or {})}
     code = f"from npukit.cli import {entry_point}; {entry_point}()"
@@ -158,7 +215,7 @@ def test_a_linear_losing_a_small_signal_is_kept_in_fp32(tmp_path):
     assert "with torch.autocast(\"npu\", enabled=False)" in run.stdout and "h = self.fc1(" in run.stdout
     # the HTML page carries the fix for fc1's node (its display is the browser test's business)
     page = (tmp_path / "page.html").read_text()
-    assert "model.get_submodule(\\\"fc1\\\")" in page and "fp32_forward(module.forward)" in page
+    assert 'change_op(model, r\\"fc1\\", (torch.nn.functional.linear,)' in page
     fix_file = tmp_path / "npu.find-fix" / "fix.json"
     applied = _npukit("run_main", "--seed", "0", "--replay", "replay", "--precision-fix", str(fix_file),
                       "--dump", "fixed", "train.py", cwd=tmp_path)
@@ -192,6 +249,48 @@ def test_an_inf_fill_on_a_saturating_device_is_filled_with_the_dtypes_minimum(tm
     assert "scores = scores.masked_fill(causal, torch.finfo(scores.dtype).min)" in run.stdout
     # INF_NAN mode is a candidate too (the run saturated), the last one: a 910A cannot use it
     assert result["candidates"][-1]["kind"] == "inf_nan_mode"
+
+
+def _printed_code(stdout: str) -> str:
+    """The fix's code as npu-compare --find-fix printed it (below "as code", indented by 6)."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if "as code (it runs as printed" in line) + 1
+    code = []
+    for line in lines[start:]:
+        if line and not line.startswith("      "):
+            break
+        code.append(line[6:])
+    return "\n".join(code)
+
+
+def test_a_fix_in_every_block_is_narrowed_to_the_two_blocks_that_overflow_and_runs_as_printed(tmp_path):
+    result, found = _find_fix(tmp_path, STREAM)
+    line = _line_of(STREAM, "return x + self.fc(x)")
+    assert result["candidates"][0]["module"] == "blocks.*.fc"  # one candidate for the 8 blocks
+    assert [(c["kind"], c["api"], c["module"], c["line"]) for c in result["fix"]] == \
+        [("fp32", "Functional.linear", f"blocks.{i}.fc", line) for i in (6, 7)], found.stdout
+    assert result["after"]["fixed"] and result["after"]["loss_error"] < Thresholds().fp16.warn_rel_l2
+    # within the stated bound: one change among K, then b = 2 of B = 8 blocks
+    k = len(result["candidates"])
+    assert result["runs"] <= math.ceil(math.log2(max(k, 2))) + 2 + 2 * (math.ceil(math.log2(8)) + 1), result["runs"]
+    # the page shows the fix on both blocks' fc
+    data = json.loads((tmp_path / "page.html").read_text().split("id='npukit-data'>")[1].split("</script>")[0])
+    paths = [data["strings"][data["nodes"][record["node"]]["path"]] for record in data["fixes"]]
+    assert paths == ["blocks.6.fc", "blocks.7.fc"], paths
+    # the printed code, pasted as it is where the model is built, makes exactly that change
+    pasted = tmp_path / "pasted"
+    pasted.mkdir()
+    code = _printed_code(found.stdout)
+    assert code == result["code"]
+    for text, name in ((STREAM_MODEL + STREAM_CHECK, "before"), (STREAM_MODEL + code + "\n" + STREAM_CHECK, "after")):
+        (pasted / "train.py").write_text(text)
+        run = _npukit("run_main", "train.py", cwd=pasted)
+        assert run.returncode == 0, run.stderr
+        checked = json.loads(run.stdout.split("RESULT ", 1)[1].splitlines()[0])
+        if name == "before":
+            assert not checked["finite"] and set(checked["dtypes"].values()) == {"torch.float16"}
+    assert checked["dtypes"] == {str(i): "torch.float32" if i in (6, 7) else "torch.float16" for i in range(8)}
+    assert checked["finite"] and checked["error"] < Thresholds().fp16.warn_rel_l2, checked
 
 
 def test_a_correct_run_has_nothing_to_fix(tmp_path):
@@ -232,6 +331,47 @@ def test_one_culprit_among_sixteen_is_found_in_at_most_two_log2_k_plus_four_runs
 def test_two_culprits_in_different_halves_are_both_kept():
     runner = FakeRunner([CANDIDATES[2], CANDIDATES[13]])
     assert find_fix(CANDIDATES, runner, max_runs=50) == [CANDIDATES[2], CANDIDATES[13]]
+
+
+@pytest.mark.parametrize("k", [4, 10, 16])
+def test_two_needed_changes_are_found_in_at_most_two_log2_k_plus_three_runs(k):
+    """Each change of the fix costs a bisection and one run alone (13 runs for 10 candidates was the
+    one-by-one drop after both halves failed); the fix is every needed change and nothing else."""
+    candidates = CANDIDATES[:k]
+    for pair in itertools.combinations(candidates, 2):
+        runner = FakeRunner(pair)
+        assert find_fix(candidates, runner, max_runs=50) == list(pair)
+        assert len(runner.trials) <= 2 * math.ceil(math.log2(k)) + 3, (pair, len(runner.trials))
+
+
+class BlockRunner(FakeRunner):
+    """Fixed when every culprit block's change is applied, named alone or by a grouped change."""
+
+    def run(self, changes):
+        def applied(culprit):
+            return any(c.api == culprit.api and module_matches(c.module, culprit.module) for c in changes)
+
+        trial = Trial(list(changes), all(applied(culprit) for culprit in self.culprits), None, None)
+        self.trials.append(trial)
+        return trial
+
+
+def _blocks(indices):
+    return [FixChange("fp32", "Functional.linear", f"blocks.{i}.fc", "train.py:15") for i in indices]
+
+
+@pytest.mark.parametrize("needed", [(6, 7), (0,), (2, 3, 5), tuple(range(8))])
+def test_a_change_made_in_every_block_is_narrowed_to_the_blocks_that_need_it(needed):
+    """An 8-block residual stream that overflows fp16 in blocks 6 and 7: `blocks.*.fc` fixes it, and
+    so do blocks 6 and 7 alone, which is what is proposed; every block only when each needs it."""
+    every = FixChange("fp32", "Functional.linear", "blocks.*.fc", "train.py:15")
+    head = FixChange("fp32", "Functional.linear", "head", "train.py:29")
+    blocks = _blocks([6, 7, 5, 4, 3, 2, 1, 0])  # the off blocks first, as candidates_with_blocks() orders them
+    runner = BlockRunner(_blocks(needed))
+    fix = find_fix([every, head], runner, max_runs=50, members={every: blocks})
+    assert fix == ([every] if len(needed) == 8 else _blocks(needed))
+    # the search (1 + 1 + 1 runs: all, the first half, it alone), then per block kept ceil(log2 8) + 1
+    assert len(runner.trials) <= 3 + len(needed) * (math.ceil(math.log2(8)) + 1)
 
 
 def test_nothing_is_proposed_when_all_candidates_together_do_not_fix_it():
@@ -363,12 +503,82 @@ def test_a_fix_for_every_index_applies_to_each_block(npu):
     assert dtypes == [torch.float32] * 3
 
 
-def test_the_fp32_code_for_a_module_casts_its_inputs_and_names_it_as_python_can():
-    code = FixChange("fp32", "Functional.linear", "transformer.h.0.attn.c_attn", "model.py:50", "q = self.c_attn(x)").code()
-    assert 'model.get_submodule("transformer.h.0.attn.c_attn")' in code and "a.float()" in code
-    compile(code.replace("<", "_").replace(">", "_"), "fix", "exec")  # pasteable: it parses
-    every = FixChange("fp32", "Functional.linear", "h.*.attn", "model.py:50", "q = self.c_attn(x)").code()
-    assert 'fnmatch.fnmatchcase(name, "h.*.attn")' in every
+class GeluBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        self.gelu_dtype = F.gelu(h).dtype  # GELU_LINE
+        return h
+
+
+class GeluStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(GeluBlock() for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        self.own_gelu_dtype = F.gelu(x).dtype  # the model's own gelu: another module, another line
+        return x
+
+
+def _this_line(marker: str) -> str:
+    return _line_of(Path(__file__).read_text(), marker).replace("train.py", Path(__file__).name)
+
+
+def test_the_printed_fp32_code_runs_as_pasted_and_changes_only_the_op_it_names(npu):
+    """`gelu in every blocks.*` in fp32, pasted once the model is built: the blocks' gelu computes in
+    fp32, their fc (a sub-module) and the model's own gelu stay fp16, as under --precision-fix."""
+    change = FixChange("fp32", "Functional.gelu", "blocks.*", _this_line("# GELU_LINE"),
+                       "self.gelu_dtype = F.gelu(h).dtype")
+    model = GeluStack().to(npu)
+    fc_dtypes = []
+    for block in model.blocks:
+        block.fc.register_forward_hook(lambda module, args, output: fc_dtypes.append(output.dtype))
+
+    def run() -> list:
+        fc_dtypes.clear()
+        with torch.autocast(npu, dtype=torch.float16):
+            model(torch.randn(2, 4, device=npu))
+        return [block.gelu_dtype for block in model.blocks] + [model.own_gelu_dtype] + fc_dtypes
+
+    half, single = torch.float16, torch.float32
+    with PrecisionFixSession(PrecisionFix([change])):
+        applied = run()
+    assert applied == [single, single, half, half, half]
+    exec(change.code(), {"model": model})  # as printed: no import or name missing
+    assert run() == applied
+
+
+def test_the_printed_hf32_code_runs_as_pasted_and_turns_hf32_off_for_that_op_and_its_backward(npu):
+    torch.manual_seed(0)
+    x = (torch.randn(8, 16) + 1e4).to(npu)
+    model = TwoLinears().to(npu)
+    model.a, model.b = nn.Linear(16, 16).to(npu), nn.Linear(16, 16).to(npu)  # HF32 loses x's signal on its offset
+
+    def run() -> tuple:
+        torch.npu.matmul.allow_hf32 = True
+        try:
+            model.zero_grad()
+            out = model(x)
+            out.square().sum().backward()
+            assert torch.npu.matmul.allow_hf32  # turned off around `a` and its backward only
+            return out.detach().cpu(), model.a.weight.grad.cpu(), model.b.weight.grad.cpu()
+        finally:
+            torch.npu.matmul.allow_hf32 = False
+
+    change = FixChange("hf32_off", "Functional.linear", "a", "", "")
+    with PrecisionFixSession(PrecisionFix([change])):
+        applied = run()
+    before = run()
+    assert not torch.equal(before[0], applied[0])  # HF32 off for `a` changes the run
+    exec(change.code(), {"model": model})
+    pasted = run()
+    assert all(torch.equal(mine, theirs) for mine, theirs in zip(pasted, applied))
 
 
 def test_a_step_only_grad_scaler_skipped_gets_advice_not_precision_changes(tmp_path):
