@@ -86,11 +86,14 @@ def grouped_rows_matmul(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Te
     rows, n = x.shape[0], weight.shape[-1]
     if _is_fake(x):
         return x.new_empty(rows, n)
-    _check_offsets(offsets, rows, "x.size(0)")
+    grouped_rows = _check_offsets(offsets, rows, "x.size(0)")
     x_ready = _with_aligned_strides(_pad_to_alignment(x, (1,)))
     weight_ready = _with_aligned_strides(_pad_to_alignment(weight, (1, 2)))
-    out = torch._grouped_mm(x_ready, weight_ready, offs=offsets)[:, :n]
-    out[int(offsets[-1]):].zero_()  # host memory: reading the last offset costs no device sync
+    out = torch._grouped_mm(x_ready, weight_ready, offs=offsets)
+    if out.shape[1] != n:
+        out = out[:, :n]
+    if grouped_rows < rows:
+        out[grouped_rows:].zero_()
     return out
 
 
@@ -106,12 +109,14 @@ def grouped_reduce_matmul(a32: torch.Tensor, b32: torch.Tensor, offsets: torch.T
     return torch._grouped_mm(a_ready, b_ready, offs=offsets)[:, :m, :n]
 
 
-def _check_offsets(offsets: torch.Tensor, limit: int, what: str) -> None:
-    """The groups must tile a prefix of the split dim (torch._grouped_mm would read past it)."""
+def _check_offsets(offsets: torch.Tensor, limit: int, what: str) -> int:
+    """The groups must tile a prefix of the split dim (torch._grouped_mm would read past it); returns
+    the prefix's length (host memory: reading the offsets costs no device sync)."""
     ends = offsets.tolist()
     if any(end < start for start, end in zip([0] + ends[:-1], ends)) or ends[-1] > limit:
         raise ValueError(f"{_GMM}: group_list must give non-negative group sizes summing to at most {what} "
                          f"({limit}); as cumulative ends it is {ends}")
+    return ends[-1]
 
 
 def group_of_rows(offsets: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -56,16 +56,19 @@ def _target(op: str, argument: str, code: int | None, allowed: tuple[int, ...], 
     return _SCALAR_TYPES[code]
 
 
-def _saturate(values: torch.Tensor, target, in_range: bool = False) -> torch.Tensor:
+def _saturate(values: torch.Tensor, target, in_range: bool = False, in_place: bool = False) -> torch.Tensor:
     """fp32 values -> `target`: round half to even and saturate (integers), or the float8 cast.
-    `in_range`: the values are known to lie within the target's range (no clamp needed)."""
+    `in_range`: the values are known to lie within the target's range (no clamp needed).
+    `in_place`: values is the kernel's own fp32 working tensor, rounded and clamped where it is."""
     if target in _FLOAT8_MAX:
         bound = _FLOAT8_MAX[target]
-        return values.to(target) if in_range else values.clamp(-bound, bound).to(target)
+        if not in_range:
+            values = values.clamp_(-bound, bound) if in_place else values.clamp(-bound, bound)
+        return values.to(target)
     low, high = _INTEGER_RANGE[target]
-    rounded = torch.round(values)
+    rounded = values.round_() if in_place else torch.round(values)
     if not in_range:
-        rounded = rounded.clamp(low, high)
+        rounded = rounded.clamp_(low, high) if in_place else rounded.clamp(low, high)
     if target is INT4:
         return pack_int4(rounded.to(torch.int32))
     return rounded.to(target)
@@ -165,12 +168,13 @@ def npu_dynamic_quant(x, *, smooth_scales=None, group_index=None, dst_type=None,
     type_max = float(_FLOAT8_MAX.get(target, _INTEGER_RANGE.get(target, (0, 0))[1]))
     dtype_max = float(dst_type_max) if dst_type_max > 0 else type_max
     values = _smoothed(op, x, smooth_scales, group_index)
-    amax = _reduce(values.abs(), quant_mode, torch.amax)
+    # max |v| as max(max v, -min v): two reductions, no |v| temporary of x's size
+    amax = torch.maximum(_reduce(values, quant_mode, torch.amax), _reduce(values, quant_mode, torch.amin).neg_()).abs_()
     scale = amax / dtype_max
     # an all-zero row has scale 0: its values (all 0) are divided by 1 rather than 0
     # |values / scale| <= dtype_max by construction: no clamp unless dst_type_max exceeds the type
-    y = _saturate(values / torch.where(scale > 0, scale, torch.ones_like(scale)), target,
-                  in_range=dtype_max <= type_max)
+    y = _saturate(values.div_(torch.where(scale > 0, scale, torch.ones_like(scale))), target,
+                  in_range=dtype_max <= type_max, in_place=True)
     return y, _reduced_shape(scale, quant_mode)
 
 
@@ -194,7 +198,7 @@ def npu_dynamic_quant_asymmetric(x, *, smooth_scales=None, group_index=None, dst
     # a constant row has scale 0: divided by 1 instead (every value maps to DST_MAX)
     safe_scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     offset = high - row_max / safe_scale
-    y = _saturate(values / safe_scale + offset, target)
+    y = _saturate(values.div_(safe_scale).add_(offset), target, in_place=True)
     return y, _reduced_shape(scale, quant_mode), _reduced_shape(offset, quant_mode)
 
 
@@ -214,8 +218,9 @@ def _dynamic_target(op: str, x: torch.Tensor, dst_type, quant_mode: str, allowed
 
 
 def _smoothed(op: str, x: torch.Tensor, smooth_scales, group_index) -> torch.Tensor:
-    """x in fp32, multiplied by its smooth scales (per MoE expert's rows with group_index)."""
-    values = x.float()
+    """x in fp32, multiplied by its smooth scales (per MoE expert's rows with group_index): a fresh fp32
+    working tensor, which the callers update in place (no further full-size temporaries)."""
+    values = x.to(torch.float32, copy=True)
     if smooth_scales is None:
         return values
     if smooth_scales.shape[-1] != x.shape[-1]:
@@ -225,7 +230,7 @@ def _smoothed(op: str, x: torch.Tensor, smooth_scales, group_index) -> torch.Ten
     if group_index is None:
         if smooth.dim() != 1:
             raise ValueError(f"torch_npu.{op}: smooth_scales must be 1-D without group_index, got {smooth.dim()}-D")
-        return values * smooth
+        return values.mul_(smooth)
     # MoE: rows [group_index[e-1], group_index[e]) use smooth_scales[e]
     if smooth.dim() != 2 or group_index.dim() != 1 or group_index.shape[0] != smooth.shape[0]:
         raise ValueError(f"torch_npu.{op}: with group_index, smooth_scales must be (experts, H) and group_index "
@@ -233,7 +238,7 @@ def _smoothed(op: str, x: torch.Tensor, smooth_scales, group_index) -> torch.Ten
     rows = values.reshape(-1, x.shape[-1])
     row_ids = torch.arange(rows.shape[0], device=x.device, dtype=group_index.dtype)
     expert = torch.searchsorted(group_index, row_ids, right=True).clamp_max(smooth.shape[0] - 1)
-    return (rows * smooth[expert]).reshape(x.shape)
+    return rows.mul_(smooth[expert]).reshape(x.shape)
 
 
 def _reduce(values: torch.Tensor, quant_mode: str, reduction) -> torch.Tensor:
@@ -289,10 +294,17 @@ def npu_quantize(x, scales, zero_points, dtype, axis=1, div_mode=True):
             raise ValueError(f"torch_npu.{op}: {name} has {param.shape[0]} values, input's axis {axis} has "
                              f"{x.shape[axis]}")
     scale = _along_axis(scales.float(), x, axis)
-    values = x.float() / scale if div_mode else x.float() * scale
-    if zero_points is not None:
-        values = values + _along_axis(zero_points.float(), x, axis)
-    return _saturate(values, target)
+    zero_point = None if zero_points is None else _along_axis(zero_points.float(), x, axis)
+    # one fp32 working tensor, updated in place: x's fp32 copy (an fp32 x itself is not written), unless
+    # a parameter broadcasts x to a larger shape
+    fits = all(p is None or torch.broadcast_shapes(p.shape, x.shape) == x.shape for p in (scale, zero_point))
+    if x.dtype == torch.float32 or not fits:
+        values = x.float() / scale if div_mode else x.float() * scale
+    else:
+        values = x.float().div_(scale) if div_mode else x.float().mul_(scale)
+    if zero_point is not None:
+        values = values.add_(zero_point) if fits else values + zero_point
+    return _saturate(values, target, in_place=True)
 
 
 @fused_op("npu_anti_quant(Tensor x, Tensor scale, *, Tensor? offset=None, int? dst_dtype=None, "
@@ -315,13 +327,13 @@ def npu_anti_quant(x, scale, *, offset=None, dst_dtype=None, src_dtype=None):
     if scale.dim() != 1 or scale.shape[0] not in (1, values.shape[-1]):
         raise ValueError(f"torch_npu.{op}: scale must be 1-D with 1 or {values.shape[-1]} values, got "
                          f"{tuple(scale.shape)}")
-    result = values.float()
+    result = values.float()  # a fresh fp32 working tensor (from integers), updated in place
     if offset is not None:
         if offset.shape != scale.shape:
             raise ValueError(f"torch_npu.{op}: offset must have scale's shape {tuple(scale.shape)}, got "
                              f"{tuple(offset.shape)}")
-        result = result + offset.float()
-    return (result * scale.float()).to(target)
+        result.add_(offset.float())
+    return result.mul_(scale.float()).to(target)
 
 
 # ---- quantized matmuls ---------------------------------------------------------------------------
