@@ -68,6 +68,8 @@ class DumpEntry:
     # Python floats among the inputs, by suffix (`input.1`): a value taken out of a tensor with
     # .item() and passed back (`R - value.item()`) carries that tensor's difference with it.
     numbers: dict[str, float] = field(default_factory=dict)
+    # Python bools among a forward entry's inputs, by suffix (`input.5`: batch_norm's `training`).
+    flags: dict[str, bool] = field(default_factory=dict)
 
     @property
     def key(self) -> str:
@@ -343,11 +345,13 @@ class _LeafParser:
         self.contained = contained
         self.saw_producer = False
         self.entry_name = ""
+        self.flags: dict[str, bool] = {}  # the current entry's
 
     def entry(self, name: str, body: dict, parent, stack) -> DumpEntry:
         base, direction, _ = naming.split_entry_name(name)
         self.entry_name = name
         entry = DumpEntry(name, base, direction, parent=parent if isinstance(parent, str) else None, stack=stack)
+        self.flags = entry.flags
         if direction == naming.PARAMETERS_GRAD:
             for key, value in body.items():
                 if isinstance(value, list) and len(value) == 1:
@@ -397,6 +401,8 @@ class _LeafParser:
             kind = value.get("type")
             if kind in ("torch.Tensor", "mindspore.Tensor", "numpy.ndarray"):
                 into.append(self._tensor(value, leaf_name))
+            elif kind == "bool" and numbers is not None and isinstance(value.get("value"), bool):
+                self.flags[leaf_name[len(self.entry_name) + 1:]] = value["value"]
             elif kind == "float" and numbers is not None:
                 number = value.get("value")
                 if isinstance(number, int | float) and not isinstance(number, bool) and math.isfinite(number):
