@@ -673,6 +673,233 @@ def _err(row: Row) -> float:
     return 0.0 if row.negligible or row.error is None else row.error
 
 
+def _size(row: Row) -> float:
+    """The tensor's L2 norm, the target's at the golden run's scale (a loss-scaled backward)."""
+    golden = _norm(row.golden, row.metrics.golden_stats if row.metrics else None)
+    target = _norm(row.target, row.metrics.target_stats if row.metrics else None) * row.target_scale
+    return max(golden, target)
+
+
+def _absolute_error(row: Row) -> float:
+    """||target - golden|| estimated from the relative error (noise-level rows included: a
+    gradient too small to matter for its own op can still be all another op receives)."""
+    if row.error is None:
+        return 0.0
+    return math.inf if row.error == math.inf else row.error * _size(row)
+
+
+class _GradientFlow:
+    """Where one dump's gradients flow, from its forward producer links: the gradient arriving at an
+    op's output is the sum of what the backwards of the ops that used the output computed for it,
+    and a weight's gradient is the sum of what the backwards of the ops that used the weight
+    computed for it. Api-level links only: a module's backward lists gradients only for the
+    arguments that need one, so its positions are not its arguments'."""
+
+    def __init__(self, dump: RankDump, rows_by_target_entry: dict, uses: dict, has_api_entries: bool,
+                 amplification: float) -> None:
+        self.entries = dump.by_name()
+        self.rows = rows_by_target_entry
+        self.uses = uses if has_api_entries else {}
+        self.amplification = amplification
+
+    def computed_for(self, users: list[tuple[DumpEntry, str]]) -> list[Row] | None:
+        """The rows of the gradients the backwards of `users` (entry, argument suffix) computed for
+        that argument; None when one of them cannot be accounted for (its backward holds no such
+        row, or it is not measured)."""
+        computed = []
+        for user, suffix in users:
+            if user.direction != naming.FORWARD:
+                continue
+            # a backward's `output.i` is its gradient for the i-th tensor argument
+            position = next((i for i, leaf in enumerate(user.inputs) if leaf.suffix == suffix), None)
+            backward = self.rows.get(naming.with_direction(user.name, naming.BACKWARD), [])
+            row = next((row for row in backward if row.role == "output" and row.target is not None
+                        and row.target.suffix == f"output.{position}"), None)
+            if row is None:
+                if any(leaf.requires_grad is not False for leaf in user.outputs):
+                    return None
+                continue  # no gradient flows back through it (.detach(), a comparison, .item())
+            if row.error is None:
+                return None
+            computed.append(row)
+        return computed
+
+    def incoming(self, entry: DumpEntry, row: Row, warn: float) -> tuple[str, object] | None:
+        """How the gradient `row`, arriving at backward `entry`, relates to what the ops that used that
+        output computed for it: ("changed", (their names, their error)) when it differs from them by
+        more than their error explains (something outside the dumped ops changed it on its way);
+        ("amplified", row) when it is one op's gradient whose error is far above the error of the
+        gradient that op received; ("undumped", None) when no dumped op used the output;
+        ("explained", None) otherwise; None when the dump cannot tell."""
+        forward = self.entries.get(_forward_of(entry.name))
+        incoming = [leaf for leaf in entry.inputs]
+        if forward is None or row.target is None or row.error is None or not self.uses \
+                or len(forward.outputs) != len(incoming) or row.target not in incoming:
+            return None
+        output = forward.outputs[incoming.index(row.target)]
+        users = self.uses.get(output.name, [])
+        if not users:
+            return "undumped", None
+        computed = self.computed_for(users)
+        if computed is None:
+            return None
+        bound = sum(_absolute_error(each) for each in computed)
+        if _absolute_error(row) > self.amplification * bound + warn * _size(row):
+            names = ", ".join(sorted({each.target_entry for each in computed}))
+            return "changed", (names, max((each.error for each in computed), default=0.0))
+        carrier = max(computed, key=_absolute_error, default=None)
+        if carrier is None or carrier.error <= warn:
+            return "explained", None
+        received = max((each.error for each in self.rows.get(carrier.target_entry, [])
+                        if each.role == "input" and each.error is not None), default=0.0)
+        if carrier.error > self.amplification * received:
+            return "amplified", carrier
+        return "explained", None
+
+    def for_parameter(self, entry: DumpEntry, row: Row, lineage: _Lineage) -> list[Row] | None:
+        """The rows of the gradients the backward ops computed for the parameter of gradient row `row`
+        (of parameters_grad entry `entry`), over every call that used it; None when unknown."""
+        if not self.uses or row.target is None:
+            return None
+        module = entry.name.partition(f".{naming.PARAMETERS_GRAD}")[0] + f".{naming.FORWARD}."
+        suffix = f"parameters.{row.target.suffix}"
+        leaf = next((leaf for name, each in self.entries.items() if name.startswith(module)
+                     for leaf in each.params if leaf.suffix == suffix), None)
+        if leaf is None:
+            return None
+        root = lineage.origin(leaf)
+        holder = self.entries.get(_entry_of_leaf(root.name))
+        if holder is None or holder.name.startswith("Module.") or root.suffix.startswith("output"):
+            return None  # no api call took the parameter itself
+        computed = self.computed_for([(holder, root.suffix)] + self.uses.get(root.name, []))
+        if computed is None or not computed or any(each.target.shape != row.target.shape for each in computed):
+            return None  # a shard (FSDP) is not the sum of the full gradients
+        return computed
+
+
+def _changed_after_backward(entry_rows: list[Row], entry: DumpEntry, gradients: _GradientFlow, lineage: _Lineage,
+                            rows: list[Row], order: int, warn: float,
+                            thresholds: Thresholds) -> tuple[str, float, float] | None:
+    """(reason, input error, output error) when a parameter's gradient, as the optimizer got it,
+    has an error the gradients the backward computed for it do not explain: it was changed after
+    the backward (a hook on the parameter). Without the links to tell, when it is the first error
+    of the step (no tensor before it was above its warn limit)."""
+    for row in entry_rows:
+        if row.verdict != ERROR or row.negligible or row.error is None or row.target is None:
+            continue
+        computed = gradients.for_parameter(entry, row, lineage)
+        if computed is not None:
+            bound = sum(_absolute_error(each) for each in computed)
+            if _absolute_error(row) <= thresholds.amplification * bound + warn * _size(row):
+                continue
+            computed_error = max(each.error for each in computed)
+            names = ", ".join(sorted({each.target_entry for each in computed}))
+            return (f"the gradient of {row.target.suffix} as the optimizer got it differs (error {_fmt(row.error)})"
+                    f" from the one the backward computed for it ({names}: error {_fmt(computed_error)}): it was"
+                    " changed after the backward (a hook on the parameter (register_hook), code between backward()"
+                    " and the optimizer step, or a gradient collective that brought another rank's difference)",
+                    computed_error, row.error)
+        if _first_error_here(rows, order, warn):
+            return (f"the gradient of {row.target.suffix} as the optimizer got it differs (error {_fmt(row.error)})"
+                    " while every tensor before it matched: it was changed after the backward (a hook on the"
+                    " parameter (register_hook), code between backward() and the optimizer step)", 0.0, row.error)
+    return None
+
+
+def _backward_amplifier(pair_label: str, computed: Row, its_rows: list[Row], dump: RankDump,
+                        out_err: float) -> Divergence:
+    """The backward whose gradient for an argument (row `computed`) has an error far above the error
+    of the gradient it received: it amplifies, although its gradient is below the noise level of its
+    own gradients (a softmax over saturated logits gives a gradient 1e-4 of the one it gets)."""
+    entry = dump.by_name()[computed.target_entry]
+    received = [row for row in its_rows if row.role == "input" and row.error is not None]
+    in_err = max((row.error for row in received), default=0.0)
+    size = max((_size(row) for row in received), default=0.0)
+    ratio = f"{_size(computed) / size:.2g}x" if size else "a fraction of"
+    times = f"{computed.error / in_err:.3g}x" if in_err else "while there is none in"
+    reason = (f"this backward amplifies the error: its gradient for {computed.target.suffix.replace('output', 'input')}"
+              f" has error {_fmt(computed.error)}, {times} the error of the gradient it received"
+              f" ({_fmt(in_err)}). That gradient is {ratio} the size of the received one: a small"
+              " difference of large forward values (a softmax over saturated logits, a norm over near-constant"
+              " values, a division by a small value), which the run's precision does not resolve. Compute this op"
+              " and the values it takes in fp32, or keep them in a range where it does not saturate")
+    return Divergence(pair=pair_label, entry=entry.name, golden_entry=entry.name, reason=reason,
+                      module_path=entry_module_path(entry, dump), stack=entry_stack(entry, dump),
+                      input_error=in_err, output_error=max(out_err, computed.error))
+
+
+# Ops that write tensor arguments in place besides computing their result (a batch norm's running
+# statistics, while training): the dump measures those arguments after the call, so their values
+# there are the op's results. base name -> (argument suffixes, the `training` flag, its default).
+_WRITES_ARGUMENTS = {
+    "Functional.batch_norm": (("input.1", "input.2"), "input.5", False),
+    "Torch.batch_norm": (("input.3", "input.4"), "input.5", False),
+    "Functional.instance_norm": (("input.1", "input.2"), "input.5", True),
+    "Torch.instance_norm": (("input.3", "input.4"), "input.5", True),
+}
+
+
+def _written_by_call(entry: DumpEntry) -> tuple[str, ...]:
+    written = _WRITES_ARGUMENTS.get(entry.base) if entry.direction == naming.FORWARD else None
+    if written is None:
+        return ()
+    suffixes, flag, default = written
+    return suffixes if entry.flags.get(flag, default) else ()
+
+
+# torch.finfo(dtype).min/max/eps/tiny of the floating dtypes: a program's constant in the dtype it runs in.
+_FINFO = {
+    "torch.float16": {"max": 65504.0, "eps": 2.0 ** -10, "tiny": 2.0 ** -14},
+    "torch.bfloat16": {"max": 3.3895313892515355e38, "eps": 2.0 ** -7, "tiny": 2.0 ** -126},
+    "torch.float32": {"max": 3.4028234663852886e38, "eps": 2.0 ** -23, "tiny": 2.0 ** -126},
+    "torch.float64": {"max": 1.7976931348623157e308, "eps": 2.0 ** -52, "tiny": 2.0 ** -1022},
+}
+
+
+def _finfo_names(value: float, dtypes: set[str]) -> set[str]:
+    """Which torch.finfo(d) field of one of `dtypes` the number is ("min", "eps" ...)."""
+    names = set()
+    for dtype in dtypes:
+        for name, constant in _FINFO.get(dtype, {}).items():
+            if value == constant:
+                names.add(name)
+            elif name == "max" and value == -constant:
+                names.add("min")
+    return names
+
+
+def _accept_dtype_constants(golden: DumpEntry, target: DumpEntry, outputs: list[Row], rows: list[Row]) -> None:
+    """The rows of a call's outputs (and of the ops' inputs that take them) that differ because the
+    call filled each run's finfo constant: shown as warnings saying so, not as errors."""
+    constants = ", ".join(f"{suffix} {golden.numbers[suffix]:g} / {value:g}" for suffix, value in target.numbers.items()
+                          if golden.numbers.get(suffix, value) != value)
+    message = (f"differs where filled with torch.finfo constants of each run's dtype ({constants}): the same"
+               " program; what uses the values is judged")
+    names = {row.target.name for row in outputs if row.target is not None}
+    for row in rows:
+        if row.verdict == ERROR and row.target is not None and (
+                row.target.name in names or row.target.producer in names):
+            row.verdict, row.message = WARN, message
+
+
+def _dtype_constants_differ(golden: DumpEntry, target: DumpEntry) -> bool:
+    """True when the numbers the two calls took differ, and each only as the same torch.finfo field
+    of the dtype each run computes in (finfo(att.dtype).min: -3.4e38 in fp32, -65504 in fp16)."""
+    golden_dtypes = {leaf.dtype for leaf in golden.leaves()}
+    target_dtypes = {leaf.dtype for leaf in target.leaves()}
+    if golden_dtypes == target_dtypes:
+        return False
+    differ = False
+    for suffix, value in target.numbers.items():
+        other = golden.numbers.get(suffix)
+        if other is None or other == value:
+            continue
+        if not _finfo_names(value, target_dtypes) & _finfo_names(other, golden_dtypes):
+            return False
+        differ = True
+    return differ
+
+
 def find_divergence(pair_label: str, pairs: list, rows: list[Row], golden: RankDump, target: RankDump,
                     thresholds: Thresholds, search_backward: bool = True) -> Divergence | None:
     """The first op, in the target's execution order, where the two runs start to differ.
@@ -697,12 +924,15 @@ def find_divergence(pair_label: str, pairs: list, rows: list[Row], golden: RankD
     updated = step is not None and step > 0  # the weights have been through an optimizer step
     has_api_entries = any(not entry.name.startswith("Module.") for entry in target.entries)
     consumers: dict[str, list[DumpEntry]] = {}  # output leaf name -> entries that took it as input
+    uses: dict[str, list[tuple[DumpEntry, str]]] = {}  # the same, with the argument (`input.1`) it was
     for entry in target.entries:
         if has_api_entries and entry.name.startswith("Module."):
             continue  # a mix-level dump: the api entries inside a module are the ops that use a value
         for leaf in entry.inputs:
             if leaf.producer is not None:
                 consumers.setdefault(leaf.producer, []).append(entry)
+                uses.setdefault(leaf.producer, []).append((entry, leaf.suffix))
+    gradients = _GradientFlow(target, rows_by_target_entry, uses, has_api_entries, thresholds.amplification)
     golden_items, target_items = _single_values(golden), _single_values(target)
     # What the run's precision explains in a result (a loss, the step's gradient): more than one op's
     # rounding, up to `amplification` times its warn limit (5% for fp16 and HF32, 30% for bf16).
@@ -714,27 +944,48 @@ def find_divergence(pair_label: str, pairs: list, rows: list[Row], golden: RankD
     # (all weights' gradients as one vector, as clip_grad_norm_ sees it) within what the run's
     # precision explains changed nothing the step updates.
     update_error = _gradient_error(rows)
-    consequential = update_error > update_limit
+    # ... and a weight whose own gradient is error-sized is updated wrongly, however small its share
+    # of the whole gradient (an HF32 cancellation: the layers after it got 100%-off gradients beside
+    # a residual branch's gradient 100x larger, the loss 2 off).
+    consequential = update_error > update_limit or any(
+        _err(row) > thresholds.error_rel_l2 for row in rows
+        if row.target_entry is not None and naming.split_entry_name(row.target_entry)[1] == naming.PARAMETERS_GRAD)
     for order, (golden_entry, target_entry) in enumerate(pairs):
         entry = target_entry or golden_entry
         after_backward = after_backward or entry.direction == naming.BACKWARD
         if golden_entry is None or target_entry is None:
             last_unmatched = (golden_entry, target_entry)
             continue
-        if target_entry.direction == naming.PARAMETERS_GRAD:
-            continue
         if after_backward and not search_backward:
             break  # the backward (and what follows it) comes after the whole forward
         entry_rows = rows_by_entry.get(order, [])
         warn = thresholds.limits(_weakest(_entry_class(target_entry, hf32), run_class)).warn_rel_l2
-        outputs = [row for row in entry_rows if row.role == "output" and row.error is not None]
-        inputs = [row for row in entry_rows if row.role in ("input", "param") and row.error is not None]
+        if target_entry.direction == naming.PARAMETERS_GRAD:
+            # (two tools write a parameter's gradient at other moments: msprobe as the backward
+            # leaves the module, npukit as the optimizer starts, after clipping)
+            changed = None if cross_tool else _changed_after_backward(entry_rows, target_entry, gradients, target_lineage, rows, order,
+                                              warn, thresholds)
+            if changed is not None:
+                return _make_divergence(pair_label, target_entry, golden_entry, changed[0], target, changed[1],
+                                        changed[2])
+            continue
+        # The running statistics a batch norm updates in place are measured after the call: its results.
+        written = _written_by_call(target_entry)
+        outputs = [row for row in entry_rows if row.error is not None and (
+            row.role == "output" or row.target is not None and row.target.suffix in written)]
+        inputs = [row for row in entry_rows if row.role in ("input", "param") and row.error is not None
+                  and row.target is not None and row.target.suffix not in written]
         if not outputs and target_entry.direction != naming.BACKWARD:
             continue
         out_err = max((_err(row) for row in outputs), default=0.0)
         found = None  # (culprit entry name, side, reason)
         activation_errors = []
         source_errors = []
+        if _dtype_constants_differ(golden_entry, target_entry):
+            # masked_fill(~mask, torch.finfo(att.dtype).min) in fp32 and fp16: the same program, its
+            # constant in each run's dtype. The filled elements differ by design; what uses them is judged.
+            _accept_dtype_constants(golden_entry, target_entry, outputs, rows)
+            continue
         number_error, number = _number_error(golden_entry, target_entry, golden_items, target_items)
         if number is not None and number_error > warn and out_err > warn:
             suffix, golden_value, target_value = number
@@ -766,8 +1017,19 @@ def find_divergence(pair_label: str, pairs: list, rows: list[Row], golden: RankD
                 # A cross-tool pair leaves the api backwards out (see _comparable_entries): the ops that
                 # made this gradient are compared in neither dump, so no divergence is drawn from it.
                 continue
-            elif kind == "gradient" and _first_error_here(rows, order, warn):
-                found = (target_entry.name, "gradient-gap", row)
+            elif kind == "gradient":
+                judged = gradients.incoming(target_entry, row, warn)
+                if judged is not None and judged[0] == "changed":
+                    found = (target_entry.name, "gradient-changed", row, judged[1])
+                elif not _first_error_here(rows, order, warn):
+                    continue
+                elif judged is not None and judged[0] == "amplified":
+                    # the op using this value amplified the gradient (a saturated softmax): its rows
+                    # were below the noise level of its own gradients, so it was not named there
+                    return _backward_amplifier(pair_label, judged[1],
+                                               rows_by_target_entry.get(judged[1].target_entry, []), target, out_err)
+                elif judged is None or judged[0] == "undumped":
+                    found = (target_entry.name, "gradient-gap", row)
         if found:
             return _divergence(pair_label, found, golden, target, out_err)
         in_err = max(activation_errors, default=0.0)
@@ -781,19 +1043,30 @@ def find_divergence(pair_label: str, pairs: list, rows: list[Row], golden: RankD
                 limit = thresholds.error_rel_l2
         elif target_entry.direction == naming.BACKWARD:
             forward_rows = rows_by_target_entry.get(_forward_name(target_entry), [])
-            if run_class != "fp32" or any(_err(row) > 0 for row in forward_rows if row.role in ("input", "param")):
+            forward_errors = [_err(row) for row in forward_rows if row.role in ("input", "param")]
+            if run_class != "fp32" or any(error > 0 for error in forward_errors):
                 # The backward ran on other forward values (low-precision activations): a relu's or
                 # max-pool's mask, a BatchNorm's statistics turn them into gradient differences of a
                 # few percent, as every mixed-precision run has (and statistics dumps underestimate
                 # the incoming part). Only an error-sized difference is a divergence.
                 limit = thresholds.error_rel_l2
+            # A backward computes with its forward's values too: their error is one of its inputs'
+            # (after a step that moved the weights apart, pow's backward is 2*x*grad of another x).
+            in_err = max([in_err, *forward_errors])
         if out_err <= limit:
             continue
         if in_err <= warn and source_err > warn:
-            reason = (f"a weight or input that no dumped op produced differs (error {_fmt(source_err)});"
-                      f" output error {_fmt(out_err)}. If the runs were not seeded alike (scripts that never"
-                      " call manual_seed start from other weights each run), run both with `npu-run --seed N`;"
-                      " a data difference: `--replay DIR`")
+            if updated:
+                # after an optimizer step: a buffer an earlier step wrote (running statistics) or data
+                reason = (f"an input that no dumped op of this step produced differs (error {_fmt(source_err)});"
+                          f" output error {_fmt(out_err)}: state an earlier step updated (a batch norm's running"
+                          " statistics, a buffer), whose compare shows where it began, or data that differs"
+                          " (`--replay DIR`)")
+            else:
+                reason = (f"a weight or input that no dumped op produced differs (error {_fmt(source_err)});"
+                          f" output error {_fmt(out_err)}. If the runs were not seeded alike (scripts that never"
+                          " call manual_seed start from other weights each run), run both with `npu-run --seed N`;"
+                          " a data difference: `--replay DIR`")
             return _make_divergence(pair_label, target_entry, golden_entry, reason, target, in_err, out_err)
         # A product whose result is far smaller than its operands (a 128->1 value head near 0) grows
         # their relative error by that ratio: the error it is expected to give.
@@ -1020,7 +1293,7 @@ def _entry_of_leaf(leaf_name: str) -> str:
 
 
 def _divergence(pair_label, found, golden, target, out_err) -> Divergence:
-    name, side, row = found
+    name, side, row = found[:3]
     consumer = row.target_entry
     dump = target
     if side == "target-only":
@@ -1030,6 +1303,12 @@ def _divergence(pair_label, found, golden, target, out_err) -> Divergence:
     elif side == "golden-only":
         reason = f"call present only in the golden run (missing in the target); {consumer} input error {_fmt(row.error)}"
         dump = golden
+    elif side == "gradient-changed":
+        computed, computed_error = found[3]
+        reason = (f"the gradient arriving at this backward differs (error {_fmt(row.error)}) from the one"
+                  f" {computed} computed for it (error {_fmt(computed_error)}): it was changed between the two,"
+                  " outside the dumped ops (a hook on this op's output (Tensor.register_hook), a custom autograd"
+                  " Function)")
     elif side == "gradient-gap":
         reason = (f"the gradient arriving at this backward differs (error {_fmt(row.error)}) while every"
                   " gradient before it matched: it was changed outside the dumped ops (a custom autograd"
