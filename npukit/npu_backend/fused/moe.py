@@ -186,6 +186,11 @@ def _expert_token_counts(sorted_experts, valid_sorted, start, end, expert_num, t
     hits = (sorted_experts - start).clamp(0, experts_in_range - 1)
     counts = torch.zeros(experts_in_range, dtype=torch.int64, device=sorted_experts.device)
     counts = counts.index_add_(0, hits, valid_sorted.to(torch.int64))
+    return _token_counts_output(counts, start, end, expert_num, tokens_num_type)
+
+
+def _token_counts_output(counts, start, end, expert_num, tokens_num_type):
+    """The tokens of each expert in [start, end) (int64) as expert_tokens_num_type asks for them."""
     if tokens_num_type == 0:
         return counts.cumsum(0)
     if tokens_num_type == 1:
@@ -215,6 +220,11 @@ def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_nu
     rows, k = expert_idx.shape
     pairs = rows * k
     device = x.device
+    if drop_pad_mode == 0 and pairs and not _is_fake(x):
+        lowest, highest = (int(bound) for bound in torch.aminmax(expert_idx))  # host memory: no device sync
+        if end <= 0 or (lowest >= start and highest < end):
+            return _init_v2_all_active(x, expert_idx.reshape(-1), scale, k, active_num, start, end, expert_num,
+                                       expert_tokens_num_type, expert_tokens_num_flag, row_idx_type)
     flat_experts = expert_idx.reshape(-1).long()
     valid = (flat_experts >= start) & (flat_experts < end) if end > 0 else torch.ones_like(flat_experts, dtype=torch.bool)
     # experts outside the active range sort last; equal experts keep their flat order i*K + j
@@ -265,6 +275,34 @@ def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_nu
         expanded_scale = expanded_scale.new_zeros(out_rows + 1).index_copy_(
             0, landing, upcast(scale)[token_of_sorted].float())[:out_rows]
     return expanded_x, expanded_row_idx.to(torch.int32), token_counts, expanded_scale
+
+
+def _init_v2_all_active(x, flat_experts, scale, k, active_num, start, end, expert_num, tokens_num_type,
+                        tokens_num_flag, row_idx_type):
+    """npu_moe_init_routing_v2, dropless, when every pair's expert is in the active range (the usual
+    call): the general path's outputs without its bookkeeping of inactive pairs (a third of its ops)."""
+    pairs = flat_experts.shape[0]
+    order = torch.argsort(flat_experts, stable=True)  # equal experts keep their flat order i*K + j
+    token_of_sorted = order // k
+    out_rows = pairs if active_num <= 0 else min(active_num, pairs)
+    if out_rows < pairs:
+        token_of_sorted = token_of_sorted[:out_rows]
+    expanded_x = x.index_select(0, token_of_sorted)
+    if row_idx_type == 0:  # gather index: each flat pair's row of expanded_x (its sorted position)
+        expanded_row_idx = torch.empty(pairs, dtype=torch.int32, device=x.device).scatter_(
+            0, order, torch.arange(pairs, dtype=torch.int32, device=x.device))
+    else:  # scatter index: the flat pair of each sorted position
+        expanded_row_idx = order.to(torch.int32)
+    if tokens_num_flag:
+        counts = torch.bincount(flat_experts - start if start else flat_experts, minlength=end - start)
+        token_counts = _token_counts_output(counts, start, end, expert_num, tokens_num_type)
+    else:
+        token_counts = torch.zeros((), dtype=torch.int64, device=x.device)
+    if scale is None:
+        expanded_scale = torch.zeros(out_rows, dtype=torch.float32, device=x.device)
+    else:
+        expanded_scale = upcast(scale)[token_of_sorted].float()
+    return expanded_x, expanded_row_idx, token_counts, expanded_scale
 
 
 # ---- finalize routing, expert token counts ------------------------------------------------------------
