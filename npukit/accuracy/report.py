@@ -389,11 +389,11 @@ def pair_notes(result: CompareResult, pair) -> list[tuple[str, str, str]]:
         notes.append(("yellow", f"the golden run was not fp32{where}", f": {pair.golden_low_precision} (the code casts"
                       " to a compute dtype itself; --golden only runs autocast regions in fp32): errors below are"
                       " measured against a low-precision reference"))
-    casts_only = set(pair.unmatched_golden + pair.unmatched_target) <= set(pair.noop_casts)
-    if pair.aligned and casts_only:
+    unmatched = set(pair.unmatched_golden + pair.unmatched_target)  # aligned with none: only the order differed
+    if pair.aligned and unmatched and unmatched <= set(pair.noop_casts):
         notes.append(("dim", f"{', '.join(pair.noop_casts)}{where}: a cast that changed nothing in the other run (its"
                       " tensor had that dtype already) has no backward there; the op streams are the same", ""))
-    elif pair.aligned:
+    elif pair.aligned and unmatched:
         notes.append(("yellow", f"op streams differ{where}", f": aligned by sequence ({len(pair.unmatched_target)} calls"
                       f" only in target, {len(pair.unmatched_golden)} only in golden)"))
     return notes
