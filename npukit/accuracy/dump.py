@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
-from npukit.accuracy import eager, graph, naming
+from npukit.accuracy import eager, graph, msprobe_config, naming
 from npukit.accuracy._stats import stats as one_pass_stats
 from npukit.accuracy.dumpfile import DUMPED_BY, HF32_OPS
 from npukit.accuracy.scaler_steps import GradScalerStepWatch
@@ -350,6 +350,9 @@ class _StepRecord:
         self.seen: dict[int, tuple] = {}
         # id(tensor) -> (weakref, version) of tensors holding uninitialized memory
         self.uninitialized: dict[int, tuple] = {}
+        # id(tensor) -> (weakref, version, leaf name) of outputs of apis left out (--dump-ops): where
+        # the value they pass on was recorded, so the op using them still names its producer
+        self.carried: dict[int, tuple] = {}
         self.stacks = CallStacks(_MAX_STACK_FRAMES)
         self.counter = naming.CallCounter()
         self.skipped_at_loss_scale: float | None = None  # GradScaler skipped the optimizer step
@@ -489,6 +492,7 @@ class DumpSession:
         rank: int | None = None,
         ranks: str | None = None,
         tensor_format: str = "pt",
+        ops: str | None = None,
     ) -> None:
         if level not in LEVELS:
             raise UserError(f"--dump-level: {level!r} is not one of {', '.join(LEVELS)}")
@@ -506,6 +510,10 @@ class DumpSession:
             naming.module_path_of(item) or item for item in parse_name_list(scope, "--dump-scope") or ()
         ) or None
         self.names = parse_name_list(names, "--dump-list")
+        # Which apis (msprobe_config.OP_SETS): by default those msprobe records by default, its whole
+        # support list when a scope or list selects (as msprobe does).
+        self.ops = msprobe_config.check_op_set(ops) if ops is not None \
+            else "msprobe-all" if self.scope or self.names else "focus"
         self.rank = rank_from_env() if rank is None else rank
         selected_ranks = parse_steps(ranks, "--dump-ranks")
         # A rank outside the list installs nothing: its training runs at full speed.
@@ -773,6 +781,8 @@ class DumpSession:
 
     # ------------------------------------------------------------------ apis
     def _record_api(self, api: str, func, args, kwargs):
+        if not msprobe_config.api_recorded(self.ops, api):
+            return self._pass_through(api, func, args, kwargs)
         record = self._record
         index = record.counter.next(api)
         name = naming.api_entry_name(api, index)
@@ -815,6 +825,39 @@ class DumpSession:
         if torch.is_grad_enabled():
             self._hook_api_backward(api, index, args, kwargs, out_tensors, before)
         return output
+
+    def _pass_through(self, api: str, func, args, kwargs):
+        """Run an api the op set leaves out. Its outputs carry where its (first) input was recorded:
+        the op that uses them names that producer, as if the left-out op were not there."""
+        inputs = tensors_in((args, kwargs))
+        if api in naming.OVERWRITES_FIRST_INPUT:
+            inputs = inputs[1:]  # x.copy_(y) holds y's values
+        if api.endswith("_like") or api.startswith("Tensor.new_"):
+            inputs = []  # a new tensor of that shape: not its values
+        origin = next((found for found in map(self._recorded_as, inputs) if found is not None), None)
+        in_place = api in naming.UNINITIALIZED_OUTPUT and naming.writes_its_input(api, args, kwargs)
+        numel_before = args[0].numel() if in_place and isinstance(args[0], torch.Tensor) else 0
+        output = func(*args, **kwargs)
+        for tensor in tensors_in(output):
+            try:
+                if origin is not None:
+                    self._record.carried[id(tensor)] = (weakref.ref(tensor), _version(tensor), origin)
+                # torch.empty_like's memory (or a growing resize_'s): still marked where an op reads it
+                if api in naming.UNINITIALIZED_OUTPUT and not (in_place and tensor.numel() <= numel_before):
+                    self._record.uninitialized[id(tensor)] = (weakref.ref(tensor), _version(tensor))
+            except TypeError:
+                pass
+        return output
+
+    def _recorded_as(self, tensor: torch.Tensor) -> str | None:
+        """The leaf that first recorded this tensor's present value (directly or carried through
+        left-out apis), or None."""
+        version = _version(tensor)
+        for table, position in ((self._record.seen, 3), (self._record.carried, 2)):
+            found = table.get(id(tensor))
+            if found is not None and found[0]() is tensor and found[1] == version:
+                return found[position]
+        return None
 
     def _hook_api_backward(self, api, index, args, kwargs, out_tensors, before=None) -> None:
         """One backward entry per api call, whatever autograd nodes it made (which can differ
@@ -957,6 +1000,10 @@ class DumpSession:
             if slot is None:
                 slot = record.stats.add(tensor)
             producer = leaf_name
+            if not is_output:
+                carried = self._record.carried.get(key)
+                if carried is not None and carried[0]() is tensor and carried[1] == version:
+                    producer = carried[2]
             data_name = self._write_data(tensor, leaf_name) if self.mode == "tensor" else None
             try:
                 record.seen[key] = (weakref.ref(tensor), version, slot, producer, data_name)
