@@ -44,6 +44,8 @@ class RunOptions:
     dump_steps: str | None = None
     dump_scope: str | None = None
     dump_list: str | None = None
+    dump_ops: str | None = None  # msprobe_config.OP_SETS; None: DumpSession's default (msprobe's)
+    dump_config: Path | None = None  # msprobe's config.json
     replay: Path | None = None
     precision_fix: Path | None = None
     detect_overflow: bool = False
@@ -241,12 +243,11 @@ def _enter_sessions(options: RunOptions, stack: contextlib.ExitStack, sessions: 
         from npukit.accuracy.fixes import PrecisionFix, PrecisionFixSession
 
         sessions.append(stack.enter_context(PrecisionFixSession(PrecisionFix.load(options.precision_fix))))
-    if options.dump is not None:
+    dump_options = _dump_options(options)
+    if dump_options is not None:
         from npukit.accuracy.dump import DumpSession
 
-        sessions.append(stack.enter_context(DumpSession(options.dump, level=options.dump_level, mode=options.dump_mode,
-                                        steps=options.dump_steps, scope=options.dump_scope,
-                                        names=options.dump_list, tensor_format=options.dump_tensor_format)))
+        sessions.append(stack.enter_context(DumpSession(**dump_options)))
     if options.detect_overflow:
         from npukit.accuracy.overflow import OverflowSession
 
@@ -325,7 +326,38 @@ def _is_runner_frame(filename: str) -> bool:
     return os.path.abspath(filename) in {os.path.abspath(__file__), os.path.abspath(runpy.__file__)}
 
 
+def _dump_options(options: RunOptions) -> dict | None:
+    """DumpSession's arguments: from --dump and the --dump-* options, or from --dump-config (msprobe's
+    config.json, with --dump or its dump_path). None without a dump."""
+    from npukit.accuracy.msprobe_config import check_op_set, load_dump_config
+
+    if options.dump_ops is not None:
+        check_op_set(options.dump_ops)
+    if options.dump_config is None:
+        if options.dump is None:
+            return None
+        return {"out_dir": options.dump, "level": options.dump_level, "mode": options.dump_mode,
+                "steps": options.dump_steps, "scope": options.dump_scope, "names": options.dump_list,
+                "tensor_format": options.dump_tensor_format, "ops": options.dump_ops}
+    config = load_dump_config(options.dump_config)
+    defaults = RunOptions(script="")
+    given = [flag for flag, field in (("--dump-level", "dump_level"), ("--dump-mode", "dump_mode"),
+                                      ("--dump-steps", "dump_steps"), ("--dump-scope", "dump_scope"),
+                                      ("--dump-list", "dump_list"))
+             if getattr(options, field) != getattr(defaults, field)]
+    if given:
+        raise UserError(f"--dump-config {options.dump_config} says what {', '.join(given)} would: give one or the other")
+    out_dir = options.dump or config.dump_path
+    if out_dir is None:
+        raise UserError(f"--dump-config {options.dump_config} has no dump_path: give --dump DIR")
+    session = config.session_options()
+    if options.dump_ops is not None:  # more (or fewer) apis than the config's risk level
+        session["ops"] = options.dump_ops
+    return {"out_dir": out_dir, "tensor_format": options.dump_tensor_format, **session}
+
+
 def main(options: RunOptions) -> int:
+    _dump_options(options)  # a bad --dump-config or --dump-ops fails here, before any rank starts
     if options.nproc_per_node is not None:
         return _launch_torchrun(options)
     if options.nnodes != 1 or any(value is not None for value in (options.rdzv_endpoint, options.rdzv_conf,
