@@ -8,16 +8,18 @@ computed in HF32, a fill with +-inf made finite. The step is run again (the user
 run is compared with the golden dump: a set fixes the run when that compare finds no divergence.
 The search bisects prefixes of the candidate list (nearest the problem first): all candidates
 first (if they do not fix it, nothing smaller will), then the shortest prefix that still fixes it,
-whose last candidate is then needed; that one is kept, tried alone, and the search goes on in the
-candidates before it until what is kept fixes the run. A change repeated in every block (`blocks.*.fc`,
-one candidate for all of them) that is part of the fix is then refined the same way over its blocks,
-those whose ops are off first: the fewest blocks that still fix it (`blocks.6.fc`, `blocks.7.fc`).
-Every set kept fixes the run and no change (or block) of the fix can be dropped.
+whose last candidate is then needed; that one is kept, and the search goes on in the candidates
+before it, first trying those kept alone, until what is kept fixes the run. A change repeated in
+every block (`blocks.*.fc`, one candidate for all of them) that is part of the fix is then narrowed
+the same way over its blocks, those whose ops are off last and each round first trying the blocks
+without the last one: the fewest blocks that still fix it (`blocks.6.fc`, `blocks.7.fc`). Every set
+kept fixes the run, and no change (or block) of the fix can be dropped.
 
 Runs, for K candidates and a fix of d changes: at most 1 + d*(ceil(log2 K) + 1) (ceil(log2 K) + 2 for
-one change, 2*ceil(log2 K) + 3 for two); refining a change over B blocks to b of them costs at most
-b*(ceil(log2 B) + 1) more. `--find-fix-runs` caps the total; at the cap the smallest set known to fix
-the run is proposed.
+one change, 2*ceil(log2 K) + 3 for two). Narrowing a change over B blocks to b of them: at most
+b*(ceil(log2 B) + 2) + 2 more (4 for the two off blocks of the 8-block stream), B when every block
+needs it. `--find-fix-runs` caps the total; at the cap the smallest set known to fix the run is
+proposed.
 """
 
 from __future__ import annotations
@@ -138,8 +140,8 @@ def candidates_from(result: CompareResult, limit: int = MAX_CANDIDATES) -> list[
 def candidates_with_blocks(result: CompareResult, limit: int = MAX_CANDIDATES
                            ) -> tuple[list[FixChange], dict[FixChange, list[FixChange]]]:
     """candidates_from(), and for each candidate grouped over the blocks of a model (`h.*.attn`) its
-    blocks' own changes, those whose ops are off (error or warn rows) first: the order in which
-    find_fix() narrows it down to the blocks that need it."""
+    blocks' own changes, those whose ops are off (error or warn rows) last: find_fix() narrows it
+    down to the blocks that need it trying the last ones first."""
     anchor = anchor_entry(result)
     if anchor is None:
         return [], {}
@@ -161,7 +163,7 @@ def candidates_with_blocks(result: CompareResult, limit: int = MAX_CANDIDATES
                 off_changes.add(change)
     grouped, members = _groups(found)
     grouped = grouped[:limit]
-    blocks = {change: sorted(members[change], key=lambda member: member not in off_changes)
+    blocks = {change: sorted(members[change], key=lambda member: member in off_changes)
               for change in grouped if change in members}
     if _saturated(pair):  # last: a code fix is preferred, and a 910A has no INF_NAN mode
         grouped.append(FixChange("inf_nan_mode"))
@@ -339,7 +341,7 @@ def find_fix(candidates: list[FixChange], runner: TrialRunner, max_runs: int,
             continue
         at = fix.index(change)
         rest = fix[:at] + fix[at + 1:]
-        narrowed = _needed(list(blocks), rest, fixes)
+        narrowed = _needed(list(blocks), rest, fixes, last_first=True)
         if len(narrowed) < len(blocks):  # (all of them: the grouped change stays, as it was run)
             fix = fix[:at] + sorted(narrowed, key=_block_indices) + fix[at + 1:]
     return fix
@@ -349,29 +351,33 @@ def _block_indices(change: FixChange) -> tuple[int, ...]:
     return tuple(int(part) for part in change.module.split(".") if part.isdigit())
 
 
-def _needed(pool: list[FixChange], kept: list[FixChange], fixes) -> list[FixChange]:
+def _needed(pool: list[FixChange], kept: list[FixChange], fixes, last_first: bool = False) -> list[FixChange]:
     """The fewest of `pool` that, with `kept`, fix the run, known: `pool + kept` fixes it and `kept`
     alone does not. The shortest prefix of the pool that fixes it ends with a change that is needed
-    (ceil(log2 len(pool)) runs); that one is kept and tried alone with `kept` (one run), and the search
-    goes on in the changes before it. At the run cap (fixes() gives None): the smallest set known to fix."""
+    (ceil(log2 len(pool)) runs of bisection); that one is kept, and the search goes on in the changes
+    before it, first trying those kept alone (one run). `last_first` (the pool's likeliest changes
+    last: a grouped change's blocks whose ops are off): each round first tries the pool without its
+    last change, so a needed one costs one run, and B blocks that are all needed B runs.
+    At the run cap (fixes() gives None): the smallest set known to fix the run."""
     needed: list[FixChange] = []
+    alone_fails = True  # needed + kept does not fix it (known for the first round)
     while pool:
-        fixing, failing = len(pool), 0  # pool[:fixing] + needed fixes it, pool[:failing] + needed does not
+        # the shortest prefix of pool that fixes it, with needed + kept: in (failing, fixing]
+        fixing, failing = len(pool), 0 if alone_fails else -1
+        probes = ([len(pool) - 1] if last_first else []) + ([] if alone_fails else [0])
         while fixing - failing > 1:
-            middle = (fixing + failing) // 2
+            middle = probes.pop(0) if probes else (fixing + failing) // 2
+            if not failing < middle < fixing:
+                continue
             verdict = fixes(pool[:middle] + needed + kept)
             if verdict is None:
                 return pool[:fixing] + needed
             fixing, failing = (middle, failing) if verdict else (fixing, middle)
+        if fixing == 0:
+            break  # those kept fix it alone
         needed.insert(0, pool[fixing - 1])
         pool = pool[:fixing - 1]
-        if not pool:
-            break
-        verdict = fixes(needed + kept)
-        if verdict is None:
-            return pool + needed
-        if verdict:
-            break
+        alone_fails = False  # not known: tried first in the next round
     return needed
 
 
@@ -390,7 +396,7 @@ def run_find_fix(golden: Path, target: Path, result: CompareResult, command: lis
     steps = math.ceil(math.log2(max(len(candidates), 2)))
     console.print(f"find-fix: {len(candidates)} candidate change(s) around {anchor_name}; a fix of d changes takes at "
                   f"most 1 + {steps + 1}*d runs of the step, and narrowing a change made in every block to b of its B "
-                  f"blocks b*(ceil(log2 B) + 1) more (at most {max_runs} runs: --find-fix-runs)")
+                  f"blocks b*(ceil(log2 B) + 2) + 2 more, B if all (at most {max_runs} runs: --find-fix-runs)")
     for index, change in enumerate(candidates):
         console.print(f"  [{index}] {change.describe()}")
     started = time.perf_counter()
