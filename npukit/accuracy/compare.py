@@ -1455,6 +1455,15 @@ def _require_compared_data(rows, golden_entries: int, target_entries: int, golde
     raise UserError(f"nothing to compare between {golden_dir} and {target_dir}: {why}")
 
 
+def _written_argument_rows(rows: list[Row], pairs: list) -> list[Row]:
+    """The rows of a cross-tool pair that the two tools measure at different moments: the arguments
+    an op writes in place (_written_by_call), which msprobe measures before the call and npukit
+    after it (as its results)."""
+    paired = {target.name: target for golden, target in pairs if golden is not None and target is not None}
+    return [row for row in rows if row.role == "input" and row.target is not None and row.target_entry in paired
+            and row.target.suffix in _written_by_call(paired[row.target_entry])]
+
+
 def pairing_coverage(pairs: list, golden_entries: list, target_entries: list) -> PairingCoverage:
     """How much of each side paired and, when less than most of a side did, what stopped it: one
     dump ending early (the other's later entries have no counterpart), else the kinds of entry
@@ -1559,6 +1568,13 @@ def compare_pair(task: _PairTask, thresholds: Thresholds, workers: int | None = 
     label = task.target_label or task.golden_label or "."
     hf32 = golden.hf32 ^ target.hf32  # an op kind both runs computed in HF32 is compared like for like
     rows = build_rows(label, pairs, hf32)
+    if cross_tool:
+        written = _written_argument_rows(rows, pairs)
+        if written:
+            left_out = {id(row) for row in written}
+            rows = [row for row in rows if id(row) not in left_out]
+            cross_tool += (f"; {len(written)} arguments an op writes in place left out (a batch norm's running"
+                           " statistics: msprobe measures an op's arguments before the call, npukit these after it)")
     run_class = _run_class(target, hf32)
     loss_scale = detect_loss_scale(pairs)
     for row in rows:

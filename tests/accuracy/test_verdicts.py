@@ -316,3 +316,42 @@ def test_parameter_gradients_written_in_another_order_are_no_difference_of_the_o
     assert code == 0 and report["pairs"][0]["aligned"]
     assert "op streams differ" not in terminal and "a cast that changed nothing" not in terminal
     _assert_paths_agree(code, terminal, report, page)
+
+
+class NormedCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.norm, self.fc = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Linear(4 * 8 * 8, 3)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(F.max_pool2d(F.relu(self.norm(self.conv(x))), 2), 1))
+
+
+def test_a_cross_tool_compare_leaves_out_the_running_statistics_each_tool_measures_at_another_moment(tmp_path):
+    """msprobe measures a training batch norm's running_mean and running_var before the call (the
+    values it starts from), npukit after it (the values it wrote): compared, they were an error row
+    (cosine 0, relative L2 inf) that no run's precision made."""
+    torch.manual_seed(0)
+    model, x, y = NormedCNN(), torch.randn(4, 3, 16, 16), torch.randint(0, 3, (4,))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    golden = tmp_path / "npukit_golden"
+    session = DumpSession(golden, level="mix", mode="stats")
+    session.start()
+    F.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    session.stop()
+
+    def as_msprobe_measures_it(payload: dict) -> None:
+        _as_msprobe(payload)
+        mean, var = payload["data"]["Functional.batch_norm.0.forward"]["input_args"][1:3]
+        mean.update(Max=0.0, Min=0.0, Mean=0.0, Norm=0.0)  # torch's initial running statistics
+        var.update(Max=1.0, Min=1.0, Mean=1.0, Norm=2.0)  # 4 channels of 1
+    msprobe_golden = _copy(golden, tmp_path, "msprobe_golden")
+    _edit(msprobe_golden, as_msprobe_measures_it)
+    same_tool = compare_dirs(golden, golden, workers=1)
+    code, terminal, report, page = _compare(msprobe_golden, golden, tmp_path)
+    assert code == 0 and report["summary"]["error"] == 0
+    assert "Functional.batch_norm.0.forward.input.1" not in {row["NPU Name"] for row in report["pairs"][0]["rows"]}
+    assert "2 arguments an op writes in place left out (a batch norm's running statistics" in " ".join(terminal.split())
+    assert same_tool.counts()["error"] == 0 and not same_tool.failed()
+    _assert_paths_agree(code, terminal, report, page)
