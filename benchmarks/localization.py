@@ -170,6 +170,8 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="write every case's record and the summary")
     parser.add_argument("--summarize", type=Path, help="print the report of the records in a .jsonl file "
                         "(--json OUT streams them to OUT with the suffix .jsonl)")
+    parser.add_argument("--resume", type=Path, help="a .jsonl of a stopped run (same --cases and --seed): "
+                        "keep its records, run the rest and its case errors")
     parser.add_argument("--case", help="run one case (its id, e.g. 31-17) and show its compare's output")
     parser.add_argument("--dump-mode", default="tensor", choices=("tensor", "stats"))
     parser.add_argument("--no-find-fix", action="store_true", help="skip the fix finder (localization only)")
@@ -181,12 +183,20 @@ def main() -> int:
     if args.case:
         return _one(find_case(args.case), args.dump_mode, not args.no_find_fix)
     cases = cases_for(args.cases, args.seed)
+    kept: list[dict] = []
+    if args.resume:  # the records of a stopped run with the same seed, but for its case errors
+        kept = [json.loads(line) for line in args.resume.read_text().splitlines() if line.strip()]
+        kept = [record for record in kept if record["outcome"] != "error"]
+        done_ids = {record["case"]["case_id"] for record in kept}
+        cases = [case for case in cases if case.case_id not in done_ids]
     root = Path(tempfile.mkdtemp(prefix="npukit-localization-"))
     started = time.perf_counter()
-    records: list[dict] = []
+    records: list[dict] = list(kept)
     stream = None
     try:
         stream = args.json.with_suffix(".jsonl").open("w") if args.json else None
+        if stream:
+            stream.writelines(json.dumps(record) + "\n" for record in kept)
         with ProcessPoolExecutor(args.jobs, initializer=_worker_init, max_tasks_per_child=40) as pool:
             futures = [pool.submit(_run, (case.as_json(), str(root), args.dump_mode, not args.no_find_fix))
                        for case in cases]

@@ -127,7 +127,11 @@ def _inject(case, model, rank: int) -> None:
             module.weight.mul_(case.factor)
     elif variant.endswith("output"):
         factor = case.factor
-        module.register_forward_hook(lambda mod, args, out: out.register_hook(lambda grad: grad * factor))
+
+        def scale_output_gradient(mod, args, out) -> None:  # returns None: the output stays as it is
+            out.register_hook(lambda grad: grad * factor)
+
+        module.register_forward_hook(scale_output_gradient)
     elif variant.endswith("weight"):
         factor = case.factor
         module.weight.register_hook(lambda grad: grad * factor)
