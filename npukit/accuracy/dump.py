@@ -33,7 +33,7 @@ from torch.overrides import TorchFunctionMode
 
 from npukit.accuracy import eager, graph, msprobe_config, naming
 from npukit.accuracy._stats import stats as one_pass_stats
-from npukit.accuracy.dumpfile import DUMPED_BY, HF32_OPS
+from npukit.accuracy.dumpfile import COMPILED_REGION, DUMPED_BY, HF32_OPS, INCOMPLETE, INTERNAL_ERROR
 from npukit.accuracy.scaler_steps import GradScalerStepWatch
 from npukit.accuracy.stacks import CallStacks
 from npukit.accuracy.tensor_io import local_shard, strided_form, tensor_to_numpy, write_tensor
@@ -108,16 +108,26 @@ def unintercepted(function):
 
 
 _broken_hooks: set[str] = set()
+_failure_listeners: list = []  # each active session's on_hook_failed(kind, where, detail)
 
 
 def hook_failed(kind: str, exc: BaseException, subject: str = "") -> None:
-    """Switch a hook off after an internal error and say so once (on stderr)."""
+    """Switch a hook off after an internal error and say so once (on stderr); the active sessions
+    are told, so that what they write says they are incomplete from here on."""
     if kind in _broken_hooks:
         return
     _broken_hooks.add(kind)
     where = f" (at {subject})" if subject else ""
+    detail = f"internal error in {kind}: {type(exc).__name__}: {exc}"
     print(f"npukit: internal error in {kind}{where}: {type(exc).__name__}: {exc}. This hook is switched off for "
           "the rest of the run; the run goes on. Please report this to the npukit maintainers.", file=sys.stderr)
+    for listener in list(_failure_listeners):
+        listener(kind, subject or kind, detail)
+
+
+def revive_hooks(owner: str) -> None:
+    """A new session of `owner` (a class name) starts with its hooks on again."""
+    _broken_hooks.difference_update([kind for kind in _broken_hooks if kind.startswith(owner + ".")])
 
 
 def _hook_subject(args) -> str:
@@ -182,11 +192,23 @@ def rank_from_env() -> int:
     return rank
 
 
+# Ops run so far (counted by ApiMode and the module forward hooks). An inference tensor has no
+# version counter: what was recorded of it holds only until the next op runs, which may write it in
+# place (a KV cache under torch.inference_mode: cache.add_(x) was recorded with its input's values).
+_ops_run = 0
+
+
+def ops_ran() -> None:
+    global _ops_run
+    _ops_run += 1
+
+
 def _version(tensor: torch.Tensor) -> int:
+    """The tensor's version counter; for an inference tensor, a number that changes with every op."""
     try:
         return tensor._version
     except RuntimeError:  # inference tensors carry no version counter
-        return -1
+        return -1 - _ops_run
 
 
 def _host_memory(tensor: torch.Tensor) -> bool:
@@ -214,7 +236,7 @@ def tensor_stats(tensor: torch.Tensor):
         if data is None or data.numel() == 0:
             return None
         if data.is_complex():
-            data = torch.view_as_real(data.resolve_conj())
+            data = real_view(data)
         if not data.is_floating_point():
             data = data.to(torch.float64)
         if _host_memory(data):
@@ -227,6 +249,14 @@ def tensor_stats(tensor: torch.Tensor):
             high.to(accumulate), low.to(accumulate), mean, norm,
             torch.isnan(data).sum().to(accumulate), torch.isinf(data).sum().to(accumulate),
         ]).to(torch.float64)
+
+
+def real_view(data: torch.Tensor) -> torch.Tensor:
+    """A complex tensor's values as real numbers (its real view: real and imaginary parts side by
+    side). Made outside inference mode: under it, a view of an npu tensor made outside it (a rotary
+    freqs_cis buffer) fails on the emulated device ("Cannot set version_counter for inference tensor")."""
+    with torch.inference_mode(False):
+        return torch.view_as_real(data.resolve_conj())
 
 
 _ONE_PASS_KINDS = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -356,6 +386,9 @@ class _StepRecord:
         self.stacks = CallStacks(_MAX_STACK_FRAMES)
         self.counter = naming.CallCounter()
         self.skipped_at_loss_scale: float | None = None  # GradScaler skipped the optimizer step
+        # what this step's dump lacks (dump.json "npukit_incomplete"): compiled regions, then at
+        # _flush the internal errors that switched a hook off
+        self.incomplete: list[dict] = []
 
     def place(self, entry: _Entry) -> None:
         if not entry.placed:
@@ -429,6 +462,8 @@ class ApiMode(TorchFunctionMode):
             except BaseException as exc:
                 ran.append(exc)
                 raise
+            finally:
+                ops_ran()
             ran.append(result)
             return result
 
@@ -541,6 +576,7 @@ class DumpSession:
         self._op_nodes = graph.OpNodes()
         self._scaler_steps = GradScalerStepWatch(lambda: self._active, lambda: None, self._after_scaler_step)
         self._data_dirs: dict[int, Path] = {}  # step -> its tensor data folder, once made
+        self._internal_errors: list[dict] = []  # hooks switched off: every later step lacks their part
 
     # ------------------------------------------------------------------ public API
     def __enter__(self) -> DumpSession:
@@ -558,7 +594,9 @@ class DumpSession:
 
         refuse_links_inside(self.out_dir, "--dump")
         self._active = True
-        eager.enter("the dump")
+        revive_hooks(type(self).__name__)
+        _failure_listeners.append(self._on_hook_failed)
+        eager.enter("the dump", self._on_compiled_region)
         self._handles = [
             module_hooks.register_module_forward_pre_hook(self._on_module_pre_forward),
             module_hooks.register_module_forward_hook(self._on_module_forward, with_kwargs=True, always_call=True),
@@ -589,9 +627,11 @@ class DumpSession:
             handle.remove()
         self._handles = []
         self._scaler_steps.remove()
-        eager.leave()
+        eager.leave(self._on_compiled_region)
+        if self._on_hook_failed in _failure_listeners:
+            _failure_listeners.remove(self._on_hook_failed)
         try:
-            if self._record.entries:
+            if self._record.entries or self._record.incomplete:
                 self._flush()
             self._check_writes(wait=True)
         finally:
@@ -613,7 +653,7 @@ class DumpSession:
                 and self._step_selected())
 
     def _end_step(self) -> None:
-        if self._record.entries:
+        if self._record.entries or self._record.incomplete:
             self._flush()
         self._record = _StepRecord()
         self._module_stack = []
@@ -628,6 +668,19 @@ class DumpSession:
             optimizer = torch.optim.Optimizer
             self._optimizer_exists = any(issubclass(type(obj), optimizer) for obj in gc.get_objects())
         return self._optimizer_exists
+
+    def _on_hook_failed(self, kind: str, where: str, detail: str) -> None:
+        if kind.startswith(type(self).__name__ + "."):
+            self._internal_errors.append({"kind": INTERNAL_ERROR, "where": where, "detail": detail})
+
+    @unintercepted
+    def _on_compiled_region(self, name: str) -> None:
+        """A torch.compile(fullgraph=True) region runs compiled: its ops are missing from this step
+        (not from an optimizer step's, whose update ops are never dumped)."""
+        if self._active and self._step_selected() and not self._paused and not self._scaler_steps.inside:
+            incomplete = self._record.incomplete
+            if all(item["where"] != name for item in incomplete):
+                incomplete.append({"kind": COMPILED_REGION, "where": name, "detail": eager.REGION_DETAIL})
 
     @unintercepted
     def _on_optimizer_pre_step(self, optimizer, args, kwargs) -> None:
@@ -664,7 +717,7 @@ class DumpSession:
     @unintercepted
     def _on_module_pre_forward(self, module, args) -> None:
         self._forward_seen = True
-        if self._finished or self._paused or naming.is_compile_wrapper(module):
+        if self._finished or self._paused or naming.is_compile_wrapper(module) or eager.runs_compiled_graph(module):
             return
         if not self._module_stack and self._auto_step and not self._optimizer_seen:
             self._maybe_end_step_at_root(module)
@@ -694,6 +747,7 @@ class DumpSession:
 
     @unintercepted
     def _on_module_forward(self, module, args, kwargs, output=_RAISED) -> None:
+        ops_ran()  # the module's own code ran (at module level, no op was counted)
         if not self._module_stack or self._module_stack[-1][2] is not module:
             return
         path, entry, _ = self._module_stack.pop()
@@ -1068,6 +1122,7 @@ class DumpSession:
         """Resolve the step's statistics here (one device sync); put them in the leaves and write
         the files in the writer thread while the next step runs."""
         record = self._record
+        record.incomplete = self._internal_errors + record.incomplete
         record.stats.resolve()
         self._check_writes(wait=False)
         tensor_writes, self._pending_writes = self._pending_writes, []
@@ -1099,6 +1154,8 @@ class DumpSession:
         dump[HF32_OPS] = hf32_ops_on()
         if record.skipped_at_loss_scale is not None:
             dump["step_skipped_by_grad_scaler"] = {"loss_scale": record.skipped_at_loss_scale}
+        if record.incomplete:
+            dump[INCOMPLETE] = record.incomplete
         grouped: dict[int, list[str]] = {}
         for entry in record.entries:
             if entry.stack_id is not None:

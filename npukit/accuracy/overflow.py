@@ -49,13 +49,19 @@ from npukit.accuracy import eager, naming
 from npukit.accuracy.dump import (
     ApiMode,
     StatsBuffer,
+    _failure_listeners,
+    _version,
     describe_value,
     fill_stats,
+    ops_ran,
     rank_from_env,
+    real_view,
+    revive_hooks,
     tensors_in,
     unintercepted,
     write_json,
 )
+from npukit.accuracy.dumpfile import COMPILED_REGION, INTERNAL_ERROR
 from npukit.accuracy.graph import OpNodes
 from npukit.accuracy.scaler_steps import GradScalerStepWatch
 from npukit.accuracy.stacks import CallStacks
@@ -206,6 +212,8 @@ class _Checks:
         if known is not None and known[0]() is tensor and known[1] == version:
             return known[2], known[3]
         data = strided_form(tensor.detach())
+        if data is not None and data.is_complex():
+            data = real_view(data)  # inf/nan in either part
         if data is None or not data.is_floating_point() or data.numel() == 0 or data.device.type == "meta":
             return (), None  # nested tensors included: their components are checked where they are used
         start = len(self.values) + len(self.pending)
@@ -250,13 +258,6 @@ class _Checks:
             self.values += fetched
             self.pending = []
         return self.values
-
-
-def _version(tensor: torch.Tensor) -> int:
-    try:
-        return tensor._version
-    except RuntimeError:  # inference tensors carry no version counter
-        return -1
 
 
 @dataclass(slots=True)
@@ -409,6 +410,9 @@ class OverflowSession:
         self._handles: list = []
         self._mode: ApiMode | None = None
         self._state = _StepState(self.underflow)
+        # what the detector could not watch: fullgraph regions that ran compiled, hooks an internal
+        # error switched off (overflow.json "not_watched")
+        self.not_watched: list[dict] = []
 
     # ------------------------------------------------------------------ public API
     def __enter__(self) -> OverflowSession:
@@ -430,7 +434,9 @@ class OverflowSession:
         from torch.optim import optimizer as optimizer_hooks
 
         self._active = self._checking = True
-        eager.enter("overflow detection")
+        revive_hooks(type(self).__name__)
+        _failure_listeners.append(self._on_hook_failed)
+        eager.enter("overflow detection", self._on_compiled_region)
         self._flag = _DeviceFlag()
         self._read_mode()
         if self._flag.per_op:
@@ -467,7 +473,9 @@ class OverflowSession:
         if not self._active:
             return
         self._active = False
-        eager.leave()
+        eager.leave(self._on_compiled_region)
+        if self._on_hook_failed in _failure_listeners:
+            _failure_listeners.remove(self._on_hook_failed)
         try:
             self._resolve()
         finally:
@@ -601,6 +609,21 @@ class OverflowSession:
         if self._auto_step and not self._scaler_steps.inside:  # the outermost of nested GradScaler.steps
             self._end_step(skipped_by_scaler=skipped, scale=scale)
 
+    def _on_hook_failed(self, kind: str, where: str, detail: str) -> None:
+        if kind.startswith(type(self).__name__ + "."):
+            self._not_watched(INTERNAL_ERROR, where, detail + " (not watched from here on)")
+
+    @unintercepted
+    def _on_compiled_region(self, name: str) -> None:
+        """A torch.compile(fullgraph=True) region runs compiled: its ops are not checked one by one
+        (inside an optimizer step the update is still checked as one op)."""
+        if self._active and self._checking and not self._paused:
+            self._not_watched(COMPILED_REGION, name, eager.REGION_DETAIL)
+
+    def _not_watched(self, kind: str, where: str, detail: str) -> None:
+        if all(item["where"] != where or item["kind"] != kind for item in self.not_watched):
+            self.not_watched.append({"kind": kind, "where": where, "detail": detail, "step": self.step_index})
+
     def _stop_checking(self) -> None:
         """max_events reached or the run stops: no more per-op work; steps are still counted.
 
@@ -620,7 +643,7 @@ class OverflowSession:
 
     @unintercepted
     def _on_module_pre_forward(self, module, args) -> None:
-        if self._paused or naming.is_compile_wrapper(module):
+        if self._paused or naming.is_compile_wrapper(module) or eager.runs_compiled_graph(module):
             return
         if not self._module_stack and self._auto_step and self._optimizer_steps == 0:
             root = self._step_root() if self._step_root is not None else None
@@ -643,6 +666,7 @@ class OverflowSession:
 
     @unintercepted
     def _on_module_forward(self, module, args, output=None) -> None:
+        ops_ran()  # the module's own code ran (at module level, no op was counted)
         if not self._module_stack or self._module_stack[-1][1] is not module:
             return
         _, _, record, was = self._module_stack.pop()
@@ -1050,6 +1074,10 @@ class OverflowSession:
 
     def _print_summary(self) -> None:
         steps = self._steps_seen()
+        if self.not_watched:
+            self._print("overflow check: not watched: " + "; ".join(
+                f"{item['where']} ({'ran compiled, fullgraph' if item['kind'] == COMPILED_REGION else 'internal error'}"
+                f", from step {item['step']})" for item in self.not_watched))
         if self.underflows:
             worst = self._underflow_list()[0]
             where = f" in {_module_label(worst)}" if worst["module_class"] else ""
@@ -1104,7 +1132,8 @@ class OverflowSession:
                 "steps": self._steps_seen(),
                 "truncated": len(self.events) >= self.max_events,
                 "skipped_steps": self.skipped_steps, "events": self.events,
-                "underflow": self._underflow_list() if self.underflow else None}
+                "underflow": self._underflow_list() if self.underflow else None,
+                "not_watched": self.not_watched}
 
     def _underflow_list(self) -> list[dict]:
         return sorted(self.underflows.values(),
