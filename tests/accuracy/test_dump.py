@@ -262,7 +262,7 @@ def test_an_argument_passed_twice_gets_one_gradient_per_position(tmp_path):
 def test_sparse_quantized_and_nested_tensors_are_dumped_without_failing_the_run(tmp_path, mode):
     from .models import UnusualLayouts
 
-    with DumpSession(tmp_path, level="mix", mode=mode) as session:
+    with DumpSession(tmp_path, level="mix", mode=mode, ops="all") as session:  # to_sparse, quantize: msprobe records neither
         UnusualLayouts()(torch.randn(3, 4)).backward()
         session.step()
     data = load(tmp_path)["data"]
@@ -561,7 +561,7 @@ def test_a_dtensor_is_dumped_as_this_ranks_shard(tmp_path, npu):
     dist.init_process_group("hccl", store=dist.HashStore(), rank=0, world_size=1)
     try:
         weight = distribute_tensor(torch.arange(12.0, device=npu).view(4, 3), init_device_mesh("npu", (1,)), [Shard(0)])
-        with DumpSession(tmp_path, level="api", mode="tensor"):
+        with DumpSession(tmp_path, level="api", mode="tensor", ops="all"):  # Tensor.to: left out by default
             nn.Identity()(weight)
             weight.to(torch.bfloat16)
             # tensor parallelism's outputs: a functional collective's result, still in flight
