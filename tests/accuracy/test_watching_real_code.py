@@ -213,7 +213,8 @@ def test_uninitialized_memory_is_marked_and_never_a_divergence(tmp_path):
     the buffers hold whatever was in memory -- here zeros in one run, NaNs in the other."""
     (tmp_path / "train.py").write_text(EMBEDDING_DROPOUT)
     for run, garbage in (("golden", "zero"), ("npu", "nan")):
-        result = npu_run("--seed", "1", "--dump", run, "train.py", garbage, cwd=tmp_path)
+        # every api: Tensor.uniform_ and torch.empty_like are left out by default (msprobe leaves them out)
+        result = npu_run("--seed", "1", "--dump", run, "--dump-ops", "all", "train.py", garbage, cwd=tmp_path)
         assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads((tmp_path / "npu" / "step0" / "rank0" / "dump.json").read_text())["data"]
     assert data["Tensor.resize_.0.forward"]["output"][0]["uninitialized"] is True
@@ -234,8 +235,9 @@ def test_complex_tensors_are_measured_and_a_rotary_bug_is_named_where_it_is(tmp_
     the divergence is not pinned on the next real-valued op (view_as_real)."""
     (tmp_path / "rope.py").write_text(ROTARY)
     for run in ("ok", "again", "bug"):
-        result = npu_run("--seed", "1", "--dump", run, "--dump-mode", mode, "rope.py", "bug" if run == "bug" else "ok",
-                         cwd=tmp_path)
+        # every api: view_as_complex and conj are left out by default (msprobe leaves them out)
+        result = npu_run("--seed", "1", "--dump", run, "--dump-mode", mode, "--dump-ops", "all", "rope.py",
+                         "bug" if run == "bug" else "ok", cwd=tmp_path)
         assert result.returncode == 0, result.stderr[-3000:]
     leaf = json.loads((tmp_path / "ok" / "step0" / "rank0" / "dump.json").read_text())["data"][
         "Torch.view_as_complex.0.forward"]["output"][0]
