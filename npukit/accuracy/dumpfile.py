@@ -100,7 +100,8 @@ class Incomplete:
 
     def text(self) -> str:
         if self.kind == INTERNAL_ERROR:
-            return f"recording stopped at {self.where} after an internal error ({self.detail}): everything after it is missing"
+            detail = self.detail.removeprefix("internal error in ")  # the dump's message may start so
+            return f"recording stopped at {self.where} after an internal error ({detail}): everything after it is missing"
         return f"{self.where} ran compiled (torch.compile fullgraph) and was not dumped" + (
             f" ({self.detail})" if self.detail else "")
 
