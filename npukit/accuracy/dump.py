@@ -545,10 +545,11 @@ class DumpSession:
             naming.module_path_of(item) or item for item in parse_name_list(scope, "--dump-scope") or ()
         ) or None
         self.names = parse_name_list(names, "--dump-list")
-        # Which apis (msprobe_config.OP_SETS): by default those msprobe records by default, its whole
-        # support list when a scope or list selects (as msprobe does).
+        # Which apis (msprobe_config.OP_SETS): by default those msprobe records by default; under a
+        # scope its whole support list (as msprobe records a scope); with a list what it names,
+        # whatever msprobe hooks (--dump-list Tensor.view records the views).
         self.ops = msprobe_config.check_op_set(ops) if ops is not None \
-            else "msprobe-all" if self.scope or self.names else "focus"
+            else "all" if self.names else "msprobe-all" if self.scope else "focus"
         self.rank = rank_from_env() if rank is None else rank
         selected_ranks = parse_steps(ranks, "--dump-ranks")
         # A rank outside the list installs nothing: its training runs at full speed.
