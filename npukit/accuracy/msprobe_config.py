@@ -8,7 +8,7 @@ low-risk apis: views, reshapes, splits, casts, creations). npukit's `--dump-ops`
 
     focus        what msprobe records by default (npukit's default)
     core         msprobe's risk_level CORE: matmuls, convolutions, norms, embeddings, attention, fused ops
-    msprobe-all  msprobe's whole support list (risk_level ALL; msprobe with a scope or list)
+    msprobe-all  msprobe's whole support list (risk_level ALL; what msprobe records of a scope or list)
     all          every torch / functional / Tensor api npukit sees (also those msprobe never hooks:
                  Tensor.view, Tensor.__getitem__, Tensor.contiguous ...)
 

@@ -274,3 +274,18 @@ def test_memory_a_left_out_api_leaves_uninitialized_is_still_marked(tmp_path):
     assert "Torch.empty_like.0.forward" not in data
     assert data["Tensor.__mul__.0.forward"]["input_args"][0]["uninitialized"] is True
     assert "uninitialized" not in data["Tensor.__add__.0.forward"]["input_args"][1]
+
+
+def test_a_listed_api_is_recorded_whatever_msprobe_hooks(tmp_path):
+    """--dump-list Tensor.view: the views, though msprobe never hooks Tensor.view."""
+    import torch
+
+    from npukit.accuracy.dump import DumpSession
+
+    class Flat(torch.nn.Module):
+        def forward(self, x):
+            return (x.view(-1) * 2.0).sum()
+
+    with DumpSession(tmp_path, level="api", names="Tensor.view,sum"):
+        Flat()(torch.randn(2, 3))
+    assert set(_entries(tmp_path)) == {"Tensor.view.0.forward", "Tensor.sum.0.forward"}
