@@ -355,3 +355,33 @@ def test_a_cross_tool_compare_leaves_out_the_running_statistics_each_tool_measur
     assert "2 arguments an op writes in place left out (a batch norm's running statistics" in " ".join(terminal.split())
     assert same_tool.counts()["error"] == 0 and not same_tool.failed()
     _assert_paths_agree(code, terminal, report, page)
+
+
+def test_a_real_dump_an_internal_error_switched_off_makes_the_compare_say_so(inference_dump, tmp_path, monkeypatch):
+    """The dump itself records the internal error that switched its api handler off (during
+    layers.1: everything after it is missing), and the compare reads it."""
+    from npukit.accuracy import dump as dump_module
+
+    torch.manual_seed(0)
+    model, ids = TinyLM().eval(), torch.randint(0, 40, (2, 6))
+    real_leaf = DumpSession._tensor_leaf
+
+    def fails_after_the_first_layer(self, *args, **kwargs):
+        if model.layers[0].done:
+            raise RuntimeError("Cannot set version_counter for inference tensor")
+        return real_leaf(self, *args, **kwargs)
+    model.layers[0].done = False
+    model.layers[0].register_forward_hook(lambda module, args, output: setattr(module, "done", True))
+    monkeypatch.setattr(DumpSession, "_tensor_leaf", fails_after_the_first_layer)
+    monkeypatch.setattr(dump_module, "_broken_hooks", set())
+    target = tmp_path / "target"
+    session = DumpSession(target, level="mix", mode="stats")
+    session.start()
+    with torch.inference_mode():
+        model(ids)
+    session.stop()
+    code, terminal, report, page = _compare(inference_dump, target, tmp_path)
+    said = " ".join(report["verdict"])
+    assert code == 1 and "the target's dump is incomplete" in said
+    assert "after an internal error" in said and "Cannot set version_counter for inference tensor" in said
+    _assert_paths_agree(code, terminal, report, page)
