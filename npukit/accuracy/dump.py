@@ -718,7 +718,13 @@ class DumpSession:
     @unintercepted
     def _on_module_pre_forward(self, module, args) -> None:
         self._forward_seen = True
-        if self._finished or self._paused or naming.is_compile_wrapper(module) or eager.runs_compiled_graph(module):
+        if self._finished or self._paused or eager.runs_compiled_graph(module):
+            return
+        if naming.is_compile_wrapper(module):
+            if eager.runs_compiled(module) and self._step_selected():
+                # torch.compile(model, fullgraph=True): the model runs unseen; its modules are still
+                # named, so that their parameter gradients are recorded at the optimizer step
+                self._module_path(module._orig_mod)
             return
         if not self._module_stack and self._auto_step and not self._optimizer_seen:
             self._maybe_end_step_at_root(module)

@@ -310,3 +310,8 @@ def runs_compiled_graph(module) -> bool:
     import torch
 
     return torch._C._current_graph_task_id() != -1
+
+
+def runs_compiled(wrapper) -> bool:
+    """torch.compile(model, fullgraph=True)'s OptimizedModule: the model inside runs compiled, unseen."""
+    return getattr(wrapper, "dynamo_ctx", None) in _attached

@@ -643,7 +643,11 @@ class OverflowSession:
 
     @unintercepted
     def _on_module_pre_forward(self, module, args) -> None:
-        if self._paused or naming.is_compile_wrapper(module) or eager.runs_compiled_graph(module):
+        if self._paused or eager.runs_compiled_graph(module):
+            return
+        if naming.is_compile_wrapper(module):
+            if eager.runs_compiled(module):  # its modules' parameter gradients are still checked
+                self._module_path(module._orig_mod)
             return
         if not self._module_stack and self._auto_step and self._optimizer_steps == 0:
             root = self._step_root() if self._step_root is not None else None

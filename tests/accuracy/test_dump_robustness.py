@@ -238,3 +238,23 @@ def test_fullgraph_regions_run_compiled_under_the_dump_and_the_overflow_detector
     assert compared.returncode == 0, compared.stdout[-3000:] + compared.stderr[-3000:]
     [table] = (tmp_path / "msprobe").glob("compare_result_*.csv")
     assert "Functional.cross_entropy.0.forward" in table.read_text()
+
+
+def test_a_model_compiled_whole_with_fullgraph_keeps_its_parameter_gradients_in_the_dump(tmp_path, npu):
+    def train():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2)).to(npu)
+        compiled = torch.compile(model, fullgraph=True)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        loss = compiled(torch.randn(3, 4, device=npu)).square().mean()
+        loss.backward()
+        optimizer.step()
+        return loss.item()
+
+    expected = train()
+    with DumpSession(tmp_path, level="mix", mode="stats"):
+        assert train() == expected
+    dump = load(tmp_path)
+    assert [(gap["kind"], gap["where"]) for gap in dump["npukit_incomplete"]] == [("compiled_region",
+                                                                                  "Sequential.forward")]
+    assert {"Module.0.Linear.parameters_grad.0", "Module.2.Linear.parameters_grad.0"} <= set(dump["data"])
