@@ -31,6 +31,7 @@ _saved: dict = {}
 _listeners: list = []  # each session's on_compiled_region(name)
 _announced_regions: set[str] = set()
 _inside_region = 0  # > 0 while a fullgraph region runs compiled (its nested calls are inlined)
+_pending_restores: list = []  # regions running now: what each set aside, put back when it returns
 # fullgraph Dynamo contexts given the region hook -> the hook (removed again at the last leave)
 _attached: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -99,6 +100,8 @@ def leave(on_compiled_region=None) -> None:
 
         torch.compile = _saved.pop("compile")
         warnings.filters[:] = [f for f in warnings.filters if not (f[1] is not None and f[1].pattern == _HOOK_WARNING)]
+        while _pending_restores:  # a region whose return torch never reported (its own error)
+            _pending_restores[-1]()
         dynamo = _dynamo()
         if dynamo is not None:
             _detach_from_fullgraph_regions(dynamo)
@@ -216,11 +219,15 @@ def _run_compiled(name: str):
 
     def restore() -> None:
         global _inside_region
+        if restore not in _pending_restores:
+            return
+        _pending_restores.remove(restore)
         _inside_region -= 1
         _put_modes_back(modes)
         _put_hooks_back(hooks)
         dynamo.config.disable = disabled
         aot_config.force_non_lazy_backward_lowering = lazy
+    _pending_restores.append(restore)
     return restore
 
 
