@@ -316,8 +316,11 @@ def main() -> int:
         return 0
     print(f"\n{len(over)} of {rows} rows over {TARGET}x the same-dtype unfused decomposition (the target): "
           f"{', '.join(over)}; {same_numerics}")
+    rows_by_reason: dict[str, list[str]] = {}
     for row, why in reasons.items():
-        print(f"  {row}: {why}")
+        rows_by_reason.setdefault(why, []).append(row)
+    for why, rows_of_reason in rows_by_reason.items():
+        print(f"  {', '.join(rows_of_reason)}: {why}")
     return 1
 
 
