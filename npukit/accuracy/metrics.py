@@ -15,7 +15,14 @@ from pathlib import Path
 
 import numpy as np
 
-from npukit.accuracy.tensor_io import FLOAT_MIN_EXPONENT, FLOAT_PRECISION_BITS, float64_converter, read_tensor
+from npukit.accuracy.tensor_io import (
+    FLOAT_MIN_EXPONENT,
+    FLOAT_PRECISION_BITS,
+    TorchNeeded,
+    float64_converter,
+    forbid_torch,
+    read_tensor,
+)
 
 CHUNK = 1 << 16  # elements: the fp64 work buffers stay in L2 cache
 TASK_ELEMENTS = 1 << 22  # elements per pool task: large enough to hide dispatch cost
@@ -255,17 +262,13 @@ def finish(partial: np.ndarray, ulp_wanted: bool) -> PairMetrics:
 
 
 def compare_pairs(jobs: list[PairJob], workers: int | None = None, progress=None) -> list[PairMetrics]:
-    """Metrics for every job, in order. Large workloads of .npy pairs are spread over processes."""
+    """Metrics for every job, in order. Large workloads (.npy or .pt pairs) are spread over processes."""
     workers = workers if workers is not None else (os.cpu_count() or 1)
     partials = [empty_partial() for _ in jobs]
-    # .pt files (msprobe) need torch to open: they stay in this process, never in a forked worker.
-    npy = [i for i, job in enumerate(jobs) if not (job.golden_path.endswith(".pt") or job.target_path.endswith(".pt"))]
-    npy_set = set(npy)
-    local_tasks = _plan_tasks([(i, jobs[i]) for i in range(len(jobs)) if i not in npy_set])
-    pool_tasks = _plan_tasks([(i, jobs[i]) for i in npy])
-    if workers <= 1 or sum(jobs[i].numel for i in npy) < 2 * TASK_ELEMENTS or len(pool_tasks) < 2:
-        local_tasks += pool_tasks
-        pool_tasks = []
+    local_tasks: list = []
+    pool_tasks = _plan_tasks(list(enumerate(jobs)))
+    if workers <= 1 or sum(job.numel for job in jobs) < 2 * TASK_ELEMENTS or len(pool_tasks) < 2:
+        local_tasks, pool_tasks = pool_tasks, []
 
     def collect(results, task):
         for index, partial in results:
@@ -274,12 +277,16 @@ def compare_pairs(jobs: list[PairJob], workers: int | None = None, progress=None
             progress(sum(stop - start for _, _, start, stop in task))
 
     if pool_tasks:
-        with ProcessPoolExecutor(max_workers=workers, mp_context=_pool_context()) as pool:
+        with ProcessPoolExecutor(max_workers=workers, mp_context=_pool_context(), initializer=forbid_torch) as pool:
             futures = [(pool.submit(_run_task, task), task) for task in pool_tasks]
             for task in local_tasks:
                 collect(_run_task(task), task)
             for future, task in futures:
-                collect(future.result(), task)
+                try:
+                    results = future.result()
+                except TorchNeeded:  # a .pt file of a layout only torch reads: here, not in a fork
+                    results = _run_task(task)
+                collect(results, task)
     else:
         for task in local_tasks:
             collect(_run_task(task), task)
@@ -289,8 +296,8 @@ def compare_pairs(jobs: list[PairJob], workers: int | None = None, progress=None
 def _pool_context():
     """fork where available: workers start in milliseconds and need no importable __main__.
 
-    Safe here because workers only run numpy ufuncs on memory-mapped .npy files (no BLAS, no
-    OpenMP, no torch), so no lock or thread pool inherited from the parent is ever used.
+    Safe here because workers only run numpy ufuncs on memory-mapped .npy and .pt files (no BLAS,
+    no OpenMP, no torch: forbid_torch), so no lock or thread pool inherited from the parent is ever used.
     """
     import multiprocessing
 
