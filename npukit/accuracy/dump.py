@@ -36,7 +36,7 @@ from npukit.accuracy._stats import stats as one_pass_stats
 from npukit.accuracy.dumpfile import COMPILED_REGION, DUMPED_BY, HF32_OPS, INCOMPLETE, INTERNAL_ERROR
 from npukit.accuracy.scaler_steps import GradScalerStepWatch
 from npukit.accuracy.stacks import CallStacks
-from npukit.accuracy.tensor_io import local_shard, strided_form, tensor_to_numpy, write_tensor
+from npukit.accuracy.tensor_io import TensorFileWriter, local_shard, strided_form, tensor_to_numpy
 from npukit.errors import UserError
 from npukit.files import check_output_location, output_folder, refuse_links_inside, write_text_atomic
 
@@ -573,6 +573,7 @@ class DumpSession:
         self._mode: ApiMode | None = None
         self._writer: ThreadPoolExecutor | None = None
         self._pending_writes: list = []
+        self._tensor_files: TensorFileWriter | None = None  # host copies of tensors, until written
         self._record = _StepRecord()
         self._op_nodes = graph.OpNodes()
         self._scaler_steps = GradScalerStepWatch(lambda: self._active, lambda: None, self._after_scaler_step)
@@ -639,6 +640,7 @@ class DumpSession:
             self._writer.shutdown(wait=True)
             self._writer = None
             self._pending_writes = []
+            self._tensor_files = None  # its reusable buffers with it
         if self.steps is not None and not self.written_steps:
             selected = ", ".join(str(step) for step in sorted(self.steps)[:5]) + (" ..." if len(self.steps) > 5 else "")
             print(f"npukit: nothing dumped into {self.out_dir}: --dump-steps selected step(s) {selected}, and the "
@@ -1055,7 +1057,7 @@ class DumpSession:
             if self.mode == "tensor" and self.tensor_format == "pt":
                 # msprobe compare pairs rows by data file: a leaf sharing another's file is listed
                 # once per sharer (752 rows for 234 names). As msprobe writes them: a file per leaf.
-                data_name = self._write_data(tensor, leaf_name)
+                data_name = self._write_data(tensor, leaf_name, same_as=data_name)
         else:
             slot = self._slot_of(same_values_as) if same_values_as is not None else None
             if slot is None:
@@ -1094,16 +1096,21 @@ class DumpSession:
             return seen[2]
         return None
 
-    def _write_data(self, tensor: torch.Tensor, leaf_name: str) -> str:
+    def _write_data(self, tensor: torch.Tensor, leaf_name: str, same_as: str | None = None) -> str:
+        """Name of the leaf's data file, written by the writer thread. same_as: the file of this
+        tensor's same value in this step, whose bytes the new file shares (a hard link)."""
         data_name = f"{leaf_name}.{self.tensor_format}"
         directory = self._data_dirs.get(self.step_index)
         if directory is None:
             directory = output_folder(self.out_dir, f"step{self.step_index}", f"rank{self.rank}", TENSOR_DATA_DIR)
             self._data_dirs = {self.step_index: directory}
-        # Copy now: the tensor may be changed in place before the writer thread runs.
-        with torch._C.DisableTorchFunction():
-            snapshot = tensor.detach().to("cpu", copy=True)
-        self._pending_writes.append(self._writer.submit(write_tensor, directory / data_name, snapshot))
+        if self._tensor_files is None:
+            self._tensor_files = TensorFileWriter()
+        if same_as is not None:
+            job = (self._tensor_files.link, directory / data_name, directory / same_as)
+        else:  # copied now: the tensor may be changed in place before the writer thread runs
+            job = (self._tensor_files.write, directory / data_name, self._tensor_files.copy(tensor))
+        self._pending_writes.append(self._writer.submit(*job))
         return data_name
 
     # ------------------------------------------------------------------ filters, context
