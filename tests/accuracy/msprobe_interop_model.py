@@ -3,12 +3,12 @@ by the real msprobe or by npukit: `python msprobe_interop_model.py TOOL TASK LEV
 
 TOOL msprobe | npukit; TASK statistics | tensor; LEVEL L1 | mix (npukit: api | mix); DTYPE fp32 | bf16
 (CPU autocast). Used by test_msprobe_interop.py."""
-import json
 import sys
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from msprobe_parity_model import dump_step  # this script's folder is on sys.path
 
 tool, task, level, dtype, out = sys.argv[1:6]
 
@@ -48,23 +48,5 @@ def train_step():
     optimizer.zero_grad()
 
 
-if tool == "msprobe":
-    from msprobe.pytorch import PrecisionDebugger
-
-    config = {"task": task, "dump_path": out, "rank": [], "step": [0], "level": level,
-              "statistics": {"scope": [], "list": [], "data_mode": ["all"], "summary_mode": "statistics"},
-              "tensor": {"scope": [], "list": [], "data_mode": ["all"]}}
-    with open(out + ".json", "w") as file:
-        json.dump(config, file)
-    debugger = PrecisionDebugger(config_path=out + ".json")
-    debugger.start(model)
-    train_step()
-    debugger.stop()
-    debugger.step()
-else:
-    from npukit.accuracy.dump import DumpSession
-
-    formats = {"tensor_format": sys.argv[6]} if len(sys.argv) > 6 else {}  # else npukit's default
-    with DumpSession(out, level={"L1": "api", "mix": "mix"}[level], mode={"statistics": "stats"}.get(task, task),
-                     **formats):
-        train_step()
+formats = {"tensor_format": sys.argv[6]} if len(sys.argv) > 6 else {}  # else npukit's default
+dump_step(tool, task, level, out, model, train_step, **formats)

@@ -5,7 +5,8 @@ group norms, an MLP head.
 
 TOOL msprobe | npukit | msprobe-config (msprobe with the config OUT.json as it is) | plain (no dump: for
 `npu-run --dump-config`); TASK statistics | tensor; LEVEL L1 | mix; DTYPE fp32 | bf16 (CPU autocast);
-OPS: npukit's op set (DumpSession(ops=...), default its default). Used by test_msprobe_parity.py."""
+OPS: npukit's op set (DumpSession(ops=...), default its default). Used by test_msprobe_parity.py; dump_step
+by msprobe_interop_model.py too."""
 import json
 import sys
 
@@ -70,8 +71,9 @@ def train_step(model, optimizer, x, y, dtype: str) -> None:
     optimizer.zero_grad()
 
 
-def main(tool: str, task: str, level: str, dtype: str, out: str, ops: str | None = None) -> None:
-    model, optimizer, x, y = build()
+def dump_step(tool: str, task: str, level: str, out: str, model, step, **npukit_options) -> None:
+    """Run `step()` dumped by msprobe (its config written to OUT.json; msprobe-config: read from
+    there as it is), by npukit (DumpSession(**npukit_options)), or not at all (plain)."""
     if tool.startswith("msprobe"):
         from msprobe.pytorch import PrecisionDebugger
 
@@ -83,17 +85,22 @@ def main(tool: str, task: str, level: str, dtype: str, out: str, ops: str | None
                 json.dump(config, file)
         debugger = PrecisionDebugger(config_path=out + ".json")
         debugger.start(model)
-        train_step(model, optimizer, x, y, dtype)
+        step()
         debugger.stop()
         debugger.step()
     elif tool == "plain":
-        train_step(model, optimizer, x, y, dtype)
+        step()
     else:
         from npukit.accuracy.dump import DumpSession
 
         with DumpSession(out, level={"L1": "api", "mix": "mix"}[level], mode={"statistics": "stats"}.get(task, task),
-                         ops=ops):
-            train_step(model, optimizer, x, y, dtype)
+                         **npukit_options):
+            step()
+
+
+def main(tool: str, task: str, level: str, dtype: str, out: str, ops: str | None = None) -> None:
+    model, optimizer, x, y = build()
+    dump_step(tool, task, level, out, model, lambda: train_step(model, optimizer, x, y, dtype), ops=ops)
 
 
 if __name__ == "__main__":
