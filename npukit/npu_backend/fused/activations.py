@@ -61,18 +61,22 @@ def npu_swiglu(x, dim=-1):
 def npu_swiglu_backward(grad_output, x, dim=-1):
     a, b = _glu_halves("npu_swiglu_backward", x, dim)
     a32, dy = upcast(a), upcast(grad_output)
-    # The gradient is written in x's dtype straight into its two halves (out=: computed in fp32,
-    # rounded on store); the fp32 temporaries are working copies updated in place, so a call holds
-    # three half-size fp32 buffers instead of seven (fresh large buffers cost page faults).
+    # The gradient is written in x's dtype straight into its two halves; the fp32 temporaries are working
+    # copies updated in place, so a call holds three half-size fp32 buffers instead of seven (fresh large
+    # buffers cost page faults).
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     da, db = dx.chunk(2, dim)
-    low_precision = x.dtype in LOW_PRECISION
-    gate = b.float().mul_(dy) if low_precision and dy.dtype == torch.float32 else upcast(b) * dy
-    # d/da silu(a) b = silu'(a) b (torch's fused silu backward), d/db = silu(a)
-    torch.ops.aten.silu_backward.grad_input(gate, a32, grad_input=da)
+    if x.dtype not in LOW_PRECISION:
+        # d/da silu(a) b = silu'(a) b (torch's fused silu backward), d/db = silu(a)
+        torch.ops.aten.silu_backward.grad_input(b * dy, a, grad_input=da)
+        torch.mul(F.silu(a), dy, out=db)
+        return dx
+    # fp16/bf16: each half computed in place in an fp32 working copy, then rounded into dx (an out= of
+    # another dtype would allocate a temporary of its own)
+    gate = b.float().mul_(dy) if dy.dtype == torch.float32 else upcast(b) * dy
+    da.copy_(torch.ops.aten.silu_backward.grad_input(gate, a32, grad_input=gate))
     del gate
-    silu = F.silu(a32, inplace=True) if low_precision else F.silu(a32)  # a32 is then a copy of its own
-    torch.mul(silu, dy, out=db)
+    db.copy_(F.silu(a32, inplace=True).mul_(dy))  # a32 is x's fp32 copy: silu(a) dy in place
     return dx
 
 
