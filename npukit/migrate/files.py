@@ -26,6 +26,10 @@ VENDORED_DIRS = frozenset(
 )
 PYTHON_SUFFIXES = (".py", ".pyw")
 SHELL_SUFFIXES = (".sh", ".bash", ".zsh")
+# batch-scheduler job scripts are shell scripts under their scheduler's name (Slurm, PBS/Torque, LSF)
+JOB_SCRIPT_SUFFIXES = (".sbatch", ".slurm", ".pbs", ".qsub", ".lsf", ".bsub", ".job")
+# a file without a suffix npu-migrate knows is read by its `#!` line (`launch`, `run_train`)
+_SHELLS = frozenset({"sh", "bash", "zsh", "ksh", "dash"})
 NATIVE_SUFFIXES = (".cu", ".cuh", ".cpp", ".cc", ".cxx", ".c", ".h", ".hpp", ".hh")
 # requirements files, also pip-compile/uv export output and rye's requirements*.lock
 _REQUIREMENTS = re.compile(r"(requirements|constraints)[\w.-]*\.(txt|in|lock)\Z|.*\.requirements\.txt\Z", re.I)
@@ -42,8 +46,10 @@ def kind_of(relative: str) -> str | None:
         return "python"
     if lowered.endswith(".ipynb"):
         return "notebook"
-    if lowered.endswith(SHELL_SUFFIXES):
+    if lowered.endswith(SHELL_SUFFIXES + JOB_SCRIPT_SUFFIXES):
         return "shell"
+    if lowered in ("makefile", "gnumakefile", "cmakelists.txt") or lowered.endswith((".mk", ".cmake")):
+        return "build"
     if lowered == "dockerfile" or lowered.startswith("dockerfile.") or lowered.endswith(".dockerfile"):
         return "dockerfile"
     if lowered.endswith((".yaml", ".yml")):
@@ -57,6 +63,42 @@ def kind_of(relative: str) -> str | None:
     if lowered.endswith(NATIVE_SUFFIXES):
         return "native"
     return None
+
+
+def kind_by_shebang(path: str) -> str | None:
+    """"shell" or "python" for a script whose `#!` line names that interpreter, else None."""
+    try:
+        with open(path, "rb") as stream:
+            first = stream.read(256).split(b"\n", 1)[0]
+    except OSError:
+        return None
+    if not first.startswith(b"#!"):
+        return None
+    words = first[2:].decode("ascii", "replace").split()
+    if words and words[0].rsplit("/", 1)[-1] == "env":  # `#!/usr/bin/env -S bash -e`
+        words = [word for word in words[1:] if not word.startswith("-")]
+    if not words:
+        return None
+    interpreter = words[0].rsplit("/", 1)[-1]
+    if interpreter in _SHELLS:
+        return "shell"
+    if re.fullmatch(r"python[\d.]*", interpreter):
+        return "python"
+    return None
+
+
+def _unknown_suffix(name: str) -> bool:
+    """No suffix, or one no tool claims (`run.job1`): worth reading the `#!` line of."""
+    stem, dot, suffix = name.rpartition(".")
+    return not dot or not stem or not suffix.isalpha()
+
+
+def file_kind(root: str | Path, relative: str) -> str | None:
+    """kind_of, and for a name it does not know, the `#!` line (a job script named `launch`)."""
+    kind = kind_of(relative)
+    if kind is None and _unknown_suffix(relative.rsplit("/", 1)[-1]):
+        kind = kind_by_shebang(os.path.join(root, relative))
+    return kind
 
 
 @dataclass
@@ -146,7 +188,7 @@ def discover(target: Path, *, for_copy: bool = False) -> Discovery:
     if target.is_file():
         root = target.parent
         relative = target.name
-        kind = kind_of(relative)
+        kind = file_kind(root, relative)
         return Discovery(root, [relative] if kind else [], [relative], [] if kind else [(relative, "not a file type npu-migrate handles")])
     root = target
     git_root = _git_root(root)
@@ -204,7 +246,7 @@ def discover(target: Path, *, for_copy: bool = False) -> Discovery:
                 continue
             if visible is None and ignore.ignored(relative, False):
                 continue
-            if kind_of(relative) is not None:
+            if file_kind(root, relative) is not None:
                 files.append(relative)
     return Discovery(root, files, all_files, skipped)
 

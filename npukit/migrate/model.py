@@ -84,3 +84,6 @@ class TreeFacts:
     cuda_default_tensor_type: bool = False
     # module name -> path of the tree's files that call set_device (a helper that selects the device)
     set_device_modules: tuple[tuple[str, str], ...] = ()
+    # native files the PyTorch path builds (named in the tree's Python, and what they #include);
+    # None: unknown (a single file), then every CUDA file counts as the PyTorch path's
+    built_native: frozenset[str] | None = None

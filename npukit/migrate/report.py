@@ -45,10 +45,15 @@ def _minutes(kind: str, severity: str) -> int:
     return rules.EFFORT_OVERRIDES.get(kind, rules.EFFORT_MINUTES[severity])
 
 
+STANDALONE = "standalone-"  # kinds of CUDA C the PyTorch path does not build: estimated apart
+
+
 def effort(run: MigrationRun) -> dict:
     """Items that need a human, by kind, with a rough time estimate (an estimate, not a promise).
 
-    A group of transitive CUDA wheels (one per dependency file and root cause) is one item.
+    A group of transitive CUDA wheels (one per dependency file and root cause) is one item. CUDA C
+    that no Python in the tree builds (`standalone-` kinds) is its own group, outside the total: the
+    PyTorch path does not need it.
     """
     by_kind: dict[str, dict] = {}
     for finding in run.findings:
@@ -57,18 +62,31 @@ def effort(run: MigrationRun) -> dict:
         entry = by_kind.setdefault(finding.kind, {"items": 0, "severity": finding.severity, "minutes": 0})
         entry["items"] += 1
         entry["minutes"] += _minutes(finding.kind, finding.severity)
-    total = sum(e["minutes"] for e in by_kind.values())
-    return {"items_needing_a_human": sum(e["items"] for e in by_kind.values()),
+    path_kinds = {k: e for k, e in by_kind.items() if not k.startswith(STANDALONE)}
+    standalone = {k: e for k, e in by_kind.items() if k.startswith(STANDALONE)}
+    total = sum(e["minutes"] for e in path_kinds.values())
+    standalone_minutes = sum(e["minutes"] for e in standalone.values())
+    return {"items_needing_a_human": sum(e["items"] for e in path_kinds.values()),
             "estimated_minutes": total, "estimated_hours": round(total / 60, 1),
-            "by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1]["minutes"])),
-            "note": "rough estimate: 15 min per warning, 1 h per error, 2-8 h for kernels/extensions; in dependency "
-                    "files 10 min per pin or index line and 15 min per group of transitive CUDA wheels"}
+            "by_kind": dict(sorted(path_kinds.items(), key=lambda kv: -kv[1]["minutes"])),
+            "standalone_cuda": {"items": sum(e["items"] for e in standalone.values()),
+                                "estimated_minutes": standalone_minutes,
+                                "estimated_hours": round(standalone_minutes / 60, 1),
+                                "by_kind": dict(sorted(standalone.items(), key=lambda kv: -kv[1]["minutes"]))},
+            "note": "rough estimate: 15 min per warning, 1 h per error, 4 h per CUDA kernel (__global__), 2-4 h per "
+                    "CUDA-only library (flash-attn, triton ...); in dependency files 10 min per pin or index line and 15 min "
+                    "per group of transitive CUDA wheels; CUDA C no Python in the tree builds is estimated apart"}
 
 
 def effort_text(estimate: dict) -> str:
-    """'about 15 min' under an hour, else 'about 1.5 h'."""
+    """'about 15 min' under an hour, else 'about 1.5 h'; then the standalone CUDA C apart, if any."""
     minutes = estimate["estimated_minutes"]
-    return f"about {minutes} min" if minutes < 60 else f"about {estimate['estimated_hours']} h"
+    text = f"about {minutes} min" if minutes < 60 else f"about {estimate['estimated_hours']} h"
+    standalone = estimate.get("standalone_cuda", {})
+    if standalone.get("items"):
+        text += (f" (and about {standalone['estimated_hours']} h for {standalone['items']} items of CUDA C the "
+                 "PyTorch path does not build)")
+    return text
 
 
 def to_json(run: MigrationRun) -> dict:
@@ -153,6 +171,15 @@ def markdown(run: MigrationRun) -> str:
     lines += ["", f"## Effort estimate (rough): {e['items_needing_a_human']} items, {effort_text(e)}", "",
               f"_{e['note']}_", "", "| kind | severity | items | minutes |", "|---|---|---:|---:|"]
     lines += [f"| {kind} | {v['severity']} | {v['items']} | {v['minutes']} |" for kind, v in e["by_kind"].items()]
+    standalone = e["standalone_cuda"]
+    if standalone["items"]:
+        lines += ["", f"### CUDA C the PyTorch path does not build: {standalone['items']} items, about "
+                      f"{standalone['estimated_hours']} h (not in the total)", "",
+                  "No Python in the tree builds these files (no setup.py / cpp_extension source names them or "
+                  "includes them): a CUDA C program beside the PyTorch code, kernel experiments. Port them only "
+                  "if you run them.", "", "| kind | severity | items | minutes |", "|---|---|---:|---:|"]
+        lines += [f"| {kind} | {v['severity']} | {v['items']} | {v['minutes']} |"
+                  for kind, v in standalone["by_kind"].items()]
     needing = [f for f in sorted(run.findings, key=lambda f: (SEVERITIES.index(f.severity), f.path, f.line))
                if f.severity != "info"]
     lines += ["", "## Items needing a human", ""]

@@ -475,6 +475,38 @@ NVIDIA_SMI = Flag(
     "nvidia-smi", "error", "nvidia-smi does not exist on NPU hosts",
     "`npu-smi info`, torch.npu.utilization(), torch.npu.mem_get_info()",
 )
+_NSIGHT = Flag("nvidia-profiler", "warning", "NVIDIA's profilers (Nsight Systems, nvprof) profile CUDA GPUs only",
+               "on an NPU host: torch_npu.profiler or CANN's msprof; on the emulator: `npu-run --profile`")
+_SANITIZER = Flag("nvidia-profiler", "warning", "compute-sanitizer / cuda-memcheck check CUDA kernels only",
+                  "CANN's mssanitizer checks Ascend C kernels")
+# NVIDIA's command-line tools, as the first word of a command (shell lines, subprocess strings and lists)
+NVIDIA_TOOLS = {
+    "nvidia-smi": NVIDIA_SMI,
+    "nvcc": Flag("nvcc", "error", "nvcc compiles CUDA C++, which does not run on an NPU",
+                 "NPU kernels are Ascend C, built with CANN's toolchain; or replace the kernel with a torch_npu "
+                 "fused op or PyTorch ops"),
+    "nsys": _NSIGHT,
+    "nvprof": _NSIGHT,
+    "ncu": Flag("nvidia-profiler", "warning", "Nsight Compute (ncu) profiles CUDA kernels only",
+                "on an NPU host: CANN's `msprof op` profiles one kernel; on the emulator: `npu-run --profile`"),
+    "compute-sanitizer": _SANITIZER,
+    "cuda-memcheck": _SANITIZER,
+}
+# a tool's name where a command starts: line start, after ; & | ( ` $( or a quote, optionally behind sudo/env
+NVIDIA_COMMAND = re.compile(r"(?:^|[;&|(`'\"]|\bsudo\s+|\bexec\s+|\btime\s+)\s*(?:\S*/)?"
+                            r"(nvidia-smi|nvcc|nsys|nvprof|ncu|compute-sanitizer|cuda-memcheck)(?=$|[\s;&|)`'\"])")
+
+
+# the same names as words anywhere in a shell line (`watch -n1 nvidia-smi`, `srun nsys profile`, `$(which nvcc)`,
+# a notebook's `!nvidia-smi`, a Makefile recipe's `@nvcc`)
+NVIDIA_TOOL_WORD = re.compile(r"(?:^|(?<=[\s;&|(`'\"/=!@]))(nvidia-smi|nvcc|nsys|nvprof|ncu|compute-sanitizer|cuda-memcheck)"
+                              r"(?=$|[\s;&|)`'\"])")
+
+
+def nvidia_tool(command: str) -> tuple[str, Flag] | None:
+    """The NVIDIA tool a command line starts with (`nvcc -O3 ...`, `/usr/local/cuda/bin/nsys profile`)."""
+    match = NVIDIA_COMMAND.match(command.lstrip())
+    return (match.group(1), NVIDIA_TOOLS[match.group(1)]) if match else None
 
 # ------------------------------------------------------------------------------ requirements
 REQUIREMENT_FLAGS = [
@@ -530,8 +562,15 @@ EFFORT_MINUTES = {
     "info": 0,
 }
 EFFORT_OVERRIDES = {  # kinds that take much longer than the default for their severity
-    "cuda-extension": 8 * 60,
-    "cuda-source": 8 * 60,
+    "cuda-extension": 60,  # the build switch; its kernels are counted one by one (cuda-kernel)
+    # CUDA C: per kernel (__global__), host code and headers apart; `standalone-` kinds are code the
+    # PyTorch path does not build, estimated apart from the total (report.effort)
+    "cuda-kernel": 4 * 60,
+    "standalone-cuda-kernel": 4 * 60,
+    "cuda-source": 60,
+    "standalone-cuda-source": 60,
+    "cuda-header": 15,
+    "standalone-cuda-header": 15,
     "triton": 4 * 60,
     "flash-attn": 2 * 60,
     "xformers": 2 * 60,

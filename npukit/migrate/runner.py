@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import ast
 import difflib
+import fnmatch
 import os
+import posixpath
 import re
 import shutil
 import sys
@@ -23,6 +25,7 @@ from npukit.migrate.pysource import MigrationSyntaxError, migrate_python, remap_
 from npukit.migrate.pysource_model import defines_is_cuda
 from npukit.migrate.textfiles import (
     is_cuda_native,
+    migrate_build,
     migrate_dockerfile,
     migrate_json,
     migrate_notebook,
@@ -147,6 +150,8 @@ def process_file(root: str, relative: str, kind: str, settings: FileSettings) ->
             new_text, result.changes, result.findings = migrate_shell(text, relative)
         elif kind == "dockerfile":
             new_text, result.changes, result.findings = migrate_dockerfile(text, relative)
+        elif kind == "build":  # Makefile, CMake: reported only
+            new_text, result.changes, result.findings = migrate_build(text, relative)
         elif kind == "yaml":
             if not _mentions_cuda(text) and not _conda_environment_with_torch(text):
                 return result
@@ -160,7 +165,8 @@ def process_file(root: str, relative: str, kind: str, settings: FileSettings) ->
                 return result
             result.findings = scan_dependency_file(text, relative)
         elif kind == "native":
-            result.findings = scan_native_source(text, relative)
+            built = settings.facts.built_native
+            result.findings = scan_native_source(text, relative, built=built is None or relative in built)
     except MigrationSyntaxError as exc:
         result.error = str(exc)
         result.changes, result.findings = [], []
@@ -209,13 +215,63 @@ def _usable_cores() -> int:
 
 
 def _gather_tree_facts(root: Path, candidates: list[str], runtime: bool) -> TreeFacts:
-    native = [c for c in candidates if fs.kind_of(c) == "native"]
-    python = [c for c in candidates if fs.kind_of(c) == "python"]
+    kinds = {c: fs.file_kind(root, c) for c in candidates}
+    native = [c for c in candidates if kinds[c] == "native"]
+    python = [c for c in candidates if kinds[c] == "python"]
     classes, is_cuda_classes, cuda_default_type, set_device_modules = _python_tree_facts(root, python)
     return TreeFacts(custom_ops=_custom_cuda_ops(root, native), cuda_method_classes=classes,
                      is_cuda_classes=is_cuda_classes, local_packages=_local_packages(python),
                      imported_modules=_imported_modules(root, python) if runtime else None,
-                     cuda_default_tensor_type=cuda_default_type, set_device_modules=set_device_modules)
+                     cuda_default_tensor_type=cuda_default_type, set_device_modules=set_device_modules,
+                     built_native=_native_built_by_python(root, python, native))
+
+
+_NATIVE_NAME = re.compile(rb"""["']([^"'\n]*\.(?:cu|cuh|cpp|cc|cxx|c|h|hpp|hh))["']""")
+_QUOTED_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.M)
+
+
+def _native_built_by_python(root: Path, python_files: list[str], native_files: list[str]) -> frozenset[str]:
+    """The native files the PyTorch path builds: those a string in the tree's Python names (a
+    CUDAExtension's or cpp_extension.load's sources, `os.path.join(here, "csrc", "k.cu")`'s last part,
+    a glob such as "*.cu"), looked for under that Python file's folder, the other native files of a named
+    file's folder, and what they #include. The rest (a CUDA C trainer beside the PyTorch code, kernel
+    experiments) is standalone CUDA C."""
+    if not native_files:
+        return frozenset()
+    built: set[str] = set()
+    for relative in python_files:
+        try:
+            data = (root / relative).read_bytes()
+        except OSError:
+            continue
+        folder = posixpath.dirname(relative)
+        under = [n for n in native_files if not folder or n.startswith(folder + "/")]
+        for match in _NATIVE_NAME.finditer(data):
+            named = match.group(1).decode("utf-8", "replace").replace("\\", "/").lstrip("./")
+            if "*" in named or "?" in named:
+                built |= {n for n in under if fnmatch.fnmatchcase(n, f"*{named}")}
+            else:
+                built |= {n for n in under if n == named or n.endswith("/" + named)}
+    # an extension's sources live together: the rest of a named source's folder is built with it
+    # (sources listed through os.listdir or a variable name no file)
+    folders = {posixpath.dirname(name) for name in built}
+    built |= {n for n in native_files if posixpath.dirname(n) in folders}
+    pending = list(built)
+    while pending:  # the headers and sources the built files include
+        relative = pending.pop()
+        try:
+            data = (root / relative).read_bytes()
+        except OSError:
+            continue
+        for match in _QUOTED_INCLUDE.finditer(data):
+            included = match.group(1).decode("utf-8", "replace")
+            near = posixpath.normpath(posixpath.join(posixpath.dirname(relative), included))
+            found = [near] if near in native_files else [n for n in native_files if n.endswith("/" + included)]
+            for name in found:
+                if name not in built:
+                    built.add(name)
+                    pending.append(name)
+    return frozenset(built)
 
 
 def _local_packages(python_files: list[str]) -> frozenset[str]:
@@ -317,7 +373,7 @@ def _analyse(root: Path, candidates: list[str], options: MigrateOptions,
     settings = FileSettings(runtime=options.runtime, lines_after=options.writes,
                             facts=_gather_tree_facts(root, candidates, options.runtime),
                             codemods=specs_from_options(options.codemods))
-    items = [(str(root), rel, fs.kind_of(rel), settings) for rel in candidates]
+    items = [(str(root), rel, fs.file_kind(root, rel), settings) for rel in candidates]
     jobs = options.jobs or _usable_cores()
     if jobs <= 1 or len(items) < _POOL_THRESHOLD:
         results = []

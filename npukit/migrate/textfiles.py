@@ -39,7 +39,6 @@ _CONFIG_ENV_USE = re.compile(
 _NCCL_ENV = re.compile(r"\b(TORCH_)?NCCL_[A-Z0-9_]+\b")
 _DEVICE_OPTION = re.compile(r"(--[\w-]*device[\w-]*(?:=|\s+)[\"']?)cuda(?=(?::\d+)?[\"']?(?:\s|$|\\))")
 _BACKEND_OPTION = re.compile(r"(--[\w-]*backend[\w-]*(?:=|\s+)[\"']?)nccl\b")
-_NVIDIA_SMI = re.compile(r"\bnvidia-smi\b")
 _LOG_COMMAND = re.compile(r"\s*(echo|printf)\b")
 _YAML_ITEM = re.compile(r"""^(?P<lead>\s*(?:-\s+)?)(?P<kq>["']?)(?P<key>[\w.-]+)(?P=kq)(?P<sep>\s*:\s*)(?P<vq>["']?)(?P<value>[^"'#\s][^"'#]*?)(?P=vq)\s*$""")
 _JSON_DEVICE = re.compile(r'("[\w.-]*[dD]evice[\w.-]*"\s*:\s*")cuda((?::\d+)?")')
@@ -63,7 +62,8 @@ def _finding(path: str, line_no: int, col: int, line: str, flag: Flag, reason: s
 
 def _command_line_edits(line: str, line_no: int, path: str, findings: list[Finding],
                         env_pattern: re.Pattern[str] = _ENV_RENAME) -> list[TextEdit]:
-    """Env var names, --device cuda, --backend nccl, and nvidia-smi in one shell-like line."""
+    """Env var names, --device cuda, --backend nccl, and NVIDIA's tools (nvidia-smi, nvcc, nsys ...)
+    where a command starts, in one shell-like line."""
     code = line[:comment_start(line)]
     if not code.strip() or _LOG_COMMAND.match(code):
         return []
@@ -85,10 +85,26 @@ def _command_line_edits(line: str, line_no: int, path: str, findings: list[Findi
     if "CUBLAS_WORKSPACE_CONFIG" in code:
         findings.append(_finding(path, line_no, code.index("CUBLAS_WORKSPACE_CONFIG") + 1, line,
                                  rules.ENV_FLAGGED["CUBLAS_WORKSPACE_CONFIG"]))
-    match = _NVIDIA_SMI.search(code)
-    if match:
-        findings.append(_finding(path, line_no, match.start() + 1, line, rules.NVIDIA_SMI))
+    for match in rules.NVIDIA_TOOL_WORD.finditer(code):
+        findings.append(_finding(path, line_no, match.start(1) + 1, line, rules.NVIDIA_TOOLS[match.group(1)]))
+    for match in _CUDA_LINK.finditer(code):
+        findings.append(_finding(path, line_no, match.start() + 1, line, _CUDA_LINK_FLAG,
+                                 f"{match.group(0)}: {_CUDA_LINK_FLAG.reason}"))
     return edits
+
+
+# NVIDIA's libraries on a compiler or linker line
+_CUDA_LINK = re.compile(r"(?<![\w-])-l(?:cublas(?:Lt)?|cudart(?:_static)?|cudnn|nccl|cufft|curand|cusparse|cusolver|nvrtc|"
+                        r"nvToolsExt|cuda)\b")
+_CUDA_LINK_FLAG = Flag("cuda-link", "error", "links one of NVIDIA's CUDA libraries, which NPU hosts lack",
+                       "link CANN's counterparts (ascendcl, hccl, the op libraries) or build the native part "
+                       "without CUDA")
+# a batch scheduler's GPU request: Slurm `#SBATCH --gres=gpu:8` / `--gpus-per-node`, PBS `ngpus=`, LSF `-gpu`
+_JOB_GPU_REQUEST = re.compile(r"^\s*#(?:SBATCH|PBS|BSUB)\b.*?(--gres[= ]\S*gpu\S*|--gpus(?:-per-\w+)?[= ]\S+|"
+                              r"\bngpus=\d+|-gpu\b\s*\S*)")
+_JOB_GPU_FLAG = Flag("job-gpu-request", "warning", "this job asks its scheduler for NVIDIA GPUs",
+                     "ask for the cluster's NPUs instead: the resource name is the site's (Slurm often "
+                     "`--gres=npu:8`; check `scontrol show node` / the site docs)")
 
 
 def _apply_line_edits(lines: list[str], edits: list[TextEdit], path: str) -> tuple[list[str], list[Change]]:
@@ -116,11 +132,22 @@ def migrate_shell(text: str, path: str) -> tuple[str, list[Change], list[Finding
     findings: list[Finding] = []
     edits: list[TextEdit] = []
     for number, line in enumerate(lines, 1):
+        request = _JOB_GPU_REQUEST.match(line)
+        if request:  # a scheduler directive is a comment to the shell
+            findings.append(_finding(path, number, request.start(1) + 1, line, _JOB_GPU_FLAG))
         edits += _command_line_edits(line, number, path, findings)
     new_lines, changes = _apply_line_edits(lines, edits, path)
     return "".join(new_lines), changes, findings
 
 
+# Kubernetes / Helm: NVIDIA's device plugin resource, and a container image built on CUDA
+_K8S_GPU_RESOURCE = re.compile(r"""["']?nvidia\.com/gpu["']?\s*:""")
+_K8S_GPU_FLAG = Flag("k8s-gpu-resource", "error", "the pod requests NVIDIA GPUs (nvidia.com/gpu), which an Ascend "
+                     "node does not offer", "request the Ascend device plugin's resource (e.g. huawei.com/Ascend910: "
+                     "N; the name is your cluster's) and use an Ascend CANN image")
+_CUDA_IMAGE = re.compile(r"""^\s*(?:-\s+)?["']?image["']?\s*:\s*["']?(\S*(?:nvidia/|nvcr\.io/|cuda)\S*?)["']?\s*$""", re.I)
+_CUDA_IMAGE_FLAG = Flag("cuda-base-image", "error", "a CUDA container image",
+                        "use an Ascend CANN image (e.g. ascendai/cann) with torch + torch_npu installed")
 _CUDA_BASE_IMAGE = re.compile(r"^\s*FROM\s+(?:--\S+\s+)*(\S*(?:nvidia/|nvcr\.io/|cuda)\S*)", re.I)
 
 
@@ -134,6 +161,32 @@ def migrate_dockerfile(text: str, path: str) -> tuple[str, list[Change], list[Fi
                 "cuda-base-image", "error", f"{match.group(1)}: a CUDA base image",
                 "start from an Ascend CANN image (e.g. ascendai/cann) and install torch + torch_npu")))
     return new_text, changes, findings
+
+
+_CMAKE_CUDA = re.compile(r"\benable_language\s*\(\s*CUDA\b|\bproject\s*\([^)]*\bCUDA\b|\bfind_package\s*\(\s*(?:CUDA|CUDAToolkit|"
+                         r"NCCL|CUDNN)\b|\bcuda_add_\w+\s*\(|\bCUDA::\w+|\bLANGUAGE\s+CUDA\b|\bCMAKE_CUDA_\w+|"
+                         r"\bCUDA_ARCHITECTURES\b|[\w/.-]+\.cu\b", re.I)
+_CUDA_BUILD_FLAG = Flag("cuda-build", "error", "this build compiles or links CUDA code, which does not build on an NPU host",
+                        "build the native part without CUDA: port its kernels to Ascend C (CANN's toolchain) or "
+                        "replace them with torch_npu fused ops / PyTorch ops, and link CANN's libraries")
+
+
+def migrate_build(text: str, path: str) -> tuple[str, list[Change], list[Finding]]:
+    """Makefiles get the shell rules (their recipes are shell: env var names and --device cuda are
+    rewritten; nvcc, nsys, -lcublas ... reported); CMake files are reported, never rewritten: CUDA's
+    language, packages, targets and .cu sources, one finding per line. Porting a build is a human's job."""
+    if not path.lower().endswith((".cmake", "cmakelists.txt")):
+        return migrate_shell(text, path)
+    findings: list[Finding] = []
+    for number, line in enumerate(text.splitlines(), 1):
+        code = line[:comment_start(line)]
+        match = _CMAKE_CUDA.search(code)
+        if match:
+            findings.append(_finding(path, number, match.start() + 1, line, _CUDA_BUILD_FLAG,
+                                     f"`{match.group(0).strip()}`: {_CUDA_BUILD_FLAG.reason}"))
+        else:
+            _command_line_edits(code, number, path, findings)  # execute_process(nvcc ...), -lcudart in flags
+    return text, [], findings
 
 
 def migrate_yaml(text: str, path: str) -> tuple[str, list[Change], list[Finding]]:
@@ -158,6 +211,13 @@ def migrate_yaml(text: str, path: str) -> tuple[str, list[Change], list[Finding]
                 new = re.sub(r"\bnccl\b", "hccl", re.sub(r"\bcuda\b", "npu", value))
                 edits.append(TextEdit(number, at, at + len(value), new, "backend-string"))
                 continue
+        gpu = _K8S_GPU_RESOURCE.search(code)
+        if gpu:
+            findings.append(_finding(path, number, gpu.start() + 1, body, _K8S_GPU_FLAG))
+        image = _CUDA_IMAGE.match(code)
+        if image:
+            findings.append(_finding(path, number, image.start(1) + 1, body, _CUDA_IMAGE_FLAG,
+                                     f"{image.group(1)}: {_CUDA_IMAGE_FLAG.reason}"))
         edits += _command_line_edits(body, number, path, findings, _CONFIG_ENV_USE)
     findings += scan_conda_environment(text, path)
     new_lines, changes = _apply_line_edits(lines, edits, path)
@@ -221,18 +281,43 @@ def is_cuda_native(text: str, path: str) -> bool:
     return path.endswith((".cu", ".cuh")) or _CUDA_INCLUDE.search(text) is not None or _CUDA_KERNEL.search(text) is not None
 
 
-def scan_native_source(text: str, path: str) -> list[Finding]:
-    """.cu/.cuh files and C++ files that include CUDA headers cannot be migrated automatically."""
+_KERNEL = re.compile(r"\b__global__\b[^;{()]*?\b(\w+)\s*(?:<[^;{()]*>\s*)?\(")
+_HEADER_SUFFIXES = (".h", ".hpp", ".hh", ".cuh")
+_PORT = ("rewrite as an Ascend C / op-plugin kernel and build with torch_npu.utils.cpp_extension.NpuExtension, "
+         "or replace with torch_npu fused ops / torch ops")
+_STANDALONE = ("no Python in the tree builds it (no setup.py / cpp_extension source names it, nor includes it): "
+               "the PyTorch path does not need it; port it only if you run it")
+
+
+def scan_native_source(text: str, path: str, *, built: bool = True) -> list[Finding]:
+    """CUDA C/C++ cannot be migrated automatically. One finding per kernel (`__global__` function),
+    where it is defined; a file with CUDA but no kernel (host code, a header of device functions) is
+    one finding, a header a small one. built: the PyTorch path builds the file (runner's
+    _native_built_by_python); if not, its findings are the `standalone-` kinds, estimated apart."""
     is_cuda_file = path.endswith((".cu", ".cuh"))
     match = _CUDA_INCLUDE.search(text) or _CUDA_KERNEL.search(text)
     if not is_cuda_file and match is None:
         return []
+    prefix, severity, note = ("", "error", "") if built else ("standalone-", "warning", f"; {_STANDALONE}")
+    lines = text.splitlines()
+    kernels = [m for m in _KERNEL.finditer(text) if not lines[text.count("\n", 0, m.start())].lstrip().startswith("//")]
+    if kernels:
+        findings = []
+        for kernel in kernels:
+            line = text.count("\n", 0, kernel.start()) + 1
+            findings.append(Finding(path, line, 1, f"{prefix}cuda-kernel", severity, lines[line - 1].strip(),
+                                    f"CUDA kernel `{kernel.group(1)}`: kernels must be rewritten for the NPU "
+                                    f"(no automatic path){note}", _PORT))
+        return findings
     line = text.count("\n", 0, match.start()) + 1 if match else 1
-    code = text.splitlines()[line - 1].strip() if text else ""
-    return [Finding(path, line, 1, "cuda-source", "error", code,
-                    "CUDA kernel source: kernels must be rewritten for the NPU (no automatic path)",
-                    "rewrite as an Ascend C / op-plugin kernel and build with torch_npu.utils.cpp_extension.NpuExtension, "
-                    "or replace with torch ops")]
+    code = lines[line - 1].strip() if lines else ""
+    if path.endswith(_HEADER_SUFFIXES):
+        return [Finding(path, line, 1, f"{prefix}cuda-header", "warning", code,
+                        f"a header of CUDA declarations or device functions (no kernel){note}",
+                        "port it with the kernels that include it")]
+    return [Finding(path, line, 1, f"{prefix}cuda-source", severity, code,
+                    f"host code using CUDA (no kernel here): its CUDA runtime/library calls need an NPU port{note}",
+                    "use ACL / torch_npu calls for memory, streams and the libraries, or torch ops")]
 
 
 # ------------------------------------------------------------------------------ notebooks

@@ -70,11 +70,11 @@ def test_a_condition_with_a_cuda_call_left_as_cuda_is_kept_whole_and_reported():
             "    pass\nok = (torch.cuda.is_available() and\n      torch.cuda.get_device_capability()[0] >= 8)\n"
             "x = torch.cuda.get_device_capability() if torch.cuda.is_available() else None\n")
     outcome = migrate_python(code, "train.py")
-    lines = outcome.text.splitlines()[1:]  # (after `import torch_npu`)
-    assert lines[1:5] == code.splitlines()[1:5]  # both conditions as they were
-    assert lines[5] == "x = torch.cuda.get_device_capability() if torch.npu.is_available() else None"
-    assert [(f.line, f.col, f.kind, f.end_line) for f in outcome.findings if f.kind == "mixed-condition"] == [
-        (2, 4, "mixed-condition", None), (4, 7, "mixed-condition", 5)]
+    # both conditions as they were, and the conditional expression too: its rewritten test would let
+    # the capability call it guards run (and crash) on every NPU host
+    assert outcome.text == code
+    assert [(f.line, f.col, f.kind, f.end_line) for f in outcome.findings if f.kind in ("mixed-condition", "mixed-guard")] == [
+        (2, 4, "mixed-condition", None), (4, 7, "mixed-condition", 5), (6, 5, "mixed-guard", None)]
     assert not [f for f in outcome.findings if f.kind == "cuda-leftover"]
 
 

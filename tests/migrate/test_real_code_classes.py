@@ -163,7 +163,66 @@ CASES = [
      "import io, torch\nbuf = io.BytesIO()\ntorch.save(net, buf)\nnet2 = torch.load(buf, weights_only=False)\n"
      "torch.save(state, 'tmp.pt')\nstate = torch.load('tmp.pt')\nother = torch.load('other.pt')\n",
      NPU + "import io, torch\nbuf = io.BytesIO()\ntorch.save(net, buf)\nnet2 = torch.load(buf, weights_only=False)\n"
-     "torch.save(state, 'tmp.pt')\nstate = torch.load('tmp.pt')\nother = torch.load('other.pt', map_location=\"npu\")\n",
+     "torch.save(state, 'tmp.pt')\nstate = torch.load('tmp.pt', weights_only=False)\n"
+     "other = torch.load('other.pt', map_location=\"npu\")\n",
+     {"torch-load", "torch-load-weights-only"}),
+    # torch >= 2.6 loads weights_only=True: the code's own whole-object file gets weights_only=False, a
+    # state dict needs nothing, a file from elsewhere is reported
+    ("torch-load-weights-only-by-whose-file-it-is",
+     "import torch\ntorch.save(model, 'model.pt')\nmodel = torch.load('model.pt')\n"
+     "torch.save(model.state_dict(), 'w.pt')\nmodel.load_state_dict(torch.load('w.pt'))\n"
+     "opt = torch.load('downloaded.pt')\n",
+     NPU + "import torch\ntorch.save(model, 'model.pt')\nmodel = torch.load('model.pt', weights_only=False)\n"
+     "torch.save(model.state_dict(), 'w.pt')\nmodel.load_state_dict(torch.load('w.pt'))\n"
+     "opt = torch.load('downloaded.pt', map_location=\"npu\")\n",
+     {"torch-load", "torch-load-weights-only"}),
+    # transformers routes flash_attention_2 to torch_npu's fused attention on an NPU; a file that imports
+    # flash_attn itself has its own path into flash_attn's CUDA kernels
+    ("flash-attention-2-kept-where-transformers-routes-it",
+     "from transformers import AutoModel\nm = AutoModel.from_pretrained('x', attn_implementation=\"flash_attention_2\")\n",
+     "from transformers import AutoModel\nm = AutoModel.from_pretrained('x', attn_implementation=\"flash_attention_2\")\n",
+     {"flash-attention-2"}),
+    ("flash-attention-2-in-a-file-importing-flash-attn-is-reported",
+     "import flash_attn\nfrom transformers import AutoModel\n"
+     "m = AutoModel.from_pretrained('x', attn_implementation=\"flash_attention_2\")\n",
+     "import flash_attn\nfrom transformers import AutoModel\n"
+     "m = AutoModel.from_pretrained('x', attn_implementation=\"flash_attention_2\")\n",
+     {"flash-attn", "flash-attention-2"}),
+    # NVIDIA's tools run from Python: a command string or a list's first word
+    ("nvidia-tools-run-from-python-are-reported",
+     "import os, subprocess\nsubprocess.run(['nvcc', '-O3', 'k.cu'])\nos.system('nsys profile python t.py')\n"
+     "subprocess.check_output('ncu --set full python t.py', shell=True)\nprint('nvcc not found')\n",
+     "import os, subprocess\nsubprocess.run(['nvcc', '-O3', 'k.cu'])\nos.system('nsys profile python t.py')\n"
+     "subprocess.check_output('ncu --set full python t.py', shell=True)\nprint('nvcc not found')\n",
+     {"nvcc", "nvidia-profiler"}),
+    # a rewritten availability check must not let a CUDA call it guards run on the NPU host
+    ("guard-of-a-capability-call-kept-whole",
+     "import torch\nif torch.cuda.is_available():\n    cap = torch.cuda.get_device_capability()\n"
+     "    use_bf16 = cap[0] >= 8\nelse:\n    use_bf16 = False\nx = torch.zeros(1).cuda()\n",
+     NPU + "import torch\nif torch.cuda.is_available():\n    cap = torch.cuda.get_device_capability()\n"
+     "    use_bf16 = cap[0] >= 8\nelse:\n    use_bf16 = False\nx = torch.zeros(1).npu()\n",
+     {"mixed-guard", "device-capability"}),
+    ("conditional-expression-guarding-a-capability-call-kept-whole",
+     "import torch\ncap = torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)\n",
+     "import torch\ncap = torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)\n",
+     {"mixed-guard", "device-capability"}),
+    ("guard-of-migratable-code-is-migrated",
+     "import torch\nif torch.cuda.is_available():\n    model = model.cuda()\n    torch.cuda.synchronize()\n",
+     NPU + "import torch\nif torch.npu.is_available():\n    model = model.npu()\n    torch.npu.synchronize()\n",
+     set()),
+    # the same path expression over the same instance's attributes: a round trip across two methods
+    ("torch-load-of-a-path-expression-the-code-saved-is-left",
+     "import os, torch\nclass Data:\n    def download(self):\n        torch.save(x, os.path.join(self.root, self.f))\n"
+     "    def __getitem__(self, i):\n        return torch.load(os.path.join(self.root,  self.f)).numpy()\n",
+     "import os, torch\nclass Data:\n    def download(self):\n        torch.save(x, os.path.join(self.root, self.f))\n"
+     "    def __getitem__(self, i):\n        return torch.load(os.path.join(self.root,  self.f), weights_only=False).numpy()\n",
+     {"torch-load"}),
+    # equal text over different local variables is not the same file
+    ("torch-load-of-an-equal-expression-over-other-variables-gets-a-location",
+     "import os, torch\ndef save(d):\n    torch.save(x, os.path.join(d, 'a.pt'))\n"
+     "def load(d):\n    return torch.load(os.path.join(d, 'a.pt'))\n",
+     NPU + "import os, torch\ndef save(d):\n    torch.save(x, os.path.join(d, 'a.pt'))\n"
+     "def load(d):\n    return torch.load(os.path.join(d, 'a.pt'), map_location=\"npu\")\n",
      {"torch-load"}),
 ]
 
@@ -176,6 +235,23 @@ def test_real_code_class(source, expected, kinds):
     assert kinds <= found, f"missing findings {kinds - found}; got {sorted(found)}"
     unexpected = found & {"cuda-leftover", "mixed-condition", "ambiguous-cuda", "unsupported-api"} - kinds
     assert not unexpected, [f for f in outcome.findings if f.kind in unexpected]
+
+
+def test_flash_attention_2_is_judged_by_whether_the_file_calls_flash_attn_itself():
+    routed, own = (next(c[1] for c in CASES if c[0] == name) for name in (
+        "flash-attention-2-kept-where-transformers-routes-it",
+        "flash-attention-2-in-a-file-importing-flash-attn-is-reported"))
+    (kept,) = [f for f in migrate_python(routed, "t.py").findings if f.kind == "flash-attention-2"]
+    assert kept.severity == "info" and "npu_fusion_attention" in kept.reason
+    (reported,) = [f for f in migrate_python(own, "t.py").findings if f.kind == "flash-attention-2"]
+    assert reported.severity == "error" and reported.line == 3
+
+
+def test_nvidia_tools_from_python_are_reported_where_run_not_where_printed():
+    source = next(c[1] for c in CASES if c[0] == "nvidia-tools-run-from-python-are-reported")
+    found = [(f.line, f.kind) for f in migrate_python(source, "t.py").findings
+             if f.kind in ("nvcc", "nvidia-profiler")]
+    assert found == [(2, "nvcc"), (3, "nvidia-profiler"), (4, "nvidia-profiler")]
 
 
 def test_leftover_points_at_the_line_and_names_the_use():

@@ -316,7 +316,7 @@ def test_custom_cuda_op_call_sites_are_reported(tmp_path: Path) -> None:
     found = {(f.path, f.line, f.kind) for f in run.findings}
     assert ("model.py", 3, "custom-cuda-op") in found
     assert ("model.py", 4, "custom-cuda-op") not in found  # a method of some object, not the extension
-    assert ("csrc/gelu_kernel.cu", 1, "cuda-source") in found
+    assert ("csrc/gelu_kernel.cu", 1, "cuda-kernel") in found  # built with bind.cpp, its folder's named source
     assert ("setup.py", 2, "cuda-extension") in found
 
 
@@ -436,3 +436,34 @@ def test_a_file_name_that_is_not_utf8_is_written_in_every_report(tmp_path: Path)
     texts = {report.name: report.read_text(encoding="utf-8") for report in (tmp_path / "report").iterdir()}
     assert len(texts) == 5  # every report written, each valid UTF-8
     assert all("ame.py" in texts[name] for name in ("change_list.csv", "report.json"))
+
+
+def test_cuda_c_the_pytorch_path_does_not_build_is_estimated_apart(tmp_path: Path) -> None:
+    """A CUDA C trainer beside the PyTorch code (llm.c-style) and kernel experiments: counted per kernel,
+    in their own group, outside the total; the extension setup.py builds is the PyTorch path's."""
+    from npukit.migrate.report import effort
+
+    (tmp_path / "ext" / "csrc").mkdir(parents=True)
+    (tmp_path / "ext" / "setup.py").write_text(
+        "import os\nfrom torch.utils.cpp_extension import CUDAExtension\nhere = os.path.dirname(__file__)\n"
+        "ext = CUDAExtension('e', [os.path.join(here, 'csrc', 'bind.cpp')])\n")
+    (tmp_path / "ext" / "csrc" / "bind.cpp").write_text('#include <torch/extension.h>\n#include "../common/act.cuh"\n')
+    (tmp_path / "ext" / "csrc" / "act.cu").write_text("__global__ void act(float* x) {}\n")
+    (tmp_path / "ext" / "common").mkdir()
+    (tmp_path / "ext" / "common" / "act.cuh").write_text("#include <cuda_runtime.h>\n__device__ float f(float x);\n")
+    (tmp_path / "llmc").mkdir()
+    (tmp_path / "llmc" / "train.cu").write_text(
+        "#include <cuda_runtime.h>\n__global__ void a(float* x) {}\n// __global__ void old(float* x)\n"
+        "template <typename T>\n__global__ void b(T* x) {}\n")
+    (tmp_path / "llmc" / "common.h").write_text("#include <cublas_v2.h>\nvoid setup();\n")
+    run = run_migration(MigrateOptions(target=tmp_path, dry_run=True))
+    found = sorted((f.path, f.line, f.kind) for f in run.findings if "cuda-" in f.kind and f.kind != "cuda-extension")
+    assert found == [("ext/common/act.cuh", 1, "cuda-header"), ("ext/csrc/act.cu", 1, "cuda-kernel"),
+                     ("llmc/common.h", 1, "standalone-cuda-header"), ("llmc/train.cu", 2, "standalone-cuda-kernel"),
+                     ("llmc/train.cu", 5, "standalone-cuda-kernel")]
+    estimate = effort(run)
+    assert set(estimate["by_kind"]) == {"cuda-extension", "cuda-kernel", "cuda-header"}
+    assert estimate["standalone_cuda"]["items"] == 3
+    assert estimate["standalone_cuda"]["estimated_minutes"] == 2 * 4 * 60 + 15
+    assert estimate["estimated_minutes"] == 60 + 4 * 60 + 15
+

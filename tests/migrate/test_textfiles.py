@@ -111,7 +111,7 @@ def test_requirements_with_torch_npu_need_no_hint() -> None:
 
 def test_cuda_sources_are_flagged() -> None:
     (finding,) = scan_native_source("__global__ void k(float* x) {}\n", "k.cu")
-    assert finding.kind == "cuda-source" and finding.severity == "error"
+    assert finding.kind == "cuda-kernel" and finding.severity == "error" and "`k`" in finding.reason
     (header_use,) = scan_native_source('#include <vector>\n#include <cuda_runtime.h>\n', "ops.cpp")
     assert header_use.line == 2
     assert scan_native_source("#include <vector>\nint main() {}\n", "main.cpp") == []
@@ -219,3 +219,65 @@ def test_notebook_question_marks_in_code_are_not_mistaken_for_help_syntax() -> N
     cell = json.loads(text)["cells"][0]["source"]
     assert cell[-1] == "y = t.npu()"
     assert "    'ready?',\n" in cell and "torch.zeros?\n" in cell
+
+
+# ---- a repository's other files: job scripts, build files, cluster manifests, NVIDIA's tools (#32)
+
+def _kinds(findings) -> list[tuple[int, str]]:
+    return [(f.line, f.kind) for f in findings]
+
+
+def test_nvidia_tools_and_cuda_links_in_shell_lines_are_reported() -> None:
+    source = ("watch -n1 nvidia-smi\nX=$(which nvcc)\n/usr/local/cuda/bin/nvcc -O3 k.cu -lcublas -lcudart\n"
+              "srun nsys profile python t.py\nncu --set full python t.py\nexport NVCC_FLAGS=-O3\n"
+              "echo nvcc missing\npython run.py --profiler=nsys-free\n")
+    text, changes, findings = migrate_shell(source, "run.sh")
+    assert text == source and not changes
+    assert _kinds(findings) == [(1, "nvidia-smi"), (2, "nvcc"), (3, "nvcc"), (3, "cuda-link"), (3, "cuda-link"),
+                                (4, "nvidia-profiler"), (5, "nvidia-profiler")]
+
+
+def test_a_job_scripts_gpu_request_is_reported() -> None:
+    source = "#!/bin/bash\n#SBATCH --gres=gpu:8\n#SBATCH --gpus-per-node=4\n#PBS -l select=1:ngpus=2\n# gres=gpu:8\n"
+    _, _, findings = migrate_shell(source, "train.sbatch")
+    assert _kinds(findings) == [(2, "job-gpu-request"), (3, "job-gpu-request"), (4, "job-gpu-request")]
+
+
+def test_makefile_recipes_get_the_shell_rules_and_cmake_files_are_reported() -> None:
+    from npukit.migrate.textfiles import migrate_build
+
+    makefile = ("NVCC ?= nvcc\nkernels: k.cu\n\t$(NVCC) -O3 -o k.so --shared k.cu -lcublas\n"
+                "train:\n\tCUDA_VISIBLE_DEVICES=0 python train.py\n")
+    text, changes, findings = migrate_build(makefile, "Makefile")
+    assert text == makefile.replace("CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES")  # a recipe is shell
+    assert _kinds(findings) == [(1, "nvcc"), (3, "cuda-link"), (5, "visible-devices")]
+    cmake = ("project(k LANGUAGES CXX CUDA)\nfind_package(CUDAToolkit REQUIRED)\nadd_library(k k.cpp k.cu)\n"
+             "target_link_libraries(k CUDA::cublas)\n# enable_language(CUDA)\nadd_library(plain plain.cpp)\n")
+    text, changes, findings = migrate_build(cmake, "csrc/CMakeLists.txt")
+    assert text == cmake and not changes
+    assert _kinds(findings) == [(1, "cuda-build"), (2, "cuda-build"), (3, "cuda-build"), (4, "cuda-build")]
+
+
+def test_kubernetes_gpu_resources_and_cuda_images_are_reported() -> None:
+    manifest = ("apiVersion: batch/v1\nkind: Job\nspec:\n  template:\n    spec:\n      containers:\n"
+                "      - name: train\n        image: nvcr.io/nvidia/pytorch:24.01-py3\n        resources:\n"
+                "          limits:\n            nvidia.com/gpu: 8\n      - name: side\n        image: busybox\n")
+    text, _, findings = migrate_yaml(manifest, "k8s/job.yaml")
+    assert text == manifest
+    assert _kinds(findings) == [(8, "cuda-base-image"), (11, "k8s-gpu-resource")]
+
+
+def test_job_scripts_and_shebang_scripts_are_migrated_with_the_tree(tmp_path) -> None:
+    """A Slurm script or an extension-less launcher is a shell script: before, they stayed CUDA while the
+    identical .sh was rewritten."""
+    from npukit.migrate.files import discover, file_kind
+
+    script = "#!/bin/bash\n#SBATCH --gres=gpu:8\nexport CUDA_VISIBLE_DEVICES=0,1\n"
+    for name in ("train.sbatch", "train.slurm", "job.pbs", "launch", "run.job1"):
+        (tmp_path / name).write_text(script)
+    (tmp_path / "serve").write_text("#!/usr/bin/env -S python3 -u\nimport torch\nx = torch.zeros(1).cuda()\n")
+    (tmp_path / "notes").write_text("export CUDA_VISIBLE_DEVICES=0\n")  # no #! line: not a script
+    (tmp_path / "tool.pl").write_text("#!/usr/bin/perl\n")
+    found = discover(tmp_path)
+    assert sorted(found.files) == ["job.pbs", "launch", "run.job1", "serve", "train.sbatch", "train.slurm"]
+    assert file_kind(tmp_path, "serve") == "python" and file_kind(tmp_path, "launch") == "shell"

@@ -18,7 +18,9 @@ _ALLOC_OPTION_WORDS = ("cudaMallocAsync", "pinned_use_cuda_host_register", "pinn
 class CudaEnvironment(StringPlaces, NpuCodemod):
     """`os.environ["CUDA_VISIBLE_DEVICES"]` -> `os.environ["ASCEND_RT_VISIBLE_DEVICES"]` (and the
     allocator, launch-blocking and NCCL socket variables); reported: CUDA-only variables (NCCL_*,
-    CUBLAS_WORKSPACE_CONFIG), CUDA-only allocator options, nvidia-smi command lines, and variable
+    CUBLAS_WORKSPACE_CONFIG), CUDA-only allocator options, command lines of NVIDIA's tools (nvidia-smi,
+    nvcc, nsys, ncu ...: a string a command starts with, as os.system, subprocess or a list's first
+    word holds it), and variable
     names inside longer strings. Docstrings are left alone; so is text passed to print, a logger or
     raise, except a whole variable name, which is the variable wherever it is.
     """
@@ -28,7 +30,8 @@ class CudaEnvironment(StringPlaces, NpuCodemod):
     RULES = ("env-var",)
     # the names ENV_RENAMES, ENV_FLAGGED and ENV_NAME know ("CUDA_" alone is in every CUDA_HOME)
     FILES_CONTAINING = ("CUDA_VISIBLE_DEVICES", "CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUDA_LAUNCH_BLOCKING",
-                        "CUBLAS_WORKSPACE_CONFIG", "NCCL_", "nvidia-smi", *_ALLOC_OPTION_WORDS)
+                        "CUBLAS_WORKSPACE_CONFIG", "NCCL_", "nvidia-smi", *_ALLOC_OPTION_WORDS,
+                        *rules.NVIDIA_TOOLS)
 
     @classmethod
     def candidates(cls, model) -> list:  # strings, not docstrings, holding one of the names
@@ -84,6 +87,8 @@ class CudaEnvironment(StringPlaces, NpuCodemod):
             self.flag(node, rules.NVIDIA_SMI)
         elif self._text_depth:
             return
+        elif rules.nvidia_tool(value) is not None:  # a command run (os.system, subprocess, a list's first word)
+            self.flag(node, rules.nvidia_tool(value)[1])
         elif rules.CUDA_ONLY_ALLOC_OPTIONS.search(value):
             self.flag(node, rules.ALLOC_OPTION_FLAG)
         elif rules.ENV_NAME.search(value) and not self._device_rules_take(node, value):

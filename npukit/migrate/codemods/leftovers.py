@@ -13,6 +13,8 @@ identifiers (`args.cuda`, `use_cuda`) are not uses.
 A condition that mixes rewritten CUDA checks with a CUDA call that has no NPU answer (a finding of
 a LEFT_AS_CUDA kind: `not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 8`)
 is kept whole: half-migrated, it would crash on every host instead of taking its no-CUDA branch.
+So is a statement whose rewritten CUDA check guards such a call (`if torch.cuda.is_available():
+cap = torch.cuda.get_device_capability()`: `mixed-guard`): the guard would let it run on the NPU.
 
 Under libcst's own tool the codemod audits what that run's codemods recorded (alone: every CUDA use
 of the file is reported); it never edits.
@@ -23,7 +25,7 @@ from __future__ import annotations
 import ast
 import bisect
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import libcst as cst
 from libcst.codemod import CodemodContext
@@ -74,6 +76,14 @@ _MIXED_CONDITION = rules.Flag(
     "torch.cuda.is_available() is False and the condition takes its no-CUDA branch",
     "rewrite the whole condition by hand with an NPU feature test (e.g. torch.npu.is_available() and "
     "torch.npu.is_bf16_supported() instead of a compute-capability check)")
+_GUARD_KEPT = rules.Flag(
+    "mixed-guard", "error",
+    "this statement's CUDA check guards a CUDA call that has no NPU answer (reported inside it); rewriting "
+    "the check alone would run that call on every NPU host and crash, so the whole statement was left as "
+    "it was: on an NPU host torch.cuda.is_available() is False and it takes its no-CUDA path, as the "
+    "original did on any host without CUDA",
+    "rewrite the guarded code by hand with an NPU answer (e.g. torch.npu.is_bf16_supported() instead of a "
+    "compute-capability check), then the check itself")
 
 # the kinds of CUDA use, in the order the audit weighs the uses of one line (the first unreported one is reported)
 _METHOD, _CHAIN, _NAME_CHAIN, _STRING, _FSTRING, _CALL, _IMPORT = range(7)
@@ -128,6 +138,8 @@ class _Audit:
     conditions: list[tuple[object, cst.CSTNode]]  # boolean operations and `not`
     conditional_tests: list[tuple[object, cst.CSTNode]]  # the tests of `a if test else b`
     statement_tests: list[tuple[object, cst.CSTNode]]  # the tests of if / elif / while / assert
+    # if / while statements and `a if test else b`: a CUDA call left in what their test guards keeps them whole
+    guards: list[tuple[object, cst.CSTNode]] = field(default_factory=list)
 
 
 class CudaLeftovers(BindingTargets, StringPlaces, NpuCodemod):
@@ -274,12 +286,15 @@ class CudaLeftovers(BindingTargets, StringPlaces, NpuCodemod):
 
     def visit_If(self, node: cst.If) -> None:
         self.state.statement_tests.append((self.facts, node.test))
+        self.state.guards.append((self.facts, node))
 
     def visit_While(self, node: cst.While) -> None:
         self.state.statement_tests.append((self.facts, node.test))
+        self.state.guards.append((self.facts, node))
 
     def visit_IfExp(self, node: cst.IfExp) -> None:
         self.state.conditional_tests.append((self.facts, node.test))
+        self.state.guards.append((self.facts, node))
 
     def visit_BooleanOperation(self, node: cst.BooleanOperation) -> None:
         self.state.conditions.append((self.facts, node))
@@ -411,11 +426,14 @@ def audit(scratch: dict, edits: list[Edit], findings: list[Finding], frozen: lis
         if spans is None:
             spans = [[facts.span(node) for facts, node in nodes]
                      for nodes in (state.conditions, state.conditional_tests, state.statement_tests)]
-        span = _condition_around(spans, state.positions.offset(finding.line, finding.col - 1))
-        if span is None or span in kept_spans or not any(span[0] <= e.start and e.end <= span[1] for e in edits):
+        at = state.positions.offset(finding.line, finding.col - 1)
+        span, flag = _condition_around(spans, at), _MIXED_CONDITION
+        if span is None or not any(span[0] <= e.start and e.end <= span[1] for e in edits):
+            span, flag = _guard_around(state, at, edits), _GUARD_KEPT
+        if span is None or span in kept_spans:
             continue
         kept_spans.append(span)
-        found = _finding(state, span[0], _MIXED_CONDITION, end=span[1])
+        found = _finding(state, span[0], flag, end=span[1])
         if (found.line, found.col, found.kind) not in keys:
             keys.add((found.line, found.col, found.kind))
             new.append(found)
@@ -435,6 +453,25 @@ def _condition_around(spans: list[list[tuple[int, int]]], at: int) -> tuple[int,
         if holding:
             return pick(holding, key=lambda span: span[1] - span[0])
     return None
+
+
+def _guard_around(state: _Audit, at: int, edits: list[Edit]) -> tuple[int, int] | None:
+    """The span of the innermost if / while statement or conditional expression that guards the node
+    starting at `at` (the node is in what its test lets run, not in the test) and whose test a rule
+    rewrote: `if torch.cuda.is_available(): cap = torch.cuda.get_device_capability()`."""
+    best = None
+    for facts, node in state.guards:
+        guarded = node.body
+        start, end = facts.span(guarded)
+        if not start <= at < end:
+            continue
+        test_start, test_end = facts.span(node.test)
+        if not any(test_start <= e.start and e.end <= test_end for e in edits):
+            continue
+        span = facts.span(node)
+        if best is None or span[1] - span[0] < best[1] - best[0]:
+            best = span
+    return best
 
 
 def _leftovers(state: _Audit, rebound: dict[str, str], edits: list[Edit], findings: list[Finding],

@@ -13,6 +13,18 @@ from npukit.migrate.pysource_model import imported_names
 
 # the words a file must hold for one of these libraries to be imported by it
 _LIBRARY_WORDS = tuple(sorted({name.split(".")[0] for name in rules.THIRD_PARTY}))
+FLASH_ATTENTION_2 = "flash_attention_2"
+_FLASH_ATTENTION_2_ROUTED = rules.Flag(
+    "flash-attention-2", "info",
+    'kept: on an NPU, transformers runs attn_implementation="flash_attention_2" with torch_npu.npu_fusion_attention '
+    "(transformers/integrations/npu_flash_attention.py), which npu-run's emulated NPU runs too",
+    "nothing to do; sdpa or eager are the alternatives if a model lacks flash_attention_2 support")
+_FLASH_ATTENTION_2_OWN = rules.Flag(
+    "flash-attention-2", "error",
+    'this file imports flash_attn itself: its own "flash_attention_2" path calls flash_attn\'s CUDA kernels, '
+    "which transformers' routing to torch_npu does not reach",
+    'route that path to torch_npu.npu_fusion_attention (or F.scaled_dot_product_attention), or use '
+    'attn_implementation="sdpa" on the NPU')
 
 
 def imported_dotted_names(node: cst.Import | cst.ImportFrom) -> list[str]:
@@ -49,11 +61,14 @@ class ThirdPartyCuda(NpuCodemod):
     libraries whose every call site needs a decision (`rules.THIRD_PARTY_CALLS_REPORTED`, numba.cuda),
     and each kernel decorator (`@triton.jit`, `@triton.autotune(...)`, `@numba.cuda.jit`). Nothing is
     rewritten: these libraries have no drop-in NPU counterpart. A package of the migrated tree itself
-    (npu-migrate's tree facts: mamba_ssm in mamba's own repository) is not a third party."""
+    (npu-migrate's tree facts: mamba_ssm in mamba's own repository) is not a third party.
+    `"flash_attention_2"` (transformers' attn_implementation) is kept: transformers routes it to
+    torch_npu's fused attention on an NPU (info); in a file that imports flash_attn itself it is an
+    error, since that file's own flash-attention path calls flash_attn."""
 
     DESCRIPTION = "CUDA-only third-party libraries reported at their imports, calls and kernel decorators"
     CONTEXT = "statement"  # decided from the statement holding the candidate and the imports
-    FILES_CONTAINING = _LIBRARY_WORDS
+    FILES_CONTAINING = (*_LIBRARY_WORDS, FLASH_ATTENTION_2)
 
     @classmethod
     def candidates(cls, model) -> list:
@@ -65,6 +80,7 @@ class ThirdPartyCuda(NpuCodemod):
             qualified = model.qualname(target)
             if qualified in rules.THIRD_PARTY_DECORATORS and rules.third_party_flag(qualified, local):
                 found.append(decorator)
+        found += [node for node in model.strings if node.value == FLASH_ATTENTION_2 and id(node) not in model.docstrings]
         return found
 
     def visit_Import(self, node: cst.Import) -> None:
@@ -82,6 +98,11 @@ class ThirdPartyCuda(NpuCodemod):
         flag = _call_flag(self.facts.qualname(node.func), self.facts.tree.local_packages)
         if flag is not None:
             self.flag(node, flag)
+
+    def visit_SimpleString(self, node: cst.SimpleString) -> None:
+        if node.evaluated_value == FLASH_ATTENTION_2:
+            own = any(name.split(".")[0] == "flash_attn" for name in self.facts.bindings.values())
+            self.flag(node, _FLASH_ATTENTION_2_OWN if own else _FLASH_ATTENTION_2_ROUTED)
 
     def visit_Decorator(self, node: cst.Decorator) -> None:
         expression = node.decorator

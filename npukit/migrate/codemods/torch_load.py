@@ -21,11 +21,12 @@ class TorchLoadMapLocation(NpuCodemod):
     Anything else loaded whole (a pickled model, `model, opt = torch.load(f)`, a checkpoint dict also
     read for other values) gets `map_location="npu"`: saved from CUDA tensors it would load onto CUDA.
     Each is reported (info) with the reason. A load of what the same code saved (`torch.save(x, f)`
-    ... `torch.load(f)`, the same variable or the same literal path) is a round trip that keeps
-    every tensor's device: it is left as it is."""
+    ... `torch.load(f)`: the same variable, the same literal path, or the same path expression over the
+    same variables, `self`'s attributes alike in every method) is a round trip that keeps every
+    tensor's device: it is left as it is."""
 
     DESCRIPTION = "torch.load without map_location gets 'cpu' (only into load_state_dict) or 'npu'"
-    RULES = ("torch-load-map-location",)
+    RULES = ("torch-load-map-location", "torch-load-weights-only")
     FILES_CONTAINING = ("load",)
 
     # follows the loaded value to its reads in the scope that binds it: the function around a call in
@@ -79,16 +80,31 @@ class TorchLoadMapLocation(NpuCodemod):
         for call in self._loads:  # now that every load_state_dict() and torch.save() call has been seen
             if self._file_key(_argument(call, 0, "f")) not in self._saved_to:
                 self._give_map_location(call)
+            elif not self._flows_only_into_load_state_dict(call) and _lacks_weights_only(call):
+                # the code's own file, loaded whole: torch >= 2.6 would refuse the objects it pickled
+                self.append_keyword(call, "weights_only=False", "torch-load-weights-only", needs_torch_npu=False)
+                self.flag(call, Flag("torch-load", "info", _WEIGHTS_ONLY_OWN_FILE, "nothing to do"))
         return updated_node
 
     def _file_key(self, node: cst.BaseExpression | None) -> tuple | None:
-        """What identifies a file in this module: a variable (by the scope that binds it) or a literal path."""
+        """What identifies a file in this module: a variable (by the scope that binds it), a literal path,
+        or a path expression (`os.path.join(self.root, name)`): its text, and the binding each variable
+        in it reads, so `d` local to one function never equals `d` local to another. `self` and `cls`
+        stand for the instance whichever method reads them (save in download(), load in __getitem__)."""
         if isinstance(node, cst.Name):
             scopes = self.facts.scopes
             return "name", node.value, scopes.defining_scope(node.value, scopes.scope_of.get(node, scopes.module))
         if isinstance(node, (cst.SimpleString, cst.ConcatenatedString)) and isinstance(node.evaluated_value, str):
             return "path", node.evaluated_value
-        return None
+        if node is None or isinstance(node, cst.Lambda):
+            return None
+        scopes = self.facts.scopes
+        bindings = set()
+        for name in _names_read(node):
+            scope = scopes.defining_scope(name.value, scopes.scope_of.get(name, scopes.module))
+            bindings.add((name.value, "instance" if name.value in ("self", "cls") and scope is not scopes.module
+                          else id(scope)))
+        return "expression", _expression_text(self.facts.module.code_for_node(node)), frozenset(bindings)
 
     def _give_map_location(self, call: cst.Call) -> None:
         if self._flows_only_into_load_state_dict(call):
@@ -106,6 +122,10 @@ class TorchLoadMapLocation(NpuCodemod):
         self.flag(call, Flag("torch-load", "info",
                              f'added map_location="{location}": a checkpoint saved on CUDA does not load on an '
                              f"NPU host without it ({why})", suggestion))
+        if location == "npu" and _lacks_weights_only(call):
+            self.flag(call, Flag("torch-load-weights-only", "warning", _WEIGHTS_ONLY_FOREIGN_FILE,
+                                 "if the file is yours or trusted and holds objects, pass weights_only=False; "
+                                 "if it holds only tensors and containers, nothing to do"))
 
     def _flows_only_into_load_state_dict(self, call: cst.Call) -> bool:
         if id(call) in self._state_dict_arguments:
@@ -122,6 +142,23 @@ class TorchLoadMapLocation(NpuCodemod):
         return bool(uses) and all(id(use) in self._state_dict_arguments for use in uses)
 
 
+# torch_npu releases pair with recent torch, whose torch.load defaults to weights_only=True (2.6+)
+_WEIGHTS_ONLY_OWN_FILE = (
+    "added weights_only=False: this code saved the file itself (torch.save of the same path) and loads it "
+    "whole; torch >= 2.6 (what torch_npu's current releases pair with) loads with weights_only=True by default and "
+    "refuses pickled objects (a whole model, an optimizer, your own classes)")
+_WEIGHTS_ONLY_FOREIGN_FILE = (
+    "this load takes the file whole and torch >= 2.6 (what torch_npu's current releases pair with) loads with "
+    "weights_only=True by default: a file holding pickled objects (a whole model, an optimizer, your own "
+    "classes) no longer loads; weights_only=False was not added because nothing here shows the file is "
+    "this project's own (unpickling runs code from the file)")
+
+
+def _lacks_weights_only(call: cst.Call) -> bool:
+    _, keywords = split_arguments(call)  # weights_only is keyword-only
+    return not keyword_names(keywords) & {"weights_only", None}
+
+
 def _saved_keys(model) -> set:
     """What the file's torch.save calls write to as _ast_file_key sees it (a name, whatever its scope)."""
     keys = {_ast_file_key(_ast_argument(call, 1, "f")) for call in model.calls if model.qualname(call.func) == "torch.save"}
@@ -129,11 +166,45 @@ def _saved_keys(model) -> set:
 
 
 def _ast_file_key(node) -> tuple | None:
+    """Coarser than the codemod's _file_key (no scopes): it only decides how much of the file the
+    codemod reads, so equal keys from different scopes cost context, never a wrong rewrite."""
     if isinstance(node, ast.Name):
         return "name", node.id
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return "path", node.value
-    return None
+    if node is None or isinstance(node, ast.Lambda):
+        return None
+    return "expression", ast.unparse(node)
+
+
+def _expression_text(code: str) -> str:
+    """One spelling for an expression however it is spaced, quoted or wrapped across lines."""
+    try:
+        return ast.unparse(ast.parse(code.strip(), mode="eval"))
+    except SyntaxError:  # a fragment ast cannot take alone: compare it as written
+        return code
+
+
+class _NameReads(cst.CSTVisitor):
+    def __init__(self) -> None:
+        self.names: list[cst.Name] = []
+
+    def visit_Attribute(self, node: cst.Attribute) -> bool:
+        node.value.visit(self)  # `a.b`: only `a` is read; `b` is an attribute name
+        return False
+
+    def visit_Arg(self, node: cst.Arg) -> bool:
+        node.value.visit(self)  # `f(key=v)`: `key` is not read
+        return False
+
+    def visit_Name(self, node: cst.Name) -> None:
+        self.names.append(node)
+
+
+def _names_read(node: cst.CSTNode) -> list[cst.Name]:
+    reads = _NameReads()
+    node.visit(reads)
+    return reads.names
 
 
 def _ast_argument(call, index: int, keyword: str):
