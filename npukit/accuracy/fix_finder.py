@@ -326,7 +326,7 @@ def find_fix(candidates: list[FixChange], runner: TrialRunner, max_runs: int,
              members: dict[FixChange, list[FixChange]] | None = None) -> list[FixChange] | None:
     """The fewest candidates that fix the run (each one needed), or None when all of them together
     do not. `members`: a grouped candidate (`blocks.*.fc`) -> its blocks' own changes, most likely
-    needed first; a grouped candidate in the fix is narrowed to the fewest of them that still fix it."""
+    needed last; a grouped candidate in the fix is narrowed to the fewest of them that still fix it."""
     def fixes(changes: list[FixChange]) -> bool | None:
         if len(runner.trials) >= max_runs:
             return None
