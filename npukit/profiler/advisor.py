@@ -223,27 +223,71 @@ def rule_host_device_copies(view: ProfileView) -> Finding | None:
     )
 
 
+_LOW_PRECISION = ("float16", "bfloat16", "Half", "BFloat16")
+
+
+def _is_matmul_or_conv(name: str) -> bool:
+    return name in MATMUL_OPS or name in CONV_OPS or name.endswith(("::matmul", "::einsum", "::conv2d"))
+
+
+def _autocast_parents(view: ProfileView) -> set[int]:
+    """Ops with a fp16/bf16 matmul or conv under them: autocast's outer `aten::linear` takes fp32 tensors
+    and runs its matmul in low precision inside; it is not a float32 matmul."""
+    parents: set[int] = set()
+    table = view.table
+    for r in np.flatnonzero(view.is_op).tolist():
+        if not _is_matmul_or_conv(view.names[r]):
+            continue
+        inputs = view.inputs(r)
+        if not inputs or not any(dtype in _LOW_PRECISION for _, dtypes in inputs[:2] for dtype in dtypes):
+            continue
+        up = int(table.parent[r])
+        while up >= 0 and up not in parents:
+            parents.add(up)
+            up = int(table.parent[up])
+    return parents
+
+
 def rule_fp32_matmul(view: ProfileView) -> Finding | None:
-    rows = []
+    matmuls, convs = [], []
+    low_precision_inside = None
     for r in np.flatnonzero(view.top).tolist():
         name = view.names[r]
-        if name in MATMUL_OPS or name in CONV_OPS or name.endswith(("::matmul", "::einsum", "::conv2d")):
-            inputs = view.inputs(r)
-            if inputs and "float32" in inputs[0][1] and view.table.flops[r] > 0:
-                rows.append(r)
+        if not _is_matmul_or_conv(name):
+            continue
+        inputs = view.inputs(r)
+        if not (inputs and "float32" in inputs[0][1] and view.table.flops[r] > 0):
+            continue
+        if low_precision_inside is None:
+            low_precision_inside = _autocast_parents(view)
+        if r in low_precision_inside:
+            continue  # autocast already runs it in fp16/bf16
+        (convs if name in CONV_OPS or "conv" in name else matmuls).append(r)
+    rows = matmuls + convs
     if not rows:
         return None
     share = 100 * float(sum(view.table.dur_ns[r] for r in rows)) / view.op_time_ns
     if share < 5:
         return None
     ops = Counter(view.names[r] for r in rows)
+    # torch_npu computes float32 convolutions in HF32 by default (torch.npu.conv.allow_hf32 = True) and
+    # float32 matmuls in full fp32 (torch.npu.matmul.allow_hf32 = False): only matmuls gain from HF32
+    if matmuls:
+        title = "float32 matmuls could run in bf16 or HF32"
+        gain = ("the cube unit is 2x faster in HF32 and 4x in fp16/bf16 than in fp32 (roofline model)"
+                + ("; the convolutions already run in HF32 (torch_npu's default), 2x faster in bf16" if convs else ""))
+        change = ("Wrap forward and loss in torch.autocast('npu', dtype=torch.bfloat16), or allow HF32 for "
+                  "matmuls: torch.npu.matmul.allow_hf32 = True (convolutions use HF32 by default already).")
+    else:
+        title = "float32 convolutions could run in bf16"
+        gain = ("torch_npu already runs float32 convolutions in HF32 (torch.npu.conv.allow_hf32 is True by "
+                "default); fp16/bf16 would be 2x faster again (roofline model)")
+        change = "Wrap forward and loss in torch.autocast('npu', dtype=torch.bfloat16)."
     return Finding(
-        rule="fp32-matmul", title="float32 matmuls/convolutions could run in bf16 or HF32", severity="medium",
-        summary=f"{len(rows)} float32 matmul/conv call(s) take {share:.0f}% of op time; the cube unit is 2x faster in "
-                "HF32 and 4x in fp16/bf16 (roofline model)",
+        rule="fp32-matmul", title=title, severity="medium",
+        summary=f"{len(rows)} float32 matmul/conv call(s) take {share:.0f}% of op time; {gain}",
         evidence=[f"{op}: {view.per_step(n)}" for op, n in ops.most_common(5)] + view.top_lines(rows),
-        change="Wrap forward and loss in torch.autocast('npu', dtype=torch.bfloat16), or allow HF32: "
-               "torch.npu.matmul.allow_hf32 = True and torch.npu.conv.allow_hf32 = True.",
+        change=change,
         est_us_per_step=view.time_us(rows),
     )
 
@@ -661,8 +705,26 @@ def advise(table: EventTable) -> list[Finding]:
         if found is not None:
             findings.append(found)
     findings += rule_fused_patterns(view)
-    findings.sort(key=lambda f: (SEVERITY_ORDER[f.severity], -f.est_us_per_step))
-    return findings
+    # the recorded steps' wall time; a profile without step ranges has its op time
+    return rank_by_time_at_stake(findings, (_step_time_ns(view) or view.op_time_ns) / 1e3 / view.steps)
+
+
+# A finding's severity is at most what its share of the step time warrants: a host sync of 0.02 ms in a
+# 1 s step is not "high", whatever the rule says.
+HIGH_SHARE, MEDIUM_SHARE = 10.0, 2.0  # % of the step
+
+
+def rank_by_time_at_stake(findings: list[Finding], step_us: float) -> list[Finding]:
+    """Most time at stake first; a finding's severity lowered to its share of the step. Findings whose
+    time is not measured (0: an effect the emulator cannot time, such as recompilation) keep the rule's
+    severity and come after the timed ones."""
+    for finding in findings:
+        if finding.est_us_per_step > 0 and step_us > 0:
+            share = 100 * finding.est_us_per_step / step_us
+            earned = "high" if share >= HIGH_SHARE else "medium" if share >= MEDIUM_SHARE else "low"
+            if SEVERITY_ORDER[earned] > SEVERITY_ORDER[finding.severity]:
+                finding.severity = earned
+    return sorted(findings, key=lambda f: (f.est_us_per_step <= 0, -f.est_us_per_step, SEVERITY_ORDER[f.severity]))
 
 
 STRAGGLER_SHARE = 5  # % of the median step the others wait for the slowest rank
@@ -708,8 +770,7 @@ CLUSTER_RULES = (rule_straggler,)
 def advise_cluster(cluster) -> list[Finding]:
     """The rules of the view of all ranks (npukit.profiler.cluster.Cluster)."""
     findings = [found for rule in CLUSTER_RULES if (found := rule(cluster)) is not None]
-    findings.sort(key=lambda f: (SEVERITY_ORDER[f.severity], -f.est_us_per_step))
-    return findings
+    return rank_by_time_at_stake(findings, 0.0)
 
 
 def print_findings(findings: list[Finding], console: Console) -> None:

@@ -50,8 +50,11 @@ RENAMED_COLLECTIVES = "renamed_collectives"
 
 @lru_cache(maxsize=4096)
 def is_user_file(file_name: str) -> bool:
-    """True for the user's own source files (the tracer shortens paths relative to sys.path)."""
-    if not file_name or file_name.startswith("<"):
+    """True for the user's own source files (the tracer shortens paths relative to sys.path). A
+    name that is no Python file is never one: torch's tracer has handed back a frame whose file
+    name was a string of the program ("'class_to_index' must have at least one entry"), which the
+    GC-pause advice then printed as a location."""
+    if not file_name or file_name.startswith("<") or not file_name.endswith((".py", ".pyw")):
         return False
     path = Path(file_name)
     candidates = [path] if path.is_absolute() else [Path(entry or ".") / path for entry in sys.path]
@@ -174,7 +177,8 @@ def table_from_profiler(prof, module_names: dict[int, str] | None = None, meta: 
     builder = TableBuilder()
     threads: dict[int, int] = {}
     cost_cache: dict[tuple, tuple[float, float]] = {}
-    forward_by_seq: dict[int, int] = {}  # sequence number -> row of the outermost forward op
+    # sequence number -> (thread, row) of the forward ops that recorded it, in order (see _node_creators)
+    forward_by_seq: dict[int, list[tuple[int, int]]] = {}
     backward_rows: list[tuple[int, int]] = []  # (row, sequence number of its autograd node)
     inherited_flops: dict[int, float] = {}  # top-level row -> FLOPs of its costed descendants
     step_ranges: list[tuple[int, int, int]] = []
@@ -267,7 +271,7 @@ def table_from_profiler(prof, module_names: dict[int, str] | None = None, meta: 
                 )
                 if kind == KIND_OP:
                     if seq >= 0 and phase != PHASE_BACKWARD:
-                        forward_by_seq.setdefault(seq, row)
+                        forward_by_seq.setdefault(seq, []).append((thread, row))
                     if is_top:
                         top_row, costed = row, flops > 0
                     elif flops > 0 and not costed:
@@ -287,8 +291,9 @@ def table_from_profiler(prof, module_names: dict[int, str] | None = None, meta: 
 
     for row, flops in inherited_flops.items():
         builder.set(row, "flops", flops)
+    creators = _node_creators(forward_by_seq)
     for row, seq in backward_rows:
-        forward = forward_by_seq.get(seq)
+        forward = creators.get(seq)
         if forward is not None:
             for column in ("stack_id", "module_id"):
                 if builder.get(forward, column) >= 0:
@@ -302,6 +307,23 @@ def table_from_profiler(prof, module_names: dict[int, str] | None = None, meta: 
     _name_collectives_as_asked(table)
     _nest_in_annotations(table)
     return table
+
+
+def _node_creators(forward_by_seq: dict[int, list[tuple[int, int]]]) -> dict[int, int]:
+    """The forward op whose autograd node has each sequence number. Every op that passes autograd
+    records the counter's current value, and only creating a node advances it: `loss.item()` at a
+    print records the number the next step's first node will take. So the creator is the last op
+    that recorded the number, on the thread that ran the forward passes (the counter is per
+    thread): the one that recorded the most numbers."""
+    counts: dict[int, int] = {}
+    for entries in forward_by_seq.values():
+        for thread, _ in entries:
+            counts[thread] = counts.get(thread, 0) + 1
+    creators = {}
+    for seq, entries in forward_by_seq.items():
+        thread = max({t for t, _ in entries}, key=lambda t: counts[t])
+        creators[seq] = [row for t, row in entries if t == thread][-1]
+    return creators
 
 
 def _name_collectives_as_asked(table: EventTable) -> None:
@@ -343,6 +365,7 @@ def _nest_in_annotations(table: EventTable) -> None:
 
     torch's event tree does not nest ops under record_function ranges (ProfilerStep#,
     Optimizer.step#, DataLoader), so those links are rebuilt here from start/end times.
+    Everything under a DataLoader range is the data pipeline's (phase dataloader).
     """
     end = (table.start_ns + table.dur_ns).tolist()
     parent = table.parent.tolist()
@@ -355,7 +378,9 @@ def _nest_in_annotations(table: EventTable) -> None:
             stack.pop()
         if parent[row] < 0 and stack:
             parent[row] = stack[-1]
-        if phase[row] == PHASE_OTHER and parent[row] >= 0:
+        if parent[row] >= 0 and (phase[row] == PHASE_OTHER or phase[parent[row]] == PHASE_DATALOADER):
+            # whatever runs inside DataLoader.__next__ is the data pipeline's, even an nn.Module
+            # transform a Dataset calls (its module call alone would have made it "forward")
             phase[row] = phase[parent[row]]
         stack.append(row)
     table.parent[:] = parent

@@ -10,7 +10,14 @@ import torch.nn.functional as F
 
 import npukit.profiler
 from npukit.profiler.advisor import RULE_IDS, advise
-from npukit.profiler.table import KIND_ANNOTATION, PHASE_FORWARD, EventTable, TableBuilder
+from npukit.profiler.table import (
+    KIND_ANNOTATION,
+    KIND_OP,
+    PHASE_DATALOADER,
+    PHASE_FORWARD,
+    EventTable,
+    TableBuilder,
+)
 
 
 def record(tmp_path, step_fn, steps: int = 2) -> EventTable:
@@ -272,3 +279,74 @@ def test_each_transfer_counts_once_in_its_direction(tmp_path, npu_device):
 
     copies = rules_fired(record(tmp_path, step, steps=3))["host-device-copies"]
     assert "2/step host-to-device and 1/step device-to-host" in copies.summary, copies.summary
+
+
+def test_fp32_matmul_is_not_advised_where_autocast_already_runs_it_in_low_precision(tmp_path):
+    """autocast's outer aten::linear takes the fp32 weight and runs its matmul in fp16 inside it."""
+    model = torch.nn.Linear(512, 512)
+    x = torch.randn(256, 512)
+
+    def step(index: int) -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().pow(2).mean()
+        loss.backward()
+
+    assert "fp32-matmul" not in rules_fired(record(tmp_path, step))
+
+
+def test_fp32_convolutions_are_not_told_to_allow_hf32_which_is_their_default(tmp_path):
+    model = torch.nn.Conv2d(32, 64, 3, padding=1)
+    x = torch.randn(8, 32, 32, 32)
+    finding = rules_fired(record(tmp_path, train_step_fn(model, lambda i: x)))["fp32-matmul"]
+    assert "allow_hf32 = True" not in finding.change and "autocast" in finding.change
+    assert "already" in finding.summary
+
+
+def test_findings_are_ranked_by_time_at_stake_and_a_tiny_one_is_not_high():
+    """A 0.02 ms/step host sync under a float32 matmul costing most of the step: the matmul first, and
+    the sync, 'high' by its rule, is low for what it costs here."""
+    builder = TableBuilder()
+    t = 0
+    for step in range(2):
+        step_row = builder.add(f"ProfilerStep#{step}", start_ns=t, dur_ns=400_000_000, kind=KIND_ANNOTATION, step=step)
+        for name, shapes, dtypes, dur_ns, flops in (
+                ("aten::mm", "[4096, 4096], [4096, 4096]", "float32, float32", 300_000_000, 2 * 4096 ** 3),
+                ("aten::_local_scalar_dense", "[]", "float32", 20_000, 0)):
+            t += 100
+            builder.add(name, start_ns=t, dur_ns=dur_ns, step=step, parent=step_row, shapes=shapes, dtypes=dtypes,
+                        devices="npu:0, npu:0" if flops else "npu:0", stack="train.py:42 in train",
+                        phase=PHASE_FORWARD, top_level=True, nbytes=400.0, flops=float(flops))
+            t += dur_ns
+    findings = advise(builder.build())
+    assert [f.rule for f in findings][:2] == ["fp32-matmul", "host-sync"]
+    sync = findings[1]
+    assert sync.severity == "low" and sync.est_us_per_step == pytest.approx(20.0)
+
+
+def test_a_datasets_module_transform_is_data_pipeline_work_not_host_ops_in_the_model(tmp_path, npu_device):
+    """A CPU transform that is an nn.Module, called by a Dataset inside DataLoader.__next__: its module
+    call made its ops 'forward', and host-ops called them host ops inside the model (high)."""
+
+    class Normalize(torch.nn.Module):
+        def forward(self, x):
+            return (x - x.mean()) / (x.std() + 1e-6) * 2.0 + 0.5
+
+    class Data(torch.utils.data.Dataset):
+        transform, samples = Normalize(), torch.randn(64, 32)
+
+        def __len__(self):
+            return 64
+
+        def __getitem__(self, i):
+            return self.transform(self.samples[i])
+
+    model = torch.nn.Linear(32, 32).to(npu_device)
+    batches = iter(torch.utils.data.DataLoader(Data(), batch_size=16))
+
+    def step(index: int) -> None:
+        model(next(batches).to(npu_device)).sum().backward()
+
+    table = record(tmp_path, step, steps=3)
+    assert "host-ops" not in rules_fired(table)
+    names = table.string_array()[table.name_id]
+    assert set(table.phase[(names == "aten::std") & (table.kind == KIND_OP)].tolist()) == {PHASE_DATALOADER}

@@ -226,3 +226,41 @@ class _swapping_conversions:
 
     def __exit__(self, *exc):
         torch.__future__.set_swap_module_params_on_conversion(self.before)
+
+
+def test_backward_ops_keep_their_forward_line_when_an_item_call_sits_between_steps(tmp_path):
+    """`loss.item()` in a print records the autograd counter's next value, the one the next step's first
+    node takes: backward ops (a tied embedding's gradient, its add) were blamed on that print."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(300, 32)
+    head = torch.nn.Linear(32, 300, bias=False)
+    head.weight = emb.weight  # tied: the weight's gradient is added from two paths
+    idx = torch.randint(0, 300, (4, 16))
+    with npukit.profiler.profile(tmp_path, trace=False, auto_steps=False) as prof:
+        for _ in range(3):
+            x = emb(idx)  # EMBEDDING LINE
+            loss = head(x).pow(2).mean()
+            loss.backward()
+            print(f"loss {loss.item():.3f}")  # PRINT LINE
+            prof.step()
+    table = EventTable.load(tmp_path / "rank0")
+    source = open(__file__).read().splitlines()
+    line_of = {tag: next(i for i, text in enumerate(source, 1) if text.rstrip().endswith(f"# {tag}"))
+               for tag in ("EMBEDDING LINE", "PRINT LINE")}
+    names, stacks = _names(table), table.string_array()[table.stack_id]
+    backward = (table.phase == PHASE_BACKWARD) & (table.kind == KIND_OP)
+    assert not any(f":{line_of['PRINT LINE']} " in stack for stack in stacks[backward])
+    embedding_backward = backward & (names == "aten::embedding_dense_backward")
+    assert embedding_backward.sum() == 3
+    assert all(f":{line_of['EMBEDDING LINE']} " in stack for stack in stacks[embedding_backward])
+
+
+def test_only_python_files_are_user_lines():
+    """A tracer frame whose file name is a string of the program is no location to print."""
+    from npukit.profiler.extract import is_user_file
+
+    assert is_user_file(__file__)
+    assert is_user_file("train.py")  # unresolvable but a Python file: the user's
+    assert not is_user_file("'class_to_index' must have at least one entry")
+    assert not is_user_file("torch/nn/modules/module.py")
+    assert not is_user_file("<frozen runpy>")
