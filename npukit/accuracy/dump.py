@@ -844,7 +844,9 @@ class DumpSession:
 
     # ------------------------------------------------------------------ apis
     def _record_api(self, api: str, func, args, kwargs):
-        if not msprobe_config.api_recorded(self.ops, api):
+        # a left-out api that merges values of several recorded ops (torch.stack of a step's values)
+        # is recorded: one producer link cannot say where its output came from
+        if not msprobe_config.api_recorded(self.ops, api) and not self._merges_recorded(args, kwargs):
             return self._pass_through(api, func, args, kwargs)
         record = self._record
         index = record.counter.next(api)
@@ -911,6 +913,11 @@ class DumpSession:
             except TypeError:
                 pass
         return output
+
+    def _merges_recorded(self, args, kwargs) -> bool:
+        origins = {self._recorded_as(tensor) for tensor in tensors_in((args, kwargs))}
+        origins.discard(None)
+        return len(origins) > 1
 
     def _recorded_as(self, tensor: torch.Tensor) -> str | None:
         """The leaf that first recorded this tensor's present value (directly or carried through
