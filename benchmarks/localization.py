@@ -90,6 +90,8 @@ def summarize(records: list[dict]) -> dict:
     return {
         "faulty": len(faulty), "clean": len(clean),
         "at_op": outcomes["at_op"], "downstream": outcomes["at_op"] + outcomes["downstream"],
+        # named at the op's module (`Module.site.fc.Linear.forward.0`) rather than the op's own entry
+        "at_module": sum(r["outcome"] == "at_op" and r["named"]["entry"].startswith("Module.") for r in faulty),
         "outcomes": dict(outcomes), "false_alarms": sum(r["outcome"] == "false_alarm" for r in clean),
         "clean_errors": sum(r["outcome"] == "error" for r in clean),
         "fix": {"fixable": len(fixable), "found": len(found), "found_within_bound": len(found_in_bound),
@@ -104,7 +106,8 @@ def summarize(records: list[dict]) -> dict:
 def print_report(summary: dict, records: list[dict], seconds: float, jobs: int) -> None:
     s = summary
     print(f"localization: {s['faulty']} faulty + {s['clean']} clean cases, {seconds:.0f} s with {jobs} job(s)")
-    print(f"  named at the injected op (precision): {_share(s['at_op'], s['faulty'])}   (goal >= 95%)")
+    print(f"  named at the injected op (precision): {_share(s['at_op'], s['faulty'])}   (goal >= 95%; "
+          f"{s['at_module']} of them at its module's entry)")
     print(f"  named at or downstream of it:         {_share(s['downstream'], s['faulty'])}")
     print("  outcomes: " + ", ".join(f"{k} {v}" for k, v in sorted(s["outcomes"].items())))
     print(f"  false alarms on clean runs:           {_share(s['false_alarms'], s['clean'])}   (goal 0)")
