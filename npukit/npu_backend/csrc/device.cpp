@@ -533,13 +533,19 @@ struct AliasCache {
     return without_math_bits(impl->key_set()) == e.keys && impl->allow_tensor_metadata_change() &&
            !impl->is_wrapped_number() && !impl->pyobj_slot()->load_pyobj() && !impl->get_backend_meta();
   }
-  // The CPU alias of npu tensor `t`, whose storage's CPU alias is `cpu_storage`.
+  // The CPU alias of npu tensor `t`, whose storage's CPU alias is `cpu_storage`. The alias is an
+  // inference tensor exactly when `t` is one, whatever the current mode: an alias made under
+  // torch.inference_mode() for a weight, reused after it, made the optimizer's in-place update fail
+  // ("Inplace update to inference tensor outside InferenceMode"), and a view of a normal tensor taken
+  // under it (view_as_real) failed to share the npu base's version counter.
   const at::Tensor& alias_for(const at::Tensor& t, c10::StorageImpl* cpu_storage) {
     Entry& e = entries[slot(t.unsafeGetTensorImpl())];
-    if (e.npu == t.unsafeGetTensorImpl() && describes(e.alias, t, cpu_storage)) return e.alias;
+    const bool inference = t.is_inference();
+    if (e.npu == t.unsafeGetTensorImpl() && describes(e.alias, t, cpu_storage) && e.alias.is_inference() == inference)
+      return e.alias;
     e.npu = t.unsafeGetTensorImpl();
     c10::Storage storage(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(cpu_storage));
-    if (can_retarget(e)) {
+    if (can_retarget(e) && e.alias.is_inference() == inference) {
       c10::TensorImpl* impl = e.alias.unsafeGetTensorImpl();
       impl->set_storage_and_dtype(std::move(storage), t.dtype());
       if (impl->sizes() == t.sizes() && impl->strides() == t.strides())
@@ -550,6 +556,7 @@ struct AliasCache {
       impl->_set_neg(t.is_neg());
       return e.alias;
     }
+    c10::InferenceMode mode(inference);  // a TensorImpl is an inference tensor if made in that mode
     e.alias = make_tensor_on(std::move(storage), c10::DispatchKey::CPU, t, t.dtype());
     e.keys = without_math_bits(e.alias.key_set());
     return e.alias;
@@ -702,6 +709,10 @@ struct Translation {
         return at::Tensor(c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>::reclaim_copy(npu));
     if (cpu._is_zerotensor()) return npu_zero_tensor_like(cpu, device >= 0 ? device : t_current_device);
     c10::StorageImpl* key = cpu.storage().unsafeGetStorageImpl();
+    // The npu result is an inference tensor exactly when the CPU kernel's is: a view of a normal
+    // tensor taken under torch.inference_mode() is a normal tensor, whose version counter autograd
+    // then shares with its base (view_as_real of a complex buffer during evaluation)
+    c10::InferenceMode mode(cpu.is_inference());
     for (auto& [cpu_impl, npu_storage] : cpu_to_npu)
       if (cpu_impl == key)
         return make_tensor_on(c10::Storage(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(npu_storage)),
@@ -1290,6 +1301,7 @@ at::Tensor& set_empty(at::Tensor& self) {
 at::Tensor cpu_alias(const at::Tensor& t) {
   if (!t.is_privateuseone()) return t;
   if (t._is_zerotensor()) return cpu_zero_tensor_like(t);
+  c10::InferenceMode mode(t.is_inference());  // an inference tensor exactly when t is (AliasCache::alias_for)
   return make_tensor_on(cpu_storage_for(t.storage()), c10::DispatchKey::CPU, t, t.dtype());
 }
 
