@@ -13,7 +13,7 @@ def test_training_after_evaluation_under_inference_mode():
     reference = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2))
     reference.load_state_dict({k: v.cpu() for k, v in model.state_dict().items()})
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
-    for epoch in range(5):
+    for _epoch in range(5):
         with torch.inference_mode():  # evaluation: every batch size, results written in place
             for n in range(1, 12):
                 x = torch.randn(n, 4)
