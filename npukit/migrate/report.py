@@ -56,11 +56,17 @@ def effort(run: MigrationRun) -> dict:
     PyTorch path does not need it.
     """
     by_kind: dict[str, dict] = {}
+    ported: set[tuple[str, str]] = set()  # (library kind, file): the port is estimated once per file
     for finding in run.findings:
         if finding.severity == "info":
             continue
         entry = by_kind.setdefault(finding.kind, {"items": 0, "severity": finding.severity, "minutes": 0})
         entry["items"] += 1
+        if finding.kind in rules.PER_LIBRARY_EFFORT and (finding.kind, finding.path) in ported:
+            # another import or call site of a library this file already pays for: adapting it is small
+            entry["minutes"] += rules.EFFORT_MINUTES["warning"]
+            continue
+        ported.add((finding.kind, finding.path))
         entry["minutes"] += _minutes(finding.kind, finding.severity)
     path_kinds = {k: e for k, e in by_kind.items() if not k.startswith(STANDALONE)}
     standalone = {k: e for k, e in by_kind.items() if k.startswith(STANDALONE)}
@@ -74,7 +80,7 @@ def effort(run: MigrationRun) -> dict:
                                 "estimated_hours": round(standalone_minutes / 60, 1),
                                 "by_kind": dict(sorted(standalone.items(), key=lambda kv: -kv[1]["minutes"]))},
             "note": "rough estimate: 15 min per warning, 1 h per error, 4 h per CUDA kernel (__global__), 2-4 h per "
-                    "CUDA-only library (flash-attn, triton ...); in dependency files 10 min per pin or index line and 15 min "
+                    "CUDA-only library a file uses (flash-attn, triton ...; 15 min per further use in that file); in dependency files 10 min per pin or index line and 15 min "
                     "per group of transitive CUDA wheels; CUDA C no Python in the tree builds is estimated apart"}
 
 

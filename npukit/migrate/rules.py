@@ -436,6 +436,12 @@ THIRD_PARTY = {
                       "use its reference (pure torch) selective_scan_ref path or an Ascend port"),
     "causal_conv1d": Flag("cuda-only-library", "error", "causal_conv1d is a CUDA kernel package",
                           "use F.conv1d with left padding (the reference implementation)"),
+    # the compiled extension modules those packages build, imported directly by mamba-style code
+    "causal_conv1d_cuda": Flag("cuda-only-library", "error", "causal_conv1d_cuda is causal_conv1d's compiled CUDA "
+                               "extension", "use F.conv1d with left padding (the reference implementation)"),
+    "selective_scan_cuda": Flag("cuda-only-library", "error", "selective_scan_cuda is mamba_ssm's compiled CUDA "
+                                "extension", "use mamba_ssm's reference (pure torch) selective_scan_ref path or an "
+                                "Ascend port"),
     "torch_tensorrt": Flag("tensorrt", "error", "Torch-TensorRT is NVIDIA-only", "use torchair (torch.compile backend 'npu')"),
     "cuml": Flag("cudf", "error", "cuML runs on CUDA only", "use scikit-learn"),
     "cugraph": Flag("cudf", "error", "cuGraph runs on CUDA only", "use networkx or torch ops"),
@@ -479,6 +485,13 @@ _NSIGHT = Flag("nvidia-profiler", "warning", "NVIDIA's profilers (Nsight Systems
                "on an NPU host: torch_npu.profiler or CANN's msprof; on the emulator: `npu-run --profile`")
 _SANITIZER = Flag("nvidia-profiler", "warning", "compute-sanitizer / cuda-memcheck check CUDA kernels only",
                   "CANN's mssanitizer checks Ascend C kernels")
+# a batch scheduler's GPU request: Slurm `#SBATCH --gres=gpu:8` / `--gpus-per-node`, PBS `ngpus=`, LSF `-gpu`
+# (in a job script, or in a Python string that is one's template)
+JOB_GPU_REQUEST = re.compile(r"^\s*#(?:SBATCH|PBS|BSUB)\b.*?(--gres[= ]\S*gpu\S*|--gpus(?:-per-\w+)?[= ]\S+|"
+                             r"\bngpus=\S+|-gpu\b\s*\S*)", re.M)
+JOB_GPU_FLAG = Flag("job-gpu-request", "warning", "this job asks its scheduler for NVIDIA GPUs",
+                    "ask for the cluster's NPUs instead: the resource name is the site's (Slurm often "
+                    "`--gres=npu:8`; check `scontrol show node` / the site docs)")
 # NVIDIA's command-line tools, as the first word of a command (shell lines, subprocess strings and lists)
 NVIDIA_TOOLS = {
     "nvidia-smi": NVIDIA_SMI,
@@ -561,6 +574,11 @@ EFFORT_MINUTES = {
     "warning": 15,
     "info": 0,
 }
+# CUDA-only libraries whose port is estimated once per file: their further imports and call sites in
+# that file cost a warning's time (one xformers import and three calls were "about 8 h"). Not triton
+# or numba.cuda: each of their kernels (@triton.jit) is a port of its own.
+PER_LIBRARY_EFFORT = frozenset({"flash-attn", "xformers", "apex", "cupy", "bitsandbytes", "pycuda",
+                                "cuda-only-library"})
 EFFORT_OVERRIDES = {  # kinds that take much longer than the default for their severity
     "cuda-extension": 60,  # the build switch; its kernels are counted one by one (cuda-kernel)
     # CUDA C: per kernel (__global__), host code and headers apart; `standalone-` kinds are code the

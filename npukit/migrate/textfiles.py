@@ -99,12 +99,6 @@ _CUDA_LINK = re.compile(r"(?<![\w-])-l(?:cublas(?:Lt)?|cudart(?:_static)?|cudnn|
 _CUDA_LINK_FLAG = Flag("cuda-link", "error", "links one of NVIDIA's CUDA libraries, which NPU hosts lack",
                        "link CANN's counterparts (ascendcl, hccl, the op libraries) or build the native part "
                        "without CUDA")
-# a batch scheduler's GPU request: Slurm `#SBATCH --gres=gpu:8` / `--gpus-per-node`, PBS `ngpus=`, LSF `-gpu`
-_JOB_GPU_REQUEST = re.compile(r"^\s*#(?:SBATCH|PBS|BSUB)\b.*?(--gres[= ]\S*gpu\S*|--gpus(?:-per-\w+)?[= ]\S+|"
-                              r"\bngpus=\d+|-gpu\b\s*\S*)")
-_JOB_GPU_FLAG = Flag("job-gpu-request", "warning", "this job asks its scheduler for NVIDIA GPUs",
-                     "ask for the cluster's NPUs instead: the resource name is the site's (Slurm often "
-                     "`--gres=npu:8`; check `scontrol show node` / the site docs)")
 
 
 def _apply_line_edits(lines: list[str], edits: list[TextEdit], path: str) -> tuple[list[str], list[Change]]:
@@ -132,9 +126,9 @@ def migrate_shell(text: str, path: str) -> tuple[str, list[Change], list[Finding
     findings: list[Finding] = []
     edits: list[TextEdit] = []
     for number, line in enumerate(lines, 1):
-        request = _JOB_GPU_REQUEST.match(line)
+        request = rules.JOB_GPU_REQUEST.match(line)
         if request:  # a scheduler directive is a comment to the shell
-            findings.append(_finding(path, number, request.start(1) + 1, line, _JOB_GPU_FLAG))
+            findings.append(_finding(path, number, request.start(1) + 1, line, rules.JOB_GPU_FLAG))
         edits += _command_line_edits(line, number, path, findings)
     new_lines, changes = _apply_line_edits(lines, edits, path)
     return "".join(new_lines), changes, findings
@@ -145,6 +139,12 @@ _K8S_GPU_RESOURCE = re.compile(r"""["']?nvidia\.com/gpu["']?\s*:""")
 _K8S_GPU_FLAG = Flag("k8s-gpu-resource", "error", "the pod requests NVIDIA GPUs (nvidia.com/gpu), which an Ascend "
                      "node does not offer", "request the Ascend device plugin's resource (e.g. huawei.com/Ascend910: "
                      "N; the name is your cluster's) and use an Ascend CANN image")
+# docker compose: a device reservation for NVIDIA's driver, or the old `runtime: nvidia`
+_CONTAINER_GPU = re.compile(r"""^\s*(?:-\s+)?["']?((?:driver|runtime)["']?\s*:\s*["']?nvidia)\b""")
+_CONTAINER_GPU_FLAG = Flag("container-gpu-request", "error", "the container asks for NVIDIA GPUs (NVIDIA's container "
+                           "runtime), which an Ascend host does not have",
+                           "map the NPUs into the container instead (devices /dev/davinciN, /dev/davinci_manager, "
+                           "/dev/devmm_svm, /dev/hisi_hdc and the driver's mounts, as Ascend's container docs show)")
 _CUDA_IMAGE = re.compile(r"""^\s*(?:-\s+)?["']?image["']?\s*:\s*["']?(\S*(?:nvidia/|nvcr\.io/|cuda)\S*?)["']?\s*$""", re.I)
 _CUDA_IMAGE_FLAG = Flag("cuda-base-image", "error", "a CUDA container image",
                         "use an Ascend CANN image (e.g. ascendai/cann) with torch + torch_npu installed")
@@ -214,6 +214,9 @@ def migrate_yaml(text: str, path: str) -> tuple[str, list[Change], list[Finding]
         gpu = _K8S_GPU_RESOURCE.search(code)
         if gpu:
             findings.append(_finding(path, number, gpu.start() + 1, body, _K8S_GPU_FLAG))
+        reservation = _CONTAINER_GPU.match(code)
+        if reservation:
+            findings.append(_finding(path, number, reservation.start(1) + 1, body, _CONTAINER_GPU_FLAG))
         image = _CUDA_IMAGE.match(code)
         if image:
             findings.append(_finding(path, number, image.start(1) + 1, body, _CUDA_IMAGE_FLAG,

@@ -195,6 +195,13 @@ CASES = [
      "import os, subprocess\nsubprocess.run(['nvcc', '-O3', 'k.cu'])\nos.system('nsys profile python t.py')\n"
      "subprocess.check_output('ncu --set full python t.py', shell=True)\nprint('nvcc not found')\n",
      {"nvcc", "nvidia-profiler"}),
+    # a job script the code writes from a template asks for GPUs
+    ("job-script-template-in-python-is-reported",
+     "import torch\nTEMPLATE = '#SBATCH --nodes={nodes}\\n#SBATCH --gres=gpu:{ngpus}\\nsrun python t.py\\n'\n"
+     "def script(n):\n    return f'#SBATCH --gpus-per-node={n}\\n'\n",
+     "import torch\nTEMPLATE = '#SBATCH --nodes={nodes}\\n#SBATCH --gres=gpu:{ngpus}\\nsrun python t.py\\n'\n"
+     "def script(n):\n    return f'#SBATCH --gpus-per-node={n}\\n'\n",
+     {"job-gpu-request"}),
     # a rewritten availability check must not let a CUDA call it guards run on the NPU host
     ("guard-of-a-capability-call-kept-whole",
      "import torch\nif torch.cuda.is_available():\n    cap = torch.cuda.get_device_capability()\n"
@@ -344,3 +351,9 @@ def test_a_notebook_shell_line_continued_with_a_backslash(tmp_path):
     assert migrated[0][-3:] == ["!python prep.py --a 1 \\\n", "    --b 2\n", "%time x = 1"]  # shell lines untouched
     assert migrated[1] == ["import torch\n", "x = torch.zeros(2).npu()\n"]
     assert not [f for f in findings if f.kind == "unparsable"]
+
+
+def test_a_job_script_template_is_reported_in_a_string_and_an_f_string():
+    source = next(c[1] for c in CASES if c[0] == "job-script-template-in-python-is-reported")
+    found = [(f.line, f.kind) for f in migrate_python(source, "t.py").findings if f.kind == "job-gpu-request"]
+    assert found == [(2, "job-gpu-request"), (4, "job-gpu-request")]

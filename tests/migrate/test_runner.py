@@ -467,3 +467,24 @@ def test_cuda_c_the_pytorch_path_does_not_build_is_estimated_apart(tmp_path: Pat
     assert estimate["standalone_cuda"]["estimated_minutes"] == 2 * 4 * 60 + 15
     assert estimate["estimated_minutes"] == 60 + 4 * 60 + 15
 
+
+
+def test_a_cuda_only_library_is_estimated_once_per_file_not_per_call(tmp_path: Path) -> None:
+    """One xformers import and three calls were four 2-hour items ("about 8 h"); the calls are the
+    same port. Each @triton.jit kernel stays a port of its own; and the compiled extension modules
+    mamba-style code imports directly are reported."""
+    from npukit.migrate.report import effort
+
+    (tmp_path / "attn.py").write_text(
+        "import torch\nfrom xformers.ops import fmha\n"
+        "def a(q, k, v):\n    return fmha.memory_efficient_attention(q, k, v)\n"
+        "def b(q, k, v):\n    return fmha.memory_efficient_attention(q, k, v)\n"
+        "def c(q, k, v):\n    return fmha.memory_efficient_attention(q, k, v)\n")
+    (tmp_path / "mamba.py").write_text("import causal_conv1d_cuda\nimport selective_scan_cuda\n"
+                                       "y = causal_conv1d_cuda.causal_conv1d_fwd(x, w, None, None, True)\n")
+    run = run_migration(MigrateOptions(target=tmp_path, dry_run=True))
+    estimate = effort(run)
+    xformers = estimate["by_kind"]["xformers"]
+    assert xformers["items"] == 4 and xformers["minutes"] == 2 * 60 + 3 * 15
+    assert [(f.line, f.kind) for f in run.findings if f.path == "mamba.py"][:2] == [
+        (1, "cuda-only-library"), (2, "cuda-only-library")]

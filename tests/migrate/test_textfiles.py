@@ -281,3 +281,13 @@ def test_job_scripts_and_shebang_scripts_are_migrated_with_the_tree(tmp_path) ->
     found = discover(tmp_path)
     assert sorted(found.files) == ["job.pbs", "launch", "run.job1", "serve", "train.sbatch", "train.slurm"]
     assert file_kind(tmp_path, "serve") == "python" and file_kind(tmp_path, "launch") == "shell"
+
+
+def test_a_compose_files_gpu_reservation_is_reported() -> None:
+    compose = ("services:\n  api:\n    image: basaran\n    deploy:\n      resources:\n        reservations:\n"
+               "          devices:\n            - driver: nvidia\n              count: 1\n"
+               "              capabilities: [gpu]\n  old:\n    runtime: nvidia\n")
+    text, _, findings = migrate_yaml(compose, "docker-compose.yml")
+    assert text == compose
+    assert _kinds(findings) == [(8, "container-gpu-request"), (12, "container-gpu-request")]
+

@@ -31,7 +31,7 @@ class CudaEnvironment(StringPlaces, NpuCodemod):
     # the names ENV_RENAMES, ENV_FLAGGED and ENV_NAME know ("CUDA_" alone is in every CUDA_HOME)
     FILES_CONTAINING = ("CUDA_VISIBLE_DEVICES", "CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUDA_LAUNCH_BLOCKING",
                         "CUBLAS_WORKSPACE_CONFIG", "NCCL_", "nvidia-smi", *_ALLOC_OPTION_WORDS,
-                        *rules.NVIDIA_TOOLS)
+                        *rules.NVIDIA_TOOLS, "#SBATCH", "#PBS", "#BSUB")
 
     @classmethod
     def candidates(cls, model) -> list:  # strings, not docstrings, holding one of the names
@@ -75,6 +75,11 @@ class CudaEnvironment(StringPlaces, NpuCodemod):
                               updated_node: cst.FormattedString) -> cst.BaseExpression:
         if id(original_node) not in self._not_code and self._leading_text(original_node).lstrip().startswith("nvidia-smi"):
             self._flag_command(original_node)
+        elif id(original_node) not in self._not_code and not self._text_depth:
+            # f"#SBATCH --gres=gpu:{n}": its literal text, a placeholder where a value goes
+            text = "".join(part.value if isinstance(part, cst.FormattedStringText) else "{}" for part in original_node.parts)
+            if rules.JOB_GPU_REQUEST.search(text):
+                self.flag(original_node, rules.JOB_GPU_FLAG)
         return updated_node
 
     def _check_value(self, node: cst.BaseExpression, value: str) -> None:
@@ -89,6 +94,8 @@ class CudaEnvironment(StringPlaces, NpuCodemod):
             return
         elif rules.nvidia_tool(value) is not None:  # a command run (os.system, subprocess, a list's first word)
             self.flag(node, rules.nvidia_tool(value)[1])
+        elif rules.JOB_GPU_REQUEST.search(value):  # the template of a job script the code writes
+            self.flag(node, rules.JOB_GPU_FLAG)
         elif rules.CUDA_ONLY_ALLOC_OPTIONS.search(value):
             self.flag(node, rules.ALLOC_OPTION_FLAG)
         elif rules.ENV_NAME.search(value) and not self._device_rules_take(node, value):
