@@ -616,7 +616,9 @@ def _is_class_member(name: str) -> bool:
 
 
 _STRONG_TOKENS = ("cuda", "nccl", "nvidia", "nvml", "cublas", "tf32", "nvtx", "cudf", "cudnn")
-_SUBSTRING_TOKENS = ("torch.load", "torch.compile")
+# (and what the environment rule reports in Python strings: NVIDIA's tools run, a job script's template)
+_SUBSTRING_TOKENS = ("torch.load", "torch.compile", "nvcc", "nsys", "nvprof", "ncu", "compute-sanitizer",
+                     "#SBATCH", "#PBS", "#BSUB")
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # int device ordinals (.to(0), .to(local_rank), device=args.gpu, torch.device(rank)) mean the GPU too
 _ORDINAL_USES = tuple(re.compile(prefix + r"\s*(?:\d|[\w.]*(?:rank|gpu)\b)") for prefix in (r"\.to\(", r"device\(", r"device\s*="))

@@ -488,3 +488,11 @@ def test_a_cuda_only_library_is_estimated_once_per_file_not_per_call(tmp_path: P
     assert xformers["items"] == 4 and xformers["minutes"] == 2 * 60 + 3 * 15
     assert [(f.line, f.kind) for f in run.findings if f.path == "mamba.py"][:2] == [
         (1, "cuda-only-library"), (2, "cuda-only-library")]
+
+
+def test_a_launcher_without_torch_is_still_read_for_job_templates_and_nvidia_tools(tmp_path: Path) -> None:
+    """A file with no torch or CUDA word was never parsed: its sbatch template and nvcc call were silent."""
+    (tmp_path / "launch.py").write_text('T = """#!/bin/bash\n#SBATCH --gres=gpu:{n}\nsrun python train.py\n"""\n')
+    (tmp_path / "build.py").write_text("import subprocess\nsubprocess.run(['nvcc', '-O3', 'k.cu'])\n")
+    run = run_migration(MigrateOptions(target=tmp_path, dry_run=True))
+    assert sorted((f.path, f.kind) for f in run.findings) == [("build.py", "nvcc"), ("launch.py", "job-gpu-request")]
