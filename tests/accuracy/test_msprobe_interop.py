@@ -22,6 +22,9 @@ import pytest
 from npukit.accuracy.compare import ERROR, PASS, UNMATCHED, compare_dirs
 from npukit.accuracy.report import write_csv
 
+# A real-code suite (the real msprobe (mindstudio-probe) on npukit's dumps and its own): `make test` runs it after the main suite.
+pytestmark = pytest.mark.slow
+
 MODEL = Path(__file__).with_name("msprobe_interop_model.py")
 REPO = Path(__file__).resolve().parents[2]
 

@@ -23,6 +23,9 @@ from npukit.errors import UserError
 
 from . import msprobe_parity_model as parity_model
 
+# A real-code suite (the real msprobe's dumps, support list and config beside npukit's): `make test` runs it after the main suite.
+pytestmark = pytest.mark.slow
+
 MODEL = Path(__file__).with_name("msprobe_parity_model.py")
 REPO = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, PYTHONPATH=str(REPO))

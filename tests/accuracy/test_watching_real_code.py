@@ -12,6 +12,10 @@ from pathlib import Path
 
 import pytest
 
+# A real-code suite (reproductions of real repositories' runs under the dump and overflow tools):
+# `make test` runs it after the main suite.
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 
 COMPILED = textwrap.dedent("""

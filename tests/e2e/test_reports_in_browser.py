@@ -109,7 +109,10 @@ PAGE_FACTS = """(() => {
     dots: svg ? svg.querySelectorAll('circle').length : 0,
     marker: markers.map(t => t.textContent),
     markerLine: svg ? svg.querySelectorAll('line[stroke="#e74c3c"]').length : 0,
-    divergenceBox: (document.querySelector('.box') || {}).textContent || '',
+    verdictBox: (document.querySelector('#verdict') || {}).textContent || '',
+    // the pair's box naming the first divergence (the page's first box is the verdict)
+    divergenceBox: ([...document.querySelectorAll('.box')].find(b => b.textContent.startsWith('First divergence:'))
+                    || {}).textContent || '',
     headers: [...document.querySelectorAll('#all-rows table.sortable th')].map(th => th.textContent),
     rows: document.querySelectorAll('#all-rows table.sortable tbody tr').length,
     firstRows: [...document.querySelectorAll('#all-rows table.sortable tbody tr.first')].map(r => r.cells[2].textContent),
@@ -167,6 +170,7 @@ def test_compare_report_renders_chart_marker_and_table(chromium, compare_report,
     assert facts["dots"] == facts["seriesPoints"][0], facts
     assert facts["marker"] == [f"first divergence: {first_divergence}"] and facts["markerLine"] == 1, facts
     assert first_divergence in facts["divergenceBox"]
+    assert facts["verdictBox"].startswith("Summary:")  # a divergence: the red verdict box, as the terminal says it
     assert {"NPU Name", "Cosine", "RelativeL2", "Result"} <= set(facts["headers"])
     assert facts["rows"] >= 10 and facts["firstRows"] and all(first_divergence in name for name in facts["firstRows"])
     cosines = [float(text) for text in cosine_sorted if text]
