@@ -92,8 +92,8 @@ class CudaEnvironment(StringPlaces, NpuCodemod):
             self.flag(node, rules.NVIDIA_SMI)
         elif self._text_depth:
             return
-        elif rules.nvidia_tool(value) is not None:  # a command run (os.system, subprocess, a list's first word)
-            self.flag(node, rules.nvidia_tool(value)[1])
+        elif (tool := rules.nvidia_tool(value)) is not None:  # a command run (os.system, subprocess, a list's first word)
+            self.flag(node, tool[1])
         elif rules.JOB_GPU_REQUEST.search(value):  # the template of a job script the code writes
             self.flag(node, rules.JOB_GPU_FLAG)
         elif rules.CUDA_ONLY_ALLOC_OPTIONS.search(value):
