@@ -34,11 +34,11 @@ from torch.overrides import TorchFunctionMode
 from npukit.accuracy import eager, graph, msprobe_config, naming
 from npukit.accuracy._stats import stats as one_pass_stats
 from npukit.accuracy.dumpfile import COMPILED_REGION, DUMPED_BY, HF32_OPS, INCOMPLETE, INTERNAL_ERROR
-from npukit.accuracy.scaler_steps import GradScalerStepWatch
 from npukit.accuracy.stacks import CallStacks
 from npukit.accuracy.tensor_io import TensorFileWriter, local_shard, strided_form, tensor_to_numpy
 from npukit.errors import UserError
 from npukit.files import check_output_location, output_folder, refuse_links_inside, write_text_atomic
+from npukit.watch.scaler_steps import GradScalerStepWatch
 
 LEVELS = ("module", "api", "mix")
 MODES = ("stats", "tensor", "md5")

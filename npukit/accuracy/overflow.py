@@ -63,12 +63,12 @@ from npukit.accuracy.dump import (
 )
 from npukit.accuracy.dumpfile import COMPILED_REGION, INTERNAL_ERROR
 from npukit.accuracy.graph import OpNodes
-from npukit.accuracy.scaler_steps import GradScalerStepWatch
 from npukit.accuracy.stacks import CallStacks
 from npukit.accuracy.tensor_io import local_shard, strided_form, write_tensor
 from npukit.console import number_ranges
 from npukit.errors import UserError
 from npukit.files import check_output_location
+from npukit.watch.scaler_steps import GradScalerStepWatch
 
 ACTIONS = ("report", "dump", "stop")
 LEVELS = ("api", "module")

@@ -31,7 +31,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from npukit.profiler import COLLECTIVE_MARK
+from npukit.watch.collectives import COLLECTIVE_MARK
 
 BACKEND_NAME = "hccl"
 
@@ -54,7 +54,7 @@ def cpu_alias(tensor: torch.Tensor) -> torch.Tensor:
 
 def _started(asked: str, runs: str, start, *args):
     """start(*args), a gloo work; while a profiler records, inside the range that names the
-    collective asked for and the one gloo runs for it (npukit.profiler.COLLECTIVE_MARK)."""
+    collective asked for and the one gloo runs for it (npukit.watch.collectives.COLLECTIVE_MARK)."""
     if not torch.autograd._profiler_enabled():
         return start(*args)
     with torch.autograd.profiler.record_function(f"{COLLECTIVE_MARK}{asked}:{runs}"):

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 
-from npukit.profiler import COLLECTIVE_MARK
 from npukit.profiler.cost import CONV_OPS, element_size, numel, op_cost
 from npukit.profiler.table import (
     KIND_ANNOTATION,
@@ -35,6 +34,7 @@ from npukit.profiler.table import (
     EventTable,
     TableBuilder,
 )
+from npukit.watch.collectives import COLLECTIVE_MARK
 
 GC_ANNOTATION_PREFIX = "Python GC"
 STEP_PREFIX = "ProfilerStep#"

@@ -27,11 +27,11 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
-from npukit.accuracy.scaler_steps import GradScalerStepWatch
 from npukit.errors import UserError
 from npukit.files import check_output_location, output_folder, refuse_links_inside
 from npukit.profiler.extract import GC_ANNOTATION_PREFIX, RENAMED_COLLECTIVES, table_from_profiler
 from npukit.profiler.table import EVENTS_FILE, META_FILE, EventTable, write_meta
+from npukit.watch.steps import TrainingSteps
 
 LARGE_PROFILE_EVENTS = 100_000
 TRACE_SUFFIX = ".pt.trace.json"  # torch.profiler.tensorboard_trace_handler's, which the viewers look for
@@ -391,17 +391,12 @@ class ProfileSession:
         self.auto_steps = auto_steps
         self._explicit_steps = False
         self._auto_steps_taken = 0
-        self._step_clock = None  # the optimizer whose step() marks step boundaries
         self._profiler = None
-        self._hooks: list = []
         self._namer = _ModuleNamer()
         self._gc = _GcMarker()
         self._p2p = _P2PMarker()
-        # Under GradScaler a step ends when GradScaler.update returns (its ops are the step's), also
-        # when GradScaler.step skipped optimizer.step (inf/nan gradients)
-        self._scaler_steps = GradScalerStepWatch(lambda: True, self._end_scaler_step, self._after_scaler_step,
-                                                 self._end_scaler_step)
-        self._scaler_step_ending = None  # the optimizer whose step ends when GradScaler.update returns
+        # optimizer.step, or under GradScaler when GradScaler.update returns (its ops are the step's)
+        self._training_steps = TrainingSteps(self._end_auto_step)
         self._stopping = False
         self._pausing = False
         self._new_profiler = None
@@ -417,10 +412,10 @@ class ProfileSession:
                 file=sys.stderr,
             )
         self._explicit_steps = True
+        self._training_steps.counting = False
         self._advance()
 
     def __enter__(self) -> ProfileSession:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
         from torch.profiler import ProfilerAction, ProfilerActivity, profile, schedule
 
         refuse_links_inside(self.root, "--profile", depth=1)
@@ -444,8 +439,8 @@ class ProfileSession:
             )
 
         self._new_profiler = new_profiler
-        self._hooks.append(register_optimizer_step_post_hook(self._on_optimizer_step))
-        self._scaler_steps.install()
+        self._training_steps.counting = self.auto_steps
+        self._training_steps.install()
         self._namer.install()
         self._p2p.install()
         self._swaps.install()
@@ -461,11 +456,8 @@ class ProfileSession:
                 with _without_kineto_markers():
                     self._profiler.__exit__(exc_type, exc, tb)
         finally:
-            for hook in self._hooks:
-                hook.remove()
-            self._hooks.clear()
             self._swaps.remove()
-            self._scaler_steps.remove()
+            self._training_steps.remove()
             self._namer.remove()
             self._p2p.remove()
             self._gc.remove()
@@ -481,30 +473,9 @@ class ProfileSession:
             for old in self.root.glob(f"{self.worker_name}.*{TRACE_SUFFIX}"):
                 old.unlink(missing_ok=True)
 
-    def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
-        if self._scaler_steps.optimizer is optimizer:  # inside GradScaler.step
-            self._scaler_step_ending = optimizer
-        else:
-            self._end_auto_step(optimizer)
-
-    def _after_scaler_step(self, skipped: bool, scale: float) -> None:
-        if skipped:
-            self._scaler_step_ending = self._scaler_steps.optimizer
-
-    def _end_scaler_step(self) -> None:
-        """GradScaler.update returned (or, without one, the next GradScaler.step starts)."""
-        optimizer, self._scaler_step_ending = self._scaler_step_ending, None
-        if optimizer is not None:
-            self._end_auto_step(optimizer)
-
-    def _end_auto_step(self, optimizer) -> None:
-        if self._explicit_steps or not self.auto_steps:
-            return
-        if self._step_clock is None:
-            self._step_clock = weakref.ref(optimizer)
-        if self._step_clock() is optimizer:  # with several optimizers, one step = the first one's step
-            self._auto_steps_taken += 1
-            self._advance()
+    def _end_auto_step(self, optimizer, skipped: bool, loss_scale: float | None) -> None:
+        self._auto_steps_taken += 1
+        self._advance()
 
     def _advance(self) -> None:
         self.steps_taken += 1

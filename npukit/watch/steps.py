@@ -1,0 +1,65 @@
+"""Where a training step ends, for readers that count steps without taking part in them.
+
+A step ends when optimizer.step() returns; with several optimizers, at the step of the first one
+that stepped (one training step, not one per optimizer). Under GradScaler it ends when
+GradScaler.update returns (its ops are the step's), also when GradScaler.step skipped
+optimizer.step (inf/nan gradients), or, without an update call, when the next GradScaler.step
+starts. The dump and the overflow detector, which pause their recording inside optimizer.step and
+end the step at GradScaler.step, use GradScalerStepWatch directly.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+
+from npukit.watch.scaler_steps import GradScalerStepWatch
+
+
+class TrainingSteps:
+    """on_end(optimizer, skipped, loss_scale): once per training step, as it ends. skipped: GradScaler
+    skipped optimizer.step; loss_scale: the scale the step's backward ran at (None without GradScaler).
+    `counting`: when False the boundaries are not reported (a reader whose user marks steps)."""
+
+    def __init__(self, on_end: Callable[[object, bool, float | None], None]) -> None:
+        self.on_end = on_end
+        self.counting = True
+        self.scaler = GradScalerStepWatch(lambda: True, self._end_scaler_step, self._after_scaler_step,
+                                          self._end_scaler_step)
+        self._clock: weakref.ref | None = None  # the optimizer whose step() ends a training step
+        self._scaler_step_ending = None  # (optimizer, skipped, scale) of the step GradScaler.update ends
+        self._hook = None
+
+    def install(self) -> None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self._hook = register_optimizer_step_post_hook(self._on_optimizer_step)
+        self.scaler.install()
+
+    def remove(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self.scaler.remove()
+
+    def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
+        if self.scaler.optimizer is optimizer:  # inside GradScaler.step: ended by update (or the next step)
+            return
+        self._end(optimizer, False, None)
+
+    def _after_scaler_step(self, skipped: bool, scale: float) -> None:
+        self._scaler_step_ending = (self.scaler.optimizer, skipped, scale)
+
+    def _end_scaler_step(self) -> None:
+        """GradScaler.update returned (or, without one, the next GradScaler.step starts)."""
+        ending, self._scaler_step_ending = self._scaler_step_ending, None
+        if ending is not None:
+            self._end(*ending)
+
+    def _end(self, optimizer, skipped: bool, scale: float | None) -> None:
+        if not self.counting:
+            return
+        if self._clock is None or self._clock() is None:
+            self._clock = weakref.ref(optimizer)
+        if self._clock() is optimizer:  # with several optimizers, one step = the first one's step
+            self.on_end(optimizer, skipped, scale)
