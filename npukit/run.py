@@ -2,7 +2,7 @@
 
 The backend is installed, `torch_npu` answers from npukit, then the script runs exactly as
 `python script.py args...` would (argv, `__main__`, sys.path[0], exit code). Options add a
-golden run, per-layer dumps, overflow detection and profiling around it. With
+golden run, per-layer dumps, overflow detection, a training monitor and profiling around it. With
 `--nproc-per-node N` the same command is relaunched under torchrun.
 """
 
@@ -13,7 +13,9 @@ import gc
 import importlib.util
 import os
 import runpy
+import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -56,6 +58,9 @@ class RunOptions:
     overflow_underflow: bool = False
     profile: Path | None = None
     profile_steps: str | None = None
+    monitor: Path | None = None
+    monitor_every: int = 1
+    monitor_modules: str | None = None  # a regular expression module paths must contain
 
 
 def real_torch_npu_installed() -> bool:
@@ -205,6 +210,46 @@ def watch_golden_precision():
     return GoldenPrecisionWatch()
 
 
+class _Terminated(BaseException):
+    """SIGTERM while npukit watches the run, raised in the script like Ctrl-C's KeyboardInterrupt
+    (a BaseException: the script's `except Exception` lets it through)."""
+
+    def __str__(self) -> str:
+        return "stopped by SIGTERM"
+
+
+class _TerminateLikeInterrupt:
+    """While sessions watch the run, SIGTERM (how `kill`, `docker stop` and Kubernetes stop a process)
+    ends the script as Ctrl-C does, so the sessions write what they recorded: by default the process
+    died at once and a whole-run profile was lost without a word. Arriving while the sessions write,
+    it is only noted. A second SIGTERM stops the process at once. A script that sets its own SIGTERM
+    handler keeps it."""
+
+    def __init__(self) -> None:
+        self.received = False
+        self.raising = False
+        self._previous = None
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():  # only the main thread sets handlers
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+            self.raising = True
+
+    def remove(self) -> None:
+        self.raising = False
+        if self._previous is not None and signal.getsignal(signal.SIGTERM) in (self._handle, signal.SIG_DFL):
+            signal.signal(signal.SIGTERM, self._previous)
+        self._previous = None
+
+    def _handle(self, signum, frame) -> None:
+        self.received = True
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        _err("SIGTERM: ending the run and writing what was recorded (a second SIGTERM stops at once)")
+        if self.raising:
+            self.raising = False
+            raise _Terminated()
+
+
 def _seed_everything(seed: int) -> None:
     import random
 
@@ -254,6 +299,11 @@ def _enter_sessions(options: RunOptions, stack: contextlib.ExitStack, sessions: 
         sessions.append(stack.enter_context(OverflowSession(options.overflow_dir, action=options.overflow_action,
                                             max_events=options.overflow_max, level=options.overflow_level,
                                             underflow=options.overflow_underflow)))
+    if options.monitor is not None:
+        from npukit.accuracy.monitor import MonitorSession
+
+        sessions.append(stack.enter_context(MonitorSession(options.monitor, every=options.monitor_every,
+                                                           modules=options.monitor_modules)))
     if options.profile is not None:
         from npukit.profiler.record import ProfileSession
 
@@ -392,7 +442,11 @@ def main(options: RunOptions) -> int:
     with contextlib.ExitStack() as stack:
         if options.golden:
             stack.enter_context(watch_golden_precision())
+        termination = _TerminateLikeInterrupt()
+        stack.callback(termination.remove)  # removed last, once the sessions wrote
         sessions = _session_contexts(options, stack)
+        if sessions:  # without any, SIGTERM stops the process as it would without npu-run
+            termination.install()
         try:
             exit_code = _run_target(options)
         except SystemExit as exc:
@@ -404,6 +458,8 @@ def main(options: RunOptions) -> int:
             raise
         except KeyboardInterrupt:
             exit_code = 130
+        except _Terminated:
+            exit_code = 128 + signal.SIGTERM  # the status a shell reports for a process SIGTERM ended
         except BaseException:
             # The user's script failed: show its traceback without npu-run's own frames.
             exc_type, exc, tb = sys.exc_info()
@@ -412,6 +468,10 @@ def main(options: RunOptions) -> int:
             traceback.print_exception(exc_type, exc, tb)
             _note_failure(exc, tb)
             exit_code = 1
+        finally:
+            termination.raising = False  # from here on the sessions write: SIGTERM is only noted
+        if termination.received:
+            exit_code = 128 + signal.SIGTERM
         if exit_code:
             for session in sessions:  # their summaries must not describe a finished run
                 if hasattr(session, "mark_run_failed"):
@@ -420,6 +480,8 @@ def main(options: RunOptions) -> int:
     # futures) while the interpreter is whole: freed during its shutdown instead, gloo's threads
     # aborted 1 two-rank run in 10 with "terminate called without an active exception".
     gc.collect()
+    if termination.received:  # also when it came while the sessions wrote
+        exit_code = 128 + signal.SIGTERM
     return exit_code
 
 

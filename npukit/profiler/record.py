@@ -399,6 +399,7 @@ class ProfileSession:
         self._training_steps = TrainingSteps(self._end_auto_step)
         self._stopping = False
         self._pausing = False
+        self._run_failed = False  # the run ended early (an error, Ctrl-C, SIGTERM): say where its profile is
         self._new_profiler = None
         self._swaps = _SwapPause(lambda: self._profiler is not None, self._pause_recording)
 
@@ -449,19 +450,34 @@ class ProfileSession:
         self._gc.install()
         return self
 
+    def mark_run_failed(self) -> None:
+        """npu-run: the script did not finish (it failed, or Ctrl-C or SIGTERM stopped it)."""
+        self._run_failed = True
+
     def __exit__(self, exc_type, exc, tb) -> None:
         self._stopping = True
+        ended_early = self._run_failed or exc_type is not None
         try:
-            if self._profiler is not None:
-                with _without_kineto_markers():
-                    self._profiler.__exit__(exc_type, exc, tb)
-        finally:
-            self._swaps.remove()
-            self._training_steps.remove()
-            self._namer.remove()
-            self._p2p.remove()
-            self._gc.remove()
-        self._write_table()
+            try:
+                if self._profiler is not None:
+                    with _without_kineto_markers():
+                        self._profiler.__exit__(exc_type, exc, tb)
+            finally:
+                self._swaps.remove()
+                self._training_steps.remove()
+                self._namer.remove()
+                self._p2p.remove()
+                self._gc.remove()
+            written = self._write_table()
+        except Exception as error:
+            if not ended_early:
+                raise
+            # how the run ended is what the user must see: the profile's failure is said once, beside it
+            print(f"npukit.profiler: no profile written to {self.directory}: {error}", file=sys.stderr)
+            return
+        if ended_early and written:
+            print(f"npukit.profiler: the run did not finish; the profile of what it ran is in {self.directory}",
+                  file=sys.stderr)
 
     # -- internals -----------------------------------------------------------------------
     def _clear_previous_output(self) -> None:
@@ -530,7 +546,8 @@ class ProfileSession:
             export_trace(prof, target, self.rank, int(os.environ.get("WORLD_SIZE", "1")), renamed)
             self.traces.append(target.name)
 
-    def _write_table(self) -> None:
+    def _write_table(self) -> bool:
+        """Write the table and meta.json; False (and why, on stderr) when nothing was recorded."""
         import torch
 
         if not self.tables:
@@ -542,7 +559,7 @@ class ProfileSession:
             )
             hint = "" if self.steps_taken else " (no optimizer.step() call; use the Python API and call .step())"
             print(f"npukit.profiler: no profile written to {self.directory}: {why}{hint}", file=sys.stderr)
-            return
+            return False
         table = EventTable.concat(self.tables)
         steps = table.op_steps()
         meta = {
@@ -565,6 +582,7 @@ class ProfileSession:
         output_folder(self.root, self.directory.name)
         table.save(self.directory)
         write_meta(self.directory, meta)
+        return True
 
 
 def profile(out_dir: str | os.PathLike, steps: str | None = None, **options) -> ProfileSession:
