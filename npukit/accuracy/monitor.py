@@ -1,0 +1,377 @@
+"""`npu-run --monitor DIR`: per-step statistics of every module of a training run, and alerts.
+
+    with MonitorSession(Path("mon"), every=1, modules=r"blocks\\.\\d+\\.mlp"):
+        runpy.run_path("train.py", run_name="__main__")
+
+Every monitored step (steps end where the profiler's do: watch.steps.TrainingSteps), for each
+module the filter keeps: the statistics (max, min, mean, norm, nan and inf counts) of its outputs
+(`activation`) and their gradients (`activation_grad`, unscaled by GradScaler's scale), of its
+parameters (`weight`) and their gradients (`grad`, as the optimizer sees them), and under
+Adam/AdamW of exp_avg, exp_avg_sq and the update-to-weight ratio (the norm of lr x m^ / (sqrt(v^) +
+eps) over the weight's norm, before weight decay); per step the loss (the tensor backward() was
+first called on, unscaled), the total gradient norm and GradScaler's loss scale.
+
+Statistics are computed on the tensor's device as the dump computes them (one pass on host memory)
+and fetched with one device->host copy per step (dump.StatsBuffer). A writer thread appends
+them to DIR/rank{R}/monitor.csv, scalars.csv and a TensorBoard event file as the run goes; at most
+two steps wait for it, so memory stays bounded however long the run. Alerts (monitor_alerts) are
+printed once each and appended to DIR/rank{R}/alerts.csv.
+
+The monitor never fails the run: an error inside it is reported once, the monitor switches itself
+off, and training goes on.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import re
+import sys
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from npukit.accuracy import naming
+from npukit.accuracy.dump import StatsBuffer, hook_failed, rank_from_env, tensors_in
+from npukit.accuracy.event_file import ScalarEventFile
+from npukit.accuracy.monitor_alerts import Alert, AlertRules, Alerts, Record
+from npukit.errors import UserError
+from npukit.files import check_output_location, output_folder, refuse_links_inside
+from npukit.watch.steps import TrainingSteps
+
+STAT_NAMES = ("max", "min", "mean", "norm", "nan", "inf")  # tensor_stats' order
+RECORD_COLUMNS = ("step", "kind", "name", "dtype", *STAT_NAMES)
+SCALAR_COLUMNS = ("step", "loss", "grad_norm", "loss_scale", "skipped_by_grad_scaler")
+ALERT_COLUMNS = ("step", "rule", "name", "statistic", "value", "message")
+_PENDING_STEPS = 2  # steps handed to the writer and not yet written, at most
+
+
+class MonitorSession:
+    """out_dir/rank{R}/: monitor.csv (a row per record), scalars.csv (a row per step), alerts.csv,
+    events.out.tfevents.* (TensorBoard: `{kind}/{name}/{statistic}` and `loss`, `grad_norm`,
+    `loss_scale`). every: monitor steps 0, N, 2N ... (from start_step); modules: a regular
+    expression a module's dotted path must contain (re.search)."""
+
+    def __init__(self, out_dir: Path, every: int = 1, modules: str | None = None, *, start_step: int = 0,
+                 rank: int | None = None, rules: AlertRules | None = None, tensorboard: bool = True,
+                 csv_files: bool = True) -> None:
+        if every < 1:
+            raise UserError(f"--monitor-every must be at least 1, got {every}")
+        if start_step < 0:
+            raise UserError(f"--monitor: start_step must be 0 or more, got {start_step}")
+        try:
+            self.module_filter = re.compile(modules) if modules else None
+        except re.error as exc:
+            raise UserError(f"--monitor-modules {modules!r} is not a regular expression: {exc}") from None
+        self.out_dir = Path(out_dir)
+        check_output_location(self.out_dir, "--monitor")
+        self.every, self.start_step = every, start_step
+        self.rank = rank_from_env() if rank is None else rank
+        self.alerts = Alerts(rules)
+        self.tensorboard, self.csv_files = tensorboard, csv_files
+        self.step_index = 0
+        self.raised: list[Alert] = []
+        self.broken = False
+        self._active = False
+        self._in_optimizer = 0
+        self._steps = TrainingSteps(self._on_step_end)
+        self._paths = naming.ModulePaths()
+        self._kept: dict[str, bool] = {}  # module path -> the filter keeps it
+        # id(parameter) -> (a weak reference to it, its name, its module's path): tensors compare by
+        # value, so no WeakKeyDictionary
+        self._parameter_names: dict[int, tuple[weakref.ref, str, str]] = {}
+        self._handles: list = []
+        self._original_backward = None
+        self._writer: ThreadPoolExecutor | None = None
+        self._pending: list[Future] = []
+        self._files: dict = {}
+        self._new_step()
+
+    # ------------------------------------------------------------------ session
+    def __enter__(self) -> MonitorSession:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        from torch.nn.modules import module as module_hooks
+        from torch.optim import optimizer as optimizer_hooks
+
+        refuse_links_inside(self.out_dir, "--monitor", depth=1)
+        self.directory = output_folder(self.out_dir, f"rank{self.rank}")
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="npukit-monitor")
+        self._handles = [
+            module_hooks.register_module_forward_hook(self._guarded(self._on_module_forward)),
+            optimizer_hooks.register_optimizer_step_pre_hook(self._guarded(self._on_optimizer_pre_step)),
+            optimizer_hooks.register_optimizer_step_post_hook(self._guarded(self._on_optimizer_post_step)),
+        ]
+        self._steps.install()
+        self._original_backward = torch.Tensor.backward
+        original, on_backward = self._original_backward, self._guarded(self._on_backward)
+
+        def backward(tensor, *args, **kwargs):
+            on_backward(tensor)
+            return original(tensor, *args, **kwargs)
+
+        torch.Tensor.backward = backward
+        self._active = True
+
+    def stop(self) -> None:
+        if not self._active:
+            return
+        self._active = False
+        torch.Tensor.backward = self._original_backward
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._steps.remove()
+        if self._buffer_used and not self.broken:  # a run without optimizer.step, or its last forward
+            self._guarded(self._finish_step)(None, False, None)
+        try:
+            for future in self._pending:
+                self._report_write_error(future)
+        finally:
+            self._writer.shutdown(wait=True)
+            for file in self._files.values():
+                file.close()
+            self._files = {}
+
+    # ------------------------------------------------------------------ robustness
+    def _guarded(self, hook):
+        """The hook, or nothing once the monitor broke; an error inside it is said once (hook_failed),
+        switches the whole monitor off (a half-recorded step would mislead) and never reaches the run."""
+        kind = f"MonitorSession.{hook.__name__}"
+
+        def run(*args, **kwargs):
+            if self.broken:
+                return None
+            try:
+                with torch._C.DisableTorchFunction():
+                    return hook(*args, **kwargs)
+            except Exception as exc:
+                self.broken = True
+                hook_failed(kind, exc)
+                print(f"npukit monitor: monitoring stopped at step {self.step_index}; what was written before "
+                      f"stays in {self.out_dir}", file=sys.stderr)
+                return None
+        return run
+
+    # ------------------------------------------------------------------ recording
+    def _new_step(self) -> None:
+        self._buffer = StatsBuffer()
+        self._buffer_used = False
+        self._slots: list[tuple[str, str, torch.dtype, int]] = []  # kind, name, dtype, buffer slot
+        self._calls: dict[str, int] = {}
+        self._loss_slot: int | None = None
+        self._ratios: list[tuple[str, torch.Tensor]] = []
+
+    def _monitored(self) -> bool:
+        step = self.step_index - self.start_step
+        return self._active and step >= 0 and step % self.every == 0
+
+    def _keeps(self, path: str) -> bool:
+        kept = self._kept.get(path)
+        if kept is None:
+            kept = self._kept[path] = self.module_filter is None or bool(self.module_filter.search(path))
+        return kept
+
+    def _add(self, kind: str, name: str, tensor: torch.Tensor) -> None:
+        if not tensor.is_floating_point() or tensor.numel() == 0:
+            return
+        slot = self._buffer.add(tensor)
+        self._buffer_used = True
+        self._slots.append((kind, name, tensor.dtype, slot))
+
+    def _on_module_forward(self, module, args, output) -> None:
+        if self._in_optimizer or not self._monitored():
+            return
+        path = naming.module_path(self._paths, module) or type(module).__name__
+        if not self._keeps(path):
+            return
+        calls = self._calls.get(path, 0)
+        self._calls[path] = calls + 1
+        name = path if calls == 0 else f"{path}.call{calls}"
+        outputs = [t for t in tensors_in(output) if t.is_floating_point()]
+        for index, tensor in enumerate(outputs):
+            leaf = name if len(outputs) == 1 else f"{name}.{index}"
+            self._add("activation", leaf, tensor)
+            if tensor.requires_grad and torch.is_grad_enabled():
+                tensor.register_hook(self._gradient_hook(leaf))
+
+    def _gradient_hook(self, leaf: str):
+        on_gradient = self._guarded(self._on_activation_grad)
+
+        def hook(gradient):
+            on_gradient(leaf, gradient)
+        return hook
+
+    def _on_activation_grad(self, leaf: str, gradient) -> None:
+        if gradient is not None and self._monitored():
+            self._add("activation_grad", leaf, gradient)
+
+    def _on_backward(self, tensor) -> None:
+        if self._loss_slot is None and self._monitored() and tensor.numel() == 1 and tensor.is_floating_point():
+            self._loss_slot = self._buffer.add(tensor.detach().reshape(()))
+            self._buffer_used = True
+
+    def _parameter_name(self, parameter, group: int, index: int) -> tuple[str, str]:
+        """(the parameter's dotted name, its module's path), from the modules seen running."""
+        found = self._parameter_names.get(id(parameter))
+        if found is None or found[0]() is not parameter:
+            for module, path in list(self._paths.items()):
+                for name, candidate in module.named_parameters(recurse=False):
+                    known = self._parameter_names.get(id(candidate))
+                    if known is None or known[0]() is not candidate:
+                        self._parameter_names[id(candidate)] = (weakref.ref(candidate),
+                                                                f"{path}.{name}" if path else name, path)
+            found = self._parameter_names.get(id(parameter))
+            if found is None or found[0]() is not parameter:  # of no module that ran (a bare tensor)
+                found = self._parameter_names[id(parameter)] = (weakref.ref(parameter),
+                                                                f"param_group{group}.{index}", "")
+        return found[1], found[2]
+
+    def _parameters(self, optimizer):
+        for group_index, group in enumerate(optimizer.param_groups):
+            for index, parameter in enumerate(group["params"]):
+                name, path = self._parameter_name(parameter, group_index, index)
+                if self.module_filter is None or self._keeps(path or name):
+                    yield group, name, parameter
+
+    def _record_parameters(self, optimizer) -> None:
+        for _, name, parameter in self._parameters(optimizer):
+            self._add("weight", name, parameter.detach())
+            if parameter.grad is not None:
+                self._add("grad", name, parameter.grad.detach())
+
+    def _on_optimizer_pre_step(self, optimizer, args, kwargs) -> None:
+        self._in_optimizer += 1
+        if self._monitored() and self._in_optimizer == 1:
+            self._record_parameters(optimizer)
+
+    def _on_optimizer_post_step(self, optimizer, args, kwargs) -> None:
+        self._in_optimizer = max(0, self._in_optimizer - 1)
+        if self._monitored() and isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+            self._record_adam(optimizer)
+
+    def _record_adam(self, optimizer) -> None:
+        for group, name, parameter in self._parameters(optimizer):
+            state = optimizer.state.get(parameter)
+            if not state or "exp_avg" not in state:
+                continue
+            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+            self._add("exp_avg", name, exp_avg)
+            self._add("exp_avg_sq", name, exp_avg_sq)
+            step = float(state["step"])
+            beta1, beta2 = group["betas"]
+            lr = float(group["lr"])
+            with torch.no_grad():
+                update = (exp_avg / (1 - beta1 ** step)) / ((exp_avg_sq / (1 - beta2 ** step)).sqrt() + group["eps"])
+                ratio = lr * torch.linalg.vector_norm(update, dtype=torch.float32) / \
+                    torch.linalg.vector_norm(parameter.detach(), dtype=torch.float32)
+            self._add("update_ratio", name, ratio)
+
+    # ------------------------------------------------------------------ step end
+    def _on_step_end(self, optimizer, skipped: bool, loss_scale: float | None) -> None:
+        if not self.broken:
+            self._guarded(self._finish_step)(optimizer, skipped, loss_scale)
+
+    def _finish_step(self, optimizer, skipped: bool, loss_scale: float | None) -> None:
+        step = self.step_index
+        monitored = self._monitored() and self._buffer_used
+        if monitored and skipped:  # GradScaler.step ran no optimizer.step: no pre-hook saw the (inf/nan) gradients
+            self._record_parameters(optimizer)
+        buffer, slots, loss_slot = self._buffer, self._slots, self._loss_slot
+        self._new_step()
+        self.step_index += 1
+        if not monitored:
+            return
+        values = buffer.resolve()  # the step's one device->host copy
+        unscale = 1.0 / loss_scale if loss_scale else 1.0
+        records = []
+        squares = 0.0
+        for kind, name, dtype, slot in slots:
+            stats = values[slot]
+            if stats is None:
+                continue
+            stats = list(stats)
+            if kind == "activation_grad" and unscale != 1.0:
+                stats[:4] = [value * unscale for value in stats[:4]]
+            if kind == "grad":
+                squares += stats[3] ** 2
+            records.append(Record(kind, name, dtype, stats))
+        grad_norm = math.sqrt(squares) if any(r.kind == "grad" for r in records) else None
+        loss = None
+        if loss_slot is not None and values[loss_slot] is not None:
+            loss = values[loss_slot][2] * unscale  # the mean of a one-element tensor: its value
+        alerts = self.alerts.judge(step, records, loss, grad_norm, skipped, loss_scale is not None)
+        for alert in alerts:
+            print(f"npukit monitor: {alert.message}", file=sys.stderr)
+        self.raised.extend(alerts)
+        self._write(step, records, loss, grad_norm, loss_scale, skipped, alerts)
+
+    # ------------------------------------------------------------------ files
+    def _write(self, step, records, loss, grad_norm, loss_scale, skipped, alerts) -> None:
+        while len(self._pending) >= _PENDING_STEPS:  # bounded memory: wait for the oldest step's files
+            self._report_write_error(self._pending.pop(0))
+        self._pending.append(self._writer.submit(self._write_step, step, records, loss, grad_norm, loss_scale,
+                                                 skipped, alerts))
+
+    def _report_write_error(self, future: Future) -> None:
+        error = future.exception()
+        if error is not None and not self.broken:
+            self.broken = True
+            hook_failed("MonitorSession._write_step", error)
+            print(f"npukit monitor: could not write into {self.directory}; monitoring stopped, the run goes on",
+                  file=sys.stderr)
+
+    def _csv(self, name: str, columns: tuple[str, ...]):
+        entry = self._files.get(name)
+        if entry is None:
+            file = open(self.directory / name, "w", newline="")  # noqa: SIM115 (open for the run)
+            writer = csv.writer(file)
+            writer.writerow(columns)
+            entry = self._files[name] = _CsvFile(file, writer)
+        return entry
+
+    def _write_step(self, step, records, loss, grad_norm, loss_scale, skipped, alerts) -> None:
+        if self.csv_files:
+            rows = self._csv("monitor.csv", RECORD_COLUMNS)
+            rows.writer.writerows([step, r.kind, r.name, str(r.dtype).removeprefix("torch."), *map(_number, r.values)]
+                                  for r in records)
+            rows.flush()
+            scalars = self._csv("scalars.csv", SCALAR_COLUMNS)
+            scalars.writer.writerow([step, _number(loss), _number(grad_norm), _number(loss_scale), int(skipped)])
+            scalars.flush()
+        if alerts:
+            table = self._csv("alerts.csv", ALERT_COLUMNS)
+            table.writer.writerows([a.step, a.rule, a.name, a.statistic, _number(a.value), a.message] for a in alerts)
+            table.flush()
+        if self.tensorboard:
+            events = self._files.get("events")
+            if events is None:
+                events = self._files["events"] = ScalarEventFile(self.directory)
+            values = [(f"{r.kind}/{r.name}/{stat}", value) for r in records for stat, value in zip(STAT_NAMES, r.values)]
+            values += [(tag, value) for tag, value in (("loss", loss), ("grad_norm", grad_norm),
+                                                       ("loss_scale", loss_scale)) if value is not None]
+            events.write(step, values)
+
+
+class _CsvFile:
+    def __init__(self, file, writer) -> None:
+        self.file, self.writer = file, writer
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _number(value) -> str:
+    if value is None:
+        return ""
+    return repr(float(value))

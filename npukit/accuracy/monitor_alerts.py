@@ -1,0 +1,176 @@
+"""The monitor's alerts, judged on each monitored step's statistics as training goes on.
+
+    nan/inf        the first record of the step (forward order: activations, then gradients) with a
+                   non-finite value, and its statistic
+    turbulence     a norm beyond (1 + threshold) x its running mean (msprobe's AnomalyTurbulence)
+    loss spike     the loss beyond (1 + loss_spike) x its running mean
+    grad-norm      the total gradient norm beyond grad_norm_growth x its running mean
+    forecast       an activation's or gradient's abs-max past the square root of its dtype's largest
+                   value (256 in fp16), growing at every recent sample, at a rate that reaches the
+                   largest value within forecast_steps steps
+
+Running means are exponential (recent steps weigh most) and start judging after `warmup` monitored
+steps. Gradients of a step GradScaler skipped are its own business (the scale was too high): they
+raise no alert and leave the running means alone. Each alert is said once per (rule, name), nan/inf
+once per run (the first; the nan then spreads everywhere): the state kept is a few numbers per record name, bounded by the model's size, not by the run's length.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+GRADIENT_KINDS = frozenset({"grad", "activation_grad"})
+# abs-max forecasts: forward values, and gradients once unscaled (activation gradients are taken
+# under the loss scale, which GradScaler raises until they overflow on purpose)
+FORECAST_KINDS = frozenset({"activation", "grad", "activation_grad"})
+_EMA_DECAY = 0.9
+
+
+@dataclass
+class AlertRules:
+    turbulence: float = 9.0  # a norm beyond 10x its running mean
+    loss_spike: float = 1.0  # a loss twice its running mean
+    grad_norm_growth: float = 10.0
+    warmup: int = 5
+    forecast_steps: int = 50
+    forecast_window: int = 6
+    forecast_min_growth: float = 0.005  # slower than 0.5% a step is no trend
+
+
+@dataclass
+class Alert:
+    step: int
+    rule: str
+    name: str
+    statistic: str
+    value: float
+    message: str
+
+
+@dataclass
+class Record:
+    """One tensor's statistics in one step: kind is weight, grad, activation, activation_grad,
+    exp_avg, exp_avg_sq or update_ratio; values as tensor_stats returns them (max, min, mean,
+    norm, nan count, inf count)."""
+    kind: str
+    name: str
+    dtype: torch.dtype
+    values: list[float]
+
+    @property
+    def abs_max(self) -> float:
+        return max(abs(self.values[0]), abs(self.values[1]))
+
+
+_LABELS = {"activation": "output", "activation_grad": "output gradient", "grad": "gradient", "weight": "weight",
+           "exp_avg": "Adam exp_avg", "exp_avg_sq": "Adam exp_avg_sq", "update_ratio": "update/weight ratio"}
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
+
+
+def label(record: Record) -> str:
+    return f"{record.name} {_LABELS.get(record.kind, record.kind)}"
+
+
+def short_number(value: float) -> str:
+    """41k, 3.2M, 0.013: what a person reads in an alert (the files keep every digit)."""
+    size = abs(value)
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if size >= scale:
+            return f"{value / scale:.3g}{unit}"
+    return f"{value:.3g}"
+
+
+class Alerts:
+    def __init__(self, rules: AlertRules | None = None) -> None:
+        self.rules = rules or AlertRules()
+        self._said: set[tuple[str, str]] = set()
+        self._means: dict[tuple[str, str], tuple[float, int]] = {}  # (kind, name) -> (running mean, samples)
+        self._history: dict[tuple[str, str], deque] = {}  # (kind, name) -> (step, log abs-max)
+
+    def judge(self, step: int, records: list[Record], loss: float | None, grad_norm: float | None,
+              skipped: bool, loss_scaled: bool) -> list[Alert]:
+        """The alerts this step raises for the first time."""
+        found: list[Alert] = []
+        judged = [r for r in records if not (skipped and r.kind in GRADIENT_KINDS)]
+        first_bad = next((r for r in judged if r.values[4] or r.values[5]), None)
+        if first_bad is not None:
+            statistic = "nan" if first_bad.values[4] else "inf"
+            count = int(first_bad.values[4] or first_bad.values[5])
+            found.append(Alert(step, "nan/inf", first_bad.name, statistic, float(count),
+                               f"step {step}: {count} {statistic} value(s) in {label(first_bad)}, the first "
+                               "module with a non-finite value this step"))
+        for record in judged:
+            norm = record.values[3]
+            if record.values[4] or record.values[5] or not math.isfinite(norm):
+                continue
+            mean = self._running(("norm", f"{record.kind}:{record.name}"), abs(norm))
+            if mean is not None and abs(norm) > (1 + self.rules.turbulence) * mean > 0:
+                found.append(Alert(step, "turbulence", f"{record.name}:{record.kind}", "norm", norm,
+                                   f"step {step}: {label(record)} norm {short_number(norm)}, "
+                                   f"{abs(norm) / mean:.1f}x its running mean {short_number(mean)}"))
+            if record.kind in FORECAST_KINDS and not (record.kind == "activation_grad" and loss_scaled):
+                forecast = self._forecast(step, record)
+                if forecast is not None:
+                    found.append(forecast)
+        if loss is not None and math.isfinite(loss):
+            mean = self._running(("loss", ""), loss)
+            if mean is not None and mean > 0 and loss > (1 + self.rules.loss_spike) * mean:
+                found.append(Alert(step, "loss spike", "loss", "value", loss,
+                                   f"step {step}: loss {loss:.4g}, {loss / mean:.1f}x its running mean {mean:.4g}"))
+        if grad_norm is not None and math.isfinite(grad_norm) and not skipped:
+            mean = self._running(("grad_norm", ""), grad_norm)
+            if mean is not None and mean > 0 and grad_norm > self.rules.grad_norm_growth * mean:
+                found.append(Alert(step, "grad-norm growth", "total gradient norm", "value", grad_norm,
+                                   f"step {step}: total gradient norm {short_number(grad_norm)}, "
+                                   f"{grad_norm / mean:.1f}x its running mean {short_number(mean)}"))
+        fresh = [alert for alert in found if self._said_key(alert) not in self._said]
+        self._said.update(self._said_key(alert) for alert in fresh)
+        return fresh
+
+    @staticmethod
+    def _said_key(alert: Alert) -> tuple[str, str]:
+        # nan/inf is said once per run: after the first, the nan spreads to every later module and step
+        return (alert.rule, "" if alert.rule == "nan/inf" else alert.name)
+
+    def _running(self, key: tuple[str, str], value: float) -> float | None:
+        """The running mean before this value (None during the warmup); then takes the value in."""
+        mean, samples = self._means.get(key, (value, 0))
+        before = mean if samples >= self.rules.warmup else None
+        self._means[key] = (_EMA_DECAY * mean + (1 - _EMA_DECAY) * value if samples else value, samples + 1)
+        return before
+
+    def _forecast(self, step: int, record: Record) -> Alert | None:
+        """The abs-max grew at every one of the last forecast_window samples: at the slowest of
+        those rates (per step), when does it reach the dtype's largest value? A value rising from
+        near zero grows fast at first; the slowest recent rate keeps it from being called early."""
+        if not record.dtype.is_floating_point:
+            return None
+        largest = torch.finfo(record.dtype).max
+        abs_max = record.abs_max
+        key = (record.kind, record.name)
+        history = self._history.get(key)
+        if history is None:
+            history = self._history[key] = deque(maxlen=self.rules.forecast_window)
+        if not (0 < abs_max < largest) or not math.isfinite(abs_max):
+            history.clear()  # an overflow (or all zeros) ends the trend
+            return None
+        history.append((step, math.log(abs_max)))
+        if len(history) < history.maxlen or abs_max < math.sqrt(largest):
+            return None  # below half the dtype's range (in orders of magnitude) nothing approaches it
+        samples = list(history)
+        slope = min((b_log - a_log) / (b_step - a_step)
+                    for (a_step, a_log), (b_step, b_log) in zip(samples, samples[1:]))
+        if slope < math.log1p(self.rules.forecast_min_growth):
+            return None  # not growing at every sample: no trend to extrapolate
+        steps_left = (math.log(largest) - samples[-1][1]) / slope
+        if steps_left > self.rules.forecast_steps:
+            return None
+        dtype = _DTYPE_NAMES.get(record.dtype, str(record.dtype).removeprefix("torch."))
+        growth = math.expm1(slope) * 100
+        return Alert(step, "overflow forecast", f"{record.name}:{record.kind}", "abs max", abs_max,
+                     f"step {step}: {label(record)} max {short_number(abs_max)}, growing {growth:.2g}% a step: "
+                     f"{dtype} overflow in about {max(1, round(steps_left))} steps")

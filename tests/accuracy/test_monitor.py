@@ -1,0 +1,295 @@
+"""npu-run --monitor: per-step statistics written as the run goes, alerts, the overflow forecast."""
+
+from __future__ import annotations
+
+import csv
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+from npukit.accuracy.event_file import crc32c
+from npukit.accuracy.monitor import MonitorSession
+from npukit.errors import UserError
+
+pytestmark = pytest.mark.usefixtures("npu")
+
+
+class TwoLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 8)
+        self.act = nn.ReLU()
+        self.fc2 = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def _rows(path: Path) -> list[dict]:
+    with open(path, newline="") as file:
+        return list(csv.DictReader(file))
+
+
+def _stats(tensor: torch.Tensor) -> dict[str, float]:
+    data = tensor.detach().double().cpu()
+    return {"max": float(data.max()), "min": float(data.min()), "mean": float(data.mean()),
+            "norm": float(data.norm()), "nan": float(data.isnan().sum()), "inf": float(data.isinf().sum())}
+
+
+def _close(row: dict, expected: dict[str, float]) -> None:
+    for stat, value in expected.items():
+        assert float(row[stat]) == pytest.approx(value, rel=1e-5, abs=1e-6), (row["kind"], row["name"], stat)
+
+
+def test_files_hold_each_steps_statistics_recomputed_from_the_tensors(tmp_path):
+    torch.manual_seed(0)
+    model = TwoLayers().to("npu")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    x = torch.randn(5, 4, device="npu")
+    expected: list[dict] = []
+    with MonitorSession(tmp_path / "mon", rank=0) as session:
+        for _ in range(3):
+            hidden = model.act(model.fc1(x))
+            hidden.retain_grad()
+            out = model.fc2(hidden)
+            out.retain_grad()
+            loss = out.square().mean()
+            loss.backward()
+            weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+            grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+            optimizer.step()
+            expected.append({"loss": loss.item(), "hidden": hidden.detach().clone(), "out": out.detach().clone(),
+                             "hidden_grad": hidden.grad.clone(), "out_grad": out.grad.clone(),
+                             "weights": weights, "grads": grads,
+                             "exp_avg": {n: optimizer.state[p]["exp_avg"].clone() for n, p in model.named_parameters()},
+                             "ratio": {n: _adam_ratio(optimizer, p) for n, p in model.named_parameters()}})
+            optimizer.zero_grad()
+    assert session.raised == []
+    folder = tmp_path / "mon" / "rank0"
+    rows = _rows(folder / "monitor.csv")
+    by_key = {(int(r["step"]), r["kind"], r["name"]): r for r in rows}
+    for step, seen in enumerate(expected):
+        _close(by_key[(step, "activation", "act")], _stats(seen["hidden"]))
+        _close(by_key[(step, "activation", "fc2")], _stats(seen["out"]))
+        _close(by_key[(step, "activation_grad", "act")], _stats(seen["hidden_grad"]))
+        _close(by_key[(step, "activation_grad", "fc2")], _stats(seen["out_grad"]))
+        for name in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"):
+            _close(by_key[(step, "weight", name)], _stats(seen["weights"][name]))
+            _close(by_key[(step, "grad", name)], _stats(seen["grads"][name]))
+            _close(by_key[(step, "exp_avg", name)], _stats(seen["exp_avg"][name]))
+            assert float(by_key[(step, "update_ratio", name)]["mean"]) == pytest.approx(seen["ratio"][name], rel=1e-5)
+    scalars = _rows(folder / "scalars.csv")
+    assert [int(r["step"]) for r in scalars] == [0, 1, 2]
+    for row, seen in zip(scalars, expected):
+        assert float(row["loss"]) == pytest.approx(seen["loss"], rel=1e-6)
+        total = math.sqrt(sum(float(g.double().norm()) ** 2 for g in seen["grads"].values()))
+        assert float(row["grad_norm"]) == pytest.approx(total, rel=1e-6)
+        assert row["loss_scale"] == ""
+
+    # TensorBoard reads the same numbers from the event file
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == [0, 1, 2]
+    assert [e.value for e in events.Scalars("loss")] == pytest.approx([s["loss"] for s in expected], rel=1e-6)
+    norms = events.Scalars("grad/fc1.weight/norm")
+    assert [e.value for e in norms] == pytest.approx(
+        [float(s["grads"]["fc1.weight"].double().norm()) for s in expected], rel=1e-6)
+
+
+def _adam_ratio(optimizer, parameter) -> float:
+    state, group = optimizer.state[parameter], optimizer.param_groups[0]
+    step = float(state["step"])
+    beta1, beta2 = group["betas"]
+    m_hat = state["exp_avg"].double().cpu() / (1 - beta1 ** step)
+    v_hat = state["exp_avg_sq"].double().cpu() / (1 - beta2 ** step)
+    update = group["lr"] * m_hat / (v_hat.sqrt() + group["eps"])
+    return float(update.norm() / parameter.detach().double().cpu().norm())
+
+
+def test_crc32c_is_castagnolis_on_short_and_long_data():
+    import random
+
+    def bitwise(data: bytes) -> int:
+        crc = 0xFFFFFFFF
+        for byte in data:
+            crc ^= byte
+            for _ in range(8):
+                crc = (crc >> 1) ^ 0x82F63B78 if crc & 1 else crc >> 1
+        return crc ^ 0xFFFFFFFF
+
+    assert crc32c(b"123456789") == 0xE3069283  # the standard check value
+    generator = random.Random(3)
+    for size in (0, 1, 3, 4, 5, 256, 257, 1000, 4099, 20000):
+        data = bytes(generator.randrange(256) for _ in range(size))
+        assert crc32c(data) == bitwise(data), size
+
+
+def _train(session: MonitorSession, steps: int, model: nn.Module, batch: torch.Tensor, dtype=torch.float32,
+           scaler: torch.amp.GradScaler | None = None) -> None:
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with session:
+        for _ in range(steps):
+            loss = model(batch).float().square().mean()
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                loss.backward()
+                optimizer.step()
+            optimizer.zero_grad()
+
+
+def test_a_clean_run_raises_no_alert(tmp_path):
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8), nn.LayerNorm(8), nn.Linear(8, 1)).to("npu")
+    session = MonitorSession(tmp_path / "mon", rank=0)
+    _train(session, 40, model, torch.randn(16, 8, device="npu"))
+    assert session.raised == []
+    assert not (tmp_path / "mon" / "rank0" / "alerts.csv").exists()
+    assert len(_rows(tmp_path / "mon" / "rank0" / "scalars.csv")) == 40
+
+
+class Growing(nn.Module):
+    """An fp16 block whose output grows 15% a step (its weight is scaled by the training loop)
+    until it overflows fp16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8, bias=False)
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.out(self.proj(x))
+
+
+def test_the_forecast_names_the_growing_module_ten_steps_before_its_first_inf(tmp_path):
+    torch.manual_seed(2)
+    model = Growing().to("npu", torch.float16)
+    with torch.no_grad():
+        model.proj.weight.copy_(torch.eye(8))
+        model.out.weight.fill_(0.01)  # the head's output stays well inside fp16's range
+    batch = torch.full((4, 8), 2.0, device="npu", dtype=torch.float16)
+    # proj's output is 2 * 1.15**step: past fp16's 65504 (inf) in about 75 steps
+    first_inf = None
+    session = MonitorSession(tmp_path / "mon", rank=0)
+    with session:
+        for step in range(100):
+            hidden = model.proj(batch)
+            if first_inf is None and hidden.isinf().any():
+                first_inf = step
+            model.out(hidden).float().mean().backward()
+            with torch.no_grad():
+                model.proj.weight.mul_(1.15)  # the "optimizer"'s update
+            session_step(session)
+            model.zero_grad()
+    assert first_inf is not None and first_inf > 60
+    forecasts = [a for a in session.raised if a.rule == "overflow forecast"]
+    assert forecasts, session.raised
+    assert forecasts[0].name == "proj:activation"
+    assert forecasts[0].step <= first_inf - 10
+    assert "fp16 overflow in about" in forecasts[0].message
+    nan_alerts = [a for a in session.raised if a.rule == "nan/inf"]
+    assert nan_alerts and nan_alerts[0].step == first_inf and nan_alerts[0].name == "proj"
+    written = _rows(tmp_path / "mon" / "rank0" / "alerts.csv")
+    assert [row["rule"] for row in written] == [a.rule for a in session.raised]
+
+
+def session_step(session: MonitorSession) -> None:
+    """End a step as an optimizer.step() would (the fixture trains without an optimizer)."""
+    session._on_step_end(None, False, None)
+
+
+def test_the_nan_alert_names_the_first_module_with_a_nan(tmp_path):
+    class Poisoned(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = nn.Linear(4, 4)
+            self.second = nn.Linear(4, 4)
+            self.third = nn.Linear(4, 1)
+
+        def forward(self, x):
+            hidden = self.second(self.first(x))
+            return self.third(torch.log(hidden))  # log of a negative value: nan from here on
+
+    torch.manual_seed(3)
+    model = Poisoned().to("npu")
+    session = MonitorSession(tmp_path / "mon", rank=0)
+    _train(session, 2, model, torch.randn(8, 4, device="npu"))
+    first = [a for a in session.raised if a.rule == "nan/inf"]
+    assert len(first) == 1 and first[0].step == 0 and first[0].name == "third"
+    assert "nan" in first[0].message
+
+
+def test_grad_scaler_runs_unscale_and_skipped_steps_raise_no_alert(tmp_path):
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1)).to("npu")
+    scaler = torch.amp.GradScaler("npu", init_scale=2.0 ** 24)  # fp32 grads: the first steps overflow
+    session = MonitorSession(tmp_path / "mon", rank=0)
+    batch = torch.randn(8, 8, device="npu")
+    with torch.autocast("npu", dtype=torch.float16):
+        _train(session, 12, model, batch, scaler=scaler)
+    scalars = _rows(tmp_path / "mon" / "rank0" / "scalars.csv")
+    assert [float(r["loss_scale"]) > 0 for r in scalars] == [True] * 12
+    assert scalars[0]["skipped_by_grad_scaler"] == "1"  # fp16 gradients at 2**24 overflow
+    assert float(scalars[-1]["loss_scale"]) < 2.0 ** 24
+    plain = float(model(batch).float().square().mean())  # about the last losses: the loss is unscaled
+    assert float(scalars[-1]["loss"]) == pytest.approx(plain, rel=0.2)
+    assert session.raised == [] or all(a.rule != "nan/inf" for a in session.raised)
+
+
+def test_every_and_module_filter(tmp_path):
+    torch.manual_seed(5)
+    model = TwoLayers().to("npu")
+    session = MonitorSession(tmp_path / "mon", every=3, modules=r"^fc2", rank=0)
+    _train(session, 7, model, torch.randn(4, 4, device="npu"))
+    rows = _rows(tmp_path / "mon" / "rank0" / "monitor.csv")
+    assert sorted({int(r["step"]) for r in rows}) == [0, 3, 6]
+    assert {r["name"] for r in rows} == {"fc2", "fc2.weight", "fc2.bias"}
+
+
+def test_the_run_survives_a_monitor_failure(tmp_path, monkeypatch, capfd):
+    def broken(self, *args):
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(MonitorSession, "_on_activation_grad", broken)
+    torch.manual_seed(6)
+    model = TwoLayers().to("npu")
+    before = [p.detach().clone() for p in model.parameters()]
+    session = MonitorSession(tmp_path / "mon", rank=0)
+    _train(session, 3, model, torch.randn(4, 4, device="npu"))
+    assert session.broken
+    assert all(not torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))  # it trained
+    err = capfd.readouterr().err
+    assert err.count("disk on fire") == 1 and "monitoring stopped" in err
+
+
+def test_npu_run_monitor_end_to_end(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch\n"
+        "model = torch.nn.Linear(4, 1).npu()\n"
+        "optimizer = torch.optim.Adam(model.parameters())\n"
+        "for _ in range(3):\n"
+        "    model(torch.randn(2, 4).npu()).sum().backward()\n"
+        "    optimizer.step()\n"
+        "    optimizer.zero_grad()\n")
+    result = subprocess.run([sys.executable, "-m", "npukit.run", "--monitor", str(tmp_path / "mon"),
+                             "--monitor-every", "2", str(script)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    scalars = _rows(tmp_path / "mon" / "rank0" / "scalars.csv")
+    assert [int(r["step"]) for r in scalars] == [0, 2]
+
+
+def test_a_bad_option_is_named():
+    with pytest.raises(UserError, match=r"--monitor-modules '\(' is not a regular expression"):
+        MonitorSession(Path("unused"), modules="(")
+    with pytest.raises(UserError, match="--monitor-every must be at least 1"):
+        MonitorSession(Path("unused"), every=0)
