@@ -130,11 +130,12 @@ def migrate(
     json_output: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout (the summary goes to stderr)."),
     codemod: list[str] = typer.Option(None, "--codemod", metavar="PKG.MODULE.CLASS",
                                       help="Also run this libcst codemod of yours after the built-in rules (repeatable; see docs/migrate.md)."),
+    fused: bool = typer.Option(False, "--fused", help="Also rewrite flash_attn and apex calls to torch_npu fused ops and torch equivalents (see docs/migrate.md)."),
 ) -> None:
     from npukit.migrate.cli_support import main
 
     options_kwargs = dict(target=path, out=out, dry_run=dry_run, diff=diff, check=check, runtime=runtime,
-                          force=force, jobs=jobs, report_dir=report, quiet=quiet, codemods=tuple(codemod or ()))
+                          force=force, jobs=jobs, report_dir=report, quiet=quiet, codemods=tuple(codemod or ()), fused=fused)
     raise typer.Exit(main(json_output=json_output, **options_kwargs))
 
 

@@ -87,3 +87,6 @@ class TreeFacts:
     # native files the PyTorch path builds (named in the tree's Python, and what they #include);
     # None: unknown (a single file), then every CUDA file counts as the PyTorch path's
     built_native: frozenset[str] | None = None
+    # npu-migrate --fused: CUDA kernel libraries (flash_attn, apex) are rewritten to torch_npu's fused ops
+    # and torch equivalents (codemods.flash_attention, codemods.apex_fused), not only reported
+    fused: bool = False

@@ -218,6 +218,10 @@ DEVICE_PROPERTY_FIELDS_MISSING = frozenset({"major", "minor", "multi_processor_c
 # Every rewrite names one of these rules (change_list.csv, report.json, the summary table).
 REWRITE_RULES = {
     "import-torch-npu": "`import torch_npu` once, after the docstring and __future__ imports",
+    "fused-attention": "--fused: flash_attn's attention functions -> torch_npu.npu_fusion_attention(...)[0]",
+    "fused-norm": "--fused: apex FusedLayerNorm / FusedRMSNorm -> torch.nn.LayerNorm / torch.nn.RMSNorm",
+    "fused-optimizer": "--fused: apex FusedAdam -> torch.optim.AdamW / torch.optim.Adam",
+    "fused-import": "--fused: an import of flash_attn / apex whose every use was rewritten, removed",
     "cuda-namespace": "torch.cuda.X -> torch.npu.X for the names torch_npu has",
     "cuda-import": "imports of torch.cuda / its members -> torch_npu.npu",
     "cuda-renamed": "torch.cuda names that have another name (default_generators, OutOfMemoryError)",

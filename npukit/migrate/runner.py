@@ -53,6 +53,7 @@ class MigrateOptions:
     report_dir: Path | None = None
     quiet: bool = False
     codemods: tuple[str, ...] = ()  # users' libcst codemods (pkg.module.Class), run after the built-ins
+    fused: bool = False  # rewrite flash_attn / apex calls to torch_npu fused ops and torch equivalents
 
     @property
     def writes(self) -> bool:
@@ -214,7 +215,7 @@ def _usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _gather_tree_facts(root: Path, candidates: list[str], runtime: bool) -> TreeFacts:
+def _gather_tree_facts(root: Path, candidates: list[str], runtime: bool, fused: bool = False) -> TreeFacts:
     kinds = {c: fs.file_kind(root, c) for c in candidates}
     native = [c for c in candidates if kinds[c] == "native"]
     python = [c for c in candidates if kinds[c] == "python"]
@@ -223,7 +224,7 @@ def _gather_tree_facts(root: Path, candidates: list[str], runtime: bool) -> Tree
                      is_cuda_classes=is_cuda_classes, local_packages=_local_packages(python),
                      imported_modules=_imported_modules(root, python) if runtime else None,
                      cuda_default_tensor_type=cuda_default_type, set_device_modules=set_device_modules,
-                     built_native=_native_built_by_python(root, python, native))
+                     built_native=_native_built_by_python(root, python, native), fused=fused)
 
 
 _NATIVE_NAME = re.compile(rb"""["']([^"'\n]*\.(?:cu|cuh|cpp|cc|cxx|c|h|hpp|hh))["']""")
@@ -371,7 +372,7 @@ def _process_batch(batch: list[tuple]) -> list[FileResult]:
 def _analyse(root: Path, candidates: list[str], options: MigrateOptions,
              progress: Callable[[int], None] | None) -> list[FileResult]:
     settings = FileSettings(runtime=options.runtime, lines_after=options.writes,
-                            facts=_gather_tree_facts(root, candidates, options.runtime),
+                            facts=_gather_tree_facts(root, candidates, options.runtime, options.fused),
                             codemods=specs_from_options(options.codemods))
     items = [(str(root), rel, fs.file_kind(root, rel), settings) for rel in candidates]
     jobs = options.jobs or _usable_cores()

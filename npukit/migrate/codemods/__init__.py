@@ -7,6 +7,7 @@ One built-in concern, on its own:
 The whole built-in set (the order npu-migrate uses), next to codemods of your own:
 
     python -m libcst.tool codemod --no-format -x npukit.migrate.codemods.MigrateToNpu path/
+    python -m libcst.tool codemod --no-format -x npukit.migrate.codemods.MigrateToNpu --fused path/   # npu-migrate --fused
 
 What a codemod does not migrate is printed as the tool's warnings, `line:col: severity kind: reason`.
 npu-migrate itself adds the tree-wide facts, the other file kinds and the reports (docs/migrate.md).
@@ -14,10 +15,13 @@ npu-migrate itself adds the tree-wide facts, the other file kinds and the report
 
 from __future__ import annotations
 
+import argparse
+
 import libcst as cst
-from libcst.codemod import CodemodCommand
+from libcst.codemod import CodemodCommand, CodemodContext
 
 from npukit.migrate.codemods.amp_upgrade import AmpUpgrade
+from npukit.migrate.codemods.apex_fused import ApexAdamToTorch, ApexNormsToTorch
 from npukit.migrate.codemods.autocast_dtype import AutocastGpuDtype
 from npukit.migrate.codemods.backends import DistributedBackends
 from npukit.migrate.codemods.bf16_autocast import Bf16Autocast
@@ -33,6 +37,7 @@ from npukit.migrate.codemods.device_model import DeviceModelChecks
 from npukit.migrate.codemods.device_strings import DeviceStrings
 from npukit.migrate.codemods.dual_target import DualTargetCode
 from npukit.migrate.codemods.environment import CudaEnvironment
+from npukit.migrate.codemods.flash_attention import FlashAttentionToNpu
 from npukit.migrate.codemods.infinite_fills import InfiniteFills
 from npukit.migrate.codemods.int_ordinals import IntDeviceOrdinals
 from npukit.migrate.codemods.leftovers import CudaLeftovers
@@ -41,25 +46,38 @@ from npukit.migrate.codemods.torch_load import TorchLoadMapLocation
 from npukit.migrate.codemods.unsupported_apis import UnsupportedApis
 from npukit.migrate.codemods.unsupported_methods import UnsupportedTensorMethods
 
+# npu-migrate --fused's concerns (CUDA kernel libraries -> torch_npu fused ops / torch equivalents):
+# only under --fused (TreeFacts.fused), or when libcst's tool is asked for one by name
+FUSED_CODEMODS = (FlashAttentionToNpu, ApexNormsToTorch, ApexAdamToTorch)
 # The concerns ported from the ast engine so far, in the order they run (each on the original parse).
-BUILTIN_CODEMODS = (DualTargetCode, DeviceStrings, IntDeviceOrdinals, AmpUpgrade, CudaNamespace, UnsupportedApis, CudaEnvironment, CudaDefaultDevices, InfiniteFills, TorchLoadMapLocation, CustomCudaOps,
+BUILTIN_CODEMODS = (DualTargetCode, *FUSED_CODEMODS, DeviceStrings, IntDeviceOrdinals, AmpUpgrade, CudaNamespace, UnsupportedApis, CudaEnvironment, CudaDefaultDevices, InfiniteFills, TorchLoadMapLocation, CustomCudaOps,
                     Bf16Autocast, DdpSetDevice, ThirdPartyCuda, DeviceModelChecks,
                     DefaultTensorType, CompileModes, UnsupportedTensorMethods, AutocastGpuDtype, CudaMethods,
                     DistributedBackends, CudaCliFlags, CudaLeftovers)
 
-__all__ = ["BUILTIN_CODEMODS", "AmpUpgrade", "AutocastGpuDtype", "Bf16Autocast", "CompileModes", "CudaCliFlags", "CudaDefaultDevices", "CudaEnvironment", "CudaLeftovers",
+__all__ = ["BUILTIN_CODEMODS", "FUSED_CODEMODS", "AmpUpgrade", "ApexAdamToTorch", "ApexNormsToTorch", "FlashAttentionToNpu", "AutocastGpuDtype", "Bf16Autocast", "CompileModes", "CudaCliFlags", "CudaDefaultDevices", "CudaEnvironment", "CudaLeftovers",
            "CudaMethods", "CudaNamespace", "CustomCudaOps", "DdpSetDevice", "DefaultTensorType", "DeviceModelChecks", "DeviceStrings", "DistributedBackends", "DualTargetCode",
            "InfiniteFills", "IntDeviceOrdinals", "MigrateToNpu", "ThirdPartyCuda", "TorchLoadMapLocation", "UnsupportedApis", "UnsupportedTensorMethods"]
 
 
 class MigrateToNpu(CodemodCommand):
-    DESCRIPTION = "CUDA -> torch_npu: npu-migrate's built-in rules on one Python file"
+    DESCRIPTION = "CUDA -> torch_npu: npu-migrate's built-in rules on one Python file (--fused: npu-migrate --fused's)"
+
+    def __init__(self, context: CodemodContext, fused: bool = False) -> None:
+        super().__init__(context)
+        self.fused = fused
+
+    @staticmethod
+    def add_args(arg_parser: argparse.ArgumentParser) -> None:
+        arg_parser.add_argument("--fused", action="store_true", default=False,
+                                help="also rewrite flash_attn / apex calls, as npu-migrate --fused does")
 
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
+        from npukit.migrate.model import TreeFacts
         from npukit.migrate.pysource import migrate_python
 
         code = tree.code
-        outcome = migrate_python(code, self.context.filename or "<module>")
+        outcome = migrate_python(code, self.context.filename or "<module>", facts=TreeFacts(fused=self.fused))
         for finding in outcome.findings:
             self.warn(f"{finding.line}:{finding.col}: {finding.severity} {finding.kind}: {finding.reason}"
                       f" ({finding.suggestion})")

@@ -8,6 +8,7 @@ import libcst as cst
 
 from npukit.migrate import rules
 from npukit.migrate.codemods.base import NpuCodemod
+from npukit.migrate.codemods.fused import fused_hint
 from npukit.migrate.codemods.scopes import dotted_name
 from npukit.migrate.pysource_model import imported_names
 
@@ -64,7 +65,9 @@ class ThirdPartyCuda(NpuCodemod):
     (npu-migrate's tree facts: mamba_ssm in mamba's own repository) is not a third party.
     `"flash_attention_2"` (transformers' attn_implementation) is kept: transformers routes it to
     torch_npu's fused attention on an NPU (info); in a file that imports flash_attn itself it is an
-    error, since that file's own flash-attention path calls flash_attn."""
+    error, since that file's own flash-attention path calls flash_attn. A call a `--fused` concern knows
+    says what `npu-migrate --fused` makes of it (or why it keeps it); under `--fused` what was rewritten
+    (the call, an import no longer needed) is not reported."""
 
     DESCRIPTION = "CUDA-only third-party libraries reported at their imports, calls and kernel decorators"
     CONTEXT = "statement"  # decided from the statement holding the candidate and the imports
@@ -90,14 +93,19 @@ class ThirdPartyCuda(NpuCodemod):
         self._flag_import(node)
 
     def _flag_import(self, node: cst.Import | cst.ImportFrom) -> None:
+        if id(node) in self.facts.claimed:
+            return  # removed by a --fused concern: every use it served was rewritten
         flag = _first_flag(imported_dotted_names(node), self.facts.tree.local_packages)
         if flag is not None:
             self.flag(node, flag)
 
     def visit_Call(self, node: cst.Call) -> None:
+        if id(node) in self.facts.claimed:
+            return  # rewritten by a --fused concern
         flag = _call_flag(self.facts.qualname(node.func), self.facts.tree.local_packages)
         if flag is not None:
-            self.flag(node, flag)
+            hint = fused_hint(node, self.facts)
+            self.flag(node, flag, reason=f"{flag.reason}; {hint}" if hint else None)
 
     def visit_SimpleString(self, node: cst.SimpleString) -> None:
         if node.evaluated_value == FLASH_ATTENTION_2:
