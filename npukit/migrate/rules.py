@@ -644,7 +644,8 @@ def _prefilter_words() -> tuple[frozenset[str], tuple[tuple[str, str], ...]]:
     words |= {m.split(".")[0] for m in THIRD_PARTY}
     words |= {"fork_rng", "channels_last", "autocast", "set_default_tensor_type", "set_float32_matmul_precision",
               "GradScaler", "ShardedGradScaler", "set_device_type", "set_autocast_enabled",
-              "get_autocast_gpu_dtype", "set_autocast_gpu_dtype", "is_autocast_enabled"}
+              "get_autocast_gpu_dtype", "set_autocast_gpu_dtype", "is_autocast_enabled",
+              "load_in_8bit", "load_in_4bit", "BitsAndBytesConfig"}  # bitsandbytes through transformers
     return frozenset(words), tuple(sorted(pairs))
 
 

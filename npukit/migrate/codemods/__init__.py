@@ -41,6 +41,7 @@ from npukit.migrate.codemods.flash_attention import FlashAttentionToNpu
 from npukit.migrate.codemods.infinite_fills import InfiniteFills
 from npukit.migrate.codemods.int_ordinals import IntDeviceOrdinals
 from npukit.migrate.codemods.leftovers import CudaLeftovers
+from npukit.migrate.codemods.quantisation import BitsAndBytesQuantisation
 from npukit.migrate.codemods.third_party import ThirdPartyCuda
 from npukit.migrate.codemods.torch_load import TorchLoadMapLocation
 from npukit.migrate.codemods.unsupported_apis import UnsupportedApis
@@ -51,11 +52,11 @@ from npukit.migrate.codemods.unsupported_methods import UnsupportedTensorMethods
 FUSED_CODEMODS = (FlashAttentionToNpu, ApexNormsToTorch, ApexAdamToTorch)
 # The concerns ported from the ast engine so far, in the order they run (each on the original parse).
 BUILTIN_CODEMODS = (DualTargetCode, *FUSED_CODEMODS, DeviceStrings, IntDeviceOrdinals, AmpUpgrade, CudaNamespace, UnsupportedApis, CudaEnvironment, CudaDefaultDevices, InfiniteFills, TorchLoadMapLocation, CustomCudaOps,
-                    Bf16Autocast, DdpSetDevice, ThirdPartyCuda, DeviceModelChecks,
+                    Bf16Autocast, DdpSetDevice, ThirdPartyCuda, BitsAndBytesQuantisation, DeviceModelChecks,
                     DefaultTensorType, CompileModes, UnsupportedTensorMethods, AutocastGpuDtype, CudaMethods,
                     DistributedBackends, CudaCliFlags, CudaLeftovers)
 
-__all__ = ["BUILTIN_CODEMODS", "FUSED_CODEMODS", "AmpUpgrade", "ApexAdamToTorch", "ApexNormsToTorch", "FlashAttentionToNpu", "AutocastGpuDtype", "Bf16Autocast", "CompileModes", "CudaCliFlags", "CudaDefaultDevices", "CudaEnvironment", "CudaLeftovers",
+__all__ = ["BUILTIN_CODEMODS", "FUSED_CODEMODS", "AmpUpgrade", "ApexAdamToTorch", "ApexNormsToTorch", "FlashAttentionToNpu", "AutocastGpuDtype", "Bf16Autocast", "BitsAndBytesQuantisation", "CompileModes", "CudaCliFlags", "CudaDefaultDevices", "CudaEnvironment", "CudaLeftovers",
            "CudaMethods", "CudaNamespace", "CustomCudaOps", "DdpSetDevice", "DefaultTensorType", "DeviceModelChecks", "DeviceStrings", "DistributedBackends", "DualTargetCode",
            "InfiniteFills", "IntDeviceOrdinals", "MigrateToNpu", "ThirdPartyCuda", "TorchLoadMapLocation", "UnsupportedApis", "UnsupportedTensorMethods"]
 
