@@ -87,6 +87,9 @@ class TreeFacts:
     # native files the PyTorch path builds (named in the tree's Python, and what they #include);
     # None: unknown (a single file), then every CUDA file counts as the PyTorch path's
     built_native: frozenset[str] | None = None
+    # which positional parameters of the tree's functions, methods and classes take a device, by name
+    # (codemods.device_values.device_signatures): a "cuda" passed there is a device, as its default is
+    device_signatures: dict[str, tuple[bool, ...]] = field(default_factory=dict)
     # npu-migrate --fused: CUDA kernel libraries (flash_attn, apex) are rewritten to torch_npu's fused ops
     # and torch equivalents (codemods.flash_attention, codemods.apex_fused), not only reported
     fused: bool = False

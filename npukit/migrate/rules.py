@@ -266,6 +266,15 @@ DEVICE_FIRST_ARG = frozenset(
         "torch.Generator", "torch.distributed.device_mesh.init_device_mesh",
         "torch.distributed.init_device_mesh", "torch.distributed.device_mesh.DeviceMesh",
         "torch.distributed.DeviceMesh", "torch.Stream", "torch.Event",
+        # torch.cuda's functions whose first parameter is the device (get_device_name("cuda") ...)
+        *(f"torch.cuda.{name}" for name in (
+            "Stream", "can_device_access_peer", "clock_rate", "current_stream", "default_stream", "device",
+            "device_memory_used", "get_device_capability", "get_device_name", "get_device_properties",
+            "get_per_process_memory_fraction", "get_rng_state", "list_gpu_processes", "max_memory_allocated",
+            "max_memory_cached", "max_memory_reserved", "mem_get_info", "memory_allocated", "memory_cached",
+            "memory_reserved", "memory_stats", "memory_stats_as_nested_dict", "memory_summary", "memory_usage",
+            "power_draw", "reset_accumulated_memory_stats", "reset_max_memory_allocated", "reset_max_memory_cached",
+            "reset_peak_memory_stats", "set_device", "synchronize", "temperature", "utilization")),
     }
 )
 # methods whose first positional argument is a device, whatever the receiver

@@ -19,6 +19,7 @@ from pathlib import Path
 from npukit.errors import UserError
 from npukit.migrate import files as fs
 from npukit.migrate import rules
+from npukit.migrate.codemods.device_values import device_signatures, merge_signatures
 from npukit.migrate.dependencies import scan_dependency_file, scan_setup_py, worth_scanning
 from npukit.migrate.model import FileResult, Finding, TreeFacts
 from npukit.migrate.pysource import MigrationSyntaxError, migrate_python, remap_changes, remap_findings
@@ -224,7 +225,9 @@ def _gather_tree_facts(root: Path, candidates: list[str], runtime: bool, fused: 
                      is_cuda_classes=is_cuda_classes, local_packages=_local_packages(python),
                      imported_modules=_imported_modules(root, python) if runtime else None,
                      cuda_default_tensor_type=cuda_default_type, set_device_modules=set_device_modules,
-                     built_native=_native_built_by_python(root, python, native), fused=fused)
+                     built_native=_native_built_by_python(root, python, native), fused=fused,
+                     device_signatures=merge_signatures([device_signatures(data.decode("utf-8", "replace"))
+                                                         for data in _read_all(root, python) if b"def " in data]))
 
 
 _NATIVE_NAME = re.compile(rb"""["']([^"'\n]*\.(?:cu|cuh|cpp|cc|cxx|c|h|hpp|hh))["']""")

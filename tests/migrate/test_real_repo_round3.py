@@ -10,6 +10,65 @@ import pytest
 
 from npukit.migrate import MigrateOptions, run_migration
 from npukit.migrate.pysource import migrate_python
+from npukit.migrate.report import effort
+
+NPU = "import torch_npu\n"
+
+
+def _migrated(root: Path) -> dict[str, str]:
+    out = root.parent / "out"
+    run_migration(MigrateOptions(target=root, out=out))
+    return {p.name: p.read_text() for p in out.rglob("*.py")}
+
+# ------------------------------------------------------------------------------ bug 8
+@pytest.mark.parametrize("source, expected", [
+    # a class whose __init__ takes the device (lingua's GPUMemoryMonitor("cuda"))
+    ('import torch\nclass Monitor:\n    def __init__(self, device: str = "cuda:0"):\n'
+     '        self.device = torch.device(device)\nmon = Monitor("cuda")\n',
+     NPU + 'import torch\nclass Monitor:\n    def __init__(self, device: str = "npu:0"):\n'
+     '        self.device = torch.device(device)\nmon = Monitor("npu")\n'),
+    # a parameter not named like a device whose default is one
+    ('import torch\ndef place(where="cuda:0"):\n    return torch.device(where)\nplace("cuda")\n',
+     NPU + 'import torch\ndef place(where="npu:0"):\n    return torch.device(where)\nplace("npu")\n'),
+    # a method of the file's own class
+    ('import torch\nclass M:\n    def start(self, device="cuda:0"):\n        return torch.device(device)\n'
+     'M().start("cuda")\n',
+     NPU + 'import torch\nclass M:\n    def start(self, device="npu:0"):\n        return torch.device(device)\n'
+     'M().start("npu")\n'),
+    # torch.cuda's functions that take a device, given a literal or a variable holding one
+    ('import torch\nn = torch.cuda.get_device_name("cuda")\nwhich = "cuda"\n'
+     'm = torch.cuda.memory_allocated(which)\n',
+     NPU + 'import torch\nn = torch.npu.get_device_name("npu")\nwhich = "npu"\n'
+     'm = torch.npu.memory_allocated(which)\n'),
+])
+def test_a_cuda_string_given_to_a_device_parameter_is_rewritten(source: str, expected: str) -> None:
+    outcome = migrate_python(source, "m.py")
+    assert outcome.text == expected
+    assert not [f for f in outcome.findings if f.kind == "device-string"]
+
+
+def test_a_cuda_string_given_to_another_files_device_parameter_is_rewritten(tmp_path: Path) -> None:
+    """lingua: metrics.py's GPUMemoryMonitor(device="cuda:0") became "npu:0"; train.py's
+    GPUMemoryMonitor("cuda") stayed and was only info."""
+    root = tmp_path / "repo"
+    (root / "lingua").mkdir(parents=True)
+    (root / "lingua" / "__init__.py").write_text("")
+    (root / "lingua" / "metrics.py").write_text(
+        'import torch\nclass GPUMemoryMonitor:\n    def __init__(self, device: str = "cuda:0"):\n'
+        '        self.device = torch.device(device)\n        self.name = torch.cuda.get_device_name(self.device)\n')
+    (root / "train.py").write_text('import torch\nfrom lingua.metrics import GPUMemoryMonitor\n'
+                                   'monitor = GPUMemoryMonitor("cuda")\nx = torch.zeros(1).cuda()\n')
+    assert 'monitor = GPUMemoryMonitor("npu")\n' in _migrated(root)["train.py"]
+
+
+def test_a_cuda_string_passed_where_npu_migrate_cannot_see_is_a_warning_in_the_estimate(tmp_path: Path) -> None:
+    """A "cuda" argument to a function npu-migrate cannot read is left, but as a warning that the
+    estimate counts (it was an info: 0 items, 0 min)."""
+    (tmp_path / "m.py").write_text('import torch\nimport somelib\nsomelib.monitor("cuda")\n')
+    run = run_migration(MigrateOptions(target=tmp_path, dry_run=True))
+    found = [(f.line, f.kind, f.severity) for f in run.findings]
+    assert found == [(3, "device-string", "warning")]
+    assert effort(run)["items_needing_a_human"] == 1
 
 
 # ------------------------------------------------------------------------------ bug 12

@@ -138,11 +138,12 @@ class FileFacts:
         return Flows(self)
 
     @functools.cached_property
-    def local_signatures(self) -> dict[str, list[str]]:
-        """This file's functions' positional parameters by name (device_values.local_signatures)."""
-        from npukit.migrate.codemods.device_values import local_signatures
+    def local_signatures(self) -> dict[str, tuple[bool, ...]]:
+        """Which positional parameters of this file's functions, methods and classes take a device
+        (device_values.device_signatures of the whole file)."""
+        from npukit.migrate.codemods.device_values import device_signatures
 
-        return local_signatures(self)
+        return device_signatures(self.positions.text)
 
     @functools.cached_property
     def _reads(self) -> set[int]:

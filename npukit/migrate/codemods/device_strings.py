@@ -13,7 +13,9 @@ from npukit.migrate.codemods.device_values import (
     ValuePlaces,
     device_literals,
     device_positions,
+    device_signatures,
     is_device_like,
+    source,
     variable_name,
 )
 from npukit.migrate.codemods.strings import StringPlaces, literal_string
@@ -28,6 +30,10 @@ _STAR_IMPORT = re.compile(r"^[ \t]*from[ \t]+(\w+)[\w.]*[ \t]+import[ \t]+\*", r
 _STATEMENTS = (cst.BaseSmallStatement, cst.BaseCompoundStatement)
 
 UNPLACED_DEVICE = Flag("device-string", "info", "", "change it to 'npu' by hand if it names the device")
+# a device string given to a function whose parameters npu-migrate cannot read (a library's): it
+# most likely is a device there, so it needs a look (counted in the estimate), not only a note
+PASSED_DEVICE = Flag("device-string", "warning", "",
+                     "if that function uses it as a device (most do), change it to 'npu' by hand")
 UNUSED_DEVICE = Flag("device-string", "info", "", "if it is a device, change it to 'npu' by hand")
 CUDA_ONLY_DEVICE = Flag(
     "cuda-only-device", "warning", "",
@@ -68,13 +74,14 @@ def _holds_device(expr: ast.AST, literals: set[int]) -> bool:
 class DeviceStrings(ValuePlaces, StringPlaces, NpuCodemod):
     """"cuda" (and "cuda:0", f"cuda:{rank}", "cuda:%d" % i, "cuda:{}".format(i)) becomes "npu"
     where it is a device use: a device argument (device_positions: `torch.device(...)`, `device=`,
-    `.to(...)`, `map_location=` and the entries of a map_location dict, this file's own functions'
-    device parameters ...), a comparison or membership test with an expression that holds a device
+    `.to(...)`, `map_location=` and the entries of a map_location dict, torch.cuda.X(device), the
+    device parameters of the tree's own functions, classes and methods ...), a comparison or membership test with an expression that holds a device
     (`x.device.type == "cuda"`), a value's `.startswith(...)`, an argparse default or choice, a
     conditional on `torch.cuda.is_available()`, a variable, attribute or parameter default named like
     a device or flowing into a device use in this file (FileFacts.flows), a dict entry or item keyed
     like a device; a "cuda:..." text anywhere in code names a device by itself. Prefixes and quotes
-    are kept. Left as they are and reported: a bare "cuda" seen nowhere near a device use, and a
+    are kept. Left as they are and reported: a bare "cuda" seen nowhere near a device use (a
+    warning when it is passed to a function npu-migrate cannot read, e.g. a library's), and a
     device string meant for a CUDA-only library the file imports (Isaac Gym's sim_device ...).
     Docstrings, dict keys and print/log/raise text are not device values; literals spelled with
     escapes are left."""
@@ -104,11 +111,12 @@ class DeviceStrings(ValuePlaces, StringPlaces, NpuCodemod):
                         *zip(arguments.kwonlyargs, arguments.kw_defaults)]
             holders.update(arg.arg for arg, default in defaults
                            if default is not None and not _device_named(arg.arg) and _holds_device(default, inside))
-        local = {function.name for function in model.functions if not isinstance(function, ast.Lambda)
-                 and any("device" in arg.arg.lower() for arg in (*function.args.posonlyargs, *function.args.args))}
+        signatures = {**model.facts.device_signatures, **device_signatures(model.text)}
         for call in model.calls:
             sinks = [keyword.value for keyword in call.keywords if keyword.arg and rules.DEVICE_KEYWORD.match(keyword.arg)]
-            if isinstance(call.func, ast.Name) and call.func.id in local:
+            callee = call.func.id if isinstance(call.func, ast.Name) else \
+                call.func.attr if isinstance(call.func, ast.Attribute) else None
+            if any(signatures.get(callee, ())):
                 if any(_holds_device(arg, inside) for arg in call.args):
                     return [model.tree]
                 sinks += call.args
@@ -168,8 +176,13 @@ class DeviceStrings(ValuePlaces, StringPlaces, NpuCodemod):
                 # "cuda:0", "cuda:%d", "cuda:{}": the text itself says it is a device
                 self._rewrite(node, "device-string")
             elif rules.DEVICE_VALUE.match(value) and id(node) not in self.reported:
-                self.flag(node, UNPLACED_DEVICE,
-                          reason=f"'{value}' is not in a recognised device position and was left unchanged")
+                callee = self._callee_of_argument(node)
+                if callee is not None:
+                    self.flag(node, PASSED_DEVICE, reason=f"'{value}' is passed to {callee}, whose parameters "
+                                                          "npu-migrate cannot see, and was left unchanged")
+                else:
+                    self.flag(node, UNPLACED_DEVICE,
+                              reason=f"'{value}' is not in a recognised device position and was left unchanged")
         for node in self.formatted:  # f"cuda:{rank}" says by itself that it is a device
             if id(node) not in self.rewritten and id(node) not in self.facts.claimed and \
                     device_literals(node, self.facts):
@@ -264,6 +277,14 @@ class DeviceStrings(ValuePlaces, StringPlaces, NpuCodemod):
         self.rewritten.add(id(literal))
         at = start + head.end()
         self._record(at, at + len("cuda"), "npu", rule, True)
+
+    def _callee_of_argument(self, literal: cst.BaseExpression) -> str | None:
+        """The source of the function a literal is passed to as an argument, if it is one."""
+        if self._parents is None:
+            self._parents = _parents(self.facts.module)
+        arg = self._parents.get(id(literal))
+        call = self._parents.get(id(arg)) if isinstance(arg, cst.Arg) else None
+        return source(call.func, self.facts) if isinstance(call, cst.Call) else None
 
     def _for_cuda_only_library(self, literal: cst.BaseExpression) -> bool:
         """A device string meant for a CUDA-only library this file imports (Isaac Gym's sim_device ...):

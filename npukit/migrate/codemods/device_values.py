@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import ast
+import functools
+import itertools
+import re
 
 import libcst as cst
 
@@ -110,8 +113,8 @@ def device_positions(call: cst.Call, facts: FileFacts) -> list[tuple[cst.BaseExp
     """The arguments of a call that are devices, each with whether an int ordinal may stand there:
     keywords named like a device (`device=`, `map_location=`, `device_type=` ...), the first argument
     of torch.device, torch.autocast ... (rules.DEVICE_FIRST_ARG) and of a value's `.to()` /
-    `.to_empty()`, torch.load's second, and the arguments of this file's own functions whose parameter
-    is named like a device (FileFacts.local_signatures)."""
+    `.to_empty()`, torch.load's second, and the arguments of the tree's own functions, classes and
+    methods whose parameter takes a device (device_signatures: named like one, or a device default)."""
     positional, keywords = split_arguments(call)
     positions = [(arg.value, arg.keyword.value == "device") for arg in keywords
                  if arg.keyword is not None and rules.DEVICE_KEYWORD.match(arg.keyword.value)]
@@ -124,30 +127,114 @@ def device_positions(call: cst.Call, facts: FileFacts) -> list[tuple[cst.BaseExp
             positions.append((positional[0].value, True))
         elif qualified == rules.TORCH_LOAD and len(positional) >= 2:
             positions.append((positional[1].value, False))
-    if isinstance(call.func, cst.Name) and call.func.value not in facts.bindings:
-        params = facts.local_signatures.get(call.func.value, [])
-        positions += [(arg.value, False) for arg, param in zip(positional, params)
-                      if not arg.star and "device" in param.lower()]
+    takes_device = _callee_device_parameters(call, facts)
+    positions += [(arg.value, False) for arg, is_device in zip(positional, takes_device) if is_device and not arg.star]
     return positions
 
 
-def local_signatures(facts: FileFacts) -> dict[str, list[str]]:
-    """The positional parameters of this file's functions by name; a name defined twice with
-    different parameters is ambiguous: none."""
-    signatures: dict[str, list[str]] = {}
-    stack: list[cst.CSTNode] = [facts.module]
-    while stack:  # statements only: no function is defined inside an expression
-        node = stack.pop()
-        if isinstance(node, cst.FunctionDef):
-            params = [param.name.value for param in (*node.params.posonly_params, *node.params.params)]
-            if signatures.setdefault(node.name.value, params) != params:
-                signatures[node.name.value] = []
-        stack.extend(child for child in _children(node) if not isinstance(child, _NOT_HOLDING_STATEMENTS))
+def _callee_device_parameters(call: cst.Call, facts: FileFacts) -> tuple[bool, ...]:
+    """Which positional parameters of the called function, class or method take a device, when the
+    tree defines it (device_signatures): a name of this file or imported from the tree's own
+    packages (`from lingua.metrics import GPUMemoryMonitor`), or a method of no import (`self.start`)."""
+    func = call.func
+    if isinstance(func, cst.Name):
+        name, bound = func.value, facts.bindings.get(func.value)
+    elif isinstance(func, cst.Attribute):
+        name, bound = func.attr.value, facts.qualname(func)
+    else:
+        return ()
+    if bound is not None and bound.split(".")[0] not in facts.tree.local_packages:
+        return ()  # a library's: its parameters are not known here
+    return facts.local_signatures.get(name) or facts.tree.device_signatures.get(name, ())
+
+
+_DEF_HEADER = re.compile(r"def[ \t]+(\w+)[ \t]*\(")  # (a literal first: re skips to it, unlike a ^ anchor)
+_CLASS_HEADER = re.compile(r"class[ \t]+(\w+)")
+_HEADER_END = re.compile(r":[ \t]*(?:#[^\n]*)?$", re.MULTILINE)  # a line ending a def header (or another ':' line)
+_MAY_TAKE_DEVICE = re.compile(r"dev|cuda", re.IGNORECASE)
+_SELF_NAMES = frozenset({"self", "cls", "mcs"})
+
+
+@functools.lru_cache(maxsize=4)  # a file's windows and its ast screen ask for the same text
+def device_signatures(text: str) -> dict[str, tuple[bool, ...]]:
+    """Which positional parameters take a device, by the name a call uses, for each function, method
+    (after self/cls) and class (its __init__'s, after self) of a Python source that has one: a
+    parameter named like a device or whose default holds a device literal (`where="cuda:0"`; such a
+    default is rewritten to "npu:0", so a "cuda" its callers pass must be too). Read from the def
+    headers alone (each parsed by itself), so a file the running Python cannot parse still gives
+    them. A name defined twice with different device parameters is ambiguous: none."""
+    signatures: dict[str, tuple[bool, ...]] = {}
+    classes: list[tuple[int, int, str]] | None = None  # (offset, indent, name), read when an __init__ needs them
+    for match in _DEF_HEADER.finditer(text):
+        indent = _statement_indent(text, match.start(), ("", "async"))
+        function = _def_header(text, match.start()) if indent is not None else None
+        if function is None:
+            continue
+        arguments = function.args
+        positional = [*arguments.posonlyargs, *arguments.args]
+        defaults = [None] * (len(positional) - len(arguments.defaults)) + list(arguments.defaults)
+        takes = [_takes_device(arg.arg, default) for arg, default in zip(positional, defaults)]
+        if indent and positional and positional[0].arg in _SELF_NAMES:
+            takes = takes[1:]  # a method: callers do not pass self
+        name = function.name
+        if name == "__init__" and any(takes):
+            if classes is None:
+                classes = [(found.start(), at, found.group(1)) for found in _CLASS_HEADER.finditer(text)
+                           if (at := _statement_indent(text, found.start(), ("",))) is not None]
+            owner = [cls for cls in classes if cls[0] < match.start() and cls[1] < indent]
+            if not owner:
+                continue
+            name = owner[-1][2]
+        if any(takes) and signatures.setdefault(name, tuple(takes)) != tuple(takes):
+            signatures[name] = ()
     return signatures
 
 
-_NOT_HOLDING_STATEMENTS = (cst.BaseExpression, cst.SimpleStatementLine, cst.BaseSmallStatement, cst.Parameters,
-                           cst.Decorator, cst.Name)
+def _statement_indent(text: str, at: int, leads: tuple[str, ...]) -> int | None:
+    """The indent of the line a keyword at `at` starts, when only whitespace (or one of `leads`,
+    e.g. "async") stands before it on its line; None otherwise (inside an expression or a string)."""
+    line_start = text.rfind("\n", 0, at) + 1
+    before = text[line_start:at]
+    if before.strip() not in leads:
+        return None
+    return len(before.expandtabs()) - len(before.expandtabs().lstrip())
+
+
+def merge_signatures(per_file: list[dict[str, tuple[bool, ...]]]) -> dict[str, tuple[bool, ...]]:
+    """device_signatures of several files as one: a name with different device parameters in two
+    files is ambiguous (none)."""
+    merged: dict[str, tuple[bool, ...]] = {}
+    for signatures in per_file:
+        for name, takes in signatures.items():
+            if merged.setdefault(name, takes) != takes:
+                merged[name] = ()
+    return merged
+
+
+def _def_header(text: str, start: int) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+    """The def whose header starts at `start`, parsed alone (up to the first ':' line that closes
+    it); None unless it may take a device."""
+    for ending in itertools.islice(_HEADER_END.finditer(text, start), 30):
+        header = text[start:ending.end()]
+        if not _MAY_TAKE_DEVICE.search(header):
+            if header.count("(") == header.count(")"):
+                return None  # the whole header (parentheses closed), without a device
+            continue
+        try:
+            parsed = ast.parse(header + "\n pass")
+        except (SyntaxError, ValueError):
+            continue  # a ':' of an annotation or a default: the header goes on
+        node = parsed.body[0] if parsed.body else None
+        return node if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+    return None
+
+
+def _takes_device(name: str, default: ast.AST | None) -> bool:
+    lowered = name.lower()
+    if "device" in lowered or lowered == "dev":
+        return True
+    return default is not None and any(
+        rules.DEVICE_TEMPLATE.match(value or "") for value in map(string_value, ast.walk(default)))
 
 
 class Flows:
