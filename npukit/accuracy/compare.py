@@ -1111,6 +1111,10 @@ def find_divergence(pair_label: str, pairs: list, rows: list[Row], golden: RankD
                 revealed = _revealed_by_cancellation(outputs, inputs, target_lineage, limit, thresholds.amplification)
                 if revealed is not None:
                     return _cancellation_divergence(pair_label, revealed, target_entry, target, out_err, hf32)
+                revealed = _revealed_by_normalization(target_entry, outputs, inputs, target_lineage,
+                                                      thresholds.amplification)
+                if revealed is not None:
+                    return _cancellation_divergence(pair_label, revealed, target_entry, target, out_err, hf32)
             reason = f"{_amplification_text(out_err, in_err)} ({'warn' if limit == warn else 'error'} limit {limit:g})"
             return _make_divergence(pair_label, target_entry, golden_entry, reason, target, in_err, out_err)
     return None
@@ -1222,25 +1226,103 @@ def _revealed_by_cancellation(outputs: list[Row], inputs: list[Row], lineage: _L
         largest_input = max(size for _, size, _ in carried)
         absolute_in = sum(error for error, _, _ in carried)
         if out.norm < 0.1 * largest_input and out.error * out.norm <= slack * absolute_in:
+            updated = _updated_operand([row for _, _, row in carried], lineage)
             _, _, culprit = max(carried, key=lambda item: item[0])
+            culprit = updated or culprit
             origin = lineage.origin(culprit.target)
             if origin.suffix.startswith("output"):
                 return culprit, out, origin
     return None
 
 
+_MEAN_SUBTRACTING_NORMS = frozenset({"layer_norm", "group_norm", "batch_norm", "instance_norm"})
+
+
+def _revealed_by_normalization(entry: DumpEntry, outputs: list[Row], inputs: list[Row], lineage: _Lineage,
+                               slack: float) -> tuple[Row, Row, TensorLeaf, float] | None:
+    """(input row, output row, the input's producing leaf, offset) when a norm that subtracts the mean
+    only revealed an error it was given: its input sits on an offset far larger than its spread (x ~ 3000
+    +- 1), so the mean subtraction is a cancellation whose output keeps the input's absolute error at the
+    spread's size: relative error times rms/std. The signal was lost where the input was rounded."""
+    if entry.base.rpartition(".")[2] not in _MEAN_SUBTRACTING_NORMS or not outputs:
+        return None
+    data = next((row for row in inputs if row.role == "input" and row.target is not None
+                 and row.target.suffix == "input.0"), None)
+    stats = data.golden.stats if data is not None and data.golden is not None else None
+    if data is None or data.error is None or not stats or None in stats or not data.golden.numel:
+        return None
+    largest, smallest, mean, norm = stats
+    rms = norm / math.sqrt(data.golden.numel)
+    # rms^2 - mean^2 loses the spread to the statistics' own rounding when the offset is large: the
+    # range bounds it from above (a smaller spread only makes the cancellation worse)
+    spread = min(math.sqrt(max(rms * rms - mean * mean, 0.0)), (largest - smallest) / 2)
+    condition = rms / spread if spread else math.inf
+    out = max(outputs, key=_err)
+    if condition < 10 or _err(out) > slack * data.error * condition:
+        return None
+    origin = lineage.origin(data.target)
+    return (data, out, origin, condition) if origin.suffix.startswith("output") else None
+
+
+def _add_or_sub(entry: DumpEntry) -> bool:
+    op = entry.base.rpartition(".")[2].strip("_")
+    return op in ("add", "sub", "iadd", "isub", "radd", "rsub")
+
+
+def _updated_operand(inputs: list[Row], lineage: _Lineage) -> Row | None:
+    """The input of `a - b` that is `b` plus an update (`a = b + d`, an add consumed `b`): the error `b`
+    carries reaches both operands alike and cancels, so what the difference lost was lost where `d` was
+    added (rounded to the larger operand's precision): that add is the producer to name, not `b`'s."""
+    origins = {lineage.origin(row.target).name for row in inputs}
+    for row in inputs:
+        origin = lineage.origin(row.target)
+        producer = lineage.entries.get(_entry_of_leaf(origin.name)) if origin.suffix.startswith("output") else None
+        if producer is None or not _add_or_sub(producer):
+            continue
+        if any(lineage.origin(leaf).name in origins - {origin.name} for leaf in producer.inputs):
+            return row
+    return None
+
+
+def _lost_update_text(producer: DumpEntry, lineage: _Lineage, shared: set[str]) -> str | None:
+    """"adds a value 1e-4x the size of ...": the add's operands by their norms, when both are recorded."""
+    norms = {}
+    for leaf in producer.inputs:
+        if leaf.stats is not None and leaf.stats[3] is not None:
+            norms["shared" if lineage.origin(leaf).name in shared else "update"] = leaf.stats[3]
+    output = producer.outputs[0] if producer.outputs else None
+    if len(norms) != 2 or not norms["shared"] or output is None:
+        return None
+    eps = _FINFO.get(output.dtype, {}).get("eps")
+    ratio = norms["update"] / norms["shared"]
+    unit = f", below {output.dtype.removeprefix('torch.')}'s rounding unit ({eps:.2g})" if eps and ratio < eps else ""
+    return f"it adds an update {ratio:.2g}x the size of the tensor it updates{unit}, so most of the update is lost"
+
+
 def _cancellation_divergence(pair_label, revealed, consumer, dump, out_err, hf32: frozenset) -> Divergence:
-    input_row, output_row, origin = revealed
+    input_row, output_row, origin, *offset = revealed
     producer = dump.by_name()[_entry_of_leaf(origin.name)]
-    if _entry_class(producer, hf32) == "hf32":
-        switch = f"torch.npu.{'conv' if hf32_kind(producer.name) == 'conv' else 'matmul'}.allow_hf32"
-        remedy = f"HF32 rounds this op's inputs to 10 mantissa bits: set {switch} = False around it"
+    lineage = _Lineage(dump)
+    shared = {lineage.origin(leaf).name for leaf in consumer.inputs} - {origin.name}
+    lost_update = _lost_update_text(producer, lineage, shared) if _add_or_sub(producer) else None
+    if lost_update is not None:
+        reason = (f"{lost_update}: {consumer.name} reads the update back as a difference and its relative error "
+                  f"becomes {_fmt(out_err)}. Keep the tensor and its update in fp32 (an fp32 master copy), or "
+                  f"use the update itself instead of the difference")
     else:
-        remedy = "Compute this op and the cancellation in fp32"
-    reason = (f"its output (relative error {_fmt(input_row.error)}) loses the signal it carries: "
-              f"{consumer.name} subtracts nearly equal values (its output is {output_row.norm / input_row.norm:.2g}x "
-              f"the size of this input) and its relative error becomes {_fmt(out_err)}. "
-              f"{remedy}, or remove the large common offset")
+        if _entry_class(producer, hf32) == "hf32":
+            switch = f"torch.npu.{'conv' if hf32_kind(producer.name) == 'conv' else 'matmul'}.allow_hf32"
+            remedy = f"HF32 rounds this op's inputs to 10 mantissa bits: set {switch} = False around it"
+        else:
+            remedy = "Compute this op and the cancellation in fp32"
+        if offset:
+            how = (f"{consumer.name} subtracts its mean, and this input sits on an offset {offset[0]:.3g}x "
+                   f"its spread")
+        else:
+            how = (f"{consumer.name} subtracts nearly equal values (its output is "
+                   f"{output_row.norm / input_row.norm:.2g}x the size of this input)")
+        reason = (f"its output (relative error {_fmt(input_row.error)}) loses the signal it carries: {how} "
+                  f"and its relative error becomes {_fmt(out_err)}. {remedy}, or remove the large common offset")
     return Divergence(
         pair=pair_label,
         entry=producer.name,

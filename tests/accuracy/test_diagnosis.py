@@ -169,6 +169,65 @@ def test_an_hf32_cancellation_beside_a_large_residual_branch_is_named(tmp_path, 
     assert "Tensor.__sub__.0.forward subtracts nearly equal values" in divergence.reason
 
 
+class _LostUpdate(nn.Module):
+    """moved = base + 1e-4 * update, read back as (moved - base) * 1e4, after a trunk whose rounding
+    makes `base` carry more error than the add's own rounding adds."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.ModuleList(nn.Linear(10, 10) for _ in range(4))
+        self.inp, self.base, self.update, self.out = nn.Linear(10, 32), nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        for layer in self.trunk:
+            x = F.gelu(layer(x))
+        h = torch.tanh(self.inp(x))
+        base = self.base(h)
+        moved = base + self.update(h) * 1e-4
+        return self.out(h + (moved - base) * 1e4)
+
+
+def test_a_lost_update_is_named_at_the_add_not_at_the_producer_of_the_tensor_it_updated(tmp_path, npu):
+    """In bf16 `base` carried more error than `moved`, so the cancellation rule named base's linear
+    ("its output loses the signal it carries"): but base's error reaches both operands of the
+    difference alike and cancels; the update was lost where it was added."""
+
+    def loss_of(model):
+        return F.cross_entropy(model(torch.randn(16, 10, device="npu")).float(), torch.randint(0, 4, (16,), device="npu"))
+
+    result = _dumps(tmp_path, _LostUpdate, loss_of, dtype=torch.bfloat16)
+    divergence = result.pairs[0].divergence
+    assert divergence is not None and result.failed()
+    assert divergence.entry == "Tensor.__add__.0.forward"
+    assert "below bfloat16's rounding unit (0.0078), so most of the update is lost" in divergence.reason
+    assert "Tensor.__sub__.0.forward reads the update back" in divergence.reason
+
+
+class _OffsetLayerNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.norm, self.out = nn.Linear(12, 32), nn.LayerNorm(32), nn.Linear(32, 4)
+        with torch.no_grad():
+            self.fc.weight.mul_(0.05)  # the features' spread, ~0.1 ...
+            self.fc.bias.fill_(2000.0)  # ... is lost to fp16's spacing at 2000, which is 1
+
+    def forward(self, x):
+        return self.out(x[:, :1] + self.norm(self.fc(x)))
+
+
+def test_a_cancellation_a_layer_norm_reveals_is_named_at_the_op_that_rounded_away_the_signal(tmp_path, npu):
+    """fc(x) on a bias of 2000 in fp16, then LayerNorm (run in fp32 under autocast): fc's output is
+    1e-4 off, the norm's 1.0 off. It was named at the norm ("output error 1 is 4e4x its input error"),
+    which computed exactly what it was given; the signal was lost in fc's fp16 output."""
+    result = _dumps(tmp_path, _OffsetLayerNorm, lambda model: model(torch.randn(16, 12, device="npu")).float().pow(2).mean(),
+                    dtype=torch.float16)
+    divergence = result.pairs[0].divergence
+    assert divergence is not None and result.failed()
+    assert (divergence.entry, divergence.module_path) == ("Functional.linear.0.forward", "fc")
+    assert "Functional.layer_norm.0.forward subtracts its mean, and this input sits on an offset" in divergence.reason
+    assert "Compute this op and the cancellation in fp32" in divergence.reason
+
+
 class _MaskedAttention(nn.Module):
     def __init__(self, fill=None):
         super().__init__()
