@@ -58,6 +58,11 @@ class PythonMigrator(NameRules, SourceModel):
         edits = sorted(self.edits.values(), key=lambda e: (e.start, e.end))
         edits = drop_overlaps(edits)
         edits = self._audit(scratch, edits, leftovers=audit)
+        if audit and self.respelled:  # strings of a newer Python's f-strings the codemods could not see
+            from npukit.migrate.codemods.leftovers import hidden_cuda_strings
+
+            for finding in hidden_cuda_strings(self.pos, self.respelled, self.path):
+                self.findings.setdefault((finding.line, finding.col - 1, finding.kind), finding)
         findings = sorted(self.findings.values(), key=lambda f: (f.line, f.col, f.kind))
         return edits, findings
 

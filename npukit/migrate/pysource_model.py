@@ -11,7 +11,9 @@ from __future__ import annotations
 import ast
 import bisect
 import re
+import sys
 import warnings
+from typing import NamedTuple
 
 from npukit.migrate.model import Edit, Finding, TreeFacts
 
@@ -25,16 +27,19 @@ class MigrationSyntaxError(Exception):
 
 
 class Positions:
-    """Maps ast positions (1-based line, UTF-8 byte column) to offsets in the decoded text."""
+    """Maps ast positions (1-based line, UTF-8 byte column) to offsets in the decoded text.
+    parsed: the text ast read when it is not `text` but a char-for-char stand-in (newer_grammar_screen):
+    its byte columns are counted on its own lines."""
 
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, parsed: str | None = None) -> None:
         self.text = text
+        self._parsed = text if parsed is None else parsed
         self.line_starts = [0] + [m.end() for m in _NEWLINE.finditer(text)]
 
     def offset(self, line: int, col: int) -> int:
         start = self.line_starts[line - 1]
         end = self.line_starts[line] if line < len(self.line_starts) else len(self.text)
-        line_text = self.text[start:end]
+        line_text = self._parsed[start:end]
         if line_text.isascii():
             return start + col
         return start + len(line_text.encode("utf-8")[:col].decode("utf-8", errors="ignore"))
@@ -52,16 +57,152 @@ class Positions:
         return self.text[start:end].rstrip("\r\n")
 
 
+class Screen(NamedTuple):
+    """What ast read of a file only a newer Python reads (newer_grammar_screen)."""
+
+    text: str  # the file, char for char, its newer strings respelled
+    tuples: list[tuple[int, int]]  # (start, end) of the string groups respelled as tuples (their text unseen)
+
+
 def parse_python(text: str, path: str) -> ast.Module:
+    return parse_source(text, path)[0]
+
+
+def parse_source(text: str, path: str) -> tuple[ast.Module, Screen | None]:
+    """(the module's ast, the screen ast read when it is not `text`). A file the running Python
+    cannot parse but libcst's newest grammar can (valid only on a newer Python: PEP 701 f-strings)
+    is read through newer_grammar_screen, which keeps every offset."""
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # invalid escape sequences etc. are the user's business
-            return ast.parse(text, filename=path)
+        return _ast_parse(text, path), None
     except SyntaxError as exc:
         where = f"line {exc.lineno}" if exc.lineno else "unknown line"
-        raise MigrationSyntaxError(f"does not parse as Python 3 ({where}: {exc.msg})") from None
+        screen = newer_grammar_screen(text)
+        if screen is not None:
+            try:
+                return _ast_parse(screen.text, path), screen
+            except (SyntaxError, ValueError):
+                pass  # newer syntax outside strings (PEP 695 type parameters ...)
+        running = ".".join(map(str, sys.version_info[:2]))
+        raise MigrationSyntaxError(f"does not parse as Python {running} nor with libcst's Python {NEWEST_GRAMMAR} "
+                                   f"grammar ({where}: {exc.msg})") from None
     except (ValueError, RecursionError, MemoryError) as exc:  # null bytes, absurd nesting
         raise MigrationSyntaxError(f"does not parse as Python 3 ({type(exc).__name__}: {exc})") from None
+
+
+def string_expression(text: str) -> ast.expr | None:
+    """The ast of a string literal's (or adjacent literals') source text, also when only a newer
+    Python reads it (a PEP 701 f-string: through newer_grammar_screen, then possibly not a JoinedStr);
+    None if unreadable."""
+    wrapped = f"(\n{text}\n)"
+    try:
+        return ast.parse(wrapped, mode="eval").body
+    except (SyntaxError, ValueError):
+        screened = newer_grammar_screen(wrapped)
+    try:
+        return None if screened is None else ast.parse(screened.text, mode="eval").body
+    except (SyntaxError, ValueError):
+        return None
+
+
+def _ast_parse(text: str, path: str) -> ast.Module:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # invalid escape sequences etc. are the user's business
+        return ast.parse(text, filename=path)
+
+
+def _newest_grammar() -> str:
+    """The newest Python grammar the installed libcst knows."""
+    try:
+        from libcst._parser.types.config import KNOWN_PYTHON_VERSION_STRINGS
+    except ImportError:  # (a private name: a libcst without it still parses the newer f-strings)
+        return "3.12"
+    return max(KNOWN_PYTHON_VERSION_STRINGS, key=lambda version: tuple(map(int, version.split("."))))
+
+
+NEWEST_GRAMMAR = _newest_grammar()
+
+
+def newer_grammar_screen(text: str) -> Screen | None:
+    """For a file libcst's newest grammar parses: the same text, char for char, with each string the
+    running Python cannot read by itself (a PEP 701 f-string, `f"{d["k"]}"`) respelled so that ast
+    reads the file and finds every expression (a `.cuda()` inside the f-string) at its offset: with
+    the other quote when that is enough (`f'{d["k"]}'`: still an f-string, "cuda:{...}" still seen),
+    else as the tuple of its replacement fields' expressions, each in its own place (`( d["k"], )`).
+    None when libcst cannot parse the file either, or nothing in it needs this."""
+    import libcst as cst
+
+    from npukit.migrate.codemods.base import FileFacts
+
+    try:
+        module = cst.parse_module(text, config=cst.PartialParserConfig(python_version=NEWEST_GRAMMAR))
+    except (cst.ParserSyntaxError, ValueError, RecursionError):
+        return None
+    facts = FileFacts("<screen>", module, text)
+    chars = list(text)
+    tuples: list[tuple[int, int]] = []
+    groups = (cst.FormattedString, cst.ConcatenatedString)
+
+    def readable_alone(node: cst.CSTNode, spelled: str | None = None) -> bool:
+        start, end = facts.span(node)
+        try:
+            _ast_parse(f"({''.join(chars[start:end]) if spelled is None else spelled})", "<string>")
+        except (SyntaxError, ValueError):
+            return False
+        return True
+
+    def requoted(node: cst.FormattedString) -> bool:
+        """Spelled with the other quote (`f"{d["k"]}"` -> `f'{d["k"]}'`) when that reads alone."""
+        start, end = facts.span(node)
+        quote = node.start[len(node.prefix):]
+        other = ("'" if quote[0] == '"' else '"') * len(quote)
+        spelled = node.prefix + other + "".join(chars[start + len(node.start):end - len(quote)]) + other
+        if not readable_alone(node, spelled):
+            return False
+        chars[start:end] = spelled
+        return True
+
+    def fields(node: cst.CSTNode):
+        if isinstance(node, cst.ConcatenatedString):
+            yield from fields(node.left)
+            yield from fields(node.right)
+        elif isinstance(node, cst.FormattedString):
+            for part in node.parts:
+                if isinstance(part, cst.FormattedStringExpression):
+                    yield part
+                    yield from fields(cst.FormattedString(parts=part.format_spec or ()))
+
+    def visit(node: cst.CSTNode) -> bool:
+        if isinstance(node, groups) and not readable_alone(node):
+            if isinstance(node, cst.FormattedString) and requoted(node):
+                return True  # still an f-string for ast, with its literal text
+            if isinstance(node, cst.ConcatenatedString):
+                visit(node.left)
+                visit(node.right)
+                if readable_alone(node):
+                    return True
+            spell_as_tuple(node)
+            return True
+        screened = False
+        for child in node.children:
+            screened = visit(child) or screened
+        return screened
+
+    def spell_as_tuple(group: cst.CSTNode) -> None:
+        start, end = facts.span(group)
+        tuples.append((start, end))
+        for index in range(start, end):
+            if chars[index] not in "\r\n":
+                chars[index] = " "
+        chars[start], chars[end - 1] = "(", ")"
+        for field in fields(group):
+            first, after = facts.span(field.expression)
+            chars[first:after] = text[first:after]
+            visit(field.expression)
+            while chars[after] in "\r\n":  # (a field may go on on the next line)
+                after += 1
+            chars[after] = ","
+
+    return Screen("".join(chars), tuples) if visit(module) else None
 
 
 def string_value(node: ast.AST) -> str | None:
@@ -163,8 +304,9 @@ class SourceModel:
         self.path = path
         self.facts = facts
         self.custom_ops = facts.custom_ops  # names of custom CUDA ops bound from this tree's native code
-        self.pos = Positions(text)
-        self.tree = parse_python(text, path)
+        self.tree, screen = parse_source(text, path)
+        self.pos = Positions(text, screen and screen.text)
+        self.respelled = screen.tuples if screen else []  # string groups ast saw as tuples (newer_grammar_screen)
         self.edits: dict[tuple[int, int], Edit] = {}
         self.findings: dict[tuple[int, int, str], Finding] = {}
         self.frozen: list[tuple[int, int]] = []  # spans never edited (the CUDA branch of dual-target code)

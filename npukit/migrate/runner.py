@@ -20,6 +20,7 @@ from npukit.errors import UserError
 from npukit.migrate import files as fs
 from npukit.migrate import rules
 from npukit.migrate.codemods.device_values import device_signatures, merge_signatures
+from npukit.migrate.codemods.leftovers import unparsed_cuda_uses
 from npukit.migrate.dependencies import scan_dependency_file, scan_setup_py, worth_scanning
 from npukit.migrate.model import FileResult, Finding, TreeFacts
 from npukit.migrate.pysource import MigrationSyntaxError, migrate_python, remap_changes, remap_findings
@@ -171,7 +172,8 @@ def process_file(root: str, relative: str, kind: str, settings: FileSettings) ->
             result.findings = scan_native_source(text, relative, built=built is None or relative in built)
     except MigrationSyntaxError as exc:
         result.error = str(exc)
-        result.changes, result.findings = [], []
+        # nothing of it is rewritten: its CUDA uses are listed, each at its line
+        result.changes, result.findings = [], unparsed_cuda_uses(text, relative) if kind == "python" else []
         return result
     except (RecursionError, MemoryError) as exc:
         result.error = f"is too deeply nested or too large to analyse ({type(exc).__name__})"

@@ -4,6 +4,8 @@ through from_pretrained keywords, and a file valid only on Python >= 3.12."""
 
 from __future__ import annotations
 
+import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ def _migrated(root: Path) -> dict[str, str]:
     out = root.parent / "out"
     run_migration(MigrateOptions(target=root, out=out))
     return {p.name: p.read_text() for p in out.rglob("*.py")}
+
 
 # ------------------------------------------------------------------------------ bug 8
 @pytest.mark.parametrize("source, expected", [
@@ -102,3 +105,46 @@ def test_a_file_whose_only_hint_is_load_in_8bit_is_read(tmp_path: Path) -> None:
                                       'm = AutoModel.from_pretrained("x", load_in_8bit=True)\n')
     run = run_migration(MigrateOptions(target=tmp_path, dry_run=True))
     assert [(f.line, f.kind) for f in run.findings] == [(2, "bitsandbytes")]
+
+
+# ------------------------------------------------------------------------------ bug 14
+PEP_701 = 'import torch\nd = "x"\nprint(f"{str(d + "y")}")\nx = torch.zeros(1).cuda()\n'
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="the running Python parses PEP 701 f-strings itself")
+def test_a_python_3_12_file_is_migrated_with_a_newer_grammar() -> None:
+    with pytest.raises(SyntaxError):
+        ast.parse(PEP_701)  # the running Python cannot read it
+    outcome = migrate_python(PEP_701, "m.py")
+    assert outcome.text == NPU + 'import torch\nd = "x"\nprint(f"{str(d + "y")}")\nx = torch.zeros(1).npu()\n'
+    assert "unparsable" not in {f.kind for f in outcome.findings}
+
+
+def test_a_cuda_use_inside_a_pep_701_f_string_is_rewritten() -> None:
+    source = 'import torch\nprint(f"{torch.cuda.device_count()} {"devices"}")\n'
+    assert migrate_python(source, "m.py").text == \
+        NPU + 'import torch\nprint(f"{torch.npu.device_count()} {"devices"}")\n'
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="the running Python parses PEP 701 f-strings itself")
+def test_a_device_in_a_pep_701_f_string_is_rewritten_or_reported() -> None:
+    """An f-string naming a device with its own quotes inside is still a device string; one whose
+    text cannot be read at all (both quotes inside) is reported, never passed over."""
+    source = ('import torch\ncfg = {}\nx = torch.zeros(1).to(f"cuda:{cfg["rank"]}")\n'
+              'y = torch.zeros(1).to(f"cuda:{\'\'.join(["1"])}")\n')
+    outcome = migrate_python(source, "m.py")
+    assert outcome.text.splitlines()[3] == 'x = torch.zeros(1).to(f"npu:{cfg["rank"]}")'
+    assert [(f.line, f.kind) for f in outcome.findings] == [(4, "cuda-unparsed")]
+
+
+def test_a_file_no_grammar_reads_lists_each_cuda_use(tmp_path: Path) -> None:
+    """Not Python at all for any parser: one finding per CUDA use at its line, each needing a human,
+    not one anonymous 'does not parse' warning."""
+    (tmp_path / "m.py").write_text('import torch\nx = torch.zeros(1).cuda(\n'
+                                   'torch.cuda.synchronize()  # cuda in a comment\n'
+                                   'dev = "cuda:0" if ok else "cpu"\nprint("runs on cuda")\n')
+    run = run_migration(MigrateOptions(target=tmp_path, dry_run=True))
+    found = sorted((f.line, f.kind, f.severity) for f in run.findings)
+    assert found == [(1, "unparsable", "warning"), (2, "cuda-unparsed", "warning"), (3, "cuda-unparsed", "warning"),
+                     (4, "cuda-unparsed", "warning")]
+    assert effort(run)["items_needing_a_human"] == 4

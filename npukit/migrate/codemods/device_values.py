@@ -12,7 +12,7 @@ import libcst as cst
 from npukit.migrate import rules
 from npukit.migrate.codemods.base import FileFacts, _children, called_name, split_arguments
 from npukit.migrate.codemods.strings import literal_string
-from npukit.migrate.pysource_model import string_value
+from npukit.migrate.pysource_model import string_expression, string_value
 
 _CONSTANT_NAMES = frozenset({"None", "True", "False"})
 
@@ -50,7 +50,7 @@ def _formatted_device(expr: cst.FormattedString | cst.ConcatenatedString, facts:
     text = facts.positions.text[start:end]
     if "cuda" not in text:  # (spelled with escapes it could not be rewritten anyway)
         return False
-    joined = ast.parse(f"({text})", mode="eval").body
+    joined = string_expression(text)
     if not isinstance(joined, ast.JoinedStr) or not joined.values:
         return False
     first = string_value(joined.values[0])

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import ast
 import bisect
+import io
 import re
+import tokenize
 from dataclasses import dataclass, field
 
 import libcst as cst
@@ -47,7 +49,14 @@ from npukit.migrate.codemods.scopes import BindingTargets, assigned_targets
 from npukit.migrate.codemods.strings import StringPlaces, literal_string
 from npukit.migrate.codemods.third_party import imported_dotted_names
 from npukit.migrate.model import Edit, Finding
-from npukit.migrate.pysource_model import Positions, drop_overlaps, imported_names, last_name, string_value
+from npukit.migrate.pysource_model import (
+    Positions,
+    drop_overlaps,
+    imported_names,
+    last_name,
+    string_expression,
+    string_value,
+)
 from npukit.migrate.rules import third_party_flag
 
 AUDIT_KEY = "npukit.audit"  # what the audit collected in the pass (an _Audit)
@@ -383,7 +392,8 @@ class CudaLeftovers(BindingTargets, StringPlaces, NpuCodemod):
         if not any("\\" in text or "cuda" in text or "nvidia-smi" in text for text in literals):
             return  # (no literal of it could start it with those)
         text = self._text(node)
-        values = ast.parse(f"(\n{text}\n)", mode="eval").body.values  # the literal text it starts with, as Python reads it
+        joined = string_expression(text)  # the literal text it starts with, as Python reads it
+        values = joined.values if isinstance(joined, ast.JoinedStr) else None
         if values and is_cuda_fstring_start(string_value(values[0])) and not self._is_message(node):
             self._use(_FSTRING, node, self.facts.span(node), f"the string {text}")
 
@@ -397,6 +407,71 @@ def _string_parts(node: cst.BaseExpression):
         yield from node.parts
     else:
         yield node
+
+
+_UNPARSED = rules.Flag(
+    "cuda-unparsed", "warning", "",
+    "migrate this line by hand (.cuda() -> .npu(), torch.cuda -> torch.npu, 'cuda' -> 'npu', 'nccl' -> 'hccl'), "
+    "or make the file parse and run npu-migrate again")
+_CUDA_NAMES = frozenset({"cuda", "cudnn", "is_cuda", "nccl"})  # attributes and imported names
+_STRING_PREFIX = re.compile(r"[A-Za-z]*")
+
+
+def unparsed_cuda_uses(text: str, path: str) -> list[Finding]:
+    """The CUDA uses of a Python file no grammar reads, one finding per line, from its tokens: `.cuda`
+    / `.is_cuda` / `.cudnn` / `.nccl` names and CUDA strings (devices, backends, env var names; an
+    f-string starting "cuda"). Comments and message text are not uses. Nothing in such a file is
+    rewritten, so each needs a human."""
+    found: dict[int, Finding] = {}
+    lines = text.splitlines()
+    for line, col, what in _cuda_tokens(text, names=True):
+        if line not in found:
+            found[line] = Finding(path, line, col + 1, _UNPARSED.kind, _UNPARSED.severity, lines[line - 1].strip(),
+                                  f"{what} is a CUDA use in a file npu-migrate could not parse: it was not rewritten",
+                                  _UNPARSED.suggestion)
+    return list(found.values())
+
+
+def hidden_cuda_strings(positions: Positions, spans: list[tuple[int, int]], path: str) -> list[Finding]:
+    """The CUDA strings inside string groups ast could not be given as strings (respelled as tuples:
+    pysource_model.newer_grammar_screen), one finding each: the codemods never saw them."""
+    found = []
+    for start, end in spans:
+        first = _line_of(positions, start)
+        indent = start - positions.line_starts[first - 1]
+        for line, col, what in _cuda_tokens(positions.text[start:end], names=False):
+            found.append(Finding(path, first + line - 1, col + 1 + (indent if line == 1 else 0), _UNPARSED.kind,
+                                 _UNPARSED.severity, positions.line_text(first + line - 1).strip(),
+                                 f"{what} is a CUDA use inside an f-string only a newer Python reads, which "
+                                 "npu-migrate could not read: it was not rewritten", _UNPARSED.suggestion))
+    return found
+
+
+def _cuda_tokens(text: str, *, names: bool):
+    """(line, 0-based column, description) of the CUDA names (with names) and strings among the
+    tokens of text, up to where it stops tokenizing."""
+    try:
+        for token in tokenize.generate_tokens(io.StringIO(text).readline):
+            what = None
+            if names and token.type == tokenize.NAME and token.string in _CUDA_NAMES:
+                what = f"`{token.string}`"
+            elif token.type == tokenize.STRING:
+                what = _cuda_string_token(token.string)
+            if what is not None:
+                yield token.start[0], token.start[1], what
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        return  # (the tokens up to where the text stops making sense were read)
+
+
+def _cuda_string_token(literal: str) -> str | None:
+    """`the string ...` when a string token is a CUDA use (is_cuda_string, is_cuda_fstring_start)."""
+    prefix = _STRING_PREFIX.match(literal).group().lower()
+    body = literal[len(prefix):]
+    quote = 3 if body[:3] in ('"""', "'''") else 1
+    inner = body[quote:len(body) - quote]
+    if "f" in prefix:
+        return f"the string {literal}" if is_cuda_fstring_start(inner) else None
+    return f"the string {literal}" if is_cuda_string(inner) else None
 
 
 def cuda_uses(code: str, path: str = "<module>") -> list[tuple[int, str]]:
