@@ -117,8 +117,8 @@ def programs(tmp_path, monkeypatch):
             original = _load(tmp_path / f"{name}_cuda.py", f"{name}_cuda")
         for library in ("flash_attn", "apex"):  # the migrated program must not need them
             for module in [m for m in sys.modules if m == library or m.startswith(library + ".")]:
-                monkeypatch.delitem(sys.modules, module)
-            monkeypatch.setitem(sys.modules, library, None)
+                del sys.modules[module]  # the reference: gone for good, not back after the test
+            monkeypatch.setitem(sys.modules, library, None)  # `import flash_attn` raises ImportError
         return original, _load(tmp_path / f"{name}_npu.py", f"{name}_npu"), migrated
 
     return load
@@ -381,3 +381,4 @@ def test_every_fused_rule_is_named_and_made_by_these_programs():
     assert made == {rule for codemod in FUSED_CODEMODS for rule in codemod.RULES} | {"import-torch-npu"}
     assert made <= set(rules.REWRITE_RULES)
     assert all(codemod.DESCRIPTION and codemod.__doc__ for codemod in FUSED_CODEMODS)
+
