@@ -89,6 +89,7 @@ def run(
     monitor: Optional[Path] = typer.Option(None, "--monitor", help="Record per-step statistics of every module into DIR (CSV, TensorBoard) and alert while training."),
     monitor_every: int = typer.Option(1, "--monitor-every", help="With --monitor: every N steps (msprobe's step_interval)."),
     monitor_modules: Optional[str] = typer.Option(None, "--monitor-modules", metavar="PATTERN", help="With --monitor: only modules whose dotted path matches this regular expression."),
+    monitor_config: Optional[Path] = typer.Option(None, "--monitor-config", help="With --monitor: msprobe monitor's config.json (step_interval, start_step, targets, format, AnomalyTurbulence)."),
 ) -> None:
     from npukit.run import RunOptions, main
 
@@ -102,7 +103,7 @@ def run(
         overflow_max=overflow_max, overflow_dir=overflow_dir, overflow_level=overflow_level,
         overflow_underflow=overflow_underflow,
         profile=profile, profile_steps=profile_steps,
-        monitor=monitor, monitor_every=monitor_every, monitor_modules=monitor_modules,
+        monitor=monitor, monitor_every=monitor_every, monitor_modules=monitor_modules, monitor_config=monitor_config,
     )
     raise typer.Exit(main(options))
 

@@ -61,6 +61,7 @@ class RunOptions:
     monitor: Path | None = None
     monitor_every: int = 1
     monitor_modules: str | None = None  # a regular expression module paths must contain
+    monitor_config: Path | None = None  # msprobe monitor's config.json
 
 
 def real_torch_npu_installed() -> bool:
@@ -299,11 +300,10 @@ def _enter_sessions(options: RunOptions, stack: contextlib.ExitStack, sessions: 
         sessions.append(stack.enter_context(OverflowSession(options.overflow_dir, action=options.overflow_action,
                                             max_events=options.overflow_max, level=options.overflow_level,
                                             underflow=options.overflow_underflow)))
-    if options.monitor is not None:
+    if options.monitor is not None or options.monitor_config is not None:
         from npukit.accuracy.monitor import MonitorSession
 
-        sessions.append(stack.enter_context(MonitorSession(options.monitor, every=options.monitor_every,
-                                                           modules=options.monitor_modules)))
+        sessions.append(stack.enter_context(MonitorSession(**_monitor_options(options))))
     if options.profile is not None:
         from npukit.profiler.record import ProfileSession
 
@@ -404,6 +404,22 @@ def _dump_options(options: RunOptions) -> dict | None:
     if options.dump_ops is not None:  # more (or fewer) apis than the config's risk level
         session["ops"] = options.dump_ops
     return {"out_dir": out_dir, "tensor_format": options.dump_tensor_format, **session}
+
+
+def _monitor_options(options: RunOptions) -> dict:
+    """MonitorSession's arguments: from --monitor and its options, or msprobe's --monitor-config."""
+    if options.monitor is None:
+        raise UserError("--monitor-config needs --monitor DIR (where the statistics go)")
+    if options.monitor_config is None:
+        return {"out_dir": options.monitor, "every": options.monitor_every, "modules": options.monitor_modules}
+    from npukit.accuracy.monitor import load_monitor_config
+
+    given = [flag for flag, value in (("--monitor-every", options.monitor_every != 1),
+                                      ("--monitor-modules", options.monitor_modules is not None)) if value]
+    if given:
+        raise UserError(f"--monitor-config {options.monitor_config} says what {', '.join(given)} would: give one "
+                        "or the other")
+    return {"out_dir": options.monitor, **load_monitor_config(options.monitor_config)}
 
 
 def main(options: RunOptions) -> int:

@@ -8,7 +8,7 @@ module the filter keeps: the statistics (max, min, mean, norm, nan and inf count
 (`activation`) and their gradients (`activation_grad`, unscaled by GradScaler's scale), of its
 parameters (`weight`) and their gradients (`grad`, as the optimizer sees them), and under
 Adam/AdamW of exp_avg, exp_avg_sq and the update-to-weight ratio (the norm of lr x m^ / (sqrt(v^) +
-eps) over the weight's norm, before weight decay); per step the loss (the tensor backward() was
+eps), weight decay left out, over the norm of the weight before the update); per step the loss (the tensor backward() was
 first called on, unscaled), the total gradient norm and GradScaler's loss scale.
 
 Statistics are computed on the tensor's device as the dump computes them (one pass on host memory)
@@ -29,6 +29,7 @@ import re
 import sys
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -166,8 +167,9 @@ class MonitorSession:
         self._buffer_used = False
         self._slots: list[tuple[str, str, torch.dtype, int]] = []  # kind, name, dtype, buffer slot
         self._calls: dict[str, int] = {}
+        self._measured: dict[int, tuple] = {}  # id(tensor) -> (weak reference, version, buffer slot)
         self._loss_slot: int | None = None
-        self._ratios: list[tuple[str, torch.Tensor]] = []
+        self._update_norms: list[tuple[str, int, float]] = []  # parameter, buffer slot, lr / (1 - beta1^t)
 
     def _monitored(self) -> bool:
         step = self.step_index - self.start_step
@@ -182,7 +184,15 @@ class MonitorSession:
     def _add(self, kind: str, name: str, tensor: torch.Tensor) -> None:
         if not tensor.is_floating_point() or tensor.numel() == 0:
             return
-        slot = self._buffer.add(tensor)
+        # The same tensor seen twice in a step (a Sequential's output is its last layer's; a residual
+        # add hands one gradient to both branches) is measured once, unless changed in place since.
+        # By identity, not by address: a freed tensor's memory is reused within the step.
+        seen = self._measured.get(id(tensor))
+        if seen is not None and seen[0]() is tensor and seen[1] == tensor._version:
+            slot = seen[2]
+        else:
+            slot = self._buffer.add(tensor)
+            self._measured[id(tensor)] = (weakref.ref(tensor), tensor._version, slot)
         self._buffer_used = True
         self._slots.append((kind, name, tensor.dtype, slot))
 
@@ -258,21 +268,32 @@ class MonitorSession:
             self._record_adam(optimizer)
 
     def _record_adam(self, optimizer) -> None:
+        """exp_avg, exp_avg_sq, and the norm of Adam's step direction m^ / (sqrt(v^) + eps) per
+        parameter, computed with foreach ops (one call per op for all of a group's parameters); the
+        ratio to the weight's norm (taken before the update) is made on the host at the step's end."""
+        groups: dict[int, tuple[dict, list]] = {}
         for group, name, parameter in self._parameters(optimizer):
             state = optimizer.state.get(parameter)
             if not state or "exp_avg" not in state:
                 continue
-            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-            self._add("exp_avg", name, exp_avg)
-            self._add("exp_avg_sq", name, exp_avg_sq)
-            step = float(state["step"])
+            self._add("exp_avg", name, state["exp_avg"])
+            self._add("exp_avg_sq", name, state["exp_avg_sq"])
+            groups.setdefault(id(group), (group, []))[1].append((name, state))
+        for group, members in groups.values():
             beta1, beta2 = group["betas"]
-            lr = float(group["lr"])
+            steps = [float(state["step"]) for _, state in members]
+            # m^ / (sqrt(v^) + eps) = c1 m / (sqrt(c2) (sqrt(v) + eps / sqrt(c2))), c = 1 / (1 - beta^t):
+            # four passes over the state (sqrt, add, div, norm), the constants applied to the norm
+            root_c2 = [math.sqrt(1 / (1 - beta2 ** step)) for step in steps]
             with torch.no_grad():
-                update = (exp_avg / (1 - beta1 ** step)) / ((exp_avg_sq / (1 - beta2 ** step)).sqrt() + group["eps"])
-                ratio = lr * torch.linalg.vector_norm(update, dtype=torch.float32) / \
-                    torch.linalg.vector_norm(parameter.detach(), dtype=torch.float32)
-            self._add("update_ratio", name, ratio)
+                denominator = torch._foreach_sqrt([state["exp_avg_sq"] for _, state in members])
+                torch._foreach_add_(denominator, [group["eps"] / root for root in root_c2])
+                norms = torch._foreach_norm(torch._foreach_div([state["exp_avg"] for _, state in members],
+                                                               denominator))
+            lr = float(group["lr"])
+            for (name, _), step, root, norm in zip(members, steps, root_c2, norms):
+                slot = self._buffer.add(norm)
+                self._update_norms.append((name, slot, lr / (1 - beta1 ** step) / root))
 
     # ------------------------------------------------------------------ step end
     def _on_step_end(self, optimizer, skipped: bool, loss_scale: float | None) -> None:
@@ -284,7 +305,7 @@ class MonitorSession:
         monitored = self._monitored() and self._buffer_used
         if monitored and skipped:  # GradScaler.step ran no optimizer.step: no pre-hook saw the (inf/nan) gradients
             self._record_parameters(optimizer)
-        buffer, slots, loss_slot = self._buffer, self._slots, self._loss_slot
+        buffer, slots, loss_slot, update_norms = self._buffer, self._slots, self._loss_slot, self._update_norms
         self._new_step()
         self.step_index += 1
         if not monitored:
@@ -303,6 +324,12 @@ class MonitorSession:
             if kind == "grad":
                 squares += stats[3] ** 2
             records.append(Record(kind, name, dtype, stats))
+        weight_norms = {r.name: r.values[3] for r in records if r.kind == "weight"}
+        for name, slot, scale in update_norms:
+            weight_norm = weight_norms.get(name)
+            if weight_norm and values[slot] is not None:
+                ratio = scale * values[slot][2] / weight_norm
+                records.append(Record("update_ratio", name, torch.float32, [ratio, ratio, ratio, abs(ratio), 0.0, 0.0]))
         grad_norm = math.sqrt(squares) if any(r.kind == "grad" for r in records) else None
         loss = None
         if loss_slot is not None and values[loss_slot] is not None:
@@ -340,7 +367,7 @@ class MonitorSession:
     def _write_step(self, step, records, loss, grad_norm, loss_scale, skipped, alerts) -> None:
         if self.csv_files:
             rows = self._csv("monitor.csv", RECORD_COLUMNS)
-            rows.writer.writerows([step, r.kind, r.name, str(r.dtype).removeprefix("torch."), *map(_number, r.values)]
+            rows.writer.writerows([step, r.kind, r.name, str(r.dtype).removeprefix("torch."), *map(repr, r.values)]
                                   for r in records)
             rows.flush()
             scalars = self._csv("scalars.csv", SCALAR_COLUMNS)
@@ -354,7 +381,7 @@ class MonitorSession:
             events = self._files.get("events")
             if events is None:
                 events = self._files["events"] = ScalarEventFile(self.directory)
-            values = [(f"{r.kind}/{r.name}/{stat}", value) for r in records for stat, value in zip(STAT_NAMES, r.values)]
+            values = [(tag, value) for r in records for tag, value in zip(_tags(r.kind, r.name), r.values)]
             values += [(tag, value) for tag, value in (("loss", loss), ("grad_norm", grad_norm),
                                                        ("loss_scale", loss_scale)) if value is not None]
             events.write(step, values)
@@ -371,7 +398,65 @@ class _CsvFile:
         self.file.close()
 
 
+@lru_cache(maxsize=65536)
+def _tags(kind: str, name: str) -> tuple[str, ...]:
+    return tuple(f"{kind}/{name}/{stat}" for stat in STAT_NAMES)
+
+
 def _number(value) -> str:
     if value is None:
         return ""
     return repr(float(value))
+
+
+# msprobe monitor's config.json keys npukit reads; its other keys choose what msprobe collects
+# (npukit always collects every statistic) or how it runs on Megatron/FSDP: not applied, said once.
+_CONFIG_KEYS = ("step_interval", "start_step", "targets", "format", "alert")
+
+
+def load_monitor_config(path: Path) -> dict:
+    """MonitorSession's options from msprobe monitor's config.json: step_interval (every),
+    start_step, targets (module name prefixes, as msprobe matches them), format (csv |
+    tensorboard: which files), alert.rules' AnomalyTurbulence threshold."""
+    import json
+
+    try:
+        config = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise UserError(f"--monitor-config {path}: cannot read it ({exc.strerror})") from None
+    except json.JSONDecodeError as exc:
+        raise UserError(f"--monitor-config {path}, line {exc.lineno}: not JSON ({exc.msg})") from None
+    if not isinstance(config, dict):
+        raise UserError(f"--monitor-config {path}: expected a JSON object, got {type(config).__name__}")
+
+    def number(key: str, default: int, least: int) -> int:
+        value = config.get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise UserError(f"--monitor-config {path}: {key} must be an integer >= {least}, got {value!r}")
+        return value
+
+    options: dict = {"every": number("step_interval", 1, 1), "start_step": number("start_step", 0, 0)}
+    targets = config.get("targets", {})
+    if not isinstance(targets, dict):
+        raise UserError(f"--monitor-config {path}: targets must be an object of module names, got {targets!r}")
+    prefixes = [name for name in targets if name]
+    options["modules"] = "^(?:" + "|".join(re.escape(name) for name in prefixes) + ")" if prefixes else None
+    file_format = config.get("format", "csv")
+    if file_format not in ("csv", "tensorboard"):
+        raise UserError(f"--monitor-config {path}: format {file_format!r}: npukit writes csv or tensorboard")
+    options["tensorboard"], options["csv_files"] = file_format == "tensorboard", file_format == "csv"
+    rules = AlertRules()
+    alert = config.get("alert", {})
+    for rule in (alert.get("rules", []) if isinstance(alert, dict) else []):
+        if isinstance(rule, dict) and rule.get("rule_name") == "AnomalyTurbulence":
+            threshold = rule.get("args", {}).get("threshold")
+            if not isinstance(threshold, int | float) or threshold < 0:
+                raise UserError(f"--monitor-config {path}: AnomalyTurbulence's threshold must be a number >= 0, "
+                                f"got {threshold!r}")
+            rules.turbulence = float(threshold)
+    options["rules"] = rules
+    ignored = sorted(key for key in config if key not in _CONFIG_KEYS)
+    if ignored:
+        print(f"npukit monitor: {path}: {', '.join(ignored)} not applied (npukit records every statistic of every "
+              "module the targets keep)", file=sys.stderr)
+    return options

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import math
 import subprocess
 import sys
@@ -67,7 +68,7 @@ def test_files_hold_each_steps_statistics_recomputed_from_the_tensors(tmp_path):
                              "hidden_grad": hidden.grad.clone(), "out_grad": out.grad.clone(),
                              "weights": weights, "grads": grads,
                              "exp_avg": {n: optimizer.state[p]["exp_avg"].clone() for n, p in model.named_parameters()},
-                             "ratio": {n: _adam_ratio(optimizer, p) for n, p in model.named_parameters()}})
+                             "ratio": {n: _adam_ratio(optimizer, p, weights[n]) for n, p in model.named_parameters()}})
             optimizer.zero_grad()
     assert session.raised == []
     folder = tmp_path / "mon" / "rank0"
@@ -103,14 +104,15 @@ def test_files_hold_each_steps_statistics_recomputed_from_the_tensors(tmp_path):
         [float(s["grads"]["fc1.weight"].double().norm()) for s in expected], rel=1e-6)
 
 
-def _adam_ratio(optimizer, parameter) -> float:
+def _adam_ratio(optimizer, parameter, weight_before) -> float:
+    """lr x |m^ / (sqrt(v^) + eps)| / |the weight before the update|"""
     state, group = optimizer.state[parameter], optimizer.param_groups[0]
     step = float(state["step"])
     beta1, beta2 = group["betas"]
     m_hat = state["exp_avg"].double().cpu() / (1 - beta1 ** step)
     v_hat = state["exp_avg_sq"].double().cpu() / (1 - beta2 ** step)
     update = group["lr"] * m_hat / (v_hat.sqrt() + group["eps"])
-    return float(update.norm() / parameter.detach().double().cpu().norm())
+    return float(update.norm() / weight_before.double().cpu().norm())
 
 
 def test_crc32c_is_castagnolis_on_short_and_long_data():
@@ -240,9 +242,10 @@ def test_grad_scaler_runs_unscale_and_skipped_steps_raise_no_alert(tmp_path):
     assert [float(r["loss_scale"]) > 0 for r in scalars] == [True] * 12
     assert scalars[0]["skipped_by_grad_scaler"] == "1"  # fp16 gradients at 2**24 overflow
     assert float(scalars[-1]["loss_scale"]) < 2.0 ** 24
-    plain = float(model(batch).float().square().mean())  # about the last losses: the loss is unscaled
+    with torch.no_grad():
+        plain = float(model(batch).float().square().mean())  # about the last losses: the loss is unscaled
     assert float(scalars[-1]["loss"]) == pytest.approx(plain, rel=0.2)
-    assert session.raised == [] or all(a.rule != "nan/inf" for a in session.raised)
+    assert session.raised == []  # the inf gradients of the skipped steps are GradScaler's business
 
 
 def test_every_and_module_filter(tmp_path):
@@ -293,3 +296,44 @@ def test_a_bad_option_is_named():
         MonitorSession(Path("unused"), modules="(")
     with pytest.raises(UserError, match="--monitor-every must be at least 1"):
         MonitorSession(Path("unused"), every=0)
+
+
+def test_msprobe_monitor_config_keys_mean_what_they_mean_in_msprobe(tmp_path, capsys):
+    from npukit.accuracy.monitor import load_monitor_config
+
+    config = tmp_path / "monitor_config.json"
+    config.write_text(json.dumps({
+        "targets": {"fc2": {}}, "step_interval": 2, "start_step": 1, "format": "csv", "xy_distribution": True,
+        "alert": {"rules": [{"rule_name": "AnomalyTurbulence", "args": {"threshold": 0.5}}]}}))
+    options = load_monitor_config(config)
+    assert "xy_distribution not applied" in capsys.readouterr().err
+    assert options["rules"].turbulence == 0.5
+    torch.manual_seed(7)
+    session = MonitorSession(tmp_path / "mon", rank=0, **options)
+    _train(session, 6, TwoLayers().to("npu"), torch.randn(4, 4, device="npu"))
+    rows = _rows(tmp_path / "mon" / "rank0" / "monitor.csv")
+    assert sorted({int(r["step"]) for r in rows}) == [1, 3, 5]
+    assert {r["name"] for r in rows} == {"fc2", "fc2.weight", "fc2.bias"}
+    assert not list((tmp_path / "mon" / "rank0").glob("events.out.tfevents.*"))  # format csv: no TensorBoard
+
+    config.write_text('{"step_interval": 0}')
+    with pytest.raises(UserError, match=r"monitor_config.json: step_interval must be an integer >= 1, got 0"):
+        load_monitor_config(config)
+    config.write_text('{"format": "api"}')
+    with pytest.raises(UserError, match="format 'api'"):
+        load_monitor_config(config)
+    config.write_text('{\n"targets": }')
+    with pytest.raises(UserError, match=r"monitor_config.json, line 2: not JSON"):
+        load_monitor_config(config)
+
+
+def test_npu_run_takes_the_config_or_the_options_not_both(tmp_path):
+    from npukit.run import RunOptions, _monitor_options
+
+    config = tmp_path / "monitor_config.json"
+    config.write_text('{"step_interval": 5}')
+    assert _monitor_options(RunOptions(script="train.py", monitor=tmp_path, monitor_config=config))["every"] == 5
+    with pytest.raises(UserError, match="--monitor-config needs --monitor DIR"):
+        _monitor_options(RunOptions(script="train.py", monitor_config=config))
+    with pytest.raises(UserError, match="says what --monitor-every would"):
+        _monitor_options(RunOptions(script="train.py", monitor=tmp_path, monitor_config=config, monitor_every=3))
