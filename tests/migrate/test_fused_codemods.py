@@ -115,7 +115,7 @@ def programs(tmp_path, monkeypatch):
         with monkeypatch.context() as patched:
             patched.syspath_prepend(str(STUBS))
             original = _load(tmp_path / f"{name}_cuda.py", f"{name}_cuda")
-        for library in ("flash_attn", "apex"):  # the migrated program must not need them
+        for library in ("flash_attn", "apex", "xformers"):  # the migrated program must not need them
             for module in [m for m in sys.modules if m == library or m.startswith(library + ".")]:
                 del sys.modules[module]  # the reference: gone for good, not back after the test
             monkeypatch.setitem(sys.modules, library, None)  # `import flash_attn` raises ImportError
@@ -198,6 +198,50 @@ def test_the_flash_attention_rewrite_reads_as_torch_npu_documents_it():
     assert "pre_tockens=1, next_tockens=1, actual_seq_qlen=cu_seqlens[1:].tolist()" in joined
     assert '*qkv.unbind(1), qkv.shape[2], "TND"' in joined
 
+
+XFORMERS = textwrap.dedent('''\
+    import torch
+    import xformers.ops as xops
+    from xformers.ops import LowerTriangularFromBottomRightMask, memory_efficient_attention
+
+
+    def causal_top_left(q, k, v):
+        return xops.memory_efficient_attention(q, k, v, attn_bias=xops.LowerTriangularMask(), op=None)
+
+
+    def causal_bottom_right(q, k, v):
+        return memory_efficient_attention(q, k, v, LowerTriangularFromBottomRightMask())
+
+
+    def scaled(q, k, v):
+        return memory_efficient_attention(q, k, v, None, 0.0, 0.25)
+''')
+XFORMERS_CASES = {
+    "causal_top_left": lambda: [_randn(2, 5, 2, 16), _randn(2, 7, 2, 16), _randn(2, 7, 2, 16)],
+    "causal_bottom_right": lambda: [_randn(2, 4, 2, 16), _randn(2, 6, 2, 16), _randn(2, 6, 2, 16)],
+    "scaled": lambda: [_randn(3, 5, 16), _randn(3, 6, 16), _randn(3, 6, 16)],  # no head axis: BSH, one head
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_xformers_attention_rewrites_equal_xformers_on_the_emulated_npu(programs, dtype):
+    original, migrated, text = programs(XFORMERS, f"xformers_{str(dtype)[6:]}")
+    assert "import xformers" not in text and "from xformers" not in text  # the mask objects went with the calls
+    assert "sparse_mode=2)[0]" in text and "sparse_mode=3)[0]" in text
+    for name, make_inputs in XFORMERS_CASES.items():
+        _compare(getattr(original, name), getattr(migrated, name), make_inputs(), dtype, name)
+
+
+def test_an_xformers_bias_other_than_the_causal_masks_stays_with_its_reason():
+    source = ("import torch\nimport xformers.ops as xops\n"
+              "out = xops.memory_efficient_attention(q, k, v, attn_bias=bias)\n"
+              "causal = xops.memory_efficient_attention(q, k, v, attn_bias=xops.LowerTriangularMask())\n")
+    outcome = migrate_python(source, "model.py", facts=FUSED)
+    assert "out = xops.memory_efficient_attention(q, k, v, attn_bias=bias)\n" in outcome.text
+    assert "import xformers.ops as xops\n" in outcome.text and "causal = torch_npu.npu_fusion_attention(" in outcome.text
+    [kept] = [f for f in outcome.findings if f.kind == "xformers" and f.line == 3]
+    assert "`npu-migrate --fused` keeps it: attn_bias `bias`" in kept.reason
+    assert not [f for f in outcome.findings if f.line == 4]  # the rewritten call and its mask object are not reported
 
 NORMS = textwrap.dedent('''\
     import torch
@@ -355,7 +399,7 @@ def test_what_fused_does_not_take_is_left_byte_identical(source):
     assert outcome.text == migrate_python(source, "model.py").text
 
 
-@pytest.mark.parametrize("source", [ATTENTION, NORMS, ADAM, KEPT])
+@pytest.mark.parametrize("source", [ATTENTION, XFORMERS, NORMS, ADAM, KEPT])
 def test_a_second_fused_run_changes_nothing(source):
     once = migrate_python(source, "model.py", facts=FUSED).text
     assert once != source
@@ -363,7 +407,7 @@ def test_a_second_fused_run_changes_nothing(source):
 
 
 def test_libcsts_tool_gives_npu_migrate_fuseds_bytes(tmp_path):
-    sources = {"attention.py": ATTENTION, "norms.py": NORMS, "adam.py": ADAM, "kept.py": KEPT}
+    sources = {"attention.py": ATTENTION, "xformers_attention.py": XFORMERS, "norms.py": NORMS, "adam.py": ADAM, "kept.py": KEPT}
     (tmp_path / "src").mkdir()
     for name, source in sources.items():
         (tmp_path / "src" / name).write_text(source)
@@ -376,7 +420,7 @@ def test_libcsts_tool_gives_npu_migrate_fuseds_bytes(tmp_path):
 
 
 def test_every_fused_rule_is_named_and_made_by_these_programs():
-    made = {change.rule for source in (ATTENTION, NORMS, ADAM)
+    made = {change.rule for source in (ATTENTION, XFORMERS, NORMS, ADAM)
             for change in migrate_python(source, "model.py", facts=FUSED).changes}
     assert made == {rule for codemod in FUSED_CODEMODS for rule in codemod.RULES} | {"import-torch-npu"}
     assert made <= set(rules.REWRITE_RULES)

@@ -46,10 +46,11 @@ from npukit.migrate.codemods.third_party import ThirdPartyCuda
 from npukit.migrate.codemods.torch_load import TorchLoadMapLocation
 from npukit.migrate.codemods.unsupported_apis import UnsupportedApis
 from npukit.migrate.codemods.unsupported_methods import UnsupportedTensorMethods
+from npukit.migrate.codemods.xformers_attention import XformersAttentionToNpu
 
 # npu-migrate --fused's concerns (CUDA kernel libraries -> torch_npu fused ops / torch equivalents):
 # only under --fused (TreeFacts.fused), or when libcst's tool is asked for one by name
-FUSED_CODEMODS = (FlashAttentionToNpu, ApexNormsToTorch, ApexAdamToTorch)
+FUSED_CODEMODS = (FlashAttentionToNpu, XformersAttentionToNpu, ApexNormsToTorch, ApexAdamToTorch)
 # The concerns ported from the ast engine so far, in the order they run (each on the original parse).
 BUILTIN_CODEMODS = (DualTargetCode, *FUSED_CODEMODS, DeviceStrings, IntDeviceOrdinals, AmpUpgrade, CudaNamespace, UnsupportedApis, CudaEnvironment, CudaDefaultDevices, InfiniteFills, TorchLoadMapLocation, CustomCudaOps,
                     Bf16Autocast, DdpSetDevice, ThirdPartyCuda, BitsAndBytesQuantisation, DeviceModelChecks,
@@ -58,7 +59,7 @@ BUILTIN_CODEMODS = (DualTargetCode, *FUSED_CODEMODS, DeviceStrings, IntDeviceOrd
 
 __all__ = ["BUILTIN_CODEMODS", "FUSED_CODEMODS", "AmpUpgrade", "ApexAdamToTorch", "ApexNormsToTorch", "FlashAttentionToNpu", "AutocastGpuDtype", "Bf16Autocast", "BitsAndBytesQuantisation", "CompileModes", "CudaCliFlags", "CudaDefaultDevices", "CudaEnvironment", "CudaLeftovers",
            "CudaMethods", "CudaNamespace", "CustomCudaOps", "DdpSetDevice", "DefaultTensorType", "DeviceModelChecks", "DeviceStrings", "DistributedBackends", "DualTargetCode",
-           "InfiniteFills", "IntDeviceOrdinals", "MigrateToNpu", "ThirdPartyCuda", "TorchLoadMapLocation", "UnsupportedApis", "UnsupportedTensorMethods"]
+           "InfiniteFills", "IntDeviceOrdinals", "MigrateToNpu", "ThirdPartyCuda", "TorchLoadMapLocation", "UnsupportedApis", "UnsupportedTensorMethods", "XformersAttentionToNpu"]
 
 
 class MigrateToNpu(CodemodCommand):

@@ -101,6 +101,24 @@ def _masking(causal: bool, window: tuple[int, int]) -> dict[str, str]:
     return {"atten_mask": "{mask}", "pre_tockens": str(left), "next_tockens": str(right), "sparse_mode": "4"}
 
 
+def compressed_mask(call: cst.Call, query: str, facts: FileFacts) -> str:
+    """The 2048x2048 upper-triangular mask torch_npu's causal and band sparse modes take, on the query's device."""
+    torch = spell("torch", call, facts)
+    if torch is None:
+        raise Unmappable("the file does not import torch, which the causal mask is built with")
+    return COMPRESSED_MASK.format(torch=torch, device=f"{query}.device")
+
+
+def keep_prob(dropout: cst.BaseExpression | None, facts: FileFacts) -> str | None:
+    """keep_prob = 1 - the dropout probability; None for no dropout (torch_npu's default keeps everything)."""
+    if dropout is None:
+        return None
+    value = literal(dropout, facts)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return None if value == 0 else repr(1 - float(value))
+    return f"1 - {atomic(dropout, facts)}"
+
+
 _SPARSE_DEFAULTS = {"atten_mask": "None", "pre_tockens": str(INT_MAX), "next_tockens": str(INT_MAX), "sparse_mode": "0"}
 
 
@@ -142,7 +160,7 @@ class FlashAttentionToNpu(FusedCodemod):
         scale = bound.get("softmax_scale")
         keywords["scale"] = f"{shape}.shape[-1] ** -0.5" if scale is None or literal(scale, facts) is None \
             else source(scale, facts)
-        keep = cls._keep_prob(bound.get("dropout_p"), facts)
+        keep = keep_prob(bound.get("dropout_p"), facts)
         if keep is not None:
             keywords["keep_prob"] = keep
         if variant.varlen:
@@ -182,22 +200,9 @@ class FlashAttentionToNpu(FusedCodemod):
                 elif name in when_causal:
                     keywords[name] = yes
         if any("{mask}" in value for value in keywords.values()):
-            torch = spell("torch", call, facts)
-            if torch is None:
-                raise Unmappable("the file does not import torch, which the causal mask is built with")
-            mask = COMPRESSED_MASK.format(torch=torch, device=f"{shape}.device")
+            mask = compressed_mask(call, shape, facts)
             keywords = {name: value.replace("{mask}", mask) for name, value in keywords.items()}
         return keywords
-
-    @staticmethod
-    def _keep_prob(dropout: cst.BaseExpression | None, facts: FileFacts) -> str | None:
-        """keep_prob = 1 - dropout_p; None for no dropout (torch_npu's default keeps everything)."""
-        if dropout is None:
-            return None
-        value = literal(dropout, facts)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return None if value == 0 else repr(1 - float(value))
-        return f"1 - {atomic(dropout, facts)}"
 
     @staticmethod
     def _sequence_lengths(bound: dict, variant: _Variant, facts: FileFacts) -> dict[str, str]:

@@ -25,10 +25,12 @@ MAX_LINE = 100  # a rewrite longer than this is wrapped inside its parentheses
 @dataclass(frozen=True)
 class FusedPlan:
     """text: the call's replacement, or None when the call is kept; about: what it becomes (for the
-    report's hint) or why it is kept."""
+    report's hint) or why it is kept; dropped: the parts of the call besides its name whose text the
+    replacement does not keep (an xformers mask object), so the names they use are gone with it."""
 
     text: str | None
     about: str
+    dropped: tuple[cst.CSTNode, ...] = ()
 
 
 def kept(reason: str) -> FusedPlan:
@@ -169,12 +171,6 @@ def call_text(function: str, arguments: list[str], node: cst.CSTNode, facts: Fil
     return f"{function}({newline}" + newline.join(indent + text for text in lines) + f"){suffix}"
 
 
-def _root_name(func: cst.BaseExpression) -> cst.Name | None:
-    while isinstance(func, cst.Attribute):
-        func = func.value
-    return func if isinstance(func, cst.Name) else None
-
-
 def _statement_lines(body):
     """(statement line, the block's statements) of every simple statement line of a block, nested
     blocks included."""
@@ -243,22 +239,25 @@ class FusedCodemod(NpuCodemod):
     def visit_Module(self, node: cst.Module) -> None:
         if not (self.facts.tree.fused or self._run_alone):
             return
-        taken: list[cst.Call] = []
+        gone: set[int] = set()  # the names the replacements do not keep
         for call in matchers.findall(node, matchers.Call()):
             plan = self.plan(call, self.facts)
             if plan is not None and plan.text is not None:
                 self.replace_with_text(call, plan.text, self.RULE, needs_torch_npu=self.NEEDS_TORCH_NPU)
                 self.claim(call)
-                taken.append(call)
-        if taken:
-            self._remove_imports(node, {id(root) for call in taken if (root := _root_name(call.func)) is not None})
+                for part in (call.func, *plan.dropped):
+                    gone.update(id(name) for name in matchers.findall(part, matchers.Name()))
+                for inner in (inner for part in plan.dropped for inner in matchers.findall(part, matchers.Call())):
+                    self.claim(inner)  # a call the replacement does not keep (an xformers mask object)
+        if gone:
+            self._remove_imports(node, gone)
 
-    def _remove_imports(self, module: cst.Module, taken_roots: set[int]) -> None:
-        """Drop the import of each name of LIBRARY every read of which is the name of a taken call."""
+    def _remove_imports(self, module: cst.Module, gone: set[int]) -> None:
+        """Drop the import of each name of LIBRARY every read of which the replacements removed."""
         reads = self.facts.scopes.reads
         removable = {local for local, qualified in self.facts.bindings.items()
                      if qualified.split(".")[0] == self.LIBRARY and reads.get(local)
-                     and all(id(name) in taken_roots for name in reads[local])}
+                     and all(id(name) in gone for name in reads[local])}
         if not removable:
             return
         for line, block in _statement_lines(module.body):
