@@ -219,6 +219,7 @@ DEVICE_PROPERTY_FIELDS_MISSING = frozenset({"major", "minor", "multi_processor_c
 REWRITE_RULES = {
     "import-torch-npu": "`import torch_npu` once, after the docstring and __future__ imports",
     "fused-attention": "--fused: flash_attn's attention functions -> torch_npu.npu_fusion_attention(...)[0]",
+    "fused-rotary": "--fused: flash_attn's apply_rotary_emb -> torch_npu.npu_rotary_mul",
     "fused-norm": "--fused: apex FusedLayerNorm / FusedRMSNorm -> torch.nn.LayerNorm / torch.nn.RMSNorm",
     "fused-optimizer": "--fused: apex FusedAdam -> torch.optim.AdamW / torch.optim.Adam",
     "fused-import": "--fused: an import of flash_attn / apex whose every use was rewritten, removed",

@@ -243,6 +243,29 @@ def test_an_xformers_bias_other_than_the_causal_masks_stays_with_its_reason():
     assert "`npu-migrate --fused` keeps it: attn_bias `bias`" in kept.reason
     assert not [f for f in outcome.findings if f.line == 4]  # the rewritten call and its mask object are not reported
 
+ROTARY = textwrap.dedent('''\
+    import torch
+    from flash_attn.layers.rotary import apply_rotary_emb
+
+
+    def neox(x, cos, sin):
+        return apply_rotary_emb(x, cos, sin)
+
+
+    def gptj(x, cos, sin):
+        return apply_rotary_emb(x, cos, sin, interleaved=True)
+''')
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_flash_attn_rotary_becomes_npu_rotary_mul_on_the_rotated_features(programs, dtype):
+    original, migrated, text = programs(ROTARY, f"rotary_{str(dtype)[6:]}")
+    assert "flash_attn" not in text and text.count("torch_npu.npu_rotary_mul(") == 2
+    for name in ("neox", "gptj"):
+        # 12 of 16 features rotated; tables for 8 positions, the sequence has 6
+        inputs = [_randn(2, 6, 3, 16), _randn(8, 6), _randn(8, 6)]
+        _compare(getattr(original, name), getattr(migrated, name), inputs, dtype, name)
+
 NORMS = textwrap.dedent('''\
     import torch
     from apex.normalization import FusedLayerNorm, FusedRMSNorm
@@ -399,7 +422,7 @@ def test_what_fused_does_not_take_is_left_byte_identical(source):
     assert outcome.text == migrate_python(source, "model.py").text
 
 
-@pytest.mark.parametrize("source", [ATTENTION, XFORMERS, NORMS, ADAM, KEPT])
+@pytest.mark.parametrize("source", [ATTENTION, XFORMERS, ROTARY, NORMS, ADAM, KEPT])
 def test_a_second_fused_run_changes_nothing(source):
     once = migrate_python(source, "model.py", facts=FUSED).text
     assert once != source
@@ -407,7 +430,7 @@ def test_a_second_fused_run_changes_nothing(source):
 
 
 def test_libcsts_tool_gives_npu_migrate_fuseds_bytes(tmp_path):
-    sources = {"attention.py": ATTENTION, "xformers_attention.py": XFORMERS, "norms.py": NORMS, "adam.py": ADAM, "kept.py": KEPT}
+    sources = {"attention.py": ATTENTION, "xformers_attention.py": XFORMERS, "rotary.py": ROTARY, "norms.py": NORMS, "adam.py": ADAM, "kept.py": KEPT}
     (tmp_path / "src").mkdir()
     for name, source in sources.items():
         (tmp_path / "src" / name).write_text(source)
@@ -420,7 +443,7 @@ def test_libcsts_tool_gives_npu_migrate_fuseds_bytes(tmp_path):
 
 
 def test_every_fused_rule_is_named_and_made_by_these_programs():
-    made = {change.rule for source in (ATTENTION, XFORMERS, NORMS, ADAM)
+    made = {change.rule for source in (ATTENTION, XFORMERS, ROTARY, NORMS, ADAM)
             for change in migrate_python(source, "model.py", facts=FUSED).changes}
     assert made == {rule for codemod in FUSED_CODEMODS for rule in codemod.RULES} | {"import-torch-npu"}
     assert made <= set(rules.REWRITE_RULES)

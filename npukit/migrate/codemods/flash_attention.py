@@ -216,3 +216,64 @@ class FlashAttentionToNpu(FusedCodemod):
             return {"actual_seq_qlen": ends, "actual_seq_kvlen": ends}
         return {"actual_seq_qlen": f"{atomic(bound['cu_seqlens_q'], facts)}[1:].tolist()",
                 "actual_seq_kvlen": f"{atomic(bound['cu_seqlens_k'], facts)}[1:].tolist()"}
+
+
+_ROTARY_PARAMETERS = ("x", "cos", "sin", "interleaved", "inplace", "seqlen_offsets", "cu_seqlens", "max_seqlen")
+_ROTARY_ONLY = {
+    "inplace": ((False,), "inplace=True: flash_attn rotates x in place and returns it, npu_rotary_mul returns a new "
+                          "tensor"),
+    "seqlen_offsets": ((0,), "seqlen_offsets (a KV cache's position offsets) has no npu_rotary_mul counterpart: "
+                             "slice cos and sin at the offset by hand"),
+    "cu_seqlens": ((None,), "varlen input (cu_seqlens): npu_rotary_mul takes 4-dim tensors"),
+}
+
+
+class FlashRotaryToNpu(FusedCodemod):
+    """flash_attn's `apply_rotary_emb(x, cos, sin, interleaved)` (flash_attn.layers.rotary) becomes
+    torch_npu.npu_rotary_mul on the rotated part of x, the rest of x passed through:
+    x (batch, seq, heads, head_dim) is BSND; flash_attn's cos/sin (seq_ro, rotary_dim / 2) become the
+    1S1D tables npu_rotary_mul takes (`cat((cos, cos))` for the GPT-NeoX halves, 'half' mode;
+    `cos.repeat_interleave(2, -1)` for interleaved=True, 'interleave' mode), cut to x's sequence length
+    as flash_attn cuts them; the first rotary_dim = 2 * cos.shape[-1] features of x are rotated, the others
+    kept. Kept, with the reason: inplace=True, seqlen_offsets, varlen input, tensors computed in the call
+    (each is read more than once). Under `npu-migrate --fused`."""
+
+    DESCRIPTION = "flash_attn apply_rotary_emb -> torch_npu.npu_rotary_mul"
+    RULES = ("fused-rotary", "fused-import")
+    RULE = "fused-rotary"
+    LIBRARY = "flash_attn"
+    FILES_CONTAINING = ("flash_attn",)
+    TARGETS = {f"{module}.apply_rotary_emb": "apply_rotary_emb"
+               for module in ("flash_attn.layers.rotary", "flash_attn.ops.triton.rotary")}
+
+    @classmethod
+    def rewrite(cls, call: cst.Call, function: str, facts: FileFacts) -> FusedPlan:
+        bound = bind_arguments(call, _ROTARY_PARAMETERS, function)
+        missing = [name for name in ("x", "cos", "sin") if name not in bound]
+        if missing:
+            raise Unmappable(f"{function} is not given {', '.join(missing)}")
+        require_values(bound, _ROTARY_ONLY, facts)
+        for name in ("x", "cos", "sin"):
+            if not is_pure(bound[name]):
+                raise Unmappable(f"its {name} `{source(bound[name], facts)}` is computed in the call: the rewrite "
+                                 "reads it more than once; assign it to a variable first")
+        interleaved = literal(bound["interleaved"], facts) if "interleaved" in bound else False
+        if not isinstance(interleaved, bool):
+            raise Unmappable(f"interleaved `{source(bound['interleaved'], facts)}` is not a literal: it decides "
+                             "npu_rotary_mul's rotary_mode")
+        torch = spell("torch", call, facts)
+        if torch is None:
+            raise Unmappable("the file does not import torch, which the rotary tables are built with")
+        x, cos, sin = (source(bound[name], facts) for name in ("x", "cos", "sin"))
+        rotary_dim = f"{cos}.shape[-1] * 2"
+
+        def table(half: str) -> str:  # (seq_ro, rotary_dim / 2) -> (1, seq, 1, rotary_dim)
+            full = f"{half}.repeat_interleave(2, -1)" if interleaved else f"{torch}.cat(({half}, {half}), -1)"
+            return f"{full}[None, :{x}.shape[1], None]"
+
+        arguments = [f"{x}[..., :{rotary_dim}]", table(cos), table(sin)]
+        if interleaved:
+            arguments.append('"interleave"')
+        rotated = call_text(spell("torch_npu.npu_rotary_mul", call, facts), arguments, call, facts)
+        text = f"{torch}.cat(({rotated}, {x}[..., {rotary_dim}:]), -1)"
+        return FusedPlan(text, "torch_npu.npu_rotary_mul on the rotated features, the others kept")

@@ -1,0 +1,1 @@
+"""flash_attn.layers (the rotary embedding only)."""
