@@ -262,3 +262,7 @@ def print_summary(run: MigrationRun, console) -> None:
         e = effort(run)
         console.print(f"Effort estimate: {_count(e['items_needing_a_human'], 'item')} needing a human, "
                       f"{effort_text(e)} (rough). Details: --report DIR.")
+        fusable = sum(rules.FUSED_WOULD_REWRITE in f.reason for f in run.findings)
+        if fusable and not run.options.fused:
+            console.print(f"npu-migrate --fused would rewrite {_count(fusable, 'call')} of flash_attn / xformers / apex "
+                          "to torch_npu's fused ops and torch modules (docs/migrate.md).")

@@ -215,6 +215,8 @@ CUDA_FLAGGED = {
 DEVICE_PROPERTY_FIELDS_MISSING = frozenset({"major", "minor", "multi_processor_count"})
 
 # ------------------------------------------------------------------------------ rule catalogue
+# How a finding of a CUDA kernel library's call says `--fused` would rewrite it (codemods.fused; the summary counts them)
+FUSED_WOULD_REWRITE = "`npu-migrate --fused` rewrites this call"
 # Every rewrite names one of these rules (change_list.csv, report.json, the summary table).
 REWRITE_RULES = {
     "import-torch-npu": "`import torch_npu` once, after the docstring and __future__ imports",

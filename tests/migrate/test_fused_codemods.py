@@ -449,3 +449,18 @@ def test_every_fused_rule_is_named_and_made_by_these_programs():
     assert made <= set(rules.REWRITE_RULES)
     assert all(codemod.DESCRIPTION and codemod.__doc__ for codemod in FUSED_CODEMODS)
 
+
+
+def test_the_summary_says_how_many_calls_fused_would_rewrite(tmp_path):
+    from rich.console import Console
+
+    from npukit.migrate.report import print_summary
+    from npukit.migrate.runner import MigrateOptions, run_migration
+
+    (tmp_path / "model.py").write_text(KEPT)
+    for fused, expected in ((False, "npu-migrate --fused would rewrite 1 call of flash_attn / xformers / apex"),
+                            (True, None)):
+        console = Console(record=True, width=200)
+        print_summary(run_migration(MigrateOptions(target=tmp_path, dry_run=True, fused=fused)), console)
+        said = console.export_text()
+        assert (expected in said) if expected else "--fused would rewrite" not in said

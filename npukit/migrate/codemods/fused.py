@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import libcst as cst
 import libcst.matchers as matchers
 
+from npukit.migrate import rules
 from npukit.migrate.codemods.base import FileFacts, NpuCodemod, split_arguments
 from npukit.migrate.codemods.scopes import dotted_name
 
@@ -45,7 +46,7 @@ def fused_hint(call: cst.Call, facts: FileFacts) -> str | None:
     for codemod in FUSED_CODEMODS:
         plan = codemod.plan(call, facts)
         if plan is not None:
-            return f"`npu-migrate --fused` rewrites this call to {plan.about}" if plan.text is not None else \
+            return f"{rules.FUSED_WOULD_REWRITE} to {plan.about}" if plan.text is not None else \
                 f"`npu-migrate --fused` keeps it: {plan.about}"
     return None
 
