@@ -3,13 +3,15 @@
     with MonitorSession(Path("mon"), every=1, modules=r"blocks\\.\\d+\\.mlp"):
         runpy.run_path("train.py", run_name="__main__")
 
-Every monitored step (steps end where the profiler's do: watch.steps.TrainingSteps), for each
-module the filter keeps: the statistics (max, min, mean, norm, nan and inf counts) of its outputs
-(`activation`) and their gradients (`activation_grad`, unscaled by GradScaler's scale), of its
-parameters (`weight`) and their gradients (`grad`, as the optimizer sees them), and under
-Adam/AdamW of exp_avg, exp_avg_sq and the update-to-weight ratio (the norm of lr x m^ / (sqrt(v^) +
-eps), weight decay left out, over the norm of the weight before the update); per step the loss (the tensor backward() was
-first called on, unscaled), the total gradient norm and GradScaler's loss scale.
+Every monitored step (steps end where the profiler's do: watch.steps.TrainingSteps; without an
+optimizer, as the first root module starts a new forward), for each module the filter keeps: the
+statistics (max, min, mean, norm, nan and inf counts) of its outputs in forwards that record
+gradients (`activation`; an evaluation forward is not the step's) and of their gradients
+(`activation_grad`, unscaled by GradScaler's scale), of its parameters (`weight`) and their
+gradients (`grad`, as the optimizer sees them), and under Adam/AdamW of exp_avg, exp_avg_sq and
+the update-to-weight ratio (the norm of lr x m^ / (sqrt(v^) + eps), weight decay left out, over
+the norm of the weight before the update); per step the loss (the tensor backward() was first
+called on, unscaled), the total gradient norm and GradScaler's loss scale.
 
 Statistics are computed on the tensor's device as the dump computes them (one pass on host memory)
 and fetched with one device->host copy per step (dump.StatsBuffer). A writer thread appends
@@ -40,7 +42,7 @@ from npukit.accuracy.event_file import ScalarEventFile
 from npukit.accuracy.monitor_alerts import Alert, AlertRules, Alerts, Record
 from npukit.errors import UserError
 from npukit.files import check_output_location, output_folder, refuse_links_inside
-from npukit.watch.steps import TrainingSteps
+from npukit.watch.steps import ForwardSteps, TrainingSteps
 
 STAT_NAMES = ("max", "min", "mean", "norm", "nan", "inf")  # tensor_stats' order
 RECORD_COLUMNS = ("step", "kind", "name", "dtype", *STAT_NAMES)
@@ -77,6 +79,9 @@ class MonitorSession:
         self.broken = False
         self._active = False
         self._in_optimizer = 0
+        self._optimizer_stepped = False
+        self._running_modules = 0  # forwards in progress
+        self._forward_steps = ForwardSteps()  # a run without optimizer.step still has bounded steps
         self._steps = TrainingSteps(self._on_step_end)
         self._paths = naming.ModulePaths()
         self._kept: dict[str, bool] = {}  # module path -> the filter keeps it
@@ -106,7 +111,8 @@ class MonitorSession:
         self.directory = output_folder(self.out_dir, f"rank{self.rank}")
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="npukit-monitor")
         self._handles = [
-            module_hooks.register_module_forward_hook(self._guarded(self._on_module_forward)),
+            module_hooks.register_module_forward_pre_hook(self._guarded(self._on_module_pre_forward)),
+            module_hooks.register_module_forward_hook(self._guarded(self._on_module_forward), always_call=True),
             optimizer_hooks.register_optimizer_step_pre_hook(self._guarded(self._on_optimizer_pre_step)),
             optimizer_hooks.register_optimizer_step_post_hook(self._guarded(self._on_optimizer_post_step)),
         ]
@@ -124,7 +130,6 @@ class MonitorSession:
     def stop(self) -> None:
         if not self._active:
             return
-        self._active = False
         torch.Tensor.backward = self._original_backward
         for handle in self._handles:
             handle.remove()
@@ -132,6 +137,7 @@ class MonitorSession:
         self._steps.remove()
         if self._buffer_used and not self.broken:  # a run without optimizer.step, or its last forward
             self._guarded(self._finish_step)(None, False, None)
+        self._active = False
         try:
             for future in self._pending:
                 self._report_write_error(future)
@@ -196,8 +202,16 @@ class MonitorSession:
         self._buffer_used = True
         self._slots.append((kind, name, tensor.dtype, slot))
 
+    def _on_module_pre_forward(self, module, args) -> None:
+        if (not self._running_modules and not self._optimizer_stepped and not self._in_optimizer
+                and self._forward_steps.new_step(module)):
+            self._finish_step(None, False, None)
+        self._running_modules += 1
+
     def _on_module_forward(self, module, args, output) -> None:
-        if self._in_optimizer or not self._monitored():
+        self._running_modules = max(0, self._running_modules - 1)
+        # evaluation forwards (no gradient) are not the training step's
+        if self._in_optimizer or not torch.is_grad_enabled() or not self._monitored():
             return
         path = naming.module_path(self._paths, module) or type(module).__name__
         if not self._keeps(path):
@@ -259,6 +273,7 @@ class MonitorSession:
 
     def _on_optimizer_pre_step(self, optimizer, args, kwargs) -> None:
         self._in_optimizer += 1
+        self._optimizer_stepped = True
         if self._monitored() and self._in_optimizer == 1:
             self._record_parameters(optimizer)
 
@@ -297,6 +312,7 @@ class MonitorSession:
 
     # ------------------------------------------------------------------ step end
     def _on_step_end(self, optimizer, skipped: bool, loss_scale: float | None) -> None:
+        self._optimizer_stepped = True
         if not self.broken:
             self._guarded(self._finish_step)(optimizer, skipped, loss_scale)
 

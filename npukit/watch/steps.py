@@ -6,10 +6,14 @@ GradScaler.update returns (its ops are the step's), also when GradScaler.step sk
 optimizer.step (inf/nan gradients), or, without an update call, when the next GradScaler.step
 starts. The dump and the overflow detector, which pause their recording inside optimizer.step and
 end the step at GradScaler.step, use GradScalerStepWatch directly.
+
+A script with no optimizer (inference, or updates made by hand) has no optimizer.step: there a
+step ends each time its first root module starts a new forward (ForwardSteps).
 """
 
 from __future__ import annotations
 
+import gc
 import weakref
 from collections.abc import Callable
 
@@ -63,3 +67,29 @@ class TrainingSteps:
             self._clock = weakref.ref(optimizer)
         if self._clock() is optimizer:  # with several optimizers, one step = the first one's step
             self.on_end(optimizer, skipped, scale)
+
+
+class ForwardSteps:
+    """Step boundaries of a script without an optimizer: new_step(module), called as a root module
+    (no module running) starts its forward, is True when that starts a new step: the first root
+    module seen runs again and no optimizer exists (asked once, by one gc scan, then)."""
+
+    def __init__(self) -> None:
+        self._root: weakref.ref | None = None
+        self._optimizer_exists: bool | None = None
+
+    def new_step(self, module) -> bool:
+        root = self._root() if self._root is not None else None
+        if root is None:
+            self._root = weakref.ref(module)
+            return False
+        return root is module and not self._optimizer_alive()
+
+    def _optimizer_alive(self) -> bool:
+        if self._optimizer_exists is None:
+            # type(obj), not isinstance: isinstance reads __class__, which deprecated objects warn on
+            import torch
+
+            optimizer = torch.optim.Optimizer
+            self._optimizer_exists = any(issubclass(type(obj), optimizer) for obj in gc.get_objects())
+        return self._optimizer_exists

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import gc
 import json
 import math
 import subprocess
@@ -173,26 +174,24 @@ class Growing(nn.Module):
 
 
 def test_the_forecast_names_the_growing_module_ten_steps_before_its_first_inf(tmp_path):
+    gc.collect()  # no optimizer of an earlier test left: steps end at each new forward of the model
     torch.manual_seed(2)
     model = Growing().to("npu", torch.float16)
     with torch.no_grad():
         model.proj.weight.copy_(torch.eye(8))
         model.out.weight.fill_(0.01)  # the head's output stays well inside fp16's range
     batch = torch.full((4, 8), 2.0, device="npu", dtype=torch.float16)
-    # proj's output is 2 * 1.15**step: past fp16's 65504 (inf) in about 75 steps
-    first_inf = None
+    proj_overflowed: list[bool] = []  # per step: proj's output holds an inf
+    model.proj.register_forward_hook(lambda module, args, out: proj_overflowed.append(bool(out.isinf().any())))
     session = MonitorSession(tmp_path / "mon", rank=0)
     with session:
-        for step in range(100):
-            hidden = model.proj(batch)
-            if first_inf is None and hidden.isinf().any():
-                first_inf = step
-            model.out(hidden).float().mean().backward()
+        for _ in range(100):  # updated by hand, no optimizer: proj's output is 2 * 1.15**step
+            model(batch).float().mean().backward()
             with torch.no_grad():
-                model.proj.weight.mul_(1.15)  # the "optimizer"'s update
-            session_step(session)
+                model.proj.weight.mul_(1.15)
             model.zero_grad()
-    assert first_inf is not None and first_inf > 60
+    first_inf = proj_overflowed.index(True)
+    assert first_inf > 60
     forecasts = [a for a in session.raised if a.rule == "overflow forecast"]
     assert forecasts, session.raised
     assert forecasts[0].name == "proj:activation"
@@ -202,11 +201,25 @@ def test_the_forecast_names_the_growing_module_ten_steps_before_its_first_inf(tm
     assert nan_alerts and nan_alerts[0].step == first_inf and nan_alerts[0].name == "proj"
     written = _rows(tmp_path / "mon" / "rank0" / "alerts.csv")
     assert [row["rule"] for row in written] == [a.rule for a in session.raised]
+    assert len(_rows(tmp_path / "mon" / "rank0" / "scalars.csv")) == 100
 
 
-def session_step(session: MonitorSession) -> None:
-    """End a step as an optimizer.step() would (the fixture trains without an optimizer)."""
-    session._on_step_end(None, False, None)
+def test_evaluation_forwards_are_not_the_training_steps(tmp_path):
+    torch.manual_seed(8)
+    model = TwoLayers().to("npu")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with MonitorSession(tmp_path / "mon", rank=0):
+        for _ in range(2):
+            model(torch.randn(4, 4, device="npu")).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            with torch.no_grad():  # evaluation between steps, 1000 times the values
+                model(1000 * torch.ones(4, 4, device="npu"))
+    rows = _rows(tmp_path / "mon" / "rank0" / "monitor.csv")
+    activations = [r for r in rows if r["kind"] == "activation"]
+    assert sorted((int(r["step"]), r["name"]) for r in activations) == [
+        (step, name) for step in (0, 1) for name in ("TwoLayers", "act", "fc1", "fc2")]
+    assert all(abs(float(r["max"])) < 100 for r in activations)
 
 
 def test_the_nan_alert_names_the_first_module_with_a_nan(tmp_path):
