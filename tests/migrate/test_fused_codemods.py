@@ -408,6 +408,28 @@ def test_imports_go_only_with_their_last_use(source):
     assert migrate_python(outcome.text, "model.py", facts=FUSED).text == outcome.text
 
 
+def test_a_call_in_code_kept_for_cuda_keeps_its_import():
+    # dual-target code: the CUDA branch is kept as it is (DualTargetCode), so it still needs flash_attn
+    source = textwrap.dedent('''\
+        import torch
+        import torch.nn.functional as F
+        from flash_attn import flash_attn_func
+
+
+        def attend(q, k, v):
+            if torch.cuda.is_available():
+                return flash_attn_func(q, k, v, causal=True)
+            elif torch.npu.is_available():
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+        def plain(q, k, v):
+            return flash_attn_func(q, k, v)
+        ''')
+    text = migrate_python(source, "model.py", facts=FUSED).text
+    assert "from flash_attn import flash_attn_func\n" in text and "return flash_attn_func(q, k, v, causal=True)\n" in text
+    assert "return torch_npu.npu_fusion_attention(q, k, v, q.shape[2]" in text  # the call outside it is rewritten
+
 @pytest.mark.parametrize("source", [
     "import torch\nfrom flash_attn import flash_attn_with_kvcache\nout = flash_attn_with_kvcache(q, k, v)\n",
     "import torch\nfrom apex.normalization import MixedFusedRMSNorm\nnorm = MixedFusedRMSNorm(64)\n",

@@ -17,7 +17,7 @@ import libcst as cst
 import libcst.matchers as matchers
 
 from npukit.migrate import rules
-from npukit.migrate.codemods.base import FileFacts, NpuCodemod, split_arguments
+from npukit.migrate.codemods.base import FROZEN_KEY, FileFacts, NpuCodemod, split_arguments
 from npukit.migrate.codemods.scopes import dotted_name
 
 MAX_LINE = 100  # a rewrite longer than this is wrapped inside its parentheses
@@ -238,20 +238,31 @@ class FusedCodemod(NpuCodemod):
         return super().transform_module_impl(tree)
 
     def visit_Module(self, node: cst.Module) -> None:
+        self._planned: list[tuple[cst.Call, FusedPlan]] = []
         if not (self.facts.tree.fused or self._run_alone):
             return
-        gone: set[int] = set()  # the names the replacements do not keep
         for call in matchers.findall(node, matchers.Call()):
             plan = self.plan(call, self.facts)
             if plan is not None and plan.text is not None:
-                self.replace_with_text(call, plan.text, self.RULE, needs_torch_npu=self.NEEDS_TORCH_NPU)
-                self.claim(call)
-                for part in (call.func, *plan.dropped):
-                    gone.update(id(name) for name in matchers.findall(part, matchers.Name()))
+                self._planned.append((call, plan))
+                self.claim(call)  # before ThirdPartyCuda visits it
                 for inner in (inner for part in plan.dropped for inner in matchers.findall(part, matchers.Call())):
                     self.claim(inner)  # a call the replacement does not keep (an xformers mask object)
+
+    def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> None:
+        """The rewrites, once every codemod has seen the file: a call in code DualTargetCode keeps for
+        CUDA (frozen) is left, and so is the import it needs."""
+        frozen = self.context.scratch.get(FROZEN_KEY, [])
+        gone: set[int] = set()  # the names the replacements do not keep
+        for call, plan in self._planned:
+            start, end = self.facts.span(call)
+            if any(low <= start and end <= high for low, high in frozen):
+                continue
+            self.replace_with_text(call, plan.text, self.RULE, needs_torch_npu=self.NEEDS_TORCH_NPU)
+            for part in (call.func, *plan.dropped):
+                gone.update(id(name) for name in matchers.findall(part, matchers.Name()))
         if gone:
-            self._remove_imports(node, gone)
+            self._remove_imports(original_node, gone)
 
     def _remove_imports(self, module: cst.Module, gone: set[int]) -> None:
         """Drop the import of each name of LIBRARY every read of which the replacements removed."""
