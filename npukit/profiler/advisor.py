@@ -90,7 +90,10 @@ class ProfileView:
         self.table = table
         self.strings = table.string_array()
         self.names = self.strings[table.name_id]
-        self.is_op = table.kind == KIND_OP
+        # Advice is about the steps: the setup before them (weights loaded, the model moved to the
+        # device) and the end after them (saving, a final print) are not per-step work
+        self.in_steps = table.in_steps()
+        self.is_op = (table.kind == KIND_OP) & self.in_steps
         # The ops the user's code issued: every rule's advice is a change to their code, and the ops
         # torch.distributed's Python runs (FSDP's copy-in/out views of a flat buffer, its CPU-side
         # sharding at lazy init) are not theirs to change.
@@ -117,6 +120,21 @@ class ProfileView:
         """True when ops ran on an accelerator (npu/cuda); host-device rules only apply then."""
         texts = self.strings[np.unique(self.table.devices_id[self.is_op])]
         return any(t and any(not d.strip().startswith("cpu") for d in t.split(",")) for t in texts)
+
+    @cached_property
+    def data_flow(self) -> bool:
+        """The profile recorded which op's output each top-level op reads (the sources_id column)."""
+        return bool(self.table.meta.get("data_flow"))
+
+    def sources(self, row: int) -> set[int]:
+        """The top-level rows whose outputs this top-level op reads."""
+        text = self.strings[self.table.sources_id[row]]
+        return {row - int(d) for d in text.split(",") if d} if text else set()
+
+    @cached_property
+    def autocast_scope(self) -> str:
+        """What autocast should wrap: forward and loss in training; the forward alone without a backward."""
+        return "forward and loss" if (self.is_op & (self.table.phase == PHASE_BACKWARD)).any() else "the forward"
 
     def line(self, row: int) -> str:
         return self.strings[self.table.stack_id[row]] or "(no user line)"
@@ -276,13 +294,13 @@ def rule_fp32_matmul(view: ProfileView) -> Finding | None:
         title = "float32 matmuls could run in bf16 or HF32"
         gain = ("the cube unit is 2x faster in HF32 and 4x in fp16/bf16 than in fp32 (roofline model)"
                 + ("; the convolutions already run in HF32 (torch_npu's default), 2x faster in bf16" if convs else ""))
-        change = ("Wrap forward and loss in torch.autocast('npu', dtype=torch.bfloat16), or allow HF32 for "
+        change = (f"Wrap {view.autocast_scope} in torch.autocast('npu', dtype=torch.bfloat16), or allow HF32 for "
                   "matmuls: torch.npu.matmul.allow_hf32 = True (convolutions use HF32 by default already).")
     else:
         title = "float32 convolutions could run in bf16"
         gain = ("torch_npu already runs float32 convolutions in HF32 (torch.npu.conv.allow_hf32 is True by "
                 "default); fp16/bf16 would be 2x faster again (roofline model)")
-        change = "Wrap forward and loss in torch.autocast('npu', dtype=torch.bfloat16)."
+        change = f"Wrap {view.autocast_scope} in torch.autocast('npu', dtype=torch.bfloat16)."
     return Finding(
         rule="fp32-matmul", title=title, severity="medium",
         summary=f"{len(rows)} float32 matmul/conv call(s) take {share:.0f}% of op time; {gain}",
@@ -434,6 +452,9 @@ class FusedPattern:
     code: str                          # the replacement, runnable as printed with the names `where` gives
     where: str                         # what each name of `code` is, in the user's terms
     max_gap: int = 2  # unrelated ops tolerated between two pattern steps
+    # each step reads the previous step's output (the data flow, where the profile records it): without
+    # it a SiLU feeding a Linear, then an unrelated multiply, matched by name and order alone
+    follows_data: bool = False
 
     @property
     def change(self) -> str:
@@ -469,6 +490,7 @@ FUSED_PATTERNS = (
         "npu_swiglu", "torch_npu.npu_swiglu(torch.cat([gate, up], dim=-1), dim=-1)",
         "gate is the tensor under SiLU and up the one it multiplies (better still: one Linear of twice "
         "the width computing both, so the cat goes)",
+        follows_data=True,
     ),
     FusedPattern(
         "fused-attention", "Attention written out (matmul-softmax-matmul) -> torch_npu.npu_fusion_attention",
@@ -490,8 +512,9 @@ FUSED_PATTERNS = (
 )
 
 
-def _find_pattern(names: list[str], pattern: FusedPattern) -> list[int]:
-    """Start positions where the pattern's steps occur in order, each within max_gap ops."""
+def _find_pattern(names: list[str], pattern: FusedPattern, linked=None) -> list[int]:
+    """Start positions where the pattern's steps occur in order, each within max_gap ops (and, given
+    linked(i, j), each step's op at j reading the output of the previous one's at i)."""
     starts = []
     first = pattern.steps[0]
     i = 0
@@ -499,7 +522,8 @@ def _find_pattern(names: list[str], pattern: FusedPattern) -> list[int]:
         if names[i] in first:
             pos, ok = i, True
             for allowed in pattern.steps[1:]:
-                nxt = next((j for j in range(pos + 1, min(pos + 2 + pattern.max_gap, len(names))) if names[j] in allowed), None)
+                nxt = next((j for j in range(pos + 1, min(pos + 2 + pattern.max_gap, len(names)))
+                            if names[j] in allowed and (linked is None or linked(pos, j))), None)
                 if nxt is None:
                     ok = False
                     break
@@ -519,16 +543,21 @@ def rule_fused_patterns(view: ProfileView) -> list[Finding]:
     for r in rows.tolist():
         by_thread[int(table.thread[r])].append(r)
     for pattern in FUSED_PATTERNS:
+        by_data = pattern.follows_data and view.data_flow
         hits: list[int] = []
         for thread_rows in by_thread.values():
             names = [view.names[r] for r in thread_rows]
-            hits += [thread_rows[s] for s in _find_pattern(names, pattern)]
+            linked = (lambda i, j, rows=thread_rows: rows[i] in view.sources(rows[j])) if by_data else None
+            hits += [thread_rows[s] for s in _find_pattern(names, pattern, linked)]
         if not hits:
             continue
+        order_only = (" (matched by op order only: this profile records no data flow; re-record it to check that "
+                      "each op reads the previous one's output)" if pattern.follows_data and not by_data else "")
         findings.append(Finding(
             rule=pattern.rule, title=pattern.title, severity="medium",
             summary=f"{len(hits)} occurrence(s) ({view.per_step(len(hits))}) of "
-                    + " -> ".join("/".join(sorted(n.split("::")[1] for n in step)) for step in pattern.steps),
+                    + " -> ".join("/".join(sorted(n.split("::")[1] for n in step)) for step in pattern.steps)
+                    + order_only,
             evidence=view.top_lines(hits, 5),
             change=pattern.change,
         ))
@@ -570,6 +599,7 @@ def _step_time_ns(view: ProfileView, only_step: int | None = None) -> float:
     """Time of the recorded steps (their ProfilerStep ranges), or of one of them."""
     table = view.table
     is_step = (table.kind == KIND_ANNOTATION) & np.char.startswith(view.names.astype(str), STEP_PREFIX)
+    is_step &= table.step >= 0  # not the setup's range before the first step, nor the end's after the last
     if only_step is not None:
         is_step &= table.step == only_step
     return float(table.dur_ns[is_step].sum())
@@ -578,7 +608,8 @@ def _step_time_ns(view: ProfileView, only_step: int | None = None) -> float:
 def rule_dataloader_wait(view: ProfileView) -> Finding | None:
     table = view.table
     names = view.names.astype(str)
-    rows = np.flatnonzero((table.kind == KIND_ANNOTATION) & np.char.startswith(names, DATALOADER_PREFIX))
+    rows = np.flatnonzero((table.kind == KIND_ANNOTATION) & np.char.startswith(names, DATALOADER_PREFIX)
+                          & view.in_steps)
     step_ns = _step_time_ns(view)
     if not len(rows) or step_ns <= 0:
         return None
@@ -599,14 +630,14 @@ def rule_dataloader_wait(view: ProfileView) -> Finding | None:
 
 def rule_gc_pauses(view: ProfileView) -> Finding | None:
     table = view.table
-    is_gc = table.kind == KIND_GC
+    is_gc = (table.kind == KIND_GC) & view.in_steps
     steps = view.steps
     step_ns = _step_time_ns(view)
     # The first recorded step is warm-up when two more follow, as for dynamic-shapes: under npu-run
     # --profile it holds the script's imports and model building (transformers' import collects
     # hundreds of times), which are not pauses of the loop.
     recorded = table.op_steps()
-    if len(recorded) >= 3:
+    if len(recorded) >= 3 and table.meta.get("setup_step") is None:  # else the recording left it out already
         warm_up = recorded[0]
         is_gc &= table.step != warm_up
         steps -= 1
@@ -615,7 +646,7 @@ def rule_gc_pauses(view: ProfileView) -> Finding | None:
     if not len(rows):
         return None
     gc_ns = float(table.dur_ns[rows].sum())
-    step_ns = step_ns or float(table.dur_ns[table.parent < 0].sum()) or 1.0
+    step_ns = step_ns or float(table.dur_ns[(table.parent < 0) & view.in_steps].sum()) or 1.0
     longest = float(table.dur_ns[rows].max())
     share = 100 * gc_ns / step_ns
     # Young-generation collections are short and frequent: only a real share or one long pause counts.

@@ -210,6 +210,8 @@ def cluster_summary(loaded: LoadedRanks) -> Cluster:
         # Recorded from the start of the run (no --profile-steps): step 0 holds the imports, the model's
         # building and the rendezvous, whose length differs by rank and is no step time.
         left_out, common = 0, common[1:]
+    elif data and all(t.meta.get("setup_step") == 0 for t in loaded.tables.values()):
+        left_out = 0  # the recording left it out already (npukit since #32: setup is no step)
     calls, collective_rows, waits = _match_collectives(data, warnings)
     per_rank = [_rank_split(d, common or d.steps, waits[i]) for i, d in enumerate(data)]
     in_steps = [call for call in calls if not common or call["step"] in common]

@@ -46,6 +46,9 @@ AUTOGRAD_NODE_PREFIX = "autograd::engine::evaluate_function: "
 COLLECTIVE_PREFIXES = ("gloo:", "nccl:", "hccl:")
 # table.meta key (never saved): [(start ns since the epoch, gloo's name, the name asked for)]
 RENAMED_COLLECTIVES = "renamed_collectives"
+# table.meta key (never saved): [(start, end ns since the epoch, thread, module)] of each outermost
+# nn.Module call (one not inside another module's call), from the Python tracer (module: its address)
+FORWARD_CALLS = "forward_calls"
 
 
 @lru_cache(maxsize=4096)
@@ -182,7 +185,13 @@ def table_from_profiler(prof, module_names: dict[int, str] | None = None, meta: 
     backward_rows: list[tuple[int, int]] = []  # (row, sequence number of its autograd node)
     inherited_flops: dict[int, float] = {}  # top-level row -> FLOPs of its costed descendants
     step_ranges: list[tuple[int, int, int]] = []
+    forward_calls: list[tuple[int, int, int, int]] = []
+    # data flow (see _resolve_sources): storages written (time, pointer, top-level row) and read
+    # (time, top-level row, tensor input index, pointer)
+    writes: list[tuple[int, int, int]] = []
+    reads: list[tuple[int, int, int, int]] = []
     torch_op, py_call, py_ccall = _EventType.TorchOp, _EventType.PyCall, _EventType.PyCCall
+    allocation = _EventType.Allocation
     unreadable, first_error = 0, ""
 
     # Context per pending event: (parent row, stack, module, phase, top row, costed, autograd seq,
@@ -215,9 +224,17 @@ def table_from_profiler(prof, module_names: dict[int, str] | None = None, meta: 
                         elif is_user_file(callee[0]):
                             framework = False
                 if tag == py_call and fields.module is not None:
+                    if module is None:
+                        forward_calls.append((event.start_time_ns, event.end_time_ns,
+                                              threads.setdefault(event.start_tid, len(threads)),
+                                              fields.module.self_ptr))
                     module = module_names.get(fields.module.self_ptr, fields.module.cls_name)
                     if phase == PHASE_OTHER:
                         phase = PHASE_FORWARD
+            elif tag == allocation:
+                fields = event.extra_fields
+                if fields.alloc_size > 0 and fields.ptr:
+                    writes.append((event.start_time_ns, fields.ptr, top_row))
             elif tag == torch_op:
                 fields = event.extra_fields
                 try:
@@ -273,6 +290,7 @@ def table_from_profiler(prof, module_names: dict[int, str] | None = None, meta: 
                     if seq >= 0 and phase != PHASE_BACKWARD:
                         forward_by_seq.setdefault(seq, []).append((thread, row))
                     if is_top:
+                        _note_storages(row, name, start, start + duration, fields.inputs, writes, reads)
                         top_row, costed = row, flops > 0
                     elif flops > 0 and not costed:
                         inherited_flops[top_row] = inherited_flops.get(top_row, 0.0) + flops
@@ -299,14 +317,68 @@ def table_from_profiler(prof, module_names: dict[int, str] | None = None, meta: 
                 if builder.get(forward, column) >= 0:
                     builder.set(row, column, builder.get(forward, column))
 
+    meta = dict(meta or {}, **{FORWARD_CALLS: forward_calls})
     if unreadable:
-        meta = dict(meta or {}, unreadable_events=unreadable, unreadable_error=first_error)
+        meta.update(unreadable_events=unreadable, unreadable_error=first_error)
+    meta["data_flow"] = bool(getattr(prof, "profile_memory", False))  # allocations recorded
     table = builder.build(meta)
     _assign_steps(table, step_ranges)
-    _sort_by_start(table)
+    new_index = _sort_by_start(table)
+    _set_sources(table, _resolve_sources(writes, reads), new_index)
     _name_collectives_as_asked(table)
     _nest_in_annotations(table)
     return table
+
+
+def _note_storages(row: int, name: str, start: int, end: int, inputs, writes: list, reads: list) -> None:
+    """A top-level op's reads of its tensor inputs' storages (by input index, as the shapes text counts
+    them; a tensor list is not followed) and, for an in-place op (aten::silu_), its write of its first
+    input's storage at its end. Its outputs' storages are the allocations made inside it."""
+    index = 0
+    for item in inputs:
+        group = item if isinstance(item, list) else [item]
+        metas = [m for m in group if hasattr(m, "sizes")]
+        if not metas:
+            continue
+        if not isinstance(item, list) and metas[0].storage_data_ptr:
+            pointer = metas[0].storage_data_ptr
+            reads.append((start, row, index, pointer))
+            if index == 0 and name.endswith("_") and not name.startswith("aten::_"):
+                writes.append((end, pointer, row))
+        index += 1
+
+
+def _resolve_sources(writes: list[tuple[int, int, int]], reads: list[tuple[int, int, int, int]]) -> dict[int, dict[int, int]]:
+    """{row: {input index: the top-level row that last wrote the storage it read}}, in time order: an
+    address is reused once freed, so the writer is the last one before the read. A view shares its
+    base's storage, so data flows through views."""
+    events = sorted([(time, 1, pointer, writer, 0) for time, pointer, writer in writes]
+                    + [(time, 0, pointer, row, index) for time, row, index, pointer in reads])
+    writer_of: dict[int, int] = {}
+    sources: dict[int, dict[int, int]] = {}
+    for _, is_write, pointer, row, index in events:
+        if is_write:
+            writer_of[pointer] = row  # -1: allocated outside any op (a Python scalar wrapped)
+        else:
+            writer = writer_of.get(pointer, -1)
+            if writer >= 0 and writer != row:
+                sources.setdefault(row, {})[index] = writer
+    return sources
+
+
+def _set_sources(table: EventTable, sources: dict[int, dict[int, int]], new_index: np.ndarray | None) -> None:
+    """The sources_id column: per top-level op, "d1,d2,...", d rows back to each input's writer."""
+    if not sources or new_index is None:
+        return
+    pool = {text: i for i, text in enumerate(table.strings)}
+    for row, by_input in sources.items():
+        at = int(new_index[row])
+        text = ",".join(str(at - int(new_index[by_input[i]])) if i in by_input else ""
+                        for i in range(max(by_input) + 1))
+        if text not in pool:
+            pool[text] = len(table.strings)
+            table.strings.append(text)
+        table.sources_id[at] = pool[text]
 
 
 def _node_creators(forward_by_seq: dict[int, list[tuple[int, int]]]) -> dict[int, int]:
@@ -400,10 +472,39 @@ def _assign_steps(table: EventTable, step_ranges: list[tuple[int, int, int]]) ->
     table.step[:] = np.where(inside, numbers[np.maximum(slot, 0)], -1)
 
 
-def _sort_by_start(table: EventTable) -> None:
-    """Order rows by start time, remap parents, and make times relative to the first event."""
+def assign_forward_steps(table: EventTable, calls: list[tuple[int, int, int, int]]) -> bool:
+    """Steps of a run without optimizer steps (inference, serving), from the model's calls (FORWARD_CALLS):
+    a step runs from the start of one call to the start of the next; what runs before the first call
+    (loading the weights, moving the model to the device) is no step, nor what runs from the last call
+    on (its step's end is not known: the run's end follows it, a final print or saving). The model is the module called outermost most often (the first called of equals; a loss
+    module called beside it is not the model), never inside DataLoader.__next__ (a Dataset's nn.Module
+    transform runs per sample). False, the table unchanged, when no module was called."""
+    origin = table.meta.get("origin_ns")
+    if not calls or not isinstance(origin, int) or not len(table):
+        return False
+    names = table.string_array()[table.name_id].astype(str)
+    pipeline = np.flatnonzero((table.kind == KIND_ANNOTATION) & np.char.startswith(names, DATALOADER_PREFIX))
+    ranges = [(int(table.thread[r]), int(table.start_ns[r]), int(table.start_ns[r] + table.dur_ns[r])) for r in pipeline]
+    kept = [(start - origin, end - origin, module) for start, end, thread, module in calls
+            if not any(t == thread and low <= start - origin < high for t, low, high in ranges)]
+    if not kept:
+        return False
+    counts: dict[int, int] = {}
+    for _, _, module in kept:
+        counts[module] = counts.get(module, 0) + 1
+    first_called = {module: index for index, (_, _, module) in reversed(list(enumerate(kept)))}
+    model = max(counts, key=lambda module: (counts[module], -first_called[module]))
+    starts = np.array(sorted(start for start, _, module in kept if module == model), dtype=np.int64)
+    slot = np.searchsorted(starts, table.start_ns, side="right") - 1
+    table.step[:] = np.where((slot >= 0) & (slot < len(starts) - 1), slot, -1)
+    return True
+
+
+def _sort_by_start(table: EventTable) -> np.ndarray | None:
+    """Order rows by start time, remap parents, and make times relative to the first event. Returns
+    each old row's new index."""
     if not len(table):
-        return
+        return None
     order = np.argsort(table.start_ns, kind="stable")  # stable: a parent stays before its children
     new_index = np.empty_like(order)
     new_index[order] = np.arange(len(order))
@@ -413,3 +514,4 @@ def _sort_by_start(table: EventTable) -> None:
     origin = int(table.start_ns[0])
     table.meta["origin_ns"] = origin
     table.start_ns -= origin
+    return new_index

@@ -29,7 +29,13 @@ from pathlib import Path
 
 from npukit.errors import UserError
 from npukit.files import check_output_location, output_folder, refuse_links_inside
-from npukit.profiler.extract import GC_ANNOTATION_PREFIX, RENAMED_COLLECTIVES, table_from_profiler
+from npukit.profiler.extract import (
+    FORWARD_CALLS,
+    GC_ANNOTATION_PREFIX,
+    RENAMED_COLLECTIVES,
+    assign_forward_steps,
+    table_from_profiler,
+)
 from npukit.profiler.table import EVENTS_FILE, META_FILE, EventTable, write_meta
 from npukit.watch.steps import TrainingSteps
 
@@ -100,11 +106,17 @@ def _patch_trace_end(trace: Path, final: Path, distributed_info: dict) -> None:
         handle.write(tail)
 
 
+# c10's CPU allocator logs this once per process, when a block allocated before a recording of
+# allocations started is freed during it: a note about the profiler's bookkeeping, not the user's run
+_UNKNOWN_BLOCK_NOTE = b"Memory block of unknown size was allocated before the profiling started"
+
+
 @contextlib.contextmanager
 def _without_kineto_markers():
     """libkineto writes `USDT: ... profiler_start` / `profiler_stop` trace markers to stderr each
     time a recording starts or stops; no KINETO_LOG_LEVEL hides them without hiding its errors too.
-    Around those calls stderr is caught and every other line passed on."""
+    Around those calls stderr is caught and every other line passed on; c10's once-per-process note
+    about blocks allocated before a recording (see _recording_may_start) is dropped too."""
     try:
         sys.stderr.flush()
         saved = os.dup(2)
@@ -121,9 +133,22 @@ def _without_kineto_markers():
             os.dup2(saved, 2)
             os.close(saved)
             caught.seek(0)
-            kept = [line for line in caught.read().splitlines(keepends=True) if not line.startswith(b"USDT:")]
+            kept = [line for line in caught.read().splitlines(keepends=True)
+                    if not line.startswith(b"USDT:") and _UNKNOWN_BLOCK_NOTE not in line]
             if kept:
                 os.write(2, b"".join(kept))
+
+
+@contextlib.contextmanager
+def _recording_may_start():
+    """Around a call that may start recording allocations: a block allocated before it is freed after
+    it, so that c10's note about such blocks is written (once per process) where it is caught."""
+    import torch
+
+    older = torch.empty(1)
+    with _without_kineto_markers():
+        yield
+        del older
 
 
 P2P_PREFIX = "npukit.p2p:"  # "npukit.p2p:send:3", "npukit.p2p:recv:0", "npukit.p2p:recv:any"
@@ -435,6 +460,7 @@ class ProfileSession:
                 record_shapes=self.record_shapes,
                 with_stack=self.with_stack,
                 with_flops=True,
+                profile_memory=True,  # the allocations: which op's output each op reads (data flow)
                 on_trace_ready=self._on_trace_ready,
                 schedule=step_schedule,
             )
@@ -498,7 +524,7 @@ class ProfileSession:
         if self._profiler is None:  # paused for a tensor swap: the next step is recorded again
             self._start_recording()
             return
-        with _without_kineto_markers():
+        with _recording_may_start():
             self._profiler.step()
 
     def _start_recording(self) -> None:
@@ -506,7 +532,7 @@ class ProfileSession:
         self._profiler = self._new_profiler()
         self._profiler.step_num = self.steps_taken
         self._profiler.current_action = self._profiler.schedule(self.steps_taken)
-        with _without_kineto_markers():
+        with _recording_may_start():
             self._profiler.__enter__()
 
     def _pause_recording(self) -> None:
@@ -560,7 +586,18 @@ class ProfileSession:
             hint = "" if self.steps_taken else " (no optimizer.step() call; use the Python API and call .step())"
             print(f"npukit.profiler: no profile written to {self.directory}: {why}{hint}", file=sys.stderr)
             return False
+        forward_calls = [call for part in self.tables for call in part.meta.pop(FORWARD_CALLS, [])]
         table = EventTable.concat(self.tables)
+        step_source = "explicit" if self._explicit_steps or not self.auto_steps else "optimizer.step"
+        setup_step = None
+        if self.schedule is None and step_source == "optimizer.step":  # a whole run, its steps found
+            if self.steps_taken:
+                # up to the first optimizer step: building and loading the model, moving it to the
+                # device, the first step's one-time costs. It is setup, no step.
+                setup_step = 0
+                table.step[table.step == setup_step] = -1
+            elif assign_forward_steps(table, forward_calls):
+                step_source = "forward"
         steps = table.op_steps()
         meta = {
             "schema": 1,
@@ -571,10 +608,12 @@ class ProfileSession:
             "command": sys.argv,
             "schedule": None if self.schedule is None else self.schedule.__dict__,
             "steps": steps,
-            "step_source": "explicit" if self._explicit_steps or not self.auto_steps else "optimizer.step",
+            "step_source": step_source,
+            "setup_step": setup_step,
             "events": len(table),
             "traces": self.traces,
             "with_stack": self.with_stack,
+            "data_flow": all(part.meta.get("data_flow") for part in self.tables),
             # the clock of start_ns 0 (the profiler's, ns since the epoch): lines the ranks up in time
             "origin_ns": table.meta.get("origin_ns"),
         }

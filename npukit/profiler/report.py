@@ -58,7 +58,9 @@ def _compact_dtypes(text: str) -> str:
 def print_summary(summary: Summary, console: Console, top: int) -> None:
     title = (
         f"Top {min(top, len(summary.rows))} of {len(summary.rows)} by self time, grouped by {summary.group_by}"
-        f" ({summary.op_events:,} op events, {summary.steps} step(s), total self {_us(summary.total_self_us)})"
+        f" ({summary.op_events:,} op events, {summary.steps} step(s), total self {_us(summary.total_self_us)}"
+        + (f"; {_us(summary.outside_steps_us)} before the first step (setup) and after the last not counted"
+           if summary.outside_steps_us else "") + ")"
     )
     table = Table(title=title, title_justify="left")
     first = {"op": "op", "shape": "op", "module": "module", "stack": "user line"}[summary.group_by]

@@ -35,6 +35,7 @@ class Summary:
     # collectives as their process group ran them, per name (on their own threads: not in `rows`)
     communication: list[dict] = field(default_factory=list)
     communication_exposed_us: float = 0.0  # time a collective ran while no op ran on any other thread
+    outside_steps_us: float = 0.0  # op self time before the first step (setup) and after the last, not counted
 
 
 def find_profile(path: Path, rank: int | None = None) -> Path:
@@ -101,7 +102,8 @@ def summarize(table: EventTable, group_by: str = "op", chip: Chip | None = None)
     """Per group: calls, self and total time, average, share, FLOPs, bytes, shapes, dtypes
     (and the estimated NPU time when a chip is given)."""
     keys_all = group_keys(table, group_by)
-    is_op = table.kind == KIND_OP
+    is_any_op = table.kind == KIND_OP
+    is_op = is_any_op & table.in_steps()
     self_all = table.self_ns()
     # Total time counts a row unless its parent is in the same group (nested aten::sum in aten::sum).
     parent = table.parent
@@ -191,13 +193,15 @@ def summarize(table: EventTable, group_by: str = "op", chip: Chip | None = None)
         op_events=int(is_op.sum()), chip=chip.name if chip else None, warnings=warnings,
         phase_self_us={PHASE_NAMES[i]: round(float(v), 3) for i, v in enumerate(by_phase) if v > 0},
         communication=collectives, communication_exposed_us=exposed_us,
+        outside_steps_us=round(float(self_all[is_any_op & ~is_op].sum()) / 1e3, 3),
     )
 
 
 def communication(table: EventTable) -> tuple[list[dict], float]:
     """Per collective name: calls and time as the process group ran it; and the exposed time, when
-    a collective ran and no op ran on any compute thread (the step waited for it)."""
-    rows = np.flatnonzero(table.kind == KIND_COMM)
+    a collective ran and no op ran on any compute thread (the step waited for it). Over the steps: not
+    the setup's collectives (DDP's first broadcast waits for the slowest rank's start)."""
+    rows = np.flatnonzero((table.kind == KIND_COMM) & table.in_steps())
     if not len(rows):
         return [], 0.0
     strings = table.string_array()
@@ -282,8 +286,8 @@ class EstimateRow:
 def estimate_table(table: EventTable, chip: Chip) -> tuple[list[EstimateRow], float]:
     """Top-level ops grouped by (op, shapes, dtypes) with their estimated NPU time, largest first.
 
-    Returns the rows and the estimated total per step (microseconds)."""
-    rows_idx = np.flatnonzero((table.kind == KIND_OP) & table.top_level)
+    Returns the rows and the estimated total per step (microseconds), over the steps' ops."""
+    rows_idx = np.flatnonzero((table.kind == KIND_OP) & table.top_level & table.in_steps())
     if not len(rows_idx):
         return [], 0.0
     dtypes = op_dtypes(table, rows_idx)

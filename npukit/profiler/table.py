@@ -49,8 +49,8 @@ _INT_COLUMNS = {
 }
 _TIME_COLUMNS = {"start_ns": np.int64, "dur_ns": np.int64}
 _COST_COLUMNS = {"flops": np.float64, "bytes": np.float64, "top_level": np.bool_}
-# Columns that tables recorded by an earlier npukit lack: read as all False.
-_ADDED_COLUMNS = {"framework": np.bool_}
+# Columns that tables recorded by an earlier npukit lack: read as all False, or (ids) all -1, "none".
+_ADDED_COLUMNS = {"framework": np.bool_, "sources_id": np.int32}
 COLUMN_DTYPES = {**_INT_COLUMNS, **_TIME_COLUMNS, **_COST_COLUMNS, **_ADDED_COLUMNS}
 
 
@@ -63,6 +63,9 @@ class EventTable:
     for NPU time estimates). flops/bytes: this op's own cost estimate (0 when unknown).
     framework: an op that torch.distributed's own Python (FSDP sharding and gathering parameters,
     DDP's helpers) or the emulated hccl group called: real work, but not the user's code to change.
+    sources_id: of a top-level op, where each tensor input came from, as "d1,d2,...": d rows back to
+    the top-level op that wrote its storage (allocated it, or changed it in place), empty when not
+    known (data flow, from the allocations a profile records; meta "data_flow").
     """
 
     strings: list[str]
@@ -84,6 +87,7 @@ class EventTable:
     bytes: np.ndarray
     top_level: np.ndarray
     framework: np.ndarray
+    sources_id: np.ndarray
     meta: dict = field(default_factory=dict)
 
     def __len__(self) -> int:
@@ -104,6 +108,13 @@ class EventTable:
         """Recorded steps that ran at least one op (a trailing empty ProfilerStep range is not a step)."""
         steps = self.step[(self.kind == KIND_OP) & (self.step >= 0)]
         return np.unique(steps).tolist()
+
+    def in_steps(self) -> np.ndarray:
+        """Rows inside the recorded steps, or every row when there are none. Per-step figures count
+        these: not the setup before the first step (the model loaded and moved to the device) nor
+        what runs after the last one (saving, a final print)."""
+        inside = self.step >= 0
+        return inside if inside.any() else np.ones(len(self), dtype=bool)
 
     def self_ns(self) -> np.ndarray:
         """Self time = duration minus the durations of direct children (one bincount)."""
@@ -136,7 +147,8 @@ class EventTable:
                     raise UserError(f"{path}: event table schema {version}, this npukit reads schema {SCHEMA_VERSION}; re-record the profile")
                 columns = {name: data[name] for name in cls.column_names() if name not in _ADDED_COLUMNS or name in data}
                 rows = len(columns["name_id"])
-                columns.update({name: np.zeros(rows, dtype) for name, dtype in _ADDED_COLUMNS.items() if name not in columns})
+                columns.update({name: np.full(rows, -1 if name.endswith("_id") else 0, dtype)
+                                for name, dtype in _ADDED_COLUMNS.items() if name not in columns})
                 strings = data["strings"].tolist()
         except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as exc:
             reason = str(exc) or type(exc).__name__
@@ -257,6 +269,7 @@ class TableBuilder:
         nbytes: float = 0.0,
         top_level: bool = False,
         framework: bool = False,
+        sources: str | None = None,
     ) -> int:
         rows = self._rows
         row = len(rows["name_id"])
@@ -278,6 +291,7 @@ class TableBuilder:
         rows["bytes"].append(nbytes)
         rows["top_level"].append(top_level)
         rows["framework"].append(framework)
+        rows["sources_id"].append(self.intern(sources))
         return row
 
     def set(self, row: int, column: str, value) -> None:

@@ -82,8 +82,10 @@ def npu_device():
 
 REPO = Path(__file__).resolve().parents[2]
 # The straggler fixture's rank 1 sleeps this long before each forward: long against what a busy
-# shared machine adds to an all_reduce of 1 MB (10-20 ms seen), which the sleeping rank pays too.
-SLEEP_US = 100_000
+# shared machine adds to an all_reduce of 1 MB (10-20 ms seen), which the sleeping rank pays too
+# (at 100 ms that was 10% of its step, the collective-wait rule's threshold, once the start-up was
+# no longer counted as a step).
+SLEEP_US = 200_000
 DDP_SCRIPT = f"""
 import os, sys, time, torch, torch.distributed as dist, torch.nn as nn
 dist.init_process_group("hccl")

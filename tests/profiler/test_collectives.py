@@ -23,10 +23,11 @@ def test_collectives_of_every_rank_are_in_its_summary(straggler_profile):
     for rank in (0, 1):
         summary = summarize(load_profile(straggler_profile / f"rank{rank}"))
         collectives = {row["collective"]: row for row in summary.communication}
-        # one all_reduce bucket per step at least, as gloo ran it; DDP's start broadcasts the weights
-        assert collectives["gloo:all_reduce"]["calls"] >= 4
+        # one all_reduce bucket per step at least, as gloo ran it (steps 1-3: step 0 is the setup);
+        # DDP's start, where it checks the parameters' shapes across ranks, is setup, not a step's
+        assert collectives["gloo:all_reduce"]["calls"] >= 3
         assert collectives["gloo:all_reduce"]["total_us"] > 0
-        assert "gloo:broadcast" in collectives
+        assert "gloo:all_gather" not in collectives
         assert all(row["group"] != "gloo:all_reduce" for row in summary.rows)  # not an op of the step's threads
 
 
