@@ -9,7 +9,7 @@ import libcst as cst
 from npukit.migrate.codemods.base import NpuCodemod, called_name, split_arguments
 from npukit.migrate.codemods.device_values import source
 from npukit.migrate.codemods.strings import literal_string
-from npukit.migrate.pysource_model import string_value
+from npukit.migrate.pysource_model import last_name, string_value
 from npukit.migrate.rules import Flag
 
 CONFIG = "BitsAndBytesConfig"
@@ -50,7 +50,7 @@ class BitsAndBytesQuantisation(NpuCodemod):
 
     @classmethod
     def candidates(cls, model) -> list:
-        found = [call for call in model.calls if _ast_called_name(call.func) == CONFIG or any(
+        found = [call for call in model.calls if last_name(call.func) == CONFIG or any(
             is_quantisation_keyword(keyword.arg) and not _is_off(keyword.value) for keyword in call.keywords)]
         found += [node for node in model.dicts if any(
             is_quantisation_keyword(string_value(key)) and not _is_off(value)
@@ -88,10 +88,6 @@ class BitsAndBytesQuantisation(NpuCodemod):
                 key = literal_string(subscript.slice[0].slice.value)
                 if is_quantisation_keyword(key):
                     self.flag(node, BNB_KEYWORD, reason=f"`{key}` {BNB_KEYWORD.reason}")
-
-
-def _ast_called_name(func: ast.AST) -> str | None:
-    return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
 
 
 def _is_off(value: ast.AST) -> bool:
