@@ -33,7 +33,6 @@ script without an optimizer ends a step when its first root module starts a new 
 from __future__ import annotations
 
 import contextlib
-import gc
 import math
 import os
 import re
@@ -69,6 +68,7 @@ from npukit.console import number_ranges
 from npukit.errors import UserError
 from npukit.files import check_output_location
 from npukit.watch.scaler_steps import GradScalerStepWatch
+from npukit.watch.steps import ForwardSteps
 
 ACTIONS = ("report", "dump", "stop")
 LEVELS = ("api", "module")
@@ -399,9 +399,8 @@ class OverflowSession:
         self._optimizer_steps = 0
         self._scaler_steps = GradScalerStepWatch(lambda: self._active, self._before_scaler_step,
                                                  self._after_scaler_step)
-        self._optimizer_exists: bool | None = None
         self._optimizer_update: _OpRecord | None = None  # the running optimizer.step's, inputs checked
-        self._step_root: weakref.ref | None = None
+        self._forward_steps = ForwardSteps()  # without an optimizer: a step per new root forward
         self._paths = naming.ModulePaths()
         # (path, module, record (module level), flag value before the module ran)
         self._module_stack: list[tuple[str, object, _OpRecord | None, bool]] = []
@@ -521,7 +520,6 @@ class OverflowSession:
         self._auto_ended = self._auto_step
         self._read_mode()
         self._module_stack = []
-        self._step_root = None
         self.step_index += 1
 
     def _watch_collectives(self, watch: bool) -> None:
@@ -539,14 +537,6 @@ class OverflowSession:
         self._saturation = _saturation_mode()
         # Only a saturating device sets the flag: in INF_NAN mode no op needs bracketing.
         self._bracket = self._saturation and self._flag.per_op
-
-    def _optimizer_alive(self) -> bool:
-        if self._optimizer_exists is None:
-            # Asked once, at the second root forward of the first step: one gc scan, not per step.
-            # type(obj), not isinstance: isinstance reads __class__, which deprecated objects warn on.
-            optimizer = torch.optim.Optimizer
-            self._optimizer_exists = any(issubclass(type(obj), optimizer) for obj in gc.get_objects())
-        return self._optimizer_exists
 
     @unintercepted
     def _on_optimizer_pre_step(self, optimizer, args, kwargs) -> None:
@@ -649,13 +639,9 @@ class OverflowSession:
             if eager.runs_compiled(module):  # its modules' parameter gradients are still checked
                 self._module_path(module._orig_mod)
             return
-        if not self._module_stack and self._auto_step and self._optimizer_steps == 0:
-            root = self._step_root() if self._step_root is not None else None
-            if root is None:
-                self._step_root = weakref.ref(module)
-            elif root is module and not self._optimizer_alive():
-                self._end_step()
-                self._step_root = weakref.ref(module)
+        if (not self._module_stack and self._auto_step and self._optimizer_steps == 0
+                and self._forward_steps.new_step(module)):
+            self._end_step()
         path = self._module_path(module)
         record = None
         if self.level == "module" and self._checking:
