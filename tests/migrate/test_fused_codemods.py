@@ -179,7 +179,9 @@ def _joined(text: str) -> str:
 
 
 def test_the_flash_attention_rewrite_reads_as_torch_npu_documents_it():
-    text = migrate_python(ATTENTION, "attention.py", facts=FUSED).text
+    outcome = migrate_python(ATTENTION, "attention.py", facts=FUSED)
+    assert not outcome.findings  # every call and import was rewritten: nothing of flash_attn is left to report
+    text = outcome.text
     assert text.startswith(ATTENTION_MIGRATED)
     joined = _joined(text)
     mask = "torch.triu(torch.ones(2048, 2048, dtype=torch.bool, device={}.device), diagonal=1)"
@@ -407,6 +409,32 @@ def test_imports_go_only_with_their_last_use(source):
         assert "from flash_attn import flash_attn_with_kvcache\n" in outcome.text
     assert migrate_python(outcome.text, "model.py", facts=FUSED).text == outcome.text
 
+
+def test_cuda_code_in_an_argument_is_migrated_inside_the_rewrite_or_keeps_the_call():
+    source = textwrap.dedent('''\
+        import torch
+        from flash_attn import flash_attn_func
+        from apex.normalization import FusedRMSNorm
+
+
+        def scaled(q, k, v):
+            return flash_attn_func(q, k, v, softmax_scale=torch.cuda.device_count() * 0.5)
+
+
+        def moved(q, k, v):
+            return flash_attn_func(q, k, v.to("cuda"))
+
+
+        norm = FusedRMSNorm(torch.cuda.device_count()).cuda()
+        ''')
+    outcome = migrate_python(source, "model.py", facts=FUSED)
+    assert "q, k, v, q.shape[2], \"BSND\", scale=torch.npu.device_count() * 0.5)[0]" in _joined(outcome.text)
+    assert "norm = torch.nn.RMSNorm(torch.npu.device_count(), eps=1e-5).npu()" in outcome.text
+    # a device string the audit's device flows migrate in place: the call stays (migrated), and says why
+    assert "return flash_attn_func(q, k, v.to(\"npu\"))" in outcome.text and "from flash_attn import" in outcome.text
+    [kept] = [f for f in outcome.findings if f.line == 11]
+    assert "keeps it: an argument holds CUDA code" in kept.reason
+    assert "cuda" not in outcome.text  # nothing of CUDA left anywhere
 
 def test_a_call_in_code_kept_for_cuda_keeps_its_import():
     # dual-target code: the CUDA branch is kept as it is (DualTargetCode), so it still needs flash_attn

@@ -11,15 +11,19 @@ file's import table, so ThirdPartyCuda asks the same plans to tell, without `--f
 from __future__ import annotations
 
 import ast
+import dataclasses
+import re
 from dataclasses import dataclass
 
 import libcst as cst
 import libcst.matchers as matchers
 
 from npukit.migrate import rules
-from npukit.migrate.codemods.base import FROZEN_KEY, FileFacts, NpuCodemod, split_arguments
+from npukit.migrate.codemods.base import EDITS_KEY, FROZEN_KEY, FileFacts, NpuCodemod, split_arguments
 from npukit.migrate.codemods.scopes import dotted_name
+from npukit.migrate.pysource_model import apply_edits
 
+_CUDA_WORD = re.compile(r"cuda", re.IGNORECASE)
 MAX_LINE = 100  # a rewrite longer than this is wrapped inside its parentheses
 
 
@@ -69,8 +73,19 @@ def literal(node: cst.BaseExpression | None, facts: FileFacts):
 
 
 def source(node: cst.CSTNode, facts: FileFacts) -> str:
-    """The node's exact text in the file, with its own parentheses (outside its syntactic extent)."""
-    return facts.module.code_for_node(node)
+    """The node's text in the file, with its own parentheses (outside its syntactic extent) and with
+    the other codemods' edits inside it (FileFacts.fused_inner_edits, set while a rewrite is made:
+    `.cuda()` or "cuda" in an argument is migrated in the copy the rewrite makes of it)."""
+    text = facts.module.code_for_node(node)
+    edits = getattr(facts, "fused_inner_edits", ())
+    start, end = facts.span(node) if edits else (0, 0)
+    inner = [edit for edit in edits if start <= edit.start and edit.end <= end]
+    if not inner:
+        return text
+    core = facts.positions.text[start:end]
+    edited = apply_edits(core, [dataclasses.replace(edit, start=edit.start - start, end=edit.end - start)
+                                for edit in inner])
+    return text.replace(core, edited, 1)
 
 
 def is_pure(node: cst.BaseExpression) -> bool:
@@ -251,14 +266,33 @@ class FusedCodemod(NpuCodemod):
 
     def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> None:
         """The rewrites, once every codemod has seen the file: a call in code DualTargetCode keeps for
-        CUDA (frozen) is left, and so is the import it needs."""
+        CUDA (frozen) is left, and so is the import it needs; the other codemods' edits inside a call
+        (a `.cuda()` in an argument) are made in the copy of the arguments the rewrite writes."""
         frozen = self.context.scratch.get(FROZEN_KEY, [])
+        edits = self.context.scratch.get(EDITS_KEY, [])
         gone: set[int] = set()  # the names the replacements do not keep
         for call, plan in self._planned:
             start, end = self.facts.span(call)
             if any(low <= start and end <= high for low, high in frozen):
                 continue
-            self.replace_with_text(call, plan.text, self.RULE, needs_torch_npu=self.NEEDS_TORCH_NPU)
+            inner = [edit for edit in edits if start <= edit.start and edit.end <= end]
+            needs_torch_npu = self.NEEDS_TORCH_NPU
+            if inner:
+                self.facts.fused_inner_edits = sorted(inner, key=lambda edit: (edit.start, edit.end))
+                try:
+                    replanned = self.plan(call, self.facts)
+                    plan = replanned if replanned is not None and replanned.text is not None else plan
+                finally:
+                    del self.facts.fused_inner_edits
+                needs_torch_npu = needs_torch_npu or any(edit.needs_torch_npu for edit in inner)
+            if _CUDA_WORD.search(plan.text):  # a CUDA use a later stage (the audit's device flows) migrates in place
+                flag = rules.third_party_flag(self.facts.qualname(call.func) or "")
+                if flag is not None:
+                    self.flag(call, flag, reason=f"{flag.reason}; `npu-migrate --fused` keeps it: an argument holds "
+                                                 "CUDA code that is migrated where it stands, not inside the rewrite; "
+                                                 "run npu-migrate once without --fused, then with it")
+                continue
+            self.replace_with_text(call, plan.text, self.RULE, needs_torch_npu=needs_torch_npu)
             for part in (call.func, *plan.dropped):
                 gone.update(id(name) for name in matchers.findall(part, matchers.Name()))
         if gone:
