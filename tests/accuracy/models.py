@@ -100,3 +100,55 @@ class UnusualLayouts(nn.Module):
         dequantized = torch.quantize_per_tensor(y.detach(), 0.1, 0, torch.quint8).dequantize()
         nested = torch.nested.nested_tensor([y[0], y[1, :2]]) * 2
         return y.sum() + dequantized.sum() + nested.unbind()[0].sum()
+
+
+class LlamaBlock(nn.Module):
+    """A Llama-style block as Ascend code writes it: torch_npu's fused RMSNorm, rotary embedding and
+    SwiGLU, attention written out with a causal mask (optionally dropout), a LayerNorm and a GELU."""
+
+    def __init__(self, torch_npu, width: int, heads: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.torch_npu, self.heads, self.dropout = torch_npu, heads, dropout
+        self.norm = nn.Parameter(torch.ones(width))
+        self.qkv, self.out = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.ln = nn.LayerNorm(width)
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x, cos, sin, mask):
+        b, s, width = x.shape
+        h = self.torch_npu.npu_rms_norm(x, self.norm, epsilon=1e-6)[0]
+        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in self.qkv(h).chunk(3, dim=-1))
+        q, k = self.torch_npu.npu_rotary_mul(q, cos, sin), self.torch_npu.npu_rotary_mul(k, cos, sin)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+        weights = F.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
+        if self.dropout:
+            weights = F.dropout(weights, self.dropout)
+        x = x + self.out(torch.matmul(weights, v).transpose(1, 2).reshape(b, s, width))
+        return x + self.down(self.torch_npu.npu_swiglu(self.up(F.gelu(self.ln(x))), dim=-1))
+
+
+def dump_llama(out: Path, mode: str, *, width: int = 16, heads: int = 2, seq: int = 8, batch: int = 4,
+               blocks: int = 2, steps: int = 1, dropout: float = 0.0) -> None:
+    """Train LlamaBlocks in fp16 autocast on the emulated NPU for `steps` steps, dumped api by api
+    (DumpSession, mode "tensor" or "stats") into `out`."""
+    from npukit.npu_backend.torch_npu_shim import install_torch_npu
+
+    torch_npu = install_torch_npu()
+    torch.manual_seed(0)
+    layers = nn.ModuleList([LlamaBlock(torch_npu, width, heads, dropout) for _ in range(blocks)]).to("npu")
+    head = nn.Linear(width, 4).to("npu")
+    optimizer = torch.optim.SGD([*layers.parameters(), *head.parameters()], lr=0.01)
+    angles = torch.arange(seq, device="npu")[:, None] * torch.arange(1, width // heads // 2 + 1, device="npu")
+    cos, sin = (torch.cat([f(angles * 0.1)] * 2, -1)[None, None] for f in (torch.cos, torch.sin))
+    mask = torch.ones(seq, seq, dtype=torch.bool, device="npu").triu(1)
+    with DumpSession(out, level="api", mode=mode):
+        for _ in range(steps):
+            h = torch.randn(batch, seq, width, device="npu")
+            y = torch.randint(0, 4, (batch,), device="npu")
+            with torch.autocast("npu", dtype=torch.float16):
+                for layer in layers:
+                    h = layer(h, cos, sin, mask)
+                loss = F.cross_entropy(head(h.mean(1)), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
