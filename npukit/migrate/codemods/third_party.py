@@ -86,18 +86,28 @@ class ThirdPartyCuda(NpuCodemod):
         found += [node for node in model.strings if node.value == FLASH_ATTENTION_2 and id(node) not in model.docstrings]
         return found
 
+    def visit_Module(self, node: cst.Module) -> None:
+        self._deferred: list[cst.Import | cst.ImportFrom] = []
+
     def visit_Import(self, node: cst.Import) -> None:
         self._flag_import(node)
 
     def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
         self._flag_import(node)
 
-    def _flag_import(self, node: cst.Import | cst.ImportFrom) -> None:
+    def _flag_import(self, node: cst.Import | cst.ImportFrom, *, decided: bool = False) -> None:
+        if self.facts.tree.fused and not decided:
+            self._deferred.append(node)  # the --fused concerns say at the module's end which imports they remove
+            return
         if id(node) in self.facts.claimed:
             return  # removed by a --fused concern: every use it served was rewritten
         flag = _first_flag(imported_dotted_names(node), self.facts.tree.local_packages)
         if flag is not None:
             self.flag(node, flag)
+
+    def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> None:
+        for node in self._deferred:
+            self._flag_import(node, decided=True)
 
     def visit_Call(self, node: cst.Call) -> None:
         if id(node) in self.facts.claimed:
