@@ -23,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,13 @@ from npukit.profiler.table import EVENTS_FILE, META_FILE, EventTable, write_meta
 from npukit.watch.steps import TrainingSteps
 
 LARGE_PROFILE_EVENTS = 100_000
+# A whole-run profile (no schedule) ends its recording cycle at a step boundary once the process has
+# grown by this much since the cycle began: torch holds every event of a cycle until it ends (a
+# compiled nanoGPT's whole run: minutes at 7 GB once training was over). The cycle is read into the
+# compact table and its trace written, and the next one starts.
+CYCLE_GROWTH_BYTES = 2 << 30
+# and stops recording once the tables hold this many events (about 100 bytes each)
+MAX_EVENTS = 5_000_000
 TRACE_SUFFIX = ".pt.trace.json"  # torch.profiler.tensorboard_trace_handler's, which the viewers look for
 
 
@@ -137,6 +145,15 @@ def _without_kineto_markers():
                     if not line.startswith(b"USDT:") and _UNKNOWN_BLOCK_NOTE not in line]
             if kept:
                 os.write(2, b"".join(kept))
+
+
+def _resident_bytes() -> int | None:
+    """The process's resident memory (Linux); None where it cannot be read."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 @contextlib.contextmanager
@@ -425,6 +442,9 @@ class ProfileSession:
         self._stopping = False
         self._pausing = False
         self._run_failed = False  # the run ended early (an error, Ctrl-C, SIGTERM): say where its profile is
+        self._cycle_start_bytes: int | None = None  # the process's size when the recording cycle began
+        self._stopped: str | None = None  # why a whole-run profile stopped recording
+        self._not_recorded: list[int] = []  # the steps between two of its recording cycles
         self._new_profiler = None
         self._swaps = _SwapPause(lambda: self._profiler is not None, self._pause_recording)
 
@@ -451,8 +471,10 @@ class ProfileSession:
             step_schedule = schedule(wait=s.wait, warmup=s.warmup, active=s.active, repeat=s.repeat)
         else:
             # An explicit always-record schedule: without one torch does not mark ProfilerStep ranges.
+            # (Until the recording is stopped at its bound: see _bound_recording.)
             def step_schedule(step: int) -> ProfilerAction:
-                return ProfilerAction.RECORD
+                stopped = self._stopped or step in self._not_recorded
+                return ProfilerAction.NONE if stopped else ProfilerAction.RECORD
 
         def new_profiler():
             return profile(
@@ -524,14 +546,44 @@ class ProfileSession:
         if self._profiler is None:  # paused for a tensor swap: the next step is recorded again
             self._start_recording()
             return
-        with _recording_may_start():
+        ends_cycle = self.schedule is None and self._bound_recording()
+        with _recording_may_start(), warnings.catch_warnings():
+            # torch's note for key_averages() users when a cycle starts: each cycle is read as it ends here
+            warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle")
             self._profiler.step()
+        if ends_cycle:  # the cycle's events are freed: the next one grows from here
+            self._cycle_start_bytes = _resident_bytes()
+
+    def _bound_recording(self) -> bool:
+        """At a step's end in a whole-run profile: True when the process grew by CYCLE_GROWTH_BYTES since
+        the recording cycle began; the step that ends here then ends the cycle (torch reads it, it goes
+        into the table, its trace is written) and the step starting now is not recorded: the next cycle
+        starts after it. (Restarting at once, inside optimizer.step's profiler range, crashes torch.)
+        Once the tables hold MAX_EVENTS events, recording stops at this step, saying why."""
+        from torch.profiler import ProfilerAction
+
+        events = sum(len(table) for table in self.tables)
+        if self._stopped is None and events > MAX_EVENTS:
+            self._stopped = (f"at step {self.steps_taken}: the profile holds {events:,} events (npukit keeps at "
+                             f"most {MAX_EVENTS:,})")
+            print(f"npukit.profiler: stopped recording {self._stopped}; what was recorded is kept. Record a window "
+                  "of the run with --profile-steps wait,warmup,active (e.g. 5,1,3)", file=sys.stderr)
+        recording = self._profiler.current_action == ProfilerAction.RECORD
+        size = _resident_bytes()
+        if self._stopped or not recording or size is None or self._cycle_start_bytes is None:
+            return False
+        if size - self._cycle_start_bytes <= CYCLE_GROWTH_BYTES:
+            return False
+        self._profiler.current_action = ProfilerAction.RECORD_AND_SAVE
+        self._not_recorded.append(self.steps_taken)
+        return True
 
     def _start_recording(self) -> None:
         """Start a recording cycle whose steps are numbered on from the steps already taken."""
         self._profiler = self._new_profiler()
         self._profiler.step_num = self.steps_taken
         self._profiler.current_action = self._profiler.schedule(self.steps_taken)
+        self._cycle_start_bytes = _resident_bytes()
         with _recording_may_start():
             self._profiler.__enter__()
 
@@ -614,6 +666,8 @@ class ProfileSession:
             "traces": self.traces,
             "with_stack": self.with_stack,
             "data_flow": all(part.meta.get("data_flow") for part in self.tables),
+            "recording_stopped": self._stopped,
+            "steps_not_recorded": self._not_recorded,
             # the clock of start_ns 0 (the profiler's, ns since the epoch): lines the ranks up in time
             "origin_ns": table.meta.get("origin_ns"),
         }
