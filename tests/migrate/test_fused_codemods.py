@@ -472,6 +472,19 @@ def test_what_fused_does_not_take_is_left_byte_identical(source):
     assert outcome.text == migrate_python(source, "model.py").text
 
 
+@pytest.mark.parametrize(("source", "reason"), [
+    ("from flash_attn import flash_attn_with_kvcache\nout = flash_attn_with_kvcache(q, k_cache, v_cache)\n",
+     "flash_attn_with_kvcache is an inference kernel"),
+    ("from apex.optimizers import FusedLAMB\nopt = FusedLAMB(params)\n", "LAMB: no torch optimizer computes it"),
+    ("import apex\nnorm = apex.normalization.MixedFusedRMSNorm(64)\n", "apex's MixedFusedRMSNorm takes fp16/bf16 inputs"),
+])
+def test_calls_fused_never_takes_say_why_with_or_without_it(source, reason):
+    for facts in (TreeFacts(), FUSED):
+        outcome = migrate_python("import torch\n" + source, "model.py", facts=facts)
+        [call] = [f for f in outcome.findings if f.line == 3]
+        assert f"`npu-migrate --fused` keeps it: {reason}" in call.reason
+
+
 @pytest.mark.parametrize("source", [ATTENTION, XFORMERS, ROTARY, NORMS, ADAM, KEPT])
 def test_a_second_fused_run_changes_nothing(source):
     once = migrate_python(source, "model.py", facts=FUSED).text

@@ -67,6 +67,10 @@ class ApexNormsToTorch(FusedCodemod):
     FILES_CONTAINING = ("apex",)
     TARGETS = {f"{module}.{name}": name for name in _NORMS
                for module in ("apex.normalization", "apex.normalization.fused_layer_norm")}
+    KEPT = {f"{module}.Mixed{name}": f"apex's Mixed{name} takes fp16/bf16 inputs with weights of another dtype "
+            "(fp32), which torch.nn's norms do not: keep the weights in the input's dtype (or run under autocast) "
+            f"and use {_NORMS[name]}"
+            for name in _NORMS for module in ("apex.normalization", "apex.normalization.fused_layer_norm")}
 
     @classmethod
     def rewrite(cls, call: cst.Call, function: str, facts: FileFacts) -> FusedPlan:
@@ -92,6 +96,10 @@ class ApexAdamToTorch(FusedCodemod):
     LIBRARY = "apex"
     FILES_CONTAINING = ("apex",)
     TARGETS = {f"{module}.FusedAdam": "FusedAdam" for module in ("apex.optimizers", "apex.optimizers.fused_adam")}
+    KEPT = {f"{module}.FusedLAMB": "LAMB: no torch optimizer computes it, and torch_npu.optim.NpuFusedLamb is "
+            "another LAMB (no bias correction, the weight norm of its trust ratio capped at 10, no max_grad_norm "
+            "clipping unless use_global_grad_norm): port apex's update as a torch optimizer of your own"
+            for module in ("apex.optimizers", "apex.optimizers.fused_lamb")}
 
     @classmethod
     def rewrite(cls, call: cst.Call, function: str, facts: FileFacts) -> FusedPlan:

@@ -134,6 +134,10 @@ class FlashAttentionToNpu(FusedCodemod):
     FILES_CONTAINING = ("flash_attn",)
     TARGETS = {f"{module}.{name}": name for name in VARIANTS
                for module in ("flash_attn", "flash_attn.flash_attn_interface")}
+    KEPT = {f"{module}.flash_attn_with_kvcache": "flash_attn_with_kvcache is an inference kernel that also updates "
+            "the KV cache in place (rotary, paged blocks): torch_npu's npu_fused_infer_attention_score takes other "
+            "arguments; rewrite the cache update and the call by hand"
+            for module in ("flash_attn", "flash_attn.flash_attn_interface")}
 
     @classmethod
     def rewrite(cls, call: cst.Call, function: str, facts: FileFacts) -> FusedPlan:

@@ -223,11 +223,14 @@ class FusedCodemod(NpuCodemod):
     NEEDS_TORCH_NPU = True  # the rewrites call torch_npu
     WHOLE_FILE = True
     TARGETS: dict[str, str] = {}  # qualified name of a call it takes -> the function's short name
+    KEPT: dict[str, str] = {}  # qualified name of a call of the library it never takes -> why (for the report)
 
     @classmethod
     def plan(cls, call: cst.Call, facts: FileFacts) -> FusedPlan | None:
         """The call's plan, or None when the call is not one of this concern's."""
         qualified = facts.qualname(call.func)
+        if qualified in cls.KEPT:
+            return kept(cls.KEPT[qualified])
         if qualified not in cls.TARGETS:
             return None
         try:
