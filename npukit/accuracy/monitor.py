@@ -81,6 +81,7 @@ class MonitorSession:
         self._in_optimizer = 0
         self._optimizer_stepped = False
         self._running_modules = 0  # forwards in progress
+        self._outermost = None  # the module whose forward runs the others
         self._forward_steps = ForwardSteps()  # a run without optimizer.step still has bounded steps
         self._steps = TrainingSteps(self._on_step_end)
         self._paths = naming.ModulePaths()
@@ -203,17 +204,24 @@ class MonitorSession:
         self._slots.append((kind, name, tensor.dtype, slot))
 
     def _on_module_pre_forward(self, module, args) -> None:
-        if (not self._running_modules and not self._optimizer_stepped and not self._in_optimizer
-                and self._forward_steps.new_step(module)):
-            self._finish_step(None, False, None)
+        if not self._running_modules:
+            self._outermost = module
+            if not self._optimizer_stepped and not self._in_optimizer and self._forward_steps.new_step(module):
+                self._finish_step(None, False, None)
         self._running_modules += 1
 
     def _on_module_forward(self, module, args, output) -> None:
         self._running_modules = max(0, self._running_modules - 1)
+        outermost = self._outermost
+        if not self._running_modules:
+            self._outermost = None
         # evaluation forwards (no gradient) are not the training step's
         if self._in_optimizer or not torch.is_grad_enabled() or not self._monitored():
             return
-        path = naming.module_path(self._paths, module) or type(module).__name__
+        # named as the dump names it: from the outermost running module; a module with nothing
+        # above it running (a layer called outside its model's forward) by its owner's attribute path
+        outer = outermost if outermost is not module else None
+        path = naming.module_path(self._paths, module, outer) or type(module).__name__
         if not self._keeps(path):
             return
         calls = self._calls.get(path, 0)
