@@ -153,8 +153,8 @@ compare_app = typer.Typer(add_completion=False, help="Compare a golden dump with
 
 @compare_app.command()
 def compare(
-    golden: Path = typer.Argument(..., metavar="GOLDEN", help="Golden dump directory (npu-run --golden --dump DIR, or msprobe)."),
-    target: Path = typer.Argument(..., metavar="TARGET", help="Target (NPU) dump directory."),
+    golden: Optional[Path] = typer.Argument(None, metavar="GOLDEN", help="Golden dump directory (npu-run --golden --dump DIR, or msprobe)."),
+    target: Optional[Path] = typer.Argument(None, metavar="TARGET", help="Target (NPU) dump directory."),
     csv_path: Optional[Path] = typer.Option(None, "--csv", help="Write every row to this CSV (msprobe columns first)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the result as JSON."),
     html_path: Optional[Path] = typer.Option(None, "--html", help="Write one self-contained HTML report."),
@@ -169,10 +169,22 @@ def compare(
     find_fix_dir: Optional[Path] = typer.Option(None, "--find-fix-dir", help="Where the trial runs go (default: TARGET.find-fix)."),
     find_fix_json: Optional[Path] = typer.Option(None, "--find-fix-json", help="Write the fix finder's result as JSON."),
     command: list[str] = typer.Argument(None, metavar="[-- NPU-RUN COMMAND]", help="With --find-fix: the command that wrote TARGET."),
+    precheck: Optional[Path] = typer.Option(None, "--precheck", metavar="DUMP", help="Instead: re-run every op of one dump "
+                                            "on the NPU, the CPU (fp32) and in fp64, and judge each on its own (no GOLDEN)."),
+    precheck_dir: Optional[Path] = typer.Option(None, "--precheck-dir", help="Where --precheck writes msprobe's CSV files (default: DUMP.precheck)."),
 ) -> None:
     """Compare GOLDEN and TARGET dumps; name the first op whose error is amplified. Exit 1 if one is found."""
-    from npukit.accuracy.cli_compare import FindFixOptions, run_compare
+    from npukit.accuracy.cli_compare import FindFixOptions, run_compare, run_precheck_command
     from npukit.console import make_console
+
+    if precheck is not None:
+        given = [name for name, value in (("GOLDEN/TARGET", golden or target), ("--csv", csv_path), ("--json", json_path),
+                                          ("--html", html_path), ("--find-fix", find_fix or command)) if value]
+        if given:
+            raise UserError(f"--precheck DUMP judges one dump on its own: {', '.join(given)} not with it")
+        sys.exit(run_precheck_command(precheck, precheck_dir, top, make_console()))
+    if golden is None or target is None:
+        raise UserError("expected two dump directories, GOLDEN and TARGET (or --precheck DUMP)")
 
     fix_options = FindFixOptions(list(command or []), find_fix_runs, find_fix_dir, find_fix_json) if find_fix else None
     if command and not find_fix:

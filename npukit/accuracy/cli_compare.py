@@ -125,3 +125,30 @@ def _compare_with_progress(golden, target, thresholds, workers, console):
             progress.update(tensors, visible=total <= 1)
 
         return compare_dirs(golden, target, thresholds, workers, progress=advance_tensors, pair_progress=advance_pairs)
+
+
+def run_precheck_command(dump: Path, out: Path | None, top: int, console) -> int:
+    """`npu-compare --precheck DUMP`: judge every op of DUMP on its own (npukit/accuracy/precheck.py),
+    print the table and write msprobe's CSV files into `out` (default: DUMP.precheck beside the dump).
+    Returns the exit code: 1 when an op failed or too few ops could be judged, else 0."""
+    from npukit.accuracy.precheck import FILES, print_precheck, run_precheck, write_csvs
+
+    if top < 0:
+        raise UserError("--top: must be >= 0")
+    out = out or dump.with_name(dump.name + ".precheck")
+    if not out.parent.exists():
+        raise UserError(f"--precheck-dir: directory {out.parent} does not exist")
+    if console.is_terminal:
+        from rich.progress import Progress, TextColumn
+
+        with Progress(TextColumn("pre-checking ops: {task.completed}"), console=console, transient=True) as progress:
+            task = progress.add_task("ops", total=None)
+            result = run_precheck(dump, progress=lambda done: progress.update(task, completed=done))
+    else:
+        result = run_precheck(dump)
+    print_precheck(result, console, top)
+    written = write_csvs(result, out)
+    first = written[0].parent  # one set of files per step/rank when the dump has several
+    console.print(f"wrote {len(written)} CSV files into {out} (msprobe's own compare reads them: msprobe "
+                  f"api_precision_compare -npu {first}/{FILES['npu_details']} -gpu {first}/{FILES['bench_details']})")
+    return result.exit_code()
