@@ -350,3 +350,30 @@ def test_npu_run_takes_the_config_or_the_options_not_both(tmp_path):
         _monitor_options(RunOptions(script="train.py", monitor_config=config))
     with pytest.raises(UserError, match="says what --monitor-every would"):
         _monitor_options(RunOptions(script="train.py", monitor=tmp_path, monitor_config=config, monitor_every=3))
+
+
+def test_files_are_written_as_the_run_goes_with_at_most_two_steps_waiting(tmp_path, monkeypatch):
+    import time
+
+    write_step = MonitorSession._write_step
+
+    def slow_disk(self, *args):
+        time.sleep(0.05)
+        write_step(self, *args)
+
+    monkeypatch.setattr(MonitorSession, "_write_step", slow_disk)
+    torch.manual_seed(9)
+    model = TwoLayers().to("npu")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = MonitorSession(tmp_path / "mon", rank=0)
+    written_while_training = []
+    with session:
+        for _ in range(8):
+            model(torch.randn(4, 4, device="npu")).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            assert len(session._pending) <= 2  # what waits for the writer is bounded
+            scalars = tmp_path / "mon" / "rank0" / "scalars.csv"
+            written_while_training.append(len(_rows(scalars)) if scalars.exists() else 0)
+    assert all(count >= step - 1 for step, count in enumerate(written_while_training)), written_while_training
+    assert len(_rows(tmp_path / "mon" / "rank0" / "scalars.csv")) == 8
