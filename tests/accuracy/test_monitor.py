@@ -377,3 +377,17 @@ def test_files_are_written_as_the_run_goes_with_at_most_two_steps_waiting(tmp_pa
             written_while_training.append(len(_rows(scalars)) if scalars.exists() else 0)
     assert all(count >= step - 1 for step, count in enumerate(written_while_training)), written_while_training
     assert len(_rows(tmp_path / "mon" / "rank0" / "scalars.csv")) == 8
+
+
+def test_a_file_that_cannot_be_written_stops_the_monitor_not_the_run(tmp_path, monkeypatch, capfd):
+    def full_disk(self, *args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(MonitorSession, "_write_step", full_disk)
+    torch.manual_seed(10)
+    model = TwoLayers().to("npu")
+    session = MonitorSession(tmp_path / "mon", rank=0)
+    _train(session, 6, model, torch.randn(4, 4, device="npu"))
+    assert session.broken
+    err = capfd.readouterr().err
+    assert err.count("No space left on device") == 1 and err.count("could not write into") == 1
