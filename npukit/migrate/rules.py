@@ -223,7 +223,7 @@ REWRITE_RULES = {
     "fused-attention": "--fused: flash_attn's attention functions -> torch_npu.npu_fusion_attention(...)[0]",
     "fused-rotary": "--fused: flash_attn's apply_rotary_emb -> torch_npu.npu_rotary_mul",
     "fused-norm": "--fused: apex FusedLayerNorm / FusedRMSNorm -> torch.nn.LayerNorm / torch.nn.RMSNorm",
-    "fused-optimizer": "--fused: apex FusedAdam -> torch.optim.AdamW / torch.optim.Adam",
+    "fused-optimizer": "--fused: apex FusedAdam -> torch.optim.AdamW / torch.optim.Adam, FusedSGD -> torch.optim.SGD",
     "fused-import": "--fused: an import of flash_attn / apex whose every use was rewritten, removed",
     "cuda-namespace": "torch.cuda.X -> torch.npu.X for the names torch_npu has",
     "cuda-import": "imports of torch.cuda / its members -> torch_npu.npu",

@@ -312,7 +312,7 @@ def test_apex_norms_become_torch_norms_with_the_same_output_gradients_and_state_
 
 ADAM = textwrap.dedent('''\
     import torch
-    from apex.optimizers import FusedAdam
+    from apex.optimizers import FusedAdam, FusedSGD
 
 
     def decoupled(params):
@@ -321,15 +321,20 @@ ADAM = textwrap.dedent('''\
 
     def l2_penalty(params):
         return FusedAdam(params, 0.05, True, (0.8, 0.99), 1e-6, False, 0.1)
+
+
+    def nesterov(params):
+        return FusedSGD(params, 0.01, 0.9, weight_decay=0.05, nesterov=True, set_grad_none=True)
 ''')
 
 
-def test_apex_fused_adam_becomes_torch_adamw_or_adam_with_the_same_steps(programs):
+def test_apex_fused_adam_and_sgd_become_torch_optimizers_with_the_same_steps(programs):
     original, migrated, text = programs(ADAM, "adam")
     assert "return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)" in text
     assert "return torch.optim.Adam(params, lr=0.05, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)" in text
+    assert "return torch.optim.SGD(params, lr=0.01, momentum=0.9, weight_decay=0.05, nesterov=True)" in text
     assert "apex" not in text
-    for name in ("decoupled", "l2_penalty"):
+    for name in ("decoupled", "l2_penalty", "nesterov"):
         start = _randn(8, 4)
         weights = {"cpu": start.clone().requires_grad_(), "npu": start.to("npu").requires_grad_()}
         optimizers = {"cpu": getattr(original, name)([weights["cpu"]]), "npu": getattr(migrated, name)([weights["npu"]])}
@@ -527,3 +532,14 @@ def test_the_summary_says_how_many_calls_fused_would_rewrite(tmp_path):
         print_summary(run_migration(MigrateOptions(target=tmp_path, dry_run=True, fused=fused)), console)
         said = console.export_text()
         assert (expected in said) if expected else "--fused would rewrite" not in said
+
+
+@pytest.mark.parametrize(("codemod", "source"), [("FlashRotaryToNpu", ROTARY), ("ApexNormsToTorch", NORMS)])
+def test_one_concern_run_alone_by_libcst_writes_npu_migrates_bytes_but_the_torch_npu_import(codemod, source):
+    import libcst as cst
+    from libcst.codemod import CodemodContext
+
+    from npukit.migrate import codemods
+
+    alone = getattr(codemods, codemod)(CodemodContext(filename="model.py")).transform_module(cst.parse_module(source))
+    assert alone.code == migrate_python(source, "model.py", facts=FUSED).text.replace("import torch_npu\n", "", 1)

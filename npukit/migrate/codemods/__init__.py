@@ -21,7 +21,7 @@ import libcst as cst
 from libcst.codemod import CodemodCommand, CodemodContext
 
 from npukit.migrate.codemods.amp_upgrade import AmpUpgrade
-from npukit.migrate.codemods.apex_fused import ApexAdamToTorch, ApexNormsToTorch
+from npukit.migrate.codemods.apex_fused import ApexAdamToTorch, ApexNormsToTorch, ApexSgdToTorch
 from npukit.migrate.codemods.autocast_dtype import AutocastGpuDtype
 from npukit.migrate.codemods.backends import DistributedBackends
 from npukit.migrate.codemods.bf16_autocast import Bf16Autocast
@@ -38,6 +38,7 @@ from npukit.migrate.codemods.device_strings import DeviceStrings
 from npukit.migrate.codemods.dual_target import DualTargetCode
 from npukit.migrate.codemods.environment import CudaEnvironment
 from npukit.migrate.codemods.flash_attention import FlashAttentionToNpu, FlashRotaryToNpu
+from npukit.migrate.codemods.fused import FusedImports
 from npukit.migrate.codemods.infinite_fills import InfiniteFills
 from npukit.migrate.codemods.int_ordinals import IntDeviceOrdinals
 from npukit.migrate.codemods.leftovers import CudaLeftovers
@@ -50,14 +51,15 @@ from npukit.migrate.codemods.xformers_attention import XformersAttentionToNpu
 
 # npu-migrate --fused's concerns (CUDA kernel libraries -> torch_npu fused ops / torch equivalents):
 # only under --fused (TreeFacts.fused), or when libcst's tool is asked for one by name
-FUSED_CODEMODS = (FlashAttentionToNpu, FlashRotaryToNpu, XformersAttentionToNpu, ApexNormsToTorch, ApexAdamToTorch)
+FUSED_CODEMODS = (FlashAttentionToNpu, FlashRotaryToNpu, XformersAttentionToNpu, ApexNormsToTorch, ApexAdamToTorch, ApexSgdToTorch,
+                  FusedImports)
 # The concerns ported from the ast engine so far, in the order they run (each on the original parse).
 BUILTIN_CODEMODS = (DualTargetCode, *FUSED_CODEMODS, DeviceStrings, IntDeviceOrdinals, AmpUpgrade, CudaNamespace, UnsupportedApis, CudaEnvironment, CudaDefaultDevices, InfiniteFills, TorchLoadMapLocation, CustomCudaOps,
                     Bf16Autocast, DdpSetDevice, ThirdPartyCuda, BitsAndBytesQuantisation, DeviceModelChecks,
                     DefaultTensorType, CompileModes, UnsupportedTensorMethods, AutocastGpuDtype, CudaMethods,
                     DistributedBackends, CudaCliFlags, CudaLeftovers)
 
-__all__ = ["BUILTIN_CODEMODS", "FUSED_CODEMODS", "AmpUpgrade", "ApexAdamToTorch", "ApexNormsToTorch", "FlashAttentionToNpu", "FlashRotaryToNpu", "AutocastGpuDtype", "Bf16Autocast", "BitsAndBytesQuantisation", "CompileModes", "CudaCliFlags", "CudaDefaultDevices", "CudaEnvironment", "CudaLeftovers",
+__all__ = ["BUILTIN_CODEMODS", "FUSED_CODEMODS", "AmpUpgrade", "ApexAdamToTorch", "ApexNormsToTorch", "ApexSgdToTorch", "FlashAttentionToNpu", "FlashRotaryToNpu", "FusedImports", "AutocastGpuDtype", "Bf16Autocast", "BitsAndBytesQuantisation", "CompileModes", "CudaCliFlags", "CudaDefaultDevices", "CudaEnvironment", "CudaLeftovers",
            "CudaMethods", "CudaNamespace", "CustomCudaOps", "DdpSetDevice", "DefaultTensorType", "DeviceModelChecks", "DeviceStrings", "DistributedBackends", "DualTargetCode",
            "InfiniteFills", "IntDeviceOrdinals", "MigrateToNpu", "ThirdPartyCuda", "TorchLoadMapLocation", "UnsupportedApis", "UnsupportedTensorMethods", "XformersAttentionToNpu"]
 

@@ -117,3 +117,34 @@ class ApexAdamToTorch(FusedCodemod):
         arguments.append(f"weight_decay={source(bound['weight_decay'], facts)}" if "weight_decay" in bound
                          else "weight_decay=0.0")
         return FusedPlan(call_text(_spelled(optimizer, call, facts), arguments, call, facts), optimizer)
+
+
+_SGD_PARAMETERS = ("params", "lr", "momentum", "dampening", "weight_decay", "nesterov", "wd_after_momentum",
+                   "materialize_master_grads", "set_grad_none")
+_SGD_ONLY = {"wd_after_momentum": ((False,), "wd_after_momentum=True adds the weight decay after the momentum, "
+                                             "which torch.optim.SGD does not")}
+
+
+class ApexSgdToTorch(FusedCodemod):
+    """apex.optimizers.FusedSGD (documented as a drop-in torch.optim.SGD) becomes torch.optim.SGD with
+    the same arguments; materialize_master_grads and set_grad_none are dropped. Under `npu-migrate --fused`."""
+
+    DESCRIPTION = "apex FusedSGD -> torch.optim.SGD"
+    RULES = ("fused-optimizer", "fused-import")
+    RULE = "fused-optimizer"
+    NEEDS_TORCH_NPU = False
+    LIBRARY = "apex"
+    FILES_CONTAINING = ("apex",)
+    TARGETS = {f"{module}.FusedSGD": "FusedSGD" for module in ("apex.optimizers", "apex.optimizers.fused_sgd")}
+
+    @classmethod
+    def rewrite(cls, call: cst.Call, function: str, facts: FileFacts) -> FusedPlan:
+        bound = bind_arguments(call, _SGD_PARAMETERS, function)
+        missing = [name for name in ("params", "lr") if name not in bound]
+        if missing:
+            raise Unmappable(f"FusedSGD is not given {', '.join(missing)}")
+        require_values(bound, _SGD_ONLY, facts)
+        arguments = [source(bound["params"], facts), f"lr={source(bound['lr'], facts)}"]
+        arguments += [f"{name}={source(bound[name], facts)}" for name in ("momentum", "dampening", "weight_decay",
+                                                                           "nesterov") if name in bound]
+        return FusedPlan(call_text(_spelled("torch.optim.SGD", call, facts), arguments, call, facts), "torch.optim.SGD")

@@ -24,6 +24,7 @@ from npukit.migrate.codemods.scopes import dotted_name
 from npukit.migrate.pysource_model import apply_edits
 
 _CUDA_WORD = re.compile(r"cuda", re.IGNORECASE)
+FUSED_REMOVED_KEY = "npukit.fused_removed"  # (ids of the names the --fused rewrites removed, their libraries)
 MAX_LINE = 100  # a rewrite longer than this is wrapped inside its parentheses
 
 
@@ -47,7 +48,7 @@ def fused_hint(call: cst.Call, facts: FileFacts) -> str | None:
     keeps the call; None for a call no `--fused` concern knows."""
     from npukit.migrate.codemods import FUSED_CODEMODS
 
-    for codemod in FUSED_CODEMODS:
+    for codemod in (codemod for codemod in FUSED_CODEMODS if issubclass(codemod, FusedCodemod)):
         plan = codemod.plan(call, facts)
         if plan is not None:
             return f"{rules.FUSED_WOULD_REWRITE} to {plan.about}" if plan.text is not None else \
@@ -212,11 +213,65 @@ def _blocks(statement: cst.BaseCompoundStatement):
             yield clause.body
 
 
-class FusedCodemod(NpuCodemod):
-    """Base of the `--fused` concerns: each call `plan` takes is replaced (rule RULE); an import of
-    LIBRARY whose every bound name is only used by calls taken here is removed (rule fused-import),
-    or loses the names that are; what is kept stays for ThirdPartyCuda to report with the plan's reason.
-    Decided over the whole file (an import is removed only when no other use of its names is left)."""
+class ImportRemoval(NpuCodemod):
+    """Removes the imports of CUDA kernel libraries no use is left of (rule fused-import)."""
+
+    def remove_imports(self, module: cst.Module, gone: set[int], libraries: set[str]) -> None:
+        """Drop the import of each name of `libraries` every read of which the replacements removed
+        (`gone`: the ids of those Name nodes), rule fused-import."""
+        facts = self.facts
+        reads = facts.scopes.reads
+        removable = {local for local, qualified in facts.bindings.items()
+                     if qualified.split(".")[0] in libraries and reads.get(local)
+                     and all(id(name) in gone for name in reads[local])}
+        if not removable:
+            return
+        for line, block in _statement_lines(module.body):
+            for statement in line.body:
+                if isinstance(statement, (cst.Import, cst.ImportFrom)) and not isinstance(statement.names, cst.ImportStar):
+                    self._remove_names(statement, line, block, removable, libraries)
+
+    def _remove_names(self, statement: cst.Import | cst.ImportFrom, line: cst.SimpleStatementLine, block,
+                      removable: set[str], libraries: set[str]) -> None:
+        if isinstance(statement, cst.ImportFrom) and (statement.relative or statement.module is None or
+                                                       dotted_name(statement.module).split(".")[0] not in libraries):
+            return
+        kept_aliases = [alias for alias in statement.names if self._bound_name(alias, statement, libraries) not in removable]
+        if len(kept_aliases) == len(statement.names):
+            return
+        if kept_aliases:
+            kept_aliases[-1] = kept_aliases[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
+            self.replace(statement, statement.with_changes(names=kept_aliases), "fused-import", needs_torch_npu=False)
+            return
+        self.claim(statement)
+        if len(line.body) > 1 or len(block) == 1:
+            # shares its line, or is its block's only statement (`try:` around the import): a `pass` keeps it valid
+            self.replace_with_text(statement, "pass", "fused-import", needs_torch_npu=False)
+            return
+        start, end = self.facts.span(line)
+        text = self.facts.positions.text
+        while start > 0 and text[start - 1] in " \t":
+            start -= 1
+        if end < len(text) and text[end - 1] not in "\r\n":
+            end = text.find("\n", end) + 1 or len(text)
+        self._record(start, end, "", "fused-import", False)
+
+    @staticmethod
+    def _bound_name(alias: cst.ImportAlias, statement: cst.Import | cst.ImportFrom, libraries: set[str]) -> str | None:
+        """The name an import alias binds (`import a.b`: a); None for another library's module."""
+        if alias.asname is not None:
+            return alias.asname.name.value if isinstance(alias.asname.name, cst.Name) else None
+        name = dotted_name(alias.name)
+        if isinstance(statement, cst.Import):
+            return name.split(".")[0] if name.split(".")[0] in libraries else None
+        return name
+
+
+class FusedCodemod(ImportRemoval):
+    """Base of the `--fused` concerns: each call `plan` takes is replaced (rule RULE); what is kept stays
+    for ThirdPartyCuda to report with the plan's reason. The names the replacements remove are left in
+    the codemod context for FusedImports, which removes the imports no use is left of (several concerns
+    may share one import statement); run alone under libcst's tool, a concern removes its own."""
 
     LIBRARY = ""  # the top-level module of the CUDA library (flash_attn, apex)
     RULE = ""
@@ -298,52 +353,32 @@ class FusedCodemod(NpuCodemod):
             self.replace_with_text(call, plan.text, self.RULE, needs_torch_npu=needs_torch_npu)
             for part in (call.func, *plan.dropped):
                 gone.update(id(name) for name in matchers.findall(part, matchers.Name()))
+        if self._run_alone:
+            self.remove_imports(original_node, gone, {self.LIBRARY})
+        else:
+            removed = self.context.scratch.setdefault(FUSED_REMOVED_KEY, (set(), set()))
+            removed[0].update(gone)
+            removed[1].add(self.LIBRARY)
+
+
+class FusedImports(ImportRemoval):
+    """The imports of flash_attn, xformers and apex no use is left of once the `--fused` concerns (before
+    it) rewrote their calls: removed (a name of several: that name; an import that is its block's only
+    statement: `pass`). Under `npu-migrate --fused`."""
+
+    DESCRIPTION = "imports of flash_attn / xformers / apex whose every use --fused rewrote, removed"
+    RULES = ("fused-import",)
+    WHOLE_FILE = True
+    FILES_CONTAINING = ("flash_attn", "xformers", "apex")
+
+    @classmethod
+    def candidates(cls, model) -> list:
+        from npukit.migrate.codemods import FUSED_CODEMODS
+
+        concerned = any(codemod.candidates(model) for codemod in FUSED_CODEMODS if issubclass(codemod, FusedCodemod))
+        return [model.tree] if concerned else []
+
+    def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> None:
+        gone, libraries = self.context.scratch.get(FUSED_REMOVED_KEY, (set(), set()))
         if gone:
-            self._remove_imports(original_node, gone)
-
-    def _remove_imports(self, module: cst.Module, gone: set[int]) -> None:
-        """Drop the import of each name of LIBRARY every read of which the replacements removed."""
-        reads = self.facts.scopes.reads
-        removable = {local for local, qualified in self.facts.bindings.items()
-                     if qualified.split(".")[0] == self.LIBRARY and reads.get(local)
-                     and all(id(name) in gone for name in reads[local])}
-        if not removable:
-            return
-        for line, block in _statement_lines(module.body):
-            for statement in line.body:
-                if isinstance(statement, (cst.Import, cst.ImportFrom)) and not isinstance(statement.names, cst.ImportStar):
-                    self._remove_names(statement, line, block, removable)
-
-    def _remove_names(self, statement: cst.Import | cst.ImportFrom, line: cst.SimpleStatementLine, block,
-                      removable: set[str]) -> None:
-        if isinstance(statement, cst.ImportFrom) and (statement.relative or statement.module is None or
-                                                       dotted_name(statement.module).split(".")[0] != self.LIBRARY):
-            return
-        kept_aliases = [alias for alias in statement.names if self._bound_name(alias, statement) not in removable]
-        if len(kept_aliases) == len(statement.names):
-            return
-        if kept_aliases:
-            kept_aliases[-1] = kept_aliases[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
-            self.replace(statement, statement.with_changes(names=kept_aliases), "fused-import", needs_torch_npu=False)
-            return
-        self.claim(statement)
-        if len(line.body) > 1 or len(block) == 1:
-            # shares its line, or is its block's only statement (`try:` around the import): a `pass` keeps it valid
-            self.replace_with_text(statement, "pass", "fused-import", needs_torch_npu=False)
-            return
-        start, end = self.facts.span(line)
-        text = self.facts.positions.text
-        while start > 0 and text[start - 1] in " \t":
-            start -= 1
-        if end < len(text) and text[end - 1] not in "\r\n":
-            end = text.find("\n", end) + 1 or len(text)
-        self._record(start, end, "", "fused-import", False)
-
-    def _bound_name(self, alias: cst.ImportAlias, statement: cst.Import | cst.ImportFrom) -> str | None:
-        """The name an import alias binds (`import a.b`: a); None for another library's module."""
-        if alias.asname is not None:
-            return alias.asname.name.value if isinstance(alias.asname.name, cst.Name) else None
-        name = dotted_name(alias.name)
-        if isinstance(statement, cst.Import):
-            return name.split(".")[0] if name.split(".")[0] == self.LIBRARY else None
-        return name
+            self.remove_imports(original_node, gone, libraries)

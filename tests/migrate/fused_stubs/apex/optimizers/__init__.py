@@ -1,6 +1,7 @@
 """apex.optimizers.FusedAdam's update written out: Adam with bias correction; adam_w_mode=True
 decays the weights decoupled (p -= lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * p)), False adds
-weight_decay * p to the gradient (L2)."""
+weight_decay * p to the gradient (L2). FusedSGD's: the decay added to the gradient, the momentum buffer
+starting at the first step's gradient, Nesterov's look-ahead."""
 
 import torch
 
@@ -36,3 +37,27 @@ class FusedAdam(torch.optim.Optimizer):
                 if self.adam_w_mode:
                     update = update + group["weight_decay"] * p
                 p.sub_(group["lr"] * update)
+
+
+class FusedSGD(torch.optim.Optimizer):
+    def __init__(self, params, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
+                 wd_after_momentum=False, materialize_master_grads=True, set_grad_none=False):
+        super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                                      nesterov=nesterov))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                step = p.grad + group["weight_decay"] * p
+                if group["momentum"]:
+                    state = self.state[p]
+                    if "momentum_buffer" not in state:
+                        state["momentum_buffer"] = step.clone()
+                    else:
+                        state["momentum_buffer"].mul_(group["momentum"]).add_(step, alpha=1 - group["dampening"])
+                    buffer = state["momentum_buffer"]
+                    step = step + group["momentum"] * buffer if group["nesterov"] else buffer
+                p.sub_(group["lr"] * step)
