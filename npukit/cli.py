@@ -86,7 +86,7 @@ def run(
     overflow_underflow: bool = typer.Option(False, "--overflow-underflow", help="Also list fp16/bf16 ops that flush values to zero."),
     profile: Optional[Path] = typer.Option(None, "--profile", help="Record a profile into DIR."),
     profile_steps: Optional[str] = typer.Option(None, "--profile-steps", help="wait,warmup,active steps"),
-    monitor: Optional[Path] = typer.Option(None, "--monitor", help="Record per-step statistics of every module into DIR (CSV, TensorBoard) and alert while training."),
+    monitor: Optional[Path] = typer.Option(None, "--monitor", "--monitor-dir", help="Record per-step statistics of every module into DIR (CSV, TensorBoard) and alert while training."),
     monitor_every: int = typer.Option(1, "--monitor-every", help="With --monitor: every N steps (msprobe's step_interval)."),
     monitor_modules: Optional[str] = typer.Option(None, "--monitor-modules", metavar="PATTERN", help="With --monitor: only modules whose dotted path matches this regular expression."),
     monitor_config: Optional[Path] = typer.Option(None, "--monitor-config", help="With --monitor: msprobe monitor's config.json (step_interval, start_step, targets, format, AnomalyTurbulence)."),

@@ -83,6 +83,7 @@ def _launch_torchrun(options: RunOptions) -> int:
     argv = sys.argv[1:]
     for name in ("--nproc-per-node", "--nnodes", "--rdzv-endpoint", "--rdzv-conf", "--local-addr"):
         argv = strip_option(argv, name)
+    argv = rename_option(argv, "--monitor", "--monitor-dir")
     if options.nnodes < 1:
         raise UserError(f"--nnodes must be at least 1, got {options.nnodes}")
     if options.nnodes == 1:
@@ -150,6 +151,16 @@ def strip_option(argv: list[str], name: str) -> list[str]:
     options, script = option_spans(argv)
     kept = [token for option in options if option[0].split("=", 1)[0] != name for token in option]
     return kept + script
+
+
+def rename_option(argv: list[str], name: str, alias: str) -> list[str]:
+    """`name VALUE` / `name=VALUE` among the npu-run options as `alias ...`. torchrun reads every
+    option word of its command line, the relaunched npu-run's too, as a possible abbreviation of
+    its own: `--monitor` would be taken for its --monitor-interval ("ambiguous option")."""
+    options, script = option_spans(argv)
+    renamed = [[alias + option[0][len(name):], *option[1:]] if option[0].split("=", 1)[0] == name else option
+               for option in options]
+    return [token for option in renamed for token in option] + script
 
 
 def golden_autocast() -> None:

@@ -391,3 +391,23 @@ def test_a_file_that_cannot_be_written_stops_the_monitor_not_the_run(tmp_path, m
     assert session.broken
     err = capfd.readouterr().err
     assert err.count("No space left on device") == 1 and err.count("could not write into") == 1
+
+
+def test_under_torchrun_the_monitor_option_reaches_each_rank(monkeypatch):
+    """torchrun reads `--monitor` as an abbreviation of its --monitor-interval: each rank's npu-run
+    gets it under its other name."""
+    import subprocess as subprocess_module
+
+    from torch.distributed.run import get_args_parser
+
+    from npukit.run import RunOptions, _launch_torchrun
+
+    commands = []
+    monkeypatch.setattr(subprocess_module, "call", lambda command, env: commands.append(command) or 0)
+    monkeypatch.setattr(sys, "argv", ["npu-run", "--nproc-per-node", "2", "--monitor", "mon", "--monitor-every=5",
+                                      "train.py", "--steps", "3"])
+    assert _launch_torchrun(RunOptions(script="train.py", nproc_per_node=2)) == 0
+    torchrun_args = commands[0][commands[0].index("torch.distributed.run") + 1:]
+    parsed = get_args_parser().parse_args(torchrun_args)
+    assert parsed.training_script == "npukit.run"
+    assert parsed.training_script_args == ["--monitor-dir", "mon", "--monitor-every=5", "train.py", "--steps", "3"]
