@@ -889,6 +889,7 @@ def print_precheck(result: PrecheckResult, console, top: int = 20) -> None:
     if multi:
         table.add_column("Step/Rank")
     table.add_column("Op", overflow="fold", ratio=3)
+    # "Ref RMSE": the reference accelerator's, floored by the op's sensitivity (the ratio's denominator)
     for column in ("Dtype", "NPU RMSE", "Ref RMSE", "RMSE ratio", "MaxRel ratio", "Result"):
         table.add_column(column, no_wrap=True)
     table.add_column("Message", overflow="fold", ratio=3)
