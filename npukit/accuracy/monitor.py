@@ -48,6 +48,7 @@ STAT_NAMES = ("max", "min", "mean", "norm", "nan", "inf")  # tensor_stats' order
 RECORD_COLUMNS = ("step", "kind", "name", "dtype", *STAT_NAMES)
 SCALAR_COLUMNS = ("step", "loss", "grad_norm", "loss_scale", "skipped_by_grad_scaler")
 ALERT_COLUMNS = ("step", "rule", "name", "statistic", "value", "message")
+_FILES = ("monitor.csv", "scalars.csv", "alerts.csv")
 _PENDING_STEPS = 2  # steps handed to the writer and not yet written, at most
 
 
@@ -110,6 +111,9 @@ class MonitorSession:
 
         refuse_links_inside(self.out_dir, "--monitor", depth=1)
         self.directory = output_folder(self.out_dir, f"rank{self.rank}")
+        # An earlier run's files would be read as this run's (its alerts.csv, its TensorBoard points)
+        for old in [*self.directory.glob("events.out.tfevents.*"), *(self.directory / name for name in _FILES)]:
+            old.unlink(missing_ok=True)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="npukit-monitor")
         self._handles = [
             module_hooks.register_module_forward_pre_hook(self._guarded(self._on_module_pre_forward)),

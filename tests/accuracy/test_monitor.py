@@ -411,3 +411,14 @@ def test_under_torchrun_the_monitor_option_reaches_each_rank(monkeypatch):
     parsed = get_args_parser().parse_args(torchrun_args)
     assert parsed.training_script == "npukit.run"
     assert parsed.training_script_args == ["--monitor-dir", "mon", "--monitor-every=5", "train.py", "--steps", "3"]
+
+
+def test_a_second_run_into_the_same_folder_leaves_nothing_of_the_first(tmp_path):
+    model = Growing().to("npu")
+    folder = tmp_path / "mon" / "rank0"
+    folder.mkdir(parents=True)
+    (folder / "alerts.csv").write_text("step,rule,name,statistic,value,message\n3,nan/inf,x,nan,1,old\n")
+    (folder / "events.out.tfevents.1.old.1").write_bytes(b"")
+    _train(MonitorSession(tmp_path / "mon", rank=0), 2, model, torch.ones(2, 8, device="npu"))
+    assert not (folder / "alerts.csv").exists()
+    assert len(list(folder.glob("events.out.tfevents.*"))) == 1
