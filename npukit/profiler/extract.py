@@ -476,9 +476,10 @@ def assign_forward_steps(table: EventTable, calls: list[tuple[int, int, int, int
     """Steps of a run without optimizer steps (inference, serving), from the model's calls (FORWARD_CALLS):
     a step runs from the start of one call to the start of the next; what runs before the first call
     (loading the weights, moving the model to the device) is no step, nor what runs from the last call
-    on (its step's end is not known: the run's end follows it, a final print or saving). The model is the module called outermost most often (the first called of equals; a loss
-    module called beside it is not the model), never inside DataLoader.__next__ (a Dataset's nn.Module
-    transform runs per sample). False, the table unchanged, when no module was called."""
+    on (its step's end is not known: the run's end follows it, a final print or saving). The model is
+    the module called outermost most often (the first called of equals; a loss module called beside it
+    is not the model), never inside DataLoader.__next__ (a Dataset's nn.Module transform runs per
+    sample). False, the table unchanged, when no module was called."""
     origin = table.meta.get("origin_ns")
     if not calls or not isinstance(origin, int) or not len(table):
         return False
