@@ -311,8 +311,9 @@ def round_to_tf32(tensor: torch.Tensor) -> torch.Tensor:
     return torch.where(finite, rounded.view(torch.float32), tensor)
 
 
-class _Straight(torch.autograd.Function):
-    """TF32 rounding in the forward pass, the gradient passed through."""
+class _Tf32(torch.autograd.Function):
+    """An fp32 matmul/conv input rounded to TF32, and the gradient coming back to it too: a GPU in TF32
+    mode computes the backward's matmuls/convolutions in TF32 as well."""
 
     @staticmethod
     def forward(ctx, tensor):
@@ -320,7 +321,7 @@ class _Straight(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad
+        return round_to_tf32(grad)
 
 
 @dataclass
@@ -361,7 +362,7 @@ def _call(op: _Op, tensors: list, device, side: str):
             if side != "npu":
                 value = value.float()
                 if side == "tf32":
-                    value = _Straight.apply(value)
+                    value = _Tf32.apply(value)
         prepared.append(value)
     args = _fill(op.args, prepared, device)
     kwargs = _fill(op.kwargs, prepared, device)

@@ -165,3 +165,31 @@ def test_npu_compare_precheck_prints_the_verdict_writes_the_files_and_exits_by_i
     assert {path.name for path in (tmp_path / "csv").iterdir()} == set(FILES.values())
     both = npukit("compare_main", str(tensor_dump), str(tensor_dump), "--precheck", str(tensor_dump), cwd=tmp_path)
     assert both.returncode == 2 and "--precheck DUMP judges one dump on its own: GOLDEN/TARGET" in both.stderr
+
+
+def test_fp32_convolutions_and_matmuls_in_hf32_are_judged_against_a_tf32_reference(tmp_path, npu):
+    """An fp32 run with HF32 on (the dump records it) is as precise as a GPU in TF32 mode, forward and
+    backward; measured against TF32-off numerics alone its conv2d and linear would be flagged."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    from npukit.accuracy.dump import DumpSession
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 10)).to("npu")
+    torch.npu.matmul.allow_hf32 = True
+    try:
+        with DumpSession(tmp_path / "dump", level="api", mode="tensor"):
+            loss = F.cross_entropy(model(torch.randn(4, 3, 8, 8, device="npu")), torch.randint(0, 10, (4,), device="npu"))
+            loss.backward()
+    finally:
+        torch.npu.matmul.allow_hf32 = False
+    result = run_precheck(tmp_path / "dump", workers=1)
+    assert [(op.name, op.status) for op in result.ops] == [
+        ("Functional.conv2d.0.forward", PASS), ("Functional.relu.0.forward", PASS),
+        ("Functional.linear.0.forward", PASS), ("Functional.cross_entropy.0.forward", PASS)]
+    conv = result.ops[0]
+    # the input needs no gradient: the weight's and the bias's are judged
+    assert [t.name for t in conv.tensors] == ["Functional.conv2d.0.forward.output.0", "Functional.conv2d.0.backward.output.1",
+                                              "Functional.conv2d.0.backward.output.2"]
+    assert conv.tensors[0].npu["max_ulp"] is not None  # matmul-class: ULP error reported
