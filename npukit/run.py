@@ -14,6 +14,7 @@ import importlib.util
 import os
 import runpy
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -74,7 +75,6 @@ def _err(message: str) -> None:
 
 
 def _launch_torchrun(options: RunOptions) -> int:
-    import subprocess
 
     if options.nproc_per_node < 1:
         raise UserError(f"--nproc-per-node must be at least 1, got {options.nproc_per_node}")
@@ -101,7 +101,11 @@ def _launch_torchrun(options: RunOptions) -> int:
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(options.nproc_per_node),
                *where, "-m", "npukit.run", *argv]
     with tempfile.TemporaryDirectory(prefix="npu-run-failures-") as failures:
-        code = subprocess.call(command, env=dict(os.environ, **{FAILURE_DIR_ENV: failures}))
+        launcher = subprocess.Popen(command, env=dict(os.environ, **{FAILURE_DIR_ENV: failures}))
+        with _PassOnTermination(launcher) as termination:
+            code = launcher.wait()
+        if termination.received:
+            return 128 + signal.SIGTERM
         if code:
             # torchrun's ChildFailedError report buries the script's own error: say it again, last
             # in the order they failed: the first is usually the cause, the others its consequence
@@ -113,6 +117,33 @@ def _launch_torchrun(options: RunOptions) -> int:
 
 
 FAILURE_DIR_ENV = "NPUKIT_FAILURE_DIR"
+
+
+class _PassOnTermination:
+    """SIGTERM to the launching npu-run (how `kill`, `docker stop` and Kubernetes stop a job: they signal
+    one process) goes on to torchrun, which stops its ranks with it: each rank's npu-run then ends
+    its script and writes what it recorded, as Ctrl-C (sent to the whole process group) does."""
+
+    def __init__(self, child: subprocess.Popen) -> None:
+        self.child = child
+        self.received = False
+        self._previous = None
+
+    def __enter__(self) -> _PassOnTermination:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._pass_on)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+    def _pass_on(self, signum, frame) -> None:
+        if not self.received:
+            _err("SIGTERM: passed on to the ranks, which end their scripts and write what they recorded")
+        self.received = True
+        with contextlib.suppress(OSError):
+            self.child.send_signal(signum)
 
 
 def _note_failure(exc: BaseException, tb) -> None:

@@ -50,6 +50,42 @@ def test_sigterm_during_a_whole_run_profile_writes_it_says_so_and_exits_143(tmp_
     assert "Traceback" not in stderr
 
 
+RANKS_SERVER = textwrap.dedent("""
+    import time, torch, torch.distributed as dist
+    dist.init_process_group("hccl")
+    x = torch.randn(64, 64, device="npu")
+    for served in range(10**9):
+        y = x @ x
+        if served == 5:
+            print("serving", dist.get_rank(), flush=True)
+        time.sleep(0.02)
+""")
+
+
+def test_sigterm_to_the_launching_npu_run_reaches_every_rank_and_each_writes_its_profile(tmp_path):
+    """`kill` and `docker stop` signal one process, the launcher: torchrun and the ranks ran on, and a
+    stopped container lost every rank's profile. Ctrl-C reaches the whole process group."""
+    (tmp_path / "srv.py").write_text(RANKS_SERVER)
+    import os
+
+    run = subprocess.Popen([sys.executable, "-m", "npukit.run", "--nproc-per-node", "2", "--profile", "prof",
+                            "srv.py"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=dict(os.environ, PYTHONPATH=str(REPO)), start_new_session=True)
+    try:
+        serving = {run.stdout.readline().strip(), run.stdout.readline().strip()}
+        assert serving == {"serving 0", "serving 1"}
+        run.send_signal(signal.SIGTERM)
+        _, stderr = run.communicate(timeout=120)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    assert run.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    for rank in (0, 1):
+        table = EventTable.load(tmp_path / "prof" / f"rank{rank}")
+        assert "aten::mm" in set(table.lookup(table.name_id))
+        assert f"the profile of what it ran is in prof/rank{rank}" in stderr
+
+
 def _train(steps: int) -> None:
     model = torch.nn.Linear(32, 32)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
