@@ -182,7 +182,7 @@ def compare(
                                           ("--html", html_path), ("--find-fix", find_fix or command)) if value]
         if given:
             raise UserError(f"--precheck DUMP judges one dump on its own: {', '.join(given)} not with it")
-        sys.exit(run_precheck_command(precheck, precheck_dir, top, make_console()))
+        sys.exit(run_precheck_command(precheck, precheck_dir, top, make_console(), workers))
     if golden is None or target is None:
         raise UserError("expected two dump directories, GOLDEN and TARGET (or --precheck DUMP)")
 

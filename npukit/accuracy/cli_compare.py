@@ -127,7 +127,7 @@ def _compare_with_progress(golden, target, thresholds, workers, console):
         return compare_dirs(golden, target, thresholds, workers, progress=advance_tensors, pair_progress=advance_pairs)
 
 
-def run_precheck_command(dump: Path, out: Path | None, top: int, console) -> int:
+def run_precheck_command(dump: Path, out: Path | None, top: int, console, workers: int | None = None) -> int:
     """`npu-compare --precheck DUMP`: judge every op of DUMP on its own (npukit/accuracy/precheck.py),
     print the table and write msprobe's CSV files into `out` (default: DUMP.precheck beside the dump).
     Returns the exit code: 1 when an op failed or too few ops could be judged, else 0."""
@@ -135,6 +135,8 @@ def run_precheck_command(dump: Path, out: Path | None, top: int, console) -> int
 
     if top < 0:
         raise UserError("--top: must be >= 0")
+    if workers is not None and workers < 1:
+        raise UserError("--workers: must be >= 1")
     out = out or dump.with_name(dump.name + ".precheck")
     if not out.parent.exists():
         raise UserError(f"--precheck-dir: directory {out.parent} does not exist")
@@ -143,9 +145,9 @@ def run_precheck_command(dump: Path, out: Path | None, top: int, console) -> int
 
         with Progress(TextColumn("pre-checking ops: {task.completed}"), console=console, transient=True) as progress:
             task = progress.add_task("ops", total=None)
-            result = run_precheck(dump, progress=lambda done: progress.update(task, completed=done))
+            result = run_precheck(dump, progress=lambda done: progress.update(task, completed=done), workers=workers)
     else:
-        result = run_precheck(dump)
+        result = run_precheck(dump, workers=workers)
     print_precheck(result, console, top)
     written = write_csvs(result, out)
     first = written[0].parent  # one set of files per step/rank when the dump has several

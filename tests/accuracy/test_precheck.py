@@ -193,3 +193,34 @@ def test_fp32_convolutions_and_matmuls_in_hf32_are_judged_against_a_tf32_referen
     assert [t.name for t in conv.tensors] == ["Functional.conv2d.0.forward.output.0", "Functional.conv2d.0.backward.output.1",
                                               "Functional.conv2d.0.backward.output.2"]
     assert conv.tensors[0].npu["max_ulp"] is not None  # matmul-class: ULP error reported
+
+
+def _leaf(shape, high, low, mean, dtype="torch.float32"):
+    return {"type": "torch.Tensor", "dtype": dtype, "shape": shape, "Max": high, "Min": low, "Mean": mean, "Norm": 1.0,
+            "requires_grad": False}
+
+
+def test_a_hand_written_statistics_dump_names_what_it_cannot_rerun(tmp_path, npu):
+    """msprobe's dump.json layout, statistics only: the op it can rebuild is judged on generated inputs,
+    an unknown api and an argument the dump holds no value of are skipped naming them, and one judged
+    op of three is too few to vouch for the run."""
+    import json
+
+    entries = {
+        "Torch.mul.0.forward": {"input_args": [_leaf([64, 8], 3.0, -2.0, 0.1), {"type": "float", "value": 0.5}],
+                                "input_kwargs": {}, "output": [_leaf([64, 8], 1.5, -1.0, 0.05)]},
+        "Torch.no_such_op.0.forward": {"input_args": [_leaf([4], 1.0, 0.0, 0.5)], "input_kwargs": {},
+                                       "output": [_leaf([4], 1.0, 0.0, 0.5)]},
+        "Functional.pad.0.forward": {"input_args": [_leaf([4, 4], 1.0, 0.0, 0.5), {"type": "PadSpec"}],
+                                     "input_kwargs": {}, "output": [_leaf([6, 6], 1.0, 0.0, 0.4)]},
+    }
+    (tmp_path / "rank0").mkdir()
+    (tmp_path / "rank0" / "dump.json").write_text(json.dumps({"task": "statistics", "level": "L1", "data": entries}))
+    result = run_precheck(tmp_path, workers=1)
+    assert {op.name: (op.status, op.reason) for op in result.ops} == {
+        "Torch.mul.0.forward": (PASS, ""),
+        "Torch.no_such_op.0.forward": (SKIP, "Torch.no_such_op: not a torch api npukit knows"),
+        "Functional.pad.0.forward": (SKIP, "Functional.pad.0.forward: an argument of type PadSpec whose value the dump "
+                                           "does not hold"),
+    }
+    assert result.exit_code() == 1 and "1 judged, 0 failed, 2 skipped: too few judged" in result.headline()
