@@ -11,4 +11,5 @@ Modules, and what other parts of npukit (the overflow detector) can reuse:
 - `metrics`    fp64 chunked, multi-process tensor comparison.
 - `compare`    pairing (with sequence alignment), verdicts, first divergence.
 - `report`     terminal, CSV, JSON and HTML reports.
+- `precheck`   npu-compare --precheck: each op of one dump re-run on the NPU, in fp32 and fp64, judged alone.
 """
