@@ -1,7 +1,9 @@
 """watch: what every reader of a running script needs, once, below the readers.
 
-The dump, the overflow detector, the monitor and the profiler are clients of this layer; none of
-them imports another, and the device imports nothing here but the collective mark's protocol.
+The dump, the overflow detector, the monitor and the profiler are clients of this layer: the
+profiler and accuracy/ import nothing of each other, and the device takes nothing of a reader, only
+the collective mark from here. (Inside accuracy/, the overflow detector and the monitor still take
+the dump's statistics buffer and hook guard from dump.py.)
 
     scaler_steps.py   GradScalerStepWatch: GradScaler.step/unscale_/update, whether a step was skipped
     steps.py          TrainingSteps: where a training step ends (optimizer.step, GradScaler's steps);
