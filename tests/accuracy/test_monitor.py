@@ -403,7 +403,15 @@ def test_under_torchrun_the_monitor_option_reaches_each_rank(monkeypatch):
     from npukit.run import RunOptions, _launch_torchrun
 
     commands = []
-    monkeypatch.setattr(subprocess_module, "call", lambda command, env: commands.append(command) or 0)
+
+    class Launched:  # torchrun, as npu-run starts it (it waits for it, passing SIGTERM on)
+        def __init__(self, command, env):
+            commands.append(command)
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(subprocess_module, "Popen", Launched)
     monkeypatch.setattr(sys, "argv", ["npu-run", "--nproc-per-node", "2", "--monitor", "mon", "--monitor-every=5",
                                       "train.py", "--steps", "3"])
     assert _launch_torchrun(RunOptions(script="train.py", nproc_per_node=2)) == 0
