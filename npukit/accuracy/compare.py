@@ -23,6 +23,7 @@ from pathlib import Path
 from npukit.accuracy import naming
 from npukit.accuracy.dumpfile import (
     INTERNAL_ERROR,
+    OPTIMIZER,
     TENSOR_DATA_DIR,
     DumpEntry,
     Incomplete,
@@ -306,7 +307,12 @@ def align(golden: list[DumpEntry], target: list[DumpEntry], max_edits: int = 400
             same_path = by_key.get(entry.key) if golden_entry is None else None
             pairs.append((same_path.pop(0) if same_path else golden_entry, entry))
         pairs += [(entry, None) for left in by_key.values() for entry in left]
-        in_order = [e.name for e in golden] == [g.name for g, _ in pairs if g is not None]
+        # in order: the two dumps wrote what paired in the same order (an optimizer's update ops after
+        # the gradients in both, say), not one tool's gradients among the backward entries
+        target_order = {id(entry): index for index, entry in enumerate(target)}
+        golden_order = {id(entry): index for index, entry in enumerate(golden)}
+        both = sorted((golden_order[id(g)], target_order[id(t)]) for g, t in pairs if g is not None and t is not None)
+        in_order = all(earlier[1] < later[1] for earlier, later in zip(both, both[1:]))
         return pairs, aligned or not in_order
     golden_keys = [entry.key for entry in golden]
     target_keys = [entry.key for entry in target]
@@ -1585,14 +1591,17 @@ def pairing_coverage(pairs: list, golden_entries: list, target_entries: list) ->
             return coverage
     kinds = []
     for side, index in (("golden", 0), ("target", 1)):
-        counts: dict[str, int] = {}
+        counts: dict[tuple[bool, str], int] = {}  # (an optimizer's update op, key) -> count
         for pair in pairs:
-            if pair[1 - index] is None and pair[index] is not None:
-                counts[pair[index].key] = counts.get(pair[index].key, 0) + 1
-        common = sorted(counts.items(), key=lambda item: -item[1])[:4]
+            entry = pair[index]
+            if pair[1 - index] is None and entry is not None:
+                kind = (entry.parent == OPTIMIZER, entry.key)
+                counts[kind] = counts.get(kind, 0) + 1
+        # the model's entries first: an optimizer's update ops (one per parameter) say less of why
+        common = sorted(counts.items(), key=lambda item: (item[0][0], -item[1]))[:4]
         if common:
             more = len(counts) - len(common)
-            kinds.append(f"only in the {side}: " + ", ".join(f"{name} x{count}" for name, count in common)
+            kinds.append(f"only in the {side}: " + ", ".join(f"{name} x{count}" for (_, name), count in common)
                          + (f" and {more} more kinds" if more > 0 else ""))
     coverage.stopped = "; ".join(kinds) + " (different models, dump levels, scopes or op lists?)"
     return coverage

@@ -88,6 +88,7 @@ class DumpEntry:
 INCOMPLETE = "npukit_incomplete"  # dump.json key: what the dump could not record
 INTERNAL_ERROR = "internal_error"  # a hook switched itself off: everything after `where` is missing
 COMPILED_REGION = "compiled_region"  # a torch.compile(fullgraph=True) region ran compiled, undumped
+OPTIMIZER = "optimizer"  # construct.json: the parent of the apis an optimizer.step runs (msprobe's)
 
 
 @dataclass(frozen=True, slots=True)
