@@ -7,6 +7,10 @@ Levels: `module` hooks every nn.Module (forward inputs/outputs/parameters, backw
 parameter grads); `api` sees every torch / functional / Tensor call through a TorchFunctionMode
 (torch itself is never patched) and its backward through autograd node hooks; `mix` does both.
 
+What msprobe records, as it names it: the modules below the model (not the model itself: a root
+module running modules of its own has no entry), and the apis an optimizer.step runs
+(construct.json parent "optimizer").
+
 Steps are found automatically: an optimizer step ends a step; a script without an optimizer ends
 a step each time its first root module starts a new forward. Calling step() yourself switches the
 automatic boundaries off.
@@ -33,7 +37,14 @@ from torch.overrides import TorchFunctionMode
 
 from npukit.accuracy import eager, graph, msprobe_config, naming
 from npukit.accuracy._stats import stats as one_pass_stats
-from npukit.accuracy.dumpfile import COMPILED_REGION, DUMPED_BY, HF32_OPS, INCOMPLETE, INTERNAL_ERROR
+from npukit.accuracy.dumpfile import (
+    COMPILED_REGION,
+    DUMPED_BY,
+    HF32_OPS,
+    INCOMPLETE,
+    INTERNAL_ERROR,
+    OPTIMIZER,
+)
 from npukit.accuracy.stacks import CallStacks
 from npukit.accuracy.tensor_io import TensorFileWriter, local_shard, strided_form, tensor_to_numpy
 from npukit.errors import UserError
@@ -562,7 +573,7 @@ class DumpSession:
         self._auto_step = True
         self._active = False
         self._finished = False
-        self._paused = 0  # > 0 inside optimizer.step(): its update ops are not layers
+        self._paused = 0  # > 0 inside optimizer.step(): no module entries; its apis are the optimizer's
         self._forward_seen = False
         self._optimizer_seen = False
         self._optimizer_exists: bool | None = None
@@ -652,7 +663,9 @@ class DumpSession:
         return not self._finished and (self.steps is None or self.step_index in self.steps)
 
     def _recording_api(self) -> bool:
-        return (self._active and self._forward_seen and not self._paused and not self._scaler_steps.inside
+        # inside optimizer.step (paused for modules): its update ops, as msprobe records them; inside
+        # GradScaler.step but outside the optimizer's: its unscaling, no op of the model
+        return (self._active and self._forward_seen and (self._paused > 0 or not self._scaler_steps.inside)
                 and self._step_selected())
 
     def _end_step(self) -> None:
@@ -691,8 +704,8 @@ class DumpSession:
         if self._modules and self._step_selected():
             self._record_parameter_grads()
         self._paused += 1
-        if self._mode is not None:
-            self._mode.lift()
+        if self._mode is not None and not self._step_selected():
+            self._mode.lift()  # a step not dumped: each update op would pay a Python dispatch for nothing
 
     @unintercepted
     def _on_optimizer_post_step(self, optimizer, args, kwargs) -> None:
@@ -728,7 +741,8 @@ class DumpSession:
                 # named, so that their parameter gradients are recorded at the optimizer step
                 self._module_path(module._orig_mod)
             return
-        if not self._module_stack and self._auto_step and not self._optimizer_seen:
+        root = not self._module_stack
+        if root and self._auto_step and not self._optimizer_seen:
             self._maybe_end_step_at_root(module)
         if not self._step_selected():
             return
@@ -737,7 +751,7 @@ class DumpSession:
         selected_scope = self._in_scope(path)
         index = self._record.counter.next(f"Module.{path}.{type(module).__name__}")
         name = naming.module_entry_name(path, type(module).__name__, index)
-        if self._modules and selected_scope and self._name_selected(name):
+        if self._modules and selected_scope and self._name_selected(name) and not (root and _model_root(module)):
             entry = _Entry(name, self._parent_name(), self._stack_id())
             entry.data["input_args"] = self._describe(args, f"{name}.input", False)
             entry.data["input_kwargs"] = {}
@@ -855,7 +869,7 @@ class DumpSession:
         if not (self._in_scope(path) and self._name_selected(name)):
             return func(*args, **kwargs)
         in_place = naming.writes_its_input(api, args, kwargs)
-        entry = _Entry(name, self._parent_name(), self._stack_id())
+        entry = _Entry(name, OPTIMIZER if self._paused else self._parent_name(), self._stack_id())
         uninitialized_output = api in naming.UNINITIALIZED_OUTPUT
         # a resize_ that does not grow keeps initialized elements: its size before tells
         numel_before = args[0].numel() if uninitialized_output and in_place and args \
@@ -1191,15 +1205,30 @@ class DumpSession:
         write_json(rank_dir / "construct.json", _construct(record.entries))
 
 
+def _model_root(module: torch.nn.Module) -> bool:
+    """A root module that is a model: its forward runs modules of its own, whose entries say what
+    it does (msprobe records the modules below the model it is given, not the model). A root
+    without submodules (a bare nn.Linear) or whose forward runs compiled (nothing below it is
+    seen) is not: its entry is all there is of it."""
+    if next(module.children(), None) is None:
+        return False
+    return not (hasattr(module.forward, "_torchdynamo_orig_callable")
+                or getattr(module, "_compiled_call_impl", None) is not None)
+
+
 def _construct(entries: list[_Entry]) -> dict[str, str | None]:
     """msprobe's construct.json: each forward and backward entry -> the module entry it ran in (a
-    backward entry: that module's backward entry, when it has one), None at the top."""
+    backward entry: that module's backward entry, when it has one), None at the top; an
+    optimizer's apis -> "optimizer" (itself at the top)."""
     names = {entry.name for entry in entries}
     parents = {entry.name: entry.parent for entry in entries if naming.split_entry_name(entry.name)[1] == naming.FORWARD}
     construct: dict[str, str | None] = {}
     for entry in entries:
         direction = naming.split_entry_name(entry.name)[1]
-        if direction == naming.FORWARD:
+        if entry.parent == OPTIMIZER:
+            construct.setdefault(OPTIMIZER, None)
+            construct[entry.name] = OPTIMIZER
+        elif direction == naming.FORWARD:
             construct[entry.name] = entry.parent
         elif direction == naming.BACKWARD:
             forward = naming.with_direction(entry.name, naming.FORWARD)

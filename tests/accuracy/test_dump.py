@@ -26,13 +26,15 @@ def test_mix_level_names_and_schema(tmp_path):
     data = dump["data"]
     for name in ("Functional.linear.0.forward", "Functional.layer_norm.0.forward", "Functional.gelu.0.forward",
                  "Torch.square.0.forward", "Tensor.__add__.0.forward", "Functional.cross_entropy.0.forward",
-                 "Module.blocks.0.fc1.Linear.forward.0", "Module.blocks.0.Block.forward.0", "Module.Net.forward.0",
+                 "Module.blocks.0.fc1.Linear.forward.0", "Module.blocks.0.Block.forward.0",
                  "Functional.linear.0.backward", "Module.blocks.0.norm.LayerNorm.backward.0",
                  "Module.blocks.0.fc1.Linear.parameters_grad.0"):
         assert name in data, name
     leaf = data["Functional.linear.0.forward"]["output"][0]
     assert leaf["type"] == "torch.Tensor" and leaf["dtype"] == "torch.float32" and leaf["shape"] == [6, 16]
     assert set(leaf) >= {"Max", "Min", "Mean", "Norm", "requires_grad"}
+    # the model itself is no entry: msprobe records the modules below the model it is given
+    assert not any(name.startswith("Module.Net.") for name in data)
     module = data["Module.blocks.0.fc1.Linear.forward.0"]
     assert set(module["parameters"]) == {"weight", "bias"}
     assert data["Module.blocks.0.fc1.Linear.parameters_grad.0"]["weight"][0]["shape"] == [16, 16]
@@ -228,6 +230,17 @@ def test_a_module_backward_holds_its_own_share_of_a_residual_inputs_gradient(tmp
     assert x.grad.tolist() == [[3.0, 3.0, 3.0]]
 
 
+class _Model(nn.Module):
+    """A model around one layer: the model itself is no entry (msprobe records the modules below it)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, *args):
+        return self.layer(*args)
+
+
 def test_a_module_backward_is_recorded_when_no_input_gradient_leaves_it(tmp_path):
     class UsesOnlyData(nn.Module):
         def __init__(self):
@@ -239,9 +252,9 @@ def test_a_module_backward_is_recorded_when_no_input_gradient_leaves_it(tmp_path
 
     unused = torch.ones(2, requires_grad=True)  # needs a gradient, gets none from this module
     with DumpSession(tmp_path, level="module", mode="stats") as session:
-        UsesOnlyData()(unused, torch.ones(1, 2)).sum().backward()
+        _Model(UsesOnlyData())(unused, torch.ones(1, 2)).sum().backward()
         session.step()
-    entry = load(tmp_path)["data"]["Module.UsesOnlyData.backward.0"]
+    entry = load(tmp_path)["data"]["Module.layer.UsesOnlyData.backward.0"]
     # `output`: the arguments that need a gradient (`unused`), none arrived (msprobe 26.2 writes no
     # entry at all here: its hook never fires)
     assert [leaf["shape"] for leaf in entry["input"]] == [[1, 2]] and entry["output"] == [None]
@@ -376,7 +389,7 @@ def test_inference_loop_without_optimizer_splits_steps_at_root_forward(tmp_path)
         for _ in range(3):
             model(torch.randn(2, 4))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step0", "step1", "step2"]
-    assert "Module.Sequential.forward.0" in load(tmp_path, 2)["data"]
+    assert "Module.0.Linear.forward.0" in load(tmp_path, 2)["data"]
 
 
 def test_scope_and_list_filters(tmp_path):
@@ -427,10 +440,24 @@ def test_parse_steps():
     assert parse_steps(None) is None
 
 
-def test_optimizer_update_ops_are_not_dumped(tmp_path):
-    train(tmp_path, level="api", mode="stats", steps=1)
-    names = list(load(tmp_path)["data"])
-    assert not any("_foreach" in name or name.startswith("Tensor.add_") for name in names)
+def test_optimizer_update_ops_are_dumped_as_msprobe_dumps_them(tmp_path):
+    """msprobe records the apis optimizer.step runs, each with construct.json parent "optimizer":
+    an SGD step is a Tensor.add_ per parameter, weight and gradient in (before the update), the
+    updated weight out. No module entry and no backward comes from the update."""
+    train(tmp_path, level="mix", mode="stats", steps=1)
+    data = load(tmp_path)["data"]
+    construct = json.loads((tmp_path / "step0/rank0/construct.json").read_text())
+    updates = [name for name, parent in construct.items() if parent == "optimizer"]
+    assert construct["optimizer"] is None
+    assert updates == [name for name in data if name.startswith("Tensor.add_.")]
+    assert list(data)[-len(updates):] == updates  # after the parameter gradients the update reads
+    grads = [grad for name, entry in data.items() if ".parameters_grad." in name for grad in entry.values()]
+    assert len(updates) == len(grads) > 3  # one per parameter
+    update = data[updates[0]]
+    weight, grad = update["input_args"]
+    assert update["input_kwargs"] == {"alpha": {"type": "float", "value": -0.05}}
+    assert weight["shape"] == grad["shape"] == update["output"][0]["shape"]
+    assert weight["Norm"] != update["output"][0]["Norm"]
 
 
 def test_functional_calls_inside_user_code_are_dumped_without_patching_torch(tmp_path):
@@ -462,7 +489,7 @@ def test_a_forward_that_raises_leaves_module_tracking_intact(tmp_path):
                 raise ValueError("first call fails")
             return self.inner(x)
 
-    model = Flaky()
+    model = nn.Sequential(Flaky())  # a module below the model: the model itself is no entry
     with torch.no_grad(), DumpSession(tmp_path, level="mix", mode="stats") as session:
         with pytest.raises(ValueError):
             model(torch.ones(1, 2))
@@ -470,9 +497,9 @@ def test_a_forward_that_raises_leaves_module_tracking_intact(tmp_path):
         session.step()
     # No optimizer: each root forward starts a step, the failed one included.
     construct = json.loads((tmp_path / "step1/rank0/construct.json").read_text())
-    assert construct["Functional.linear.0.forward"] == "Module.inner.Linear.forward.0"
-    assert construct["Module.inner.Linear.forward.0"] == "Module.Flaky.forward.0"
-    assert construct["Module.Flaky.forward.0"] is None
+    assert construct["Functional.linear.0.forward"] == "Module.0.inner.Linear.forward.0"
+    assert construct["Module.0.inner.Linear.forward.0"] == "Module.0.Flaky.forward.0"
+    assert construct["Module.0.Flaky.forward.0"] is None
 
 
 def test_keyword_arguments_are_recorded_as_the_caller_can_have_written_them(tmp_path):
@@ -541,7 +568,6 @@ def test_module_backward_output_lists_only_the_arguments_that_need_a_gradient(tm
         session.step()
     data = load(tmp_path)["data"]
     assert data["Module.first._TwoInputs.backward.0"]["output"] == []
-    assert data["Module.Model.backward.0"]["output"] == []
     for name in ("Module.second._TwoInputs.backward.0", "Module.third._TwoInputs.backward.0"):
         [grad] = data[name]["output"]
         assert grad["shape"] == [3] and grad["Max"] == grad["Min"] == 1.0, name

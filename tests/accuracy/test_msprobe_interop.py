@@ -3,10 +3,10 @@ of one model written by msprobe and by npukit, compared across tools in both dir
 
 What the two tools record differently is left out of a cross-tool pair and said in the report: an
 api's backward (msprobe: the gradients of the op's last autograd node; npukit: the op's gradient
-for each argument), apis and modules only one tool records (the root module, with --dump-ops all
-Tensor.flatten and other apis msprobe leaves out by default,
-msprobe's optimizer ops). Everything else pairs, by the same names: forward api entries (x + y is
-Tensor.__add__, F.layer_norm's weight input.2), module entries, and parameter gradients
+for each argument), apis and modules only one tool records (with --dump-ops all Tensor.flatten and
+other apis msprobe leaves out by default). Everything else pairs, by the same names: forward api
+entries (x + y is Tensor.__add__, F.layer_norm's weight input.2), the optimizer's update ops, module
+entries below the model (neither tool records the model itself), and parameter gradients
 (Module.X.parameters_grad.0 with {"weight": [leaf]}), in npu-compare and in msprobe compare."""
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ def test_the_same_model_dumped_by_both_tools_pairs_every_comparable_entry(dumps,
     if level == "mix":
         grads = [row for row in pair.rows if ".parameters_grad" in row.name]
         assert len(grads) == 10 and all(row.verdict == PASS for row in grads)  # 5 layers x weight, bias
-        assert "Module.Model" in pair.cross_tool  # the root module: npukit only
+    # the same modules (not the model itself) and apis, the optimizer's update included, in both
+    assert "only one tool records" not in pair.cross_tool
     values = [row for row in pair.rows if row.metrics is not None or row.stat_diffs is not None]
     assert len(values) == len(pair.rows)
 
@@ -273,8 +274,7 @@ def test_msprobe_compare_pairs_a_cross_tool_pair_by_name(dumps, tmp_path, task, 
     """The same model dumped by msprobe and npukit: msprobe compare lines the two up by name,
     forward entries, parameter gradients and argument positions included (x + y is
     Tensor.__add__ in both, F.layer_norm's weight input.2, a parameter gradient
-    Module.X.parameters_grad.0.weight). What only one tool records stays unpaired: npukit's root
-    module and Tensor.flatten/Tensor.float, msprobe's optimizer update (Tensor.add_)."""
+    Module.X.parameters_grad.0.weight), the optimizer's update (Tensor.add_) too."""
     msprobe_dump = _as_rank0(dumps("msprobe", task, level, "fp32"), tmp_path / "msprobe")
     npukit_dump = dumps("npukit", task, level, "fp32")
     golden, target = (msprobe_dump, npukit_dump) if golden_tool == "msprobe" else (npukit_dump, msprobe_dump)
@@ -282,9 +282,7 @@ def test_msprobe_compare_pairs_a_cross_tool_pair_by_name(dumps, tmp_path, task, 
     names = [row["NPU Name"] for row in rows]
     assert len(names) == len(set(names))
     forward = [row for row in rows if ".forward." in row["NPU Name"] or ".parameters_grad." in row["NPU Name"]]
-    only_one_tool = ("Tensor.flatten.", "Tensor.float.", "Module.Model.") if golden_tool == "msprobe" else ("Tensor.add_.",)
-    assert [row["NPU Name"] for row in forward if row["Bench Name"] == "N/A"
-            and not row["NPU Name"].startswith(only_one_tool)] == []
+    assert [row["NPU Name"] for row in forward if row["Bench Name"] == "N/A"] == []
     grads = [row for row in forward if ".parameters_grad.0." in row["NPU Name"]]
     assert len(grads) == (10 if level == "mix" else 0) and all(row["Bench Name"] == row["NPU Name"] for row in grads)
     assert any(row["NPU Name"] == "Functional.layer_norm.0.forward.input.2" and row["Bench Name"] != "N/A"
@@ -338,26 +336,21 @@ def _msprobe_graph(dump: Path) -> dict[str, str | None]:
 
 
 def test_msprobes_graph_builder_reads_npukits_model_structure_as_its_own(dumps):
-    """construct.json: msprobe builds the same module tree from npukit's dump as from its own. Apart
-    from what one tool alone records, the only difference is npukit's root module, one level above
-    the model's top modules (msprobe's DefaultModel)."""
+    """construct.json: msprobe builds the same module tree from npukit's dump as from its own, the
+    optimizer's update under its "optimizer" node in both."""
     theirs = _msprobe_graph(dumps("msprobe", "statistics", "mix", "fp32"))
     ours = _msprobe_graph(dumps("npukit", "statistics", "mix", "fp32"))
     assert len(theirs) > 40
-    root = {"Module.Model.forward.0", "Module.Model.backward.0"}
-
-    def parent(graph, name):
-        up = graph[name]
-        return "DefaultModel" if up in root else up
-
     shared = [name for name in theirs if name in ours]
-    assert [name for name in shared if parent(theirs, name) != parent(ours, name)] == []
+    assert [name for name in shared if theirs[name] != ours[name]] == []
     # msprobe's construct.json also lists the apis its risk level leaves out of dump.json (nodes
     # without data: Tensor.flatten, Tensor.float, forward and backward); npukit's lists what it dumps
     data = _dump_json(dumps("msprobe", "statistics", "mix", "fp32"))
     structure_only = {name for name in theirs if name not in data and name.endswith(("forward", "backward"))
                       and not name.startswith("Module.")}
     assert {name.split(".")[1] for name in structure_only} == {"flatten", "float"}
-    assert len(shared) >= len(theirs) - len(structure_only) - 11  # msprobe's optimizer node with its 10 Tensor.add_
+    assert len(shared) == len(theirs) - len(structure_only)
+    assert {name for name, parent in ours.items() if parent == "optimizer"} == \
+        {name for name, parent in theirs.items() if parent == "optimizer"} != set()
     assert {"Module.block.Block.forward.0", "Module.block.fc1.Linear.backward.0"} <= set(shared)
     assert ours["Functional.linear.0.forward"] == "Module.block.fc1.Linear.forward.0"

@@ -1,5 +1,6 @@
 """npukit's dump records what msprobe 26.2 records by default (its support list less its low-risk
-apis: views, reshapes, splits, casts), proved against the real msprobe (mindstudio-probe, a dev
+apis: views, reshapes, splits, casts; the modules below the model, not the model; the apis of
+optimizer.step), proved against the real msprobe (mindstudio-probe, a dev
 dependency) on a small vision transformer (msprobe_parity_model.py); `--dump-ops all` records every
 api as before; msprobe's config.json drives `npu-run --dump-config`."""
 
@@ -59,10 +60,9 @@ def _entries(dump: Path) -> dict:
     return json.loads((dump / "step0" / "rank0" / "dump.json").read_text())["data"]
 
 
-def _optimizer_entries(msprobe_dump: Path) -> set[str]:
-    """The optimizer.step ops msprobe records (construct.json: parent "optimizer"); npukit's dump
-    leaves the optimizer's update out."""
-    construct = json.loads((msprobe_dump / "step0" / "rank0" / "construct.json").read_text())
+def _optimizer_entries(dump: Path) -> set[str]:
+    """The optimizer.step ops a dump records (construct.json: parent "optimizer")."""
+    construct = json.loads((dump / "step0" / "rank0" / "construct.json").read_text())
     return {name for name, parent in construct.items() if parent == "optimizer"}
 
 
@@ -81,14 +81,15 @@ def test_the_op_lists_are_the_installed_msprobes():
 
 def test_npukit_records_the_entries_msprobe_records(dumps):
     """The issue's case: npukit recorded Tensor.view, Tensor.transpose, Tensor.reshape, Tensor.chunk,
-    Torch.flatten that msprobe does not. Now the entries differ only by the root module (npukit's,
-    msprobe starts below it) and the optimizer's update (msprobe's)."""
+    Torch.flatten that msprobe does not; then the root module (msprobe starts below the model it is
+    given) and not the optimizer's update (msprobe records its Tensor.add_s). Now the same entries,
+    the update's under "optimizer" in construct.json as msprobe puts them."""
     theirs = dumps("msprobe", "statistics", "mix")
-    ours = set(_entries(dumps("npukit", "statistics", "mix")))
-    theirs_names = set(_entries(theirs))
-    assert ours - theirs_names == {"Module.Model.forward.0", "Module.Model.backward.0"}
-    assert theirs_names - ours == _optimizer_entries(theirs)
-    assert len(theirs_names & ours) > 80
+    ours = dumps("npukit", "statistics", "mix")
+    assert set(_entries(ours)) == set(_entries(theirs))
+    assert len(_entries(ours)) > 100
+    assert _optimizer_entries(ours) == _optimizer_entries(theirs) != set()
+    ours = set(_entries(ours))
     # --dump-ops all: every api, as npukit recorded before
     everything = set(_entries(dumps("npukit", "statistics", "mix", ops="all")))
     assert ours < everything
@@ -114,11 +115,16 @@ def _paired_share(rows: list[dict]) -> tuple[float, list[str]]:
 @pytest.mark.parametrize("golden_tool", ["msprobe", "npukit"])
 def test_msprobe_compare_pairs_the_tensor_rows_of_both_tools(dumps, tmp_path, golden_tool):
     """`msprobe compare` of an npukit bf16 dump against an msprobe fp32 golden, and of msprobe's dump
-    against an npukit golden: every forward, module and parameter-gradient row pairs (npukit's root
-    module aside). What stays unpaired: api backward gradients one tool has and the other has not
-    (msprobe records the gradients of an op's last autograd node, npukit the op's gradient for each
-    argument: a linear's weight and bias gradients are npukit's only) and msprobe's optimizer
-    update. (Before, npukit's Tensor.transpose, view, chunk ... rows were unpaired too: 74% paired.)"""
+    against an npukit golden: at least 95% of the target's tensor rows pair (before: 93.7% and 78.2%,
+    npukit's root module entry and msprobe's optimizer update unpaired; before that 74%, npukit's
+    Tensor.transpose, view, chunk ... rows too). Every forward, module, parameter-gradient and
+    optimizer row pairs. The share counts every tensor row, also the few no dump of npukit's could
+    pair: an api's backward gradients where msprobe records other gradients than the op's own for
+    its arguments (msprobe records the gradients of the op's last autograd node, npukit the op's
+    gradient for each argument, which npu-compare's backward diagnosis reads): a linear or matmul
+    over a 3-D input ends in a reshape node, whose one gradient msprobe records, so npukit's weight
+    and bias gradients have no counterpart; batch_norm's node has no edge for the running
+    statistics, so msprobe numbers its weight gradient output.1, npukit (by argument) output.3."""
     if golden_tool == "msprobe":
         golden, target = dumps("msprobe", "statistics", "mix"), dumps("npukit", "statistics", "mix", "bf16")
     else:
@@ -126,18 +132,17 @@ def test_msprobe_compare_pairs_the_tensor_rows_of_both_tools(dumps, tmp_path, go
     share, unpaired = _paired_share(_msprobe_compare(golden, target, tmp_path))
     kinds = collections.Counter(".".join(name.split(".")[:2]) for name in unpaired)
     print(f"msprobe compare, golden {golden_tool}: {share:.1%} of the target's tensor rows paired; unpaired: {dict(kinds)}")
-    optimizer = _optimizer_entries(dumps("msprobe", "statistics", "mix"))
     for name in unpaired:
-        if golden_tool == "npukit" and name.split(".forward.")[0] + ".forward" in optimizer:
-            continue
-        assert name.startswith("Module.Model.") or (".backward.output." in name and not name.startswith("Module.")), \
-            name
-    assert share > (0.93 if golden_tool == "msprobe" else 0.75)
+        assert ".backward.output." in name and not name.startswith("Module."), name
+    assert share >= 0.95
 
 
 def _leaves(data: dict) -> dict[str, dict]:
     leaves = {}
     for name, entry in data.items():
+        if ".parameters_grad." in name:  # a gradient the optimizer's update reads
+            leaves.update({f"{name}.{key}": leaf for key, [leaf] in entry.items()})
+            continue
         for role in ("input_args", "output"):
             for position, leaf in enumerate(entry.get(role) or []):
                 if isinstance(leaf, dict) and leaf.get("type") == "torch.Tensor":
