@@ -1100,8 +1100,14 @@ def find_divergence(pair_label: str, pairs: list, rows: list[Row], golden: RankD
                 and target.has_producers and not consequential \
                 and _absorbed(target_entry, consumers, rows_by_target_entry, absorbed_limit or limit, set()):
             continue  # its relative error is large but what uses it does not carry it (a sum near 0)
-        if amplified and target_entry.direction == naming.BACKWARD and run_class != "fp32" and not consequential:
-            continue  # a gradient a cancellation made noisy (a loss term near 0) that the update does not carry
+        if amplified and target_entry.direction == naming.BACKWARD and run_class != "fp32" and not (
+                _own_gradients_wrong(target_entry, target, rows) if updated else consequential):
+            # A gradient a cancellation made noisy (a loss term near 0) that the update does not carry.
+            # After an update the whole gradient is no evidence either way: AdamW's first
+            # steps move every weight by about lr whatever its gradient's size, so a gradient's sign that
+            # bf16 flipped moves the weights apart and the next step's gradients differ by a third in a
+            # correct run. What counts is whether this backward's own weights get a wrong gradient.
+            continue
         if has_api_entries and target_entry.name.startswith("Module.") and target_entry.direction != naming.BACKWARD:
             continue  # a mix-level dump: the api entries inside the module say where (and see its weights)
         if amplified:
@@ -1172,6 +1178,20 @@ def _product_condition(entry: DumpEntry, inputs: list[Row], outputs: list[Row]) 
         return 1.0
     terms = first.target.shape[-1]
     return max(1.0, first.norm * second.norm / (result * math.sqrt(max(terms, 1))))
+
+
+def _own_gradients_wrong(entry: DumpEntry, dump: RankDump, rows: list[Row]) -> bool:
+    """True when a parameter gradient of the module that ran this op is wrong (over half off, or not
+    finite): the op's amplified error reached its own weights' update."""
+    path = entry_module_path(entry, dump)
+    if path is None:
+        return False
+    own = "" if path == "(root)" else path
+    return any(
+        (row.error is not None and row.error > _WRONG_GRADIENT or row.target is not None and _nonfinite(row.target))
+        for row in rows
+        if row.target_entry is not None and naming.split_entry_name(row.target_entry)[1] == naming.PARAMETERS_GRAD
+        and naming.module_path_of(row.target_entry) == own)
 
 
 def _gradient_error(rows: list[Row]) -> float:

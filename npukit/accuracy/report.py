@@ -428,11 +428,34 @@ def verdict_lines(result: CompareResult) -> list[tuple[str, str, str]]:
                 + [("fail", "  ", problem) for problem in problems])
     lines = [("pass", "No divergence found", f": {summary}.")]
     if counts.get(ERROR):
-        lines.append(("note", "", f"The {counts[ERROR]} error row{'s' if counts[ERROR] > 1 else ''} carry their inputs'"
-                      " error and no op amplified it (a relu's or max-pool's mask where a value near 0 changed"
-                      " sign in low precision moves a whole element of a gradient): the search names an op"
-                      " only where its error is its own."))
+        first_step = sum(row.verdict == ERROR for pair in result.pairs if not _after_an_update(pair.pair)
+                         for row in pair.rows)
+        later = counts[ERROR] - first_step
+        if first_step:
+            lines.append(("note", "", f"{_error_rows(first_step, later)} carry their inputs' error and no op"
+                          " amplified it (a relu's or max-pool's mask where a value near 0 changed sign in low"
+                          " precision moves a whole element of a gradient): the search names an op only where its"
+                          " error is its own."))
+        if later:
+            lines.append(("note", "", f"{_error_rows(later, first_step, later=True)} started from weights the"
+                          " earlier low-precision updates moved apart (AdamW moves a weight by about lr whatever its"
+                          " gradient's size, so a gradient sign rounding flipped moves it the other way): where an op"
+                          " there amplified the difference, no weight it computes a gradient for got one over half"
+                          " off. Drift, not a divergence: the first step shows the program's own numerics."))
     return lines
+
+
+def _error_rows(count: int, others: int, later: bool = False) -> str:
+    rows = f"{count} error row{'s' if count > 1 else ''}"
+    if later:
+        return f"The {rows} of the steps after an optimizer step" if others else f"The {rows}, all in steps after an optimizer step,"
+    return f"The {rows} of the first step" if others else f"The {rows}"
+
+
+def _after_an_update(pair_label: str) -> bool:
+    """`step1/rank0` and later steps: a dump whose weights went through the run's own updates."""
+    step = pair_label.partition("/")[0]
+    return step.startswith("step") and step[4:].isdigit() and int(step[4:]) > 0
 
 
 def headline(result: CompareResult) -> str:

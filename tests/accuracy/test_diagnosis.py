@@ -20,18 +20,19 @@ import torch.nn.functional as F
 from npukit.accuracy.compare import ERROR, WARN, compare_dirs
 
 
-def _dumps(tmp_path, make_model, loss_of, *, dtype=None, hf32=False, npu_only=None, steps=1):
-    """Golden and NPU dumps of `steps` SGD steps; npu_only(model) runs before the NPU run only."""
+def _dumps(tmp_path, make_model, loss_of, *, dtype=None, hf32=False, npu_only=None, steps=1, seed=0,
+           make_optimizer=lambda parameters: torch.optim.SGD(parameters, lr=0.1)):
+    """Golden and NPU dumps of `steps` optimizer steps; npu_only(model) runs before the NPU run only."""
     from npukit.accuracy.dump import DumpSession
     from npukit.npu_backend import numerics
 
     for side in ("golden", "npu"):
         golden_run = side == "golden"
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         model = make_model().npu()
         if npu_only is not None and not golden_run:
             npu_only(model)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        optimizer = make_optimizer(model.parameters())
         policies = numerics.golden() if golden_run else (
             numerics.policies(matmul_hf32=True) if hf32 else contextlib.nullcontext())
         with policies, DumpSession(tmp_path / side, mode="tensor"):
@@ -226,6 +227,53 @@ def test_a_cancellation_a_layer_norm_reveals_is_named_at_the_op_that_rounded_awa
     assert (divergence.entry, divergence.module_path) == ("Functional.linear.0.forward", "fc")
     assert "Functional.layer_norm.0.forward subtracts its mean, and this input sits on an offset" in divergence.reason
     assert "Compute this op and the cancellation in fp32" in divergence.reason
+
+
+class _PairGroupNorms(nn.Module):
+    """Group norms over pairs of channels: in bf16 their backward amplifies what it is given."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem, self.head = nn.Linear(12, 16), nn.Linear(16, 10)
+        self.blocks = nn.ModuleList(nn.ModuleDict({"fc": nn.Linear(16, 16), "norm": nn.GroupNorm(8, 16)})
+                                    for _ in range(4))
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = x + F.gelu(block["norm"](block["fc"](x)))
+        return self.head(x)
+
+
+def _pair_norms_run(tmp_path, seed):
+    def loss_of(model):
+        return F.cross_entropy(model(torch.randn(4, 12, device="npu")).float(), torch.randint(0, 10, (4,), device="npu"))
+
+    return _dumps(tmp_path, _PairGroupNorms, loss_of, dtype=torch.bfloat16, steps=2, seed=seed,
+                  make_optimizer=lambda parameters: torch.optim.AdamW(parameters, lr=5e-2))
+
+
+def test_after_an_adamw_step_a_backward_that_amplifies_drift_is_not_a_divergence(tmp_path, npu):
+    """Step 0 matched; AdamW's first update (about lr per weight whatever its gradient's size) moved
+    the weights apart where bf16 flipped a small gradient's sign, so step 1's gradients differ by a
+    third everywhere. A group norm's backward amplifying that was named as the first divergence of a
+    correct run (the whole gradient over its limit). Its own weights' gradients are within half."""
+    result = _pair_norms_run(tmp_path, seed=2)
+    assert not result.failed() and not any(pair.divergence for pair in result.pairs)
+    from npukit.accuracy.report import verdict_lines
+
+    notes = " ".join(rest for kind, _, rest in verdict_lines(result) if kind == "note")
+    assert "of the steps after an optimizer step started from weights the earlier low-precision updates moved" \
+        in notes or "all in steps after an optimizer step, started from weights" in notes
+
+
+def test_after_an_adamw_step_a_backward_that_makes_its_own_weights_gradient_wrong_is_named(tmp_path, npu):
+    """The same model and run where the amplified error does reach the norm's own weight gradient
+    (over half off): still named, at step 1."""
+    result = _pair_norms_run(tmp_path, seed=7)
+    assert result.failed()
+    [(pair, entry)] = [(pair.pair, pair.divergence.entry) for pair in result.pairs if pair.divergence]
+    assert pair == "step1/rank0" and entry.startswith("Functional.group_norm.") and entry.endswith(".backward")
 
 
 class _MaskedAttention(nn.Module):
