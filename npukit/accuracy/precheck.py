@@ -339,6 +339,7 @@ class _Op:
     tf32: bool  # an fp32 matmul/conv: a TF32 reference too
     hf32: bool | None  # the NPU run computed it in HF32 (None: unknown, the device's defaults)
     in_place: bool  # it writes into an argument (`add_`, `x += y`, `out=`)
+    note: str = ""  # said with the verdict (a backward that could not be judged)
 
 
 def _call(op: _Op, tensors: list, device, side: str):
@@ -511,7 +512,7 @@ def _exact_tensor(name: str, npu: torch.Tensor, reference: torch.Tensor) -> Tens
 
 
 # ----------------------------------------------------------------------------- the pre-check
-def _is_random(api: str, entry: DumpEntry) -> bool:
+def _is_random(api: str) -> bool:
     name = api.rpartition(".")[2]
     return "dropout" in name or name in _RANDOM_APIS
 
@@ -519,7 +520,7 @@ def _is_random(api: str, entry: DumpEntry) -> bool:
 def _prepare(label: str, entry: DumpEntry, body: dict, backward: DumpEntry | None, generate: bool,
              hf32: frozenset | None) -> _Op:
     api = entry.base
-    if _is_random(api, entry):
+    if _is_random(api):
         raise CannotRun("a random op: its result cannot be reproduced")
     if api in naming.UNINITIALIZED_OUTPUT:
         raise CannotRun("its output is uninitialized memory")
@@ -537,27 +538,33 @@ def _prepare(label: str, entry: DumpEntry, body: dict, backward: DumpEntry | Non
         raise CannotRun("a float64 op: the NPU does not compute in float64")
     grad_outputs: list = []
     grad_inputs: list = [None] * len(inputs)
+    note = ""
     if backward is not None:
-        grad_outputs, grad_inputs = _backward_leaves(entry, backward, len(inputs), generate, seed)
+        try:
+            grad_outputs, grad_inputs = _backward_leaves(entry, backward, inputs, generate, seed)
+        except CannotRun as exc:  # the forward is still judged; the note says the backward was not
+            grad_outputs, grad_inputs, note = [], [None] * len(inputs), f"backward not judged: {exc}"
         if not any(grad is not None for grad in grad_outputs) or not any(grad_inputs):
             backward = None
     kind = hf32_kind(entry.name)
     return _Op(label, entry, backward, function, args, kwargs, inputs, compute, grad_outputs, grad_inputs,
                tf32=kind is not None and compute == torch.float32,
                hf32=None if kind is None or hf32 is None else kind in hf32,
-               in_place=naming.writes_its_input(api, tuple(args), kwargs) or api.startswith("Tensor.__i"))
+               in_place=naming.writes_its_input(api, tuple(args), kwargs) or api.startswith("Tensor.__i"), note=note)
 
 
-def _backward_leaves(entry: DumpEntry, backward: DumpEntry, tensor_count: int, generate: bool, seed: int):
+def _backward_leaves(entry: DumpEntry, backward: DumpEntry, inputs: list, generate: bool, seed: int):
     """(gradient per forward output, recorded gradient leaf per tensor argument) of a backward entry."""
     outputs = {leaf.suffix: leaf for leaf in backward.outputs}  # output.i: gradient of tensor argument i
     incoming = {leaf.suffix: leaf for leaf in backward.inputs}  # input.i: gradient of forward output i
-    grad_inputs = [outputs.get(f"output.{i}") for i in range(tensor_count)]
+    grad_inputs = [outputs.get(f"output.{i}") for i in range(len(inputs))]
+    if any(leaf is not None and tuple(leaf.shape) != tuple(tensor.shape) for leaf, tensor in zip(grad_inputs, inputs)):
+        raise CannotRun(f"the gradients of {backward.name} do not match its forward's inputs")
     grad_outputs = []
     for i, out in enumerate(entry.outputs):
         leaf = incoming.get(f"input.{i}")
         if leaf is not None and tuple(leaf.shape) != tuple(out.shape):
-            raise CannotRun(f"{backward.name}: its gradients do not match its forward's outputs")
+            raise CannotRun(f"the gradients {backward.name} received do not match its forward's outputs")
         grad_outputs.append(_load(leaf, generate, seed + 1000 + i) if leaf is not None else None)
     return grad_outputs, grad_inputs
 
@@ -622,8 +629,8 @@ def check_op(op: _Op, device) -> OpCheck:
         check.status = ERROR
     if backward:
         check.backward_status = ERROR if any(t.status == ERROR for t in backward) else PASS
-    if check.status != SKIP and not forward:
-        check.reason = "only its backward had a result to judge"
+    if check.status != SKIP:
+        check.reason = op.note or ("" if forward else "only its backward had a result to judge")
     return check
 
 

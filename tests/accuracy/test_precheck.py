@@ -201,14 +201,17 @@ def _leaf(shape, high, low, mean, dtype="torch.float32"):
 
 
 def test_a_hand_written_statistics_dump_names_what_it_cannot_rerun(tmp_path, npu):
-    """msprobe's dump.json layout, statistics only: the op it can rebuild is judged on generated inputs,
-    an unknown api and an argument the dump holds no value of are skipped naming them, and one judged
-    op of three is too few to vouch for the run."""
+    """msprobe's dump.json layout, statistics only: the op it can rebuild is judged on generated inputs
+    (its backward, whose gradient does not fit, is said not to be), an unknown api and an argument the
+    dump holds no value of are skipped naming them, and one judged op of three is too few to vouch for
+    the run."""
     import json
 
     entries = {
         "Torch.mul.0.forward": {"input_args": [_leaf([64, 8], 3.0, -2.0, 0.1), {"type": "float", "value": 0.5}],
                                 "input_kwargs": {}, "output": [_leaf([64, 8], 1.5, -1.0, 0.05)]},
+        # a gradient of another shape than the input it is for: the forward is still judged
+        "Torch.mul.0.backward": {"input": [_leaf([64, 8], 1.0, -1.0, 0.0)], "output": [_leaf([8, 8], 1.0, -1.0, 0.0)]},
         "Torch.no_such_op.0.forward": {"input_args": [_leaf([4], 1.0, 0.0, 0.5)], "input_kwargs": {},
                                        "output": [_leaf([4], 1.0, 0.0, 0.5)]},
         "Functional.pad.0.forward": {"input_args": [_leaf([4, 4], 1.0, 0.0, 0.5), {"type": "PadSpec"}],
@@ -218,7 +221,8 @@ def test_a_hand_written_statistics_dump_names_what_it_cannot_rerun(tmp_path, npu
     (tmp_path / "rank0" / "dump.json").write_text(json.dumps({"task": "statistics", "level": "L1", "data": entries}))
     result = run_precheck(tmp_path, workers=1)
     assert {op.name: (op.status, op.reason) for op in result.ops} == {
-        "Torch.mul.0.forward": (PASS, ""),
+        "Torch.mul.0.forward": (PASS, "backward not judged: the gradients of Torch.mul.0.backward do not match its "
+                                      "forward's inputs"),
         "Torch.no_such_op.0.forward": (SKIP, "Torch.no_such_op: not a torch api npukit knows"),
         "Functional.pad.0.forward": (SKIP, "Functional.pad.0.forward: an argument of type PadSpec whose value the dump "
                                            "does not hold"),
