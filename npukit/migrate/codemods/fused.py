@@ -2,10 +2,11 @@
 equivalent (or kept, with the reason), the call's arguments bound to the library's parameters, and
 the library's imports removed once every use of what they bind was rewritten.
 
-Each concern (flash_attention.FlashAttentionToNpu, apex_fused.ApexNormsToTorch, apex_fused.ApexAdamToTorch)
-says which calls are its own and plans each one (`plan`); a plan is a pure function of the call and the
-file's import table, so ThirdPartyCuda asks the same plans to tell, without `--fused`, which calls
-`--fused` would take, and with it, why a kept call was kept.
+Each concern (FlashAttentionToNpu, FlashRotaryToNpu, XformersAttentionToNpu, ApexNormsToTorch,
+ApexAdamToTorch, ApexSgdToTorch) says which calls are its own and plans each one (`plan`); a plan is a
+pure function of the call and the file's import table, so ThirdPartyCuda asks the same plans to tell,
+without `--fused`, which calls `--fused` would take, and with it, why a kept call was kept. FusedImports
+then removes the imports no use is left of.
 """
 
 from __future__ import annotations
@@ -75,8 +76,8 @@ def literal(node: cst.BaseExpression | None, facts: FileFacts):
 
 def source(node: cst.CSTNode, facts: FileFacts) -> str:
     """The node's text in the file, with its own parentheses (outside its syntactic extent) and with
-    the other codemods' edits inside it (FileFacts.fused_inner_edits, set while a rewrite is made:
-    `.cuda()` or "cuda" in an argument is migrated in the copy the rewrite makes of it)."""
+    the other codemods' edits inside it (FileFacts.fused_inner_edits, set while a rewrite is made: a
+    `torch.cuda.*` in an argument is migrated in the copy the rewrite makes of it)."""
     text = facts.module.code_for_node(node)
     edits = getattr(facts, "fused_inner_edits", ())
     start, end = facts.span(node) if edits else (0, 0)
@@ -120,8 +121,8 @@ def bind_arguments(call: cst.Call, parameters: tuple[str, ...], function: str) -
     bound: dict[str, cst.BaseExpression] = {}
     for index, arg in enumerate(positional):
         if arg.star:
-            raise Unmappable(f"{function}'s arguments are unpacked (`*{arg.value.__class__.__name__.lower()}`): "
-                             "which value goes to which parameter cannot be seen")
+            raise Unmappable(f"{function}'s arguments are unpacked from a sequence (`*...`): which value goes "
+                             "to which parameter cannot be seen")
         if index >= len(parameters):
             raise Unmappable(f"{function} is given {len(positional)} positional arguments, more than the "
                              f"{len(parameters)} parameters npu-migrate knows it has")
