@@ -245,6 +245,10 @@ def _match_collectives(data: list[_RankData], warnings: list[str]) -> tuple[list
         shortest = dur.min(axis=0)
         wait = dur - shortest  # [ranks, calls]
         last = dur.argmin(axis=0)  # the rank that arrived last: the others waited for it
+        # of each wait, the time no op of the waiting rank ran: what waiting cost it (a collective DDP
+        # runs beside the backward costs nothing while the compute goes on), as the per-rank split counts it
+        starts = np.stack([d.table.start_ns[rows[i]] for i, d in enumerate(data)]).astype(np.int64)
+        exposed = np.stack([_uncovered_ns(starts[i], starts[i] + wait[i], d.computing) for i, d in enumerate(data)])
         skew = dur.max(axis=0) - shortest
         nbytes = np.stack([d.table.bytes[rows[i]] for i, d in enumerate(data)]).max(axis=0)
         steps = data[0].table.step[rows[0]]
@@ -252,7 +256,7 @@ def _match_collectives(data: list[_RankData], warnings: list[str]) -> tuple[list
             waits[i]["rows"].append(rows[i])
             waits[i]["wait"].append(wait[i])
         rank_ids = np.array([d.rank for d in data])
-        waited_for = np.bincount(last, weights=wait.sum(axis=0) / max(n_ranks - 1, 1), minlength=n_ranks)
+        waited_for = np.bincount(last, weights=exposed.sum(axis=0) / max(n_ranks - 1, 1), minlength=n_ranks)
         most = int(np.argmax(waited_for))
         rows_out.append({
             "collective": name, "calls": n, "bytes_per_call": float(np.median(nbytes)),
@@ -268,6 +272,7 @@ def _match_collectives(data: list[_RankData], warnings: list[str]) -> tuple[list
                 "collective": name, "call": j, "step": int(steps[j]), "bytes": float(nbytes[j]),
                 "dur_us": [round(float(v) / 1e3, 3) for v in dur[:, j]],
                 "wait_us": [round(float(v) / 1e3, 3) for v in wait[:, j]],
+                "exposed_wait_us": [round(float(v) / 1e3, 3) for v in exposed[:, j]],
                 "last_rank": int(rank_ids[last[j]]), "skew_us": round(float(skew[j]) / 1e3, 3),
             })
     rows_out.sort(key=lambda row: -max(row["total_us"].values()))
@@ -328,14 +333,15 @@ def _within(intervals: tuple[np.ndarray, np.ndarray], windows: tuple[np.ndarray,
 
 
 def _slowest(ranks: list[int], per_rank: list[dict], calls: list[dict], steps: int) -> dict | None:
-    """The rank the others wait for in the collectives (most wait caused); without collectives,
-    the rank with the longest step."""
+    """The rank the others wait for in the collectives (most wait caused: the waits while the waiting
+    rank ran no op, which the per-rank split counts as waiting); without collectives, the rank with
+    the longest step."""
     if len(ranks) < 2:
         return None
     caused = dict.fromkeys(ranks, 0.0)
     for call in calls:
         others = len(ranks) - 1
-        caused[call["last_rank"]] += sum(call["wait_us"]) / others
+        caused[call["last_rank"]] += sum(call["exposed_wait_us"]) / others
     busy = {row["rank"]: row["busy_us"] for row in per_rank}
     if any(caused.values()):
         rank = max(ranks, key=lambda r: caused[r])
@@ -355,6 +361,22 @@ def _slowest(ranks: list[int], per_rank: list[dict], calls: list[dict], steps: i
         "others_waiting_us": waits_of_others,
         "last_in_calls": sum(1 for call in calls if call["last_rank"] == rank), "calls": len(calls),
     }
+
+
+def _uncovered_ns(starts: np.ndarray, ends: np.ndarray, covered: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """Per interval [start, end): its length outside `covered` (sorted disjoint intervals), vectorized."""
+    low, high = covered
+    if not len(low):
+        return ends - starts
+    lengths = high - low
+    before = np.concatenate([[0], np.cumsum(lengths)[:-1]])  # covered length before each covered interval
+
+    def covered_until(times: np.ndarray) -> np.ndarray:
+        k = np.searchsorted(low, times, side="right") - 1
+        at = np.maximum(k, 0)
+        return np.where(k >= 0, before[at] + np.clip(times - low[at], 0, lengths[at]), 0)
+
+    return (ends - starts) - (covered_until(ends) - covered_until(starts))
 
 
 def _p2p_matrix(data: list[_RankData]) -> list[dict]:

@@ -18,7 +18,7 @@ import pytest
 
 from npukit.errors import UserError
 from npukit.profiler.advisor import advise, advise_cluster
-from npukit.profiler.cluster import _within, cluster_summary, load_ranks, parse_ranks
+from npukit.profiler.cluster import _uncovered_ns, _within, cluster_summary, load_ranks, parse_ranks
 from npukit.profiler.commands import run_cluster
 from npukit.profiler.summary import covered_ns, interval_union
 from npukit.profiler.table import EVENTS_FILE, KIND_COMM, KIND_OP, EventTable
@@ -190,6 +190,10 @@ def test_interval_helpers_match_a_brute_force_count():
     in_windows[100:300] = in_windows[500:520] = True
     assert covered_ns(cut) == (covered & in_windows).sum()
     assert np.all(cut[1] > cut[0])
+    probes = rng.integers(0, 1050, 50)
+    probe_ends = probes + rng.integers(0, 60, 50)
+    assert _uncovered_ns(probes, probe_ends, merged).tolist() == [int((~covered[a:b]).sum())
+                                                                  for a, b in zip(probes, probe_ends)]
 
 
 def test_rank_selections():
@@ -250,3 +254,55 @@ def test_fsdp2_ranks_get_advice_on_their_own_code_only_and_work_after_the_loop_i
         events = json.loads(trace.read_text())["traceEvents"]
         assert sorted(e["name"] for e in events if str(e.get("name", "")).startswith("gloo:")) == in_table
         assert "gloo:reduce_scatter" in in_table
+
+
+MS = 1_000_000
+
+
+def _rank_table(rank: int, sleeper: int, early: int) -> EventTable:
+    """Three 100 ms steps of one rank. The sleeper sleeps 30 ms, then computes 60 ms; the others compute
+    60 ms at once. The step ends in an all_reduce (at 95 ms everywhere) the others join at 60 ms and the
+    sleeper at 90 ms: they wait 30 ms with nothing else to do. Two more all_reduces (DDP's buckets) run
+    during the compute, rank `early` joining them last by 24 ms: waits no one notices, the compute
+    goes on."""
+    from npukit.profiler.table import KIND_ANNOTATION, TableBuilder
+
+    builder = TableBuilder()
+    for step in (1, 2, 3):
+        base = step * 100 * MS
+        builder.add(f"ProfilerStep#{step}", start_ns=base, dur_ns=100 * MS, kind=KIND_ANNOTATION, step=step)
+        compute_at = base + (30 * MS if rank == sleeper else 0)
+        builder.add("aten::mm", start_ns=compute_at, dur_ns=60 * MS, step=step, top_level=True)
+        joined = base + (90 if rank == sleeper else 60) * MS
+        builder.add("gloo:all_reduce", start_ns=joined, dur_ns=base + 95 * MS - joined, kind=KIND_COMM, thread=1,
+                    step=step)
+        for bucket_end in (45, 58):
+            joined = base + (bucket_end - 3 if rank == early else bucket_end - 27) * MS
+            builder.add("gloo:all_reduce", start_ns=joined, dur_ns=base + bucket_end * MS - joined, kind=KIND_COMM,
+                        thread=1, step=step)
+    table = builder.build({"rank": rank, "world_size": 8, "schedule": None, "origin_ns": 0})
+    order = np.argsort(table.start_ns, kind="stable")
+    for name in EventTable.column_names():
+        setattr(table, name, getattr(table, name)[order])
+    return table
+
+
+def test_the_slowest_rank_is_the_one_the_others_lose_time_for_as_the_table_shows(tmp_path):
+    """8 ranks, rank 1 sleeping 30 ms a step: the cluster summary named rank 5 slowest, whose lateness to
+    collectives running beside the compute cost no one anything, while its own table showed rank 1 with
+    the largest host gaps and the largest step without waiting."""
+    from npukit.profiler.table import write_meta
+
+    for rank in range(8):
+        table = _rank_table(rank, sleeper=1, early=5)
+        table.save(tmp_path / f"rank{rank}")
+        write_meta(tmp_path / f"rank{rank}", table.meta)
+    cluster = cluster_summary(load_ranks(tmp_path))
+    assert cluster.steps == [1, 2, 3]
+    per_rank = {row["rank"]: row for row in cluster.per_rank}
+    assert max(per_rank, key=lambda r: per_rank[r]["host_gap_us"]) == 1
+    assert max(per_rank, key=lambda r: per_rank[r]["busy_us"]) == 1
+    assert cluster.slowest["rank"] == 1 and cluster.slowest["basis"] == "collectives"
+    assert cluster.slowest["wait_caused_us"] == pytest.approx(30_000, rel=0.01)  # per step, no more
+    [all_reduce] = cluster.collectives
+    assert all_reduce["waited_for_rank"] == 1
