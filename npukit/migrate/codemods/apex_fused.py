@@ -74,9 +74,7 @@ class ApexNormsToTorch(FusedCodemod):
 
     @classmethod
     def rewrite(cls, call: cst.Call, function: str, facts: FileFacts) -> FusedPlan:
-        bound = bind_arguments(call, _NORM_PARAMETERS, function)
-        if "normalized_shape" not in bound:
-            raise Unmappable(f"{function} is not given normalized_shape")
+        bound = bind_arguments(call, _NORM_PARAMETERS, function, required=("normalized_shape",))
         module = _NORMS[function]
         arguments = [source(bound["normalized_shape"], facts)]
         arguments.append(f"eps={source(bound['eps'], facts)}" if "eps" in bound else "eps=1e-5")
@@ -103,9 +101,7 @@ class ApexAdamToTorch(FusedCodemod):
 
     @classmethod
     def rewrite(cls, call: cst.Call, function: str, facts: FileFacts) -> FusedPlan:
-        bound = bind_arguments(call, _ADAM_PARAMETERS, function)
-        if "params" not in bound:
-            raise Unmappable("FusedAdam is not given params")
+        bound = bind_arguments(call, _ADAM_PARAMETERS, function, required=("params",))
         require_values(bound, _ADAM_ONLY, facts)
         decoupled = literal(bound["adam_w_mode"], facts) if "adam_w_mode" in bound else True
         if decoupled is NOT_LITERAL or not isinstance(decoupled, (bool, int)):
@@ -139,10 +135,7 @@ class ApexSgdToTorch(FusedCodemod):
 
     @classmethod
     def rewrite(cls, call: cst.Call, function: str, facts: FileFacts) -> FusedPlan:
-        bound = bind_arguments(call, _SGD_PARAMETERS, function)
-        missing = [name for name in ("params", "lr") if name not in bound]
-        if missing:
-            raise Unmappable(f"FusedSGD is not given {', '.join(missing)}")
+        bound = bind_arguments(call, _SGD_PARAMETERS, function, required=("params", "lr"))
         require_values(bound, _SGD_ONLY, facts)
         arguments = [source(bound["params"], facts), f"lr={source(bound['lr'], facts)}"]
         arguments += [f"{name}={source(bound[name], facts)}" for name in ("momentum", "dampening", "weight_decay",

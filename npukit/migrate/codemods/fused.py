@@ -114,9 +114,11 @@ def atomic(node: cst.BaseExpression, facts: FileFacts) -> str:
     return text if isinstance(node, primary) or node.lpar else f"({text})"
 
 
-def bind_arguments(call: cst.Call, parameters: tuple[str, ...], function: str) -> dict[str, cst.BaseExpression]:
+def bind_arguments(call: cst.Call, parameters: tuple[str, ...], function: str,
+                   required: tuple[str, ...]) -> dict[str, cst.BaseExpression]:
     """The call's arguments by the library function's parameter names; Unmappable for `*args`,
-    `**kwargs`, a keyword the function does not have or too many positional arguments."""
+    `**kwargs`, a keyword the function does not have, too many positional arguments or a required one
+    missing."""
     positional, keywords = split_arguments(call)
     bound: dict[str, cst.BaseExpression] = {}
     for index, arg in enumerate(positional):
@@ -134,6 +136,9 @@ def bind_arguments(call: cst.Call, parameters: tuple[str, ...], function: str) -
         if name not in parameters:
             raise Unmappable(f"{function} is given `{name}=`, a parameter npu-migrate does not know it to have")
         bound[name] = arg.value
+    missing = [name for name in required if name not in bound]
+    if missing:
+        raise Unmappable(f"{function} is not given {', '.join(missing)}")
     return bound
 
 
