@@ -482,8 +482,9 @@ def test_what_fused_does_not_take_is_left_byte_identical(source):
      "flash_attn_with_kvcache is an inference kernel"),
     ("from apex.optimizers import FusedLAMB\nopt = FusedLAMB(params)\n", "LAMB: no torch optimizer computes it"),
     ("import apex\nnorm = apex.normalization.MixedFusedRMSNorm(64)\n", "apex's MixedFusedRMSNorm takes fp16/bf16 inputs"),
+    ("from flash_attn import flash_attn_func\nout = flash_attn_func(q, k)\n", "flash_attn_func is not given v"),
 ])
-def test_calls_fused_never_takes_say_why_with_or_without_it(source, reason):
+def test_calls_fused_does_not_take_say_why_with_or_without_it(source, reason):
     for facts in (TreeFacts(), FUSED):
         outcome = migrate_python("import torch\n" + source, "model.py", facts=facts)
         [call] = [f for f in outcome.findings if f.line == 3]

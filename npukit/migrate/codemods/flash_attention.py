@@ -142,10 +142,7 @@ class FlashAttentionToNpu(FusedCodemod):
     @classmethod
     def rewrite(cls, call: cst.Call, function: str, facts: FileFacts) -> FusedPlan:
         variant = VARIANTS[function]
-        bound = bind_arguments(call, variant.parameters, function)
-        missing = [name for name in variant.leading if name not in bound]
-        if missing:
-            raise Unmappable(f"{function} is not given {', '.join(missing)}")
+        bound = bind_arguments(call, variant.parameters, function, required=variant.leading)
         require_values(bound, _ONLY, facts)
         query = "qkv" if variant.packed == "qkv" else "q"  # the tensor whose shape gives head_num and head_dim
         if not is_pure(bound[query]):
@@ -252,10 +249,7 @@ class FlashRotaryToNpu(FusedCodemod):
 
     @classmethod
     def rewrite(cls, call: cst.Call, function: str, facts: FileFacts) -> FusedPlan:
-        bound = bind_arguments(call, _ROTARY_PARAMETERS, function)
-        missing = [name for name in ("x", "cos", "sin") if name not in bound]
-        if missing:
-            raise Unmappable(f"{function} is not given {', '.join(missing)}")
+        bound = bind_arguments(call, _ROTARY_PARAMETERS, function, required=("x", "cos", "sin"))
         require_values(bound, _ROTARY_ONLY, facts)
         for name in ("x", "cos", "sin"):
             if not is_pure(bound[name]):

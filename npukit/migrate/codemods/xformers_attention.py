@@ -53,10 +53,7 @@ class XformersAttentionToNpu(FusedCodemod):
 
     @classmethod
     def rewrite(cls, call: cst.Call, function: str, facts: FileFacts) -> FusedPlan:
-        bound = bind_arguments(call, _PARAMETERS, function)
-        missing = [name for name in ("query", "key", "value") if name not in bound]
-        if missing:
-            raise Unmappable(f"{function} is not given {', '.join(missing)}")
+        bound = bind_arguments(call, _PARAMETERS, function, required=("query", "key", "value"))
         require_values(bound, _ONLY, facts)
         if not is_pure(bound["query"]):
             raise Unmappable(f"its query `{source(bound['query'], facts)}` is computed in the call: the rewrite reads "
