@@ -228,3 +228,21 @@ def test_a_hand_written_statistics_dump_names_what_it_cannot_rerun(tmp_path, npu
                                            "does not hold"),
     }
     assert result.exit_code() == 1 and "1 judged, 0 failed, 2 skipped: too few judged" in result.headline()
+
+
+@pytest.mark.slow
+def test_a_dump_the_real_msprobe_wrote_is_prechecked(tmp_path, npu):
+    """msprobe's own tensor dump (bf16 autocast, L1) of a conv/LayerNorm/MLP model: every op judged, none
+    flagged; msprobe's linear backward (its autograd node's gradients) is said not to be judged."""
+    from pathlib import Path
+
+    pytest.importorskip("msprobe")
+    script = Path(__file__).with_name("msprobe_interop_model.py")
+    done = subprocess.run([sys.executable, str(script), "msprobe", "tensor", "L1", "bf16", str(tmp_path / "dump")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    result = run_precheck(tmp_path / "dump", workers=1)
+    assert len(result.ops) >= 15 and result.exit_code() == 0
+    assert [(op.name, op.status) for op in result.ops if op.status != PASS] == []
+    assert {op.name for op in result.ops if op.reason.startswith("backward not judged")} == {
+        "Functional.linear.0.forward", "Functional.linear.1.forward", "Functional.linear.2.forward"}
