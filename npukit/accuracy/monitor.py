@@ -446,16 +446,9 @@ def load_monitor_config(path: Path) -> dict:
     """MonitorSession's options from msprobe monitor's config.json: step_interval (every),
     start_step, targets (module name prefixes, as msprobe matches them), format (csv |
     tensorboard: which files), alert.rules' AnomalyTurbulence threshold."""
-    import json
+    from npukit.accuracy.msprobe_config import read_config_object
 
-    try:
-        config = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise UserError(f"--monitor-config {path}: cannot read it ({exc.strerror})") from None
-    except json.JSONDecodeError as exc:
-        raise UserError(f"--monitor-config {path}, line {exc.lineno}: not JSON ({exc.msg})") from None
-    if not isinstance(config, dict):
-        raise UserError(f"--monitor-config {path}: expected a JSON object, got {type(config).__name__}")
+    config = read_config_object(path, "--monitor-config")
 
     def number(key: str, default: int, least: int) -> int:
         value = config.get(key, default)

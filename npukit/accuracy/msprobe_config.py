@@ -228,19 +228,25 @@ class DumpConfig:
                 "scope": self.scope, "names": self.names, "ops": self.ops, "stack": self.stack}
 
 
-def load_dump_config(path: Path) -> DumpConfig:
-    """Read msprobe's config.json (task, level, step, rank, the task's scope and list, risk_level,
-    extra_info ...). What npukit cannot do as msprobe would raises a UserError naming the key and value."""
+def read_config_object(path: Path, option: str) -> dict:
+    """The JSON object an msprobe config.json holds (the dump's, the monitor's); a file that cannot
+    be read, is not JSON or holds no object raises a UserError naming the option, file and line."""
     path = Path(path)
     try:
         config = json.loads(path.read_text())
     except OSError as exc:
-        raise UserError(f"--dump-config: cannot read {path}: {exc.strerror or exc}") from None
+        raise UserError(f"{option}: cannot read {path}: {exc.strerror or exc}") from None
     except json.JSONDecodeError as exc:
-        raise UserError(f"--dump-config: {path}, line {exc.lineno}: not JSON ({exc.msg})") from None
+        raise UserError(f"{option}: {path}, line {exc.lineno}: not JSON ({exc.msg})") from None
     if not isinstance(config, dict):
-        raise UserError(f"--dump-config: {path}: an msprobe config.json is a JSON object, not {type(config).__name__}")
-    reader = _ConfigReader(path, config)
+        raise UserError(f"{option}: {path}: an msprobe config.json is a JSON object, not {type(config).__name__}")
+    return config
+
+
+def load_dump_config(path: Path) -> DumpConfig:
+    """Read msprobe's config.json (task, level, step, rank, the task's scope and list, risk_level,
+    extra_info ...). What npukit cannot do as msprobe would raises a UserError naming the key and value."""
+    reader = _ConfigReader(Path(path), read_config_object(path, "--dump-config"))
     return reader.read()
 
 
