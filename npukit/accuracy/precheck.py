@@ -919,14 +919,13 @@ def print_precheck(result: PrecheckResult, console, top: int = 20) -> None:
                  escape(op.reason or next((t.message for t in op.tensors if t.message), ""))]
         table.add_row(*([escape(op.label)] if multi else []), *cells)
     console.print(table)
-    if skipped:
-        reasons: dict[str, int] = {}
-        for op in skipped:
-            key = op.reason.split(":")[0] if op.reason.startswith(op.name.rpartition(".")[0].rpartition(".")[0]) \
-                else op.reason
-            reasons[key] = reasons.get(key, 0) + 1
-        console.print("[magenta]skipped:[/] " + escape("; ".join(f"{reason} ({count})" for reason, count in
-                                                                sorted(reasons.items(), key=lambda i: -i[1]))))
+    if skipped:  # the reasons, most frequent first (the table shows each skipped op's own)
+        from collections import Counter
+
+        reasons = Counter(op.reason for op in skipped).most_common()
+        shown = "; ".join(f"{reason} ({count})" for reason, count in reasons[:5])
+        more = f"; {len(reasons) - 5} other reasons" if len(reasons) > 5 else ""
+        console.print("[magenta]skipped:[/] " + escape(shown + more))
     style = "bold red" if result.exit_code() else "bold green"
     console.print(f"[{style}]{escape(result.headline())}[/]", soft_wrap=True)  # one line, for grep
 
