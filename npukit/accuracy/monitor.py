@@ -362,7 +362,7 @@ class MonitorSession:
         loss = None
         if loss_slot is not None and values[loss_slot] is not None:
             loss = values[loss_slot][2] * unscale  # the mean of a one-element tensor: its value
-        alerts = self.alerts.judge(step, records, loss, grad_norm, skipped, loss_scale is not None)
+        alerts = self.alerts.judge(step, records, loss, grad_norm, skipped, loss_scale)
         for alert in alerts:
             print(f"npukit monitor: {alert.message}", file=sys.stderr)
         self.raised.extend(alerts)

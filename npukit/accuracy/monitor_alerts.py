@@ -5,6 +5,7 @@
     turbulence     a norm beyond (1 + threshold) x its running mean (msprobe's AnomalyTurbulence)
     loss spike     the loss beyond (1 + loss_spike) x its running mean
     grad-norm      the total gradient norm beyond grad_norm_growth x its running mean
+    skipped steps  GradScaler skipped every one of the last skipped_steps monitored steps
     forecast       an activation's or gradient's abs-max past the square root of its dtype's largest
                    value (256 in fp16), growing at every recent sample, at a rate that reaches the
                    largest value within forecast_steps steps
@@ -39,6 +40,7 @@ class AlertRules:
     forecast_steps: int = 50
     forecast_window: int = 6
     forecast_min_growth: float = 0.005  # slower than 0.5% a step is no trend
+    skipped_steps: int = 10  # GradScaler skipping this many monitored steps in a row
 
 
 @dataclass
@@ -90,11 +92,16 @@ class Alerts:
         self._said: set[tuple[str, str]] = set()
         self._means: dict[tuple[str, str], tuple[float, int]] = {}  # (kind, name) -> (running mean, samples)
         self._history: dict[tuple[str, str], deque] = {}  # (kind, name) -> (step, log abs-max)
+        self._skipped_since: tuple[int, float | None, int] | None = None  # first step, its scale, steps
 
     def judge(self, step: int, records: list[Record], loss: float | None, grad_norm: float | None,
-              skipped: bool, loss_scaled: bool) -> list[Alert]:
+              skipped: bool, loss_scale: float | None) -> list[Alert]:
         """The alerts this step raises for the first time."""
         found: list[Alert] = []
+        loss_scaled = loss_scale is not None
+        skipped_run = self._skipped_run(step, skipped, loss_scale)
+        if skipped_run is not None:
+            found.append(skipped_run)
         judged = [r for r in records if not (skipped and r.kind in GRADIENT_KINDS)]
         first_bad = next((r for r in judged if r.values[4] or r.values[5]), None)
         if first_bad is not None:
@@ -135,6 +142,23 @@ class Alerts:
     def _said_key(alert: Alert) -> tuple[str, str]:
         # nan/inf is said once per run: after the first, the nan spreads to every later module and step
         return (alert.rule, "" if alert.rule == "nan/inf" else alert.name)
+
+    def _skipped_run(self, step: int, skipped: bool, loss_scale: float | None) -> Alert | None:
+        """GradScaler skipped every one of the last skipped_steps monitored steps: the model does not
+        train (fp16 values overflow at every scale, or in saturation mode a value saturates)."""
+        if not skipped:
+            self._skipped_since = None
+            return None
+        if self._skipped_since is None:
+            self._skipped_since = (step, loss_scale, 0)
+        first, first_scale, count = self._skipped_since
+        self._skipped_since = (first, first_scale, count + 1)
+        if count + 1 < self.rules.skipped_steps:
+            return None
+        return Alert(step, "skipped steps", "GradScaler", "steps skipped", float(count + 1),
+                     f"step {step}: GradScaler skipped every step since step {first} (loss scale "
+                     f"{first_scale:g} -> {loss_scale:g}): the model is not training; npu-run --detect-overflow "
+                     "names the op that overflows (or, in saturation mode, saturates)")
 
     def _running(self, key: tuple[str, str], value: float) -> float | None:
         """The running mean before this value (None during the warmup); then takes the value in."""

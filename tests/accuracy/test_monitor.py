@@ -430,3 +430,24 @@ def test_a_second_run_into_the_same_folder_leaves_nothing_of_the_first(tmp_path)
     _train(MonitorSession(tmp_path / "mon", rank=0), 2, model, torch.ones(2, 8, device="npu"))
     assert not (folder / "alerts.csv").exists()
     assert len(list(folder.glob("events.out.tfevents.*"))) == 1
+
+
+def test_a_run_whose_every_step_grad_scaler_skips_is_told_it_does_not_train(tmp_path):
+    class Overflowing(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(x) * 1e4  # its gradient overflows fp16 at any loss scale GradScaler tries
+
+    torch.manual_seed(11)
+    model = Overflowing().to("npu")
+    session = MonitorSession(tmp_path / "mon", rank=0)
+    with torch.autocast("npu", dtype=torch.float16):
+        _train(session, 12, model, 1e4 * torch.ones(8, 4, device="npu"), scaler=torch.amp.GradScaler("npu"))
+    scalars = _rows(tmp_path / "mon" / "rank0" / "scalars.csv")
+    assert all(row["skipped_by_grad_scaler"] == "1" for row in scalars)
+    skipped = [a for a in session.raised if a.rule == "skipped steps"]
+    assert len(skipped) == 1 and skipped[0].step == 9
+    assert "GradScaler skipped every step since step 0 (loss scale 65536 ->" in skipped[0].message
