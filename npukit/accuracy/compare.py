@@ -211,6 +211,10 @@ class PairResult:
     unsearched: str | None = None  # why no divergence was searched for (the runs' weights differ by design)
     noop_casts: list[str] = field(default_factory=list)  # one-sided backwards of casts a run needed not make
     coverage: PairingCoverage | None = None
+    # One rank of several: a parameter's gradient as the optimizer got it differs while this rank's
+    # backward computed its share as the golden run did. A divergence when it holds on every rank of
+    # the step (the reduced gradient is the same on all): see _changed_before_the_reduce.
+    changed_share: Divergence | None = None
     golden_incomplete: list[Incomplete] = field(default_factory=list)  # what each dump says it left out
     target_incomplete: list[Incomplete] = field(default_factory=list)
 
@@ -798,11 +802,11 @@ def _one_of_several_ranks(dump: RankDump) -> bool:
 
 def _changed_after_backward(entry_rows: list[Row], entry: DumpEntry, gradients: _GradientFlow, lineage: _Lineage,
                             rows: list[Row], order: int, warn: float,
-                            thresholds: Thresholds) -> tuple[str, float, float] | None:
+                            thresholds: Thresholds, computed_only: bool = False) -> tuple[str, float, float] | None:
     """(reason, input error, output error) when a parameter's gradient, as the optimizer got it,
     has an error the gradients the backward computed for it do not explain: it was changed after
     the backward (a hook on the parameter). Without the links to tell, when it is the first error
-    of the step (no tensor before it was above its warn limit)."""
+    of the step (no tensor before it was above its warn limit); computed_only: only with the links."""
     for row in entry_rows:
         if row.verdict != ERROR or row.negligible or row.error is None or row.target is None:
             continue
@@ -818,7 +822,7 @@ def _changed_after_backward(entry_rows: list[Row], entry: DumpEntry, gradients: 
                     " changed after the backward (a hook on the parameter (register_hook), code between backward()"
                     " and the optimizer step, or a gradient collective that brought another rank's difference)",
                     computed_error, row.error)
-        if _first_error_here(rows, order, warn):
+        if not computed_only and _first_error_here(rows, order, warn):
             return (f"the gradient of {row.target.suffix} as the optimizer got it differs (error {_fmt(row.error)})"
                     " while every tensor before it matched: it was changed after the backward (a hook on the"
                     " parameter (register_hook), code between backward() and the optimizer step)", 0.0, row.error)
@@ -920,9 +924,12 @@ def _dtype_constants_differ(golden: DumpEntry, target: DumpEntry) -> bool:
 
 
 def find_divergence(pair_label: str, pairs: list, rows: list[Row], golden: RankDump, target: RankDump,
-                    thresholds: Thresholds, search_backward: bool = True) -> Divergence | None:
+                    thresholds: Thresholds, search_backward: bool = True,
+                    changed_shares: list | None = None) -> Divergence | None:
     """The first op, in the target's execution order, where the two runs start to differ.
-    search_backward=False: forward ops only (the gradients of a step GradScaler skipped)."""
+    search_backward=False: forward ops only (the gradients of a step GradScaler skipped).
+    changed_shares: one rank of several: gets the first parameter gradient the optimizer got changed
+    from what this rank's backward computed (judged over all ranks by _changed_before_the_reduce)."""
     rows_by_entry: dict[int, list[Row]] = {}
     rows_by_target_entry: dict[str, list[Row]] = {}
     for row in rows:
@@ -985,9 +992,14 @@ def find_divergence(pair_label: str, pairs: list, rows: list[Row], golden: RankD
             # (two tools write a parameter's gradient at other moments: msprobe as the backward
             # leaves the module, npukit as the optimizer starts, after clipping; with several ranks,
             # DDP's all_reduce brings the other ranks' gradients: see ranks.py)
-            changed = None if cross_tool or several_ranks else _changed_after_backward(entry_rows, target_entry, gradients, target_lineage, rows, order,
-                                              warn, thresholds)
-            if changed is not None:
+            changed = None if cross_tool else _changed_after_backward(
+                entry_rows, target_entry, gradients, target_lineage, rows, order, warn, thresholds,
+                computed_only=several_ranks)
+            if changed is not None and several_ranks:
+                if changed_shares is not None and not changed_shares:
+                    changed_shares.append(_make_divergence(pair_label, target_entry, golden_entry, changed[0], target,
+                                                           changed[1], changed[2]))
+            elif changed is not None:
                 return _make_divergence(pair_label, target_entry, golden_entry, changed[0], target, changed[1],
                                         changed[2])
             continue
@@ -1715,6 +1727,7 @@ def compare_pair(task: _PairTask, thresholds: Thresholds, workers: int | None = 
     skipped = _skipped_side(golden, target)
     if skipped:
         _accept_loss_scaling_overflows(rows)
+    changed_shares: list[Divergence] = []
     result = PairResult(
         pair=label,
         golden_pair=golden.label or label,
@@ -1722,7 +1735,8 @@ def compare_pair(task: _PairTask, thresholds: Thresholds, workers: int | None = 
         target_dir=target.path,
         mode=target.task or golden.task,
         rows=rows,
-        divergence=find_divergence(label, pairs, rows, golden, target, thresholds, search_backward=not skipped),
+        divergence=find_divergence(label, pairs, rows, golden, target, thresholds, search_backward=not skipped,
+                                   changed_shares=changed_shares),
         unmatched_golden=[g.name for g, t in pairs if t is None],
         unmatched_target=[t.name for g, t in pairs if g is None],
         aligned=aligned,
@@ -1735,6 +1749,7 @@ def compare_pair(task: _PairTask, thresholds: Thresholds, workers: int | None = 
         golden_incomplete=golden.incomplete,
         target_incomplete=target.incomplete,
     )
+    result.changed_share = changed_shares[0] if changed_shares else None
     return result, len(golden.entries), len(target.entries)
 
 
@@ -1800,6 +1815,31 @@ def compare_pair_tasks(tasks: list[_PairTask], thresholds: Thresholds, workers: 
     return outcomes
 
 
+def _changed_before_the_reduce(results: list[PairResult]) -> None:
+    """A step where no rank diverged and on every rank the same parameter's gradient, as the optimizer
+    got it, differs from what that rank's backward computed for it (which matched the golden run's):
+    the gradients the ranks reduce (DDP's all_reduce averages them) were changed between some rank's
+    backward and the reduction. Named on every rank, as the dumps hold only the reduced gradient."""
+    by_step: dict[int | None, list[PairResult]] = {}
+    for pair in results:
+        by_step.setdefault(_step_and_rank(pair.pair)[0], []).append(pair)
+    for pairs in by_step.values():
+        shares = [pair.changed_share for pair in pairs]
+        if len(pairs) < 2 or any(pair.divergence for pair in pairs) or None in shares \
+                or len({share.entry for share in shares}) != 1:
+            continue
+        for pair, share in zip(pairs, shares):
+            share.reason = share.reason.replace(
+                ": it was changed after the backward (a hook on the parameter (register_hook), code between"
+                " backward() and the optimizer step, or a gradient collective that brought another rank's difference)",
+                f", on every one of the {len(pairs)} ranks, while each rank's backward computed its share as the"
+                " golden run did: a rank's share was changed between its backward and the gradient reduction"
+                " (a hook on the parameter (register_hook) or code that runs on some ranks only, a DDP"
+                " communication hook), or the reduction itself differs. The dumps hold the reduced gradient, the"
+                " same on every rank, so they cannot say which rank")
+            pair.divergence = share
+
+
 def _compare_pair_without_gc(task: _PairTask, thresholds: Thresholds, workers: int) -> tuple[PairResult, int, int]:
     """compare_pair in a pool process; the objects it makes hold no reference cycle to collect."""
     gc.disable()
@@ -1854,6 +1894,7 @@ def compare_dirs(golden_dir: Path, target_dir: Path, thresholds: Thresholds | No
                                f" {earlier[1]} only, so the two runs train from different weights after it. Compare"
                                f" the steps up to {earlier[0]}, or start GradScaler at a scale the target does not"
                                " overflow at (init_scale=...) so that both runs update at every step")
+    _changed_before_the_reduce(results)
     paired_golden = {g for g, _ in labels_pairs}
     paired_target = {t for _, t in labels_pairs}
     result = CompareResult(golden_dir, target_dir, results, thresholds,

@@ -75,7 +75,10 @@ class AcrossRanks:
         step = f", step {self.step}" if self.step is not None else ""
         ranks = "rank" if len(self.ranks) == 1 else "ranks"
         text = f"it began on {ranks} {number_ranges(self.ranks)}{step} at {self.entry}{where}, in the {self.phase}"
-        if len(self.ranks) > 1:
+        if len(self.ranks) > 1 and self.phase == _PHASE_TEXT[AFTER_BACKWARD]:
+            text += (": the same gradient on each, as the gradient reduction gives every rank the same one (a rank's"
+                     " share changed before it is in the reduced gradient of all)")
+        elif len(self.ranks) > 1:
             text += (": at the same op on each, so a cause they share (their data, or a weight or buffer one rank"
                      " broadcast to them)")
         if self.reached:

@@ -25,7 +25,8 @@ from npukit.console import number_ranges
 ROOT = Path(__file__).resolve().parents[2]
 
 # A small DDP model, one step, each rank its own batch. `input R` scales rank R's batch, `eps R`
-# gives rank R's LayerNorm another eps: a bug on one rank only.
+# gives rank R's LayerNorm another eps, `hook R` zeroes rank R's share of a weight's gradient: a bug
+# on one rank only.
 SCRIPT = """
 import sys
 import torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
@@ -41,6 +42,8 @@ g = torch.Generator().manual_seed(rank)
 x, y = torch.randn(4, 8, generator=g).npu(), torch.randn(4, 4, generator=g).npu()
 if bug == "input" and rank == bug_rank:
     x = x * 3
+if bug == "hook" and rank == bug_rank:  # this rank's share of the first weight's gradient, zeroed
+    model[0].weight.register_hook(lambda grad: grad * 0)
 loss = F.mse_loss(ddp(x), y)
 optimizer.zero_grad()
 loss.backward()
@@ -138,6 +141,24 @@ def test_the_same_op_diverging_on_every_rank_is_a_shared_cause(four_ranks, tmp_p
     assert (began.ranks, began.entry, began.reached) == ([0, 1, 2, 3], "Functional.linear.0.forward", [])
     assert began.line().startswith("it began on ranks 0-3, step 0 at Functional.linear.0.forward")
     assert "a cause they share" in began.line()
+
+
+def test_a_gradient_share_one_rank_changed_before_the_all_reduce_is_named_not_passed(tmp_path):
+    """Rank 1 zeroes its share of module.0's weight gradient: DDP averages it into the same wrong
+    gradient on both ranks, while each rank's backward computed its share as the golden run did. It
+    was "No divergence found ... 2 error" (exit 0): the parameter-gradient check was off with
+    several ranks, as the reduction legitimately brings the other ranks' differences."""
+    (tmp_path / "train.py").write_text(SCRIPT)
+    npu_run(tmp_path, 2, "golden")
+    npu_run(tmp_path, 2, "bug", "hook", "1")
+    result = compare_dirs(tmp_path / "golden", tmp_path / "bug")
+    assert result.failed()
+    assert [pair.divergence.entry for pair in result.pairs] == ["Module.module.0.Linear.parameters_grad.0"] * 2
+    reason = result.pairs[0].divergence.reason
+    assert "on every one of the 2 ranks, while each rank's backward computed its share as the golden run did" in reason
+    assert "so they cannot say which rank" in reason
+    assert "the same gradient on each, as the gradient reduction gives every rank the same one" \
+        in result.across_ranks.line()
 
 
 def test_eight_ranks_name_the_rank_whose_layer_norm_eps_changed(tmp_path):
