@@ -296,7 +296,7 @@ def judge(result: CompareResult, changes: list[FixChange], anchor: str) -> Trial
 def _without_dump(arguments: list[str]) -> list[str]:
     """npu-run's arguments without its own --dump / --precision-fix (each trial sets them); the
     script's own arguments, after its name, are kept as they are."""
-    from npukit.run import option_spans, strip_option
+    from npukit.launch_options import option_spans, strip_option
 
     for name in ("--dump", "--precision-fix"):
         arguments = strip_option(arguments, name)
