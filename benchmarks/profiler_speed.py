@@ -2,8 +2,8 @@
 
 1. Summary of a ~100k-event profile: npukit (load events.npz + one vectorized pass) vs
    torch.profiler's key_averages() on the very same recording (target: <= 1.5 s, >= 5x faster).
-2. Recording overhead per training step: no profiler vs torch.profiler (same settings) vs
-   npukit's ProfileSession, plus the one-off cost of writing the event table and trace.
+2. Recording overhead per training step: no profiler vs torch.profiler (same settings, without and
+   with the allocations npukit records) vs npukit's ProfileSession, plus the one-off cost of writing the event table and trace.
 3. Cluster view of 8 ranks x ~100k events (`npu-profile DIR` over every rank): the recorded table
    copied to 8 rank folders, each with a gloo all_reduce per step on its own thread whose length
    differs by rank (rank 5 the straggler); load + summary (target <= 5 s), and the one-trace export.
@@ -141,14 +141,19 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     overhead_steps = 10
-    baseline_runs, torch_runs, npukit_runs = [], [], []
+    baseline_runs, torch_runs, memory_runs, npukit_runs = [], [], [], []
     for attempt in range(3):
         baseline_runs.append(per_step_seconds(step, overhead_steps))
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=True, with_flops=True):
             torch_runs.append(per_step_seconds(step, overhead_steps))
+        # what npukit records: the allocations too (profile_memory), for the data flow between ops
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=True, with_flops=True,
+                     profile_memory=True):
+            memory_runs.append(per_step_seconds(step, overhead_steps))
         with ProfileSession(probe_dir / f"overhead{attempt}", trace=False):
             npukit_runs.append(per_step_seconds(step, overhead_steps))
-    baseline, torch_rec, npukit_rec = (statistics.median(r) for r in (baseline_runs, torch_runs, npukit_runs))
+    baseline, torch_rec, memory_rec, npukit_rec = (statistics.median(r) for r in
+                                                   (baseline_runs, torch_runs, memory_runs, npukit_runs))
 
     # --- one large recording (~--events events) for the summary comparison ------------------
     session = ProfileSession(probe_dir / "prof", trace=True)
@@ -190,8 +195,9 @@ def main() -> None:
     print("recording, per training step:")
     print(f"  no profiler           {baseline * 1e3:8.2f} ms")
     print(f"  torch.profiler        {torch_rec * 1e3:8.2f} ms  ({torch_rec / baseline:.2f}x)")
+    print(f"  + profile_memory      {memory_rec * 1e3:8.2f} ms  ({memory_rec / baseline:.2f}x)")
     print(f"  npukit ProfileSession {npukit_rec * 1e3:8.2f} ms  ({npukit_rec / baseline:.2f}x, "
-          f"{npukit_rec / torch_rec:.2f}x torch.profiler)")
+          f"{npukit_rec / memory_rec:.2f}x torch.profiler with profile_memory)")
     print(f"  writing table + trace at exit: {write_cost:.2f} s ({write_cost / n_events * 1e6:.1f} us/event)")
     cluster_case(table, probe_dir / "cluster")
 
