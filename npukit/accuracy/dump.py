@@ -38,6 +38,7 @@ from torch.overrides import TorchFunctionMode
 from npukit.accuracy import eager, graph, msprobe_config, naming
 from npukit.accuracy._stats import stats as one_pass_stats
 from npukit.accuracy.dumpfile import (
+    ARGUMENTS,
     COMPILED_REGION,
     DUMPED_BY,
     HF32_OPS,
@@ -396,6 +397,7 @@ class _StepRecord:
         self.carried: dict[int, tuple] = {}
         self.stacks = CallStacks(_MAX_STACK_FRAMES)
         self.counter = naming.CallCounter()
+        self.arguments: dict[str, list] = {}  # api backward -> the argument of each `output` (dump's ARGUMENTS)
         self.skipped_at_loss_scale: float | None = None  # GradScaler skipped the optimizer step
         # what this step's dump lacks (dump.json "npukit_incomplete"): compiled regions, then at
         # _flush the internal errors that switched a hook off
@@ -975,19 +977,34 @@ class DumpSession:
             for node in output_nodes:
                 node.register_prehook(incoming)
         reshapes = api in _SAME_ELEMENTS and one_node and len(inputs) == 1
-        # One node (most calls): its one hook also takes the incoming gradients.
-        self._hook_input_grads(record, entry, nodes, inputs, name, reshapes, incoming if one_node else None, before)
+        # One node (most calls): its one hook also takes the incoming gradients, and its gradients
+        # are numbered as msprobe numbers them (by the node's edges).
+        self._hook_input_grads(record, entry, nodes, inputs, name, reshapes, incoming if one_node else None, before,
+                               by_edge=one_node)
 
     def _hook_input_grads(self, record: _StepRecord, entry: _Entry, nodes: list, inputs: list, name: str,
-                          reshapes: bool = False, incoming=None, before=None) -> bool:
+                          reshapes: bool = False, incoming=None, before=None, by_edge: bool = False) -> bool:
         """Fill entry's `output.i` with the gradient for inputs[i] that leaves `nodes` (summed over
         the edges that carry it); place the entry when the first one arrives. False when no
         edge was found (nothing hooked).
 
         reshapes: one node that only reorders its input's elements; its gradient's statistics are
         those of the incoming gradient. incoming: for a one-node call, called first with the
-        node's incoming gradients."""
+        node's incoming gradients. by_edge: (one node) where the node's edges are not the tensor
+        arguments in order (batch_norm's node has none for the running statistics,
+        embedding's none for the indices), `output.i` is the gradient leaving edge i, as msprobe
+        numbers them, and the dump's ARGUMENTS says whose it is."""
         edges = graph.input_edges(nodes, inputs, before)
+        slot = {}  # input position -> its place in `output`, where that is not the position
+        if by_edge and edges:
+            [pairs] = edges.values()
+            if len({edge for edge, _ in pairs}) == len({position for _, position in pairs}) == len(pairs) \
+                    and any(edge != position for edge, position in pairs):
+                slot = {position: edge for edge, position in pairs}
+                entry.data["output"] = [None] * len(nodes[0].next_functions)
+                arguments = record.arguments[name] = [None] * len(nodes[0].next_functions)
+                for edge, position in pairs:
+                    arguments[edge] = position
         if incoming is not None:
             edges.setdefault(0, [])
         expected: dict[int, int] = {}
@@ -1025,8 +1042,9 @@ class DumpSession:
                         grad = grad.to(dtypes[position])
                     arriving = grad_outputs[0] if len(grad_outputs) == 1 else None
                     reuse = reshapes and isinstance(arriving, torch.Tensor) and arriving.numel() == grad.numel()
-                    entry.data["output"][position] = self._tensor_leaf(
-                        grad, f"{name}.output.{position}", True, same_values_as=arriving if reuse else None)
+                    place = slot.get(position, position)
+                    entry.data["output"][place] = self._tensor_leaf(
+                        grad, f"{name}.output.{place}", True, same_values_as=arriving if reuse else None)
             return hook
 
         for node_index, pairs in edges.items():
@@ -1191,6 +1209,10 @@ class DumpSession:
             dump["step_skipped_by_grad_scaler"] = {"loss_scale": record.skipped_at_loss_scale}
         if record.incomplete:
             dump[INCOMPLETE] = record.incomplete
+        written = {entry.name for entry in record.entries}
+        arguments = {name: positions for name, positions in record.arguments.items() if name in written}
+        if arguments:
+            dump[ARGUMENTS] = arguments
         grouped: dict[int, list[str]] = {}
         for entry in record.entries:
             if entry.stack_id is not None:

@@ -89,6 +89,9 @@ INCOMPLETE = "npukit_incomplete"  # dump.json key: what the dump could not recor
 INTERNAL_ERROR = "internal_error"  # a hook switched itself off: everything after `where` is missing
 COMPILED_REGION = "compiled_region"  # a torch.compile(fullgraph=True) region ran compiled, undumped
 OPTIMIZER = "optimizer"  # construct.json: the parent of the apis an optimizer.step runs (msprobe's)
+# dump.json key: {api backward entry: the tensor argument each gradient of its `output` is for}, for
+# those numbered by their autograd node's edges, as msprobe numbers them, not by argument
+ARGUMENTS = "npukit_arguments"
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,11 +194,30 @@ def load_rank_dump(rank_dir: Path, label: str = "", contained: ContainedPaths | 
             raise UserError(f"{dump_path}: entry {name!r} is nested too deeply to be a dump entry") from None
     if not saw_data:
         raise UserError(f"{dump_path}: not a dump.json (no \"data\" object)")
+    _to_argument_positions(entries, header.get(ARGUMENTS), dump_path)
     # Dumps from before the DUMPED_BY key are npukit's when they hold producer links (msprobe writes none).
     by_npukit = header.get(DUMPED_BY) == "npukit" or parser.saw_producer
     return RankDump(rank_dir, label, str(header.get("task", "")), entries, parser.saw_producer,
                     _skipped_at_loss_scale(header, dump_path), by_npukit, _hf32_ops(header, dump_path),
                     _incomplete(header, dump_path))
+
+
+def _to_argument_positions(entries: list[DumpEntry], arguments, dump_path: Path) -> None:
+    """The api backward entries numbered by their autograd node's edges, as msprobe numbers them
+    (ARGUMENTS: the argument each edge's gradient is for): their gradients renamed
+    `output.<argument>`, as npukit numbers the others, so that every npukit backward pairs by argument."""
+    if arguments is None:
+        return
+    if not isinstance(arguments, dict):
+        raise UserError(f"{dump_path}: \"{ARGUMENTS}\" must be an object of entry names, found {arguments!r:.60}")
+    for entry in entries:
+        positions = arguments.get(entry.name)
+        if entry.direction != naming.BACKWARD or not isinstance(positions, list):
+            continue
+        for leaf in entry.outputs:
+            place, _, rest = leaf.suffix.removeprefix("output.").partition(".")
+            if place.isdigit() and int(place) < len(positions) and isinstance(positions[int(place)], int):
+                leaf.suffix = f"output.{positions[int(place)]}" + (f".{rest}" if rest else "")
 
 
 DUMPED_BY = "dumped_by"  # dump.json key naming the writer

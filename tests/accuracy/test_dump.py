@@ -260,6 +260,31 @@ def test_a_module_backward_is_recorded_when_no_input_gradient_leaves_it(tmp_path
     assert [leaf["shape"] for leaf in entry["input"]] == [[1, 2]] and entry["output"] == [None]
 
 
+def test_api_gradients_are_numbered_as_msprobe_numbers_them_and_read_by_argument(tmp_path):
+    """msprobe numbers an api's backward gradients by its autograd node's edges: batch_norm's node
+    has none for the running statistics (weight gradient output.1), embedding's none for the
+    indices (weight gradient output.0). The dump writes them so (msprobe compare pairs them) and
+    says whose each is; npu-compare reads them by argument (batch_norm's weight is input.3)."""
+    from npukit.accuracy.dumpfile import load_rank_dump
+
+    norm, embed = nn.BatchNorm1d(3), nn.Embedding(5, 3)
+    with DumpSession(tmp_path, level="api", mode="stats") as session:
+        norm(embed(torch.tensor([[1, 4], [2, 2]])).transpose(1, 2)).sum().backward()
+        session.step()
+    dump = load(tmp_path)
+    norm_grads = dump["data"]["Functional.batch_norm.0.backward"]["output"]
+    assert [leaf["shape"] for leaf in norm_grads] == [[2, 3, 2], [3], [3]]
+    assert norm_grads[1]["Norm"] == pytest.approx(float(norm.weight.grad.norm()))
+    [embed_grad] = dump["data"]["Functional.embedding.0.backward"]["output"]
+    assert embed_grad["Norm"] == pytest.approx(float(embed.weight.grad.norm()))
+    assert dump["npukit_arguments"] == {"Functional.batch_norm.0.backward": [0, 3, 4],
+                                        "Functional.embedding.0.backward": [1]}
+    entries = load_rank_dump(tmp_path / "step0" / "rank0").by_name()
+    assert [leaf.suffix for leaf in entries["Functional.batch_norm.0.backward"].outputs] == \
+        ["output.0", "output.3", "output.4"]
+    assert [leaf.suffix for leaf in entries["Functional.embedding.0.backward"].outputs] == ["output.1"]
+
+
 def test_an_argument_passed_twice_gets_one_gradient_per_position(tmp_path):
     x = torch.tensor([1.0, -2.0, 3.0], requires_grad=True)
     with DumpSession(tmp_path, level="api", mode="stats") as session:

@@ -116,15 +116,15 @@ def _paired_share(rows: list[dict]) -> tuple[float, list[str]]:
 def test_msprobe_compare_pairs_the_tensor_rows_of_both_tools(dumps, tmp_path, golden_tool):
     """`msprobe compare` of an npukit bf16 dump against an msprobe fp32 golden, and of msprobe's dump
     against an npukit golden: at least 95% of the target's tensor rows pair (before: 93.7% and 78.2%,
-    npukit's root module entry and msprobe's optimizer update unpaired; before that 74%, npukit's
-    Tensor.transpose, view, chunk ... rows too). Every forward, module, parameter-gradient and
-    optimizer row pairs. The share counts every tensor row, also the few no dump of npukit's could
-    pair: an api's backward gradients where msprobe records other gradients than the op's own for
-    its arguments (msprobe records the gradients of the op's last autograd node, npukit the op's
-    gradient for each argument, which npu-compare's backward diagnosis reads): a linear or matmul
-    over a 3-D input ends in a reshape node, whose one gradient msprobe records, so npukit's weight
-    and bias gradients have no counterpart; batch_norm's node has no edge for the running
-    statistics, so msprobe numbers its weight gradient output.1, npukit (by argument) output.3."""
+    npukit's root module entry, its batch_norm weight and bias gradients numbered by argument and
+    msprobe's optimizer update unpaired; before that 74%, npukit's Tensor.transpose, view, chunk ...
+    rows too). Every forward, module, parameter-gradient and optimizer row pairs, and every api
+    backward gradient both tools record. The share counts every tensor row, also the few no dump of
+    npukit's could pair: the gradients of an api whose last autograd node is not the op's own
+    computation (msprobe records that node's gradients, npukit the op's gradient for each argument,
+    which npu-compare's backward diagnosis reads): a linear or matmul over a 3-D input ends in a
+    reshape node, whose one gradient msprobe records, so npukit's weight and bias gradients (the
+    linear's), the second operand's gradient (the matmul's) have no counterpart."""
     if golden_tool == "msprobe":
         golden, target = dumps("msprobe", "statistics", "mix"), dumps("npukit", "statistics", "mix", "bf16")
     else:
