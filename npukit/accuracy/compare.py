@@ -1122,6 +1122,9 @@ def find_divergence(pair_label: str, pairs: list, rows: list[Row], golden: RankD
             continue
         if has_api_entries and target_entry.name.startswith("Module.") and target_entry.direction != naming.BACKWARD:
             continue  # a mix-level dump: the api entries inside the module say where (and see its weights)
+        if amplified and has_api_entries and target_entry.name.startswith("Module.") \
+                and _api_backwards_inside(target_entry, pairs[order + 1:], target):
+            continue  # its backward's entry is placed before the backwards of the ops inside it: they say which
         if amplified:
             for row in inputs:
                 # Statistics cannot see some changes (a transpose keeps max/min/mean/norm): a call
@@ -1190,6 +1193,18 @@ def _product_condition(entry: DumpEntry, inputs: list[Row], outputs: list[Row]) 
         return 1.0
     terms = first.target.shape[-1]
     return max(1.0, first.norm * second.norm / (result * math.sqrt(max(terms, 1))))
+
+
+def _api_backwards_inside(module_entry: DumpEntry, later_pairs: list, dump: RankDump) -> bool:
+    """Whether an api backward of an op the module (or a submodule) ran comes later in the dump."""
+    path = naming.module_path_of(module_entry.name) or ""
+    for _, later in later_pairs:
+        if later is None or later.direction != naming.BACKWARD or later.name.startswith("Module."):
+            continue
+        inside = entry_module_path(later, dump)
+        if inside is not None and (not path or inside == path or inside.startswith(path + ".")):
+            return True
+    return False
 
 
 def _own_gradients_wrong(entry: DumpEntry, dump: RankDump, rows: list[Row]) -> bool:

@@ -161,6 +161,49 @@ def test_a_gradient_share_one_rank_changed_before_the_all_reduce_is_named_not_pa
         in result.across_ranks.line()
 
 
+# A residual block whose inner projection's output gradient a hook zeroes (on every rank, with an argument).
+BLOCK_SCRIPT = """
+import sys
+import torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
+dist.init_process_group("hccl")
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm1, self.qkv, self.proj = nn.LayerNorm(16), nn.Linear(16, 16), nn.Linear(16, 16)
+        self.norm2, self.fc1, self.fc2 = nn.LayerNorm(16), nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        x = x + self.proj(torch.tanh(self.qkv(self.norm1(x))))
+        return self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), Block(), nn.Linear(16, 4)).npu()
+if len(sys.argv) > 1:
+    model[1].proj.register_forward_hook(lambda module, args, out: out.register_hook(lambda grad: grad * 0) and None)
+ddp = nn.parallel.DistributedDataParallel(model)
+optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+g = torch.Generator().manual_seed(dist.get_rank())
+x, y = torch.randn(4, 8, generator=g).npu(), torch.randn(4, 4, generator=g).npu()
+F.mse_loss(ddp(x), y).backward()
+optimizer.step()
+dist.destroy_process_group()
+"""
+
+
+def test_a_hook_inside_a_block_is_named_at_the_op_not_at_the_block_whose_backward_entry_comes_first(tmp_path):
+    """Under DDP the block's backward entry is placed before the backwards of the ops inside it; its
+    output gradient (the residual's plus the zeroed branch's) was named as amplified there, not
+    where the gradient was changed: proj's linear backward."""
+    (tmp_path / "train.py").write_text(BLOCK_SCRIPT)
+    npu_run(tmp_path, 2, "golden")
+    npu_run(tmp_path, 2, "bug", "hook")
+    began = compare_dirs(tmp_path / "golden", tmp_path / "bug").across_ranks
+    assert (began.entry, began.module_path, began.ranks) == ("Functional.linear.2.backward", "module.1.proj", [0, 1])
+
+
 def test_eight_ranks_name_the_rank_whose_layer_norm_eps_changed(tmp_path):
     (tmp_path / "train.py").write_text(SCRIPT)
     seconds = npu_run(tmp_path, 8, "golden") + npu_run(tmp_path, 8, "bug", "eps", "5")
