@@ -753,7 +753,7 @@ class DumpSession:
         selected_scope = self._in_scope(path)
         index = self._record.counter.next(f"Module.{path}.{type(module).__name__}")
         name = naming.module_entry_name(path, type(module).__name__, index)
-        if self._modules and selected_scope and self._name_selected(name) and not (root and _model_root(module)):
+        if self._modules and selected_scope and self._name_selected(name) and not (root and not path and _model_root(module)):
             entry = _Entry(name, self._parent_name(), self._stack_id())
             entry.data["input_args"] = self._describe(args, f"{name}.input", False)
             entry.data["input_kwargs"] = {}
@@ -1228,7 +1228,8 @@ class DumpSession:
 
 
 def _model_root(module: torch.nn.Module) -> bool:
-    """A root module that is a model: its forward runs modules of its own, whose entries say what
+    """A root module (at the top of the module paths: not a block of an nn.ModuleList that the
+    script calls itself) that is a model: its forward runs modules of its own, whose entries say what
     it does (msprobe records the modules below the model it is given, not the model). A root
     without submodules (a bare nn.Linear) or whose forward runs compiled (nothing below it is
     seen) is not: its entry is all there is of it."""

@@ -214,7 +214,8 @@ def _collective(reached: list[RankSummary], result: CompareResult) -> str:
         entries = set(names.values())
         if any(_FSDP.match(name) for name in entries):
             return "FSDP's gradient reduce_scatter"
-        if any(".DistributedDataParallel." in name for name in entries):
+        # DDP wraps the model as its `module` (the wrapper itself, the model's root, has no entry)
+        if any(".DistributedDataParallel." in name or name.startswith("Module.module.") for name in entries):
             return "DDP's gradient all_reduce"
         return "a gradient collective (all_reduce of the gradients)"
     return "a collective the dump does not record"
