@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from localization_cases.cases import FAULT_KINDS, Case, make_case  # noqa: E402
 
 DEFAULT_SEED = 31
+WORKER_CASES = 40
 
 
 def cases_for(count: int, seed: int) -> list[Case]:
@@ -200,16 +201,23 @@ def main() -> int:
         stream = args.json.with_suffix(".jsonl").open("w") if args.json else None
         if stream:
             stream.writelines(json.dumps(record) + "\n" for record in kept)
-        with ProcessPoolExecutor(args.jobs, initializer=_worker_init, max_tasks_per_child=40) as pool:
-            futures = [pool.submit(_run, (case.as_json(), str(root), args.dump_mode, not args.no_find_fix))
-                       for case in cases]
-            for done, future in enumerate(as_completed(futures), 1):
-                records.append(future.result())
-                if stream:  # each record as it comes: a long run stopped early still has its figures
-                    stream.write(json.dumps(records[-1]) + "\n")
-                    stream.flush()
-                if done % 20 == 0:
-                    print(f"  {done}/{len(cases)} cases, {time.perf_counter() - started:.0f} s", file=sys.stderr)
+        done = 0
+        # Fresh worker processes every WORKER_CASES cases a worker: each case's runs leave memory behind.
+        # (Not max_tasks_per_child: Python 3.11's pool deadlocks replacing its workers, gh-115634; the run
+        # stopped at case 80 with its workers gone.)
+        chunk = args.jobs * WORKER_CASES
+        for first in range(0, len(cases), chunk):
+            with ProcessPoolExecutor(args.jobs, initializer=_worker_init) as pool:
+                futures = [pool.submit(_run, (case.as_json(), str(root), args.dump_mode, not args.no_find_fix))
+                           for case in cases[first:first + chunk]]
+                for future in as_completed(futures):
+                    records.append(future.result())
+                    done += 1
+                    if stream:  # each record as it comes: a long run stopped early still has its figures
+                        stream.write(json.dumps(records[-1]) + "\n")
+                        stream.flush()
+                    if done % 20 == 0:
+                        print(f"  {done}/{len(cases)} cases, {time.perf_counter() - started:.0f} s", file=sys.stderr)
     finally:
         if stream:
             stream.close()
