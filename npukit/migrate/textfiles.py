@@ -145,6 +145,11 @@ _CONTAINER_GPU_FLAG = Flag("container-gpu-request", "error", "the container asks
                            "runtime), which an Ascend host does not have",
                            "map the NPUs into the container instead (devices /dev/davinciN, /dev/davinci_manager, "
                            "/dev/devmm_svm, /dev/hisi_hdc and the driver's mounts, as Ascend's container docs show)")
+# ... or only the GPU capability (compose needs no driver to hand a container NVIDIA's GPUs):
+# `capabilities: [gpu]`, or `capabilities:` with a `- gpu` item on the next line
+_CONTAINER_GPU_CAPABILITY = re.compile(r"""^\s*(?:-\s+)?["']?(capabilities)["']?\s*:\s*(?:\[([^\]]*)\])?\s*$""")
+_DEVICE_ITEM_LINES = 4  # a compose device item: driver, count or device_ids, capabilities, options
+_GPU_ITEM = re.compile(r"""^\s*-\s*["']?gpu["']?\s*$""")
 _CUDA_IMAGE = re.compile(r"""^\s*(?:-\s+)?["']?image["']?\s*:\s*["']?(\S*(?:nvidia/|nvcr\.io/|cuda)\S*?)["']?\s*$""", re.I)
 _CUDA_IMAGE_FLAG = Flag("cuda-base-image", "error", "a CUDA container image",
                         "use an Ascend CANN image (e.g. ascendai/cann) with torch + torch_npu installed")
@@ -197,6 +202,8 @@ def migrate_yaml(text: str, path: str) -> tuple[str, list[Change], list[Finding]
     lines = text.splitlines(keepends=True)
     findings: list[Finding] = []
     edits: list[TextEdit] = []
+    reserved_at: list[int] = []  # lines of `driver: nvidia` device reservations
+    gpu_capabilities: list[Finding] = []
     for number, line in enumerate(lines, 1):
         body = line.rstrip("\r\n")
         code = body[:comment_start(body)]
@@ -217,11 +224,21 @@ def migrate_yaml(text: str, path: str) -> tuple[str, list[Change], list[Finding]
         reservation = _CONTAINER_GPU.match(code)
         if reservation:
             findings.append(_finding(path, number, reservation.start(1) + 1, body, _CONTAINER_GPU_FLAG))
+            reserved_at.append(number)
+        capability = _CONTAINER_GPU_CAPABILITY.match(code)
+        if capability and (re.search(r"""(?:^|[\s,'"])gpu(?:$|[\s,'"])""", capability.group(2) or "")
+                           or capability.group(2) is None and number < len(lines)
+                           and _GPU_ITEM.match(lines[number][:comment_start(lines[number])])):
+            gpu_capabilities.append(_finding(path, number, capability.start(1) + 1, body, _CONTAINER_GPU_FLAG))
         image = _CUDA_IMAGE.match(code)
         if image:
             findings.append(_finding(path, number, image.start(1) + 1, body, _CUDA_IMAGE_FLAG,
                                      f"{image.group(1)}: {_CUDA_IMAGE_FLAG.reason}"))
         edits += _command_line_edits(body, number, path, findings, _CONFIG_ENV_USE)
+    # a device reservation with its driver named is reported at the driver: once per device
+    findings += [finding for finding in gpu_capabilities
+                 if not any(abs(finding.line - line) <= _DEVICE_ITEM_LINES for line in reserved_at)]
+    findings.sort(key=lambda finding: finding.line)  # (stable: a line's findings keep their order)
     findings += scan_conda_environment(text, path)
     new_lines, changes = _apply_line_edits(lines, edits, path)
     new_text = "".join(new_lines)

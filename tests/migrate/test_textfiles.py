@@ -291,3 +291,18 @@ def test_a_compose_files_gpu_reservation_is_reported() -> None:
     assert text == compose
     assert _kinds(findings) == [(8, "container-gpu-request"), (12, "container-gpu-request")]
 
+
+def test_a_compose_gpu_capability_without_a_driver_is_reported_once_per_device() -> None:
+    """basaran's docker-compose.gpu.yml reserves `capabilities: [gpu]` with no driver line (compose
+    hands NVIDIA's GPUs over without one): it was silent."""
+    compose = ("services:\n  api:\n    deploy:\n      resources:\n        reservations:\n          devices:\n"
+               "            - capabilities: [gpu]\n  worker:\n    deploy:\n      resources:\n        reservations:\n"
+               "          devices:\n            - count: all\n              capabilities:\n                - gpu\n"
+               "  named:\n    deploy:\n      resources:\n        reservations:\n          devices:\n"
+               "            - driver: nvidia\n              capabilities: ['gpu', 'utility']\n"
+               "  other:\n    deploy:\n      resources:\n        reservations:\n          devices:\n"
+               "            - capabilities: [tpu]\n")
+    _, _, findings = migrate_yaml(compose, "docker-compose.gpu.yml")
+    assert _kinds(findings) == [(7, "container-gpu-request"), (14, "container-gpu-request"),
+                                (21, "container-gpu-request")]
+
