@@ -21,7 +21,6 @@ output of one op and the input of the next is measured (and, in tensor mode, wri
 
 from __future__ import annotations
 
-import gc
 import json
 import math
 import os
@@ -51,6 +50,7 @@ from npukit.accuracy.tensor_io import TensorFileWriter, local_shard, strided_for
 from npukit.errors import UserError
 from npukit.files import check_output_location, output_folder, refuse_links_inside, write_text_atomic
 from npukit.watch.scaler_steps import GradScalerStepWatch
+from npukit.watch.steps import ForwardSteps
 
 LEVELS = ("module", "api", "mix")
 MODES = ("stats", "tensor", "md5")
@@ -578,8 +578,7 @@ class DumpSession:
         self._paused = 0  # > 0 inside optimizer.step(): no module entries; its apis are the optimizer's
         self._forward_seen = False
         self._optimizer_seen = False
-        self._optimizer_exists: bool | None = None
-        self._step_root: weakref.ref | None = None
+        self._forward_steps = ForwardSteps()  # without an optimizer: a step per new root forward
         self._paths = naming.ModulePaths()
         self._module_stack: list[tuple[str, _Entry | None, torch.nn.Module]] = []  # path, entry, module
         self._handles: list = []
@@ -675,17 +674,9 @@ class DumpSession:
             self._flush()
         self._record = _StepRecord()
         self._module_stack = []
-        self._step_root = None
         self.step_index += 1
         if self.steps is not None and self.step_index > max(self.steps):
             self._finished = True
-
-    def _optimizer_alive(self) -> bool:
-        if self._optimizer_exists is None:
-            # Asked once, at the second forward of the first step: one gc scan, not per step.
-            optimizer = torch.optim.Optimizer
-            self._optimizer_exists = any(issubclass(type(obj), optimizer) for obj in gc.get_objects())
-        return self._optimizer_exists
 
     def _on_hook_failed(self, kind: str, where: str, detail: str) -> None:
         if kind.startswith(type(self).__name__ + "."):
@@ -744,8 +735,8 @@ class DumpSession:
                 self._module_path(module._orig_mod)
             return
         root = not self._module_stack
-        if root and self._auto_step and not self._optimizer_seen:
-            self._maybe_end_step_at_root(module)
+        if root and self._auto_step and not self._optimizer_seen and self._forward_steps.new_step(module):
+            self._end_step()
         if not self._step_selected():
             return
         path = self._module_path(module)
@@ -760,15 +751,6 @@ class DumpSession:
             if torch.is_grad_enabled():  # a layer that changes its input in place gives it a new node
                 entry.producers = graph.producers(tensors_in(args))
         self._module_stack.append((path, entry, module))
-
-    def _maybe_end_step_at_root(self, module) -> None:
-        root = self._step_root() if self._step_root is not None else None
-        if root is None:
-            self._step_root = weakref.ref(module)
-            return
-        if root is module and not self._optimizer_alive():
-            self._end_step()
-            self._step_root = weakref.ref(module)
 
     @unintercepted
     def _on_module_forward(self, module, args, kwargs, output=_RAISED) -> None:
