@@ -896,8 +896,9 @@ def _accept_dtype_constants(golden: DumpEntry, target: DumpEntry, outputs: list[
     call filled each run's finfo constant: shown as warnings saying so, not as errors."""
     constants = ", ".join(f"{suffix} {golden.numbers[suffix]:g} / {value:g}" for suffix, value in target.numbers.items()
                           if golden.numbers.get(suffix, value) != value)
-    message = (f"differs where filled with torch.finfo constants of each run's dtype ({constants}): the same"
-               " program; what uses the values is judged")
+    message = (f"differs where filled with each run's spelling of one constant ({constants}: torch.finfo"
+               " constants of each run's dtype, or a finite fill for an infinite one): the same masking; what"
+               " uses the values is judged")
     names = {row.target.name for row in outputs if row.target is not None}
     for row in rows:
         if row.verdict == ERROR and row.target is not None and (
@@ -910,17 +911,25 @@ def _dtype_constants_differ(golden: DumpEntry, target: DumpEntry) -> bool:
     of the dtype each run computes in (finfo(att.dtype).min: -3.4e38 in fp32, -65504 in fp16)."""
     golden_dtypes = {leaf.dtype for leaf in golden.leaves()}
     target_dtypes = {leaf.dtype for leaf in target.leaves()}
-    if golden_dtypes == target_dtypes:
-        return False
     differ = False
     for suffix, value in target.numbers.items():
         other = golden.numbers.get(suffix)
         if other is None or other == value:
             continue
-        if not _finfo_names(value, target_dtypes) & _finfo_names(other, golden_dtypes):
+        if _finite_for_infinite(value, other, target_dtypes) or _finite_for_infinite(other, value, golden_dtypes):
+            differ = True  # a mask filled with finfo(dtype).min in one run and -inf in the other
+            continue
+        if golden_dtypes == target_dtypes or not _finfo_names(value, target_dtypes) & _finfo_names(other, golden_dtypes):
             return False
         differ = True
     return differ
+
+
+def _finite_for_infinite(finite: float, infinite: float, dtypes: set[str]) -> bool:
+    """finfo(dtype).min where the other run fills -inf (or max for +inf): the fix npu-compare and
+    npu-migrate's inf-fill finding advise, which masks the same elements."""
+    return math.isinf(infinite) and not math.isinf(finite) and (finite < 0) == (infinite < 0) \
+        and bool(_finfo_names(finite, dtypes) & {"min", "max"})
 
 
 def find_divergence(pair_label: str, pairs: list, rows: list[Row], golden: RankDump, target: RankDump,
@@ -1248,7 +1257,7 @@ def _number_error(golden: DumpEntry, target: DumpEntry, golden_items: set, targe
         other = golden.numbers.get(suffix)
         if other is None or other == value:
             continue
-        error = abs(value - other) / max(abs(other), abs(value))
+        error = 1.0 if math.isinf(value) or math.isinf(other) else abs(value - other) / max(abs(other), abs(value))
         worst = max(worst, error)
         if (other not in golden_items or value not in target_items) and error > constant_error:
             constant_error, where = error, (suffix, other, value)

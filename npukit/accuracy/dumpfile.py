@@ -429,7 +429,7 @@ class _LeafParser:
                 self.flags[leaf_name[len(self.entry_name) + 1:]] = value["value"]
             elif kind == "float" and numbers is not None:
                 number = value.get("value")
-                if isinstance(number, int | float) and not isinstance(number, bool) and math.isfinite(number):
+                if isinstance(number, int | float) and not isinstance(number, bool) and not math.isnan(number):
                     numbers[leaf_name[len(self.entry_name) + 1:]] = float(number)
             elif "type" not in value:
                 for key, item in value.items():

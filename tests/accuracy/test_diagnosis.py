@@ -309,6 +309,25 @@ def test_finfo_min_as_a_mask_fill_under_fp16_autocast_is_the_same_program(tmp_pa
     assert "input.2 -3.40282e+38 / -65504" in filled["Tensor.masked_fill.0.forward.output.0"]
 
 
+def test_a_finite_mask_fill_where_the_golden_run_fills_minus_inf_is_the_same_masking(tmp_path, npu):
+    """The fix finder's finite_fill trial (and npu-migrate's inf-fill advice) fills finfo(fp32).min where
+    the golden run filled -inf, both in fp32 (HF32 on): it was the first divergence of every such trial
+    ('its argument input.2 is -inf in the golden run and -3.40282e+38 in the target'), so a trial that
+    applied all candidates, the HF32 fix among them, never passed and no fix was found."""
+
+    def finite_fill(model):
+        model.fill = torch.finfo(torch.float32).min
+
+    result = _dumps(tmp_path, lambda: _MaskedAttention(fill=float("-inf")), _masked_loss, hf32=True,
+                    npu_only=finite_fill)
+    [pair] = result.pairs
+    assert pair.divergence is None, pair.divergence.reason
+    assert not result.failed() and [row.name for row in pair.rows if row.verdict == ERROR] == []
+    filled = {row.name: row.message for row in pair.rows if "a finite fill for an infinite one" in row.message}
+    assert "Tensor.masked_fill.0.forward.output.0" in filled
+    assert "input.2 -inf / -3.40282e+38" in filled["Tensor.masked_fill.0.forward.output.0"]
+
+
 def test_a_mask_fill_constant_that_differs_for_another_reason_is_still_named(tmp_path, npu):
     """The NPU run fills -1e4 where the golden run fills finfo(fp32).min: not a dtype's constant."""
     result = _dumps(tmp_path, _MaskedAttention, _masked_loss, dtype=torch.float16,
