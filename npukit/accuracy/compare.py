@@ -812,7 +812,7 @@ def _changed_after_backward(entry_rows: list[Row], entry: DumpEntry, gradients: 
             continue
         computed = gradients.for_parameter(entry, row, lineage)
         if computed is not None:
-            bound = sum(_absolute_error(each) for each in computed)
+            bound = sum(_absolute_error(each) for each in computed) / _loss_scale_between(computed, row)
             if _absolute_error(row) <= thresholds.amplification * bound + warn * _size(row):
                 continue
             computed_error = max(each.error for each in computed)
@@ -827,6 +827,20 @@ def _changed_after_backward(entry_rows: list[Row], entry: DumpEntry, gradients: 
                     " while every tensor before it matched: it was changed after the backward (a hook on the"
                     " parameter (register_hook), code between backward() and the optimizer step)", 0.0, row.error)
     return None
+
+
+def _loss_scale_between(computed: list[Row], parameter_gradient: Row) -> float:
+    """The loss scale the backward's gradients carry and the optimizer's gradient does not: when both
+    runs use GradScaler the backward rows compare alike (same scale) but are in scaled units, while
+    GradScaler.unscale_ divided the parameter's gradient. Read off the golden norms: a ratio of 64
+    or more is a loss scale, a power of two (GradScaler's are); else 1 (the ranks' shares of a reduced
+    gradient, or the calls that used a parameter, differ from their sum by far less)."""
+    pieces = sum(_norm(each.golden, each.metrics.golden_stats if each.metrics else None) for each in computed)
+    whole = _norm(parameter_gradient.golden,
+                  parameter_gradient.metrics.golden_stats if parameter_gradient.metrics else None)
+    if not whole or not pieces or pieces / whole < 64:
+        return 1.0
+    return 2.0 ** round(math.log2(pieces / whole))
 
 
 def _backward_amplifier(pair_label: str, computed: Row, its_rows: list[Row], dump: RankDump,

@@ -81,6 +81,35 @@ def test_a_hook_that_scales_a_parameter_gradient_in_the_npu_run_only_is_named_at
     assert [row.name for row in pair.rows if row.verdict == ERROR] == ["Module.fc2.Linear.parameters_grad.0.weight"]
 
 
+def test_a_parameter_hook_is_named_when_both_runs_scale_the_loss_with_grad_scaler(tmp_path, npu):
+    """Both runs under GradScaler: the backward's gradients are in loss-scaled units in both (so they
+    compare alike), the optimizer's are unscaled, and the computed gradient's absolute error, 65536x
+    too large, 'explained' the 5x hook: no divergence."""
+    from npukit.accuracy.dump import DumpSession
+    from npukit.npu_backend import numerics
+
+    for side in ("golden", "npu"):
+        golden_run = side == "golden"
+        torch.manual_seed(0)
+        model = _MLP().npu()
+        if not golden_run:
+            model.fc2.weight.register_hook(lambda grad: grad * 5)
+        optimizer, scaler = torch.optim.SGD(model.parameters(), lr=0.1), torch.amp.GradScaler("npu")
+        with numerics.golden() if golden_run else contextlib.nullcontext(), DumpSession(tmp_path / side, mode="tensor"):
+            torch.manual_seed(1)
+            with torch.autocast("npu", dtype=torch.float32 if golden_run else torch.float16):
+                loss = _mlp_loss(model)
+            optimizer.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+    result = compare_dirs(tmp_path / "golden", tmp_path / "npu", workers=1)
+    divergence = result.pairs[0].divergence
+    assert divergence is not None and result.failed()
+    assert divergence.entry == "Module.fc2.Linear.parameters_grad.0"
+    assert "the gradient of weight as the optimizer got it differs (error 4" in divergence.reason
+
+
 def test_a_hook_on_an_activation_gradient_is_named_where_the_gradient_changed(tmp_path, npu):
     """A hook on fc1's output scales the gradient arriving at fc1's backward: the gradient relu's
     backward computed for that value matches, the one fc1's backward gets is 5x. Named there, with
