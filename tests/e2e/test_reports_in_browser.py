@@ -335,15 +335,16 @@ def test_tree_opens_at_the_first_divergence_without_a_click(chromium, nested_rep
         problems = browser.problems.all()
     assert problems == [], problems
     assert "construct.json" in facts["note"], facts["note"]
-    # The path root -> encoder -> encoder.blocks.1 -> its norm is open, nothing else: collapsed by default.
-    assert facts["expanded"] == ["NestedNet (root module)", "encoder", "encoder.blocks.1"], facts
-    assert facts["shown"] == ["NestedNet (root module)", "embed", "encoder", "encoder.blocks.0", "encoder.blocks.1",
+    # The path encoder -> encoder.blocks.1 -> its norm is open, nothing else: collapsed by default. (The
+    # model itself has no entry, as in msprobe's dumps: its modules are the tree's top.)
+    assert facts["expanded"] == ["encoder", "encoder.blocks.1"], facts
+    assert facts["shown"] == ["embed", "encoder", "encoder.blocks.0", "encoder.blocks.1",
                               "encoder.blocks.1.fc", DIVERGED_MODULE, "encoder.final", "head",
                               "(outside any module): ops no module ran (the loss, casts, the optimizer's ops)"], facts
     assert facts["diverged"] == [DIVERGED_MODULE] and facts["divergedInsideTree"], facts
     assert facts["divergedBackground"] == "rgb({}, {}, {})".format(*DIVERGED_COLOUR), facts
     # Coloured by the worst verdict of the module and its sub-modules: the bug's module and all above it are errors.
-    for path in ("NestedNet (root module)", "encoder", "encoder.blocks.1", DIVERGED_MODULE):
+    for path in ("encoder", "encoder.blocks.1", DIVERGED_MODULE):
         assert "v-err" in facts["classes"][path].split(), (path, facts["classes"])
     # Its ops are listed without a click, the divergent op's rows marked.
     assert facts["selected"] == [DIVERGED_MODULE] and facts["opsTitle"].startswith(DIVERGED_MODULE)
@@ -520,7 +521,6 @@ def test_dumps_without_construct_json_say_how_the_page_groups_rows(chromium, nes
         browser.open((tmp_path / "prefix.html").as_uri())
         browser.wait_for("window.npukitReady")
         prefix = browser.evaluate(TREE_FACTS)
-        browser.click('#tree .label[title="NestedNet (root module)"]')
         browser.click('#tree .label[title="encoder"]')
         prefix_opened = browser.evaluate(TREE_FACTS)
         browser.open((tmp_path / "flat.html").as_uri())
@@ -532,9 +532,9 @@ def test_dumps_without_construct_json_say_how_the_page_groups_rows(chromium, nes
     assert "no construct.json" in prefix["note"] and "module path prefix" in prefix["note"], prefix["note"]
     # Module entries still nest by path (collapsed); the api ops, the divergent one among them, go under
     # one node that says why.
-    assert prefix["shown"][:2] == ["NestedNet (root module)", "(api ops, module unknown): without construct.json"
-                                   " the page cannot tell which module ran an api op"], prefix["shown"]
-    assert prefix["diverged"] == prefix["shown"][1:2] and prefix["expanded"] == [], prefix
+    assert prefix["shown"] == ["embed", "encoder", "head", "(api ops, module unknown): without construct.json"
+                               " the page cannot tell which module ran an api op"], prefix["shown"]
+    assert prefix["diverged"] == prefix["shown"][3:] and prefix["expanded"] == [], prefix
     assert prefix["opsFirst"] and prefix["opsFirst"][0].startswith(report["first_divergence"]["entry"]), prefix
     assert {"encoder.blocks.0", "encoder.blocks.1"} <= set(prefix_opened["shown"]), prefix_opened["shown"]
     assert "no module tree" in flat["note"] and not flat["tree"] and flat["rows"] > 5, flat
