@@ -817,11 +817,13 @@ def _changed_after_backward(entry_rows: list[Row], entry: DumpEntry, gradients: 
                 continue
             computed_error = max(each.error for each in computed)
             names = ", ".join(sorted({each.target_entry for each in computed}))
-            return (f"the gradient of {row.target.suffix} as the optimizer got it differs (error {_fmt(row.error)})"
-                    f" from the one the backward computed for it ({names}: error {_fmt(computed_error)}): it was"
-                    " changed after the backward (a hook on the parameter (register_hook), code between backward()"
-                    " and the optimizer step, or a gradient collective that brought another rank's difference)",
-                    computed_error, row.error)
+            differs = (f"the gradient of {row.target.suffix} as the optimizer got it differs (error {_fmt(row.error)})"
+                       f" from the one the backward computed for it ({names}: error {_fmt(computed_error)})")
+            if computed_only:  # one rank of several: _changed_before_the_reduce says why, over all of them
+                return differs, computed_error, row.error
+            return (differs + ": it was changed after the backward (a hook on the parameter (register_hook), code"
+                    " between backward() and the optimizer step, or a gradient collective that brought another"
+                    " rank's difference)", computed_error, row.error)
         if not computed_only and _first_error_here(rows, order, warn):
             return (f"the gradient of {row.target.suffix} as the optimizer got it differs (error {_fmt(row.error)})"
                     " while every tensor before it matched: it was changed after the backward (a hook on the"
@@ -1867,9 +1869,7 @@ def _changed_before_the_reduce(results: list[PairResult]) -> None:
                 or len({share.entry for share in shares}) != 1:
             continue
         for pair, share in zip(pairs, shares):
-            share.reason = share.reason.replace(
-                ": it was changed after the backward (a hook on the parameter (register_hook), code between"
-                " backward() and the optimizer step, or a gradient collective that brought another rank's difference)",
+            share.reason += (
                 f", on every one of the {len(pairs)} ranks, while each rank's backward computed its share as the"
                 " golden run did: a rank's share was changed between its backward and the gradient reduction"
                 " (a hook on the parameter (register_hook) or code that runs on some ranks only, a DDP"
