@@ -1162,11 +1162,13 @@ def find_divergence(pair_label: str, pairs: list, rows: list[Row], golden: RankD
             if target_entry.direction != naming.BACKWARD and target.has_producers:
                 revealed = _revealed_by_cancellation(outputs, inputs, target_lineage, limit, thresholds.amplification)
                 if revealed is not None:
-                    return _cancellation_divergence(pair_label, revealed, target_entry, target, out_err, hf32)
+                    return _cancellation_divergence(pair_label, revealed, target_entry, target, target_lineage, out_err,
+                                                    hf32)
                 revealed = _revealed_by_normalization(target_entry, outputs, inputs, target_lineage,
                                                       thresholds.amplification)
                 if revealed is not None:
-                    return _cancellation_divergence(pair_label, revealed, target_entry, target, out_err, hf32)
+                    return _cancellation_divergence(pair_label, revealed, target_entry, target, target_lineage, out_err,
+                                                    hf32)
             reason = f"{_amplification_text(out_err, in_err)} ({'warn' if limit == warn else 'error'} limit {limit:g})"
             return _make_divergence(pair_label, target_entry, golden_entry, reason, target, in_err, out_err)
     return None
@@ -1377,10 +1379,10 @@ def _lost_update_text(producer: DumpEntry, lineage: _Lineage, shared: set[str]) 
     return f"it adds an update {ratio:.2g}x the size of the tensor it updates{unit}, so most of the update is lost"
 
 
-def _cancellation_divergence(pair_label, revealed, consumer, dump, out_err, hf32: frozenset) -> Divergence:
+def _cancellation_divergence(pair_label, revealed, consumer, dump, lineage: _Lineage, out_err,
+                             hf32: frozenset) -> Divergence:
     input_row, output_row, origin, *offset = revealed
     producer = dump.by_name()[_entry_of_leaf(origin.name)]
-    lineage = _Lineage(dump)
     shared = {lineage.origin(leaf).name for leaf in consumer.inputs} - {origin.name}
     lost_update = _lost_update_text(producer, lineage, shared) if _add_or_sub(producer) else None
     if lost_update is not None:
