@@ -9,6 +9,7 @@ and, where the module calls that api more than once, the user's source line (`tr
 | `fp32`        | autocast off, floating inputs cast to float32                  | an autocast-disabled region at that line |
 | `hf32_off`    | `torch.npu.matmul.allow_hf32` / `conv.allow_hf32` off around it and its backward | the same flags around that line |
 | `finite_fill` | a fill value of +-inf becomes the tensor dtype's max / min     | `torch.finfo(x.dtype).min` at that line |
+| `unfuse`      | a fused op (npu_fusion_attention) computed by its decomposition in fp32, rounded to its output dtype (unfuse.py) | a call of that decomposition (printed in full, plain torch) at that line |
 | `inf_nan_mode`| (the whole run) fp16 in INF_NAN mode, not saturation           | `INF_NAN_MODE_ENABLE=1` |
 
 Only torch's public API is used (autocast, torch.npu's HF32 flags), so a fix found on the emulated
@@ -30,7 +31,7 @@ from pathlib import Path
 
 from npukit.errors import UserError
 
-KINDS = ("fp32", "hf32_off", "finite_fill", "inf_nan_mode")
+KINDS = ("fp32", "hf32_off", "finite_fill", "unfuse", "inf_nan_mode")
 FIX_ENV = "NPUKIT_PRECISION_FIX"
 # the fill APIs whose value argument may be +-inf (the `inf-fill` finding of npu-migrate)
 FILL_APIS = frozenset({"Tensor.masked_fill", "Tensor.masked_fill_", "Torch.masked_fill", "Tensor.fill_",
@@ -52,7 +53,8 @@ class FixChange:
         module = f"every {self.module}" if "*" in self.module else self.module or "the model"
         where = f"{self.api} in {module}" + (f" at {self.line}" if self.line and with_line else "")
         return {"fp32": f"compute {where} in fp32", "hf32_off": f"HF32 off for {where}",
-                "finite_fill": f"fill with the dtype's min/max instead of +-inf in {where}"}[self.kind]
+                "finite_fill": f"fill with the dtype's min/max instead of +-inf in {where}",
+                "unfuse": f"unfuse {where} (its decomposition in fp32)"}[self.kind]
 
     def code(self) -> str:
         """This change as code to paste (fix_code() of it alone)."""
@@ -105,13 +107,23 @@ def change_op(model, modules, ops, line, kind):
                 result = func(*args, **kwargs)
             finally:
                 set_hf32(before)
-            node = next((t.grad_fn for t in (result if isinstance(result, (list, tuple)) else [result])
-                         if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
-            if node is not None:  # its backward (inside loss.backward()) with HF32 off too
+            # its backward (inside loss.backward()) with HF32 off too: every autograd node this call
+            # made (a linear over tokens is a view of an addmm), none of its inputs' own
+            inputs = {t.grad_fn for a in (*args, *kwargs.values()) for t in (a if isinstance(a, (list, tuple)) else [a])
+                      if isinstance(t, torch.Tensor)}
+            todo = [t.grad_fn for t in (result if isinstance(result, (list, tuple)) else [result])
+                    if isinstance(t, torch.Tensor)]
+            made = set()
+            while todo:
+                node = todo.pop()
+                if node is None or node in made or node in inputs or hasattr(node, "variable"):
+                    continue
+                made.add(node)
+                todo += [following for following, _ in node.next_functions]
                 saved = []
-                def turn_off(grad_outputs):
+                def turn_off(grad_outputs, saved=saved):
                     saved.append(set_hf32((False, False)))
-                def restore(grad_inputs, grad_outputs):
+                def restore(grad_inputs, grad_outputs, saved=saved):
                     if saved:
                         set_hf32(saved.pop())
                 node.register_prehook(turn_off)
@@ -136,8 +148,9 @@ def fix_code(changes: list[FixChange]) -> str:
     """The fix as code: pasted as it is once the model is built (named `model`), it makes the changes
     npu-run --precision-fix applied, to the same ops in the same modules: an op change is change_op()
     (defined once) per op and line, over the modules it names; a fill as the line with its value
-    spelled finite (to edit there); INF_NAN mode as the variable to set before the run."""
-    calls, edits = [], []
+    spelled finite (to edit there); a fused op unfused as the call to write at its line and the
+    decomposition it calls, printed in full (unfuse.code); INF_NAN mode as the variable to set before the run."""
+    calls, edits, unfused = [], [], []
     merged: dict[tuple, list[FixChange]] = {}
     for change in changes:
         if change.kind in ("fp32", "hf32_off"):
@@ -148,6 +161,8 @@ def fix_code(changes: list[FixChange]) -> str:
             edits.append(f"{where}, as\n#   {finite}" if finite is not None else
                          f"{where}: write the fill value as torch.finfo(<tensor>.dtype).min (or .max for +inf)\n"
                          f"#   {change.source or '<the line that calls it>'}")
+        elif change.kind == "unfuse":
+            unfused.append(change)
         else:
             edits.append("# before the run (Ascend 910B and later), fp16 with IEEE inf/nan, not saturation: in the shell\n"
                          "#   export INF_NAN_MODE_ENABLE=1")
@@ -165,6 +180,10 @@ def fix_code(changes: list[FixChange]) -> str:
             calls.append(f"# or, for every op of the step (its backward runs later, in loss.backward()):\n"
                          f"#   {flag} = False")
     head = "# paste once the model is built (`model`): the change(s) npu-run --precision-fix made\n" + _CHANGE_OP
+    if unfused:
+        from npukit.accuracy import unfuse  # (torch: imported when the fix holds such a change)
+
+        edits.append(unfuse.code(unfused))
     parts = [head if calls else "", *calls, *edits]
     return "\n".join(part for part in parts if part)
 
@@ -316,11 +335,15 @@ class PrecisionFixSession:
         if change.kind == "hf32_off":
             with _hf32_off():
                 result = func(*args, **kwargs)
-            _hf32_off_in_backward(result)
+            _hf32_off_in_backward(result, (args, kwargs))
             return result
         if change.kind == "finite_fill":
             dtype = _fill_dtype(args, kwargs)
             return func(*_finite(args, dtype), **_finite(kwargs, dtype))
+        if change.kind == "unfuse":
+            from npukit.accuracy import unfuse
+
+            return unfuse.run(change, args, kwargs)
         return func(*args, **kwargs)
 
 
@@ -407,13 +430,20 @@ def _hf32_off():
             owner.allow_hf32 = value
 
 
-def _hf32_off_in_backward(result) -> None:
-    """The op's backward (its autograd node: the input and weight gradients of a conv or matmul)
-    runs with HF32 off too: a pre-hook turns it off, a hook restores it."""
-    for tensor in _tensors(result):
-        node = tensor.grad_fn
-        if node is None:
+def _hf32_off_in_backward(result, inputs) -> None:
+    """The op's backward runs with HF32 off too: every autograd node the call made (a linear over
+    tokens is a view of an addmm, the weight gradient one node down), none of its inputs' own. Each
+    node's pre-hook turns HF32 off, its hook restores it."""
+    upstream = {tensor.grad_fn for tensor in _tensors(inputs)}
+    todo = [tensor.grad_fn for tensor in _tensors(result)]
+    made: set = set()
+    while todo:
+        node = todo.pop()
+        # AccumulateGrad (a leaf's, it has .variable) and the inputs' nodes ran before this op
+        if node is None or node in made or node in upstream or hasattr(node, "variable"):
             continue
+        made.add(node)
+        todo += [following for following, _ in node.next_functions]
         saved: list = []
 
         def turn_off(grad_outputs, saved=saved):
@@ -427,7 +457,6 @@ def _hf32_off_in_backward(result) -> None:
 
         node.register_prehook(turn_off)
         node.register_hook(restore)
-        return  # one node computes the op's backward
 
 
 def _fill_dtype(args, kwargs):

@@ -620,6 +620,52 @@ def test_hf32_off_covers_the_ops_backward_too(npu):
     assert torch.npu.conv.allow_hf32  # restored after the backward
 
 
+def test_hf32_off_reaches_every_backward_node_the_op_made(npu):
+    """A linear over tokens (3-D input) is a view of an addmm: its output's grad_fn is the view's, and the
+    weight gradient is computed one node further (the localization benchmark's case 31-78 stayed
+    unfixed). Both the applied fix and the printed code reach it, and nothing before the op."""
+    torch.manual_seed(0)
+    x = (torch.randn(4, 6, 16) + 1e4).to(npu).requires_grad_()
+    linear = nn.Linear(16, 8).to(npu)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = linear
+
+        def forward(self, x):
+            before = x * 1.0
+            before.grad_fn.register_prehook(lambda grads: flags_before.append(torch.npu.matmul.allow_hf32))
+            return self.fc(before)
+
+    model, flags_before = Model(), []  # HF32 as the op before the linear's backward sees it
+
+    def grads(hf32: bool, fix: PrecisionFix | None = None) -> tuple:
+        torch.npu.matmul.allow_hf32 = hf32
+        try:
+            model.zero_grad()
+            x.grad = None
+            if fix is None:
+                out = model(x)
+            else:
+                with PrecisionFixSession(fix):
+                    out = model(x)
+            (out * out.detach()).sum().backward()
+            assert torch.npu.matmul.allow_hf32 == hf32 == flags_before.pop()  # restored after the op's nodes
+            return linear.weight.grad.cpu(), x.grad.cpu()
+        finally:
+            torch.npu.matmul.allow_hf32 = False
+
+    exact = grads(hf32=False)
+    assert not torch.equal(grads(hf32=True)[0], exact[0])  # HF32 changes the weight gradient
+    change = FixChange("hf32_off", "Functional.linear", "fc", "", "")
+    fixed = grads(hf32=True, fix=PrecisionFix([change]))
+    assert all(torch.equal(mine, theirs) for mine, theirs in zip(fixed, exact))
+    exec(change.code(), {"model": model})
+    pasted = grads(hf32=True)
+    assert all(torch.equal(mine, theirs) for mine, theirs in zip(pasted, exact))
+
+
 # A stand-in for torch_npu on an Ascend host: a package of its own (not npukit's shim) that
 # registers the npu device when imported, as the real one does; here the device is the emulator.
 STAND_IN = '''
