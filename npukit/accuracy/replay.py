@@ -23,6 +23,13 @@ replaced. Not recognised: a new tensor made from a root output by a function und
 
 Under torchrun (RANK set) every rank records and replays in its own DIR/rank{RANK}/, as dumps
 do; a single process uses DIR itself.
+
+From a later step (`start_step=N`, npu-run's `--replay-step N`): the same, at the start of step N
+instead of the run's (when step N-1 ends, as watch.steps ends steps): every root module's state and
+every optimizer's state (Adam's moments, its step count, SGD's momentum) are saved, or loaded in
+place, and the batches and forward arguments counted from there. So an NPU run whose weights drifted
+over N steps computes step N from the golden run's state: its dump of step N shows what step N's own
+ops do, not what N steps accumulated (npu-compare --trend --localize relies on it).
 """
 
 from __future__ import annotations
@@ -68,9 +75,11 @@ def _rank() -> int | None:
 class ReplaySession:
     """Record (first run) or replay (second run) initial weights and first batches in `directory`."""
 
-    def __init__(self, directory: Path, batches: int = 4) -> None:
+    def __init__(self, directory: Path, batches: int = 4, start_step: int = 0) -> None:
         if batches < 0:
             raise UserError("--replay: the number of batches must be >= 0")
+        if start_step < 0:
+            raise UserError(f"--replay-step: a step number is >= 0, not {start_step}")
         root = Path(directory)
         if root.exists() and not root.is_dir():
             raise UserError(f"--replay: {root} exists and is not a directory")
@@ -97,6 +106,21 @@ class ReplaySession:
         self._file_count = 0
         self.replayed_modules = 0
         self.replayed_batches = 0
+        self.replayed_optimizers = 0
+        self.start_step = start_step
+        self._steps_ended = 0
+        self._active = start_step == 0  # recording or replaying (from the first forward, or step N's start)
+        self._optimizers: list = []  # weak references, in the order they first stepped
+        self._step_watch = None
+        self._optimizer_hook = None
+        if self.replaying:
+            recorded = self._manifest.get("start_step", 0)
+            if recorded != start_step:
+                raise UserError(f"--replay: {self.directory} was recorded at the start of step {recorded}; "
+                                f"replay it with --replay-step {recorded}, or record another directory")
+        else:
+            self._manifest["start_step"] = start_step
+            self._manifest["optimizers"] = []
 
     # ---------------------------------------------------------------- lifecycle
     def __enter__(self) -> ReplaySession:
@@ -111,16 +135,100 @@ class ReplaySession:
             module_hooks.register_module_forward_hook(self._on_forward, always_call=True),
         ]
         self._patch_dataloader()
+        if self.start_step:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            from npukit.watch.steps import TrainingSteps
+
+            self._optimizer_hook = register_optimizer_step_post_hook(self._on_optimizer_step)
+            self._step_watch = TrainingSteps(self._on_step_end)
+            self._step_watch.install()
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, exc_type, *exc_info) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
         self._unpatch_dataloader()
         self._produced.clear()
+        if self._step_watch is not None:
+            self._step_watch.remove()
+            self._optimizer_hook.remove()
+            self._step_watch = self._optimizer_hook = None
+        if not self._active and exc_type is None:
+            raise UserError(f"--replay-step {self.start_step}: the run ended after {self._steps_ended} training "
+                            f"step(s), before step {self.start_step} started: nothing was "
+                            f"{'replayed' if self.replaying else 'recorded'} in {self.directory}")
         if not self.replaying:
             write_text_atomic(self.directory / MANIFEST, json.dumps(self._manifest, indent=1))
+
+    # ---------------------------------------------------------------- step N's start
+    def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
+        if not any(ref() is optimizer for ref in self._optimizers):
+            self._optimizers.append(weakref.ref(optimizer))
+
+    def _on_step_end(self, optimizer, skipped: bool, loss_scale) -> None:
+        self._steps_ended += 1
+        if self._active or self._steps_ended != self.start_step:
+            return
+        self._active = True
+        with torch._C.DisableTorchFunction(), torch.no_grad():
+            for module, index in ((module, self._roots[id(module)]) for module in self._root_refs):
+                if self.replaying:
+                    self._load_state(module, index)
+                else:
+                    self._save_state(module)
+            optimizers = [ref() for ref in self._optimizers if ref() is not None]
+            if self.replaying:
+                self._load_optimizers(optimizers)
+            else:
+                self._manifest["optimizers"] = [self._encode_optimizer(optimizer) for optimizer in optimizers]
+
+    def _encode_optimizer(self, optimizer) -> dict:
+        """Its per-parameter state in param_groups order: tensors as files, numbers as they are (its
+        hyper-parameters are the script's, the same in both runs, and stay live)."""
+        states = []
+        for group in optimizer.param_groups:
+            for parameter in group["params"]:
+                state = {}
+                for key, value in optimizer.state.get(parameter, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        state[key] = self._encode(value)
+                    elif isinstance(value, bool | int | float) or value is None:
+                        state[key] = {"value": value}
+                    else:
+                        state[key] = {"other": type(value).__name__}
+                states.append(state)
+        return {"class": type(optimizer).__name__, "state": states}
+
+    def _load_optimizers(self, optimizers: list) -> None:
+        saved = self._manifest.get("optimizers", [])
+        if len(saved) != len(optimizers):
+            raise UserError(f"replay: {self.directory} holds the state of {len(saved)} optimizer(s) at the start of "
+                            f"step {self.start_step}; this run has stepped {len(optimizers)}: was it recorded with "
+                            "the same script?")
+        for optimizer, recorded in zip(optimizers, saved):
+            parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+            if recorded.get("class") != type(optimizer).__name__ or len(recorded["state"]) != len(parameters):
+                raise UserError(f"replay: the optimizer recorded in {self.directory} was a {recorded.get('class')} of "
+                                f"{len(recorded['state'])} parameters, now it is a {type(optimizer).__name__} of "
+                                f"{len(parameters)}")
+            for parameter, state in zip(parameters, recorded["state"]):
+                live = optimizer.state[parameter]
+                for key, encoded in state.items():
+                    if "value" in encoded:
+                        live[key] = encoded["value"]
+                    elif "tensor" in encoded:
+                        reference = live.get(key)
+                        if not isinstance(reference, torch.Tensor):
+                            reference = parameter if encoded["shape"] == list(parameter.shape) else \
+                                torch.empty(0, dtype=_torch_dtype(encoded["dtype"]))
+                        value = self._decode(encoded, reference).requires_grad_(False)
+                        if isinstance(live.get(key), torch.Tensor) and live[key].shape == value.shape:
+                            live[key].copy_(value)  # in place: a fused/foreach step may hold it
+                        else:
+                            live[key] = value
+            self.replayed_optimizers += 1
 
     def _check_layout(self, root: Path) -> None:
         """Refuse to record a second, differently laid out recording next to an existing one."""
@@ -158,11 +266,14 @@ class ReplaySession:
             index = len(self._roots)
             self._roots[id(module)] = index
             self._root_refs.append(module)
-            with torch._C.DisableTorchFunction(), torch.no_grad():
-                if self.replaying:
-                    self._load_state(module, index)
-                else:
-                    self._save_state(module)
+            if self._active:  # else its state is taken at step N's start
+                with torch._C.DisableTorchFunction(), torch.no_grad():
+                    if self.replaying:
+                        self._load_state(module, index)
+                    else:
+                        self._save_state(module)
+        if not self._active:
+            return None
         call = self._forward_calls.get(index, 0)
         if call >= self.batches:
             return None
@@ -269,7 +380,7 @@ class ReplaySession:
 
     def _on_batch(self, batch):
         call = self._batch_calls
-        if call >= self.batches:
+        if not self._active or call >= self.batches:
             return batch
         self._batch_calls += 1
         if self.replaying:
@@ -377,9 +488,26 @@ def _check_manifest(manifest: dict, path: Path) -> None:
         elif not isinstance(value.get("other"), str):
             fail(where, "expected one of tensor, list, dict or other")
 
-    for field in ("modules", "forward_inputs", "batches"):
+    for field in ("modules", "forward_inputs", "batches", "optimizers"):
         if not isinstance(manifest.get(field, []), list):
             fail(field, "must be a list")
+    start = manifest.get("start_step", 0)
+    if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+        fail("start_step", f"{start!r} is not a step number")
+    for index, optimizer in enumerate(manifest.get("optimizers", [])):
+        where = f"optimizers[{index}]"
+        if not isinstance(optimizer, dict) or not isinstance(optimizer.get("class"), str) \
+                or not isinstance(optimizer.get("state"), list):
+            fail(where, "expected an object with a class name and a state list")
+        for number, state in enumerate(optimizer["state"]):
+            if not isinstance(state, dict):
+                fail(f"{where}.state[{number}]", "expected an object")
+            for key, value in state.items():
+                if isinstance(value, dict) and "value" in value:
+                    if not (isinstance(value["value"], bool | int | float) or value["value"] is None):
+                        fail(f"{where}.state[{number}][{key!r}]", "a value is a number, a boolean or null")
+                else:
+                    encoded(value, f"{where}.state[{number}][{key!r}]")
     for index, module in enumerate(manifest.get("modules", [])):
         where = f"modules[{index}]"
         if not isinstance(module, dict) or not isinstance(module.get("class"), str) \

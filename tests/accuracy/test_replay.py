@@ -1,5 +1,6 @@
 """ReplaySession: the second run starts from the first run's weights and batches."""
 
+import contextlib
 import json
 
 import pytest
@@ -143,3 +144,47 @@ def test_single_process_recording_is_not_replayed_by_a_rank(tmp_path, monkeypatc
     monkeypatch.setenv("RANK", "x")
     with pytest.raises(UserError, match="RANK environment variable"):
         script(1, tmp_path / "other")
+
+
+def training(seed, replay_dir, start_step, steps=5, optimizer_cls=torch.optim.Adam):
+    """Adam over a shuffled DataLoader: weights, data order and optimizer state all depend on the seed."""
+    torch.manual_seed(seed)
+    with (ReplaySession(replay_dir, batches=1, start_step=start_step) if replay_dir else contextlib.nullcontext()) as session:
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+        optimizer = optimizer_cls(model.parameters(), lr=0.05)
+        loader = DataLoader(TensorDataset(torch.randn(4 * steps, 4), torch.randn(4 * steps, 2)), batch_size=4,
+                            shuffle=True)
+        losses, weights = [], []
+        for x, y in loader:
+            loss = F.mse_loss(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+            weights.append(model[0].weight.detach().clone())
+    return losses, weights, session
+
+
+@pytest.mark.parametrize("optimizer_cls", [torch.optim.Adam, torch.optim.SGD])
+def test_replay_from_a_later_step_starts_that_step_from_the_recorded_state(tmp_path, optimizer_cls):
+    """--replay-step 3: the second run computes step 3 from the first run's weights, optimizer state
+    (Adam's moments and step count, SGD's) and batch, whatever its own first 3 steps did."""
+    if optimizer_cls is torch.optim.SGD:
+        optimizer_cls = lambda parameters, lr: torch.optim.SGD(parameters, lr=lr, momentum=0.9)  # noqa: E731
+    first, first_weights, recorder = training(1, tmp_path, 3, optimizer_cls=optimizer_cls)
+    second, second_weights, replayer = training(2, tmp_path, 3, optimizer_cls=optimizer_cls)
+    assert replayer.replayed_modules == 1 and replayer.replayed_optimizers == 1 and replayer.replayed_batches == 1
+    assert second[:3] != first[:3]  # its own first steps
+    assert second[3] == first[3]  # step 3 from the recorded state and batch
+    assert torch.equal(second_weights[3], first_weights[3])  # and its update too (optimizer state replayed)
+    unrecorded, _, _ = training(1, None, 0, optimizer_cls=optimizer_cls)
+    assert unrecorded == first  # recording changes nothing in the recorded run
+
+
+def test_replay_step_mismatch_and_a_run_too_short_are_clear_errors(tmp_path):
+    training(1, tmp_path, 3)
+    with pytest.raises(UserError, match="recorded at the start of step 3; replay it with --replay-step 3"):
+        training(2, tmp_path, 2)
+    with pytest.raises(UserError, match="--replay-step 9: the run ended after 5 training step"):
+        training(1, tmp_path / "short", 9)
+    assert not (tmp_path / "short" / "replay.json").exists()
