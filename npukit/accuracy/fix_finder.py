@@ -2,10 +2,12 @@
 precision fix that brings the NPU run back within tolerance.
 
 From the divergence a compare names (its op, and the ops after it that are off too), candidates
-are drawn: each op computed in fp32 instead of fp16/bf16, HF32 off for a matmul/conv the run
-computed in HF32, a fill with +-inf made finite. The step is run again (the user's command under
-`--replay`, with `--precision-fix` and a dump of its own) with sets of candidates applied, and each
-run is compared with the golden dump: a set fixes the run when that compare finds no divergence.
+are drawn: each op computed in fp32 instead of fp16/bf16, a fused op (npu_fusion_attention) computed
+by its unfused decomposition in fp32 (before its fp32 candidate: the call keeps its output dtype),
+HF32 off for a matmul/conv the run computed in HF32, a fill with +-inf made finite. The step is run
+again (the user's command under `--replay`, with `--precision-fix` and a dump of its own) with sets
+of candidates applied, and each run is compared with the golden dump: a set fixes the run when
+that compare finds no divergence.
 The search bisects prefixes of the candidate list (nearest the problem first): all candidates
 first (if they do not fix it, nothing smaller will), then the shortest prefix that still fixes it,
 whose last candidate is then needed; that one is kept, and the search goes on in the candidates
@@ -47,6 +49,7 @@ from npukit.accuracy.compare import (
 )
 from npukit.accuracy.dumpfile import load_rank_dump
 from npukit.accuracy.fixes import FILL_APIS, FixChange, PrecisionFix, fix_code, module_pattern
+from npukit.accuracy.unfuse import accepts, decomposition, recorded_calls
 from npukit.errors import UserError
 from npukit.files import write_text_atomic
 
@@ -153,10 +156,12 @@ def candidates_with_blocks(result: CompareResult, limit: int = MAX_CANDIDATES
     # every op up to the anchor may have fed it (an op whose own output passes can lose what a later
     # subtraction reveals); after it, only those that are off themselves
     ordered = [*reversed(ops[:at + 1]), *(entry for entry in ops[at + 1:] if entry.name in off)]
+    # the arguments of the fused calls that have a decomposition: does it compute them (their options)?
+    fused_calls = recorded_calls(dump.path, [entry.name for entry in ordered if decomposition(_api(entry))])
     found: list[FixChange] = []
     off_changes: set[FixChange] = set()
     for entry in ordered:
-        for change in _changes_for(entry, dump):
+        for change in _changes_for(entry, dump, fused_calls.get(entry.name)):
             if change not in found:
                 found.append(change)
             if entry.name in off:
@@ -203,9 +208,13 @@ def _groups(changes: list[FixChange]) -> tuple[list[FixChange], dict[FixChange, 
     return grouped, members
 
 
-def _changes_for(entry, dump) -> list[FixChange]:
-    base, _, _ = naming.split_entry_name(entry.name)
-    api = naming.operator_op(base)
+def _api(entry) -> str:
+    return naming.operator_op(naming.split_entry_name(entry.name)[0])
+
+
+def _changes_for(entry, dump, recorded_call: dict | None = None) -> list[FixChange]:
+    """`recorded_call`: the entry's arguments as dump.json has them (for a fused op with a decomposition)."""
+    api = _api(entry)
     module = entry_module_path(entry, dump) or ""
     module = "" if module == "(root)" else module
     line, source = _user_line(entry_stack(entry, dump))
@@ -214,6 +223,10 @@ def _changes_for(entry, dump) -> list[FixChange]:
     changes = []
     if api in FILL_APIS:  # first: the fix a saturating 910A needs (fp32 would move more ops out of fp16)
         changes.append(FixChange("finite_fill", api, module, line, source))
+    if out_dtypes & set(_LOW_PRECISION) and recorded_call is not None and accepts(api, recorded_call):
+        # before fp32: the fused kernel's own roundings are what the decomposition leaves out, and the
+        # call keeps its output dtype (fp32 would hand fp32 to every op after it)
+        changes.append(FixChange("unfuse", api, module, line, source))
     if out_dtypes & set(_LOW_PRECISION) and api.rsplit(".", 1)[-1] not in _NO_ARITHMETIC:
         changes.append(FixChange("fp32", api, module, line, source))
     kind = hf32_kind(entry.name)
@@ -438,7 +451,11 @@ def print_fix(fix_result: FixResult, console) -> None:
     console.print(f"find-fix: fixed by {len(fix_result.fix)} change(s) in {len(fix_result.trials)} runs:")
     for change in fix_result.fix:
         console.print(f"  {change.describe()}")
-    console.print("  as code (it runs as printed, pasted once the model is built):")
+    kinds = {change.kind for change in fix_result.fix}
+    how = ["pasted once the model is built"] if kinds - {"unfuse"} else []
+    if "unfuse" in kinds:  # a call replaced at its line
+        how.append("an unfused op's function put in its file and called at the line shown")
+    console.print(f"  as code (it runs as printed, {'; '.join(how)}):")
     for line in fix_code(fix_result.fix).splitlines():
         console.print(f"      {line}" if line else "", markup=False, highlight=False, soft_wrap=True)
     console.print(f"  error at {fix_result.divergence}: {_fmt(before.divergence_error)} -> "
