@@ -280,6 +280,7 @@ class FusedCodemod(ImportRemoval):
     may share one import statement); run alone under libcst's tool, a concern removes its own."""
 
     LIBRARY = ""  # the top-level module of the CUDA library (flash_attn, apex)
+    ALSO_REMOVES: tuple[str, ...] = ()  # other top-level modules whose imports the rewrites may leave unused (amp_C)
     RULE = ""
     NEEDS_TORCH_NPU = True  # the rewrites call torch_npu
     WHOLE_FILE = True
@@ -359,12 +360,13 @@ class FusedCodemod(ImportRemoval):
             self.replace_with_text(call, plan.text, self.RULE, needs_torch_npu=needs_torch_npu)
             for part in (call.func, *plan.dropped):
                 gone.update(id(name) for name in matchers.findall(part, matchers.Name()))
+        libraries = {self.LIBRARY, *self.ALSO_REMOVES}
         if self._run_alone:
-            self.remove_imports(original_node, gone, {self.LIBRARY})
+            self.remove_imports(original_node, gone, libraries)
         else:
             removed = self.context.scratch.setdefault(FUSED_REMOVED_KEY, (set(), set()))
             removed[0].update(gone)
-            removed[1].add(self.LIBRARY)
+            removed[1].update(libraries)
 
 
 class FusedImports(ImportRemoval):
