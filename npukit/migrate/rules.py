@@ -224,7 +224,9 @@ REWRITE_RULES = {
     "fused-rotary": "--fused: flash_attn's apply_rotary_emb -> torch_npu.npu_rotary_mul",
     "fused-norm": "--fused: apex FusedLayerNorm / FusedRMSNorm -> torch.nn.LayerNorm / torch.nn.RMSNorm",
     "fused-optimizer": "--fused: apex FusedAdam -> torch.optim.AdamW / torch.optim.Adam, FusedSGD -> torch.optim.SGD",
-    "fused-import": "--fused: an import of flash_attn / apex whose every use was rewritten, removed",
+    "fused-multi-tensor": "--fused: apex multi_tensor_applier(amp_C.multi_tensor_l2norm / _scale / _axpby) -> "
+                          "torch.nn.utils.get_total_norm / torch._foreach_*",
+    "fused-import": "--fused: an import of flash_attn / xformers / apex / amp_C whose every use was rewritten, removed",
     "cuda-namespace": "torch.cuda.X -> torch.npu.X for the names torch_npu has",
     "cuda-import": "imports of torch.cuda / its members -> torch_npu.npu",
     "cuda-renamed": "torch.cuda names that have another name (default_generators, OutOfMemoryError)",

@@ -22,6 +22,7 @@ from libcst.codemod import CodemodCommand, CodemodContext
 
 from npukit.migrate.codemods.amp_upgrade import AmpUpgrade
 from npukit.migrate.codemods.apex_fused import ApexAdamToTorch, ApexNormsToTorch, ApexSgdToTorch
+from npukit.migrate.codemods.apex_multi_tensor import ApexMultiTensorToTorch
 from npukit.migrate.codemods.autocast_dtype import AutocastGpuDtype
 from npukit.migrate.codemods.backends import DistributedBackends
 from npukit.migrate.codemods.bf16_autocast import Bf16Autocast
@@ -52,14 +53,14 @@ from npukit.migrate.codemods.xformers_attention import XformersAttentionToNpu
 # npu-migrate --fused's concerns (CUDA kernel libraries -> torch_npu fused ops / torch equivalents):
 # only under --fused (TreeFacts.fused), or when libcst's tool is asked for one by name
 FUSED_CODEMODS = (FlashAttentionToNpu, FlashRotaryToNpu, XformersAttentionToNpu, ApexNormsToTorch, ApexAdamToTorch, ApexSgdToTorch,
-                  FusedImports)
+                  ApexMultiTensorToTorch, FusedImports)
 # The concerns ported from the ast engine so far, in the order they run (each on the original parse).
 BUILTIN_CODEMODS = (DualTargetCode, *FUSED_CODEMODS, DeviceStrings, IntDeviceOrdinals, AmpUpgrade, CudaNamespace, UnsupportedApis, CudaEnvironment, CudaDefaultDevices, InfiniteFills, TorchLoadMapLocation, CustomCudaOps,
                     Bf16Autocast, DdpSetDevice, ThirdPartyCuda, BitsAndBytesQuantisation, DeviceModelChecks,
                     DefaultTensorType, CompileModes, UnsupportedTensorMethods, AutocastGpuDtype, CudaMethods,
                     DistributedBackends, CudaCliFlags, CudaLeftovers)
 
-__all__ = ["BUILTIN_CODEMODS", "FUSED_CODEMODS", "AmpUpgrade", "ApexAdamToTorch", "ApexNormsToTorch", "ApexSgdToTorch", "FlashAttentionToNpu", "FlashRotaryToNpu", "FusedImports", "AutocastGpuDtype", "Bf16Autocast", "BitsAndBytesQuantisation", "CompileModes", "CudaCliFlags", "CudaDefaultDevices", "CudaEnvironment", "CudaLeftovers",
+__all__ = ["BUILTIN_CODEMODS", "FUSED_CODEMODS", "AmpUpgrade", "ApexAdamToTorch", "ApexMultiTensorToTorch", "ApexNormsToTorch", "ApexSgdToTorch", "FlashAttentionToNpu", "FlashRotaryToNpu", "FusedImports", "AutocastGpuDtype", "Bf16Autocast", "BitsAndBytesQuantisation", "CompileModes", "CudaCliFlags", "CudaDefaultDevices", "CudaEnvironment", "CudaLeftovers",
            "CudaMethods", "CudaNamespace", "CustomCudaOps", "DdpSetDevice", "DefaultTensorType", "DeviceModelChecks", "DeviceStrings", "DistributedBackends", "DualTargetCode",
            "InfiniteFills", "IntDeviceOrdinals", "MigrateToNpu", "ThirdPartyCuda", "TorchLoadMapLocation", "UnsupportedApis", "UnsupportedTensorMethods", "XformersAttentionToNpu"]
 

@@ -7,6 +7,7 @@ import ast
 import libcst as cst
 
 from npukit.migrate import rules
+from npukit.migrate.codemods.apex_multi_tensor import ApexMultiTensorToTorch
 from npukit.migrate.codemods.base import NpuCodemod
 from npukit.migrate.codemods.fused import fused_hint
 from npukit.migrate.codemods.scopes import dotted_name
@@ -72,6 +73,14 @@ class ThirdPartyCuda(NpuCodemod):
     DESCRIPTION = "CUDA-only third-party libraries reported at their imports, calls and kernel decorators"
     CONTEXT = "statement"  # decided from the statement holding the candidate and the imports
     FILES_CONTAINING = (*_LIBRARY_WORDS, FLASH_ATTENTION_2)
+
+    @classmethod
+    def context(cls, model, node) -> str:
+        """An apex multi_tensor_applier call: what --fused makes of it depends on whether its function
+        reads the overflow buffer elsewhere (the def whole)."""
+        if isinstance(node, ast.Call) and model.qualname(node.func) in ApexMultiTensorToTorch.TARGETS:
+            return "function"
+        return cls.CONTEXT
 
     @classmethod
     def candidates(cls, model) -> list:
