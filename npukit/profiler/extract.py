@@ -49,6 +49,9 @@ RENAMED_COLLECTIVES = "renamed_collectives"
 # table.meta key (never saved): [(start, end ns since the epoch, thread, module)] of each outermost
 # nn.Module call (one not inside another module's call), from the Python tracer (module: its address)
 FORWARD_CALLS = "forward_calls"
+# table.meta key (never saved): the OS thread id (the Chrome trace's "tid") of each value of the
+# thread column, where record.export_trace puts the emulated device's launch events
+THREAD_IDS = "thread_ids"
 
 
 @lru_cache(maxsize=4096)
@@ -147,17 +150,22 @@ def _describe_inputs(inputs) -> tuple[list[tuple[tuple[int, ...], str]], list[st
     return tensors, devices, ", ".join(shape_parts), ", ".join(dtype_parts)
 
 
-def _torch_flop_counts(kineto_results) -> dict[tuple[int, str], float]:
-    """torch's own FLOP counts (with_flops) keyed by (start ns, name); it knows conv2d strides."""
+def _kineto_event_facts(kineto_results) -> tuple[dict[tuple[int, str], float], dict[int, int]]:
+    """torch's own FLOP counts (with_flops) keyed by (start ns, name), which know conv2d strides,
+    and the OS thread id of each thread number the event tree uses (its start_tid)."""
     counts: dict[tuple[int, str], float] = {}
+    thread_ids: dict[int, int] = {}
     for event in kineto_results.events():
+        thread = event.start_thread_id()
+        if thread not in thread_ids:
+            thread_ids[thread] = event.device_resource_id()
         flops = event.flops()
         if flops:
             try:
                 counts[(event.start_ns(), event.name())] = float(flops)
             except UnicodeDecodeError:
                 continue
-    return counts
+    return counts, thread_ids
 
 
 def _frame_of(caller) -> tuple[str, int, str] | None:
@@ -175,7 +183,7 @@ def table_from_profiler(prof, module_names: dict[int, str] | None = None, meta: 
 
     results = prof.profiler.kineto_results
     roots = results.experimental_event_tree()
-    torch_flops = _torch_flop_counts(results)
+    torch_flops, thread_ids = _kineto_event_facts(results)
     module_names = module_names or {}
     builder = TableBuilder()
     threads: dict[int, int] = {}
@@ -317,7 +325,8 @@ def table_from_profiler(prof, module_names: dict[int, str] | None = None, meta: 
                 if builder.get(forward, column) >= 0:
                     builder.set(row, column, builder.get(forward, column))
 
-    meta = dict(meta or {}, **{FORWARD_CALLS: forward_calls})
+    meta = dict(meta or {}, **{FORWARD_CALLS: forward_calls,
+                               THREAD_IDS: [thread_ids.get(thread, thread) for thread in threads]})
     if unreadable:
         meta.update(unreadable_events=unreadable, unreadable_error=first_error)
     meta["data_flow"] = bool(getattr(prof, "profile_memory", False))  # allocations recorded

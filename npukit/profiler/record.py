@@ -30,6 +30,7 @@ from pathlib import Path
 
 from npukit.errors import UserError
 from npukit.files import check_output_location, output_folder, refuse_links_inside
+from npukit.profiler.device_trace import device_events
 from npukit.profiler.extract import (
     FORWARD_CALLS,
     GC_ANNOTATION_PREFIX,
@@ -51,24 +52,49 @@ MAX_EVENTS = 5_000_000
 TRACE_SUFFIX = ".pt.trace.json"  # torch.profiler.tensorboard_trace_handler's, which the viewers look for
 
 
-def export_trace(prof, target: Path, rank: int, world_size: int, renamed: list | None = None) -> None:
+def export_trace(prof, target: Path, rank: int, world_size: int, renamed: list | None = None,
+                 table: EventTable | None = None) -> None:
     """prof's Chrome trace written to `target` whole or not at all, naming `target` inside
     (`traceName`) and, when torch did not (the profiler started before init_process_group, as
     under npu-run), the rank (`distributedInfo`), which HolisticTraceAnalysis needs to tell the
-    ranks' traces apart. The trace goes to a sibling whose name has the same length (.part for
-    .json), is patched at its end, then renamed."""
+    ranks' traces apart. With the cycle's table, the emulated NPU's kernels are added
+    (device_trace.py: estimated times, on device streams, which HTA's device analyses read). The
+    trace goes to a sibling whose name has the same length (.part for .json), is patched at its
+    end, then renamed."""
     partial = target.with_name(target.name[: -len("json")] + "part")
     try:
         partial.unlink(missing_ok=True)  # never written through a link left there
         prof.export_chrome_trace(str(partial))
         if renamed:
             _rename_collectives(partial, renamed)
-        _patch_trace_end(partial, target, {"rank": rank, "world_size": world_size})
+        device = _device_events(partial, table) if table is not None else []
+        _patch_trace_end(partial, target, {"rank": rank, "world_size": world_size}, device)
         os.replace(partial, target)
     except OSError as exc:
         raise UserError(f"{target}: cannot write the trace ({exc.strerror or exc})") from None
     finally:
         partial.unlink(missing_ok=True)
+
+
+def _trace_base_ns(trace: Path) -> int | None:
+    """The trace's baseTimeNanoseconds (kineto writes its ts as microseconds since then), from its head."""
+    with open(trace, "rb") as handle:
+        base = re.search(rb'"baseTimeNanoseconds": (\d+)', handle.read(65536))
+    return None if base is None else int(base.group(1))
+
+
+def _device_events(trace: Path, table: EventTable) -> list[str]:
+    """The emulated device's events for the trace, or none (said once) when they cannot be made:
+    the trace is written either way."""
+    base = _trace_base_ns(trace)
+    if base is None or not isinstance(table.meta.get("origin_ns"), int):
+        return []
+    try:
+        return device_events(table, base, os.getpid())
+    except Exception as error:  # the device view is an addition: never the cost of the trace
+        print(f"npukit.profiler: {trace.name[: -len('part')]}json has no device events ({type(error).__name__}: "
+              f"{error})", file=sys.stderr)
+        return []
 
 
 _GLOO_WORK = re.compile(rb'"name": "(gloo:\w+)",(\s*"pid": -?\d+,\s*"tid": -?\d+,\s*"ts": )(\d+\.\d+)')
@@ -78,11 +104,10 @@ def _rename_collectives(trace: Path, renamed: list) -> None:
     """Give the gloo works the profile names by the collective asked for (extract.RENAMED_COLLECTIVES:
     FSDP's reduce_scatter, which gloo records as an all_reduce) their names in the trace too, found
     by name and start (kineto writes ts as microseconds since baseTimeNanoseconds, 3 decimals)."""
-    data = trace.read_bytes()
-    base = re.search(rb'"baseTimeNanoseconds": (\d+)', data[:65536])
-    if base is None:
+    origin = _trace_base_ns(trace)
+    if origin is None:
         return
-    origin = int(base.group(1))
+    data = trace.read_bytes()
     names = {(f"{(start - origin) // 1000}.{(start - origin) % 1000:03d}".encode(), old.encode()): new.encode()
              for start, old, new in renamed}  # integer arithmetic: a float has too few digits here
 
@@ -93,8 +118,9 @@ def _rename_collectives(trace: Path, renamed: list) -> None:
     trace.write_bytes(_GLOO_WORK.sub(rename, data))
 
 
-def _patch_trace_end(trace: Path, final: Path, distributed_info: dict) -> None:
-    """Kineto ends the file with `"traceName": "<path written>" }`, its metadata at the start."""
+def _patch_trace_end(trace: Path, final: Path, distributed_info: dict, events: list[str] | None = None) -> None:
+    """Kineto ends the file with `], "traceName": "<path written>" }` (the end of traceEvents, its
+    metadata at the start); `events` (JSON texts) are appended to traceEvents."""
     with open(trace, "r+b") as handle:
         has_distributed_info = b'"distributedInfo"' in handle.read(65536)
         size = handle.seek(0, os.SEEK_END)
@@ -110,6 +136,10 @@ def _patch_trace_end(trace: Path, final: Path, distributed_info: dict) -> None:
             tail = tail[:at] + new + tail[at + len(old):]
         if not has_distributed_info:
             tail = tail[:key] + b'"distributedInfo": ' + json.dumps(distributed_info).encode() + b", " + tail[key:]
+        end_of_events = tail.rfind(b"]", 0, key)
+        if events and end_of_events >= 0:
+            first = b"" if tail[:end_of_events].rstrip().endswith(b"[") else b",\n"
+            tail = tail[:end_of_events] + first + ",\n".join(events).encode() + b"\n" + tail[end_of_events:]
         handle.seek(start)
         handle.write(tail)
 
@@ -621,7 +651,7 @@ class ProfileSession:
         if self.write_trace:
             output_folder(self.root)
             target = self.root / f"{self.worker_name}.{time.time_ns()}{TRACE_SUFFIX}"
-            export_trace(prof, target, self.rank, int(os.environ.get("WORLD_SIZE", "1")), renamed)
+            export_trace(prof, target, self.rank, int(os.environ.get("WORLD_SIZE", "1")), renamed, table)
             self.traces.append(target.name)
 
     def _write_table(self) -> bool:
