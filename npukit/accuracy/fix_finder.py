@@ -223,7 +223,8 @@ def _changes_for(entry, dump, recorded_call: dict | None = None) -> list[FixChan
     changes = []
     if api in FILL_APIS:  # first: the fix a saturating 910A needs (fp32 would move more ops out of fp16)
         changes.append(FixChange("finite_fill", api, module, line, source))
-    if out_dtypes & set(_LOW_PRECISION) and recorded_call is not None and accepts(api, recorded_call):
+    if out_dtypes & set(_LOW_PRECISION) and recorded_call is not None and accepts(entry.name, recorded_call,
+                                                                                 entry.inputs):
         # before fp32: the fused kernel's own roundings are what the decomposition leaves out, and the
         # call keeps its output dtype (fp32 would hand fp32 to every op after it)
         changes.append(FixChange("unfuse", api, module, line, source))

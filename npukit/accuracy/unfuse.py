@@ -150,21 +150,26 @@ def code(changes) -> str:
     return "\n".join([*notes, *(source(api) for api in apis)]).rstrip("\n")
 
 
-def accepts(api: str, body: dict) -> bool:
-    """Does the decomposition compute this call, as dump.json recorded it (`body`: its input_args and
-    input_kwargs)? It runs on fake tensors of the recorded shapes and dtypes: its own checks decide."""
-    function = DECOMPOSITIONS.get(api)
-    if function is None or not isinstance(body, dict):
-        return False
+def accepts(name: str, body: dict, leaves) -> bool:
+    """Does the decomposition compute this call, as dump.json recorded it? `name`: its forward entry
+    (`NPU.npu_fusion_attention.1.forward`), `body`: its dump.json record, `leaves`: its input tensors
+    (the DumpEntry's). The decomposition runs on fake tensors of the recorded shapes and dtypes, the
+    arguments decoded as the pre-check decodes them: its own checks decide."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    try:
-        with FakeTensorMode():
-            args = [_value(item) for item in body.get("input_args") or []]
-            kwargs = {name: _value(item) for name, item in (body.get("input_kwargs") or {}).items()}
-            function(*args, **kwargs)
-    except Exception:  # a refused option, a shape it cannot take, an argument the dump did not keep
+    from npukit.accuracy import naming
+    from npukit.accuracy.precheck import CannotRun, _arguments, _fill, _torch_dtype
+
+    function = DECOMPOSITIONS.get(naming.split_entry_name(name)[0])
+    if function is None or not isinstance(body, dict):
         return False
+    try:
+        args, kwargs, slots = _arguments(name, body, {leaf.name: leaf for leaf in leaves})
+        with FakeTensorMode():
+            tensors = [torch.empty(leaf.shape, dtype=_torch_dtype(leaf.dtype)) for leaf in slots]
+            function(*_fill(args, tensors, "cpu"), **_fill(kwargs, tensors, "cpu"))
+    except (CannotRun, ValueError, TypeError, RuntimeError, IndexError):
+        return False  # an option it refuses, shapes it cannot take, an argument the dump did not keep
     return True
 
 
@@ -189,27 +194,3 @@ def recorded_calls(rank_dir: Path, names: list[str]) -> dict[str, dict]:
         if isinstance(body, dict):
             bodies[name] = body
     return bodies
-
-
-class _NotRecorded(Exception):
-    pass
-
-
-def _value(description):
-    """An argument as dump.json describes it: a tensor as an (uninitialised, fake) tensor of its shape and
-    dtype, a Python value as itself."""
-    if description is None:
-        return None
-    if isinstance(description, list):
-        return [_value(item) for item in description]
-    if not isinstance(description, dict):
-        raise _NotRecorded(description)
-    kind = description.get("type")
-    if kind == "torch.Tensor":
-        dtype = getattr(torch, str(description.get("dtype", "")).removeprefix("torch."), None)
-        if not isinstance(dtype, torch.dtype):
-            raise _NotRecorded(description)
-        return torch.empty(description.get("shape") or [], dtype=dtype)
-    if kind in ("int", "float", "bool", "str"):
-        return description.get("value")
-    raise _NotRecorded(description)

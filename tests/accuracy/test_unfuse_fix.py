@@ -13,6 +13,7 @@ import torch
 
 from npukit.accuracy import unfuse
 from npukit.accuracy.compare import Thresholds
+from npukit.accuracy.dumpfile import TensorLeaf
 from npukit.accuracy.fixes import FixChange, PrecisionFix, PrecisionFixSession
 from npukit.errors import UserError
 from tests.accuracy.test_fix_finder import HEADER, _find_fix, _line_of, _npukit, _printed_code
@@ -99,15 +100,21 @@ def test_the_call_at_the_users_line_is_replaced_by_the_decomposition():
 
 
 def test_a_recorded_call_is_accepted_when_the_decomposition_computes_its_options():
-    def call(**kwargs):
-        tensor = {"type": "torch.Tensor", "dtype": "torch.float16", "shape": [2, 8, 16]}
-        return {"input_args": [tensor, tensor, tensor, {"type": "int", "value": 2}, {"type": "str", "value": "BSH"}],
-                "input_kwargs": {key: {"type": type(value).__name__, "value": value} for key, value in kwargs.items()}}
+    name = "NPU.npu_fusion_attention.0.forward"
 
-    assert unfuse.accepts(ATTENTION, call(scale=0.25))
-    assert not unfuse.accepts(ATTENTION, call(keep_prob=0.9))  # dropout: its mask cannot be the kernel's
-    assert not unfuse.accepts(ATTENTION, call(sparse_mode=7))
-    assert not unfuse.accepts("NPU.npu_rms_norm", call())  # no decomposition
+    def accepted(**kwargs) -> bool:
+        tensor = {"type": "torch.Tensor", "dtype": "torch.float16", "shape": [2, 8, 16]}
+        body = {"input_args": [tensor, tensor, tensor, {"type": "int", "value": 2}, {"type": "str", "value": "BSH"}],
+                "input_kwargs": {key: {"type": type(value).__name__, "value": value} for key, value in kwargs.items()}}
+        leaves = [TensorLeaf(f"{name}.input.{i}", "torch.float16", (2, 8, 16), None, None, None, True, None, None, None,
+                             f"input.{i}") for i in range(3)]
+        return unfuse.accepts(name, body, leaves)
+
+    assert accepted(scale=0.25)
+    assert not accepted(keep_prob=0.9)  # dropout: its mask cannot be the kernel's
+    assert not accepted(sparse_mode=7)
+    assert not accepted(head_num_is_not_an_argument=1)
+    assert not unfuse.accepts("NPU.npu_rms_norm.0.forward", {"input_args": []}, [])  # no decomposition
 
 
 class TwoAttentions(torch.nn.Module):
