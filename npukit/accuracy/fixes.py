@@ -237,6 +237,10 @@ class PrecisionFix:
             unknown = set(item) - {"kind", "api", "module", "line", "source"}
             if unknown:
                 raise UserError(f"--precision-fix {path}: change {index}: unknown field(s) {', '.join(sorted(unknown))}")
+            if item["kind"] == "unfuse":  # a fused op with a decomposition
+                from npukit.accuracy.unfuse import check_api
+
+                check_api(str(item.get("api", "")), f"--precision-fix {path}: change {index}")
             changes.append(FixChange(**{key: str(value) for key, value in item.items()}))
         return cls(changes)
 

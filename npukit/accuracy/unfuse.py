@@ -121,32 +121,44 @@ def call_replaced(line: str, api: str) -> str | None:
     return replaced if count == 1 else None
 
 
+def check_api(api: str, where: str) -> None:
+    """A UserError unless `api` is a fused op with a decomposition."""
+    if api not in DECOMPOSITIONS:
+        from npukit.errors import UserError
+
+        raise UserError(f"{where}: unfuse {api or '(no api)'}: no decomposition of that op (unfuse takes "
+                        f"{', '.join(DECOMPOSITIONS)})")
+
+
 def run(change, args, kwargs):
     """The call `change` (a FixChange of kind unfuse) names, computed by its op's decomposition."""
     from npukit.errors import UserError
 
-    function = DECOMPOSITIONS.get(change.api)
-    if function is None:
-        raise UserError(f"--precision-fix: unfuse {change.api}: no decomposition of that op "
-                        f"(unfuse takes {', '.join(DECOMPOSITIONS)})")
+    check_api(change.api, "--precision-fix")
     try:
-        return function(*args, **kwargs)
+        return DECOMPOSITIONS[change.api](*args, **kwargs)
     except ValueError as exc:  # an option the decomposition does not cover
         raise UserError(f"--precision-fix: {change.describe()}: {exc}") from None
 
 
 def code(changes) -> str:
     """The unfuse changes as code to paste: for each call site the line to write there (the call
-    replaced), then each op's decomposition in full, once."""
-    notes, apis = [], []
+    replaced), then each op's decomposition in full, once. Changes at one line in several modules
+    (blocks 6 and 7 of a model whose blocks share that line) are one edit: the line then computes
+    unfused in every module that runs it, more than the fix needs and no less precise."""
+    sites: dict[tuple, list] = {}
     for change in changes:
-        function = DECOMPOSITIONS[change.api].__name__
-        replaced = call_replaced(change.source, change.api) if change.source else None
-        notes.append(f"# {change.describe(False)}: at {change.line or 'its line'} call {function} (defined below:\n"
+        sites.setdefault((change.api, change.line, change.source), []).append(change)
+    notes, apis = [], []
+    for (api, line, line_source), group in sites.items():
+        function = DECOMPOSITIONS[api].__name__
+        replaced = call_replaced(line_source, api) if line_source else None
+        what = "; ".join(change.describe(False) for change in group)
+        notes.append(f"# {what}: at {line or 'its line'} call {function} (defined below:\n"
                      f"# put it in that file) in place of the fused op, as\n"
                      f"#   {replaced or f'{function}(<the arguments of the fused call>)'}")
-        if change.api not in apis:
-            apis.append(change.api)
+        if api not in apis:
+            apis.append(api)
     return "\n".join([*notes, *(source(api) for api in apis)]).rstrip("\n")
 
 

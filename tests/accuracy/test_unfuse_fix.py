@@ -241,3 +241,20 @@ def test_an_imprecise_fused_attention_call_is_unfused_and_the_printed_code_passe
     assert run.returncode == 0, run.stderr
     patched = _npukit("compare_main", "golden", "patched", cwd=tmp_path)
     assert patched.returncode == 0 and "No divergence found" in patched.stdout, patched.stdout
+
+
+def test_a_fix_file_unfusing_an_op_without_a_decomposition_is_refused_naming_the_change(tmp_path):
+    fix_file = tmp_path / "fix.json"
+    fix_file.write_text(json.dumps({"changes": [{"kind": "unfuse", "api": ATTENTION, "module": "attn"},
+                                                {"kind": "unfuse", "api": "NPU.npu_rms_norm", "module": "norm"}]}))
+    with pytest.raises(UserError, match=r"fix.json: change 1: unfuse NPU.npu_rms_norm: no decomposition of that op "
+                                        r"\(unfuse takes NPU.npu_fusion_attention\)"):
+        PrecisionFix.load(fix_file)
+
+
+def test_blocks_sharing_a_line_get_one_edit_and_the_function_once():
+    line, source = "model.py:30", 'o = torch_npu.npu_fusion_attention(q, k, v, 4, "BNSD")[0]'
+    code = unfuse.code([FixChange("unfuse", ATTENTION, f"h.{index}.attn", line, source) for index in (6, 7)])
+    assert code.count("#   o = npu_fusion_attention_unfused(q, k, v, 4, \"BNSD\")[0]") == 1
+    assert "in h.6.attn (its decomposition in fp32); unfuse NPU.npu_fusion_attention in h.7.attn" in code
+    assert code.count("def npu_fusion_attention_unfused(") == 1
