@@ -222,7 +222,10 @@ REWRITE_RULES = {
     "import-torch-npu": "`import torch_npu` once, after the docstring and __future__ imports",
     "fused-attention": "--fused: flash_attn's attention functions -> torch_npu.npu_fusion_attention(...)[0]",
     "fused-rotary": "--fused: flash_attn's apply_rotary_emb -> torch_npu.npu_rotary_mul",
-    "fused-norm": "--fused: apex FusedLayerNorm / FusedRMSNorm -> torch.nn.LayerNorm / torch.nn.RMSNorm",
+    "fused-norm": "--fused: apex FusedLayerNorm / FusedRMSNorm -> torch.nn.LayerNorm / torch.nn.RMSNorm; flash_attn "
+                  "rms_norm / rms_norm_fn / layer_norm_fn -> torch_npu.npu_rms_norm / F.layer_norm",
+    "fused-layer": "--fused: flash_attn RMSNorm / CrossEntropyLoss / FusedDense -> torch.nn.RMSNorm / "
+                   "CrossEntropyLoss / Linear",
     "fused-optimizer": "--fused: apex FusedAdam -> torch.optim.AdamW / torch.optim.Adam, FusedSGD -> torch.optim.SGD",
     "fused-multi-tensor": "--fused: apex multi_tensor_applier(amp_C.multi_tensor_l2norm / _scale / _axpby) -> "
                           "torch.nn.utils.get_total_norm / torch._foreach_*",

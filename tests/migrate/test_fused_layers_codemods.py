@@ -162,7 +162,145 @@ def test_without_fused_the_report_says_what_fused_makes_of_amp_c_calls():
     assert "rewrites this call to torch._foreach_mul_ / torch._foreach_copy_" in findings[14]
 
 
-SOURCES = {"multi_tensor.py": MULTI_TENSOR}
+LAYERS = textwrap.dedent("""\
+    import torch
+    from flash_attn.ops.rms_norm import RMSNorm, rms_norm
+    from flash_attn.ops.triton.layer_norm import RMSNorm as TritonRMSNorm, layer_norm_fn, rms_norm_fn
+    from flash_attn.losses.cross_entropy import CrossEntropyLoss
+    from flash_attn.ops.fused_dense import FusedDense
+
+
+    class Head(torch.nn.Module):
+        def __init__(self, width, vocab):
+            super().__init__()
+            self.norm = RMSNorm(width)
+            self.triton_norm = TritonRMSNorm(width, eps=1e-6)
+            self.proj = FusedDense(width, vocab, bias=True)
+            self.loss = CrossEntropyLoss(ignore_index=-1, label_smoothing=0.1, inplace_backward=True)
+
+        def forward(self, x, labels):
+            return self.loss(self.proj(self.triton_norm(self.norm(x))), labels)
+
+
+    def plain(x, weight):
+        return rms_norm(x, weight, 1e-5)
+
+
+    def prenorm(x, residual, weight):
+        return rms_norm_fn(x, weight, None, residual=residual, prenorm=True, residual_in_fp32=True, eps=1e-5)
+
+
+    def first_prenorm(x, weight):
+        return rms_norm_fn(x, weight, None, prenorm=True, residual_in_fp32=True)
+
+
+    def layer(x, residual, weight, bias):
+        return layer_norm_fn(x, weight, bias, residual, eps=1e-5)
+""")
+
+
+def _grads(outputs, inputs, upstreams):
+    """Every floating input's gradient under the upstream gradients of the outputs."""
+    torch.autograd.backward(list(outputs), [u.to(o.device, o.dtype) for o, u in zip(outputs, upstreams)])
+    return [t.grad for t in inputs]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_flash_attn_norm_functions_become_npu_rms_norm_and_layer_norm(programs, dtype):
+    original, migrated, text = programs(LAYERS, f"layers_{str(dtype)[6:]}")
+    assert "flash_attn" not in text and text.count("torch_npu.npu_rms_norm(") == 3
+    assert "return torch_npu.npu_rms_norm(x, weight, 1e-5)[0]" in text
+    assert "(torch_npu.npu_rms_norm(x + residual, weight, 1e-5)[0].to(x.dtype), x + residual)" in text
+    assert "return (torch_npu.npu_rms_norm(x, weight, 1e-6)[0], x.float())" in text
+    cases = {  # (inputs, their dtypes on the NPU: a residual kept in fp32, as residual_in_fp32 makes it)
+        "plain": ([_randn(3, 5, 16) * 2, _randn(16)], [dtype, dtype]),
+        "prenorm": ([_randn(3, 5, 16), _randn(3, 5, 16) * 4, _randn(16)], [dtype, torch.float32, dtype]),
+        "first_prenorm": ([_randn(4, 16), _randn(16)], [dtype, dtype]),
+        "layer": ([_randn(6, 16), _randn(6, 16), _randn(16), _randn(16)], [dtype, dtype, dtype, dtype]),
+    }
+    for name, (inputs, dtypes) in cases.items():
+        cpu = [t.to(d).float().requires_grad_() for t, d in zip(inputs, dtypes)]  # the same values
+        npu = [t.detach().to("npu", d).requires_grad_() for t, d in zip(inputs, dtypes)]
+        expected, actual = getattr(original, name)(*cpu), getattr(migrated, name)(*npu)
+        expected, actual = (expected, actual) if isinstance(actual, tuple) else ((expected,), (actual,))
+        assert actual[0].dtype == dtype  # the norm in x's dtype; the residual sum in the residual's
+        if len(actual) == 2:
+            assert actual[1].dtype == torch.float32
+        for index, (want, got) in enumerate(zip(expected, actual)):
+            assert_close_to_reference(got.float(), want, dtype, f"{name} output {index}")
+        upstreams = [_randn(*t.shape) for t in expected]
+        for index, (want, got) in enumerate(zip(_grads(expected, cpu, upstreams), _grads(actual, npu, upstreams))):
+            assert_close_to_reference(got.float(), want, dtype, f"{name} gradient of input {index}", factor=2)
+
+
+def test_flash_attn_modules_become_torch_modules_with_the_same_state_dict_loss_and_gradients(programs):
+    original, migrated, text = programs(LAYERS, "layers_modules")
+    assert "self.norm = torch.nn.RMSNorm(width, eps=1e-5)" in text
+    assert "self.triton_norm = torch.nn.RMSNorm(width, eps=1e-6)" in text
+    assert "self.proj = torch.nn.Linear(width, vocab, bias=True)" in text
+    assert "self.loss = torch.nn.CrossEntropyLoss(ignore_index=-1, label_smoothing=0.1)" in text
+    torch.manual_seed(0)
+    reference = original.Head(16, 11)
+    with torch.no_grad():  # weights away from their ones start, so a lost weight shows
+        for parameter in reference.parameters():
+            parameter.add_(torch.randn(parameter.shape) * 0.5)
+    head = migrated.Head(16, 11)
+    head.load_state_dict(reference.state_dict())  # same parameter names: checkpoints load unchanged
+    head = head.to("npu", torch.bfloat16)
+    x = (_randn(8, 16) * 3).to(torch.bfloat16).float().requires_grad_()
+    labels = torch.tensor([3, -1, 0, 10, 5, -1, 7, 2])  # two rows ignored
+    x_npu = x.detach().to("npu", torch.bfloat16).requires_grad_()
+    expected, actual = reference(x, labels), head(x_npu, labels.to("npu"))
+    assert_close_to_reference(actual.float(), expected, torch.bfloat16, "loss")
+    expected.backward()
+    actual.backward()
+    assert_close_to_reference(x_npu.grad.float(), x.grad, torch.bfloat16, "input gradient", factor=2)
+    for (name, want), got in zip(reference.named_parameters(), head.parameters()):
+        assert_close_to_reference(got.grad.float(), want.grad, torch.bfloat16, f"{name}'s gradient", factor=2)
+
+
+@pytest.mark.parametrize(("line", "reason"), [
+    ("rms_norm_fn(x, w, b)", "a bias `b` added after the RMS norm: npu_rms_norm has none"),
+    ("rms_norm_fn(x, w, None, x1=x2, weight1=w2)", "x1 / weight1 / bias1"),
+    ("rms_norm_fn(x, w, None, dropout_p=0.1)", "dropout inside the norm"),
+    ("layer_norm_fn(x, w, b, prenorm=args.prenorm)", "prenorm `args.prenorm` is not True or False"),
+    ("rms_norm_fn(x, w, None, residual=r, prenorm=True, zero_centered_weight=True)", "zero_centered_weight"),
+    ("rms_norm_fn(x.float(), w, None, residual=r)", "its x `x.float()` is computed in the call"),
+    ("TritonRMSNorm(64, dropout_p=0.1)", "dropout_p"),
+    ("CrossEntropyLoss(process_group=group)", "process_group (a vocabulary split over tensor-parallel ranks)"),
+    ("CrossEntropyLoss(lse_square_scale=1e-4, return_z_loss=True)", "z-loss"),
+    ("FusedDense(64, 64, return_residual=True)", "return_residual=True"),
+    ("RotaryEmbedding(64)", "flash_attn's RotaryEmbedding rotates q and k"),
+])
+def test_flash_attn_layer_calls_fused_cannot_map_stay_with_the_reason(line, reason):
+    source = textwrap.dedent("""\
+        import torch
+        from flash_attn.ops.triton.layer_norm import RMSNorm as TritonRMSNorm, layer_norm_fn, rms_norm_fn
+        from flash_attn.losses.cross_entropy import CrossEntropyLoss
+        from flash_attn.ops.fused_dense import FusedDense
+        from flash_attn.layers.rotary import RotaryEmbedding
+        out = """) + line + "\n"
+    for facts in (TreeFacts(), FUSED):
+        outcome = migrate_python(source, "model.py", facts=facts)
+        assert f"out = {line}\n" in outcome.text
+        [finding] = [f for f in outcome.findings if f.line == 6]
+        assert "`npu-migrate --fused` keeps it: " in finding.reason and reason in finding.reason
+
+
+def test_a_flash_attn_norm_class_used_other_than_by_calling_it_is_kept():
+    source = textwrap.dedent("""\
+        import torch
+        from flash_attn.ops.triton.layer_norm import RMSNorm
+        norm = RMSNorm(64)
+        is_rms = isinstance(norm, RMSNorm)
+        """)
+    outcome = migrate_python(source, "model.py", facts=FUSED)
+    assert outcome.text == migrate_python(source, "model.py").text
+    [finding] = [f for f in outcome.findings if f.line == 3]
+    assert "is also used here other than by calling it" in finding.reason
+
+
+SOURCES = {"multi_tensor.py": MULTI_TENSOR, "layers.py": LAYERS}
 
 
 @pytest.mark.parametrize("name", sorted(SOURCES))

@@ -39,6 +39,7 @@ from npukit.migrate.codemods.device_strings import DeviceStrings
 from npukit.migrate.codemods.dual_target import DualTargetCode
 from npukit.migrate.codemods.environment import CudaEnvironment
 from npukit.migrate.codemods.flash_attention import FlashAttentionToNpu, FlashRotaryToNpu
+from npukit.migrate.codemods.flash_attn_layers import FlashLayersToTorch, FlashNormFunctionsToNpu
 from npukit.migrate.codemods.fused import FusedImports
 from npukit.migrate.codemods.infinite_fills import InfiniteFills
 from npukit.migrate.codemods.int_ordinals import IntDeviceOrdinals
@@ -53,14 +54,14 @@ from npukit.migrate.codemods.xformers_attention import XformersAttentionToNpu
 # npu-migrate --fused's concerns (CUDA kernel libraries -> torch_npu fused ops / torch equivalents):
 # only under --fused (TreeFacts.fused), or when libcst's tool is asked for one by name
 FUSED_CODEMODS = (FlashAttentionToNpu, FlashRotaryToNpu, XformersAttentionToNpu, ApexNormsToTorch, ApexAdamToTorch, ApexSgdToTorch,
-                  ApexMultiTensorToTorch, FusedImports)
+                  ApexMultiTensorToTorch, FlashNormFunctionsToNpu, FlashLayersToTorch, FusedImports)
 # The concerns ported from the ast engine so far, in the order they run (each on the original parse).
 BUILTIN_CODEMODS = (DualTargetCode, *FUSED_CODEMODS, DeviceStrings, IntDeviceOrdinals, AmpUpgrade, CudaNamespace, UnsupportedApis, CudaEnvironment, CudaDefaultDevices, InfiniteFills, TorchLoadMapLocation, CustomCudaOps,
                     Bf16Autocast, DdpSetDevice, ThirdPartyCuda, BitsAndBytesQuantisation, DeviceModelChecks,
                     DefaultTensorType, CompileModes, UnsupportedTensorMethods, AutocastGpuDtype, CudaMethods,
                     DistributedBackends, CudaCliFlags, CudaLeftovers)
 
-__all__ = ["BUILTIN_CODEMODS", "FUSED_CODEMODS", "AmpUpgrade", "ApexAdamToTorch", "ApexMultiTensorToTorch", "ApexNormsToTorch", "ApexSgdToTorch", "FlashAttentionToNpu", "FlashRotaryToNpu", "FusedImports", "AutocastGpuDtype", "Bf16Autocast", "BitsAndBytesQuantisation", "CompileModes", "CudaCliFlags", "CudaDefaultDevices", "CudaEnvironment", "CudaLeftovers",
+__all__ = ["BUILTIN_CODEMODS", "FUSED_CODEMODS", "AmpUpgrade", "ApexAdamToTorch", "ApexMultiTensorToTorch", "ApexNormsToTorch", "ApexSgdToTorch", "FlashAttentionToNpu", "FlashLayersToTorch", "FlashNormFunctionsToNpu", "FlashRotaryToNpu", "FusedImports", "AutocastGpuDtype", "Bf16Autocast", "BitsAndBytesQuantisation", "CompileModes", "CudaCliFlags", "CudaDefaultDevices", "CudaEnvironment", "CudaLeftovers",
            "CudaMethods", "CudaNamespace", "CustomCudaOps", "DdpSetDevice", "DefaultTensorType", "DeviceModelChecks", "DeviceStrings", "DistributedBackends", "DualTargetCode",
            "InfiniteFills", "IntDeviceOrdinals", "MigrateToNpu", "ThirdPartyCuda", "TorchLoadMapLocation", "UnsupportedApis", "UnsupportedTensorMethods", "XformersAttentionToNpu"]
 

@@ -1,0 +1,1 @@
+"""flash_attn.losses (stubs)."""

@@ -1,0 +1,1 @@
+"""flash_attn.ops: the fused layers (stubs)."""

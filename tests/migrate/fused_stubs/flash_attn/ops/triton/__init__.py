@@ -1,0 +1,1 @@
+"""flash_attn.ops.triton (stubs)."""
