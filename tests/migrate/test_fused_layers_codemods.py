@@ -294,10 +294,11 @@ def test_a_flash_attn_norm_class_used_other_than_by_calling_it_is_kept():
         norm = RMSNorm(64)
         is_rms = isinstance(norm, RMSNorm)
         """)
-    outcome = migrate_python(source, "model.py", facts=FUSED)
-    assert outcome.text == migrate_python(source, "model.py").text
-    [finding] = [f for f in outcome.findings if f.line == 3]
-    assert "is also used here other than by calling it" in finding.reason
+    assert migrate_python(source, "model.py", facts=FUSED).text == migrate_python(source, "model.py").text
+    for facts in (TreeFacts(), FUSED):  # said alike with and without --fused
+        [finding] = [f for f in migrate_python(source, "model.py", facts=facts).findings if f.line == 3]
+        assert "`npu-migrate --fused` keeps it: flash_attn's RMSNorm is also used here other than by calling it" \
+            in finding.reason
 
 
 SOURCES = {"multi_tensor.py": MULTI_TENSOR, "layers.py": LAYERS}

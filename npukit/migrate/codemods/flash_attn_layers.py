@@ -169,7 +169,11 @@ _EPS = {"torch.nn.RMSNorm": "1e-5"}  # flash_attn's default, written out where t
 
 def _class_uses(call: cst.Call, qualified: str, facts: FileFacts) -> bool:
     """The class `qualified` is used in the file other than by calling it (isinstance, a base class,
-    a value passed on): torch's instances would not be its."""
+    a value passed on): torch's instances would not be its. Decided on the whole file, also where
+    npu-migrate gave a codemod only the statement around the call (ThirdPartyCuda's hint)."""
+    if not facts.whole_file:
+        text = facts.positions.text
+        facts = FileFacts(facts.path, cst.parse_module(text), text, facts.tree)
     called = {id(node.func) for node in matchers.findall(facts.module, matchers.Call())}
     return any(id(node) not in called and facts.qualname(node) == qualified
                for node in matchers.findall(facts.module, matchers.Name() | matchers.Attribute())
