@@ -272,7 +272,7 @@ def test_flash_attn_modules_become_torch_modules_with_the_same_state_dict_loss_a
     ("FusedDense(64, 64, return_residual=True)", "return_residual=True"),
     ("RotaryEmbedding(64)", "flash_attn's RotaryEmbedding rotates q and k"),
 ])
-def test_flash_attn_layer_calls_fused_cannot_map_stay_with_the_reason(line, reason):
+def test_flash_attn_layer_calls_fused_cannot_map_stay_with_the_reason(line, reason):  # with or without --fused
     source = textwrap.dedent("""\
         import torch
         from flash_attn.ops.triton.layer_norm import RMSNorm as TritonRMSNorm, layer_norm_fn, rms_norm_fn
@@ -285,6 +285,14 @@ def test_flash_attn_layer_calls_fused_cannot_map_stay_with_the_reason(line, reas
         assert f"out = {line}\n" in outcome.text
         [finding] = [f for f in outcome.findings if f.line == 6]
         assert "`npu-migrate --fused` keeps it: " in finding.reason and reason in finding.reason
+
+
+def test_without_fused_the_report_says_what_fused_makes_of_flash_attn_layers():
+    findings = {f.line: f.reason for f in migrate_python(LAYERS, "model.py").findings if f.kind == "flash-attn"}
+    made = {11: "torch.nn.RMSNorm", 13: "torch.nn.Linear", 14: "torch.nn.CrossEntropyLoss",
+            21: "torch_npu.npu_rms_norm(x, weight, epsilon)[0]", 33: "torch.nn.functional.layer_norm(...)"}
+    for line, rewrite in made.items():
+        assert findings[line].endswith(f"`npu-migrate --fused` rewrites this call to {rewrite}")
 
 
 def test_a_flash_attn_norm_class_used_other_than_by_calling_it_is_kept():
