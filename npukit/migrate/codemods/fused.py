@@ -3,10 +3,12 @@ equivalent (or kept, with the reason), the call's arguments bound to the library
 the library's imports removed once every use of what they bind was rewritten.
 
 Each concern (FlashAttentionToNpu, FlashRotaryToNpu, XformersAttentionToNpu, ApexNormsToTorch,
-ApexAdamToTorch, ApexSgdToTorch) says which calls are its own and plans each one (`plan`); a plan is a
-pure function of the call and the file's import table, so ThirdPartyCuda asks the same plans to tell,
-without `--fused`, which calls `--fused` would take, and with it, why a kept call was kept. FusedImports
-then removes the imports no use is left of.
+ApexAdamToTorch, ApexSgdToTorch, ApexMultiTensorToTorch, FlashNormFunctionsToNpu, FlashLayersToTorch)
+says which calls are its own and plans each one (`plan`); a plan is a pure function of the call and the
+file's import table (ApexMultiTensorToTorch also reads the function around the call, whether it reads
+the overflow buffer; FlashLayersToTorch the whole file, whether it uses a class other than by calling
+it), so ThirdPartyCuda asks the same plans to tell, without `--fused`, which calls `--fused` would take,
+and with it, why a kept call was kept. FusedImports then removes the imports no use is left of.
 """
 
 from __future__ import annotations
@@ -370,11 +372,11 @@ class FusedCodemod(ImportRemoval):
 
 
 class FusedImports(ImportRemoval):
-    """The imports of flash_attn, xformers and apex no use is left of once the `--fused` concerns (before
+    """The imports of flash_attn, xformers, apex and amp_C no use is left of once the `--fused` concerns (before
     it) rewrote their calls: removed (a name of several: that name; an import that is its block's only
     statement: `pass`). Under `npu-migrate --fused`."""
 
-    DESCRIPTION = "imports of flash_attn / xformers / apex whose every use --fused rewrote, removed"
+    DESCRIPTION = "imports of flash_attn / xformers / apex / amp_C whose every use --fused rewrote, removed"
     RULES = ("fused-import",)
     WHOLE_FILE = True
     FILES_CONTAINING = ("flash_attn", "xformers", "apex")
