@@ -1,0 +1,49 @@
+"""npu-run --stop-after-step N: the run ends once training step N (0-based, as --dump-steps counts)
+has ended, so a re-run that only needs steps 0..N (npu-compare --localize's) does not run the rest.
+
+The run is stopped as the next module forward starts, not inside the step's end: every reader's own
+step-end work (the dump writing step N) has run by then. StoppedAfterStep derives from BaseException
+so that a script's `except Exception` does not take it for its own error; npu-run exits 0 on it.
+"""
+
+from __future__ import annotations
+
+from npukit.watch.steps import TrainingSteps
+
+
+class StoppedAfterStep(BaseException):
+    def __init__(self, step: int) -> None:
+        super().__init__(f"stopped after step {step} (--stop-after-step)")
+        self.step = step
+
+
+class StopAfterStep:
+    def __init__(self, step: int) -> None:
+        from npukit.errors import UserError
+
+        if step < 0:
+            raise UserError(f"--stop-after-step: a step number is >= 0, not {step}")
+        self.step = step
+        self.steps_ended = 0
+        self._steps = TrainingSteps(self._on_step_end)
+        self._handle = None
+
+    def __enter__(self) -> StopAfterStep:
+        from torch.nn.modules import module as module_hooks
+
+        self._steps.install()
+        self._handle = module_hooks.register_module_forward_pre_hook(self._on_forward)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._steps.remove()
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _on_step_end(self, optimizer, skipped: bool, loss_scale) -> None:
+        self.steps_ended += 1
+
+    def _on_forward(self, module, args) -> None:
+        if self.steps_ended > self.step:
+            raise StoppedAfterStep(self.step)
