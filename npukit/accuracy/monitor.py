@@ -37,7 +37,8 @@ from pathlib import Path
 import torch
 
 from npukit.accuracy import naming
-from npukit.accuracy.dump import StatsBuffer, hook_failed, rank_from_env, tensors_in
+from npukit.accuracy._stats import adam_stats
+from npukit.accuracy.dump import StatsBuffer, _host_memory, hook_failed, rank_from_env, tensors_in
 from npukit.accuracy.event_file import ScalarEventFile
 from npukit.accuracy.monitor_alerts import Alert, AlertRules, Alerts, Record
 from npukit.errors import UserError
@@ -176,11 +177,13 @@ class MonitorSession:
     def _new_step(self) -> None:
         self._buffer = StatsBuffer()
         self._buffer_used = False
-        self._slots: list[tuple[str, str, torch.dtype, int]] = []  # kind, name, dtype, buffer slot
+        # kind, name, dtype, and a buffer slot or the statistics themselves (computed on the host already)
+        self._slots: list[tuple[str, str, torch.dtype, int | list[float]]] = []
         self._calls: dict[str, int] = {}
         self._measured: dict[int, tuple] = {}  # id(tensor) -> (weak reference, version, buffer slot)
         self._loss_slot: int | None = None
-        self._update_norms: list[tuple[str, int, float]] = []  # parameter, buffer slot, lr / (1 - beta1^t)
+        # parameter, the norm's buffer slot (or the norm), lr / (1 - beta1^t) / sqrt(1 / (1 - beta2^t))
+        self._update_norms: list[tuple[str, int | float, float]] = []
 
     def _monitored(self) -> bool:
         step = self.step_index - self.start_step
@@ -296,31 +299,40 @@ class MonitorSession:
 
     def _record_adam(self, optimizer) -> None:
         """exp_avg, exp_avg_sq, and the norm of Adam's step direction m^ / (sqrt(v^) + eps) per
-        parameter, computed with foreach ops (one call per op for all of a group's parameters); the
-        ratio to the weight's norm (taken before the update) is made on the host at the step's end."""
+        parameter; the ratio to the weight's norm (taken before the update) is made on the host at
+        the step's end. m^ / (sqrt(v^) + eps) = c1 m / (sqrt(c2) (sqrt(v) + eps / sqrt(c2))), with
+        c = 1 / (1 - beta^t): the norm of m / (sqrt(v) + eps / sqrt(c2)), the constants applied to it.
+        fp32 state in host memory is read once for all three (adam_stats); other state takes torch's
+        foreach ops (one call per op for all of a group's parameters)."""
         groups: dict[int, tuple[dict, list]] = {}
         for group, name, parameter in self._parameters(optimizer):
             state = optimizer.state.get(parameter)
             if not state or "exp_avg" not in state:
                 continue
-            self._add("exp_avg", name, state["exp_avg"])
-            self._add("exp_avg_sq", name, state["exp_avg_sq"])
-            groups.setdefault(id(group), (group, []))[1].append((name, state))
-        for group, members in groups.values():
             beta1, beta2 = group["betas"]
-            steps = [float(state["step"]) for _, state in members]
-            # m^ / (sqrt(v^) + eps) = c1 m / (sqrt(c2) (sqrt(v) + eps / sqrt(c2))), c = 1 / (1 - beta^t):
-            # four passes over the state (sqrt, add, div, norm), the constants applied to the norm
-            root_c2 = [math.sqrt(1 / (1 - beta2 ** step)) for step in steps]
+            step = float(state["step"])
+            root_c2 = math.sqrt(1 / (1 - beta2 ** step))
+            scale = float(group["lr"]) / (1 - beta1 ** step) / root_c2
+            m, v = state["exp_avg"], state["exp_avg_sq"]
+            read_once = _adam_state_in_one_read(m, v, group["eps"] / root_c2)
+            if read_once is not None:
+                m_stats, v_stats, update_norm = read_once
+                self._slots.append(("exp_avg", name, m.dtype, m_stats))
+                self._slots.append(("exp_avg_sq", name, v.dtype, v_stats))
+                self._update_norms.append((name, update_norm, scale))
+                self._buffer_used = True
+                continue
+            self._add("exp_avg", name, m)
+            self._add("exp_avg_sq", name, v)
+            groups.setdefault(id(group), (group, []))[1].append((name, state, root_c2, scale))
+        for group, members in groups.values():
             with torch.no_grad():
-                denominator = torch._foreach_sqrt([state["exp_avg_sq"] for _, state in members])
-                torch._foreach_add_(denominator, [group["eps"] / root for root in root_c2])
-                norms = torch._foreach_norm(torch._foreach_div([state["exp_avg"] for _, state in members],
+                denominator = torch._foreach_sqrt([state["exp_avg_sq"] for _, state, _, _ in members])
+                torch._foreach_add_(denominator, [group["eps"] / root for _, _, root, _ in members])
+                norms = torch._foreach_norm(torch._foreach_div([state["exp_avg"] for _, state, _, _ in members],
                                                                denominator))
-            lr = float(group["lr"])
-            for (name, _), step, root, norm in zip(members, steps, root_c2, norms):
-                slot = self._buffer.add(norm)
-                self._update_norms.append((name, slot, lr / (1 - beta1 ** step) / root))
+            for (name, _, _, scale), norm in zip(members, norms):
+                self._update_norms.append((name, self._buffer.add(norm), scale))
 
     # ------------------------------------------------------------------ step end
     def _on_step_end(self, optimizer, skipped: bool, loss_scale: float | None) -> None:
@@ -343,7 +355,7 @@ class MonitorSession:
         records = []
         squares = 0.0
         for kind, name, dtype, slot in slots:
-            stats = values[slot]
+            stats = values[slot] if isinstance(slot, int) else slot
             if stats is None:
                 continue
             stats = list(stats)
@@ -355,8 +367,9 @@ class MonitorSession:
         weight_norms = {r.name: r.values[3] for r in records if r.kind == "weight"}
         for name, slot, scale in update_norms:
             weight_norm = weight_norms.get(name)
-            if weight_norm and values[slot] is not None:
-                ratio = scale * values[slot][2] / weight_norm
+            norm = values[slot][2] if isinstance(slot, int) and values[slot] is not None else slot
+            if weight_norm and isinstance(norm, float):
+                ratio = scale * norm / weight_norm
                 records.append(Record("update_ratio", name, torch.float32, [ratio, ratio, ratio, abs(ratio), 0.0, 0.0]))
         grad_norm = math.sqrt(squares) if any(r.kind == "grad" for r in records) else None
         loss = None
@@ -413,6 +426,21 @@ class MonitorSession:
             values += [(tag, value) for tag, value in (("loss", loss), ("grad_norm", grad_norm),
                                                        ("loss_scale", loss_scale)) if value is not None]
             events.write(step, values)
+
+
+def _adam_state_in_one_read(m: torch.Tensor, v: torch.Tensor, eps: float):
+    """(m's statistics, v's, the norm of m / (sqrt(v) + eps)) from one read of fp32 host state, or
+    None where torch's ops measure it (other dtypes or layouts, another device, nan/inf in it)."""
+    if (m.dtype != torch.float32 or v.dtype != torch.float32 or m.numel() == 0 or m.shape != v.shape
+            or not m.is_contiguous() or not v.is_contiguous() or not _host_memory(m) or not _host_memory(v)):
+        return None
+    *figures, finite = adam_stats(m.data_ptr(), v.data_ptr(), m.numel(), eps)
+    if not finite:
+        return None
+    count = m.numel()
+    m_stats = [figures[0], figures[1], figures[2] / count, math.sqrt(figures[3]), 0.0, 0.0]
+    v_stats = [figures[4], figures[5], figures[6] / count, math.sqrt(figures[7]), 0.0, 0.0]
+    return m_stats, v_stats, math.sqrt(figures[8])
 
 
 class _CsvFile:
