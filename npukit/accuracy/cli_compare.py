@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -153,4 +154,33 @@ def run_precheck_command(dump: Path, out: Path | None, top: int, console, worker
     first = written[0].parent  # one set of files per step/rank when the dump has several
     console.print(f"wrote {len(written)} CSV files into {out} (msprobe's own compare reads them: msprobe "
                   f"api_precision_compare -npu {first}/{FILES['npu_details']} -gpu {first}/{FILES['bench_details']})")
+    return result.exit_code()
+
+
+def run_trend_command(golden: Path, npu: Path, perturbed: Path | None, csv_path: Path | None, json_path: Path | None,
+                      html_path: Path | None, top: int, console) -> int:
+    """`npu-compare --trend GOLDEN NPU`: the first step and module where the NPU run's monitored statistics
+    leave the band of the golden and perturbed golden runs (npukit/accuracy/trend.py). Returns the exit
+    code: 1 on a trend divergence, 0 without, trend.PAIRING_EXIT_CODE when the monitors do not pair."""
+    from npukit.accuracy.trend import PAIRING_EXIT_CODE, MonitorsDoNotPair, compare_trend
+    from npukit.accuracy.trend_report import print_trend, write_trend_csv, write_trend_html, write_trend_json
+
+    if top < 0:
+        raise UserError("--top: must be >= 0")
+    for option, path in (("--csv", csv_path), ("--json", json_path), ("--html", html_path)):
+        if path is not None and not path.parent.exists():
+            raise UserError(f"{option}: directory {path.parent} does not exist")
+    try:
+        result = compare_trend(golden, npu, perturbed)
+    except MonitorsDoNotPair as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return PAIRING_EXIT_CODE
+    print_trend(result, console, top)
+    for path, writer in ((csv_path, write_trend_csv), (json_path, write_trend_json)):
+        if path is not None:
+            writer(result, path)
+            console.print(f"wrote {path}")
+    if html_path is not None:
+        svg = write_trend_html(result, html_path)
+        console.print(f"wrote {html_path} and its plot {svg}")
     return result.exit_code()

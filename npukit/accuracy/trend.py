@@ -1,0 +1,403 @@
+"""`npu-compare --trend GOLDEN NPU`: the first step and module where the NPU run's monitored statistics
+leave the band two golden runs spread over.
+
+Three monitors (`npu-run --monitor`) of the same script: GOLDEN (`--golden`), the perturbed golden
+run (`--golden-perturb PRECISION`, by default in GOLDEN.perturbed beside it: each arithmetic op's
+output rounded at random at the NPU run's precision, npukit/accuracy/perturb.py) and the NPU run.
+The two golden runs differ only as benign low-precision rounding does, so how far apart they drift,
+step by step, is how far the NPU run may drift for no reason of its own: there is no fixed threshold.
+
+Per rank, record (`weight fc2.weight`, `activation blocks.1.mlp`, the loss ...) and statistic
+(max, min, mean, norm, nan, inf):
+
+    spread(t)    = |perturbed(t) - golden(t)|
+    envelope(t)  = the largest spread over the monitored steps up to twice t (at least LOOKAHEAD
+                   steps past t): it grows as the spread grows, and judges each step on many samples
+                   of the spread, not on the one at t (a weight's drift is one slow sample per run:
+                   the two runs' rounding pushed it one way or the other for hundreds of steps)
+    band(t)      = golden(t) +- MARGIN x envelope(t)
+    the NPU run leaves the band at t when |npu(t) - golden(t)| is beyond it at t and at each of the
+    next PERSIST - 1 monitored steps (one noisy step is not a departure); a non-finite NPU value
+    where the golden one is finite is beyond any band
+
+MARGIN (5) is what benign numerics showed: an NPU run under bf16 autocast drifted up to 3.9x the
+envelope (its weights' deterministic rounding biases accumulate a little more than the perturbed
+run's), where updates lost in a pure-bf16 optimizer step left it by 57x (tests/accuracy/test_trend.py).
+
+The trend divergence is the earliest departure over all ranks; at the same step the record a
+cause comes before its effects in (a weight before what is computed from it, then the forward in
+execution order: the first layer, then the loss, the backward, the optimizer's state). Its range
+runs to the last step of the stretch the NPU run stayed out. `write_html` draws that statistic on
+the three runs and the band (an SVG, also written as a file).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from npukit.errors import UserError
+
+MARGIN = 5.0  # the band's half-width in envelopes of the golden runs' spread
+LOOKAHEAD = 10  # monitored steps past t the envelope at t covers at least
+PERSIST = 5  # monitored steps in a row outside the band that make a departure
+STATS = ("max", "min", "mean", "norm", "nan", "inf")  # monitor.csv's statistics
+SCALARS = ("loss", "grad_norm")  # scalars.csv's per-step series, judged as records of the model
+# The order causes come before their effects in within a step (see the module docstring)
+_KIND_ORDER = {"weight": 0, "activation": 1, "loss": 2, "activation_grad": 3, "grad": 4, "grad_norm": 5,
+               "exp_avg": 6, "exp_avg_sq": 7, "update_ratio": 8}
+_PARAMETER_KINDS = frozenset({"weight", "grad", "exp_avg", "exp_avg_sq", "update_ratio"})
+
+
+class MonitorsDoNotPair(UserError):
+    """The three monitors are not of the same run (other ranks, records or steps): exit code 3."""
+
+
+PAIRING_EXIT_CODE = 3
+
+
+@dataclass
+class Monitor:
+    """One rank's monitor: values[record, step, statistic] (NaN where not recorded)."""
+    folder: Path
+    steps: list[int]
+    records: list[tuple[str, str]]  # (kind, name) in the order first recorded
+    values: np.ndarray
+
+
+@dataclass
+class Departure:
+    rank: int
+    kind: str
+    name: str
+    statistic: str
+    first_step: int
+    last_step: int  # the last step of the stretch outside the band
+    golden: float
+    perturbed: float
+    npu: float
+    half_width: float  # the band's at first_step
+
+    def record(self) -> str:
+        return f"{self.kind} {self.name}" if self.name else self.kind
+
+    def what(self) -> str:
+        """The record and its statistic (a scalar such as the loss has only its value)."""
+        return self.kind if self.kind in SCALARS else f"{self.record()} {self.statistic}"
+
+    def module(self) -> str:
+        """The module the record belongs to (a parameter's owner, an output's module; the model's loss)."""
+        if not self.name:
+            return "(the model)"
+        if self.kind in _PARAMETER_KINDS and "." in self.name:
+            return self.name.rsplit(".", 1)[0]
+        return self.name
+
+    def times_out(self) -> float:
+        deviation = abs(self.npu - self.golden)
+        if not math.isfinite(deviation):
+            return math.inf
+        return deviation / self.half_width if self.half_width > 0 else math.inf
+
+    def as_json(self) -> dict:
+        record = {key: getattr(self, key) for key in ("rank", "kind", "name", "statistic", "first_step", "last_step")}
+        for key in ("golden", "perturbed", "npu", "half_width"):
+            value = getattr(self, key)
+            record[key] = value if math.isfinite(value) else str(value)
+        record["module"] = self.module()
+        return record
+
+
+@dataclass
+class Series:
+    """One statistic of one record on the three runs, with its band, for the plot."""
+    rank: int
+    kind: str
+    name: str
+    statistic: str
+    steps: list[int]
+    golden: np.ndarray
+    perturbed: np.ndarray
+    npu: np.ndarray
+    half_width: np.ndarray
+
+
+@dataclass
+class TrendResult:
+    golden: Path
+    perturbed: Path
+    npu: Path
+    ranks: list[int]
+    steps: list[int]  # the monitored steps compared (the same on every rank)
+    records: int  # records per rank judged
+    series: int  # statistics judged, over all ranks
+    departures: list[Departure]  # every series that left the band, earliest (and most causal) first
+    plots: list[Series] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def first(self) -> Departure | None:
+        return self.departures[0] if self.departures else None
+
+    def exit_code(self) -> int:
+        return 1 if self.departures else 0
+
+    def headline(self) -> str:
+        first = self.first()
+        span = f"steps {self.steps[0]}-{self.steps[-1]}" if self.steps else "no steps"
+        if first is None:
+            return (f"No trend divergence: over {span} ({len(self.steps)} monitored, rank(s) "
+                    f"{_ranks_text(self.ranks)}), all {self.series} statistics of {self.records} records stay "
+                    "inside the band the two golden runs spread over")
+        rank = f" on rank {first.rank}" if len(self.ranks) > 1 else ""
+        return (f"Trend divergence: the NPU run leaves the golden band at step {first.first_step}{rank}, "
+                f"in {first.module()} ({first.what()}), and stays out through step "
+                f"{first.last_step}: NPU {_short(first.npu)}, golden {_short(first.golden)}, band "
+                f"+-{_short(first.half_width)} ({_times(first.times_out())} its half-width)")
+
+    def as_json(self) -> dict:
+        return {"golden": str(self.golden), "perturbed_golden": str(self.perturbed), "npu": str(self.npu),
+                "ranks": self.ranks, "steps": [self.steps[0], self.steps[-1]] if self.steps else [],
+                "monitored_steps": len(self.steps), "records": self.records, "statistics": self.series,
+                "diverged": bool(self.departures), "headline": self.headline(), "notes": self.notes,
+                "band": {"margin": MARGIN, "lookahead_steps": LOOKAHEAD, "persist_steps": PERSIST},
+                "first_departure": self.first().as_json() if self.departures else None,
+                "departures": [d.as_json() for d in self.departures]}
+
+
+def _short(value: float) -> str:
+    return f"{value:.4g}" if math.isfinite(value) else str(value)
+
+
+def _times(value: float) -> str:
+    return "beyond any multiple of" if not math.isfinite(value) else f"{value:.3g}x"
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return ",".join(map(str, ranks))
+
+
+# ----------------------------------------------------------------------------- reading
+def rank_folders(directory: Path, role: str) -> dict[int, Path]:
+    """{rank: folder holding monitor.csv} of a monitor directory (DIR/rank{R}/, or one rank's folder)."""
+    if not directory.is_dir():
+        raise UserError(f"--trend: {role} monitor {directory} is not a directory")
+    if (directory / "monitor.csv").is_file():
+        name = directory.name
+        return {int(name[4:]) if name.startswith("rank") and name[4:].isdigit() else 0: directory}
+    folders = {}
+    for child in directory.iterdir():
+        if child.name.startswith("rank") and child.name[4:].isdigit() and (child / "monitor.csv").is_file():
+            folders[int(child.name[4:])] = child
+    if not folders:
+        raise UserError(f"--trend: {role} monitor {directory} holds no rank*/monitor.csv (npu-run --monitor DIR "
+                        "writes it; a --monitor-config with format tensorboard writes none)")
+    return dict(sorted(folders.items()))
+
+
+def read_monitor(folder: Path) -> Monitor:
+    """monitor.csv and scalars.csv of one rank's folder, as a Monitor."""
+    rows: list[tuple[int, int, list[float]]] = []
+    index: dict[tuple[str, str], int] = {}
+    path = folder / "monitor.csv"
+    with open(path, newline="") as file:
+        reader = csv.reader(file)
+        header = next(reader, None)
+        if header is None or header[:2] != ["step", "kind"] or header[4:10] != list(STATS):
+            raise UserError(f"--trend: {path}: not a monitor.csv of npu-run --monitor (header {header})")
+        for line, row in enumerate(reader, start=2):
+            try:
+                key = (row[1], row[2])
+                rows.append((int(row[0]), index.setdefault(key, len(index)), [float(v) for v in row[4:10]]))
+            except (ValueError, IndexError):
+                raise UserError(f"--trend: {path}, line {line}: not a record of npu-run --monitor: {row}") from None
+    scalars = folder / "scalars.csv"
+    if scalars.is_file():
+        with open(scalars, newline="") as file:
+            for line, row in enumerate(csv.DictReader(file), start=2):
+                for name in SCALARS:
+                    text = row.get(name, "")
+                    if text:
+                        try:
+                            value = float(text)
+                            rows.append((int(row["step"]), index.setdefault((name, ""), len(index)), _scalar(value)))
+                        except (ValueError, KeyError, TypeError):
+                            raise UserError(f"--trend: {scalars}, line {line}: not a step of npu-run --monitor") from None
+    steps = sorted({step for step, _, _ in rows})
+    column = {step: i for i, step in enumerate(steps)}
+    values = np.full((len(index), len(steps), len(STATS)), np.nan)
+    for step, record, stats in rows:
+        values[record, column[step]] = stats
+    return Monitor(folder, steps, list(index), values)
+
+
+# ----------------------------------------------------------------------------- pairing
+def _pair(golden: Monitor, perturbed: Monitor, npu: Monitor, notes: list[str]) -> tuple[list[int], list[tuple[str, str]]]:
+    """The steps and records the three monitors share; MonitorsDoNotPair when they are not of one run."""
+    monitors = (("golden", golden), ("perturbed golden", perturbed), ("NPU", npu))
+    for role, monitor in monitors[1:]:
+        missing = [r for r in golden.records if r not in set(monitor.records)]
+        extra = [r for r in monitor.records if r not in set(golden.records)]
+        if missing or extra:
+            said = "; ".join(text for text in (
+                f"{len(missing)} golden records it lacks ({_records_text(missing)})" if missing else "",
+                f"{len(extra)} records the golden run lacks ({_records_text(extra)})" if extra else "") if text)
+            raise MonitorsDoNotPair(f"the monitors do not pair: the {role} run's {monitor.folder} has {said}: "
+                                    "monitor the same script with the same --monitor-modules")
+    length = min(len(monitor.steps) for _, monitor in monitors)
+    for role, monitor in monitors[1:]:
+        if monitor.steps[:length] != golden.steps[:length]:
+            at = next(i for i in range(length) if monitor.steps[i] != golden.steps[i])
+            raise MonitorsDoNotPair(f"the monitors do not pair: the {role} run's {monitor.folder} monitored step "
+                                    f"{monitor.steps[at]} where the golden run's monitored step {golden.steps[at]}: "
+                                    "monitor them with the same --monitor-every")
+    if length < 2:
+        raise MonitorsDoNotPair(f"the monitors do not pair: {length} monitored step(s) in common; a trend needs "
+                                "at least 2")
+    for role, monitor in monitors:
+        if len(monitor.steps) > length:
+            notes.append(f"the {role} run monitored {len(monitor.steps)} steps, the shortest {length}: steps "
+                         f"{golden.steps[0]}-{golden.steps[length - 1]} compared")
+    return golden.steps[:length], golden.records
+
+
+def _scalar(value: float) -> list[float]:
+    """A per-step scalar (the loss) as a record: its value is its one statistic, kept as the mean."""
+    return [math.nan, math.nan, value, math.nan, math.nan, math.nan]
+
+
+def _records_text(records: list[tuple[str, str]], shown: int = 3) -> str:
+    text = ", ".join(f"{kind} {name}".strip() for kind, name in records[:shown])
+    return text + (f" and {len(records) - shown} more" if len(records) > shown else "")
+
+
+def _aligned(monitor: Monitor, records: list[tuple[str, str]], length: int) -> np.ndarray:
+    order = {record: i for i, record in enumerate(monitor.records)}
+    return monitor.values[[order[record] for record in records], :length]
+
+
+# ----------------------------------------------------------------------------- the band
+def band_half_width(golden: np.ndarray, perturbed: np.ndarray) -> np.ndarray:
+    """MARGIN x the envelope of |perturbed - golden| along axis 1 (steps): at step index t, the largest
+    spread over indices 0 .. max(2t, t + LOOKAHEAD). Non-finite spreads count as none."""
+    spread = np.abs(perturbed - golden)
+    spread = np.where(np.isfinite(spread), spread, 0.0)
+    steps = spread.shape[1]
+    running = np.maximum.accumulate(spread, axis=1)
+    reach = np.minimum(np.maximum(np.arange(steps) * 2, np.arange(steps) + LOOKAHEAD), steps - 1)
+    return MARGIN * running[:, reach]
+
+
+def outside_band(golden: np.ndarray, perturbed: np.ndarray, npu: np.ndarray, half_width: np.ndarray) -> np.ndarray:
+    """Where the NPU run is outside the band: beyond it, or non-finite where both golden runs are finite."""
+    judged = np.isfinite(golden) & np.isfinite(perturbed)
+    deviation = np.abs(npu - golden)
+    beyond = np.where(np.isfinite(deviation), deviation > half_width, True)
+    return judged & beyond
+
+
+def first_stretch(outside: np.ndarray, persist: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per series (outside[..., step]): the first step index starting `persist` steps in a row outside
+    (-1: none) and the last index of the stretch it starts."""
+    steps = outside.shape[-1]
+    persist = min(persist, steps)
+    run = np.zeros(outside.shape, dtype=np.int64)  # steps in a row outside, ending at each index
+    count = np.zeros(outside.shape[:-1], dtype=np.int64)
+    for index in range(steps):
+        count = np.where(outside[..., index], count + 1, 0)
+        run[..., index] = count
+    ends = run >= persist
+    has = ends.any(axis=-1)
+    start = np.where(has, ends.argmax(axis=-1) - persist + 1, -1)
+    last = np.full(start.shape, -1)
+    for position in zip(*np.nonzero(has)):
+        begin = start[position]
+        inside = np.nonzero(~outside[position][begin:])[0]
+        last[position] = begin + inside[0] - 1 if inside.size else steps - 1
+    return start, last
+
+
+def _causal_order(records: list[tuple[str, str]]) -> list[int]:
+    """Record indices sorted as causes come before effects within a step (first recorded first)."""
+    return sorted(range(len(records)), key=lambda i: (_KIND_ORDER.get(records[i][0], len(_KIND_ORDER)), i))
+
+
+# ----------------------------------------------------------------------------- the trend
+def compare_trend(golden: Path, npu: Path, perturbed: Path | None = None) -> TrendResult:
+    """The band, the departures and the plots of three monitor directories (see the module docstring)."""
+    perturbed = perturbed if perturbed is not None else golden.with_name(golden.name + ".perturbed")
+    if not perturbed.exists():
+        raise UserError(f"--trend: no perturbed golden monitor at {perturbed}: record the golden run a second time "
+                        f"with `npu-run --golden-perturb bf16 --monitor {perturbed} ...` (the precision the NPU run "
+                        "computes in: fp16, bf16 or hf32), or name its directory with --perturbed DIR")
+    folders = {role: rank_folders(path, role) for role, path in (("golden", golden), ("perturbed golden", perturbed),
+                                                                 ("NPU", npu))}
+    ranks = list(folders["golden"])
+    for role in ("perturbed golden", "NPU"):
+        if list(folders[role]) != ranks:
+            raise MonitorsDoNotPair(f"the monitors do not pair: the golden run has rank(s) {_ranks_text(ranks)}, the "
+                                    f"{role} run rank(s) {_ranks_text(list(folders[role]))}")
+    notes: list[str] = []
+    departures: list[tuple[int, int, int, Departure]] = []  # (step index, causal position, rank, departure)
+    plots_of_rank: dict[int, list[Series]] = {}  # the rank's first departure (or closest) and its loss
+    steps: list[int] | None = None
+    records_count = series_count = 0
+    identical = True
+    closest_ratio, closest_rank = -1.0, ranks[0]
+    for rank in ranks:
+        monitors = [read_monitor(folders[role][rank]) for role in ("golden", "perturbed golden", "NPU")]
+        rank_steps, records = _pair(*monitors, notes)
+        if steps is not None and rank_steps != steps:
+            raise MonitorsDoNotPair(f"the monitors do not pair: rank {rank} monitored steps {rank_steps[0]}-"
+                                    f"{rank_steps[-1]}, rank {ranks[0]} steps {steps[0]}-{steps[-1]}")
+        steps = rank_steps
+        g, p, n = (_aligned(monitor, records, len(steps)) for monitor in monitors)
+        identical = identical and bool(np.array_equal(g, p, equal_nan=True))
+        half = band_half_width(g, p)
+        start, last = first_stretch(np.moveaxis(outside_band(g, p, n, half), 1, 2), PERSIST)  # [record, stat]
+        records_count = len(records)
+        series_count += int(np.isfinite(g).any(axis=1).sum())
+        found = []
+        for position, record in enumerate(_causal_order(records)):
+            kind, name = records[record]
+            for stat_index, statistic in enumerate(STATS):
+                begin = int(start[record, stat_index])
+                if begin >= 0:
+                    values = (float(a[record, begin, stat_index]) for a in (g, p, n))
+                    found.append((begin, position, rank, Departure(
+                        rank, kind, name, "value" if kind in SCALARS else statistic, steps[begin], steps[int(last[record, stat_index])], *values,
+                        float(half[record, begin, stat_index])), record, stat_index))
+        if found:
+            first = min(found, key=lambda d: d[:3])
+            shown = (first[4], first[5])
+        else:  # the statistic that came closest to leaving the band
+            with np.errstate(divide="ignore", invalid="ignore"):
+                ratio = np.where(half > 0, np.abs(n - g) / half, 0.0)
+            ratio = np.where(np.isfinite(ratio), ratio, 0.0)
+            record, _, stat_index = np.unravel_index(int(ratio.argmax()), ratio.shape)
+            shown = (int(record), int(stat_index))
+            if float(ratio.max()) > closest_ratio:
+                closest_ratio, closest_rank = float(ratio.max()), rank
+        departures += [d[:4] for d in found]
+        plots_of_rank[rank] = [_series(rank, records, *shown, steps, g, p, n, half)]
+        if ("loss", "") in records and records[shown[0]] != ("loss", ""):
+            plots_of_rank[rank].append(_series(rank, records, records.index(("loss", "")), STATS.index("mean"), steps,
+                                               g, p, n, half))
+    if identical:
+        raise MonitorsDoNotPair(f"the monitors do not pair as a band: the perturbed golden run {perturbed} recorded "
+                                f"exactly what the golden run {golden} did, so the band has no width: record it with "
+                                "npu-run --golden-perturb PRECISION")
+    departures.sort(key=lambda d: d[:3])
+    ordered = [d[3] for d in departures]
+    plots = plots_of_rank[ordered[0].rank if ordered else closest_rank]
+    return TrendResult(golden, perturbed, npu, ranks, steps or [], records_count, series_count, ordered, plots, notes)
+
+
+def _series(rank: int, records: list[tuple[str, str]], record: int, statistic: int, steps: list[int],
+            golden: np.ndarray, perturbed: np.ndarray, npu: np.ndarray, half_width: np.ndarray) -> Series:
+    kind, name = records[record]
+    return Series(rank, kind, name, STATS[statistic], steps, *(a[record, :, statistic].copy()
+                                                              for a in (golden, perturbed, npu, half_width)))
