@@ -92,6 +92,8 @@ class MonitorSession:
         # value, so no WeakKeyDictionary
         self._parameter_names: dict[int, tuple[weakref.ref, str, str]] = {}
         self._handles: list = []
+        self._local_gradient_hooks: dict[int, tuple[weakref.ref, object]] = {}  # id(parameter) -> (it, handle)
+        self._many_ranks = False  # a process group of more than one rank exists (found once)
         self._original_backward = None
         self._writer: ThreadPoolExecutor | None = None
         self._pending: list[Future] = []
@@ -137,9 +139,10 @@ class MonitorSession:
         if not self._active:
             return
         torch.Tensor.backward = self._original_backward
-        for handle in self._handles:
+        for handle in [*self._handles, *(handle for _, handle in self._local_gradient_hooks.values())]:
             handle.remove()
         self._handles = []
+        self._local_gradient_hooks = {}
         self._steps.remove()
         if self._buffer_used and not self.broken:  # a run without optimizer.step, or its last forward
             self._guarded(self._finish_step)(None, False, None)
@@ -184,6 +187,7 @@ class MonitorSession:
         self._loss_slot: int | None = None
         # parameter, the norm's buffer slot (or the norm), lr / (1 - beta1^t) / sqrt(1 / (1 - beta2^t))
         self._update_norms: list[tuple[str, int | float, float]] = []
+        self._local_grad_entries: dict[str, int] = {}  # parameter -> its grad_local entry in _slots
 
     def _monitored(self) -> bool:
         step = self.step_index - self.start_step
@@ -234,6 +238,8 @@ class MonitorSession:
         calls = self._calls.get(path, 0)
         self._calls[path] = calls + 1
         name = path if calls == 0 else f"{path}.call{calls}"
+        if self._distributed():
+            self._watch_local_gradients(module, path)
         outputs = [t for t in tensors_in(output) if t.is_floating_point()]
         for index, tensor in enumerate(outputs):
             leaf = name if len(outputs) == 1 else f"{name}.{index}"
@@ -251,6 +257,45 @@ class MonitorSession:
     def _on_activation_grad(self, leaf: str, gradient) -> None:
         if gradient is not None and self._monitored():
             self._add("activation_grad", leaf, gradient)
+
+    def _distributed(self) -> bool:
+        if not self._many_ranks:
+            distributed = torch.distributed
+            self._many_ranks = (distributed.is_available() and distributed.is_initialized()
+                                and distributed.get_world_size() > 1)
+        return self._many_ranks
+
+    def _watch_local_gradients(self, module, path: str) -> None:
+        """grad_local: each parameter's gradient as this rank's backward left it, before the data-parallel
+        reduce. A post-accumulate-grad hook runs inside AccumulateGrad, before the node's post hooks,
+        where DDP's reducer marks the gradient ready and launches its bucket's all-reduce (a manual
+        all_reduce of gradients runs after backward)."""
+        on_gradient = self._guarded(self._on_local_gradient)
+        for name, parameter in module.named_parameters(recurse=False):
+            known = self._local_gradient_hooks.get(id(parameter))
+            if not parameter.requires_grad or (known is not None and known[0]() is parameter):
+                continue
+            full_name = f"{path}.{name}" if path else name
+
+            def hook(tensor, full_name=full_name):
+                on_gradient(full_name, tensor)
+
+            self._local_gradient_hooks[id(parameter)] = (weakref.ref(parameter),
+                                                         parameter.register_post_accumulate_grad_hook(hook))
+
+    def _on_local_gradient(self, name: str, parameter) -> None:
+        if parameter.grad is None or self._in_optimizer or not self._monitored():
+            return
+        # accumulated over several backwards (micro-batches): the last one is what the reduce gets
+        entry = self._local_grad_entries.get(name)
+        recorded = len(self._slots)
+        self._add("grad_local", name, parameter.grad.detach())
+        if len(self._slots) == recorded:  # not a floating-point gradient, or an empty one
+            return
+        if entry is not None:
+            self._slots[entry] = self._slots.pop()
+        else:
+            self._local_grad_entries[name] = len(self._slots) - 1
 
     def _on_backward(self, tensor) -> None:
         if self._loss_slot is None and self._monitored() and tensor.numel() == 1 and tensor.is_floating_point():
@@ -359,7 +404,7 @@ class MonitorSession:
             if stats is None:
                 continue
             stats = list(stats)
-            if kind == "activation_grad" and unscale != 1.0:
+            if kind in ("activation_grad", "grad_local") and unscale != 1.0:
                 stats[:4] = [value * unscale for value in stats[:4]]
             if kind == "grad":
                 squares += stats[3] ** 2

@@ -24,10 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
-GRADIENT_KINDS = frozenset({"grad", "activation_grad"})
-# abs-max forecasts: forward values, and gradients once unscaled (activation gradients are taken
-# under the loss scale, which GradScaler raises until they overflow on purpose)
-FORECAST_KINDS = frozenset({"activation", "grad", "activation_grad"})
+GRADIENT_KINDS = frozenset({"grad", "grad_local", "activation_grad"})
+# abs-max forecasts: forward values, and gradients once unscaled (activation gradients and a rank's
+# gradients before the all-reduce are taken under the loss scale, which GradScaler raises until they
+# overflow on purpose)
+FORECAST_KINDS = frozenset({"activation", "grad", "grad_local", "activation_grad"})
+_TAKEN_UNDER_THE_LOSS_SCALE = frozenset({"activation_grad", "grad_local"})
 _EMA_DECAY = 0.9
 
 
@@ -68,7 +70,8 @@ class Record:
         return max(abs(self.values[0]), abs(self.values[1]))
 
 
-_LABELS = {"activation": "output", "activation_grad": "output gradient", "grad": "gradient", "weight": "weight",
+_LABELS = {"activation": "output", "activation_grad": "output gradient", "grad": "gradient",
+           "grad_local": "gradient before the all-reduce", "weight": "weight",
            "exp_avg": "Adam exp_avg", "exp_avg_sq": "Adam exp_avg_sq", "update_ratio": "update/weight ratio"}
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
 
@@ -119,7 +122,7 @@ class Alerts:
                 found.append(Alert(step, "turbulence", f"{record.name}:{record.kind}", "norm", norm,
                                    f"step {step}: {label(record)} norm {short_number(norm)}, "
                                    f"{abs(norm) / mean:.1f}x its running mean {short_number(mean)}"))
-            if record.kind in FORECAST_KINDS and not (record.kind == "activation_grad" and loss_scaled):
+            if record.kind in FORECAST_KINDS and not (record.kind in _TAKEN_UNDER_THE_LOSS_SCALE and loss_scaled):
                 forecast = self._forecast(step, record)
                 if forecast is not None:
                     found.append(forecast)

@@ -74,6 +74,7 @@ def test_files_hold_each_steps_statistics_recomputed_from_the_tensors(tmp_path):
     assert session.raised == []
     folder = tmp_path / "mon" / "rank0"
     rows = _rows(folder / "monitor.csv")
+    assert not [r for r in rows if r["kind"] == "grad_local"]  # one rank: no reduce, one gradient
     by_key = {(int(r["step"]), r["kind"], r["name"]): r for r in rows}
     for step, seen in enumerate(expected):
         _close(by_key[(step, "activation", "act")], _stats(seen["hidden"]))
@@ -451,3 +452,51 @@ def test_a_run_whose_every_step_grad_scaler_skips_is_told_it_does_not_train(tmp_
     skipped = [a for a in session.raised if a.rule == "skipped steps"]
     assert len(skipped) == 1 and skipped[0].step == 9
     assert "GradScaler skipped every step since step 0 (loss scale 65536 ->" in skipped[0].message
+
+
+# Two models on 2 ranks, each rank its own data: one under DDP (small buckets: several reduces inside
+# backward), one whose gradients the script all-reduces itself after backward, as some trainers do.
+_TWO_RANK_SCRIPT = """
+import torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
+dist.init_process_group("hccl")
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(0)
+bucketed = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).npu()
+by_hand = nn.Sequential(nn.Linear(8, 4)).npu()
+ddp = nn.parallel.DistributedDataParallel(bucketed, bucket_cap_mb=0.0001)
+optimizer = torch.optim.SGD([*ddp.parameters(), *by_hand.parameters()], lr=0.1)
+generator = torch.Generator().manual_seed(rank)
+for _ in range(2):
+    x, y = torch.randn(4, 8, generator=generator).npu(), torch.randn(4, 4, generator=generator).npu()
+    loss = F.mse_loss(ddp(x), y) + F.mse_loss(by_hand(x), y)
+    optimizer.zero_grad()
+    loss.backward()
+    for parameter in by_hand.parameters():
+        dist.all_reduce(parameter.grad)
+        parameter.grad /= world
+    optimizer.step()
+dist.destroy_process_group()
+"""
+
+
+def test_on_two_ranks_each_gradient_is_recorded_before_and_after_the_reduce(tmp_path):
+    import os
+
+    (tmp_path / "train.py").write_text(_TWO_RANK_SCRIPT)
+    run = subprocess.run([sys.executable, "-m", "npukit.run", "--nproc-per-node", "2", "--monitor", "mon", "train.py"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])))
+    assert run.returncode == 0, run.stderr[-3000:]
+    ranks = [{(int(r["step"]), r["kind"], r["name"]): r for r in _rows(tmp_path / "mon" / f"rank{rank}" / "monitor.csv")}
+             for rank in (0, 1)]
+    reduced = {key for key in ranks[0] if key[1] == "grad"}
+    assert len(reduced) == 2 * 6  # 2 steps, the 4 parameters of the DDP model and the 2 reduced by hand
+    for step, _, name in reduced:
+        local = [ranks[rank][(step, "grad_local", name)] for rank in (0, 1)]
+        after = [ranks[rank][(step, "grad", name)] for rank in (0, 1)]
+        assert local[0]["norm"] != local[1]["norm"], name  # each rank's own data, its own gradient
+        assert {k: after[0][k] for k in ("max", "min", "mean", "norm")} == \
+            {k: after[1][k] for k in ("max", "min", "mean", "norm")}, name  # the same after the reduce
+        # the reduce averages: so are the means
+        assert float(after[0]["mean"]) == pytest.approx((float(local[0]["mean"]) + float(local[1]["mean"])) / 2,
+                                                        rel=1e-5, abs=1e-7), name
