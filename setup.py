@@ -1,17 +1,64 @@
 """Builds npukit's extensions: the emulated device (C++ against the installed torch) and the
-dump session's one-pass statistics kernel (C++ on the CPython API, no torch)."""
+dump session's one-pass statistics kernel (C++ on the CPython API, no torch).
+
+The fused ops' kernels (csrc/fused_kernels_<capability>.cpp) are compiled once per CPU capability
+ATen dispatches to, with the flags ATen builds that capability's kernels with, so that each
+computes exactly as ATen's own kernels do on the machine (the one ATen uses runs)."""
+
+import platform
+from pathlib import Path
 
 from setuptools import Extension, setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+CSRC = "npukit/npu_backend/csrc"
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+# ATen's flags per capability (its cmake: CPU_CAPABILITY_FLAGS); like ATen's kernels, these are compiled
+# with GNU-mode contraction of a * b + c into FMA (-std=c++17 alone turns it off) and with OpenMP, so
+# that at::parallel_for splits a loop as ATen's own kernels do (torch's libgomp serves it at run time)
+KERNEL_FLAGS = ["-ffp-contract=fast", "-fopenmp"]
+CAPABILITY_FLAGS = {
+    "default": KERNEL_FLAGS,
+    "avx2": ["-mavx2", "-mfma", "-mbmi", "-mbmi2", "-mf16c"] + KERNEL_FLAGS,
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mbmi", "-mbmi2", "-mf16c"]
+    + KERNEL_FLAGS,
+}
+CAPABILITIES = list(CAPABILITY_FLAGS) if X86 else ["default"]
+
+
+class BuildWithCapabilities(BuildExtension):
+    """BuildExtension, with each fused_kernels_<capability>.cpp compiled with its capability's flags."""
+
+    def build_extension(self, ext):
+        compile_one = self.compiler._compile
+
+        def compile_with_flags(obj, src, ext_name, cc_args, extra_postargs, pp_opts):
+            stem = Path(src).stem
+            flags = CAPABILITY_FLAGS.get(stem.removeprefix("fused_kernels_"), []) if stem.startswith(
+                "fused_kernels_") else []
+            if isinstance(extra_postargs, dict):
+                extra_postargs = {**extra_postargs, "cxx": list(extra_postargs.get("cxx", [])) + flags}
+            else:
+                extra_postargs = list(extra_postargs) + flags
+            return compile_one(obj, src, ext_name, cc_args, extra_postargs, pp_opts)
+
+        self.compiler._compile = compile_with_flags
+        try:
+            super().build_extension(ext)
+        finally:
+            self.compiler._compile = compile_one
+
 
 setup(
     ext_modules=[
         CppExtension(
             "npukit.npu_backend._C",
-            ["npukit/npu_backend/csrc/device.cpp", "npukit/npu_backend/csrc/tensor_types.cpp"],
+            [f"{CSRC}/device.cpp", f"{CSRC}/tensor_types.cpp", f"{CSRC}/fused_kernels.cpp"]
+            + [f"{CSRC}/fused_kernels_{capability}.cpp" for capability in CAPABILITIES],
             extra_compile_args=["-O3", "-std=c++17"],
+            extra_link_args=["-fopenmp"],
         ),
         Extension("npukit.accuracy._stats", ["npukit/accuracy/csrc/stats.cpp"], extra_compile_args=["-O3"]),
     ],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=False)},
+    cmdclass={"build_ext": BuildWithCapabilities.with_options(use_ninja=False)},
 )

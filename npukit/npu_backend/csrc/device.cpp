@@ -1854,10 +1854,14 @@ py::dict memory_stats(int dev) {
 namespace npukit {
 // tensor_types.cpp: torch.npu.FloatTensor, torch.npu.HalfTensor, ...
 py::list legacy_tensor_types();
+namespace fused {
+void bind(py::module& m);  // fused_kernels.cpp: the fused ops' kernels
+}
 }  // namespace npukit
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("install", &install);
+  npukit::fused::bind(mod);
   mod.def("route_composite_ops_to_cpu_kernels", &route_composite_ops_to_cpu_kernels);
   mod.def("set_device_count", [](int n) {
     TORCH_CHECK(n >= 0 && n <= kMaxDevices, "device count must be in [0, ", kMaxDevices, "], got ", n);

@@ -1,0 +1,41 @@
+// One-pass CPU kernels of torch_npu's fused elementwise ops (fused/*.py calls them through _C).
+//
+// Each kernel reads fp16/bf16/fp32 (or, on the CPU, fp64) values, computes in fp32 (fp64) in
+// registers and rounds its result once, as the Ascend kernel does. The arithmetic is ATen's own, op
+// for op (the same at::vec expressions, with the scalar tails where ATen's elementwise loops put
+// them), so the results are bit for bit those of the op-by-op composition on fp32 working copies
+// that it replaces, at a single pass over memory.
+//
+// The kernels are compiled once per CPU capability (fused_kernels_<capability>.cpp, flags from
+// setup.py) and the one matching ATen's own dispatch (at::native::get_cpu_capability()) runs.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace npukit::fused {
+
+// The kernels work on contiguous CPU tensors (the npu tensors' CPU aliases) of one dtype.
+struct Kernels {
+  // x viewed as [outer, 2, inner]: out[o, i] = silu(x[o, 0, i]) * x[o, 1, i]
+  void (*swiglu_forward)(const at::Tensor& x, const at::Tensor& out, int64_t outer, int64_t inner);
+  // dx[o, 0, i] = silu'(a) * b * dy, dx[o, 1, i] = silu(a) * dy (dy of x's dtype)
+  void (*swiglu_backward)(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& dx, int64_t outer,
+                          int64_t inner);
+  // out = x * cos + rotate(x) * sin over the last dim of a 4-dim x; cos/sin are fp32 (fp64 for an fp64
+  // x) tables expanded to x's shape (stride 0 where they broadcast), contiguous in the last dim.
+  void (*rotary)(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& out,
+                 bool interleave);
+};
+
+#define NPUKIT_DECLARE_KERNELS(capability) \
+  namespace capability {                   \
+  Kernels kernels();                       \
+  }
+NPUKIT_DECLARE_KERNELS(DEFAULT)
+#if defined(__x86_64__)
+NPUKIT_DECLARE_KERNELS(AVX2)
+NPUKIT_DECLARE_KERNELS(AVX512)
+#endif
+#undef NPUKIT_DECLARE_KERNELS
+
+}  // namespace npukit::fused

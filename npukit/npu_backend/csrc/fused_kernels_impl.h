@@ -1,0 +1,243 @@
+// The fused kernels for one CPU capability, included by fused_kernels_<capability>.cpp after it
+// defines CPU_CAPABILITY (the namespace ATen's vec headers put Vectorized in) and its flags.
+//
+// Bit for bit with the composition they replace: each expression below is the one ATen's kernel
+// evaluates for that op (silu, silu_backward, mul, addcmul), vectorized the same way, and where
+// ATen's vectorized loop leaves the last elements of a chunk to its scalar op (whose exp is libm's,
+// not the vectorized one), so does the kernel (`for_each_aten_chunk`).
+#include "fused_kernels.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/TensorIterator.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+
+namespace npukit::fused::CPU_CAPABILITY {
+namespace {
+
+using at::vec::Vectorized;
+
+template <typename scalar_t>
+using acc_t = at::opmath_type<scalar_t>;  // fp32 for fp16/bf16/fp32, fp64 for fp64
+
+// n <= Vec::size() values, converted to the compute type
+template <typename scalar_t>
+inline Vectorized<acc_t<scalar_t>> load(const scalar_t* p, int64_t n) {
+  using Vec = Vectorized<acc_t<scalar_t>>;
+  if constexpr (std::is_same_v<scalar_t, acc_t<scalar_t>>) {
+    return n >= Vec::size() ? Vec::loadu(p) : Vec::loadu(p, n);
+  } else {
+    Vec out;
+    if (n >= Vec::size()) {
+      at::vec::load_to_float(p, out);
+    } else {
+      scalar_t buffer[Vec::size()] = {};
+      std::copy(p, p + n, buffer);
+      at::vec::load_to_float(buffer, out);
+    }
+    return out;
+  }
+}
+
+// n <= Vec::size() values, rounded once to scalar_t
+template <typename scalar_t>
+inline void store(scalar_t* p, const Vectorized<acc_t<scalar_t>>& v, int64_t n) {
+  using Vec = Vectorized<acc_t<scalar_t>>;
+  if constexpr (std::is_same_v<scalar_t, acc_t<scalar_t>>) {
+    if (n >= Vec::size()) v.store(p);
+    else v.store(p, n);
+  } else {
+    at::vec::convert_from_float<scalar_t>(v, v).store(p, std::min<int64_t>(n, Vec::size()));
+  }
+}
+
+// a * b + c as ATen's scalar ops compute it: its AVX2/AVX512 kernels are built with FMA and
+// contraction on, so their `self + value * t1 * t2` (addcmul) is one fused multiply-add.
+template <typename acc>
+inline acc scalar_fmadd(acc a, acc b, acc c) {
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+  return std::fma(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+// fn(begin, vector_end, end) for each chunk of a 1-D elementwise loop over n elements as ATen's
+// TensorIterator::for_each splits it (at::parallel_for with GRAIN_SIZE); ATen's vectorized loop
+// computes [begin, vector_end) with its vector op and the rest, fewer than two vectors, with its
+// scalar op.
+template <typename acc, typename F>
+inline void for_each_aten_chunk(int64_t n, const F& fn) {
+  auto chunk = [&](int64_t begin, int64_t end) {
+    constexpr int64_t step = 2 * Vectorized<acc>::size();
+    fn(begin, begin + (end - begin) / step * step, end);
+  };
+  if (n < at::internal::GRAIN_SIZE || at::get_num_threads() == 1) {
+    chunk(0, n);
+  } else {
+    at::parallel_for(0, n, at::internal::GRAIN_SIZE, chunk);
+  }
+}
+
+// fn(row, c0, c1) for each row's part of the flat range [begin, end) of a [rows, width] array
+template <typename F>
+inline void for_each_row_part(int64_t begin, int64_t end, int64_t width, const F& fn) {
+  while (begin < end) {
+    const int64_t row = begin / width;
+    const int64_t c0 = begin - row * width;
+    const int64_t c1 = std::min(width, c0 + (end - begin));
+    fn(row, c0, c1);
+    begin += c1 - c0;
+  }
+}
+
+// ---- SwiGLU: the composition is silu_(a.float()).mul_(b.float()) rounded once; the backward
+// silu_backward(b * dy, a) and silu_(a) * dy, each rounded once (on [outer, inner] working copies)
+
+template <typename scalar_t>
+void swiglu_forward_typed(const scalar_t* x, scalar_t* out, int64_t outer, int64_t inner) {
+  using acc = acc_t<scalar_t>;
+  using Vec = Vectorized<acc>;
+  const Vec one(acc(1));
+  for_each_aten_chunk<acc>(outer * inner, [&](int64_t begin, int64_t vector_end, int64_t end) {
+    for_each_row_part(begin, vector_end, inner, [&](int64_t o, int64_t c0, int64_t c1) {
+      const scalar_t* a = x + o * 2 * inner;
+      const scalar_t* b = a + inner;
+      for (int64_t c = c0; c < c1; c += Vec::size()) {
+        const int64_t n = std::min<int64_t>(Vec::size(), c1 - c);
+        const Vec av = load(a + c, n);
+        const Vec silu = av / (one + av.neg().exp());
+        store(out + o * inner + c, silu * load(b + c, n), n);
+      }
+    });
+    for_each_row_part(vector_end, end, inner, [&](int64_t o, int64_t c0, int64_t c1) {
+      const scalar_t* a = x + o * 2 * inner;
+      const scalar_t* b = a + inner;
+      for (int64_t c = c0; c < c1; ++c) {
+        const acc av = acc(a[c]);
+        const acc silu = av / (acc(1) + std::exp(-av));
+        out[o * inner + c] = scalar_t(silu * acc(b[c]));
+      }
+    });
+  });
+}
+
+template <typename scalar_t>
+void swiglu_backward_typed(const scalar_t* dy, const scalar_t* x, scalar_t* dx, int64_t outer, int64_t inner) {
+  using acc = acc_t<scalar_t>;
+  using Vec = Vectorized<acc>;
+  const Vec one(acc(1));
+  for_each_aten_chunk<acc>(outer * inner, [&](int64_t begin, int64_t vector_end, int64_t end) {
+    for_each_row_part(begin, vector_end, inner, [&](int64_t o, int64_t c0, int64_t c1) {
+      const scalar_t* a = x + o * 2 * inner;
+      const scalar_t* b = a + inner;
+      const scalar_t* g = dy + o * inner;
+      scalar_t* da = dx + o * 2 * inner;
+      scalar_t* db = da + inner;
+      for (int64_t c = c0; c < c1; c += Vec::size()) {
+        const int64_t n = std::min<int64_t>(Vec::size(), c1 - c);
+        const Vec av = load(a + c, n);
+        const Vec gv = load(g + c, n);
+        const Vec gate = load(b + c, n) * gv;
+        const Vec sigmoid = one / (one + av.neg().exp());
+        store(da + c, gate * sigmoid * (one + av * (one - sigmoid)), n);
+        const Vec silu = av / (one + av.neg().exp());
+        store(db + c, silu * gv, n);
+      }
+    });
+    for_each_row_part(vector_end, end, inner, [&](int64_t o, int64_t c0, int64_t c1) {
+      const scalar_t* a = x + o * 2 * inner;
+      const scalar_t* b = a + inner;
+      const scalar_t* g = dy + o * inner;
+      scalar_t* da = dx + o * 2 * inner;
+      scalar_t* db = da + inner;
+      for (int64_t c = c0; c < c1; ++c) {
+        const acc av = acc(a[c]);
+        const acc gv = acc(g[c]);
+        const acc gate = acc(b[c]) * gv;
+        const acc sigmoid = acc(1) / (acc(1) + std::exp(-av));
+        da[c] = scalar_t(gate * sigmoid * (acc(1) + av * (acc(1) - sigmoid)));
+        const acc silu = av / (acc(1) + std::exp(-av));
+        db[c] = scalar_t(silu * gv);
+      }
+    });
+  });
+}
+
+// ---- rotary: per pair (x1, x2), (x1 cos1 - x2 sin1, x2 cos2 + x1 sin2), as mul then addcmul
+// (value -1, then 1) compute it: addcmul's product is fused into its addition (scalar_fmadd)
+
+template <typename scalar_t>
+void rotary_typed(const at::Tensor& x_t, const at::Tensor& cos_t, const at::Tensor& sin_t, const at::Tensor& out_t,
+                  bool interleave) {
+  using acc = acc_t<scalar_t>;
+  using Vec = Vectorized<acc>;
+  const scalar_t* x = x_t.const_data_ptr<scalar_t>();
+  scalar_t* out = out_t.mutable_data_ptr<scalar_t>();
+  const acc* cos = cos_t.const_data_ptr<acc>();
+  const acc* sin = sin_t.const_data_ptr<acc>();
+  const int64_t n1 = x_t.size(1), n2 = x_t.size(2), d = x_t.size(3), half = d / 2;
+  const int64_t rows = x_t.numel() / std::max<int64_t>(d, 1);
+  const int64_t cs0 = cos_t.stride(0), cs1 = cos_t.stride(1), cs2 = cos_t.stride(2);
+  const int64_t ss0 = sin_t.stride(0), ss1 = sin_t.stride(1), ss2 = sin_t.stride(2);
+  const Vec minus_one(acc(-1));
+  at::parallel_for(0, rows, std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(d, 1)),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t i0 = row / (n1 * n2), i1 = (row / n2) % n1, i2 = row % n2;
+      const acc* c = cos + i0 * cs0 + i1 * cs1 + i2 * cs2;
+      const acc* s = sin + i0 * ss0 + i1 * ss1 + i2 * ss2;
+      const scalar_t* xr = x + row * d;
+      scalar_t* yr = out + row * d;
+      if (interleave) {  // ATen's strided (every other element) loops are its scalar ops
+        for (int64_t j = 0; j < d; j += 2) {
+          const acc x1 = acc(xr[j]), x2 = acc(xr[j + 1]);
+          yr[j] = scalar_t(scalar_fmadd(-x2, s[j], x1 * c[j]));
+          yr[j + 1] = scalar_t(scalar_fmadd(x1, s[j + 1], x2 * c[j + 1]));
+        }
+        continue;
+      }
+      for (int64_t j = 0; j < half; j += Vec::size()) {
+        const int64_t n = std::min<int64_t>(Vec::size(), half - j);
+        const Vec x1 = load(xr + j, n), x2 = load(xr + half + j, n);
+        const Vec c1 = load(c + j, n), c2 = load(c + half + j, n);
+        const Vec s1 = load(s + j, n), s2 = load(s + half + j, n);
+        store(yr + j, at::vec::fmadd(minus_one * x2, s1, x1 * c1), n);
+        store(yr + half + j, at::vec::fmadd(x1, s2, x2 * c2), n);
+      }
+    }
+  });
+}
+
+#define NPUKIT_FLOAT_DISPATCH(dtype, name, ...) \
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, name, __VA_ARGS__)
+
+void swiglu_forward(const at::Tensor& x, const at::Tensor& out, int64_t outer, int64_t inner) {
+  NPUKIT_FLOAT_DISPATCH(x.scalar_type(), "npu_swiglu", [&] {
+    swiglu_forward_typed(x.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(), outer, inner);
+  });
+}
+
+void swiglu_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& dx, int64_t outer, int64_t inner) {
+  NPUKIT_FLOAT_DISPATCH(x.scalar_type(), "npu_swiglu_backward", [&] {
+    swiglu_backward_typed(dy.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(),
+                          dx.mutable_data_ptr<scalar_t>(), outer, inner);
+  });
+}
+
+void rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& out,
+            bool interleave) {
+  NPUKIT_FLOAT_DISPATCH(x.scalar_type(), "npu_rotary_mul", [&] { rotary_typed<scalar_t>(x, cos, sin, out, interleave); });
+}
+
+}  // namespace
+
+Kernels kernels() { return Kernels{&swiglu_forward, &swiglu_backward, &rotary}; }
+
+}  // namespace npukit::fused::CPU_CAPABILITY
