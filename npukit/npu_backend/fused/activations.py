@@ -5,8 +5,9 @@ The vector kernels read fp16/bf16 inputs, compute in fp32 and round each output 
 dtype (the GLUs' gelu output too: torch_npu returns it in the input dtype and its backward reads
 that rounded value back).
 
-Speed: a low-precision input is computed on one fp32 working copy updated in place (the fused
-kernel's registers), not through a chain of fresh fp32 temporaries; a single PyTorch op whose
+Speed: npu_swiglu and its backward are one-pass C++ kernels (fp16/bf16 converted in registers). The
+others compute a low-precision input on one fp32 working copy updated in place (the fused kernel's
+registers), not through a chain of fresh fp32 temporaries; a single PyTorch op whose
 reduced-precision kernel already computes in fp32 and rounds once (silu, mish, silu_backward: the
 results are bit-identical) runs on the input directly.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from npukit.npu_backend import _C
 from npukit.npu_backend.fused import (
     LOW_PRECISION,
     fused_op,
@@ -32,52 +34,53 @@ FAST_GELU_ALPHA = 1.702
 GELU_APPROXIMATIONS = {0: "none", 1: "tanh"}
 
 
-def _glu_halves(op: str, x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _glu_dim(op: str, x: torch.Tensor, dim: int) -> int:
+    """The dim the input is split along (non-negative), checked: in range, of even size."""
     if x.dim() == 0 or not -x.dim() <= dim < x.dim():
         raise ValueError(f"torch_npu.{op}: dim={dim} is out of range for an input of {x.dim()} dims")
     if x.shape[dim] % 2:
         raise ValueError(f"torch_npu.{op}: the input's size {x.shape[dim]} along dim={dim} must be even "
                          "(it is split into two halves)")
-    first, second = x.chunk(2, dim)
+    return dim % x.dim()
+
+
+def _glu_halves(op: str, x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    first, second = x.chunk(2, _glu_dim(op, x, dim))
     return first, second
 
 
 # ---- SwiGLU --------------------------------------------------------------------------------------
+# One pass each way in C++ (csrc/fused_kernels_impl.h): silu(a) * b, and the gradient of both halves,
+# computed in fp32 from the fp16/bf16 values in registers and rounded once, bit for bit the
+# composition silu_(a.float()).mul_(b.float()).to(x.dtype) (and silu_backward(b * dy, a), silu(a) * dy
+# for the backward) on fp32 working copies.
+
+def _swiglu_fake(x, dim=-1):
+    dim = _glu_dim("npu_swiglu", x, dim)
+    return x.new_empty(x.shape[:dim] + (x.shape[dim] // 2,) + x.shape[dim + 1:])
+
 
 @fused_op("npu_swiglu(Tensor input, int dim=-1) -> Tensor",
-          unfused="a, b = x.chunk(2, dim); torch.nn.functional.silu(a) * b")
+          unfused="a, b = x.chunk(2, dim); torch.nn.functional.silu(a) * b", fake=_swiglu_fake)
 def npu_swiglu(x, dim=-1):
     check_float_dtypes("npu_swiglu", input=x)
-    a, b = _glu_halves("npu_swiglu", x, dim)
-    if x.dtype not in LOW_PRECISION:
-        return F.silu(a) * b
-    out = a.float()  # the fp32 working copy
-    F.silu(out, inplace=True)
-    return out.mul_(b.float()).to(x.dtype)
+    return _C.swiglu_forward(x, _glu_dim("npu_swiglu", x, dim))
+
+
+def _swiglu_backward_fake(grad_output, x, dim=-1):
+    _glu_dim("npu_swiglu_backward", x, dim)
+    return x.new_empty(x.shape)
 
 
 @fused_op("npu_swiglu_backward(Tensor grad_output, Tensor input, int dim=-1) -> Tensor",
-          unfused="autograd of npu_swiglu's decomposition", public=False)
+          unfused="autograd of npu_swiglu's decomposition", public=False, fake=_swiglu_backward_fake)
 def npu_swiglu_backward(grad_output, x, dim=-1):
-    a, b = _glu_halves("npu_swiglu_backward", x, dim)
-    a32, dy = upcast(a), upcast(grad_output)
-    # The gradient is written in x's dtype straight into its two halves; the fp32 temporaries are working
-    # copies updated in place, so a call holds three half-size fp32 buffers instead of seven (fresh large
-    # buffers cost page faults).
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    da, db = dx.chunk(2, dim)
-    if x.dtype not in LOW_PRECISION:
-        # d/da silu(a) b = silu'(a) b (torch's fused silu backward), d/db = silu(a)
-        torch.ops.aten.silu_backward.grad_input(b * dy, a, grad_input=da)
-        torch.mul(F.silu(a), dy, out=db)
-        return dx
-    # fp16/bf16: each half computed in place in an fp32 working copy, then rounded into dx (an out= of
-    # another dtype would allocate a temporary of its own)
-    gate = b.float().mul_(dy) if dy.dtype == torch.float32 else upcast(b) * dy
-    da.copy_(torch.ops.aten.silu_backward.grad_input(gate, a32, grad_input=gate))
-    del gate
-    db.copy_(F.silu(a32, inplace=True).mul_(dy))  # a32 is x's fp32 copy: silu(a) dy in place
-    return dx
+    dim = _glu_dim("npu_swiglu_backward", x, dim)
+    expected = x.shape[:dim] + (x.shape[dim] // 2,) + x.shape[dim + 1:]
+    if grad_output.shape != expected:
+        raise ValueError(f"torch_npu.npu_swiglu_backward: grad_output's shape {tuple(grad_output.shape)} must be "
+                         f"the forward's output shape {tuple(expected)}")
+    return _C.swiglu_backward(grad_output, x, dim)
 
 
 def _swiglu_setup(ctx, inputs, output):

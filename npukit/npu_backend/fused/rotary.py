@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from npukit.npu_backend import _C
 from npukit.npu_backend.fused import fused_op, register_autograd, register_no_derivative, upcast
 from npukit.npu_backend.fused.norms import check_float_dtypes
 
@@ -79,43 +80,60 @@ def _check_rotary_mul(op: str, x: torch.Tensor, r1: torch.Tensor, r2: torch.Tens
                          f"broadcast over batch and heads), got shape {tuple(r1.shape)}")
 
 
+def _rotary_mul_fake(x, r1, r2, rotary_mode="half", rotation=None):
+    _check_rotary_mul("npu_rotary_mul", x, r1, r2, rotary_mode)
+    return x.new_empty(x.shape)
+
+
 @fused_op("npu_rotary_mul(Tensor input, Tensor r1, Tensor r2, str rotary_mode='half', Tensor? rotate=None) -> Tensor",
-          unfused="x * cos + torch.cat((-x2, x1), -1) * sin  (rotate_half; interleave: pairs rotated)")
+          unfused="x * cos + torch.cat((-x2, x1), -1) * sin  (rotate_half; interleave: pairs rotated)",
+          fake=_rotary_mul_fake)
 def npu_rotary_mul(x, r1, r2, rotary_mode="half", rotation=None):
     _check_rotary_mul("npu_rotary_mul", x, r1, r2, rotary_mode)
-    x32 = upcast(x)
     if rotation is None:
-        return rotary_embed(x32, upcast(r1), upcast(r2), rotary_mode).to(x.dtype)
+        # one pass in C++ (csrc/fused_kernels_impl.h): fp16/bf16 read, rotary_embed's fp32 arithmetic in
+        # registers, rounded once; bit for bit rotary_embed on fp32 working copies
+        return _C.rotary_mul(x, r1, r2, rotary_mode == "interleave", x.dtype)
     d = x.shape[-1]
     if rotation.shape != (d, d):
         raise ValueError(f"torch_npu.npu_rotary_mul: rotate must be a ({d}, {d}) matrix for the input's last "
                          f"dim, got shape {tuple(rotation.shape)}")
     # The developer-built rotation matrix (argument `rotate`): rotate(x) = x @ rotate, exact since its
     # entries are 0 and +-1.
+    x32 = upcast(x)
     rotated = torch.matmul(x32, rotation.to(x32.dtype))
     return (x32 * upcast(r1) + rotated * upcast(r2)).to(x.dtype)
 
 
+def _rotary_mul_backward_fake(grad, x, r1, r2, rotary_mode="half"):
+    _check_rotary_mul("npu_rotary_mul_backward", x, r1, r2, rotary_mode)
+    return x.new_empty(x.shape), r1.new_empty(r1.shape, dtype=x.dtype), r2.new_empty(r2.shape, dtype=x.dtype)
+
+
 @fused_op("npu_rotary_mul_backward(Tensor grad, Tensor input, Tensor r1, Tensor r2, str rotary_mode='half') "
           "-> (Tensor, Tensor, Tensor)",
-          unfused="autograd of npu_rotary_mul's decomposition", public=False)
+          unfused="autograd of npu_rotary_mul's decomposition", public=False, fake=_rotary_mul_backward_fake)
 def npu_rotary_mul_backward(grad, x, r1, r2, rotary_mode="half"):
     _check_rotary_mul("npu_rotary_mul_backward", x, r1, r2, rotary_mode)
+    if grad.shape != x.shape:
+        raise ValueError(f"torch_npu.npu_rotary_mul_backward: grad's shape {tuple(grad.shape)} must be the "
+                         f"input's {tuple(x.shape)}")
+    dx = _rotary_input_grad(grad, r1, r2, rotary_mode, x.dtype)
     dy, x32 = upcast(grad), upcast(x)
-    dx = _rotary_input_grad(dy, upcast(r1), upcast(r2), rotary_mode)
     # r1/r2 broadcast over batch/heads: their gradients sum over the broadcast dims.
     dr1 = (dy * x32).sum_to_size(r1.shape)
     dr2 = (dy * rotate(x32, rotary_mode)).sum_to_size(r2.shape)
-    return dx.to(x.dtype), dr1.to(x.dtype), dr2.to(x.dtype)
+    return dx, dr1.to(x.dtype), dr2.to(x.dtype)
 
 
-def _rotary_input_grad(dy: torch.Tensor, r1_32: torch.Tensor, r2_32: torch.Tensor, mode: str) -> torch.Tensor:
+def _rotary_input_grad(dy: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, mode: str,
+                       dtype: torch.dtype) -> torch.Tensor:
     """dx = dy * r1 + rotate^T(dy * r2), rotate^T mapping a pair (g1, g2) to (g2, -g1): per pair
-    (dy1 cos1 + dy2 sin2, dy2 cos2 - dy1 sin1), the forward's formula with sin's pair members swapped
-    and negated (sin is the small broadcast table, usually)."""
-    first, second = _pair_halves(r2_32, mode)
+    (dy1 cos1 + dy2 sin2, dy2 cos2 - dy1 sin1), the forward's kernel with sin's pair members swapped
+    and negated (sin is the small broadcast table, usually), rounded once to `dtype`."""
+    first, second = _pair_halves(upcast(r2), mode)
     swapped_sin = torch.stack((-second, -first), -2 if mode == "half" else -1).flatten(-2)
-    return rotary_embed(dy, r1_32, swapped_sin, mode)
+    return _C.rotary_mul(dy, r1, swapped_sin, mode == "interleave", dtype)
 
 
 def _rotary_mul_setup(ctx, inputs, output):
@@ -133,7 +151,7 @@ def _rotary_mul_backward(ctx, dy):
     if not (ctx.needs_input_grad[1] or ctx.needs_input_grad[2]):
         # the usual case, constant cos/sin tables: the grad op's table gradients (a product and a
         # reduction over the whole input each) would be computed to be dropped
-        return _rotary_input_grad(upcast(dy), upcast(r1), upcast(r2), ctx.mode).to(x.dtype), None, None, None, None
+        return _rotary_input_grad(dy, r1, r2, ctx.mode, x.dtype), None, None, None, None
     dx, dr1, dr2 = torch.ops.npu.npu_rotary_mul_backward(dy, x, r1, r2, ctx.mode)
     return dx, dr1, dr2, None, None
 

@@ -1,0 +1,167 @@
+"""The one-pass C++ kernels of npu_swiglu and npu_rotary_mul (csrc/fused_kernels_impl.h) compute
+bit for bit what the op-by-op composition on fp32 working copies they replace computed: fp16/bf16
+read, fp32 inside, one rounding at the end. The compositions below are those ops' Python kernels as
+they were (issue #30), forward and backward, on odd sizes (vector tails), a size ATen's elementwise
+loops split across threads, other split dims and non-contiguous inputs, on the npu and on the CPU
+(the golden reference)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch_npu
+
+from npukit.npu_backend import numerics
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+DEVICES = ["npu", "cpu"]
+
+
+def upcast(t):
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def assert_same_bits(actual, expected):
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape and actual.device == expected.device
+    differing = (actual.cpu() != expected.cpu()).sum().item()
+    assert differing == 0, f"{differing} of {expected.numel()} elements differ from the composition"
+
+
+# ---- npu_swiglu ----------------------------------------------------------------------------------
+
+def swiglu_composition(x, dim):
+    a, b = x.chunk(2, dim)
+    out = a.to(torch.float32, copy=True)  # the fp32 working copy (a copy in fp32 too: silu_ is in place)
+    F.silu(out, inplace=True)
+    return out.mul_(b.float()).to(x.dtype)
+
+
+def swiglu_backward_composition(dy, x, dim):
+    a, b = x.chunk(2, dim)
+    a32, dy32 = a.to(torch.float32, copy=True), dy.float()
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    da, db = dx.chunk(2, dim)
+    gate = b.to(torch.float32, copy=True).mul_(dy32)
+    da.copy_(torch.ops.aten.silu_backward.grad_input(gate, a32, grad_input=gate))
+    db.copy_(F.silu(a32, inplace=True).mul_(dy32))
+    return dx
+
+
+SWIGLU_CASES = [
+    ((3, 5, 74), -1),     # 37 per row: every row ends in a partial vector
+    ((6, 8, 10), 1),      # split along a middle dim
+    ((6, 8, 10), 0),
+    ((70, 2000), -1),     # 70000 halves: ATen's loops split them across threads, with scalar tails
+    ((5, 10, 12), -1, "transposed"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", SWIGLU_CASES, ids=lambda case: "x".join(map(str, case[0])) + f"_dim{case[1]}"
+                         + ("_" + case[2] if len(case) > 2 else ""))
+def test_swiglu_is_the_composition_bit_for_bit(device, dtype, case):
+    shape, dim = case[:2]
+    torch.manual_seed(0)
+    x = (torch.randn(shape) * 3).to(dtype).to(device)
+    if len(case) > 2:
+        x = x.transpose(0, 1).contiguous().transpose(0, 1)
+        assert not x.is_contiguous()
+    assert_same_bits(torch_npu.npu_swiglu(x, dim=dim), swiglu_composition(x, dim))
+    dy = torch.randn(swiglu_composition(x, dim).shape).to(dtype).to(device)
+    assert_same_bits(torch.ops.npu.npu_swiglu_backward(dy, x, dim), swiglu_backward_composition(dy, x, dim))
+    # through autograd, with the gradient of a sum (an expanded, stride-0 grad_output)
+    leaf = x.detach().requires_grad_()
+    torch_npu.npu_swiglu(leaf, dim=dim).sum().backward()
+    ones = torch.ones(swiglu_composition(x, dim).shape, dtype=dtype, device=device)
+    assert_same_bits(leaf.grad, swiglu_backward_composition(ones, x, dim))
+
+
+def test_swiglu_fp32_gradient_of_a_low_precision_input():
+    """An fp32 grad_output for a bf16 input: computed in fp32, rounded once to the input's dtype."""
+    torch.manual_seed(1)
+    x = torch.randn(4, 38, dtype=torch.bfloat16).npu()
+    dy = torch.randn(4, 19).npu()
+    assert_same_bits(torch.ops.npu.npu_swiglu_backward(dy, x, -1), swiglu_backward_composition(dy, x, -1))
+
+
+def test_swiglu_fp16_overflow_saturates_and_sets_the_flag():
+    x = torch.tensor([[300.0, 2.0, 300.0, -1.0]], dtype=torch.float16).npu()  # silu(300) * 300 > 65504
+    with numerics.policies(fp16_mode="saturation"):
+        numerics.clear_overflow_flag()
+        y = torch_npu.npu_swiglu(x)
+        assert y.cpu().tolist() == [[65504.0, -1.76171875]]
+        assert numerics.overflow_flag()
+    assert torch.isinf(torch_npu.npu_swiglu(x).cpu()[0, 0])  # INF_NAN mode
+
+
+def test_swiglu_backward_refuses_a_gradient_of_another_shape():
+    x = torch.randn(4, 8).npu()
+    with pytest.raises(ValueError, match="npu_swiglu_backward: grad_output's shape"):
+        torch.ops.npu.npu_swiglu_backward(torch.randn(4, 8).npu(), x, -1)
+
+
+# ---- npu_rotary_mul ------------------------------------------------------------------------------
+
+def pair_halves(x, mode):
+    return x.chunk(2, -1) if mode == "half" else (x[..., 0::2], x[..., 1::2])
+
+
+def rotary_composition(x, cos, sin, mode, dtype):
+    x32, cos32, sin32 = upcast(x), upcast(cos), upcast(sin)
+    shape = torch.broadcast_shapes(x32.shape, cos32.shape, sin32.shape)
+    out = torch.empty(shape, dtype=torch.promote_types(x32.dtype, cos32.dtype), device=x32.device)
+    x1, x2 = pair_halves(x32, mode)
+    c1, c2 = pair_halves(cos32, mode)
+    s1, s2 = pair_halves(sin32, mode)
+    o1, o2 = pair_halves(out, mode)
+    torch.mul(x1, c1, out=o1).addcmul_(x2, s1, value=-1)
+    torch.mul(x2, c2, out=o2).addcmul_(x1, s2)
+    return out.to(dtype)
+
+
+def rotary_input_grad_composition(dy, cos, sin, mode, dtype):
+    first, second = pair_halves(upcast(sin), mode)
+    swapped_sin = torch.stack((-second, -first), -2 if mode == "half" else -1).flatten(-2)
+    return rotary_composition(dy, cos, swapped_sin, mode, dtype)
+
+
+ROTARY_CASES = [  # (x, cos/sin)
+    ((2, 3, 5, 74), (1, 1, 5, 74)),   # D/2 = 37: partial vectors
+    ((2, 3, 5, 74), (2, 1, 5, 74)),
+    ((2, 3, 5, 74), (2, 3, 5, 74)),   # tables as large as x
+    ((2, 5, 3, 40), (1, 5, 1, 40)),   # BSND: the table broadcasts over B and N
+]
+
+
+# interleave takes one table broadcast over batch and heads
+ROTARY_MODE_CASES = [(mode, shapes) for mode in ("half", "interleave") for shapes in ROTARY_CASES
+                     if mode == "half" or sum(size > 1 for size in shapes[1][:3]) <= 1]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode,shapes", ROTARY_MODE_CASES,
+                         ids=lambda v: v if isinstance(v, str) else "x".join(map(str, v[0])) + "-" + "x".join(map(str, v[1])))
+def test_rotary_mul_is_the_composition_bit_for_bit(device, dtype, mode, shapes):
+    x_shape, table_shape = shapes
+    torch.manual_seed(1)
+    x = (torch.randn(x_shape) * 3).to(dtype).to(device)
+    cos, sin = (torch.randn(table_shape).to(dtype).to(device) for _ in range(2))
+    expected = rotary_composition(x, cos, sin, mode, dtype)
+    assert_same_bits(torch_npu.npu_rotary_mul(x, cos, sin, mode), expected)
+    strided = x.transpose(1, 2).contiguous().transpose(1, 2)
+    assert_same_bits(torch_npu.npu_rotary_mul(strided, cos, sin, mode), expected)
+    dy = torch.randn(x_shape).to(dtype).to(device)
+    dx, _, _ = torch.ops.npu.npu_rotary_mul_backward(dy, x, cos, sin, mode)
+    assert_same_bits(dx, rotary_input_grad_composition(dy, cos, sin, mode, dtype))
+    # autograd with constant tables (the backward's own path): the same input gradient
+    leaf = x.detach().requires_grad_()
+    torch.autograd.backward(torch_npu.npu_rotary_mul(leaf, cos, sin, mode), dy)
+    assert_same_bits(leaf.grad, rotary_input_grad_composition(dy, cos, sin, mode, dtype))
+
+
+def test_rotary_mul_fp32_tables_for_a_bf16_input():
+    torch.manual_seed(2)
+    x = torch.randn(1, 2, 4, 64, dtype=torch.bfloat16).npu()
+    cos, sin = torch.randn(1, 1, 4, 64).npu(), torch.randn(1, 1, 4, 64).npu()
+    assert_same_bits(torch_npu.npu_rotary_mul(x, cos, sin), rotary_composition(x, cos, sin, "half", torch.bfloat16))
