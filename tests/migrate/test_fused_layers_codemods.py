@@ -336,3 +336,14 @@ def test_every_fused_rule_is_made_by_this_files_programs_or_test_fused_codemods(
     made = {change.rule for source in sources for change in migrate_python(source, "model.py", facts=FUSED).changes}
     assert made == {rule for codemod in FUSED_CODEMODS for rule in codemod.RULES} | {"import-torch-npu"}
     assert all(codemod.DESCRIPTION and codemod.__doc__ for codemod in FUSED_CODEMODS)
+
+
+def test_the_amp_c_concern_run_alone_by_libcst_also_removes_both_imports():
+    import libcst as cst
+    from libcst.codemod import CodemodContext
+
+    from npukit.migrate.codemods import ApexMultiTensorToTorch
+
+    alone = ApexMultiTensorToTorch(CodemodContext(filename="model.py")).transform_module(cst.parse_module(MULTI_TENSOR))
+    assert "import amp_C" not in alone.code and "from apex" not in alone.code
+    assert alone.code == migrate_python(MULTI_TENSOR, "model.py", facts=FUSED).text.replace("import torch_npu\n", "", 1)
