@@ -66,6 +66,7 @@ def run(
     rdzv_conf: Optional[str] = typer.Option(None, "--rdzv-conf", help="torchrun's --rdzv-conf, e.g. is_host=1 on the node hosting the rendezvous."),
     local_addr: Optional[str] = typer.Option(None, "--local-addr", help="torchrun's --local-addr: this node's address for the other nodes."),
     golden: bool = typer.Option(False, "--golden", help="Golden run: NPU numerics off, autocast regions computed in fp32."),
+    golden_perturb: Optional[str] = typer.Option(None, "--golden-perturb", metavar="PRECISION", help="A second golden run (implies --golden) with each op's output rounded at the NPU run's precision on a grid of its own: fp16 | bf16 | hf32 | fp32 (the band of npu-compare --trend)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed torch, numpy and random before the script runs."),
     dump: Optional[Path] = typer.Option(None, "--dump", help="Dump per-layer tensors into DIR."),
     dump_level: str = typer.Option("mix", "--dump-level", help="module | api | mix"),
@@ -94,7 +95,7 @@ def run(
     from npukit.run import RunOptions, main
 
     options = RunOptions(
-        script=script, args=list(args or []), module=module, devices=devices, emulate=emulate, transfer_to_npu=transfer_to_npu,
+        script=script, args=list(args or []), module=module, devices=devices, emulate=emulate, transfer_to_npu=transfer_to_npu, golden_perturb=golden_perturb,
         nproc_per_node=nproc_per_node, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, rdzv_conf=rdzv_conf, local_addr=local_addr, golden=golden, seed=seed,
         dump=dump, dump_level=dump_level, dump_mode=dump_mode, dump_tensor_format=dump_tensor_format, dump_steps=dump_steps,
         dump_scope=dump_scope, dump_list=dump_list, dump_ops=dump_ops, dump_config=dump_config, replay=replay,
@@ -172,6 +173,10 @@ def compare(
     precheck: Optional[Path] = typer.Option(None, "--precheck", metavar="DUMP", help="Instead: re-run every op of one dump "
                                             "on the NPU, the CPU (fp32) and in fp64, and judge each on its own (no GOLDEN)."),
     precheck_dir: Optional[Path] = typer.Option(None, "--precheck-dir", help="Where --precheck writes msprobe's CSV files (default: DUMP.precheck)."),
+    trend: bool = typer.Option(False, "--trend", help="Instead: GOLDEN and TARGET are monitors (npu-run --monitor); name the first step "
+                               "and module where TARGET leaves the band of GOLDEN and the perturbed golden run."),
+    perturbed: Optional[Path] = typer.Option(None, "--perturbed", metavar="DIR", help="With --trend: the perturbed golden "
+                                             "run's monitor (npu-run --golden-perturb; default: GOLDEN.perturbed)."),
 ) -> None:
     """Compare GOLDEN and TARGET dumps; name the first op whose error is amplified. Exit 1 if one is found."""
     from npukit.accuracy.cli_compare import FindFixOptions, run_compare, run_precheck_command
@@ -185,6 +190,16 @@ def compare(
         sys.exit(run_precheck_command(precheck, precheck_dir, top, make_console(), workers))
     if golden is None or target is None:
         raise UserError("expected two dump directories, GOLDEN and TARGET (or --precheck DUMP)")
+    if trend:
+        from npukit.accuracy.cli_compare import run_trend_command
+
+        given = [name for name, value in (("--find-fix", find_fix or command), ("--set", thresholds),
+                                          ("--workers", workers)) if value]
+        if given:
+            raise UserError(f"--trend compares monitors, not dumps: {', '.join(given)} not with it")
+        sys.exit(run_trend_command(golden, target, perturbed, csv_path, json_path, html_path, top, make_console()))
+    if perturbed is not None:
+        raise UserError("--perturbed DIR goes with --trend (the perturbed golden run's monitor)")
 
     fix_options = FindFixOptions(list(command or []), find_fix_runs, find_fix_dir, find_fix_json) if find_fix else None
     if command and not find_fix:

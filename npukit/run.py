@@ -40,6 +40,7 @@ class RunOptions:
     rdzv_conf: str | None = None  # torchrun's --rdzv-conf (is_host=1 on the node that hosts the store ...)
     local_addr: str | None = None  # torchrun's --local-addr: the address other nodes reach this one at
     golden: bool = False
+    golden_perturb: str | None = None  # a perturbed golden run at this precision (perturb.MANTISSA_BITS)
     seed: int | None = None
     dump: Path | None = None
     dump_level: str = "mix"
@@ -288,6 +289,10 @@ def _session_contexts(options: RunOptions, stack: contextlib.ExitStack) -> list:
 
 
 def _enter_sessions(options: RunOptions, stack: contextlib.ExitStack, sessions: list) -> None:
+    if options.golden_perturb is not None:  # first: the other sessions watch the perturbed run
+        from npukit.accuracy.perturb import PerturbSession
+
+        sessions.append(stack.enter_context(PerturbSession(options.golden_perturb)))
     if options.replay is not None:
         from npukit.accuracy.replay import ReplaySession
 
@@ -430,6 +435,11 @@ def _monitor_options(options: RunOptions) -> dict:
 
 
 def main(options: RunOptions) -> int:
+    if options.golden_perturb is not None:
+        from npukit.accuracy.perturb import check_precision
+
+        check_precision(options.golden_perturb)
+        options.golden = True
     _dump_options(options)  # a bad --dump-config or --dump-ops fails here, before any rank starts
     if options.nproc_per_node is not None:
         return _launch_torchrun(options)
