@@ -153,8 +153,9 @@ class TrendResult:
                     f"{_ranks_text(self.ranks)}), all {self.series} statistics of {self.records} records stay "
                     "inside the band the two golden runs spread over")
         rank = f" on rank {first.rank}" if len(self.ranks) > 1 else ""
+        where = f"in the model's {first.kind}" if first.kind in SCALARS else f"in {first.module()} ({first.what()})"
         return (f"Trend divergence: the NPU run leaves the golden band at step {first.first_step}{rank}, "
-                f"in {first.module()} ({first.what()}), and stays out through step "
+                f"{where}, and stays out through step "
                 f"{first.last_step}: NPU {_short(first.npu)}, golden {_short(first.golden)}, band "
                 f"+-{_short(first.half_width)} ({_times(first.times_out())} its half-width)")
 
@@ -368,8 +369,9 @@ def compare_trend(golden: Path, npu: Path, perturbed: Path | None = None) -> Tre
                 if begin >= 0:
                     values = (float(a[record, begin, stat_index]) for a in (g, p, n))
                     found.append((begin, position, rank, Departure(
-                        rank, kind, name, "value" if kind in SCALARS else statistic, steps[begin], steps[int(last[record, stat_index])], *values,
-                        float(half[record, begin, stat_index])), record, stat_index))
+                        rank, kind, name, "value" if kind in SCALARS else statistic, steps[begin],
+                        steps[int(last[record, stat_index])], *values, float(half[record, begin, stat_index])),
+                        record, stat_index))
         if found:
             first = min(found, key=lambda d: d[:3])
             shown = (first[4], first[5])
@@ -393,7 +395,8 @@ def compare_trend(golden: Path, npu: Path, perturbed: Path | None = None) -> Tre
     departures.sort(key=lambda d: d[:3])
     ordered = [d[3] for d in departures]
     plots = plots_of_rank[ordered[0].rank if ordered else closest_rank]
-    return TrendResult(golden, perturbed, npu, ranks, steps or [], records_count, series_count, ordered, plots, notes)
+    return TrendResult(golden, perturbed, npu, ranks, steps or [], records_count, series_count, ordered, plots,
+                       list(dict.fromkeys(notes)))  # each rank says the same
 
 
 def _series(rank: int, records: list[tuple[str, str]], record: int, statistic: int, steps: list[int],

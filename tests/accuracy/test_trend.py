@@ -1,0 +1,251 @@
+"""npu-compare --trend: where an NPU run's monitored statistics leave the band two golden runs spread
+over (a golden run and one rounded at the NPU run's precision: npu-run --golden-perturb)."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+from typer.testing import CliRunner
+
+from npukit.accuracy.monitor import MonitorSession
+from npukit.accuracy.perturb import PerturbSession
+from npukit.accuracy.trend import PAIRING_EXIT_CODE, MonitorsDoNotPair, compare_trend
+from npukit.cli import compare_app
+from npukit.errors import UserError
+from npukit.npu_backend import numerics
+
+pytestmark = pytest.mark.usefixtures("npu")
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.act1 = nn.Linear(16, 32), nn.Tanh()
+        self.fc2, self.act2 = nn.Linear(32, 32), nn.Tanh()
+        self.fc3 = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.fc3(self.act2(self.fc2(self.act1(self.fc1(x)))))
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """A tiny model's ops are fastest on one thread (several spin against each other on a loaded machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def train(out: Path, steps: int, run: str, lost_from: int | None = None, perturb: str | None = None, **monitor):
+    """`run`: "golden" (NPU numerics off, fp32), "npu" (bf16 autocast on the emulated NPU: benign mixed
+    precision) or "lost" (that, and from step `lost_from` on fc2's optimizer step runs in pure bf16: its
+    weights kept in bf16, so updates smaller than half an ulp of them are lost). The learning rate drops
+    20x at half the run, so late updates are small. Returns the monitor's alerts."""
+    torch.manual_seed(0)
+    model = MLP().to("npu")
+    data = torch.randn(64, 16, generator=torch.Generator().manual_seed(1)).to("npu")
+    target = torch.randn(64, 4, generator=torch.Generator().manual_seed(2)).to("npu")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    schedule = torch.optim.lr_scheduler.MultiStepLR(optimizer, [steps // 2], gamma=0.05)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_one_thread())
+        if run == "golden":
+            stack.enter_context(numerics.golden())
+        session = stack.enter_context(MonitorSession(out, rank=0, tensorboard=False, **monitor))
+        if perturb:
+            stack.enter_context(PerturbSession(perturb, rank=0))
+        for step in range(steps):
+            start = (step * 16) % 64
+            x, y = data[start:start + 16], target[start:start + 16]
+            with torch.autocast("npu", dtype=torch.bfloat16, enabled=run != "golden"):
+                loss = (model(x).float() - y).square().mean()
+            loss.backward()
+            weight = model.fc2.weight
+            if run == "lost" and step >= lost_from:
+                with torch.no_grad():
+                    lr = optimizer.param_groups[0]["lr"]
+                    kept = (weight.to(torch.bfloat16) - (lr * weight.grad).to(torch.bfloat16)).float()
+            optimizer.step()
+            if run == "lost" and step >= lost_from:
+                with torch.no_grad():
+                    weight.copy_(kept)
+            optimizer.zero_grad()
+            schedule.step()
+    return session.raised
+
+
+def golden_pair(folder: Path, steps: int) -> Path:
+    """The golden run and, beside it (GOLDEN.perturbed), the one rounded at bf16."""
+    assert train(folder / "golden", steps, "golden") == []
+    assert train(folder / "golden.perturbed", steps, "golden", perturb="bf16") == []
+    return folder / "golden"
+
+
+@pytest.fixture(scope="module")
+def golden_300(tmp_path_factory) -> Path:
+    return golden_pair(tmp_path_factory.mktemp("trend"), 300)
+
+
+def _check_late_departure(golden: Path, steps: int) -> None:
+    lost_from = steps * 3 // 4
+    npu = golden.parent / "npu_lost"
+    train(npu, steps, "lost", lost_from=lost_from)
+    result = compare_trend(golden, npu)
+    first = result.first()
+    assert result.exit_code() == 1
+    # fc2's weights, from just after the first pure-bf16 update (recorded at the next step) to the run's end
+    assert (first.module(), first.kind, first.last_step) == ("fc2", "weight", steps - 1)
+    assert lost_from < first.first_step <= lost_from + 10
+    assert f"step {first.first_step}" in result.headline() and "in fc2 " in result.headline()
+    assert all(d.first_step > lost_from for d in result.departures)  # nothing before it, however benign
+
+
+def _check_clean(golden: Path, steps: int) -> None:
+    npu = golden.parent / "npu_clean"
+    assert train(npu, steps, "npu") == []  # no monitor alert either
+    result = compare_trend(golden, npu)
+    assert result.departures == [] and result.exit_code() == 0
+    assert result.headline().startswith(f"No trend divergence: over steps 0-{steps - 1}")
+
+
+def test_updates_lost_late_in_a_pure_bf16_optimizer_step_are_named_at_their_step_and_module(golden_300):
+    _check_late_departure(golden_300, 300)
+
+
+def test_a_clean_bf16_autocast_run_stays_inside_the_band(golden_300):
+    _check_clean(golden_300, 300)
+
+
+@pytest.mark.slow
+def test_2000_steps_late_departure_and_clean_pair(tmp_path):
+    golden = golden_pair(tmp_path, 2000)
+    _check_late_departure(golden, 2000)
+    _check_clean(golden, 2000)
+
+
+def test_the_perturbed_run_rounds_arithmetic_at_the_precision_but_not_the_optimizer_nor_the_rng():
+    torch.manual_seed(3)
+    x, w = torch.randn(64, 32), torch.randn(32, 16)
+    exact = x @ w
+    parameter, unwatched = nn.Parameter(torch.randn(100)), nn.Parameter(torch.empty(100))
+    parameter.grad = torch.randn(100)
+    with torch.no_grad():
+        unwatched.copy_(parameter)
+    unwatched.grad = parameter.grad.clone()
+    torch.optim.SGD([unwatched], lr=0.1).step()
+    optimizer = torch.optim.SGD([parameter], lr=0.1)
+    torch.manual_seed(4)
+    with PerturbSession("bf16", rank=0):
+        rounded = x @ w
+        optimizer.step()
+        drawn = torch.rand(5)
+    relative = ((rounded - exact).abs() / exact.abs().clamp_min(1e-3)).median()
+    assert 2 ** -12 < relative < 2 ** -5  # a bf16 rounding's size, not fp32's and not a coarser one
+    assert torch.equal(parameter.detach(), unwatched.detach())  # the optimizer's arithmetic is left exact
+    torch.manual_seed(4)
+    assert torch.equal(drawn, torch.rand(5))  # the script's random stream is its own
+
+
+def _write_monitor(folder: Path, norms: list[float]) -> Path:
+    """A one-record monitor (npu-run --monitor's files) whose fc1 output norm takes these values."""
+    (folder / "rank0").mkdir(parents=True)
+    rows = ["step,kind,name,dtype,max,min,mean,norm,nan,inf"]
+    rows += [f"{step},activation,fc1,float32,1.0,-1.0,0.0,{norm!r},0.0,0.0" for step, norm in enumerate(norms)]
+    (folder / "rank0" / "monitor.csv").write_text("\n".join(rows) + "\n")
+    return folder
+
+
+def test_one_noisy_step_is_not_a_departure_five_in_a_row_are(tmp_path):
+    golden = _write_monitor(tmp_path / "golden", [10.0] * 100)
+    _write_monitor(tmp_path / "golden.perturbed", [10.0 + 0.001 * (-1) ** step for step in range(100)])
+    spike = [10.0] * 100
+    spike[60] = 10.1  # 20x the band's half-width (5 x 0.001), for one step
+    assert compare_trend(golden, _write_monitor(tmp_path / "spike", spike)).departures == []
+    drift = [10.0] * 60 + [10.1] * 5 + [10.0] * 35
+    first = compare_trend(golden, _write_monitor(tmp_path / "drift", drift)).first()
+    assert (first.name, first.statistic, first.first_step, first.last_step) == ("fc1", "norm", 60, 64)
+    inside = [10.0 + 0.004 * (-1) ** step for step in range(100)]  # 4x the golden runs' spread: inside 5x
+    assert compare_trend(golden, _write_monitor(tmp_path / "inside", inside)).departures == []
+
+
+# ----------------------------------------------------------------------------- pairing
+@pytest.fixture(scope="module")
+def short_pair(tmp_path_factory) -> Path:
+    return golden_pair(tmp_path_factory.mktemp("short"), 20)
+
+
+def _trend_cli(*args) -> tuple[int, str]:
+    """npu-compare --trend ARGS: its exit code and what it printed (a UserError as npu-compare says it: exit 2)."""
+    result = CliRunner().invoke(compare_app, ["--trend", *map(str, args)])
+    if isinstance(result.exception, UserError):
+        return 2, str(result.exception)
+    return result.exit_code, result.output
+
+
+def test_monitors_that_do_not_pair_are_refused_with_their_own_exit_code(short_pair, tmp_path):
+    other_modules = tmp_path / "modules"
+    train(other_modules, 20, "npu", modules=r"fc1")
+    code, output = _trend_cli(short_pair, other_modules)
+    assert code == PAIRING_EXIT_CODE and "do not pair" in output and "--monitor-modules" in output
+    sampled = tmp_path / "every2"
+    train(sampled, 20, "npu", every=2)
+    code, output = _trend_cli(short_pair, sampled)
+    assert code == PAIRING_EXIT_CODE and "monitored step 2 where the golden run's monitored step 1" in output
+    two_ranks = tmp_path / "ranks"
+    train(two_ranks, 20, "npu")
+    shutil.copytree(two_ranks / "rank0", two_ranks / "rank1")
+    code, output = _trend_cli(short_pair, two_ranks)
+    assert code == PAIRING_EXIT_CODE and "rank(s) 0, the NPU run rank(s) 0,1" in output
+    # a 'perturbed' golden run that is the golden run again has no band
+    unperturbed = tmp_path / "golden"
+    shutil.copytree(short_pair, unperturbed)
+    shutil.copytree(short_pair, tmp_path / "golden.perturbed")
+    with pytest.raises(MonitorsDoNotPair, match="band has no width"):
+        compare_trend(unperturbed, two_ranks / "rank0")
+
+
+def test_a_missing_perturbed_run_says_how_to_record_it(short_pair, tmp_path):
+    code, output = _trend_cli(tmp_path / "nowhere", short_pair)
+    assert code == 2 and "nowhere.perturbed" in output
+    lonely = tmp_path / "lonely"
+    shutil.copytree(short_pair, lonely)
+    code, output = _trend_cli(lonely, short_pair)
+    assert code == 2 and "--golden-perturb" in output and "lonely.perturbed" in output
+
+
+def test_npu_run_golden_perturb_and_the_trend_report(tmp_path):
+    """The journey: npu-run writes the three monitors, npu-compare --trend writes the page and the plot."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys, torch\n"
+        "torch.set_num_threads(1)\n"
+        "torch.manual_seed(0)\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2)).npu()\n"
+        "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "x, y = torch.randn(32, 8).npu(), torch.randn(32, 2).npu()\n"
+        "for step in range(30):\n"
+        "    with torch.autocast('npu', dtype=torch.bfloat16, enabled=sys.argv[1] == 'npu'):\n"
+        "        loss = (model(x).float() - y).square().mean()\n"
+        "    loss.backward(); optimizer.step(); optimizer.zero_grad()\n")
+    for options, folder, run in ((["--golden"], "golden", "golden"), (["--golden-perturb", "bf16"], "golden.perturbed",
+                                                                        "golden"), ([], "npu", "npu")):
+        subprocess.run([sys.executable, "-m", "npukit.run", *options, "--monitor", str(tmp_path / folder), str(script),
+                        run], check=True, cwd=tmp_path, timeout=300)
+    page = tmp_path / "trend.html"
+    code, output = _trend_cli(tmp_path / "golden", tmp_path / "npu", "--html", page, "--json", tmp_path / "trend.json")
+    assert code == 0, output
+    assert "No trend divergence: over steps 0-29" in output
+    svg = (tmp_path / "trend.svg").read_text()
+    assert svg.startswith("<svg") and "golden" in svg
+    text = page.read_text()
+    assert svg in text and "No trend divergence" in text
