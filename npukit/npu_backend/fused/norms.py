@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 
 from npukit.npu_backend.fused import (
-    LOW_PRECISION,
     fused_op,
     npu_numerics,
     register_autograd,
@@ -47,13 +46,12 @@ def npu_rms_norm(x, gamma, epsilon=1e-6):
           unfused="autograd of npu_rms_norm's decomposition", public=False)
 def npu_rms_norm_backward(dy, x, gamma, rstd):
     dims = _normalized_dims(x, gamma)
-    g32 = upcast(gamma)
-    # x_hat and the gradient are fp32 working tensors of this kernel, updated in place (fresh copies of
-    # fp16/bf16 inputs; an fp32 input itself is never written).
-    x_hat = x.float().mul_(rstd) if x.dtype in LOW_PRECISION else x * rstd
-    dy32 = upcast(dy)
-    dgamma = (dy32 * x_hat).sum(list(range(x.dim() - gamma.dim())))
-    dxhat = dy32.mul_(g32) if dy.dtype in LOW_PRECISION else dy32 * g32
+    # x_hat and the gradient are fp32 working tensors of this kernel, updated in place. A product of an
+    # fp16/bf16 tensor and an fp32 one converts the fp16/bf16 values in registers (ATen's type promotion):
+    # the same fp32 products as on fp32 copies, without the copies' passes.
+    x_hat = torch.mul(x, rstd)
+    dgamma = torch.mul(dy, x_hat).sum(list(range(x.dim() - gamma.dim())))
+    dxhat = torch.mul(dy, upcast(gamma))
     # d/dx of x * rstd(x): rstd * (dxhat - x_hat * mean(dxhat * x_hat)) over the normalized dims
     projection = (dxhat * x_hat).mean(dims, keepdim=True)
     dx = dxhat.sub_(x_hat.mul_(projection)).mul_(rstd)

@@ -1,6 +1,6 @@
-"""The one-pass C++ kernels of npu_swiglu and npu_rotary_mul (csrc/fused_kernels_impl.h) compute
-bit for bit what the op-by-op composition on fp32 working copies they replace computed: fp16/bf16
-read, fp32 inside, one rounding at the end. The compositions below are those ops' Python kernels as
+"""The one-pass C++ kernels of npu_swiglu and npu_rotary_mul (csrc/fused_kernels_impl.h), and
+npu_rms_norm_backward's fewer passes, compute bit for bit what the op-by-op composition on fp32
+working copies they replace computed: fp16/bf16 read, fp32 inside, one rounding at the end. The compositions below are those ops' Python kernels as
 they were (issue #30), forward and backward, on odd sizes (vector tails), a size ATen's elementwise
 loops split across threads, other split dims and non-contiguous inputs, on the npu and on the CPU
 (the golden reference)."""
@@ -165,3 +165,33 @@ def test_rotary_mul_fp32_tables_for_a_bf16_input():
     x = torch.randn(1, 2, 4, 64, dtype=torch.bfloat16).npu()
     cos, sin = torch.randn(1, 1, 4, 64).npu(), torch.randn(1, 1, 4, 64).npu()
     assert_same_bits(torch_npu.npu_rotary_mul(x, cos, sin), rotary_composition(x, cos, sin, "half", torch.bfloat16))
+
+
+# ---- npu_rms_norm_backward -----------------------------------------------------------------------
+
+def rms_norm_backward_composition(dy, x, gamma, rstd):
+    dims = list(range(x.dim() - gamma.dim(), x.dim()))
+    x_hat = upcast(x).mul_(rstd) if x.dtype != upcast(x).dtype else x * rstd
+    dy32 = upcast(dy)
+    dgamma = (dy32 * x_hat).sum(list(range(x.dim() - gamma.dim())))
+    dxhat = dy32 * upcast(gamma)
+    projection = (dxhat * x_hat).mean(dims, keepdim=True)
+    dx = dxhat.sub_(x_hat.mul_(projection)).mul_(rstd)
+    return dx.to(x.dtype), dgamma.to(gamma.dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shapes", [((3, 5, 37), (37,)), ((4, 6, 10), (6, 10)), ((2, 64, 512), (512,))],
+                         ids=lambda s: "x".join(map(str, s[0])))
+def test_rms_norm_backward_is_the_composition_bit_for_bit(device, dtype, shapes):
+    x_shape, gamma_shape = shapes
+    torch.manual_seed(3)
+    x, dy = (torch.randn(x_shape).to(dtype).to(device) for _ in range(2))
+    gamma = torch.randn(gamma_shape).to(dtype).to(device)
+    _, rstd = torch_npu.npu_rms_norm(x, gamma)
+    for grad in (dy, dy[:1].expand(x_shape)):  # an expanded gradient too
+        dx, dgamma = torch.ops.npu.npu_rms_norm_backward(grad, x, gamma, rstd)
+        expected_dx, expected_dgamma = rms_norm_backward_composition(grad, x, gamma, rstd)
+        assert_same_bits(dx, expected_dx)
+        assert_same_bits(dgamma, expected_dgamma)
