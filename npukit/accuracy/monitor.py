@@ -84,6 +84,9 @@ class MonitorSession:
         self._optimizer_stepped = False
         self._running_modules = 0  # forwards in progress
         self._outermost = None  # the module whose forward runs the others
+        self._ending: tuple | None = None  # (_StepRecord, skipped, loss_scale): see _on_step_end
+        self._clock: weakref.ref | None = None  # the optimizer whose step ends a training step
+        self._several_optimizers: bool | None = None  # found at the first step's end
         self._forward_steps = ForwardSteps()  # a run without optimizer.step still has bounded steps
         self._steps = TrainingSteps(self._on_step_end)
         self._paths = naming.ModulePaths()
@@ -144,7 +147,9 @@ class MonitorSession:
         self._handles = []
         self._local_gradient_hooks = {}
         self._steps.remove()
-        if self._buffer_used and not self.broken:  # a run without optimizer.step, or its last forward
+        if self._ending is not None and not self.broken:
+            self._guarded(self._finish_ending)()
+        if self._step.used and not self.broken:  # a run without optimizer.step, or its last forward
             self._guarded(self._finish_step)(None, False, None)
         self._active = False
         try:
@@ -179,19 +184,18 @@ class MonitorSession:
     # ------------------------------------------------------------------ recording
     def _new_step(self) -> None:
         self._buffer = StatsBuffer()
-        self._buffer_used = False
-        # kind, name, dtype, and a buffer slot or the statistics themselves (computed on the host already)
-        self._slots: list[tuple[str, str, torch.dtype, int | list[float]]] = []
-        self._calls: dict[str, int] = {}
-        self._measured: dict[int, tuple] = {}  # id(tensor) -> (weak reference, version, buffer slot)
-        self._loss_slot: int | None = None
-        # parameter, the norm's buffer slot (or the norm), lr / (1 - beta1^t) / sqrt(1 / (1 - beta2^t))
-        self._update_norms: list[tuple[str, int | float, float]] = []
-        self._local_grad_entries: dict[str, int] = {}  # parameter -> its grad_local entry in _slots
+        self._step = _StepRecord(self.step_index)
 
     def _monitored(self) -> bool:
-        step = self.step_index - self.start_step
-        return self._active and step >= 0 and step % self.every == 0
+        """The step being recorded is monitored (or, with several optimizers, the one whose end waits
+        for the other optimizers' steps)."""
+        ending = self._ending
+        return self._active and (self._is_monitored(self.step_index)
+                                 or (ending is not None and self._is_monitored(ending[0].step)))
+
+    def _is_monitored(self, step: int) -> bool:
+        step -= self.start_step
+        return step >= 0 and step % self.every == 0
 
     def _keeps(self, path: str) -> bool:
         kept = self._kept.get(path)
@@ -205,14 +209,15 @@ class MonitorSession:
         # The same tensor seen twice in a step (a Sequential's output is its last layer's; a residual
         # add hands one gradient to both branches) is measured once, unless changed in place since.
         # By identity, not by address: a freed tensor's memory is reused within the step.
-        seen = self._measured.get(id(tensor))
+        record = self._step
+        seen = record.measured.get(id(tensor))
         if seen is not None and seen[0]() is tensor and seen[1] == tensor._version:
             slot = seen[2]
         else:
             slot = self._buffer.add(tensor)
-            self._measured[id(tensor)] = (weakref.ref(tensor), tensor._version, slot)
-        self._buffer_used = True
-        self._slots.append((kind, name, tensor.dtype, slot))
+            record.measured[id(tensor)] = (weakref.ref(tensor), tensor._version, slot)
+        record.used = True
+        record.slots.append((kind, name, tensor.dtype, slot))
 
     def _on_module_pre_forward(self, module, args) -> None:
         if not self._running_modules:
@@ -235,26 +240,26 @@ class MonitorSession:
         path = naming.module_path(self._paths, module, outer) or type(module).__name__
         if not self._keeps(path):
             return
-        calls = self._calls.get(path, 0)
-        self._calls[path] = calls + 1
-        name = path if calls == 0 else f"{path}.call{calls}"
+        calls = self._step.calls.get(path, 0)
+        self._step.calls[path] = calls + 1
         if self._distributed():
             self._watch_local_gradients(module, path)
         outputs = [t for t in tensors_in(output) if t.is_floating_point()]
         for index, tensor in enumerate(outputs):
-            leaf = name if len(outputs) == 1 else f"{name}.{index}"
+            leaf = _Leaf(path, calls, "" if len(outputs) == 1 else f".{index}")
+            self._step.leaves.append(leaf)
             self._add("activation", leaf, tensor)
             if tensor.requires_grad and torch.is_grad_enabled():
                 tensor.register_hook(self._gradient_hook(leaf))
 
-    def _gradient_hook(self, leaf: str):
+    def _gradient_hook(self, leaf: _Leaf):
         on_gradient = self._guarded(self._on_activation_grad)
 
         def hook(gradient):
             on_gradient(leaf, gradient)
         return hook
 
-    def _on_activation_grad(self, leaf: str, gradient) -> None:
+    def _on_activation_grad(self, leaf: _Leaf, gradient) -> None:
         if gradient is not None and self._monitored():
             self._add("activation_grad", leaf, gradient)
 
@@ -287,20 +292,22 @@ class MonitorSession:
         if parameter.grad is None or self._in_optimizer or not self._monitored():
             return
         # accumulated over several backwards (micro-batches): the last one is what the reduce gets
-        entry = self._local_grad_entries.get(name)
-        recorded = len(self._slots)
+        slots = self._step.slots
+        entry = self._step.local_grads.get(name)
+        recorded = len(slots)
         self._add("grad_local", name, parameter.grad.detach())
-        if len(self._slots) == recorded:  # not a floating-point gradient, or an empty one
+        if len(slots) == recorded:  # not a floating-point gradient, or an empty one
             return
         if entry is not None:
-            self._slots[entry] = self._slots.pop()
+            slots[entry] = slots.pop()
         else:
-            self._local_grad_entries[name] = len(self._slots) - 1
+            self._step.local_grads[name] = len(slots) - 1
 
     def _on_backward(self, tensor) -> None:
-        if self._loss_slot is None and self._monitored() and tensor.numel() == 1 and tensor.is_floating_point():
-            self._loss_slot = self._buffer.add(tensor.detach().reshape(()))
-            self._buffer_used = True
+        record = self._step
+        if record.loss_slot is None and self._monitored() and tensor.numel() == 1 and tensor.is_floating_point():
+            record.loss_slot = self._buffer.add(tensor.detach().reshape(()))
+            record.used = True
 
     def _parameter_name(self, parameter, group: int, index: int) -> tuple[str, str]:
         """(the parameter's dotted name, its module's path), from the modules seen running."""
@@ -332,6 +339,8 @@ class MonitorSession:
                 self._add("grad", name, parameter.grad.detach())
 
     def _on_optimizer_pre_step(self, optimizer, args, kwargs) -> None:
+        if self._ending is not None and self._in_optimizer == 0 and self._is_clock(optimizer):
+            self._finish_ending()  # the next training step's first optimizer: the last one ended
         self._in_optimizer += 1
         self._optimizer_stepped = True
         if self._monitored() and self._in_optimizer == 1:
@@ -341,6 +350,14 @@ class MonitorSession:
         self._in_optimizer = max(0, self._in_optimizer - 1)
         if self._monitored() and isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
             self._record_adam(optimizer)
+        if self._in_optimizer == 0 and self._clock is not None and not self._is_clock(optimizer):
+            self._several_optimizers = True
+            if self._ending is not None:  # what led to this optimizer's step is the ending step's
+                self._ending[0].absorb(self._step)
+                self._step = _StepRecord(self.step_index, continues=self._ending[0])
+
+    def _is_clock(self, optimizer) -> bool:
+        return self._clock is not None and self._clock() is optimizer
 
     def _record_adam(self, optimizer) -> None:
         """exp_avg, exp_avg_sq, and the norm of Adam's step direction m^ / (sqrt(v^) + eps) per
@@ -362,10 +379,10 @@ class MonitorSession:
             read_once = _adam_state_in_one_read(m, v, group["eps"] / root_c2)
             if read_once is not None:
                 m_stats, v_stats, update_norm = read_once
-                self._slots.append(("exp_avg", name, m.dtype, m_stats))
-                self._slots.append(("exp_avg_sq", name, v.dtype, v_stats))
-                self._update_norms.append((name, update_norm, scale))
-                self._buffer_used = True
+                self._step.slots.append(("exp_avg", name, m.dtype, m_stats))
+                self._step.slots.append(("exp_avg_sq", name, v.dtype, v_stats))
+                self._step.update_norms.append((name, update_norm, scale))
+                self._step.used = True
                 continue
             self._add("exp_avg", name, m)
             self._add("exp_avg_sq", name, v)
@@ -377,25 +394,61 @@ class MonitorSession:
                 norms = torch._foreach_norm(torch._foreach_div([state["exp_avg"] for _, state, _, _ in members],
                                                                denominator))
             for (name, _, _, scale), norm in zip(members, norms):
-                self._update_norms.append((name, self._buffer.add(norm), scale))
+                self._step.update_norms.append((name, self._buffer.add(norm), scale))
 
     # ------------------------------------------------------------------ step end
     def _on_step_end(self, optimizer, skipped: bool, loss_scale: float | None) -> None:
         self._optimizer_stepped = True
         if not self.broken:
-            self._guarded(self._finish_step)(optimizer, skipped, loss_scale)
+            self._guarded(self._end_training_step)(optimizer, skipped, loss_scale)
+
+    def _end_training_step(self, optimizer, skipped: bool, loss_scale: float | None) -> None:
+        """The first optimizer's step ended a training step (watch.steps.TrainingSteps). With several
+        optimizers (a GAN's D and G, two optimizers over parameter groups), the others step after it in
+        the same training step: the step is written when the first optimizer's next step begins, with
+        what led to each other optimizer's step (its forward, backward, weights, gradients, state)."""
+        if self._clock is None or self._clock() is None:
+            self._clock = weakref.ref(optimizer) if optimizer is not None else None
+        if self._several_optimizers is None:
+            self._several_optimizers = _optimizers_alive() > 1
+        if not self._several_optimizers:
+            self._finish_step(optimizer, skipped, loss_scale)
+            return
+        if self._ending is not None:  # a step GradScaler skipped starts no optimizer.step: no pre-hook ended it
+            self._finish_ending()
+        if skipped and self._monitored() and self._step.used:
+            self._record_parameters(optimizer)  # now: zero_grad may come before the step is written
+        self._ending = (self._step, skipped, loss_scale)
+        self.step_index += 1
+        self._step = _StepRecord(self.step_index, continues=self._step)
+
+    def _finish_ending(self) -> None:
+        """Write the step whose end waited for the other optimizers; what was recorded since their
+        last step is the next step's, its values kept (the buffer they were in goes with this step)."""
+        (record, skipped, loss_scale), self._ending = self._ending, None
+        buffer, following = self._buffer, self._step
+        self._buffer = StatsBuffer()
+        values = buffer.resolve() if record.used or following.used else []  # one device->host copy
+        following.own_step(record, values)
+        self._finish(record, buffer, values, skipped, loss_scale)
 
     def _finish_step(self, optimizer, skipped: bool, loss_scale: float | None) -> None:
-        step = self.step_index
-        monitored = self._monitored() and self._buffer_used
-        if monitored and skipped:  # GradScaler.step ran no optimizer.step: no pre-hook saw the (inf/nan) gradients
+        if self._monitored() and self._step.used and skipped:
+            # GradScaler.step ran no optimizer.step: no pre-hook saw the (inf/nan) gradients
             self._record_parameters(optimizer)
-        buffer, slots, loss_slot, update_norms = self._buffer, self._slots, self._loss_slot, self._update_norms
-        self._new_step()
+        record, buffer = self._step, self._buffer
         self.step_index += 1
-        if not monitored:
+        self._new_step()
+        self._finish(record, buffer, None, skipped, loss_scale)
+
+    def _finish(self, record: _StepRecord, buffer: StatsBuffer, values: list | None, skipped: bool,
+                loss_scale: float | None) -> None:
+        step = record.step
+        if not (self._is_monitored(step) and record.used):
             return
-        values = buffer.resolve()  # the step's one device->host copy
+        if values is None:
+            values = buffer.resolve()  # the step's one device->host copy
+        slots, loss_slot, update_norms = record.slots, record.loss_slot, record.update_norms
         unscale = 1.0 / loss_scale if loss_scale else 1.0
         records = []
         squares = 0.0
@@ -403,7 +456,7 @@ class MonitorSession:
             stats = values[slot] if isinstance(slot, int) else slot
             if stats is None:
                 continue
-            stats = list(stats)
+            stats, name = list(stats), str(name)
             if kind in ("activation_grad", "grad_local") and unscale != 1.0:
                 stats[:4] = [value * unscale for value in stats[:4]]
             if kind == "grad":
@@ -418,8 +471,9 @@ class MonitorSession:
                 records.append(Record("update_ratio", name, torch.float32, [ratio, ratio, ratio, abs(ratio), 0.0, 0.0]))
         grad_norm = math.sqrt(squares) if any(r.kind == "grad" for r in records) else None
         loss = None
-        if loss_slot is not None and values[loss_slot] is not None:
-            loss = values[loss_slot][2] * unscale  # the mean of a one-element tensor: its value
+        loss_values = values[loss_slot] if isinstance(loss_slot, int) else loss_slot
+        if loss_values is not None:
+            loss = loss_values[2] * unscale  # the mean of a one-element tensor: its value
         alerts = self.alerts.judge(step, records, loss, grad_norm, skipped, loss_scale)
         for alert in alerts:
             print(f"npukit monitor: {alert.message}", file=sys.stderr)
@@ -471,6 +525,76 @@ class MonitorSession:
             values += [(tag, value) for tag, value in (("loss", loss), ("grad_norm", grad_norm),
                                                        ("loss_scale", loss_scale)) if value is not None]
             events.write(step, values)
+
+
+class _Leaf:
+    """A module output's record name, `path`, `path.call1` ... (+ `.0`, `.1` for several outputs):
+    numbered by the module's calls in the step, renumbered when a step's tail turns out to start the next."""
+    __slots__ = ("path", "call", "suffix")
+
+    def __init__(self, path: str, call: int, suffix: str) -> None:
+        self.path, self.call, self.suffix = path, call, suffix
+
+    def __str__(self) -> str:
+        return (self.path if self.call == 0 else f"{self.path}.call{self.call}") + self.suffix
+
+
+class _StepRecord:
+    """What one training step recorded, until it is written. slots: (kind, name, dtype, a buffer slot
+    or the statistics themselves); update_norms: (parameter, the norm's buffer slot or the norm,
+    lr / (1 - beta1^t) / sqrt(1 / (1 - beta2^t))); loss_slot: a buffer slot or the statistics."""
+
+    def __init__(self, step: int, continues: _StepRecord | None = None) -> None:
+        self.step = step
+        self.used = False
+        self.slots: list[tuple[str, str | _Leaf, torch.dtype, int | list[float]]] = []
+        # a tail that may still join the step it follows (several optimizers) numbers calls on from it
+        self.calls: dict[str, int] = dict(continues.calls) if continues is not None else {}
+        self.leaves: list[_Leaf] = []
+        self.measured: dict[int, tuple] = {}  # id(tensor) -> (weak reference, version, buffer slot)
+        self.loss_slot: int | list[float] | None = None
+        self.update_norms: list[tuple[str, int | float, float]] = []
+        self.local_grads: dict[str, int] = {}  # parameter -> its grad_local entry in slots
+
+    def absorb(self, tail: _StepRecord) -> None:
+        """The records made since this step's first optimizer stepped, up to another optimizer's step."""
+        offset = len(self.slots)
+        for name, entry in tail.local_grads.items():
+            if name in self.local_grads:  # the gradient this step's reduce got came first
+                tail.slots[entry] = None
+            else:
+                self.local_grads[name] = entry + offset
+        self.slots += [slot for slot in tail.slots if slot is not None]
+        self.calls, self.leaves = tail.calls, self.leaves + tail.leaves
+        self.update_norms += tail.update_norms
+        if self.loss_slot is None:
+            self.loss_slot = tail.loss_slot
+        self.used = self.used or tail.used
+        self.measured = {}  # a slot of the tail is not one to share
+
+    def own_step(self, ended: _StepRecord, values: list) -> None:
+        """This tail starts the next step after all: its calls numbered from 0, its statistics taken
+        out of the buffer that goes with the ended step."""
+        for leaf in self.leaves:
+            leaf.call -= ended.calls.get(leaf.path, 0)
+        self.calls = {path: count - ended.calls.get(path, 0) for path, count in self.calls.items()
+                      if count > ended.calls.get(path, 0)}
+        self.slots = [(kind, name, dtype, values[slot] if isinstance(slot, int) else slot)
+                      for kind, name, dtype, slot in self.slots]
+        self.update_norms = [(name, values[slot][2] if isinstance(slot, int) else slot, scale)
+                             for name, slot, scale in self.update_norms]
+        if isinstance(self.loss_slot, int):
+            self.loss_slot = values[self.loss_slot]
+        self.measured = {}
+
+
+def _optimizers_alive() -> int:
+    """How many optimizers exist (one scan of the heap, once per run). type(obj), not isinstance:
+    isinstance reads __class__, which deprecated objects warn on."""
+    import gc
+
+    optimizer = torch.optim.Optimizer
+    return sum(1 for obj in gc.get_objects() if issubclass(type(obj), optimizer))
 
 
 def _adam_state_in_one_read(m: torch.Tensor, v: torch.Tensor, eps: float):

@@ -500,3 +500,55 @@ def test_on_two_ranks_each_gradient_is_recorded_before_and_after_the_reduce(tmp_
         # the reduce averages: so are the means
         assert float(after[0]["mean"]) == pytest.approx((float(local[0]["mean"]) + float(local[1]["mean"])) / 2,
                                                         rel=1e-5, abs=1e-7), name
+
+
+@pytest.mark.parametrize("order", ["gan", "groups"])
+def test_each_of_several_optimizers_has_its_state_recorded_in_its_training_step(tmp_path, order):
+    """A GAN (D steps, then G's forward through D, backward and step) and two optimizers over parameter
+    groups stepping one after the other: a step per training step, each optimizer's parameters once in
+    it, with the state its own step left."""
+    torch.manual_seed(12)
+    generator = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 6)).to("npu")
+    critic = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1)).to("npu")
+    g_optimizer = torch.optim.Adam(generator.parameters(), lr=1e-2)
+    d_optimizer = torch.optim.AdamW(critic.parameters(), lr=1e-3)
+    seen: list[dict] = []
+    with MonitorSession(tmp_path / "mon", rank=0):
+        for _ in range(4):
+            z, real = torch.randn(5, 4, device="npu"), torch.randn(5, 6, device="npu")
+            fake = generator(z)
+            if order == "gan":
+                d_loss = critic(real).mean() - critic(fake.detach()).mean()
+                d_optimizer.zero_grad()
+                d_loss.backward()
+                d_optimizer.step()
+                g_optimizer.zero_grad()
+                (-critic(fake).mean()).backward()
+                g_optimizer.step()
+            else:
+                d_loss = critic(fake).square().mean()
+                d_loss.backward()
+                d_optimizer.step()
+                g_optimizer.step()
+                d_optimizer.zero_grad()
+                g_optimizer.zero_grad()
+            seen.append({"loss": d_loss.item(),
+                         **{(model, i): optimizer.state[p]["exp_avg"].clone()
+                            for model, optimizer in (("g", g_optimizer), ("d", d_optimizer))
+                            for i, p in enumerate((generator if model == "g" else critic).parameters())}})
+    rows = _rows(tmp_path / "mon" / "rank0" / "monitor.csv")
+    scalars = _rows(tmp_path / "mon" / "rank0" / "scalars.csv")
+    assert [int(r["step"]) for r in scalars] == [0, 1, 2, 3]  # once per training step, none left over
+    assert [float(r["loss"]) for r in scalars] == pytest.approx([s["loss"] for s in seen], rel=1e-6)
+    for step, expected in enumerate(seen):
+        state = [r for r in rows if int(r["step"]) == step and r["kind"] == "exp_avg"]
+        assert len(state) == 8  # each optimizer's 4 parameters, once
+        by_norm = sorted(float(r["norm"]) for r in state)
+        assert by_norm == pytest.approx(sorted(float(t.double().norm()) for t in list(expected.values())[1:]),
+                                        rel=1e-5)
+        kinds = {r["kind"] for r in rows if int(r["step"]) == step}
+        assert {"weight", "grad", "exp_avg_sq", "update_ratio"} <= kinds
+        activations = [r["name"] for r in rows if int(r["step"]) == step and r["kind"] == "activation"]
+        assert len(activations) == len(set(activations))
+        # the same modules each step, named alike
+        assert activations == [r["name"] for r in rows if int(r["step"]) == 0 and r["kind"] == "activation"]
