@@ -344,17 +344,23 @@ def compare_trend(golden: Path, npu: Path, perturbed: Path | None = None) -> Tre
     notes: list[str] = []
     departures: list[tuple[int, int, int, Departure]] = []  # (step index, causal position, rank, departure)
     plots_of_rank: dict[int, list[Series]] = {}  # the rank's first departure (or closest) and its loss
-    steps: list[int] | None = None
     records_count = series_count = 0
     identical = True
     closest_ratio, closest_rank = -1.0, ranks[0]
+    loaded = {rank: [read_monitor(folders[role][rank]) for role in ("golden", "perturbed golden", "NPU")]
+              for rank in ranks}
+    paired = {rank: _pair(*monitors, notes) for rank, monitors in loaded.items()}
+    # the steps every rank monitored (one may have stopped first)
+    steps = min((rank_steps for rank_steps, _ in paired.values()), key=len)
+    for rank, (rank_steps, _) in paired.items():
+        if rank_steps[:len(steps)] != steps:
+            raise MonitorsDoNotPair(f"the monitors do not pair: rank {rank} monitored steps {rank_steps[0]}, "
+                                    f"{rank_steps[1]} ..., rank {ranks[0]} steps {steps[0]}, {steps[1]} ...")
+        if len(rank_steps) > len(steps):
+            notes.append(f"rank {rank} monitored {len(rank_steps)} steps, another rank {len(steps)}: steps "
+                         f"{steps[0]}-{steps[-1]} compared")
     for rank in ranks:
-        monitors = [read_monitor(folders[role][rank]) for role in ("golden", "perturbed golden", "NPU")]
-        rank_steps, records = _pair(*monitors, notes)
-        if steps is not None and rank_steps != steps:
-            raise MonitorsDoNotPair(f"the monitors do not pair: rank {rank} monitored steps {rank_steps[0]}-"
-                                    f"{rank_steps[-1]}, rank {ranks[0]} steps {steps[0]}-{steps[-1]}")
-        steps = rank_steps
+        monitors, records = loaded.pop(rank), paired[rank][1]
         g, p, n = (_aligned(monitor, records, len(steps)) for monitor in monitors)
         identical = identical and bool(np.array_equal(g, p, equal_nan=True))
         half = band_half_width(g, p)
@@ -395,7 +401,7 @@ def compare_trend(golden: Path, npu: Path, perturbed: Path | None = None) -> Tre
     departures.sort(key=lambda d: d[:3])
     ordered = [d[3] for d in departures]
     plots = plots_of_rank[ordered[0].rank if ordered else closest_rank]
-    return TrendResult(golden, perturbed, npu, ranks, steps or [], records_count, series_count, ordered, plots,
+    return TrendResult(golden, perturbed, npu, ranks, steps, records_count, series_count, ordered, plots,
                        list(dict.fromkeys(notes)))  # each rank says the same
 
 

@@ -4,6 +4,7 @@ over (a golden run and one rounded at the NPU run's precision: npu-run --golden-
 from __future__ import annotations
 
 import contextlib
+import math
 import shutil
 import subprocess
 import sys
@@ -156,12 +157,12 @@ def test_the_perturbed_run_rounds_arithmetic_at_the_precision_but_not_the_optimi
     assert torch.equal(drawn, torch.rand(5))  # the script's random stream is its own
 
 
-def _write_monitor(folder: Path, norms: list[float]) -> Path:
+def _write_monitor(folder: Path, norms: list[float], rank: int = 0) -> Path:
     """A one-record monitor (npu-run --monitor's files) whose fc1 output norm takes these values."""
-    (folder / "rank0").mkdir(parents=True)
+    (folder / f"rank{rank}").mkdir(parents=True, exist_ok=True)
     rows = ["step,kind,name,dtype,max,min,mean,norm,nan,inf"]
     rows += [f"{step},activation,fc1,float32,1.0,-1.0,0.0,{norm!r},0.0,0.0" for step, norm in enumerate(norms)]
-    (folder / "rank0" / "monitor.csv").write_text("\n".join(rows) + "\n")
+    (folder / f"rank{rank}" / "monitor.csv").write_text("\n".join(rows) + "\n")
     return folder
 
 
@@ -176,6 +177,22 @@ def test_one_noisy_step_is_not_a_departure_five_in_a_row_are(tmp_path):
     assert (first.name, first.statistic, first.first_step, first.last_step) == ("fc1", "norm", 60, 64)
     inside = [10.0 + 0.004 * (-1) ** step for step in range(100)]  # 4x the golden runs' spread: inside 5x
     assert compare_trend(golden, _write_monitor(tmp_path / "inside", inside)).departures == []
+
+
+def test_the_rank_that_departs_first_a_nan_and_a_run_that_stopped_early(tmp_path):
+    golden_norms, perturbed_norms = [10.0] * 100, [10.0 + 0.001 * (-1) ** step for step in range(100)]
+    for rank in (0, 1):
+        _write_monitor(tmp_path / "golden", golden_norms, rank)
+        _write_monitor(tmp_path / "golden.perturbed", perturbed_norms, rank)
+    _write_monitor(tmp_path / "npu", [10.0] * 50 + [10.5] * 50, rank=0)
+    _write_monitor(tmp_path / "npu", [10.0] * 40 + [math.nan] * 20, rank=1)  # nan from step 40, then it stopped
+    result = compare_trend(tmp_path / "golden", tmp_path / "npu")
+    first = result.first()
+    assert (first.rank, first.first_step, first.last_step) == (1, 40, 59)
+    assert "at step 40 on rank 1" in result.headline() and "beyond any multiple of its half-width" in result.headline()
+    # rank 0's departure follows; the steps compared are those rank 1 monitored too, and a note says so
+    assert [(d.rank, d.first_step, d.last_step) for d in result.departures] == [(1, 40, 59), (0, 50, 59)]
+    assert result.steps == list(range(60)) and any("steps 0-59 compared" in note for note in result.notes)
 
 
 # ----------------------------------------------------------------------------- pairing
