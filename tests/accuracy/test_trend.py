@@ -157,6 +157,18 @@ def test_the_perturbed_run_rounds_arithmetic_at_the_precision_but_not_the_optimi
     assert torch.equal(drawn, torch.rand(5))  # the script's random stream is its own
 
 
+def test_hf32_rounds_only_the_cube_units_inputs_and_a_bad_precision_is_named():
+    torch.manual_seed(3)
+    x, w = torch.randn(64, 32), torch.randn(32, 16)
+    with PerturbSession("hf32", rank=0):
+        product, shifted = x @ w, x + 1.0
+    relative = ((product - x @ w).abs() / (x @ w).abs().clamp_min(1e-3)).median()
+    assert 2 ** -16 < relative < 2 ** -9  # HF32's 10 mantissa bits, on the inputs
+    assert torch.equal(shifted, x + 1.0)  # the vector unit computes in fp32 under HF32
+    with pytest.raises(UserError, match="--golden-perturb 'fp8': expected one of fp16, bf16, hf32, fp32"):
+        PerturbSession("fp8")
+
+
 def _write_monitor(folder: Path, norms: list[float], rank: int = 0) -> Path:
     """A one-record monitor (npu-run --monitor's files) whose fc1 output norm takes these values."""
     (folder / f"rank{rank}").mkdir(parents=True, exist_ok=True)
