@@ -5,7 +5,7 @@ masked CRC-32C of the length, an `Event` protocol buffer, masked CRC-32C of the 
 `file_version: "brain.Event:2"` event. Written here because SummaryWriter needs the tensorboard
 package (grpcio, protobuf, werkzeug ... for a run that only writes numbers) and checksums every
 record in pure Python (3 ms per 10 kB measured): a monitored step's few thousand scalars go in one
-event whose checksum is computed over many chunks at once with numpy.
+event, checksummed in C (npukit.accuracy._stats.crc32c).
 """
 
 from __future__ import annotations
@@ -19,68 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-_CASTAGNOLI = 0x82F63B78  # CRC-32C's polynomial, reflected
-
-
-@lru_cache(maxsize=1)
-def _byte_table() -> np.ndarray:
-    table = np.arange(256, dtype=np.uint32)
-    for _ in range(8):
-        table = np.where(table & 1, (table >> 1) ^ np.uint32(_CASTAGNOLI), table >> 1).astype(np.uint32)
-    return table
-
-
-@lru_cache(maxsize=64)
-def _zeros_tables(count: int) -> np.ndarray:
-    """4 x 256 tables: the CRC state x after `count` zero bytes is the XOR of tables[i][byte i of x]
-    (the update is linear over GF(2) without its initial and final inversions)."""
-    if count == 1:
-        table = _byte_table()
-        images = np.array([1 << bit for bit in range(32)], dtype=np.uint32)
-        images = table[images & 0xFF] ^ (images >> 8)
-    else:
-        half = _zeros_tables(count // 2)
-        basis = np.array([1 << bit for bit in range(32)], dtype=np.uint32)
-        images = _shift(_shift(basis, half), half) if count % 2 == 0 else _shift(_shift(basis, half), _zeros_tables(count - count // 2))
-    values = np.arange(256, dtype=np.uint32)
-    tables = np.zeros((4, 256), dtype=np.uint32)
-    for byte in range(4):
-        for bit in range(8):
-            tables[byte] ^= np.where((values >> bit) & 1, images[8 * byte + bit], np.uint32(0)).astype(np.uint32)
-    return tables
-
-
-def _shift(states: np.ndarray, tables: np.ndarray) -> np.ndarray:
-    return (tables[0][states & 0xFF] ^ tables[1][(states >> 8) & 0xFF] ^ tables[2][(states >> 16) & 0xFF]
-            ^ tables[3][states >> 24])
-
-
-_CHUNK = 16
-
-
-def crc32c(data: bytes) -> int:
-    """CRC-32C (Castagnoli) of `data`, as TFRecord checksums it."""
-    table = _byte_table()
-    if len(data) <= 256:
-        state = 0xFFFFFFFF
-        for byte in data:
-            state = int(table[(state ^ byte) & 0xFF]) ^ (state >> 8)
-        return state ^ 0xFFFFFFFF
-    head = bytes(b ^ 0xFF for b in data[:4]) + data[4:]  # the initial 0xFFFFFFFF, as inverted first bytes
-    # Leading zero bytes leave a zero state unchanged: pad to chunks x _CHUNK, chunks a power of two,
-    # run every chunk at once, then fold neighbours (the left one shifted past the right one's bytes).
-    chunks = 1 << (-(-len(head) // _CHUNK) - 1).bit_length()
-    padded = np.zeros(chunks * _CHUNK, dtype=np.uint8)
-    padded[len(padded) - len(head):] = np.frombuffer(head, dtype=np.uint8)
-    columns = padded.reshape(chunks, _CHUNK).T.astype(np.uint32)
-    states = np.zeros(chunks, dtype=np.uint32)
-    for column in columns:
-        states = table[(states ^ column) & 0xFF] ^ (states >> 8)
-    width = _CHUNK
-    while len(states) > 1:
-        states = _shift(states[0::2], _zeros_tables(width)) ^ states[1::2]
-        width *= 2
-    return int(states[0]) ^ 0xFFFFFFFF
+from npukit.accuracy._stats import crc32c
 
 
 def masked_crc32c(data: bytes) -> int:

@@ -324,7 +324,30 @@ static PyObject *py_adam_stats(PyObject *self, PyObject *args) {
                          v_stats.sum, v_stats.sumsq, update_sumsq, finite ? Py_True : Py_False);
 }
 
+/* crc32c(data) -> int: CRC-32C (Castagnoli), as TFRecord files checksum their records (the
+ * monitor's TensorBoard events). Byte-wise from a table: ~1 GB/s, a step's event in microseconds. */
+static PyObject *py_crc32c(PyObject *self, PyObject *args) {
+    static uint32_t table[256];
+    static bool ready = false;
+    if (!ready) {
+        for (uint32_t byte = 0; byte < 256; byte++) {
+            uint32_t crc = byte;
+            for (int bit = 0; bit < 8; bit++) crc = crc & 1 ? (crc >> 1) ^ 0x82F63B78u : crc >> 1;
+            table[byte] = crc;
+        }
+        ready = true;
+    }
+    Py_buffer data;
+    if (!PyArg_ParseTuple(args, "y*", &data)) return NULL;
+    const unsigned char *bytes = (const unsigned char *)data.buf;
+    uint32_t crc = 0xFFFFFFFFu;
+    Py_BEGIN_ALLOW_THREADS for (Py_ssize_t i = 0; i < data.len; i++) crc = table[(crc ^ bytes[i]) & 0xFF] ^ (crc >> 8);
+    Py_END_ALLOW_THREADS PyBuffer_Release(&data);
+    return PyLong_FromUnsignedLong(crc ^ 0xFFFFFFFFu);
+}
+
 static PyMethodDef methods[] = {
+    {"crc32c", py_crc32c, METH_VARARGS, "CRC-32C (Castagnoli) of a bytes-like object."},
     {"stats", py_stats, METH_VARARGS, "One-pass (max, min, sum, sumsq, finite) of a strided host tensor, or None."},
     {"adam_stats", py_adam_stats, METH_VARARGS, "One-pass statistics of Adam's m and v and the update's sum of squares."},
     {NULL, NULL, 0, NULL},
