@@ -81,6 +81,7 @@ class Departure:
     perturbed: float
     npu: float
     half_width: float  # the band's at first_step
+    peak: float = math.nan  # the most it was outside, in half-widths, over first_step .. last_step
 
     def record(self) -> str:
         return f"{self.kind} {self.name}" if self.name else self.kind
@@ -105,7 +106,7 @@ class Departure:
 
     def as_json(self) -> dict:
         record = {key: getattr(self, key) for key in ("rank", "kind", "name", "statistic", "first_step", "last_step")}
-        for key in ("golden", "perturbed", "npu", "half_width"):
+        for key in ("golden", "perturbed", "npu", "half_width", "peak"):
             value = getattr(self, key)
             record[key] = value if math.isfinite(value) else str(value)
         record["module"] = self.module()
@@ -157,7 +158,8 @@ class TrendResult:
         return (f"Trend divergence: the NPU run leaves the golden band at step {first.first_step}{rank}, "
                 f"{where}, and stays out through step "
                 f"{first.last_step}: NPU {_short(first.npu)}, golden {_short(first.golden)}, band "
-                f"+-{_short(first.half_width)} ({_times(first.times_out())} its half-width)")
+                f"+-{_short(first.half_width)} ({_times(first.times_out())} its half-width; at most "
+                f"{_times(first.peak)} over those steps)")
 
     def as_json(self) -> dict:
         return {"golden": str(self.golden), "perturbed_golden": str(self.perturbed), "npu": str(self.npu),
@@ -374,10 +376,12 @@ def compare_trend(golden: Path, npu: Path, perturbed: Path | None = None) -> Tre
                 begin = int(start[record, stat_index])
                 if begin >= 0:
                     values = (float(a[record, begin, stat_index]) for a in (g, p, n))
+                    end = int(last[record, stat_index]) + 1
                     found.append((begin, position, rank, Departure(
-                        rank, kind, name, "value" if kind in SCALARS else statistic, steps[begin],
-                        steps[int(last[record, stat_index])], *values, float(half[record, begin, stat_index])),
-                        record, stat_index))
+                        rank, kind, name, "value" if kind in SCALARS else statistic, steps[begin], steps[end - 1],
+                        *values, float(half[record, begin, stat_index]),
+                        _peak(g[record, begin:end, stat_index], n[record, begin:end, stat_index],
+                              half[record, begin:end, stat_index])), record, stat_index))
         if found:
             first = min(found, key=lambda d: d[:3])
             shown = (first[4], first[5])
@@ -403,6 +407,13 @@ def compare_trend(golden: Path, npu: Path, perturbed: Path | None = None) -> Tre
     plots = plots_of_rank[ordered[0].rank if ordered else closest_rank]
     return TrendResult(golden, perturbed, npu, ranks, steps, records_count, series_count, ordered, plots,
                        list(dict.fromkeys(notes)))  # each rank says the same
+
+
+def _peak(golden: np.ndarray, npu: np.ndarray, half_width: np.ndarray) -> float:
+    """The largest |npu - golden| / half-width over a stretch (inf: a non-finite value or no width)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.abs(npu - golden) / half_width
+    return float(np.nan_to_num(ratio, nan=math.inf).max())
 
 
 def _series(rank: int, records: list[tuple[str, str]], record: int, statistic: int, steps: list[int],

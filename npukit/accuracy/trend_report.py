@@ -18,7 +18,7 @@ from npukit.accuracy.trend import LOOKAHEAD, MARGIN, PERSIST, SCALARS, Series, T
 from npukit.files import write_text_atomic
 
 _DEPARTURE_COLUMNS = ("rank", "module", "kind", "name", "statistic", "first_step", "last_step", "golden",
-                      "perturbed", "npu", "half_width")
+                      "perturbed", "npu", "half_width", "peak")
 _PLOT_POINTS = 800  # at most this many steps drawn per line (evenly spaced, the last step kept)
 
 
@@ -36,13 +36,15 @@ def print_trend(result: TrendResult, console, top: int = 20) -> None:
         console.print(f"note: {note}")
     if result.departures:
         table = Table(title=f"Statistics that left the band ({len(result.departures)}; the earliest first)")
-        for column in ("rank", "module", "record", "statistic", "steps out", "golden", "NPU", "band +-", "x band"):
-            table.add_column(column, justify="right" if column in ("rank", "golden", "NPU", "band +-", "x band")
-                             else "left")
+        for column in ("rank", "module", "record", "statistic", "steps out", "golden", "NPU", "band +-", "x band",
+                       "at most"):
+            table.add_column(column, justify="left" if column in ("module", "record", "statistic", "steps out")
+                             else "right")
         for departure in result.departures[:top]:
             table.add_row(str(departure.rank), departure.module(), departure.record(), departure.statistic,
                           f"{departure.first_step}-{departure.last_step}", _short(departure.golden),
-                          _short(departure.npu), _short(departure.half_width), _times(departure.times_out()))
+                          _short(departure.npu), _short(departure.half_width), _times(departure.times_out()),
+                          _times(departure.peak))
         console.print(table)
         if len(result.departures) > top:
             console.print(f"... {len(result.departures) - top} more (--top, --csv)")
@@ -97,10 +99,10 @@ def write_trend_html(result: TrendResult, path: Path) -> Path:
     if result.departures:
         out.append(f"<h2>Statistics that left the band ({len(result.departures)})</h2><table><tr>"
                    + "".join(f"<th>{c}</th>" for c in ("rank", "module", "record", "statistic", "steps out", "golden",
-                                                       "perturbed golden", "NPU", "band +-", "x band")) + "</tr>")
+                                                       "perturbed golden", "NPU", "band +-", "x band", "at most")) + "</tr>")
         for index, d in enumerate(result.departures[:500]):
             cells = (d.rank, d.module(), d.record(), d.statistic, f"{d.first_step}-{d.last_step}", _short(d.golden),
-                     _short(d.perturbed), _short(d.npu), _short(d.half_width), _times(d.times_out()))
+                     _short(d.perturbed), _short(d.npu), _short(d.half_width), _times(d.times_out()), _times(d.peak))
             css = " class='first'" if index == 0 else ""
             out.append(f"<tr{css}>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>")
         out.append("</table>")
