@@ -26,7 +26,8 @@ run's), where updates lost in a pure-bf16 optimizer step left it by 57x (tests/a
 
 The trend divergence is the earliest departure over all ranks; at the same step the record a
 cause comes before its effects in (a weight before what is computed from it, then the forward in
-execution order: the first layer, then the loss, the backward, the optimizer's state). Its range
+execution order: the first layer, then the loss, the backward (a rank's own gradient before the
+reduced one), the optimizer's state). Its range
 runs to the last step of the stretch the NPU run stayed out. `write_html` draws that statistic on
 the three runs and the band (an SVG, also written as a file).
 """
@@ -48,9 +49,9 @@ PERSIST = 5  # monitored steps in a row outside the band that make a departure
 STATS = ("max", "min", "mean", "norm", "nan", "inf")  # monitor.csv's statistics
 SCALARS = ("loss", "grad_norm")  # scalars.csv's per-step series, judged as records of the model
 # The order causes come before their effects in within a step (see the module docstring)
-_KIND_ORDER = {"weight": 0, "activation": 1, "loss": 2, "activation_grad": 3, "grad": 4, "grad_norm": 5,
-               "exp_avg": 6, "exp_avg_sq": 7, "update_ratio": 8}
-_PARAMETER_KINDS = frozenset({"weight", "grad", "exp_avg", "exp_avg_sq", "update_ratio"})
+_KIND_ORDER = {"weight": 0, "activation": 1, "loss": 2, "activation_grad": 3, "grad_local": 4, "grad": 5,
+               "grad_norm": 6, "exp_avg": 7, "exp_avg_sq": 8, "update_ratio": 9}
+_PARAMETER_KINDS = frozenset({"weight", "grad_local", "grad", "exp_avg", "exp_avg_sq", "update_ratio"})
 
 
 class MonitorsDoNotPair(UserError):
