@@ -86,7 +86,7 @@ class MonitorSession:
         self._outermost = None  # the module whose forward runs the others
         self._ending: tuple | None = None  # (_StepRecord, skipped, loss_scale): see _on_step_end
         self._clock: weakref.ref | None = None  # the optimizer whose step ends a training step
-        self._several_optimizers: bool | None = None  # found at the first step's end
+        self._several_optimizers: bool | None = None  # None: not known before the second step begins
         self._forward_steps = ForwardSteps()  # a run without optimizer.step still has bounded steps
         self._steps = TrainingSteps(self._on_step_end)
         self._paths = naming.ModulePaths()
@@ -409,13 +409,13 @@ class MonitorSession:
         what led to each other optimizer's step (its forward, backward, weights, gradients, state)."""
         if self._clock is None or self._clock() is None:
             self._clock = weakref.ref(optimizer) if optimizer is not None else None
-        if self._several_optimizers is None:
-            self._several_optimizers = _optimizers_alive() > 1
-        if not self._several_optimizers:
-            self._finish_step(optimizer, skipped, loss_scale)
-            return
         if self._ending is not None:  # a step GradScaler skipped starts no optimizer.step: no pre-hook ended it
             self._finish_ending()
+        # the first step waits, like those of several optimizers: whether another optimizer steps
+        # after the first is seen before the first one's next step begins
+        if self._several_optimizers is False:
+            self._finish_step(optimizer, skipped, loss_scale)
+            return
         if skipped and self._monitored() and self._step.used:
             self._record_parameters(optimizer)  # now: zero_grad may come before the step is written
         self._ending = (self._step, skipped, loss_scale)
@@ -426,6 +426,8 @@ class MonitorSession:
         """Write the step whose end waited for the other optimizers; what was recorded since their
         last step is the next step's, its values kept (the buffer they were in goes with this step)."""
         (record, skipped, loss_scale), self._ending = self._ending, None
+        if self._several_optimizers is None:
+            self._several_optimizers = False  # no other optimizer stepped in the first step
         buffer, following = self._buffer, self._step
         self._buffer = StatsBuffer()
         values = buffer.resolve() if record.used or following.used else []  # one device->host copy
@@ -586,15 +588,6 @@ class _StepRecord:
         if isinstance(self.loss_slot, int):
             self.loss_slot = values[self.loss_slot]
         self.measured = {}
-
-
-def _optimizers_alive() -> int:
-    """How many optimizers exist (one scan of the heap, once per run). type(obj), not isinstance:
-    isinstance reads __class__, which deprecated objects warn on."""
-    import gc
-
-    optimizer = torch.optim.Optimizer
-    return sum(1 for obj in gc.get_objects() if issubclass(type(obj), optimizer))
 
 
 def _adam_state_in_one_read(m: torch.Tensor, v: torch.Tensor, eps: float):
