@@ -48,6 +48,8 @@ _EXACT_OPS = frozenset({
     "new_ones", "new_empty", "new_empty_strided", "new_full", "fill", "constant_pad_nd", "repeat", "flip",
     "roll", "tril", "triu", "floor", "ceil", "round", "trunc", "_unsafe_view", "expand_copy", "permute_copy",
     "unfold_copy", "nonzero", "_local_scalar_dense", "set_", "resize_",
+    # GradScaler's: its scale is a power of two, so unscaling is exact, and the scale must stay one
+    "_amp_foreach_non_finite_check_and_unscale_", "_amp_update_scale_",
     # random draws: not arithmetic, and the NPU run draws (initial weights, data) the same values
     "bernoulli_", "bernoulli", "randperm", "uniform_", "normal_", "random_", "exponential_", "normal", "rand",
     "randn", "rand_like", "randn_like", "randint", "randint_like", "multinomial",

@@ -157,6 +157,21 @@ def test_the_perturbed_run_rounds_arithmetic_at_the_precision_but_not_the_optimi
     assert torch.equal(drawn, torch.rand(5))  # the script's random stream is its own
 
 
+def test_grad_scalers_loss_scale_stays_a_power_of_two_in_the_perturbed_run():
+    model = nn.Linear(4, 2).to("npu")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("npu")
+    with PerturbSession("fp16", rank=0):
+        for _ in range(3):
+            with torch.autocast("npu", dtype=torch.float16):
+                loss = model(torch.randn(8, 4, device="npu")).square().mean()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+    assert math.log2(scaler.get_scale()).is_integer()  # unscaling by it stays exact
+
+
 def test_hf32_rounds_only_the_cube_units_inputs_and_a_bad_precision_is_named():
     torch.manual_seed(3)
     x, w = torch.randn(64, 32), torch.randn(32, 16)
