@@ -24,6 +24,7 @@ from pathlib import Path
 
 from npukit.errors import UserError
 from npukit.launch_options import rename_option, strip_option
+from npukit.watch.stop import StoppedAfterStep
 
 
 @dataclass
@@ -52,6 +53,8 @@ class RunOptions:
     dump_ops: str | None = None  # msprobe_config.OP_SETS; None: DumpSession's default (msprobe's)
     dump_config: Path | None = None  # msprobe's config.json
     replay: Path | None = None
+    replay_step: int = 0  # record/replay at the start of this training step (replay.py)
+    stop_after_step: int | None = None  # end the run once this training step ended (watch/stop.py)
     precision_fix: Path | None = None
     detect_overflow: bool = False
     overflow_action: str = "report"
@@ -296,7 +299,13 @@ def _enter_sessions(options: RunOptions, stack: contextlib.ExitStack, sessions: 
     if options.replay is not None:
         from npukit.accuracy.replay import ReplaySession
 
-        sessions.append(stack.enter_context(ReplaySession(options.replay)))
+        sessions.append(stack.enter_context(ReplaySession(options.replay, start_step=options.replay_step)))
+    elif options.replay_step:
+        raise UserError("--replay-step N goes with --replay DIR (the state recorded, or replayed, at step N's start)")
+    if options.stop_after_step is not None:
+        from npukit.watch.stop import StopAfterStep
+
+        sessions.append(stack.enter_context(StopAfterStep(options.stop_after_step)))
     if options.precision_fix is not None:  # before the dump: the dump sees the user's op, with the fix's result
         from npukit.accuracy.fixes import PrecisionFix, PrecisionFixSession
 
@@ -489,6 +498,8 @@ def main(options: RunOptions) -> int:
                 print(code, file=sys.stderr)
         except UserError:
             raise
+        except StoppedAfterStep as stopped:
+            print(f"npu-run: {stopped}", file=sys.stderr)
         except KeyboardInterrupt:
             exit_code = 130
         except _Terminated:

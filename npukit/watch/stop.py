@@ -8,8 +8,6 @@ so that a script's `except Exception` does not take it for its own error; npu-ru
 
 from __future__ import annotations
 
-from npukit.watch.steps import TrainingSteps
-
 
 class StoppedAfterStep(BaseException):
     def __init__(self, step: int) -> None:
@@ -19,7 +17,9 @@ class StoppedAfterStep(BaseException):
 
 class StopAfterStep:
     def __init__(self, step: int) -> None:
+        # here, not at the top: npu-run imports the exception before torch may be imported
         from npukit.errors import UserError
+        from npukit.watch.steps import TrainingSteps
 
         if step < 0:
             raise UserError(f"--stop-after-step: a step number is >= 0, not {step}")
