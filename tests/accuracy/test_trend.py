@@ -265,6 +265,9 @@ def test_a_missing_perturbed_run_says_how_to_record_it(short_pair, tmp_path):
     shutil.copytree(short_pair, lonely)
     code, output = _trend_cli(lonely, short_pair)
     assert code == 2 and "--golden-perturb" in output and "lonely.perturbed" in output
+    # named with --perturbed (the golden run compared with itself: inside the band)
+    code, output = _trend_cli(lonely, short_pair, "--perturbed", short_pair.with_name("golden.perturbed"))
+    assert code == 0 and "No trend divergence" in output
 
 
 def test_npu_run_golden_perturb_and_the_trend_report(tmp_path):
