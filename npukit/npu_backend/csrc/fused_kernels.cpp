@@ -93,11 +93,34 @@ at::Tensor rotary_mul(const at::Tensor& x, const at::Tensor& cos, const at::Tens
   return out;
 }
 
+// RmsNorm's gradients: dx in x's dtype, dgamma in gamma's (both rounded once).
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& gamma,
+                                                     const at::Tensor& rstd) {
+  const auto compute = at::toOpMathType(x.scalar_type());
+  if (dy.scalar_type() != x.scalar_type()) {
+    auto [dx, dgamma] = rms_norm_backward(dy.to(compute), x.to(compute), gamma, rstd);
+    return {dx.to(x.scalar_type()), dgamma};
+  }
+  const int64_t width = gamma.numel(), rows = width ? x.numel() / width : 0;
+  at::Tensor dx = at::empty(x.sizes(), x.options());
+  at::Tensor dgamma = at::empty(gamma.sizes(), gamma.options().dtype(compute));
+  const at::Tensor x_cpu = cpu_alias(x).contiguous(), dy_cpu = cpu_alias(dy).contiguous();
+  const at::Tensor gamma_cpu = cpu_alias(gamma).to(compute).contiguous(), rstd_cpu = cpu_alias(rstd).to(compute).contiguous();
+  const at::Tensor dx_cpu = cpu_alias(dx), dgamma_cpu = cpu_alias(dgamma);
+  {
+    pybind11::gil_scoped_release no_gil;
+    kernels().rms_norm_backward(dy_cpu, x_cpu, gamma_cpu, rstd_cpu, dx_cpu, dgamma_cpu, rows, width);
+  }
+  finish(dx_cpu, x);
+  return {dx, dgamma.to(gamma.scalar_type())};
+}
+
 }  // namespace
 
 void bind(pybind11::module& m) {
   m.def("swiglu_forward", &swiglu_forward, "npu_swiglu's kernel (fused/activations.py)");
   m.def("swiglu_backward", &swiglu_backward, "npu_swiglu_backward's kernel (fused/activations.py)");
+  m.def("rms_norm_backward", &rms_norm_backward, "npu_rms_norm_backward's kernel (fused/norms.py)");
   m.def("rotary_mul", [](const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleave,
                          const pybind11::object& out_dtype) {
     TORCH_CHECK(THPDtype_Check(out_dtype.ptr()), "rotary_mul: out_dtype must be a torch.dtype");

@@ -25,6 +25,11 @@ struct Kernels {
   // x) tables expanded to x's shape (stride 0 where they broadcast), contiguous in the last dim.
   void (*rotary)(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& out,
                  bool interleave);
+  // RmsNorm's input and gamma gradients over [rows, width] (gamma and rstd in the compute dtype, dgamma
+  // written in it)
+  void (*rms_norm_backward)(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& gamma,
+                            const at::Tensor& rstd, const at::Tensor& dx, const at::Tensor& dgamma, int64_t rows,
+                            int64_t width);
 };
 
 #define NPUKIT_DECLARE_KERNELS(capability) \

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
+#include <vector>
 
 namespace npukit::fused::CPU_CAPABILITY {
 namespace {
@@ -215,6 +216,49 @@ void rotary_typed(const at::Tensor& x_t, const at::Tensor& cos_t, const at::Tens
   });
 }
 
+// ---- RmsNorm backward, per row: x_hat = x * rstd, dxhat = dy * gamma, dx = (dxhat - x_hat *
+// mean(dxhat * x_hat)) * rstd; dgamma = the sum over rows of dy * x_hat. fp32 sums (fp64 for fp64),
+// per row and per thread, in the kernel's own order (the reductions are not ATen's, so the last fp32
+// bit of a sum may differ from the op-by-op composition's)
+
+template <typename scalar_t>
+void rms_norm_backward_typed(const scalar_t* dy, const scalar_t* x, const acc_t<scalar_t>* gamma,
+                             const acc_t<scalar_t>* rstd, scalar_t* dx, acc_t<scalar_t>* dgamma, int64_t rows,
+                             int64_t width) {
+  using acc = acc_t<scalar_t>;
+  using Vec = Vectorized<acc>;
+  const int64_t threads = at::get_num_threads();
+  std::vector<acc> partial(static_cast<size_t>(threads * width), acc(0));
+  at::parallel_for(0, rows, std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(width, 1)),
+                   [&](int64_t begin, int64_t end) {
+    acc* dg = partial.data() + at::get_thread_num() * width;
+    for (int64_t row = begin; row < end; ++row) {
+      const scalar_t* xr = x + row * width;
+      const scalar_t* gr = dy + row * width;
+      const Vec rs(rstd[row]);
+      Vec projection_sum(acc(0));
+      for (int64_t c = 0; c < width; c += Vec::size()) {
+        const int64_t n = std::min<int64_t>(Vec::size(), width - c);
+        const Vec x_hat = load(xr + c, n) * rs;
+        const Vec g = load(gr + c, n);
+        projection_sum = projection_sum + g * load(gamma + c, n) * x_hat;
+        (Vec::loadu(dg + c, n) + g * x_hat).store(dg + c, n);
+      }
+      const Vec projection(at::vec::vec_reduce_all([](Vec& a, Vec& b) { return a + b; }, projection_sum) /
+                           acc(width));
+      for (int64_t c = 0; c < width; c += Vec::size()) {
+        const int64_t n = std::min<int64_t>(Vec::size(), width - c);
+        const Vec x_hat = load(xr + c, n) * rs;
+        const Vec dxhat = load(gr + c, n) * load(gamma + c, n);
+        store(dx + row * width + c, (dxhat - x_hat * projection) * rs, n);
+      }
+    }
+  });
+  std::fill(dgamma, dgamma + width, acc(0));
+  for (int64_t t = 0; t < threads; ++t)
+    for (int64_t c = 0; c < width; ++c) dgamma[c] += partial[t * width + c];
+}
+
 #define NPUKIT_FLOAT_DISPATCH(dtype, name, ...) \
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, name, __VA_ARGS__)
 
@@ -236,8 +280,18 @@ void rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, c
   NPUKIT_FLOAT_DISPATCH(x.scalar_type(), "npu_rotary_mul", [&] { rotary_typed<scalar_t>(x, cos, sin, out, interleave); });
 }
 
+void rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& gamma, const at::Tensor& rstd,
+                       const at::Tensor& dx, const at::Tensor& dgamma, int64_t rows, int64_t width) {
+  NPUKIT_FLOAT_DISPATCH(x.scalar_type(), "npu_rms_norm_backward", [&] {
+    using acc = acc_t<scalar_t>;
+    rms_norm_backward_typed(dy.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(), gamma.const_data_ptr<acc>(),
+                            rstd.const_data_ptr<acc>(), dx.mutable_data_ptr<scalar_t>(),
+                            dgamma.mutable_data_ptr<acc>(), rows, width);
+  });
+}
+
 }  // namespace
 
-Kernels kernels() { return Kernels{&swiglu_forward, &swiglu_backward, &rotary}; }
+Kernels kernels() { return Kernels{&swiglu_forward, &swiglu_backward, &rotary, &rms_norm_backward}; }
 
 }  // namespace npukit::fused::CPU_CAPABILITY

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from npukit.npu_backend import _C
 from npukit.npu_backend.fused import (
     fused_op,
     npu_numerics,
@@ -42,20 +43,29 @@ def npu_rms_norm(x, gamma, epsilon=1e-6):
     return y.to(x.dtype), rstd.float()
 
 
+def _check_rms_norm_backward(dy, x, gamma, rstd):
+    _check_gamma("npu_rms_norm_backward", x, gamma)
+    if dy.shape != x.shape:
+        raise ValueError(f"torch_npu.npu_rms_norm_backward: dy's shape {tuple(dy.shape)} must be the input's "
+                         f"{tuple(x.shape)}")
+    if rstd.numel() * gamma.numel() != x.numel():
+        raise ValueError(f"torch_npu.npu_rms_norm_backward: rstd has {rstd.numel()} values, one per normalized row "
+                         f"({x.numel() // max(gamma.numel(), 1)}) expected")
+
+
+def _rms_norm_backward_fake(dy, x, gamma, rstd):
+    _check_rms_norm_backward(dy, x, gamma, rstd)
+    return x.new_empty(x.shape), gamma.new_empty(gamma.shape)
+
+
 @fused_op("npu_rms_norm_backward(Tensor dy, Tensor input, Tensor gamma, Tensor rstd) -> (Tensor, Tensor)",
-          unfused="autograd of npu_rms_norm's decomposition", public=False)
+          unfused="autograd of npu_rms_norm's decomposition", public=False, fake=_rms_norm_backward_fake)
 def npu_rms_norm_backward(dy, x, gamma, rstd):
-    dims = _normalized_dims(x, gamma)
-    # x_hat and the gradient are fp32 working tensors of this kernel, updated in place. A product of an
-    # fp16/bf16 tensor and an fp32 one converts the fp16/bf16 values in registers (ATen's type promotion):
-    # the same fp32 products as on fp32 copies, without the copies' passes.
-    x_hat = torch.mul(x, rstd)
-    dgamma = torch.mul(dy, x_hat).sum(list(range(x.dim() - gamma.dim())))
-    dxhat = torch.mul(dy, upcast(gamma))
-    # d/dx of x * rstd(x): rstd * (dxhat - x_hat * mean(dxhat * x_hat)) over the normalized dims
-    projection = (dxhat * x_hat).mean(dims, keepdim=True)
-    dx = dxhat.sub_(x_hat.mul_(projection)).mul_(rstd)
-    return dx.to(x.dtype), dgamma.to(gamma.dtype)
+    """One pass over each row in C++ (csrc/fused_kernels_impl.h): x_hat = x * rstd, dxhat = dy * gamma,
+    dx = (dxhat - x_hat * mean(dxhat * x_hat)) * rstd and dgamma = sum over rows of dy * x_hat, in fp32
+    from the fp16/bf16 values in registers, each gradient rounded once."""
+    _check_rms_norm_backward(dy, x, gamma, rstd)
+    return _C.rms_norm_backward(dy, x, gamma, rstd)
 
 
 def _rms_norm_setup(ctx, inputs, output):
