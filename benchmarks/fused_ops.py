@@ -83,9 +83,7 @@ def rms_norm_case(device, dtype=torch.float32):
     def decomposition(x, gamma):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * gamma
     return Case(lambda: torch_npu.npu_rms_norm(x, gamma, epsilon=1e-6)[0], lambda: decomposition(x, gamma),
-                _fp32_inside(dtype, decomposition, x, gamma),
-                why={dtype: "the forward is torch's fused RMSNorm kernel (no fp32 copy); the backward: " + reason
-                     for dtype, reason in LOW_PRECISION_WHY.items()})
+                _fp32_inside(dtype, decomposition, x, gamma))
 
 
 def swiglu_case(device, dtype=torch.float32):
@@ -98,8 +96,7 @@ def swiglu_case(device, dtype=torch.float32):
                  "forward's silu(a), which the decomposition's autograd keeps): one more exp pass")
     return Case(lambda: torch_npu.npu_swiglu(x, dim=-1), lambda: decomposition(x),
                 _fp32_inside(dtype, decomposition, x),
-                why={torch.float32: recompute,
-                     **{dtype: f"{reason}; and {recompute}" for dtype, reason in LOW_PRECISION_WHY.items()}})
+                why={dtype: recompute for dtype in (torch.float32, *LOW_PRECISION)})
 
 
 def rotary_case(device, dtype=torch.float32):
@@ -111,7 +108,7 @@ def rotary_case(device, dtype=torch.float32):
         x1, x2 = x.chunk(2, dim=-1)
         return x * cos + torch.cat((-x2, x1), dim=-1) * sin
     return Case(lambda: torch_npu.npu_rotary_mul(x, cos, sin), lambda: decomposition(x, cos, sin),
-                _fp32_inside(dtype, decomposition, x, cos, sin), why=LOW_PRECISION_WHY)
+                _fp32_inside(dtype, decomposition, x, cos, sin))
 
 
 def attention_case(device, dtype=torch.float32):

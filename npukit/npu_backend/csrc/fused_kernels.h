@@ -4,7 +4,7 @@
 // registers and rounds its result once, as the Ascend kernel does. The arithmetic is ATen's own, op
 // for op (the same at::vec expressions, with the scalar tails where ATen's elementwise loops put
 // them), so the results are bit for bit those of the op-by-op composition on fp32 working copies
-// that it replaces, at a single pass over memory.
+// that it replaces, at a single pass over memory. RmsNorm's backward sums in its own order (fp32).
 //
 // The kernels are compiled once per CPU capability (fused_kernels_<capability>.cpp, flags from
 // setup.py) and the one matching ATen's own dispatch (at::native::get_cpu_capability()) runs.
