@@ -179,6 +179,11 @@ def compare(
                                "and module where TARGET leaves the band of GOLDEN and the perturbed golden run."),
     perturbed: Optional[Path] = typer.Option(None, "--perturbed", metavar="DIR", help="With --trend: the perturbed golden "
                                              "run's monitor (npu-run --golden-perturb; default: GOLDEN.perturbed)."),
+    localize: bool = typer.Option(False, "--localize", help="With --trend: re-run the golden and NPU runs to the step the "
+                                  "NPU run departs at (the npu-run command of the NPU run follows `--`), the NPU one from the "
+                                  "golden state at that step's start; compare that step and find the fix."),
+    localize_dir: Optional[Path] = typer.Option(None, "--localize-dir", help="Where --localize's re-runs, dumps and "
+                                                "reports go (default: TARGET.localize)."),
 ) -> None:
     """Compare GOLDEN and TARGET dumps; name the first op whose error is amplified. Exit 1 if one is found."""
     from npukit.accuracy.cli_compare import FindFixOptions, run_compare, run_precheck_command
@@ -195,13 +200,19 @@ def compare(
     if trend:
         from npukit.accuracy.cli_compare import run_trend_command
 
-        given = [name for name, value in (("--find-fix", find_fix or command), ("--set", thresholds),
-                                          ("--workers", workers)) if value]
+        given = [name for name, value in (("--find-fix", find_fix or (command and not localize)), ("--set", thresholds),
+                                          ("--workers", workers and not localize)) if value]
         if given:
             raise UserError(f"--trend compares monitors, not dumps: {', '.join(given)} not with it")
-        sys.exit(run_trend_command(golden, target, perturbed, csv_path, json_path, html_path, top, make_console()))
-    if perturbed is not None:
-        raise UserError("--perturbed DIR goes with --trend (the perturbed golden run's monitor)")
+        if localize and not command:
+            raise UserError("--localize re-runs the NPU run: its npu-run command follows `--`, e.g. npu-compare --trend "
+                            "mon/golden mon/npu --localize -- npu-run --monitor mon/npu train.py")
+        localizing = FindFixOptions(list(command), find_fix_runs, localize_dir or target.with_name(target.name + ".localize")) \
+            if localize else None
+        sys.exit(run_trend_command(golden, target, perturbed, csv_path, json_path, html_path, top, make_console(),
+                                   localize=localizing, workers=workers))
+    if perturbed is not None or localize or localize_dir is not None:
+        raise UserError("--perturbed, --localize and --localize-dir go with --trend (they read monitors)")
 
     fix_options = FindFixOptions(list(command or []), find_fix_runs, find_fix_dir, find_fix_json) if find_fix else None
     if command and not find_fix:

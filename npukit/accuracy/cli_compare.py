@@ -158,10 +158,13 @@ def run_precheck_command(dump: Path, out: Path | None, top: int, console, worker
 
 
 def run_trend_command(golden: Path, npu: Path, perturbed: Path | None, csv_path: Path | None, json_path: Path | None,
-                      html_path: Path | None, top: int, console) -> int:
+                      html_path: Path | None, top: int, console, localize: FindFixOptions | None = None,
+                      workers: int | None = None) -> int:
     """`npu-compare --trend GOLDEN NPU`: the first step and module where the NPU run's monitored statistics
     leave the band of the golden and perturbed golden runs (npukit/accuracy/trend.py). Returns the exit
-    code: 1 on a trend divergence, 0 without, trend.PAIRING_EXIT_CODE when the monitors do not pair."""
+    code: 1 on a trend divergence, 0 without, trend.PAIRING_EXIT_CODE when the monitors do not pair.
+    `localize` (--localize: the NPU run's command, the find-fix runs, the folder): then re-run to the
+    departure's step and compare it there (localize.py); the exit code is that compare's."""
     from npukit.accuracy.trend import PAIRING_EXIT_CODE, MonitorsDoNotPair, compare_trend
     from npukit.accuracy.trend_report import print_trend, write_trend_csv, write_trend_html, write_trend_json
 
@@ -183,4 +186,12 @@ def run_trend_command(golden: Path, npu: Path, perturbed: Path | None, csv_path:
     if html_path is not None:
         svg = write_trend_html(result, html_path)
         console.print(f"wrote {html_path} and its plot {svg}")
+    if localize is not None:
+        if result.first() is None:
+            console.print("localize: nothing to localize (no trend divergence); no run made")
+            return result.exit_code()
+        from npukit.accuracy.localize import localize as localize_departure
+
+        return localize_departure(result.first(), localize.command, localize.work, console, localize.max_runs, top,
+                                  workers)
     return result.exit_code()

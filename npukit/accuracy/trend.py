@@ -292,7 +292,10 @@ def band_half_width(golden: np.ndarray, perturbed: np.ndarray) -> np.ndarray:
     steps = spread.shape[1]
     running = np.maximum.accumulate(spread, axis=1)
     reach = np.minimum(np.maximum(np.arange(steps) * 2, np.arange(steps) + LOOKAHEAD), steps - 1)
-    return MARGIN * running[:, reach]
+    # never narrower than what an fp32 statistic resolves: two golden runs may agree to the last bit
+    # (an Adam update is nearly the sign of its gradient), where one fp32 ulp more is no departure
+    resolution = np.spacing(np.abs(np.where(np.isfinite(golden), golden, 0.0)).astype(np.float32)).astype(np.float64)
+    return MARGIN * np.maximum(running[:, reach], resolution)
 
 
 def outside_band(golden: np.ndarray, perturbed: np.ndarray, npu: np.ndarray, half_width: np.ndarray) -> np.ndarray:
