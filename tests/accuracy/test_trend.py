@@ -296,3 +296,18 @@ def test_npu_run_golden_perturb_and_the_trend_report(tmp_path):
     assert svg.startswith("<svg") and "golden" in svg
     text = page.read_text()
     assert svg in text and "No trend divergence" in text
+
+
+def test_golden_runs_agreeing_to_the_last_bit_leave_a_band_of_an_fp32_ulp_not_of_zero():
+    """Adam's early updates are nearly the sign of the gradient: both golden runs can hold the very same
+    weight minimum, and an NPU run one fp32 ulp off is not a departure (it was named at step 3)."""
+    import numpy as np
+
+    from npukit.accuracy.trend import MARGIN, band_half_width, outside_band
+
+    golden = np.full((1, 20, 1), -0.3347, dtype=np.float64)
+    npu = golden + np.spacing(np.float32(0.3347))
+    half = band_half_width(golden, golden.copy())
+    assert np.all(half == MARGIN * np.spacing(np.float32(0.3347)))
+    assert not outside_band(golden, golden.copy(), npu, half).any()
+    assert outside_band(golden, golden.copy(), golden + 1e-4, half).all()  # a real difference still is
