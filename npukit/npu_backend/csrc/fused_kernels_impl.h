@@ -106,26 +106,30 @@ void swiglu_forward_typed(const scalar_t* x, scalar_t* out, int64_t outer, int64
   using acc = acc_t<scalar_t>;
   using Vec = Vectorized<acc>;
   const Vec one(acc(1));
-  for_each_aten_chunk<acc>(outer * inner, [&](int64_t begin, int64_t vector_end, int64_t end) {
-    for_each_row_part(begin, vector_end, inner, [&](int64_t o, int64_t c0, int64_t c1) {
+  auto rows = [&](int64_t from, int64_t to, bool vectorized) {
+    for_each_row_part(from, to, inner, [&](int64_t o, int64_t c0, int64_t c1) {
       const scalar_t* a = x + o * 2 * inner;
       const scalar_t* b = a + inner;
-      for (int64_t c = c0; c < c1; c += Vec::size()) {
-        const int64_t n = std::min<int64_t>(Vec::size(), c1 - c);
-        const Vec av = load(a + c, n);
-        const Vec silu = av / (one + av.neg().exp());
-        store(out + o * inner + c, silu * load(b + c, n), n);
+      scalar_t* y = out + o * inner;
+      if (vectorized) {
+        for (int64_t c = c0; c < c1; c += Vec::size()) {
+          const int64_t n = std::min<int64_t>(Vec::size(), c1 - c);
+          const Vec av = load(a + c, n);
+          const Vec silu = av / (one + av.neg().exp());
+          store(y + c, silu * load(b + c, n), n);
+        }
+        return;
       }
-    });
-    for_each_row_part(vector_end, end, inner, [&](int64_t o, int64_t c0, int64_t c1) {
-      const scalar_t* a = x + o * 2 * inner;
-      const scalar_t* b = a + inner;
       for (int64_t c = c0; c < c1; ++c) {
         const acc av = acc(a[c]);
         const acc silu = av / (acc(1) + std::exp(-av));
-        out[o * inner + c] = scalar_t(silu * acc(b[c]));
+        y[c] = scalar_t(silu * acc(b[c]));
       }
     });
+  };
+  for_each_aten_chunk<acc>(outer * inner, [&](int64_t begin, int64_t vector_end, int64_t end) {
+    rows(begin, vector_end, true);
+    rows(vector_end, end, false);
   });
 }
 
@@ -134,30 +138,26 @@ void swiglu_backward_typed(const scalar_t* dy, const scalar_t* x, scalar_t* dx, 
   using acc = acc_t<scalar_t>;
   using Vec = Vectorized<acc>;
   const Vec one(acc(1));
-  for_each_aten_chunk<acc>(outer * inner, [&](int64_t begin, int64_t vector_end, int64_t end) {
-    for_each_row_part(begin, vector_end, inner, [&](int64_t o, int64_t c0, int64_t c1) {
+  auto rows = [&](int64_t from, int64_t to, bool vectorized) {
+    for_each_row_part(from, to, inner, [&](int64_t o, int64_t c0, int64_t c1) {
       const scalar_t* a = x + o * 2 * inner;
       const scalar_t* b = a + inner;
       const scalar_t* g = dy + o * inner;
       scalar_t* da = dx + o * 2 * inner;
       scalar_t* db = da + inner;
-      for (int64_t c = c0; c < c1; c += Vec::size()) {
-        const int64_t n = std::min<int64_t>(Vec::size(), c1 - c);
-        const Vec av = load(a + c, n);
-        const Vec gv = load(g + c, n);
-        const Vec gate = load(b + c, n) * gv;
-        const Vec sigmoid = one / (one + av.neg().exp());
-        store(da + c, gate * sigmoid * (one + av * (one - sigmoid)), n);
-        const Vec silu = av / (one + av.neg().exp());
-        store(db + c, silu * gv, n);
+      if (vectorized) {
+        for (int64_t c = c0; c < c1; c += Vec::size()) {
+          const int64_t n = std::min<int64_t>(Vec::size(), c1 - c);
+          const Vec av = load(a + c, n);
+          const Vec gv = load(g + c, n);
+          const Vec gate = load(b + c, n) * gv;
+          const Vec sigmoid = one / (one + av.neg().exp());
+          store(da + c, gate * sigmoid * (one + av * (one - sigmoid)), n);
+          const Vec silu = av / (one + av.neg().exp());
+          store(db + c, silu * gv, n);
+        }
+        return;
       }
-    });
-    for_each_row_part(vector_end, end, inner, [&](int64_t o, int64_t c0, int64_t c1) {
-      const scalar_t* a = x + o * 2 * inner;
-      const scalar_t* b = a + inner;
-      const scalar_t* g = dy + o * inner;
-      scalar_t* da = dx + o * 2 * inner;
-      scalar_t* db = da + inner;
       for (int64_t c = c0; c < c1; ++c) {
         const acc av = acc(a[c]);
         const acc gv = acc(g[c]);
@@ -168,6 +168,10 @@ void swiglu_backward_typed(const scalar_t* dy, const scalar_t* x, scalar_t* dx, 
         db[c] = scalar_t(silu * gv);
       }
     });
+  };
+  for_each_aten_chunk<acc>(outer * inner, [&](int64_t begin, int64_t vector_end, int64_t end) {
+    rows(begin, vector_end, true);
+    rows(vector_end, end, false);
   });
 }
 
