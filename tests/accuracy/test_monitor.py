@@ -552,3 +552,23 @@ def test_each_of_several_optimizers_has_its_state_recorded_in_its_training_step(
         assert len(activations) == len(set(activations))
         # the same modules each step, named alike
         assert activations == [r["name"] for r in rows if int(r["step"]) == 0 and r["kind"] == "activation"]
+
+
+def test_adam_state_the_one_pass_kernel_does_not_read_is_measured_by_torch(tmp_path):
+    """bf16 state (a pure-bf16 model) takes torch's ops: the same records as fp32 state's one read."""
+    torch.manual_seed(13)
+    model = TwoLayers().to("npu", torch.bfloat16)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x = torch.randn(5, 4, device="npu", dtype=torch.bfloat16)
+    with MonitorSession(tmp_path / "mon", rank=0):
+        for _ in range(2):
+            model(x).float().square().mean().backward()
+            weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+            optimizer.step()
+            optimizer.zero_grad()
+    rows = {(r["kind"], r["name"]): r for r in _rows(tmp_path / "mon" / "rank0" / "monitor.csv") if r["step"] == "1"}
+    for name, parameter in model.named_parameters():
+        assert rows[("exp_avg_sq", name)]["dtype"] == "bfloat16"
+        _close(rows[("exp_avg", name)], {"norm": float(optimizer.state[parameter]["exp_avg"].double().norm())})
+        ratio = float(rows[("update_ratio", name)]["mean"])
+        assert ratio == pytest.approx(_adam_ratio(optimizer, parameter, weights[name]), rel=0.03), name
