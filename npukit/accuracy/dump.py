@@ -585,6 +585,7 @@ class DumpSession:
         self._mode: ApiMode | None = None
         self._writer: ThreadPoolExecutor | None = None
         self._pending_writes: list = []
+        self._file_jobs: list = []  # tensor files to write or link, not yet handed to the writer
         self._tensor_files: TensorFileWriter | None = None  # host copies of tensors, until written
         self._record = _StepRecord()
         self._op_nodes = graph.OpNodes()
@@ -647,11 +648,13 @@ class DumpSession:
         try:
             if self._record.entries or self._record.incomplete:
                 self._flush()
+            self._submit_file_jobs()
             self._check_writes(wait=True)
         finally:
             self._writer.shutdown(wait=True)
             self._writer = None
             self._pending_writes = []
+            self._file_jobs = []
             self._tensor_files = None  # its reusable buffers with it
         if self.steps is not None and not self.written_steps:
             selected = ", ".join(str(step) for step in sorted(self.steps)[:5]) + (" ..." if len(self.steps) > 5 else "")
@@ -1127,12 +1130,22 @@ class DumpSession:
             self._data_dirs = {self.step_index: directory}
         if self._tensor_files is None:
             self._tensor_files = TensorFileWriter()
+        files = self._tensor_files
         if same_as is not None:
-            job = (self._tensor_files.link, directory / data_name, directory / same_as)
+            self._file_jobs.append((files.link, directory / data_name, directory / same_as))
         else:  # copied now: the tensor may be changed in place before the writer thread runs
-            job = (self._tensor_files.write, directory / data_name, self._tensor_files.copy(tensor))
-        self._pending_writes.append(self._writer.submit(*job))
+            copied = files.copy(tensor, before_waiting=self._submit_file_jobs)
+            self._file_jobs.append((files.write, directory / data_name, copied))
+        if len(self._file_jobs) >= _FILE_JOBS_PER_TASK:
+            self._submit_file_jobs()
         return data_name
+
+    def _submit_file_jobs(self) -> None:
+        """Hand the writer thread the file jobs gathered so far, as one task: a task per file cost
+        the training thread more than the files' links."""
+        if self._file_jobs:
+            jobs, self._file_jobs = self._file_jobs, []
+            self._pending_writes.append(self._writer.submit(_run_jobs, jobs))
 
     # ------------------------------------------------------------------ filters, context
     def _in_scope(self, path: str) -> bool:
@@ -1159,6 +1172,7 @@ class DumpSession:
         record = self._record
         record.incomplete = self._internal_errors + record.incomplete
         record.stats.resolve()
+        self._submit_file_jobs()
         self._check_writes(wait=False)
         tensor_writes, self._pending_writes = self._pending_writes, []
         self._pending_writes.append(self._writer.submit(self._write_step, record, self.step_index, tensor_writes))
@@ -1207,6 +1221,14 @@ class DumpSession:
         write_json(rank_dir / "dump.json", dump)
         write_json(rank_dir / "stack.json", stack)
         write_json(rank_dir / "construct.json", _construct(record.entries))
+
+
+_FILE_JOBS_PER_TASK = 64
+
+
+def _run_jobs(jobs: list) -> None:
+    for function, *arguments in jobs:
+        function(*arguments)
 
 
 def _model_root(module: torch.nn.Module) -> bool:

@@ -6,12 +6,15 @@ the raw array plus a function that widens a chunk of it to float64, so compare n
 a .pt holding one tensor is read by decoding its data.pkl's opcodes (never unpickling) and
 memory-mapping its storage; any other .pt goes to torch.load(weights_only=True).
 
+Writing a .pt lays out torch.save's zip itself (torch's own pickle of the tensor, its records,
+checksums) around the tensor's bytes, so that they are written once, with one call.
 TensorFileWriter writes a dump's files behind the training thread. Torch is imported lazily:
 compare worker processes use only numpy.
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import math
 import mmap
@@ -22,7 +25,9 @@ import re
 import shutil
 import struct
 import sys
+import uuid
 import zipfile
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -93,12 +98,188 @@ def write_tensor(path: Path, tensor) -> None:
             if compact.untyped_storage().nbytes() != compact.numel() * compact.element_size() \
                     or not compact.is_contiguous():
                 compact = compact.contiguous().clone()  # torch.save writes a view's whole storage
-        with atomic_open(path, "wb") as handle:
-            torch.save(compact, handle)
+        records = _pt_records(compact.dtype, tuple(compact.shape))
+        data = _data_bytes(compact)
+        if records is None or data.nbytes > _ZIP_LIMIT - _HEAD - _TAIL:  # torch.save must write it (zip64)
+            with atomic_open(path, "wb") as handle:
+                torch.save(compact, handle)
+            return
+        head, tail = _zip_frame(records, data.nbytes, zlib.crc32(data), None)
+        _write_file(path, (head, data, tail))
         return
     array = tensor_to_numpy(tensor)
-    with atomic_open(path, "wb") as handle:
-        np.lib.format.write_array(handle, array, allow_pickle=False)
+    _write_file(path, (_npy_head(array, None), _data_bytes(array), b""))
+
+
+# A tensor file as the dump's writer thread writes it: one buffer, [head | data | tail], whose data
+# the training thread copied in, written whole with one call, bypassing the page cache (O_DIRECT)
+# where the file system allows: the page cache's fresh pages cost 5-10x the copy on some hosts,
+# and the dump is read back later if at all. The data starts on a block; the head ends with a
+# padding field (zip: an extra field, as torch.save pads; .npy: header spaces) to reach it.
+_BLOCK = 4096
+_HEAD = 4096  # room for what comes before the data (a .pt's zip records, a .npy's header)
+_TAIL = 1024  # room for what comes after it (a .pt's last records and zip directory)
+_PT_PREFIX = "archive/"  # the folder torch.save names its records in when writing to a file object
+_PT_AFTER = ((f"{_PT_PREFIX}version", b"3\n"),)  # torch's writer's records after the data, but its id
+_ZIP_TIME, _ZIP_DATE = 0, (0 << 9) | (1 << 5) | 1  # 1980-01-01 00:00, as torch.save dates its records
+
+
+def _round_up(value: int, step: int) -> int:
+    return -(-value // step) * step
+
+
+@functools.lru_cache(maxsize=4096)  # a dump writes the same shapes every step
+def _pt_records(dtype, shape: tuple) -> tuple | None:
+    """The records torch.save writes before a contiguous tensor's storage, [(name, bytes)] ending
+    with the storage's ("data/0", None), as torch's own _save makes them (its pickle of the
+    tensor, which an empty tensor of that shape gives: its memory is never touched); None when
+    torch lays the tensor out otherwise."""
+    import pickle
+
+    import torch
+    from torch import serialization
+
+    records: list = []
+
+    class Records:  # what torch's _save hands its zip writer
+        def write_record(self, name, data, size):
+            records.append((name, data.encode() if isinstance(data, str) else data if isinstance(data, bytes) else None))
+
+        def write_record_metadata(self, name, size):
+            records.append((name, None))
+
+    try:
+        with torch._C.DisableTorchFunction():
+            serialization._save(torch.empty(shape, dtype=dtype), Records(), pickle, 2, False)
+    except Exception:  # another torch's private API: torch.save writes it
+        return None
+    if [name for name, data in records if data is None] != ["data/0"] or records[-1][1] is not None:
+        return None
+    return tuple((_PT_PREFIX + name, data) for name, data in records)
+
+
+def _zip_frame(records, nbytes: int, crc: int, data_at: int | None) -> tuple[bytes, bytes] | None:
+    """(head, tail) of a zip holding `records` ((name, bytes), the data's bytes None), uncompressed,
+    the data's `nbytes` at byte `data_at` of the file (None: the next multiple of 64), reached with
+    an "FB" extra field as torch.save pads. None when the head does not fit before data_at."""
+    layout = _zip_layout(records, nbytes, data_at)
+    if layout is None:
+        return None
+    head, tail, crc_at = layout
+    checksum = struct.pack("<L", crc)
+    head = bytearray(head)
+    head[crc_at[0]:crc_at[0] + 4] = checksum
+    tail = bytearray(tail)
+    tail[crc_at[1]:crc_at[1] + 4] = checksum
+    return bytes(head), bytes(tail)
+
+
+@functools.lru_cache(maxsize=4096)  # the same records and sizes every step: only the checksum changes
+def _zip_layout(records, nbytes: int, data_at: int | None) -> tuple[bytes, bytes, tuple[int, int]] | None:
+    """_zip_frame's head and tail with the data's checksum left 0, and where it goes in each."""
+    head = bytearray()
+    directory = []
+    crc_at = [0, 0]
+    for name, data in records:
+        encoded = name.encode()
+        size = nbytes if data is None else len(data)
+        checksum = 0 if data is None else zlib.crc32(data)
+        offset = len(head)
+        extra = b""
+        if data is None:
+            crc_at[0] = offset + 14
+            start = offset + _LOCAL.size + len(encoded) + 4
+            target = _round_up(start, 64) if data_at is None else data_at
+            if target < start:
+                return None
+            extra = b"FB" + struct.pack("<H", target - start) + b"Z" * (target - start)
+        head += _LOCAL.pack(b"PK\x03\x04", 20, 0, 0, _ZIP_TIME, _ZIP_DATE, checksum, size, size, len(encoded),
+                            len(extra)) + encoded + extra
+        directory.append((encoded, checksum, size, offset, data is None))
+        if data is not None:
+            head += data
+    tail = bytearray()
+    # torch's writer names each file with a random id; one per process here (only torch reads it)
+    after = (*_PT_AFTER, (f"{_PT_PREFIX}.data/serialization_id", _SERIALIZATION_ID))
+    position = len(head) + nbytes
+    for name, data in after:
+        encoded = name.encode()
+        checksum = zlib.crc32(data)
+        directory.append((encoded, checksum, len(data), position + len(tail), False))
+        tail += _LOCAL.pack(b"PK\x03\x04", 20, 0, 0, _ZIP_TIME, _ZIP_DATE, checksum, len(data), len(data),
+                            len(encoded), 0) + encoded + data
+    start = position + len(tail)
+    for encoded, checksum, size, offset, is_data in directory:
+        if is_data:
+            crc_at[1] = len(tail) + 16
+        tail += _CENTRAL.pack(b"PK\x01\x02", 20, 20, 0, 0, _ZIP_TIME, _ZIP_DATE, checksum, size, size, len(encoded),
+                              0, 0, 0, 0, 0, offset) + encoded
+    tail += _EOCD.pack(b"PK\x05\x06", 0, 0, len(directory), len(directory), position + len(tail) - start, start, 0)
+    return bytes(head), bytes(tail), tuple(crc_at)
+
+
+_SERIALIZATION_ID = f"{uuid.uuid4().int:040d}"[:40].encode()
+
+
+def _npy_head(array: np.ndarray, data_at: int | None) -> bytes | None:
+    """A .npy (version 1.0) header for `array` ending at byte `data_at` (None: at the next
+    multiple of 64, as numpy.save pads it); None when it does not fit."""
+    text = (f"{{'descr': {np.lib.format.dtype_to_descr(array.dtype)!r}, 'fortran_order': False, "
+            f"'shape': {tuple(array.shape)!r}, }}").encode()
+    start = 10 + len(text) + 1  # magic, version, length; the text; its newline
+    end = _round_up(start, 64) if data_at is None else data_at
+    if end < start or end - 10 > 0xFFFF:
+        return None
+    return b"\x93NUMPY\x01\x00" + struct.pack("<H", end - 10) + text + b" " * (end - start) + b"\n"
+
+
+def _data_bytes(data):
+    """The bytes of a contiguous tensor or array, without a copy."""
+    if not isinstance(data, np.ndarray):
+        data = tensor_to_numpy(data)
+    return memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+
+
+_direct_io = [hasattr(os, "O_DIRECT")]  # False once a file system refused it
+
+
+def _write_file(path: Path, pieces, direct: bool = False, length: int | None = None) -> None:
+    """`pieces` (bytes-like, written in order) as `path`, atomically (a temporary file renamed over
+    it). direct: pieces is one block-aligned buffer of whole blocks, written with O_DIRECT where
+    the file system takes it, then cut to `length`. An OS error names `path` in a UserError."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        for use_direct in ((True, False) if direct and _direct_io[0] else (False,)):
+            try:
+                handle = os.open(temporary, flags | (os.O_DIRECT if use_direct else 0), 0o666)  # less the umask
+            except OSError as exc:
+                if use_direct and exc.errno == errno.EINVAL:  # tmpfs and others: no direct I/O
+                    _direct_io[0] = False
+                    continue
+                raise
+            try:
+                for piece in pieces:
+                    view = memoryview(piece).cast("B")
+                    while view:
+                        view = view[os.write(handle, view):]
+                if length is not None:
+                    os.ftruncate(handle, length)
+            except OSError as exc:
+                if use_direct and exc.errno == errno.EINVAL:  # opened, but refused on write
+                    _direct_io[0] = False
+                    continue
+                raise
+            finally:
+                os.close(handle)
+            os.replace(temporary, path)
+            return
+    except OSError as exc:
+        try:
+            os.unlink(temporary)
+        except OSError:
+            pass
+        raise UserError(f"{path}: cannot write ({exc.strerror or exc})") from None
 
 
 class TensorFileWriter:
@@ -106,11 +287,14 @@ class TensorFileWriter:
     async dump does): `copy` runs on the training thread, `write` and `link` on the writer thread.
 
     copy() takes the tensor's values as they are when recorded (a later in-place change never
-    reaches the file) into a host buffer reused from earlier steps: a fresh buffer of a few MB costs
-    page faults that took most of the copy's time. At most `max_bytes` of copies wait for the
-    writer: beyond that, copy() waits for it (memory stays bounded when the disk is slower than
-    training). write() and link() never raise: the first file that cannot be written (a full disk,
-    a name too long) is reported once on stderr, and the dump goes on without it.
+    reaches the file) into a host buffer reused from earlier steps (a fresh buffer of a few MB
+    costs page faults that took most of the copy's time), laid out as the file will be: the
+    writer adds the file's head and tail around the data and writes it whole, once (see
+    _write_file). At most `max_bytes` of copies wait for the writer: beyond that, copy() waits for
+    it (memory stays bounded when the disk is slower than training; nothing is dropped) and says
+    once on stderr that the run waits. write() and link() never raise: the first file that cannot
+    be written (a full disk, a name too long) is reported once on stderr, and the dump goes on
+    without it.
     """
 
     _POOLED_BYTES = 64 << 10  # smaller copies come from the allocator's free lists: no page faults
@@ -120,13 +304,16 @@ class TensorFileWriter:
 
         self.max_bytes = max_bytes if max_bytes is not None else _default_pending_bytes()
         self.failed: list[Path] = []  # files that could not be written
-        self._free: dict[int, list] = {}  # nbytes -> reusable uint8 buffers
+        self.waited = 0.0  # seconds copy() waited for the writer to catch up
+        self._free: dict[int, list] = {}  # frame size -> reusable block-aligned uint8 buffers
         self._free_bytes = 0
         self._pending_bytes = 0
         self._room = threading.Condition()
 
-    def copy(self, tensor) -> tuple:
-        """(host copy of the tensor, its pooled buffer or None): what write() takes."""
+    def copy(self, tensor, before_waiting=None) -> tuple:
+        """(host copy of the tensor, its pooled frame or None, its bytes): what write() takes.
+        before_waiting(): called when the copy is about to wait for the writer (the caller hands
+        the writer what it holds back)."""
         import torch
 
         with torch._C.DisableTorchFunction():
@@ -134,51 +321,99 @@ class TensorFileWriter:
             nbytes = tensor.numel() * tensor.element_size()
             plain = (type(tensor) is torch.Tensor and tensor.layout == torch.strided and not tensor.is_quantized
                      and not tensor.is_nested)
+            framed = plain and nbytes >= self._POOLED_BYTES
+            size = _HEAD + _round_up(nbytes + _TAIL, _BLOCK) if framed else 0
+            # only this thread adds pending bytes: a copy with room now has room below
+            if before_waiting is not None and self._pending_bytes > 0 and self._pending_bytes + nbytes > self.max_bytes:
+                before_waiting()
             with self._room:
-                while self._pending_bytes > 0 and self._pending_bytes + nbytes > self.max_bytes:
-                    self._room.wait()
+                if self._pending_bytes > 0 and self._pending_bytes + nbytes > self.max_bytes:
+                    self._wait_for_room(nbytes)
                 self._pending_bytes += nbytes
-                buffer = None
-                if plain and nbytes >= self._POOLED_BYTES:
-                    reusable = self._free.get(nbytes)
+                frame = None
+                if framed:
+                    reusable = self._free.get(size)
                     if reusable:
-                        buffer = reusable.pop()
-                        self._free_bytes -= nbytes
+                        frame = reusable.pop()
+                        self._free_bytes -= size
             if not plain:  # sparse, quantized, nested, subclasses: write_tensor makes them plain
                 return tensor.to("cpu", copy=True), None, nbytes
-            if buffer is None and nbytes >= self._POOLED_BYTES:
-                buffer = torch.empty(nbytes, dtype=torch.uint8)
-            snapshot = (buffer.view(tensor.dtype).view(tensor.shape) if buffer is not None
+            if framed and frame is None:
+                raw = torch.empty(size + _BLOCK, dtype=torch.uint8)
+                skip = -raw.data_ptr() % _BLOCK  # O_DIRECT writes from a block-aligned address
+                frame = raw[skip:skip + size]
+            snapshot = (frame[_HEAD:_HEAD + nbytes].view(tensor.dtype).view(tensor.shape) if frame is not None
                         else torch.empty(tensor.shape, dtype=tensor.dtype))
             snapshot.copy_(tensor)
-        return snapshot, buffer, nbytes
+        return snapshot, frame, nbytes
+
+    def _wait_for_room(self, nbytes: int) -> None:
+        """Wait (holding _room's lock) until the writer has written enough; said once."""
+        import time
+
+        if not self.waited:
+            print(f"npukit: the dump's tensor files are written slower than the run makes them: "
+                  f"{self._pending_bytes / 2**20:.0f} MB of copies wait for the writer, at most {self.max_bytes / 2**20:.0f} MB "
+                  "(an eighth of the host memory); the run waits for it: nothing is dropped",
+                  file=sys.stderr)
+        start = time.perf_counter()
+        while self._pending_bytes > 0 and self._pending_bytes + nbytes > self.max_bytes:
+            self._room.wait()
+        self.waited += max(time.perf_counter() - start, 1e-9)
 
     def write(self, path: Path, copied: tuple) -> None:
         """Write a copy() to `path` (writer thread), then give its buffer back."""
-        snapshot, buffer, nbytes = copied
+        snapshot, frame, nbytes = copied
         try:
-            write_tensor(path, snapshot)
+            if frame is None or not self._write_framed(path, snapshot, frame, nbytes):
+                write_tensor(path, snapshot)
         except Exception as exc:  # never the run's end: reported once
             self._failed(path, exc)
         finally:
             del snapshot
-            self._release(buffer, nbytes)
+            self._release(frame, nbytes)
+
+    @staticmethod
+    def _write_framed(path: Path, snapshot, frame, nbytes: int) -> bool:
+        """The file written from its frame: its head and tail put around the data, one write;
+        False when the layout does not fit (write_tensor writes it)."""
+        buffer = frame.numpy()
+        data = memoryview(buffer)[_HEAD:_HEAD + nbytes]
+        if path.suffix == ".pt":
+            records = _pt_records(snapshot.dtype, tuple(snapshot.shape))
+            framed = records and _zip_frame(records, nbytes, zlib.crc32(data), _HEAD)
+            if not framed or len(framed[1]) > _TAIL:
+                return False
+            head, tail = framed
+        else:
+            head, tail = _npy_head(tensor_to_numpy(snapshot), _HEAD), b""
+            if head is None:
+                return False
+        buffer[:_HEAD] = np.frombuffer(head, dtype=np.uint8)
+        end = _HEAD + nbytes + len(tail)
+        buffer[_HEAD + nbytes:end] = np.frombuffer(tail, dtype=np.uint8)
+        _write_file(path, (memoryview(buffer)[:_round_up(end, _BLOCK)],), direct=True, length=end)
+        return True
 
     def link(self, path: Path, written: Path) -> None:
         """`path` holding the bytes of the file `written` before it (the same tensor, unchanged):
-        a hard link, or a copy where the file system has none; nothing if `written` failed."""
+        a hard link (atomic by itself), or a copy where the file system has none; nothing if
+        `written` failed."""
         if written in self.failed:
             self.failed.append(path)
             return
         try:
-            with atomic_path(path) as temporary:
-                temporary.unlink()
-                try:
-                    os.link(written, temporary)
-                except OSError:
+            try:
+                os.link(written, path)
+            except FileExistsError:  # a dump folder written before
+                os.unlink(path)
+                os.link(written, path)
+        except OSError:
+            try:
+                with atomic_path(path) as temporary:
                     shutil.copyfile(written, temporary)
-        except Exception as exc:
-            self._failed(path, exc)
+            except Exception as exc:
+                self._failed(path, exc)
 
     def _failed(self, path: Path, exc: Exception) -> None:
         self.failed.append(path)
@@ -187,12 +422,12 @@ class TensorFileWriter:
             print(f"npukit: cannot write tensor data ({reason}). The dump goes on without this file and any other "
                   "that cannot be written (npu-compare names them as missing); the run goes on.", file=sys.stderr)
 
-    def _release(self, buffer, nbytes: int) -> None:
+    def _release(self, frame, nbytes: int) -> None:
         with self._room:
             self._pending_bytes -= nbytes
-            if buffer is not None and self._free_bytes + nbytes <= self.max_bytes:
-                self._free.setdefault(nbytes, []).append(buffer)
-                self._free_bytes += nbytes
+            if frame is not None and self._free_bytes + frame.numel() <= self.max_bytes:
+                self._free.setdefault(frame.numel(), []).append(frame)
+                self._free_bytes += frame.numel()
             self._room.notify_all()
 
 

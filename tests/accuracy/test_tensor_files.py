@@ -1,9 +1,12 @@
 """Tensor data files: the dump's writer thread (snapshots, bounded memory, errors, the end of the
 session) and reading .pt files without torch (numpy only, pickle-free)."""
 
+import errno
 import json
 import os
 import threading
+import time
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -182,3 +185,78 @@ def test_pt_files_only_torch_reads_are_compared_in_the_main_process(tmp_path):
     for i, result in enumerate(metrics):
         expected = torch.nn.functional.cosine_similarity(golden[i].double(), target[i].double(), dim=0)
         assert result.cosine == pytest.approx(float(expected), abs=1e-12)
+
+
+def test_a_dump_whose_writer_falls_behind_waits_for_it_loses_nothing_and_says_so(tmp_path, monkeypatch, capsys):
+    from npukit.accuracy import tensor_io
+
+    slow_write = tensor_io._write_file
+
+    def slow_disk(*args, **kwargs):
+        time.sleep(0.02)
+        slow_write(*args, **kwargs)
+
+    monkeypatch.setattr(tensor_io, "_write_file", slow_disk)
+    monkeypatch.setattr(tensor_io, "_default_pending_bytes", lambda: 1 << 20)  # room for 4 of the 256 KB outputs
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(256, 256) for _ in range(8)))
+    outputs = []
+    with torch.no_grad(), DumpSession(tmp_path, level="mix", mode="tensor") as session:
+        for _ in range(3):
+            outputs.append(model(torch.randn(256, 256)))
+            session.step()
+    err = capsys.readouterr().err
+    assert err.count("wait for the writer") == 1, err
+    assert "nothing is dropped" in err and "cannot write" not in err
+    for step, output in enumerate(outputs):  # every file is there, with its values
+        rank_dir, data = _dump(tmp_path, step)
+        assert np.array_equal(_stored(rank_dir, data["Module.7.Linear.forward.0"]["output"][0]), output.numpy())
+        assert {path.name for path in (rank_dir / "dump_tensor_data").iterdir()} == set(_data_names(data))
+
+
+def _data_names(value):
+    if isinstance(value, dict):
+        if "data_name" in value:
+            yield value["data_name"]
+        for item in value.values():
+            yield from _data_names(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _data_names(item)
+
+
+@pytest.mark.parametrize("direct_io", [True, False], ids=["direct I/O", "no direct I/O"])
+def test_dumped_pt_files_are_whole_zips_torch_and_unzip_read(tmp_path, monkeypatch, direct_io):
+    """The dump writes .pt files itself (one write of a buffer laid out as the file, bypassing the
+    page cache where the file system allows): torch.load (plain and memory-mapped) and zip's
+    checksums agree with torch.save's files, also where the file system refuses direct I/O."""
+    from npukit.accuracy import tensor_io
+
+    if not direct_io:
+        real_open = os.open
+
+        def no_direct_io(path, flags, *args):
+            if flags & getattr(os, "O_DIRECT", 0):
+                raise OSError(errno.EINVAL, "Invalid argument")  # tmpfs, some network file systems
+            return real_open(path, flags, *args)
+
+        monkeypatch.setattr(tensor_io.os, "open", no_direct_io)
+        monkeypatch.setattr(tensor_io, "_direct_io", [True])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 3))  # 256 KB and 96 B outputs
+    x = torch.randn(128, 64).to(torch.bfloat16)
+    with torch.no_grad(), DumpSession(tmp_path, level="mix", mode="tensor") as session:
+        model.to(torch.bfloat16)(x)
+        session.step()
+    rank_dir, data = _dump(tmp_path)
+    leaves = [leaf for entry in data.values() for leaf in entry.get("output", [])]
+    assert {leaf["shape"][-1] for leaf in leaves} == {512, 3}
+    for leaf in leaves:
+        path = rank_dir / "dump_tensor_data" / leaf["data_name"]
+        with zipfile.ZipFile(path) as archive:
+            assert archive.testzip() is None, path  # every record's checksum right
+        for mmap in (False, True):
+            loaded = torch.load(path, weights_only=True, mmap=mmap)
+            assert loaded.dtype == torch.bfloat16 and list(loaded.shape) == leaf["shape"]
+            assert loaded.view(torch.uint16).numpy().tobytes() == _stored(rank_dir, leaf).tobytes()
+    assert not list((rank_dir / "dump_tensor_data").glob(".*.tmp"))
