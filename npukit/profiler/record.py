@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import gc
 import json
 import os
@@ -49,6 +50,9 @@ LARGE_PROFILE_EVENTS = 100_000
 CYCLE_GROWTH_BYTES = 2 << 30
 # and stops recording once the tables hold this many events (about 100 bytes each)
 MAX_EVENTS = 5_000_000
+# A run without step boundaries (a server loop: no optimizer, no prof.step()) cannot end a cycle, so
+# its growth is checked at module calls, at most this often, and recording stops at the same bound.
+GROWTH_CHECK_SECONDS = 1.0
 TRACE_SUFFIX = ".pt.trace.json"  # torch.profiler.tensorboard_trace_handler's, which the viewers look for
 
 
@@ -314,14 +318,17 @@ class _ModuleNamer:
     A global forward pre-hook sees the outermost module first and names its whole subtree.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_call=None) -> None:
         self.names: dict[int, str] = {}
         self._refs: dict[int, weakref.ref] = {}
         self._handle = None
+        self._on_call = on_call  # called at every module call (the growth check of a run without steps)
 
     def install(self) -> None:
+        import torch
         from torch.nn.modules.module import register_module_forward_pre_hook
 
+        self._is_compiling = torch.compiler.is_compiling
         self._handle = register_module_forward_pre_hook(self._pre_hook)
 
     def remove(self) -> None:
@@ -330,6 +337,9 @@ class _ModuleNamer:
             self._handle = None
 
     def _pre_hook(self, module, args) -> None:
+        # not while torch.compile traces the call: the check's time.monotonic would break its graph
+        if self._on_call is not None and not self._is_compiling():
+            self._on_call()
         ref = self._refs.get(id(module))
         if ref is not None and ref() is module:
             return
@@ -373,6 +383,60 @@ class _SwapPause:
         if self._recording():
             self._pause()
         self._original(t1, t2)
+
+
+class _CompilePause:
+    """Pauses the recording while torch.compile compiles. torch's Python tracer records every Python
+    call of Dynamo's and Inductor's tracing (millions for a small transformer) at about 20 bytes each,
+    and reading them at the cycle's end takes about 1.5 KB each: a compiled nanoGPT-like trainer's
+    whole-run profile grew from 1 GB to more than 17 GB once training was over, for minutes, and wrote
+    nothing. Dynamo's compile-start callback ends the recording cycle (its table and trace are kept);
+    recording starts again at the next step boundary. torch._dynamo is slow to import: its callbacks
+    are registered when it is already loaded, else by the first torch.compile call."""
+
+    def __init__(self, pause) -> None:
+        self._pause = pause
+        self._handler = None
+        self._compile = None
+
+    def install(self) -> None:
+        import torch
+
+        if "torch._dynamo.callback" in sys.modules:
+            self._register()
+            return
+        original = self._compile = torch.compile
+
+        @functools.wraps(original)
+        def compile(*args, **kwargs):
+            self._register()
+            return original(*args, **kwargs)
+
+        torch.compile = compile
+
+    def _register(self) -> None:
+        if self._handler is None:
+            from torch._dynamo.callback import callback_handler
+
+            self._handler = callback_handler
+            callback_handler.register_start_callback(self._on_compile_start)
+
+    def remove(self) -> None:
+        import torch
+
+        if self._compile is not None:
+            torch.compile, self._compile = self._compile, None
+        if self._handler is not None:
+            with contextlib.suppress(ValueError):
+                self._handler.remove_start_callback(self._on_compile_start)
+            self._handler = None
+
+    def _on_compile_start(self, args) -> None:
+        try:
+            self._pause()
+        except Exception as error:  # an error here would fail the compile, and so the user's run
+            print(f"npukit.profiler: could not pause the recording for torch.compile ({type(error).__name__}: "
+                  f"{error}); its tracing is recorded", file=sys.stderr)
 
 
 class _GcMarker:
@@ -464,7 +528,9 @@ class ProfileSession:
         self._explicit_steps = False
         self._auto_steps_taken = 0
         self._profiler = None
-        self._namer = _ModuleNamer()
+        self._namer = _ModuleNamer(self._check_growth_without_steps)
+        self._next_growth_check = 0.0
+        self._first_call_bytes: int | None = None  # the process's size at the first module call
         self._gc = _GcMarker()
         self._p2p = _P2PMarker()
         # optimizer.step, or under GradScaler when GradScaler.update returns (its ops are the step's)
@@ -477,6 +543,8 @@ class ProfileSession:
         self._not_recorded: list[int] = []  # the steps between two of its recording cycles
         self._new_profiler = None
         self._swaps = _SwapPause(lambda: self._profiler is not None, self._pause_recording)
+        self._compiles = _CompilePause(self._pause_for_compile)
+        self._compile_pauses = 0
 
     # -- user API ------------------------------------------------------------------------
     def step(self) -> None:
@@ -523,6 +591,7 @@ class ProfileSession:
         self._namer.install()
         self._p2p.install()
         self._swaps.install()
+        self._compiles.install()
         self._gc.prepare()
         self._start_recording()
         self._gc.install()
@@ -542,6 +611,7 @@ class ProfileSession:
                         self._profiler.__exit__(exc_type, exc, tb)
             finally:
                 self._swaps.remove()
+                self._compiles.remove()
                 self._training_steps.remove()
                 self._namer.remove()
                 self._p2p.remove()
@@ -573,8 +643,9 @@ class ProfileSession:
 
     def _advance(self) -> None:
         self.steps_taken += 1
-        if self._profiler is None:  # paused for a tensor swap: the next step is recorded again
-            self._start_recording()
+        if self._profiler is None:  # paused (a tensor swap, a compile): the next step is recorded again
+            if not self._stopped:
+                self._start_recording()
             return
         ends_cycle = self.schedule is None and self._bound_recording()
         with _recording_may_start(), warnings.catch_warnings():
@@ -607,6 +678,51 @@ class ProfileSession:
         self._profiler.current_action = ProfilerAction.RECORD_AND_SAVE
         self._not_recorded.append(self.steps_taken)
         return True
+
+    def _pause_for_compile(self) -> None:
+        """torch.compile starts compiling while a cycle records: end the cycle here (see _CompilePause);
+        the step in progress is not recorded."""
+        from torch.profiler import ProfilerAction
+
+        if self._profiler is None or self._stopping or self._profiler.current_action not in (
+                ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE):
+            return
+        whole_run_setup = self.schedule is None and not self._explicit_steps and not self.steps_taken
+        if not whole_run_setup:
+            self._not_recorded.append(self.steps_taken)
+        if not self._compile_pauses:
+            print(f"npukit.profiler: torch.compile is compiling (step {self.steps_taken}): recording pauses until "
+                  "the step ends (its tracing is not profiled)", file=sys.stderr)
+        self._compile_pauses += 1
+        self._pause_recording()
+
+    def _check_growth_without_steps(self) -> None:
+        """At a module call of a run that has taken no step yet (a server loop): once the process has grown
+        by CYCLE_GROWTH_BYTES since its first module call, recording stops, saying why: with no step boundary
+        the cycle cannot end and start again (see _bound_recording). Checked at most every
+        GROWTH_CHECK_SECONDS."""
+        now = time.monotonic()
+        if now < self._next_growth_check:
+            return
+        self._next_growth_check = now + GROWTH_CHECK_SECONDS
+        if self.steps_taken or self._profiler is None or self._stopped or self._stopping or self._pausing:
+            return
+        size = _resident_bytes()
+        if size is None:
+            return
+        if self._first_call_bytes is None:  # from the first module call on: loading the model is no recording
+            self._first_call_bytes = size
+            return
+        if size - self._first_call_bytes <= CYCLE_GROWTH_BYTES:
+            return
+        grown = (size - self._first_call_bytes) / 2**20
+        self._stopped = (f"without a step: the process grew by {grown:,.0f} MiB from its first module call (npukit ends a "
+                         f"recording at {CYCLE_GROWTH_BYTES / 2**20:,.0f} MiB, and a run without steps has no "
+                         "boundary to start the next one at)")
+        print(f"npukit.profiler: stopped recording {self._stopped}; what was recorded is kept. Mark steps with "
+              "the Python API's prof.step() (e.g. one per request) to profile the whole run in bounded cycles",
+              file=sys.stderr)
+        self._pause_recording()
 
     def _start_recording(self) -> None:
         """Start a recording cycle whose steps are numbered on from the steps already taken."""
@@ -698,6 +814,7 @@ class ProfileSession:
             "data_flow": all(part.meta.get("data_flow") for part in self.tables),
             "recording_stopped": self._stopped,
             "steps_not_recorded": self._not_recorded,
+            "compile_pauses": self._compile_pauses,
             # the clock of start_ns 0 (the profiler's, ns since the epoch): lines the ranks up in time
             "origin_ns": table.meta.get("origin_ns"),
         }
