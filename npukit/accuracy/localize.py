@@ -10,9 +10,10 @@ the user's npu-run command then make step S comparable on its own:
    drifted, and step S would differ from its first op on; from the golden state, what differs is
    what step S's own ops do.
 
-Both dump only M's subtree (and the optimizer's update ops when what departed is a weight or an
-optimizer statistic: the update that moves a weight is the optimizer's) and stop once step S ended
-(`--stop-after-step S`): the rest of the run is not needed. The compare of the two dumps names the
+Both dump step S whole, not M's subtree alone: the gradient arriving at M's backward comes from the
+modules after it, and a dump without them reads a difference there (an fp16 head's rounding) as
+changed outside the dumped ops. Both stop once step S ended (`--stop-after-step S`): the rest of
+the run is not needed. The compare of the two dumps names the
 op; the fix finder re-runs the NPU command (with the same replay, step and scope) with each
 candidate, so the fix it proves is proved on step S from the golden state.
 """
@@ -31,14 +32,9 @@ _REPLACED = ("--dump", "--dump-mode", "--dump-level", "--dump-steps", "--dump-sc
              "--monitor", "--monitor-dir", "--monitor-every", "--monitor-modules", "--monitor-config",
              "--golden", "--golden-perturb", "--profile", "--profile-steps", "--detect-overflow", "--overflow-action",
              "--overflow-max", "--overflow-dir", "--overflow-level", "--overflow-underflow")
-# the records (trend.py's `kind name`) the optimizer's update ops move
-_UPDATED_BY_THE_OPTIMIZER = frozenset({"weight", "exp_avg", "exp_avg_sq", "update_ratio"})
-
-
-def rerun_commands(command: list[str], step: int, module: str, kind: str, work: Path) -> tuple[list[str], list[str]]:
-    """(the golden re-run, the NPU re-run) of the user's npu-run command at `step`, dumping `module`'s
-    subtree ("": the whole model) into work/golden and work/npu; `kind`: what departed (trend.py's
-    record kinds: weight, grad, activation, exp_avg ...)."""
+def rerun_commands(command: list[str], step: int, work: Path) -> tuple[list[str], list[str]]:
+    """(the golden re-run, the NPU re-run) of the user's npu-run command to `step`, dumping that step
+    into work/golden and work/npu."""
     from npukit.accuracy.fix_finder import _launcher
 
     launcher, arguments = _launcher(command)
@@ -46,13 +42,8 @@ def rerun_commands(command: list[str], step: int, module: str, kind: str, work: 
     if not script:
         raise UserError(f"--localize: {' '.join(command)!r} names no script to run")
     kept = [token for option in options if option[0].split("=", 1)[0] not in _REPLACED for token in option]
-    scope = [module] if module else []
-    if scope and kind in _UPDATED_BY_THE_OPTIMIZER:
-        scope.append("optimizer")
     common = ["--replay", str(work / "replay"), "--replay-step", str(step), "--dump-mode", "tensor",
               "--dump-steps", str(step), "--stop-after-step", str(step)]
-    if scope:
-        common += ["--dump-scope", ",".join(scope)]
     golden = [*launcher, *kept, "--golden", *common, "--dump", str(work / "golden"), *script]
     npu = [*launcher, *kept, *common, "--dump", str(work / "npu"), *script]
     return golden, npu
@@ -75,10 +66,9 @@ def localize(departure, command: list[str], work: Path, console, find_fix_runs: 
         raise UserError(f"--localize-dir: {work} is not empty (it holds an earlier localization): "
                         "remove it or name another")
     work.mkdir(parents=True, exist_ok=True)
-    step, module = departure.first_step, departure.module()
-    module = "" if module.startswith("(") else module  # "(the model)": the loss, the whole step
-    golden, npu = rerun_commands(command, step, module, departure.kind, work)
-    where = f"step {step}" + (f", {module}'s subtree" if module else "")
+    step = departure.first_step
+    golden, npu = rerun_commands(command, step, work)
+    where = f"step {step} (where {departure.module()} departs)"
     console.print(f"localize: re-running the golden run to {where} (its state at the step's start recorded)")
     run_rerun(golden, "golden")
     console.print(f"localize: re-running the NPU run to {where}, from the golden state at the step's start")

@@ -69,19 +69,96 @@ def test_replay_step_gives_the_npu_run_the_golden_runs_state_at_that_step(tmp_pa
 
 def test_the_reruns_replace_the_users_watching_options_and_keep_the_rest(tmp_path):
     command = ["npu-run", "--seed", "0", "--monitor", "mon/npu", "--monitor-every", "2", "--dump", "old", "--devices",
-               "2", "train.py", "--epochs", "3", "--dump", "scripts-own"]
-    golden, npu = rerun_commands(command, 40, "blocks.1.mlp", "weight", tmp_path)
+               "2", "--dump-scope", "fc", "train.py", "--epochs", "3", "--dump", "scripts-own"]
+    golden, npu = rerun_commands(command, 40, tmp_path)
     for rerun in (golden, npu):
         options = rerun[rerun.index("npukit.run") + 1:rerun.index("train.py")]
-        assert "--monitor" not in options and "--monitor-every" not in options and "old" not in options
+        for dropped in ("--monitor", "--monitor-every", "old", "--dump-scope"):  # the whole step is dumped
+            assert dropped not in options
         assert options[:4] == ["--seed", "0", "--devices", "2"]
         assert rerun[rerun.index("train.py"):] == ["train.py", "--epochs", "3", "--dump", "scripts-own"]
         for option, value in (("--replay-step", "40"), ("--dump-steps", "40"), ("--stop-after-step", "40"),
-                              ("--dump-mode", "tensor"), ("--dump-scope", "blocks.1.mlp,optimizer")):
+                              ("--dump-mode", "tensor")):
             assert options[options.index(option) + 1] == value
     assert "--golden" in golden and "--golden" not in npu
     assert golden[golden.index("--dump") + 1] == str(tmp_path / "golden")
-    activation = rerun_commands(command, 40, "blocks.1.mlp", "activation", tmp_path)[1]
-    assert activation[activation.index("--dump-scope") + 1] == "blocks.1.mlp"  # no optimizer ops for an output
+    assert npu[npu.index("--dump") + 1] == str(tmp_path / "npu")
     with pytest.raises(UserError, match="names no script"):
-        rerun_commands(["npu-run", "--seed", "0"], 1, "", "loss", tmp_path)
+        rerun_commands(["npu-run", "--seed", "0"], 1, tmp_path)
+
+
+ELAPSED_TIME = '''\
+"""A regressor over sensor readings and the time elapsed, in fp16 (autocast, GradScaler): the elapsed
+time, unnormalized, grows 3500 a step and passes fp16's largest value at step 19."""
+import sys
+import torch
+import torch.nn as nn
+
+torch.manual_seed(0)
+
+
+class Regressor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(9, 32)
+        self.norm = nn.LayerNorm(32)
+        self.head = nn.Linear(32, 1)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.norm(self.embed(x))))
+
+
+model = Regressor().to("npu")
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+scaler = torch.amp.GradScaler("npu", init_scale=1024.0)
+data = torch.Generator().manual_seed(1)
+for step in range(int(sys.argv[1])):
+    readings = torch.randn(16, 8, generator=data)
+    x = torch.cat([readings, torch.full((16, 1), 3500.0 * step)], dim=1).to("npu")
+    y = readings[:, :1].sin().to("npu")
+    with torch.autocast("npu", dtype=torch.float16):
+        loss = (model(x).float() - y).square().mean()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad()
+print("final loss", loss.item())
+'''
+
+
+@pytest.mark.slow
+def test_localize_names_the_op_of_a_late_overflow_and_a_fix_that_lets_the_run_train_through_it(tmp_path):
+    """The monitor sees embed's output become inf at step 19 (the trend's departure there: a non-finite
+    value is outside any band). Re-run to step 19, the NPU run from the golden state: the compare names
+    embed's linear, the fix finder computing it in fp32; the whole run, fixed, stays finite."""
+    import json
+
+    from rich.console import Console
+
+    from npukit.accuracy.localize import localize
+    from npukit.accuracy.trend import Departure
+
+    (tmp_path / "train.py").write_text(ELAPSED_TIME)
+    departure = Departure(rank=0, kind="activation", name="embed", statistic="max", first_step=19, last_step=24,
+                          golden=2.0e4, perturbed=2.0e4, npu=float("inf"), half_width=100.0)
+    command = [sys.executable, "-m", "npukit.run", "--monitor", "mon", "train.py", "25"]
+    work = tmp_path / "localize"
+    import os
+
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        code = localize(departure, command, work, Console(width=200, file=open(os.devnull, "w")), 8, 5, 1)
+    finally:
+        os.chdir(cwd)
+    assert code == 1
+    report = json.loads((work / "compare.json").read_text())
+    named = report["pairs"][0]["first_divergence"]
+    assert (named["entry"], named["module_path"]) == ("Functional.linear.0.forward", "embed")
+    fix = json.loads((work / "find-fix.json").read_text())["fix"]
+    assert [(change["kind"], change["api"], change["module"]) for change in fix] == [("fp32", "Functional.linear", "embed")]
+    unfixed = npu_run("train.py", "25", cwd=tmp_path)
+    fixed = npu_run("--precision-fix", str(work / "find-fix" / "fix.json"), "train.py", "25", cwd=tmp_path)
+    assert "final loss nan" in unfixed.stdout
+    final = float(fixed.stdout.split("final loss")[1])
+    assert fixed.returncode == 0 and final == final and final < 10  # finite: it trained through step 19
