@@ -536,6 +536,7 @@ class ProfileSession:
         # optimizer.step, or under GradScaler when GradScaler.update returns (its ops are the step's)
         self._training_steps = TrainingSteps(self._end_auto_step)
         self._stopping = False
+        self._cycle_note_filter = None  # the warning filter the session adds for the run
         self._pausing = False
         self._run_failed = False  # the run ended early (an error, Ctrl-C, SIGTERM): say where its profile is
         self._cycle_start_bytes: int | None = None  # the process's size when the recording cycle began
@@ -593,6 +594,11 @@ class ProfileSession:
         self._swaps.install()
         self._compiles.install()
         self._gc.prepare()
+        # torch's note for key_averages() users as each cycle starts (each cycle is read as it ends here):
+        # silenced once for the run, not in a catch_warnings() per step, whose filter change would make
+        # every warn-once warning of the user's (and torch's) repeat at each step
+        warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle")
+        self._cycle_note_filter = warnings.filters[0]
         self._start_recording()
         self._gc.install()
         return self
@@ -616,6 +622,9 @@ class ProfileSession:
                 self._namer.remove()
                 self._p2p.remove()
                 self._gc.remove()
+                if self._cycle_note_filter in warnings.filters:
+                    warnings.filters.remove(self._cycle_note_filter)
+                    warnings._filters_mutated()
             written = self._write_table()
         except Exception as error:
             if not ended_early:
@@ -648,9 +657,7 @@ class ProfileSession:
                 self._start_recording()
             return
         ends_cycle = self.schedule is None and self._bound_recording()
-        with _recording_may_start(), warnings.catch_warnings():
-            # torch's note for key_averages() users when a cycle starts: each cycle is read as it ends here
-            warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle")
+        with _recording_may_start():
             self._profiler.step()
         if ends_cycle:  # the cycle's events are freed: the next one grows from here
             self._cycle_start_bytes = _resident_bytes()

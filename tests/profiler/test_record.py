@@ -265,3 +265,20 @@ def test_only_python_files_are_user_lines():
     assert not is_user_file("'class_to_index' must have at least one entry")
     assert not is_user_file("torch/nn/modules/module.py")
     assert not is_user_file("<frozen runpy>")
+
+
+def test_a_warn_once_warning_of_the_users_shows_once_while_profiled(tmp_path):
+    """The session silences torch's per-cycle note once for the run: a catch_warnings() per step reset
+    Python's warn-once memory, and a script's own warning repeated at every step."""
+    import warnings
+
+    x = torch.randn(16, 16)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")  # Python's default action: once per place
+        with npukit.profiler.profile(tmp_path, trace=False) as prof:
+            for _ in range(4):
+                torch.mm(x, x)
+                warnings.warn("the user's warning", UserWarning, stacklevel=1)
+                prof.step()
+    assert [str(w.message) for w in seen].count("the user's warning") == 1
+    assert not any("Profiler clears events" in str(w.message) for w in seen)
