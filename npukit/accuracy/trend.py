@@ -52,6 +52,8 @@ SCALARS = ("loss", "grad_norm")  # scalars.csv's per-step series, judged as reco
 _KIND_ORDER = {"weight": 0, "activation": 1, "loss": 2, "activation_grad": 3, "grad_local": 4, "grad": 5,
                "grad_norm": 6, "exp_avg": 7, "exp_avg_sq": 8, "update_ratio": 9}
 _PARAMETER_KINDS = frozenset({"weight", "grad_local", "grad", "exp_avg", "exp_avg_sq", "update_ratio"})
+# what a step GradScaler skipped leaves non-finite by design (its scaled gradients overflowed), not judged there
+_SKIPPED_STEP_RECORDS = frozenset({"activation_grad", "grad_local", "grad", "grad_norm"})
 
 
 class MonitorsDoNotPair(UserError):
@@ -68,6 +70,7 @@ class Monitor:
     steps: list[int]
     records: list[tuple[str, str]]  # (kind, name) in the order first recorded
     values: np.ndarray
+    skipped: frozenset[int] = frozenset()  # the steps GradScaler skipped (scalars.csv)
 
 
 @dataclass
@@ -219,9 +222,12 @@ def read_monitor(folder: Path) -> Monitor:
             except (ValueError, IndexError):
                 raise UserError(f"--trend: {path}, line {line}: not a record of npu-run --monitor: {row}") from None
     scalars = folder / "scalars.csv"
+    skipped: set[int] = set()
     if scalars.is_file():
         with open(scalars, newline="") as file:
             for line, row in enumerate(csv.DictReader(file), start=2):
+                if row.get("skipped_by_grad_scaler") == "1" and (row.get("step") or "").isdigit():
+                    skipped.add(int(row["step"]))
                 for name in SCALARS:
                     text = row.get(name, "")
                     if text:
@@ -235,7 +241,7 @@ def read_monitor(folder: Path) -> Monitor:
     values = np.full((len(index), len(steps), len(STATS)), np.nan)
     for step, record, stats in rows:
         values[record, column[step]] = stats
-    return Monitor(folder, steps, list(index), values)
+    return Monitor(folder, steps, list(index), values, frozenset(skipped))
 
 
 # ----------------------------------------------------------------------------- pairing
@@ -369,6 +375,12 @@ def compare_trend(golden: Path, npu: Path, perturbed: Path | None = None) -> Tre
         monitors, records = loaded.pop(rank), paired[rank][1]
         g, p, n = (_aligned(monitor, records, len(steps)) for monitor in monitors)
         identical = identical and bool(np.array_equal(g, p, equal_nan=True))
+        skipped = [column for column, step in enumerate(steps) if any(step in m.skipped for m in monitors)]
+        if skipped:  # (a skipped step's optimizer did not step: the weights say what that cost)
+            gradients = [row for row, (kind, _) in enumerate(records) if kind in _SKIPPED_STEP_RECORDS]
+            g[np.ix_(gradients, skipped)] = np.nan
+            notes.append(f"rank {rank}: {len(skipped)} step(s) GradScaler skipped (from step {steps[skipped[0]]}): "
+                         "their gradients are not judged")
         half = band_half_width(g, p)
         start, last = first_stretch(np.moveaxis(outside_band(g, p, n, half), 1, 2), PERSIST)  # [record, stat]
         records_count = len(records)

@@ -311,3 +311,36 @@ def test_golden_runs_agreeing_to_the_last_bit_leave_a_band_of_an_fp32_ulp_not_of
     assert np.all(half == MARGIN * np.spacing(np.float32(0.3347)))
     assert not outside_band(golden, golden.copy(), npu, half).any()
     assert outside_band(golden, golden.copy(), golden + 1e-4, half).all()  # a real difference still is
+
+
+def _write_monitor(folder: Path, weights: list[float], grads: list[float], skipped: set[int]) -> Path:
+    folder.mkdir(parents=True)
+    rows = ["step,kind,name,dtype,max,min,mean,norm,nan,inf"]
+    for step, (weight, grad) in enumerate(zip(weights, grads)):
+        rows.append(f"{step},weight,fc.weight,float32,{weight},{weight},{weight},{weight},0.0,0.0")
+        rows.append(f"{step},grad,fc.weight,float32,{grad},{grad},{grad},{grad},0.0,0.0")
+    (folder / "monitor.csv").write_text("\n".join(rows) + "\n")
+    lines = ["step,loss,grad_norm,loss_scale,skipped_by_grad_scaler"]
+    lines += [f"{step},1.0,{grads[step]},1024.0,{int(step in skipped)}" for step in range(len(weights))]
+    (folder / "scalars.csv").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+def test_gradients_of_the_steps_grad_scaler_skipped_are_not_judged_but_the_weights_they_held_back_are(tmp_path):
+    """fp16 under GradScaler skips its first steps while the loss scale finds its level (scaled gradients
+    overflow): inf gradients there are GradScaler's way, not a departure; weights held back are."""
+    steps = 40
+    weights = [1.0 - 0.01 * step for step in range(steps)]
+    grads = [0.5 + 0.001 * step for step in range(steps)]
+    golden = _write_monitor(tmp_path / "golden", weights, grads, set())
+    _write_monitor(tmp_path / "golden.perturbed", [w * (1 + 1e-4) for w in weights], [g * (1 + 1e-4) for g in grads],
+                   set())
+    skipped = {0, 1, 2, 3, 4, 5, 6}
+    npu_grads = [math.inf if step in skipped else grad for step, grad in enumerate(grads)]
+    npu = _write_monitor(tmp_path / "npu", weights, npu_grads, skipped)
+    result = compare_trend(golden, npu)
+    assert result.first() is None, result.headline()
+    assert any("7 step(s) GradScaler skipped (from step 0)" in note for note in result.notes)
+    held_back = _write_monitor(tmp_path / "held_back", [weights[0]] * 7 + weights[:-7], npu_grads, skipped)
+    first = compare_trend(golden, held_back).first()
+    assert first is not None and first.kind == "weight"  # the updates the skipped steps did not make show
