@@ -1,8 +1,9 @@
-"""xformers.ops.memory_efficient_attention and its causal bias kinds, written out in fp32.
+"""xformers.ops.memory_efficient_attention, its causal bias kinds and a tensor bias, written out in fp32.
 
 query/key/value: [batch, seq, heads, head_dim], or [batch, seq, head_dim] without heads; scale
 defaults to 1/sqrt(head_dim); LowerTriangularMask masks key j > query i (diagonal at the top-left
-corner), LowerTriangularFromBottomRightMask key j > i + seq_k - seq_q (bottom-right).
+corner), LowerTriangularFromBottomRightMask key j > i + seq_k - seq_q (bottom-right); a tensor
+attn_bias ([B, H, Sq, Skv] or broadcastable to it) is added to the scaled scores.
 """
 
 import torch
@@ -23,7 +24,9 @@ def memory_efficient_attention(query, key, value, attn_bias=None, p=0.0, scale=N
     seq_q, seq_k = query.shape[1], key.shape[1]
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     scores = torch.einsum("bqhd,bkhd->bhqk", query.float(), key.float()) * scale
-    if attn_bias is not None:
+    if isinstance(attn_bias, torch.Tensor):  # additive, after the scale; [B, Sq, Skv] for 3-D inputs
+        scores = scores + (attn_bias[:, None] if headless else attn_bias).float()
+    elif attn_bias is not None:
         masked = torch.arange(seq_k)[None, :] > torch.arange(seq_q)[:, None] + attn_bias.offset(seq_q, seq_k)
         scores = scores.masked_fill(masked, float("-inf"))
     probs = torch.nn.functional.dropout(torch.softmax(scores, dim=-1), p)

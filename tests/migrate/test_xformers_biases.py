@@ -1,0 +1,114 @@
+"""npu-migrate --fused: xformers.ops.memory_efficient_attention with a tensor attn_bias becomes
+torch_npu.npu_fusion_attention_v2 with pse (pse_type=0: added after the scale, as xformers adds it).
+Each program runs twice: the original on the CPU with the pure-torch xformers reference
+(tests/migrate/fused_stubs), the rewrite on the emulated NPU without xformers; outputs and the
+gradients of query, key, value and the bias agree within the NPU dtype's tolerance."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from npukit.migrate.model import TreeFacts
+from npukit.migrate.pysource import migrate_python
+from tests.migrate import test_fused_codemods
+from tests.migrate.test_fused_codemods import REPO, _compare, _joined
+
+FUSED = TreeFacts(fused=True)
+programs = test_fused_codemods.programs  # the fixture: original and migrated programs, the libraries gone for the latter
+
+BIASES = textwrap.dedent('''\
+    import torch
+    import xformers.ops as xops
+    from xformers.ops import memory_efficient_attention
+
+
+    def full_bias(q, k, v, bias):
+        return memory_efficient_attention(q, k, v, attn_bias=bias[:, :, : q.shape[1]])
+
+
+    def broadcast_bias(q, k, v, bias):
+        return xops.memory_efficient_attention(q, k, v, bias[..., : k.shape[1]], 0.0, 0.3)
+
+
+    def headless_bias(q, k, v, bias):
+        return memory_efficient_attention(q, k, v, attn_bias=bias[:, :, :])
+
+
+    def computed_bias(q, k, v, bias):
+        return memory_efficient_attention(q, k, v, attn_bias=torch.tanh(bias))
+''')
+
+_GENERATOR = torch.Generator().manual_seed(33)
+
+
+def _randn(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=_GENERATOR)
+
+
+BIAS_CASES = {
+    # [B, H, Sq, Skv], sliced in the call
+    "full_bias": lambda: [_randn(2, 5, 2, 16), _randn(2, 7, 2, 16), _randn(2, 7, 2, 16), _randn(2, 2, 6, 7)],
+    # [1, H, 1, Skv]: broadcast over the batch and the queries, as xformers allows; scale given
+    "broadcast_bias": lambda: [_randn(2, 4, 2, 16), _randn(2, 6, 2, 16), _randn(2, 6, 2, 16), _randn(1, 2, 1, 8)],
+    # 3-D inputs (BSH, one head): the bias is [B, Sq, Skv]
+    "headless_bias": lambda: [_randn(3, 5, 16), _randn(3, 6, 16), _randn(3, 6, 16), _randn(3, 5, 6)],
+    "computed_bias": lambda: [_randn(2, 4, 2, 16), _randn(2, 6, 2, 16), _randn(2, 6, 2, 16), _randn(2, 2, 4, 6)],
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_tensor_bias_becomes_pse_added_after_the_scale_with_the_same_outputs_and_gradients(programs, dtype):
+    original, migrated, text = programs(BIASES, f"xformers_biases_{str(dtype)[6:]}")
+    assert "import xformers" not in text and "from xformers" not in text  # every call was taken
+    for name, make_inputs in BIAS_CASES.items():
+        _compare(getattr(original, name), getattr(migrated, name), make_inputs(), dtype, name)
+
+
+def test_the_tensor_bias_rewrite_reads_as_torch_npu_documents_it():
+    outcome = migrate_python(BIASES, "biases.py", facts=FUSED)
+    assert not outcome.findings
+    joined = _joined(outcome.text)
+    # pse is expanded to the [B, N, Sq, Skv] torch_npu takes (a 3-D call: [B, 1, Sq, Skv]), once
+    assert ('torch_npu.npu_fusion_attention_v2(q, k, v, q.shape[2] if q.dim() == 4 else 1, '
+            '"BSND" if q.dim() == 4 else "BSH", pse=torch.tanh(bias).expand(q.shape[0], q.shape[2], q.shape[1], '
+            'k.shape[1]) if q.dim() == 4 else torch.tanh(bias).expand(q.shape[0], q.shape[1], k.shape[1])[:, None], '
+            'scale=q.shape[-1] ** -0.5, pse_type=0)[0]') in joined
+    assert "scale=0.3, pse_type=0)[0]" in joined
+
+
+@pytest.mark.parametrize(("argument", "reason"), [
+    ("attn_bias=bias", "a variable may hold a mask object or a tensor"),
+    ("attn_bias=make_bias(q)", "attn_bias `make_bias(q)`: only None"),
+    ("attn_bias=xops.fmha.BlockDiagonalMask.from_seqlens([3, 2])", "attn_bias `xops.fmha.BlockDiagonalMask"),
+])
+def test_a_bias_fused_cannot_tell_is_a_tensor_stays_with_its_reason(argument, reason):
+    source = f"import torch\nimport xformers.ops as xops\nout = xops.memory_efficient_attention(q, k, v, {argument})\n"
+    outcome = migrate_python(source, "model.py", facts=FUSED)
+    assert f"out = xops.memory_efficient_attention(q, k, v, {argument})\n" in outcome.text
+    assert [f for f in outcome.findings if f.kind == "xformers" and f.line == 3 and reason in f.reason]
+
+
+def test_a_key_computed_in_the_call_beside_a_tensor_bias_stays():
+    source = "import xformers.ops as xops\nout = xops.memory_efficient_attention(q, k * 2, v, bias[:])\n"
+    outcome = migrate_python(source, "model.py", facts=FUSED)
+    assert "out = xops.memory_efficient_attention(q, k * 2, v, bias[:])\n" in outcome.text
+    [kept] = [f for f in outcome.findings if f.kind == "xformers" and f.line == 2]
+    assert "its key `k * 2` is computed in the call" in kept.reason
+
+
+def test_a_second_run_changes_nothing_and_libcsts_tool_gives_the_same_bytes(tmp_path):
+    once = migrate_python(BIASES, "biases.py", facts=FUSED).text
+    assert once != BIASES and migrate_python(once, "biases.py", facts=FUSED).text == once
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "biases.py").write_text(BIASES)
+    run = subprocess.run([sys.executable, "-m", "libcst.tool", "codemod", "--no-format", "-x",
+                          "npukit.migrate.codemods.MigrateToNpu", "--fused", "src"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert run.returncode == 0, run.stderr
+    assert (tmp_path / "src" / "biases.py").read_text() == once
