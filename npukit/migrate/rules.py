@@ -335,6 +335,37 @@ NCCL_ENV_FLAG = Flag(
 ENV_NAME = re.compile(r"\b(CUDA_VISIBLE_DEVICES|PYTORCH_CUDA_ALLOC_CONF|PYTORCH_ALLOC_CONF|CUDA_LAUNCH_BLOCKING|CUBLAS_WORKSPACE_CONFIG|"
                       r"(TORCH_)?NCCL_[A-Z0-9_]+)\b")
 
+# A variable named like CUDA's that none of the tables above knows (basaran's CUDA_MEMORY_FRACTION):
+# the project's own setting, read by its own code, so nothing can rename it; reported where it is
+# set or read. NCCL_* are all reported above already. Names CUDA's toolkit, driver, libraries or
+# container runtime do read, and CUDA's status constants, are not the project's own: left to the
+# rules that know them (torch.utils.cpp_extension.CUDA_HOME, the audit of Python strings).
+PROJECT_CUDA_VARIABLE = re.compile(r"\b(?:CUDA|NVIDIA|CUDNN|CUBLAS)_[A-Z0-9_]*[A-Z0-9]\b")
+CUDA_READ_VARIABLES = re.compile(
+    r"(?:CUDA_(?:HOME|PATH|ROOT|TOOLKIT_ROOT_DIR|BIN_PATH|VERSION|DEVICE_ORDER|MODULE_LOADING|DEVICE_MAX_CONNECTIONS|"
+    r"AUTO_BOOST|FORCE_PTX_JIT|DISABLE_PTX_JIT|ENABLE_COREDUMP_ON_EXCEPTION|COREDUMP_FILE|SUCCESS|"
+    r"(?:CACHE|MPS|ERROR|NVCC)_\w+)"
+    r"|NVIDIA_(?:VISIBLE_DEVICES|DRIVER_CAPABILITIES|REQUIRE_\w+|DISABLE_REQUIRE|TF32_OVERRIDE|MIG_CONFIG_DEVICES|"
+    r"PRODUCT_NAME|CUDA_\w+|DRIVER_VERSION)"
+    r"|CUDNN_(?:LOG\w+|STATUS_\w+|VERSION|HOME|PATH|INCLUDE_DIR|LIB_DIR|LIBRARY)"
+    r"|CUBLAS_(?:LOG\w+|STATUS_\w+))\Z")
+
+
+def project_cuda_variable(name: str) -> bool:
+    """A whole name like CUDA's (CUDA_*, NVIDIA_*, CUDNN_*, CUBLAS_*) that neither the tables here
+    (renamed, flagged) nor CUDA itself know: the project's own variable."""
+    return (PROJECT_CUDA_VARIABLE.fullmatch(name) is not None and name not in ENV_RENAMES
+            and name not in ENV_FLAGGED and CUDA_READ_VARIABLES.match(name) is None)
+
+
+def project_cuda_variable_flag(name: str) -> Flag:
+    return Flag("project-cuda-variable", "warning",
+                f"{name} is this project's own variable named like CUDA's (not one CUDA reads): "
+                "check what it controls on the NPU",
+                "read its uses: a GPU-only setting (a memory fraction, a device list) needs its NPU "
+                "counterpart (torch.npu.set_per_process_memory_fraction, ASCEND_RT_VISIBLE_DEVICES) or none; "
+                "rename it if the name now misleads")
+
 # Allocator options torch_npu's PYTORCH_NPU_ALLOC_CONF parser knows (torch_npu 2.x NPUCachingAllocator):
 # max_split_size_mb, garbage_collection_threshold, expandable_segments, roundup_power2_divisions,
 # base_addr_aligned_kb, page_size, segment_size_mb. CUDA-only ones are reported.

@@ -196,7 +196,7 @@ def process_file(root: str, relative: str, kind: str, settings: FileSettings) ->
     return result
 
 
-_CONFIG_TRIGGERS = ("cuda", "nccl", "nvidia", "flash", "xformers", "bitsandbytes", "apex", "triton", "cupy", "tensorrt")
+_CONFIG_TRIGGERS = ("cuda", "nccl", "nvidia", "cudnn", "cublas", "flash", "xformers", "bitsandbytes", "apex", "triton", "cupy", "tensorrt")
 
 
 def _mentions_cuda(text: str) -> bool:

@@ -37,6 +37,11 @@ _CONFIG_ENV_USE = re.compile(
     + r"|^\s*-\s+" + _ENV_ALT + r"\s*$"              # - X
 )
 _NCCL_ENV = re.compile(r"\b(TORCH_)?NCCL_[A-Z0-9_]+\b")
+# a project's own variable named like CUDA's (rules.project_cuda_variable): any such word of a shell
+# line (export X=, X=1 cmd, ENV X 1, ARG X, $X, ${X}); in configs only where _CONFIG_ENV_USE would see a use
+_LIKE_CUDA = r"((?:CUDA|NVIDIA|CUDNN|CUBLAS)_[A-Z0-9_]*[A-Z0-9])"
+_SHELL_PROJECT_ENV = re.compile(r"(?<![\w-])" + _LIKE_CUDA + r"(?![\w-])")
+_CONFIG_PROJECT_ENV = re.compile(_CONFIG_ENV_USE.pattern.replace(_ENV_ALT, _LIKE_CUDA))
 _DEVICE_OPTION = re.compile(r"(--[\w-]*device[\w-]*(?:=|\s+)[\"']?)cuda(?=(?::\d+)?[\"']?(?:\s|$|\\))")
 _BACKEND_OPTION = re.compile(r"(--[\w-]*backend[\w-]*(?:=|\s+)[\"']?)nccl\b")
 _LOG_COMMAND = re.compile(r"\s*(echo|printf)\b")
@@ -61,9 +66,10 @@ def _finding(path: str, line_no: int, col: int, line: str, flag: Flag, reason: s
 
 
 def _command_line_edits(line: str, line_no: int, path: str, findings: list[Finding],
-                        env_pattern: re.Pattern[str] = _ENV_RENAME) -> list[TextEdit]:
+                        env_pattern: re.Pattern[str] = _ENV_RENAME,
+                        project_env_pattern: re.Pattern[str] | None = _SHELL_PROJECT_ENV) -> list[TextEdit]:
     """Env var names, --device cuda, --backend nccl, and NVIDIA's tools (nvidia-smi, nvcc, nsys ...)
-    where a command starts, in one shell-like line."""
+    where a command starts, in one shell-like line; a project's own variable named like CUDA's reported."""
     code = line[:comment_start(line)]
     if not code.strip() or _LOG_COMMAND.match(code):
         return []
@@ -82,6 +88,11 @@ def _command_line_edits(line: str, line_no: int, path: str, findings: list[Findi
         if match.group(0) not in rules.ENV_RENAMES:
             findings.append(_finding(path, line_no, match.start() + 1, line, rules.NCCL_ENV_FLAG,
                                      f"{match.group(0)}: {rules.NCCL_ENV_FLAG.reason}"))
+    for match in project_env_pattern.finditer(code) if project_env_pattern else ():
+        name = match.group(match.lastindex)
+        if rules.project_cuda_variable(name):
+            findings.append(_finding(path, line_no, match.start(match.lastindex) + 1, line,
+                                     rules.project_cuda_variable_flag(name)))
     if "CUBLAS_WORKSPACE_CONFIG" in code:
         findings.append(_finding(path, line_no, code.index("CUBLAS_WORKSPACE_CONFIG") + 1, line,
                                  rules.ENV_FLAGGED["CUBLAS_WORKSPACE_CONFIG"]))
@@ -190,7 +201,8 @@ def migrate_build(text: str, path: str) -> tuple[str, list[Change], list[Finding
             findings.append(_finding(path, number, match.start() + 1, line, _CUDA_BUILD_FLAG,
                                      f"`{match.group(0).strip()}`: {_CUDA_BUILD_FLAG.reason}"))
         else:
-            _command_line_edits(code, number, path, findings)  # execute_process(nvcc ...), -lcudart in flags
+            # execute_process(nvcc ...), -lcudart in flags; not CMake's variables (FindCUDA sets CUDA_LIBRARIES ...)
+            _command_line_edits(code, number, path, findings, project_env_pattern=None)
     return text, [], findings
 
 
@@ -234,7 +246,7 @@ def migrate_yaml(text: str, path: str) -> tuple[str, list[Change], list[Finding]
         if image:
             findings.append(_finding(path, number, image.start(1) + 1, body, _CUDA_IMAGE_FLAG,
                                      f"{image.group(1)}: {_CUDA_IMAGE_FLAG.reason}"))
-        edits += _command_line_edits(body, number, path, findings, _CONFIG_ENV_USE)
+        edits += _command_line_edits(body, number, path, findings, _CONFIG_ENV_USE, _CONFIG_PROJECT_ENV)
     # a device reservation with its driver named is reported at the driver: once per device
     findings += [finding for finding in gpu_capabilities
                  if not any(abs(finding.line - line) <= _DEVICE_ITEM_LINES for line in reserved_at)]

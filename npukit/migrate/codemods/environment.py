@@ -18,7 +18,8 @@ _ALLOC_OPTION_WORDS = ("cudaMallocAsync", "pinned_use_cuda_host_register", "pinn
 class CudaEnvironment(StringPlaces, NpuCodemod):
     """`os.environ["CUDA_VISIBLE_DEVICES"]` -> `os.environ["ASCEND_RT_VISIBLE_DEVICES"]` (and the
     allocator, launch-blocking and NCCL socket variables); reported: CUDA-only variables (NCCL_*,
-    CUBLAS_WORKSPACE_CONFIG), CUDA-only allocator options, command lines of NVIDIA's tools (nvidia-smi,
+    CUBLAS_WORKSPACE_CONFIG), a project's own variable named like CUDA's (CUDA_MEMORY_FRACTION), CUDA-only
+    allocator options, command lines of NVIDIA's tools (nvidia-smi,
     nvcc, nsys, ncu ...: a string a command starts with, as os.system, subprocess or a list's first
     word holds it), and variable
     names inside longer strings. Docstrings are left alone; so is text passed to print, a logger or
@@ -28,9 +29,11 @@ class CudaEnvironment(StringPlaces, NpuCodemod):
     DESCRIPTION = "CUDA/NCCL environment variables in strings -> their Ascend names; the rest reported"
     CONTEXT = "statement"  # decided from the statement holding the candidate and the imports
     RULES = ("env-var",)
-    # the names ENV_RENAMES, ENV_FLAGGED and ENV_NAME know ("CUDA_" alone is in every CUDA_HOME)
+    # the names ENV_RENAMES, ENV_FLAGGED and ENV_NAME know, and the prefixes of a project's own
+    # variable named like CUDA's (rules.project_cuda_variable)
     FILES_CONTAINING = ("CUDA_VISIBLE_DEVICES", "CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUDA_LAUNCH_BLOCKING",
-                        "CUBLAS_WORKSPACE_CONFIG", "NCCL_", "nvidia-smi", *_ALLOC_OPTION_WORDS,
+                        "CUBLAS_WORKSPACE_CONFIG", "NCCL_", "CUDA_", "NVIDIA_", "CUDNN_", "CUBLAS_",
+                        "nvidia-smi", *_ALLOC_OPTION_WORDS,
                         *rules.NVIDIA_TOOLS, "#SBATCH", "#PBS", "#BSUB")
 
     @classmethod
@@ -92,6 +95,8 @@ class CudaEnvironment(StringPlaces, NpuCodemod):
             self.flag(node, rules.NVIDIA_SMI)
         elif self._text_depth:
             return
+        elif rules.project_cuda_variable(value):  # os.environ.get("CUDA_MEMORY_FRACTION"), an env dict's key
+            self.flag(node, rules.project_cuda_variable_flag(value))
         elif (tool := rules.nvidia_tool(value)) is not None:  # a command run (os.system, subprocess, a list's first word)
             self.flag(node, tool[1])
         elif rules.JOB_GPU_REQUEST.search(value):  # the template of a job script the code writes
