@@ -82,10 +82,72 @@ def test_the_tensor_bias_rewrite_reads_as_torch_npu_documents_it():
     assert "scale=0.3, pse_type=0)[0]" in joined
 
 
+VARLEN = textwrap.dedent('''\
+    import torch
+    import xformers.ops as xops
+    from xformers.ops.fmha.attn_bias import BlockDiagonalCausalFromBottomRightMask, BlockDiagonalCausalMask
+
+
+    def blocks(q, k, v):
+        return xops.memory_efficient_attention(q, k, v, attn_bias=xops.fmha.BlockDiagonalMask.from_seqlens([3, 5, 2]))
+
+
+    def causal_blocks(q, k, v, lengths):
+        return xops.memory_efficient_attention(q, k, v, BlockDiagonalCausalMask.from_seqlens(lengths), 0.0, 0.3)
+
+
+    def causal_blocks_longer_keys(q, k, v, q_lengths, kv_lengths):
+        return xops.memory_efficient_attention(q, k, v, BlockDiagonalCausalMask.from_seqlens(q_lengths, kv_lengths))
+
+
+    def bottom_right_blocks(q, k, v, q_lengths, kv_lengths):
+        return xops.memory_efficient_attention(q, k, v, BlockDiagonalCausalFromBottomRightMask.from_seqlens(
+            q_lengths, kv_seqlen=kv_lengths))
+''')
+VARLEN_CASES = {  # batch 1, three sequences concatenated
+    "blocks": (lambda: [_randn(1, 10, 2, 16), _randn(1, 10, 2, 16), _randn(1, 10, 2, 16)], ()),
+    # 3-D inputs: one head; the causal diagonal at each sequence's top-left corner (sparse_mode 2)
+    "causal_blocks": (lambda: [_randn(1, 10, 16), _randn(1, 10, 16), _randn(1, 10, 16)], ([4, 4, 2],)),
+    "causal_blocks_longer_keys": (lambda: [_randn(1, 10, 2, 16), _randn(1, 12, 2, 16), _randn(1, 12, 2, 16)],
+                                  ([3, 5, 2], [4, 6, 2])),
+    # keys longer than queries per sequence: the diagonal at each bottom-right corner (sparse_mode 3)
+    "bottom_right_blocks": (lambda: [_randn(1, 10, 2, 16), _randn(1, 12, 2, 16), _randn(1, 12, 2, 16)],
+                            ([3, 5, 2], [4, 6, 2])),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_block_diagonal_masks_become_tnd_with_cumulative_lengths_and_the_same_gradients(programs, dtype):
+    original, migrated, text = programs(VARLEN, f"xformers_varlen_{str(dtype)[6:]}")
+    assert "import xformers" not in text and "from xformers" not in text  # the mask objects went with the calls
+    for name, (make_inputs, lengths) in VARLEN_CASES.items():
+        def reference(*tensors, function=getattr(original, name), lengths=lengths):
+            return function(*tensors, *lengths)
+
+        def rewrite(*tensors, function=getattr(migrated, name), lengths=lengths):
+            return function(*tensors, *lengths)
+        _compare(reference, rewrite, make_inputs(), dtype, name)
+
+
+def test_the_block_diagonal_rewrite_reads_as_torch_npu_documents_it():
+    joined = _joined(migrate_python(VARLEN, "varlen.py", facts=FUSED).text)
+    tnd = "{0}.flatten(0, 1) if q.dim() == 4 else {0}.flatten(0, 1)[:, None]"
+    assert (f"torch_npu.npu_fusion_attention({tnd.format('q')}, {tnd.format('k')}, {tnd.format('v')}, "
+            'q.shape[2] if q.dim() == 4 else 1, "TND", scale=q.shape[-1] ** -0.5, '
+            "actual_seq_qlen=torch.tensor([3, 5, 2]).cumsum(0).tolist(), "
+            "actual_seq_kvlen=torch.tensor([3, 5, 2]).cumsum(0).tolist())[0].reshape(*q.shape[:-1], -1)") in joined
+    assert ("scale=0.3, actual_seq_qlen=torch.tensor(lengths).cumsum(0).tolist(), "
+            "actual_seq_kvlen=torch.tensor(lengths).cumsum(0).tolist(), sparse_mode=2)[0]") in joined
+    assert ("actual_seq_qlen=torch.tensor(q_lengths).cumsum(0).tolist(), "
+            "actual_seq_kvlen=torch.tensor(kv_lengths).cumsum(0).tolist(), sparse_mode=3)[0]") in joined
+
+
 @pytest.mark.parametrize(("argument", "reason"), [
     ("attn_bias=bias", "a variable may hold a mask object or a tensor"),
     ("attn_bias=make_bias(q)", "attn_bias `make_bias(q)`: only None"),
-    ("attn_bias=xops.fmha.BlockDiagonalMask.from_seqlens([3, 2])", "attn_bias `xops.fmha.BlockDiagonalMask"),
+    ("attn_bias=xops.fmha.BlockDiagonalMask.from_seqlens(lengths())", "q_seqlen `lengths()` is computed in the call"),
+    ("attn_bias=xops.fmha.BlockDiagonalPaddedKeysMask.from_seqlens(q_seqlen=[3], kv_padding=4, kv_seqlen=[2])",
+     "attn_bias `xops.fmha.BlockDiagonalPaddedKeysMask"),
 ])
 def test_a_bias_fused_cannot_tell_is_a_tensor_stays_with_its_reason(argument, reason):
     source = f"import torch\nimport xformers.ops as xops\nout = xops.memory_efficient_attention(q, k, v, {argument})\n"
@@ -103,12 +165,15 @@ def test_a_key_computed_in_the_call_beside_a_tensor_bias_stays():
 
 
 def test_a_second_run_changes_nothing_and_libcsts_tool_gives_the_same_bytes(tmp_path):
-    once = migrate_python(BIASES, "biases.py", facts=FUSED).text
-    assert once != BIASES and migrate_python(once, "biases.py", facts=FUSED).text == once
+    sources = {"biases.py": BIASES, "varlen.py": VARLEN}
     (tmp_path / "src").mkdir()
-    (tmp_path / "src" / "biases.py").write_text(BIASES)
+    for name, source in sources.items():
+        once = migrate_python(source, name, facts=FUSED).text
+        assert once != source and migrate_python(once, name, facts=FUSED).text == once
+        (tmp_path / "src" / name).write_text(source)
     run = subprocess.run([sys.executable, "-m", "libcst.tool", "codemod", "--no-format", "-x",
                           "npukit.migrate.codemods.MigrateToNpu", "--fused", "src"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert run.returncode == 0, run.stderr
-    assert (tmp_path / "src" / "biases.py").read_text() == once
+    for name, source in sources.items():
+        assert (tmp_path / "src" / name).read_text() == migrate_python(source, name, facts=FUSED).text, name

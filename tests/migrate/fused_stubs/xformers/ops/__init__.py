@@ -3,10 +3,14 @@
 query/key/value: [batch, seq, heads, head_dim], or [batch, seq, head_dim] without heads; scale
 defaults to 1/sqrt(head_dim); LowerTriangularMask masks key j > query i (diagonal at the top-left
 corner), LowerTriangularFromBottomRightMask key j > i + seq_k - seq_q (bottom-right); a tensor
-attn_bias ([B, H, Sq, Skv] or broadcastable to it) is added to the scaled scores.
+attn_bias ([B, H, Sq, Skv] or broadcastable to it) is added to the scaled scores; the block-diagonal
+kinds are in fmha/attn_bias.py.
 """
 
 import torch
+
+from xformers.ops import fmha  # noqa: F401  (xops.fmha.BlockDiagonalMask, as in xformers)
+from xformers.ops.fmha.attn_bias import BlockDiagonalMask
 
 
 class LowerTriangularMask:
@@ -26,6 +30,8 @@ def memory_efficient_attention(query, key, value, attn_bias=None, p=0.0, scale=N
     scores = torch.einsum("bqhd,bkhd->bhqk", query.float(), key.float()) * scale
     if isinstance(attn_bias, torch.Tensor):  # additive, after the scale; [B, Sq, Skv] for 3-D inputs
         scores = scores + (attn_bias[:, None] if headless else attn_bias).float()
+    elif isinstance(attn_bias, BlockDiagonalMask):  # batch 1, the sequences concatenated
+        scores = scores.masked_fill(attn_bias.masked(), float("-inf"))
     elif attn_bias is not None:
         masked = torch.arange(seq_k)[None, :] > torch.arange(seq_q)[:, None] + attn_bias.offset(seq_q, seq_k)
         scores = scores.masked_fill(masked, float("-inf"))
