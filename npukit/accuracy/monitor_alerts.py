@@ -189,15 +189,23 @@ class Alerts:
         if len(history) < history.maxlen or abs_max < math.sqrt(largest):
             return None  # below half the dtype's range (in orders of magnitude) nothing approaches it
         samples = list(history)
-        slope = min((b_log - a_log) / (b_step - a_step)
-                    for (a_step, a_log), (b_step, b_log) in zip(samples, samples[1:]))
+        slopes = [(b_log - a_log) / (b_step - a_step) for (a_step, a_log), (b_step, b_log) in zip(samples, samples[1:])]
+        slope = min(slopes)
         if slope < math.log1p(self.rules.forecast_min_growth):
             return None  # not growing at every sample: no trend to extrapolate
         steps_left = (math.log(largest) - samples[-1][1]) / slope
+        # a value that grows by a steady amount (a feature rising with the step) grows ever slower in
+        # proportion: its rate falls at every sample, and it reaches the largest value at that amount
+        increments = [(math.exp(b_log) - math.exp(a_log)) / (b_step - a_step)
+                      for (a_step, a_log), (b_step, b_log) in zip(samples, samples[1:])]
+        steady = all(later < earlier for earlier, later in zip(slopes, slopes[1:])) and \
+            max(increments) <= 1.5 * min(increments)
+        if steady:
+            steps_left = (largest - abs_max) / increments[-1]
         if steps_left > self.rules.forecast_steps:
             return None
         dtype = _DTYPE_NAMES.get(record.dtype, str(record.dtype).removeprefix("torch."))
-        growth = math.expm1(slope) * 100
+        growth = f"by {short_number(increments[-1])}" if steady else f"{math.expm1(slope) * 100:.2g}%"
         return Alert(step, "overflow forecast", f"{record.name}:{record.kind}", "abs max", abs_max,
-                     f"step {step}: {label(record)} max {short_number(abs_max)}, growing {growth:.2g}% a step: "
+                     f"step {step}: {label(record)} max {short_number(abs_max)}, growing {growth} a step: "
                      f"{dtype} overflow in about {max(1, round(steps_left))} steps")

@@ -572,3 +572,26 @@ def test_adam_state_the_one_pass_kernel_does_not_read_is_measured_by_torch(tmp_p
         _close(rows[("exp_avg", name)], {"norm": float(optimizer.state[parameter]["exp_avg"].double().norm())})
         ratio = float(rows[("update_ratio", name)]["mean"])
         assert ratio == pytest.approx(_adam_ratio(optimizer, parameter, weights[name]), rel=0.03), name
+
+
+def test_a_value_growing_by_a_steady_amount_is_forecast_at_that_amount_not_at_its_early_rate():
+    """An unnormalized feature rising 330 a step: at step 5 it grows 24% a step, which at that rate
+    overflows fp16 in ~22 steps; at 330 a step it is ~190 steps away (no alert yet). Near the top the
+    same ramp is forecast at its steady amount; a value growing by a steady *rate* keeps its forecast."""
+    from npukit.accuracy.monitor_alerts import Alerts, Record
+
+    def forecasts(values):
+        alerts = Alerts()
+        found = []
+        for step, value in enumerate(values):
+            record = Record("activation", "embed", torch.float16, [value, -value, 0.0, value, 0.0, 0.0])
+            found += [a for a in alerts.judge(step, [record], None, None, False, None) if a.rule == "overflow forecast"]
+        return found
+
+    assert forecasts([300.0 + 330.0 * step for step in range(12)]) == []
+    near_the_top = forecasts([60000.0 + 330.0 * step for step in range(8)])
+    assert near_the_top and "growing by 330 a step: fp16 overflow in about" in near_the_top[0].message
+    steps_left = int(near_the_top[0].message.rsplit("about ", 1)[1].split()[0])
+    assert abs(steps_left - (65504 - (60000 + 330 * near_the_top[0].step)) / 330) <= 1
+    exponential = forecasts([300.0 * 1.2 ** step for step in range(30)])
+    assert exponential and "20% a step" in exponential[0].message
