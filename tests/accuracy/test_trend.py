@@ -313,7 +313,7 @@ def test_golden_runs_agreeing_to_the_last_bit_leave_a_band_of_an_fp32_ulp_not_of
     assert outside_band(golden, golden.copy(), golden + 1e-4, half).all()  # a real difference still is
 
 
-def _write_monitor(folder: Path, weights: list[float], grads: list[float], skipped: set[int]) -> Path:
+def _write_scaled_monitor(folder: Path, weights: list[float], grads: list[float], skipped: set[int]) -> Path:
     folder.mkdir(parents=True)
     rows = ["step,kind,name,dtype,max,min,mean,norm,nan,inf"]
     for step, (weight, grad) in enumerate(zip(weights, grads)):
@@ -332,15 +332,15 @@ def test_gradients_of_the_steps_grad_scaler_skipped_are_not_judged_but_the_weigh
     steps = 40
     weights = [1.0 - 0.01 * step for step in range(steps)]
     grads = [0.5 + 0.001 * step for step in range(steps)]
-    golden = _write_monitor(tmp_path / "golden", weights, grads, set())
-    _write_monitor(tmp_path / "golden.perturbed", [w * (1 + 1e-4) for w in weights], [g * (1 + 1e-4) for g in grads],
+    golden = _write_scaled_monitor(tmp_path / "golden", weights, grads, set())
+    _write_scaled_monitor(tmp_path / "golden.perturbed", [w * (1 + 1e-4) for w in weights], [g * (1 + 1e-4) for g in grads],
                    set())
     skipped = {0, 1, 2, 3, 4, 5, 6}
     npu_grads = [math.inf if step in skipped else grad for step, grad in enumerate(grads)]
-    npu = _write_monitor(tmp_path / "npu", weights, npu_grads, skipped)
+    npu = _write_scaled_monitor(tmp_path / "npu", weights, npu_grads, skipped)
     result = compare_trend(golden, npu)
     assert result.first() is None, result.headline()
     assert any("7 step(s) GradScaler skipped (from step 0)" in note for note in result.notes)
-    held_back = _write_monitor(tmp_path / "held_back", [weights[0]] * 7 + weights[:-7], npu_grads, skipped)
+    held_back = _write_scaled_monitor(tmp_path / "held_back", [weights[0]] * 7 + weights[:-7], npu_grads, skipped)
     first = compare_trend(golden, held_back).first()
     assert first is not None and first.kind == "weight"  # the updates the skipped steps did not make show
