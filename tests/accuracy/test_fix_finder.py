@@ -200,6 +200,7 @@ def _within_runs(result: dict) -> None:
     assert result["runs"] <= 2 * math.log2(max(k, 2)) + 4, result["runs"]
 
 
+@pytest.mark.slow  # (a whole-run e2e: kept out of the 20-minute main suite, run in CI's slow stage)
 def test_a_linear_losing_a_small_signal_is_kept_in_fp32(tmp_path):
     result, run = _find_fix(tmp_path, OFFSET_LINEAR)
     line = _line_of(OFFSET_LINEAR, "h = self.fc1(")
@@ -263,6 +264,7 @@ def _printed_code(stdout: str) -> str:
     return "\n".join(code)
 
 
+@pytest.mark.slow  # (a whole-run e2e: kept out of the 20-minute main suite, run in CI's slow stage)
 def test_a_fix_in_every_block_is_narrowed_to_the_two_blocks_that_overflow_and_runs_as_printed(tmp_path):
     result, found = _find_fix(tmp_path, STREAM)
     line = _line_of(STREAM, "return x + self.fc(x)")

@@ -51,6 +51,7 @@ def test_stop_after_step_ends_the_run_once_that_step_ended_and_its_dump_is_writt
     assert (tmp_path / "dump" / "step2" / "rank0" / "dump.json").is_file()
 
 
+@pytest.mark.slow  # (a whole-run e2e: kept out of the 20-minute main suite, run in CI's slow stage)
 def test_replay_step_gives_the_npu_run_the_golden_runs_state_at_that_step(tmp_path):
     """The golden run records the state at step 3's start; a run seeded otherwise (its own weights,
     data and Adam moments for steps 0-2) computes step 3 as the golden run did."""

@@ -479,6 +479,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow  # (a whole-run e2e: kept out of the 20-minute main suite, run in CI's slow stage)
 def test_on_two_ranks_each_gradient_is_recorded_before_and_after_the_reduce(tmp_path):
     import os
 

@@ -204,6 +204,7 @@ def test_a_hook_inside_a_block_is_named_at_the_op_not_at_the_block_whose_backwar
     assert (began.entry, began.module_path, began.ranks) == ("Functional.linear.2.backward", "module.1.proj", [0, 1])
 
 
+@pytest.mark.slow  # (a whole-run e2e: kept out of the 20-minute main suite, run in CI's slow stage)
 def test_eight_ranks_name_the_rank_whose_layer_norm_eps_changed(tmp_path):
     (tmp_path / "train.py").write_text(SCRIPT)
     seconds = npu_run(tmp_path, 8, "golden") + npu_run(tmp_path, 8, "bug", "eps", "5")

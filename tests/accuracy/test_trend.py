@@ -270,6 +270,7 @@ def test_a_missing_perturbed_run_says_how_to_record_it(short_pair, tmp_path):
     assert code == 0 and "No trend divergence" in output
 
 
+@pytest.mark.slow  # (a whole-run e2e: kept out of the 20-minute main suite, run in CI's slow stage)
 def test_npu_run_golden_perturb_and_the_trend_report(tmp_path):
     """The journey: npu-run writes the three monitors, npu-compare --trend writes the page and the plot."""
     script = tmp_path / "train.py"

@@ -213,6 +213,7 @@ def _patched(script: str, code: str) -> str:
     return "\n".join([*lines[:imports + 1], "", definitions, "", *lines[imports + 1:]]) + "\n"
 
 
+@pytest.mark.slow  # (a whole-run e2e: kept out of the 20-minute main suite, run in CI's slow stage)
 def test_an_imprecise_fused_attention_call_is_unfused_and_the_printed_code_passes_the_compare(tmp_path):
     result, found = _find_fix(tmp_path, LONG_ROWS)
     assert "First divergence: NPU.npu_fusion_attention.1.forward  (module memory)" in found.stdout, found.stdout
