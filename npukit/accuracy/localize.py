@@ -13,9 +13,9 @@ the user's npu-run command then make step S comparable on its own:
 Both dump step S whole, not M's subtree alone: the gradient arriving at M's backward comes from the
 modules after it, and a dump without them reads a difference there (an fp16 head's rounding) as
 changed outside the dumped ops. Both stop once step S ended (`--stop-after-step S`): the rest of
-the run is not needed. The compare of the two dumps names the
-op; the fix finder re-runs the NPU command (with the same replay, step and scope) with each
-candidate, so the fix it proves is proved on step S from the golden state.
+the run is not needed. The compare of the two dumps names the op; the fix finder re-runs the NPU
+command (with the same replay and step) with each candidate, so the fix it proves is proved on
+step S from the golden state.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ _REPLACED = ("--dump", "--dump-mode", "--dump-level", "--dump-steps", "--dump-sc
              "--monitor", "--monitor-dir", "--monitor-every", "--monitor-modules", "--monitor-config",
              "--golden", "--golden-perturb", "--profile", "--profile-steps", "--detect-overflow", "--overflow-action",
              "--overflow-max", "--overflow-dir", "--overflow-level", "--overflow-underflow")
+
+
 def rerun_commands(command: list[str], step: int, work: Path) -> tuple[list[str], list[str]]:
     """(the golden re-run, the NPU re-run) of the user's npu-run command to `step`, dumping that step
     into work/golden and work/npu."""
