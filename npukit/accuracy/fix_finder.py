@@ -253,7 +253,7 @@ class TrialRunner:
     def __init__(self, golden: Path, command: list[str], work: Path, divergence_entry: str,
                  thresholds: Thresholds, on_trial=None) -> None:
         self.golden = golden
-        self.launcher, arguments = _launcher(command)
+        self.launcher, arguments = npu_run_launcher(command)
         self.arguments = _without_dump(arguments)
         self.work = work
         self.anchor = divergence_entry
@@ -320,7 +320,7 @@ def _without_dump(arguments: list[str]) -> list[str]:
     return arguments
 
 
-def _launcher(command: list[str]) -> tuple[list[str], list[str]]:
+def npu_run_launcher(command: list[str]) -> tuple[list[str], list[str]]:
     """(how to start npu-run, its arguments): `npu-run` (or `python -m npukit.run`) runs as this
     interpreter's `-m npukit.run`, so the trials use the npukit and torch of this compare."""
     if not command:

@@ -37,9 +37,9 @@ _REPLACED = ("--dump", "--dump-mode", "--dump-level", "--dump-steps", "--dump-sc
 def rerun_commands(command: list[str], step: int, work: Path) -> tuple[list[str], list[str]]:
     """(the golden re-run, the NPU re-run) of the user's npu-run command to `step`, dumping that step
     into work/golden and work/npu."""
-    from npukit.accuracy.fix_finder import _launcher
+    from npukit.accuracy.fix_finder import npu_run_launcher
 
-    launcher, arguments = _launcher(command)
+    launcher, arguments = npu_run_launcher(command)
     options, script = option_spans(arguments)
     if not script:
         raise UserError(f"--localize: {' '.join(command)!r} names no script to run")

@@ -173,7 +173,7 @@ class ReplaySession:
             return
         self._active = True
         with torch._C.DisableTorchFunction(), torch.no_grad():
-            for module, index in ((module, self._roots[id(module)]) for module in self._root_refs):
+            for index, module in enumerate(self._root_refs):  # (in the order _roots numbered them)
                 if self.replaying:
                     self._load_state(module, index)
                 else:
