@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from npukit.accuracy import report_page
-from npukit.accuracy.trend import LOOKAHEAD, MARGIN, PERSIST, SCALARS, Series, TrendResult
+from npukit.accuracy.trend import DRIFT_QUANTILE, LOOKAHEAD, MARGIN, PERSIST, SCALARS, Series, TrendResult
 from npukit.files import write_text_atomic
 
 _DEPARTURE_COLUMNS = ("rank", "module", "kind", "name", "statistic", "first_step", "last_step", "golden",
@@ -24,7 +24,9 @@ _PLOT_POINTS = 800  # at most this many steps drawn per line (evenly spaced, the
 
 def band_text() -> str:
     return (f"band: the golden run +- {MARGIN:g}x the largest spread of the two golden runs up to twice the step "
-            f"(at least {LOOKAHEAD} monitored steps ahead); a departure is {PERSIST} monitored steps in a row outside it")
+            f"(at least {LOOKAHEAD} monitored steps ahead; for weights and optimizer state, at least their movement x the "
+            f"{DRIFT_QUANTILE:.0%} quantile of the golden pair's drift per movement over all of them); a departure is "
+            f"{PERSIST} monitored steps in a row outside it")
 
 
 def print_trend(result: TrendResult, console, top: int = 20) -> None:

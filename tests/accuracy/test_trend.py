@@ -345,3 +345,79 @@ def test_gradients_of_the_steps_grad_scaler_skipped_are_not_judged_but_the_weigh
     held_back = _write_scaled_monitor(tmp_path / "held_back", [weights[0]] * 7 + weights[:-7], npu_grads, skipped)
     first = compare_trend(golden, held_back).first()
     assert first is not None and first.kind == "weight"  # the updates the skipped steps did not make show
+
+
+class ElapsedRegressor(nn.Module):
+    """Sensor readings and the time elapsed (unnormalized) -> one value, through a LayerNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.norm, self.head = nn.Linear(9, 32), nn.LayerNorm(32), nn.Linear(32, 1)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.norm(self.embed(x))))
+
+
+def train_elapsed_regressor(out: Path, steps: int, run: str) -> None:
+    """`run`: "golden", "perturbed" (the golden run rounded at fp16) or "npu" (fp16 autocast); SGD with
+    momentum under GradScaler. The elapsed-time feature grows 40 a step: fp16 holds it for ~200 steps."""
+    torch.manual_seed(0)
+    model = ElapsedRegressor().to("npu")
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    scaler = torch.amp.GradScaler("npu", init_scale=1024.0)
+    data = torch.Generator().manual_seed(1)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_one_thread())
+        if run != "npu":
+            stack.enter_context(numerics.golden())
+        stack.enter_context(MonitorSession(out, rank=0, tensorboard=False))
+        if run == "perturbed":
+            stack.enter_context(PerturbSession("fp16", rank=0))
+        for step in range(steps):
+            readings = torch.randn(16, 8, generator=data)
+            x = torch.cat([readings, torch.full((16, 1), 40.0 * step)], dim=1).to("npu")
+            with torch.autocast("npu", dtype=torch.float16, enabled=run == "npu"):
+                loss = (model(x).float() - readings[:, :1].sin().to("npu")).square().mean()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+
+
+@pytest.mark.slow  # (three short runs: 3-5 s on the shared machine; the pooled drift's unit test below is fast)
+def test_a_clean_fp16_run_whose_weights_drift_more_than_the_one_perturbed_sample_stays_inside(tmp_path):
+    """A weight's drift is one slow sample per run: the perturbed run's rounding left embed.bias's minimum
+    within 1-3 fp32 ulps of the golden run's (other seeds of it: up to 50x more), the clean fp16 run's
+    drifted 15 ulps, and with a band of 5x that one sample the trend named a departure at step 2. The
+    band of a weight is at least the drift per movement the golden pair shows over all the weights."""
+    for run in ("golden", "perturbed", "npu"):
+        train_elapsed_regressor(tmp_path / {"perturbed": "golden.perturbed"}.get(run, run), 12, run)
+    result = compare_trend(tmp_path / "golden", tmp_path / "npu")
+    assert result.departures == [] and result.exit_code() == 0, result.headline()
+
+
+def test_a_carried_records_band_is_at_least_the_pooled_drift_of_the_golden_pair():
+    """Three weights move alike; the golden pair spread one of them by 1e-7 per unit moved, another by
+    1e-5, the third not at all (a lucky sample): its band is the pooled (upper-quartile) rate times its
+    movement, not zero; a gradient (not carried) keeps its own spread."""
+    import numpy as np
+
+    from npukit.accuracy.trend import MARGIN, STATS, band_half_width
+
+    steps = 20
+    path = np.linspace(1.0, 1.19, steps)  # each step moves the extreme elements 0.01
+    golden = np.repeat(np.repeat(path[None, :, None], 4, axis=0), len(STATS), axis=2)
+    perturbed = golden.copy()
+    movement = 0.01 * np.arange(steps)
+    perturbed[0] += 1e-7 * movement[:, None]
+    perturbed[1] += 1e-5 * movement[:, None]
+    perturbed[3] += 1e-6  # a gradient's own spread
+    carried = np.array([True, True, True, False])
+    half = band_half_width(golden, perturbed, carried)
+    # where the envelope (which looks ahead) has reached the run's end, each rate is the final spread per
+    # unit moved so far: the upper quartile of the three, times the lucky weight's own movement
+    late = np.arange(steps // 2, steps)
+    rate = np.quantile([1e-7, 1e-5, 0.0], 0.75) * movement[-1] / movement[late]
+    assert np.allclose(half[2, late], MARGIN * (rate * movement[late])[:, None], rtol=1e-6)
+    assert np.allclose(half[3], MARGIN * np.maximum(1e-6, np.spacing(np.float32(path))[:, None]), rtol=1e-3)
+    assert np.all(half[1] >= MARGIN * 1e-5 * movement[:, None] * (1 - 1e-9))  # its own spread, where larger
