@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from npukit.accuracy import naming
+from npukit.accuracy import eager, naming
 from npukit.accuracy._stats import adam_stats
 from npukit.accuracy.dump import StatsBuffer, _host_memory, hook_failed, rank_from_env, tensors_in
 from npukit.accuracy.event_file import ScalarEventFile
@@ -121,6 +121,9 @@ class MonitorSession:
         for old in [*self.directory.glob("events.out.tfevents.*"), *(self.directory / name for name in _FILES)]:
             old.unlink(missing_ok=True)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="npukit-monitor")
+        # Dynamo cannot trace through global module hooks: compiled models run eagerly while the
+        # monitor watches (a notice says so), fullgraph regions compiled and unseen, as under the dump
+        eager.enter("the monitor")
         self._handles = [
             module_hooks.register_module_forward_pre_hook(self._guarded(self._on_module_pre_forward)),
             module_hooks.register_module_forward_hook(self._guarded(self._on_module_forward), always_call=True),
@@ -147,6 +150,7 @@ class MonitorSession:
         self._handles = []
         self._local_gradient_hooks = {}
         self._steps.remove()
+        eager.leave()
         if self._ending is not None and not self.broken:
             self._guarded(self._finish_ending)()
         if self._step.used and not self.broken:  # a run without optimizer.step, or its last forward
@@ -220,6 +224,12 @@ class MonitorSession:
         record.slots.append((kind, name, tensor.dtype, slot))
 
     def _on_module_pre_forward(self, module, args) -> None:
+        if _not_a_layer(module):
+            if eager.runs_compiled(module):
+                # torch.compile(model, fullgraph=True): the model runs unseen, but its parameters
+                # keep their module names (`0.weight`, not `param_group0.0`)
+                naming.module_path(self._paths, module._orig_mod)
+            return
         if not self._running_modules:
             self._outermost = module
             if not self._optimizer_stepped and not self._in_optimizer and self._forward_steps.new_step(module):
@@ -227,6 +237,8 @@ class MonitorSession:
         self._running_modules += 1
 
     def _on_module_forward(self, module, args, output) -> None:
+        if _not_a_layer(module):
+            return
         self._running_modules = max(0, self._running_modules - 1)
         outermost = self._outermost
         if not self._running_modules:
@@ -527,6 +539,12 @@ class MonitorSession:
             values += [(tag, value) for tag, value in (("loss", loss), ("grad_norm", grad_norm),
                                                        ("loss_scale", loss_scale)) if value is not None]
             events.write(step, values)
+
+
+def _not_a_layer(module) -> bool:
+    """torch.compile's wrapper (its model's own calls are recorded) and a compiled region's backward
+    graph module: neither is a layer of the model."""
+    return naming.is_compile_wrapper(module) or eager.runs_compiled_graph(module)
 
 
 class _Leaf:

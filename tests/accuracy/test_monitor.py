@@ -596,3 +596,40 @@ def test_a_value_growing_by_a_steady_amount_is_forecast_at_that_amount_not_at_it
     assert abs(steps_left - (65504 - (60000 + 330 * near_the_top[0].step)) / 330) <= 1
     exponential = forecasts([300.0 * 1.2 ** step for step in range(30)])
     assert exponential and "20% a step" in exponential[0].message
+
+
+def _train_compiled(session_dir: Path, compile_model, steps: int = 3) -> list[dict]:
+    torch.manual_seed(0)
+    model = TwoLayers().to("npu")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(5, 4, device="npu")
+    with MonitorSession(session_dir, rank=0):
+        run = compile_model(model)  # as under npu-run --monitor: the script compiles once it watches
+        for _ in range(steps):
+            run(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return _rows(session_dir / "rank0" / "monitor.csv")
+
+
+def test_a_compiled_model_trains_under_the_monitor_with_its_layers_named_as_without_compile(tmp_path, capfd):
+    """Dynamo cannot trace the monitor's global module hooks (it raised "... is already tracked for
+    mutation" inside the user's forward): the compiled model runs eagerly, said once, and every record
+    is named as in the same run without torch.compile."""
+    plain = _train_compiled(tmp_path / "plain", lambda model: model)
+    compiled = _train_compiled(tmp_path / "compiled", lambda model: torch.compile(model))
+    assert [(row["step"], row["kind"], row["name"]) for row in compiled] == \
+        [(row["step"], row["kind"], row["name"]) for row in plain]
+    assert {row["kind"] for row in compiled} >= {"activation", "activation_grad", "weight", "grad", "exp_avg"}
+    assert capfd.readouterr().err.count("torch.compile regions run eagerly while the monitor is active") == 1
+
+
+@pytest.mark.slow
+def test_a_fullgraph_compiled_model_runs_compiled_and_its_parameters_keep_their_names(tmp_path):
+    """fullgraph=True promises one graph: it runs compiled, its layers' activations unseen, its weights,
+    gradients and Adam state still recorded under the layers' names."""
+    compiled = _train_compiled(tmp_path / "fullgraph", lambda model: torch.compile(model, fullgraph=True))
+    names = {(row["kind"], row["name"]) for row in compiled}
+    assert {("weight", "fc1.weight"), ("grad", "fc2.bias"), ("exp_avg", "fc1.weight")} <= names
+    assert not any(name.startswith("param_group") for _, name in names)
+    assert not any(kind == "activation" and name.startswith("fc") for kind, name in names)
