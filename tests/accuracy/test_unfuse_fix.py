@@ -5,6 +5,7 @@ the user's file, passes the compare."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 
@@ -79,15 +80,18 @@ def test_the_decomposition_equals_the_golden_kernel_forward_and_backward(layout,
 def test_the_printed_source_runs_with_torch_alone_and_refuses_what_it_does_not_compute():
     namespace = {"__builtins__": __builtins__}
     exec(unfuse.source(ATTENTION), namespace)
-    assert sorted(name for name in namespace if not name.startswith("__")) == ["npu_fusion_attention_unfused", "torch"]
+    printed = [*unfuse.HELPERS[ATTENTION], unfuse.npu_fusion_attention_unfused]
+    assert sorted(name for name in namespace if not name.startswith("__")) == \
+        sorted(["torch", *(function.__name__ for function in printed)])
     function = namespace["npu_fusion_attention_unfused"]
     q, k, v = (torch.randn(1, 2, 3, 4) for _ in range(3))
     assert torch.equal(function(q, k, v, 2, "BNSD", scale=0.5)[0], unfuse.npu_fusion_attention_unfused(
         q, k, v, 2, "BNSD", scale=0.5)[0])
     with pytest.raises(ValueError, match=r"keep_prob 0.9 \(dropout\), sparse_mode 6"):
         function(q, k, v, 2, "BNSD", keep_prob=0.9, sparse_mode=6)
-    # the source has no blank line inside the function: it pastes into an interactive interpreter too
-    assert "\n\n" not in unfuse.source(ATTENTION).split("def ", 1)[1]
+    # no blank line inside a function: the source pastes into an interactive interpreter too
+    assert unfuse.source(ATTENTION).count("\n\n\n") == len(printed) and \
+        not any("\n\n" in inspect.getsource(function).strip() for function in printed)
 
 
 def test_the_call_at_the_users_line_is_replaced_by_the_decomposition():
@@ -249,7 +253,8 @@ def test_a_fix_file_unfusing_an_op_without_a_decomposition_is_refused_naming_the
     fix_file.write_text(json.dumps({"changes": [{"kind": "unfuse", "api": ATTENTION, "module": "attn"},
                                                 {"kind": "unfuse", "api": "NPU.npu_rms_norm", "module": "norm"}]}))
     with pytest.raises(UserError, match=r"fix.json: change 1: unfuse NPU.npu_rms_norm: no decomposition of that op "
-                                        r"\(unfuse takes NPU.npu_fusion_attention\)"):
+                                        r"\(unfuse takes NPU.npu_fusion_attention, NPU.npu_fusion_attention_v2, "
+                                        r"NPU.npu_prompt_flash_attention, .*\)"):
         PrecisionFix.load(fix_file)
 
 
