@@ -9,7 +9,7 @@ and, where the module calls that api more than once, the user's source line (`tr
 | `fp32`        | autocast off, floating inputs cast to float32                  | an autocast-disabled region at that line |
 | `hf32_off`    | `torch.npu.matmul.allow_hf32` / `conv.allow_hf32` off around it and its backward | the same flags around that line |
 | `finite_fill` | a fill value of +-inf becomes the tensor dtype's max / min     | `torch.finfo(x.dtype).min` at that line |
-| `unfuse`      | a fused op (npu_fusion_attention) computed by its decomposition in fp32, rounded to its output dtype (unfuse.py) | a call of that decomposition (printed in full, plain torch) at that line |
+| `unfuse`      | a fused attention op (npu_fusion_attention and _v2, the inference kernels) computed by its decomposition in fp32, rounded to its output dtype (unfuse.py) | a call of that decomposition (printed in full, plain torch) at that line |
 | `inf_nan_mode`| (the whole run) fp16 in INF_NAN mode, not saturation           | `INF_NAN_MODE_ENABLE=1` |
 
 Only torch's public API is used (autocast, torch.npu's HF32 flags), so a fix found on the emulated
