@@ -35,11 +35,14 @@ MAX_LINE = 100  # a rewrite longer than this is wrapped inside its parentheses
 class FusedPlan:
     """text: the call's replacement, or None when the call is kept; about: what it becomes (for the
     report's hint) or why it is kept; dropped: the parts of the call besides its name whose text the
-    replacement does not keep (an xformers mask object), so the names they use are gone with it."""
+    replacement does not keep (an xformers mask object), so the names they use are gone with it;
+    edits: other nodes the rewrite replaces (node, its new text; a statement line and "": the line
+    removed), such as the assignment of the mask object a variable held (its dropped parts in dropped)."""
 
     text: str | None
     about: str
     dropped: tuple[cst.CSTNode, ...] = ()
+    edits: tuple[tuple[cst.CSTNode, str], ...] = ()
 
 
 def kept(reason: str) -> FusedPlan:
@@ -196,7 +199,7 @@ def call_text(function: str, arguments: list[str], node: cst.CSTNode, facts: Fil
     return f"{function}({newline}" + newline.join(indent + text for text in lines) + f"){suffix}"
 
 
-def _statement_lines(body):
+def statement_lines(body):
     """(statement line, the block's statements) of every simple statement line of a block, nested
     blocks included."""
     for statement in body:
@@ -205,7 +208,7 @@ def _statement_lines(body):
         elif isinstance(statement, cst.BaseCompoundStatement):
             for part in _blocks(statement):
                 if isinstance(part, cst.IndentedBlock):
-                    yield from _statement_lines(part.body)
+                    yield from statement_lines(part.body)
 
 
 def _blocks(statement: cst.BaseCompoundStatement):
@@ -234,7 +237,7 @@ class ImportRemoval(NpuCodemod):
                      and all(id(name) in gone for name in reads[local])}
         if not removable:
             return
-        for line, block in _statement_lines(module.body):
+        for line, block in statement_lines(module.body):
             for statement in line.body:
                 if isinstance(statement, (cst.Import, cst.ImportFrom)) and not isinstance(statement.names, cst.ImportStar):
                     self._remove_names(statement, line, block, removable, libraries)
@@ -256,13 +259,17 @@ class ImportRemoval(NpuCodemod):
             # shares its line, or is its block's only statement (`try:` around the import): a `pass` keeps it valid
             self.replace_with_text(statement, "pass", "fused-import", needs_torch_npu=False)
             return
+        self.remove_line(line, "fused-import", False)
+
+    def remove_line(self, line: cst.SimpleStatementLine, rule: str, needs_torch_npu: bool) -> None:
+        """The statement line removed, its indentation and line break with it."""
         start, end = self.facts.span(line)
         text = self.facts.positions.text
         while start > 0 and text[start - 1] in " \t":
             start -= 1
         if end < len(text) and text[end - 1] not in "\r\n":
             end = text.find("\n", end) + 1 or len(text)
-        self._record(start, end, "", "fused-import", False)
+        self._record(start, end, "", rule, needs_torch_npu)
 
     @staticmethod
     def _bound_name(alias: cst.ImportAlias, statement: cst.Import | cst.ImportFrom, libraries: set[str]) -> str | None:
@@ -330,6 +337,8 @@ class FusedCodemod(ImportRemoval):
                 self.claim(call)  # before ThirdPartyCuda visits it
                 for inner in (inner for part in plan.dropped for inner in matchers.findall(part, matchers.Call())):
                     self.claim(inner)  # a call the replacement does not keep (an xformers mask object)
+                for node, _ in plan.edits:
+                    self.claim(node)
 
     def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> None:
         """The rewrites, once every codemod has seen the file: a call in code DualTargetCode keeps for
@@ -360,6 +369,11 @@ class FusedCodemod(ImportRemoval):
                                                  "run npu-migrate once without --fused, then with it")
                 continue
             self.replace_with_text(call, plan.text, self.RULE, needs_torch_npu=needs_torch_npu)
+            for node, text in plan.edits:
+                if isinstance(node, cst.SimpleStatementLine) and not text:
+                    self.remove_line(node, self.RULE, False)
+                else:
+                    self.replace_with_text(node, text, self.RULE, needs_torch_npu=False)
             for part in (call.func, *plan.dropped):
                 gone.update(id(name) for name in matchers.findall(part, matchers.Name()))
         libraries = {self.LIBRARY, *self.ALSO_REMOVES}
