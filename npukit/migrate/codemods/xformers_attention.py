@@ -18,16 +18,27 @@ the one head axis), so its gradient reaches the bias as xformers' does. The varl
 `BlockDiagonalCausalFromBottomRightMask`: bottom-right, sparse_mode=3) become TND: q, k, v
 `.flatten(0, 1)` ([1, T, H, D] -> [T, H, D]; a 3-D call gets its one head axis), the per-sequence
 lengths the cumulative ends `torch.tensor(lengths).cumsum(0).tolist()` actual_seq_qlen/kvlen take, the
-output reshaped back to the query's [1, T, H, D]. Kept, with the reason: a variable (it may hold a tensor
-or a mask object: which one is known only when it runs), any other attn_bias (the padded-keys, paged and
-windowed block kinds, a bias built outside the call), output_dtype, unpacked arguments, a query computed
-in the call, a key computed in the call beside a tensor bias, q_seqlen computed in the call when it
-gives both lengths.
+output reshaped back to the query's [1, T, H, D]. `LowerTriangularMask().add_bias(t)` (and
+`LowerTriangularMaskWithTensorBias(t)`, what it returns: t added after the scale, then the causal mask at
+the top-left) becomes npu_fusion_attention_v2 with both: t as pse (pse_type=0, expanded as above) and
+sparse_mode=2.
+
+An attn_bias variable is resolved when the function around the call assigns it once, before the call in
+the same block (`bias = xops.LowerTriangularMask()` two lines up), to one of the kinds above, and
+nothing else reads it: the assignment of a mask object goes with the call (a block-diagonal mask's
+lengths, names or literals not assigned again before the call, move into it), `bias =
+LowerTriangularMask().add_bias(t)` becomes `bias = t`, a tensor stays where it is. Kept, with the
+reason: any other variable (a parameter, one assigned twice or in another block, a mask read elsewhere
+too: what it holds is known only when it runs), any other attn_bias (the padded-keys, paged and
+windowed block kinds, a bias built by another function), output_dtype, unpacked arguments, a query
+computed in the call, a key computed in the call beside a tensor bias, q_seqlen computed in the call
+when it gives both lengths.
 """
 
 from __future__ import annotations
 
 import libcst as cst
+import libcst.matchers as matchers
 
 from npukit.migrate.codemods.base import FileFacts
 from npukit.migrate.codemods.flash_attention import compressed_mask, keep_prob
@@ -44,6 +55,7 @@ from npukit.migrate.codemods.fused import (
     require_values,
     source,
     spell,
+    statement_lines,
 )
 
 _PARAMETERS = ("query", "key", "value", "attn_bias", "p", "scale", "op", "output_dtype")
@@ -55,6 +67,9 @@ _CAUSAL_BIASES = {f"{module}.{name}": mode for module in _MODULES
 _BLOCK_DIAGONAL_BIASES = {f"{module}.{name}.from_seqlens": mode for module in _MODULES
                           for name, mode in (("BlockDiagonalMask", "0"), ("BlockDiagonalCausalMask", "2"),
                                              ("BlockDiagonalCausalFromBottomRightMask", "3"))}
+# causal masks with an additive tensor bias: the class, called with the tensor (LowerTriangularMask().add_bias(t)
+# returns one)
+_CAUSAL_TENSOR_BIASES = {f"{module}.LowerTriangularMaskWithTensorBias" for module in _MODULES}
 _ONLY = {"output_dtype": ((None,), "output_dtype: npu_fusion_attention returns the inputs' dtype")}
 
 
@@ -80,24 +95,44 @@ class XformersAttentionToNpu(FusedCodemod):
         q = source(bound["query"], facts)
         keywords = {}
         bias = bound.get("attn_bias")
-        mode, sequences = None, None
+        mode, sequences, dropped, edits = None, None, [bound.get("op")], []
         if bias is not None and literal(bias, facts) is not None:
-            called = facts.qualname(bias.func) if isinstance(bias, cst.Call) else None
-            mode = _CAUSAL_BIASES.get(called) if not (isinstance(bias, cst.Call) and bias.args) else None
-            if called in _BLOCK_DIAGONAL_BIASES:
-                mode, sequences = _BLOCK_DIAGONAL_BIASES[called], _sequence_ends(bias, call, facts)
+            variable = bias if isinstance(bias, cst.Name) else None
+            assignment, value = _assigned_bias(variable, call, facts) if variable is not None else (None, bias)
+            kind = _bias_kind(value, facts)
+            if kind is None:
+                raise Unmappable(f"attn_bias `{source(bias, facts)}`" + (
+                    f" holds `{source(value, facts)}` (line {_line(value, facts)})"
+                    if variable is not None else "") +
+                    ": only None, LowerTriangularMask() (or its .add_bias(tensor)), "
+                    "LowerTriangularFromBottomRightMask(), BlockDiagonal[Causal[FromBottomRight]]Mask"
+                    ".from_seqlens(...) and a tensor (a torch.* call or a slice) are mapped, written in the call "
+                    "or assigned once before it in the same function")
+            if variable is not None and kind != "tensor":  # a mask object: its assignment goes with the call
+                _only_read_here(variable, value, assignment, facts)
+            tensor = _causal_tensor(value, facts) if kind == "causal with tensor" else None
+            if kind == "block diagonal":
+                if variable is not None:
+                    _lengths_unchanged(value, assignment, call, facts)
+                mode = _BLOCK_DIAGONAL_BIASES[facts.qualname(value.func)]
+                sequences = _sequence_ends(value, call, facts)
                 if mode != "0":
                     keywords["atten_mask"] = compressed_mask(call, q, facts)
-            elif mode is not None:
-                keywords["atten_mask"] = compressed_mask(call, q, facts)
-            elif _is_tensor(bias, facts):
-                keywords["pse"] = _pse(bias, q, bound["key"], facts)
+            elif kind == "causal":
+                mode, keywords["atten_mask"] = _CAUSAL_BIASES[facts.qualname(value.func)], compressed_mask(call, q, facts)
+            elif kind == "causal with tensor":  # the tensor added after the scale, then the top-left causal mask
+                mode, keywords["atten_mask"] = "2", compressed_mask(call, q, facts)
+                keywords["pse"] = _pse(variable or tensor, q, bound["key"], facts)
             else:
-                raise Unmappable(f"attn_bias `{source(bias, facts)}`: only None, LowerTriangularMask(), "
-                                 "LowerTriangularFromBottomRightMask(), BlockDiagonal[Causal[FromBottomRight]]Mask"
-                                 ".from_seqlens(...) and a tensor (a torch.* call or a slice) written in the call are "
-                                 "mapped; a variable may hold a mask object or a tensor (write the tensor's slice in "
-                                 "the call, e.g. `bias[:]`, when it is a tensor)")
+                keywords["pse"] = _pse(bias, q, bound["key"], facts)
+            if variable is None and kind != "tensor":
+                dropped.append(value.func if tensor is not None else value)  # the mask object (its tensor stays)
+            elif variable is not None and kind == "causal with tensor":  # `bias = <mask>.add_bias(t)` -> `bias = t`
+                dropped.append(value.func)
+                edits.append((value, source(tensor, facts)))
+            elif variable is not None and kind != "tensor":  # the assignment of the mask object goes
+                dropped.append(value)
+                edits.append((assignment, ""))
         scale = bound.get("scale")
         keywords["scale"] = f"{q}.shape[-1] ** -0.5" if scale is None or literal(scale, facts) is None \
             else source(scale, facts)
@@ -121,10 +156,105 @@ class XformersAttentionToNpu(FusedCodemod):
         op = "torch_npu.npu_fusion_attention_v2" if "pse" in keywords else "torch_npu.npu_fusion_attention"
         suffix = "[0]" if sequences is None else f"[0].reshape(*{q}.shape[:-1], -1)"
         text = call_text(spell(op, call, facts), arguments, call, facts, suffix=suffix)
-        kept_bias = "pse" in keywords  # its text is in the rewrite: only a mask object goes
-        dropped = tuple(node for node in (None if kept_bias else bias, bound.get("op")) if node is not None)
         layout = "TND" if sequences is not None else "BSND, or BSH for 3-D inputs"
-        return FusedPlan(text, f"{op}(...)[0] ({layout})", dropped)
+        return FusedPlan(text, f"{op}(...)[0] ({layout})", tuple(node for node in dropped if node is not None),
+                         tuple(edits))
+
+
+def _bias_kind(bias: cst.BaseExpression, facts: FileFacts) -> str | None:
+    """"causal" (LowerTriangular[FromBottomRight]Mask()), "causal with tensor" (LowerTriangularMask()
+    .add_bias(t), LowerTriangularMaskWithTensorBias(t)), "block diagonal" (BlockDiagonal*.from_seqlens),
+    "tensor", or None for anything else."""
+    if not isinstance(bias, cst.Call):
+        return "tensor" if _is_tensor(bias, facts) else None
+    called = facts.qualname(bias.func)
+    if called in _BLOCK_DIAGONAL_BIASES:
+        return "block diagonal"
+    if called in _CAUSAL_BIASES and not bias.args:
+        return "causal"
+    if _causal_tensor(bias, facts) is not None:
+        return "causal with tensor"
+    return "tensor" if _is_tensor(bias, facts) else None
+
+
+def _causal_tensor(bias: cst.Call, facts: FileFacts) -> cst.BaseExpression | None:
+    """The tensor of `LowerTriangularMask().add_bias(t)` or `LowerTriangularMaskWithTensorBias(t)`, else None."""
+    if len(bias.args) != 1 or bias.args[0].star or bias.args[0].keyword not in (None,) and \
+            bias.args[0].keyword.value != "bias":
+        return None
+    func = bias.func
+    add_bias_of_causal = isinstance(func, cst.Attribute) and func.attr.value == "add_bias" and \
+        isinstance(func.value, cst.Call) and not func.value.args and \
+        _CAUSAL_BIASES.get(facts.qualname(func.value.func)) == "2"  # LowerTriangularMask's: top-left
+    return bias.args[0].value if add_bias_of_causal or facts.qualname(func) in _CAUSAL_TENSOR_BIASES else None
+
+
+def _line(node: cst.CSTNode, facts: FileFacts) -> int:
+    return facts.line_col(facts.span(node)[0])[0]
+
+
+def _only_read_here(variable: cst.Name, value: cst.BaseExpression, assignment: cst.SimpleStatementLine,
+                    facts: FileFacts) -> None:
+    """Unmappable unless this call's attn_bias is the only read of the variable: the mask object's
+    assignment goes with the call."""
+    scopes = facts.scopes
+    scope = scopes.scope_of[variable]
+    others = [read for read in scopes.reads.get(variable.value, ())
+              if read is not variable and scopes.defining_scope(variable.value, scopes.scope_of[read]) is scope]
+    if others:
+        raise Unmappable(f"attn_bias `{variable.value}` holds the mask object `{source(value, facts)}` (line "
+                         f"{_line(assignment, facts)}), read elsewhere too (line {_line(others[0], facts)}): its "
+                         "assignment cannot go with this call; write the mask in the call")
+
+
+def _lengths_unchanged(value: cst.Call, assignment: cst.SimpleStatementLine, call: cst.Call, facts: FileFacts) -> None:
+    """Unmappable unless the block-diagonal mask's lengths can move from its assignment into the call:
+    names or literals, none of their names bound again in the function after the assignment (after the
+    call too: in a loop that runs before the call's next turn)."""
+    scopes = facts.scopes
+    lengths = [arg.value for arg in value.args if arg.keyword is None or arg.keyword.value != "device"]
+    if not all(is_pure(length) or literal(length, facts) is not NOT_LITERAL for length in lengths):
+        raise Unmappable(f"the lengths of `{source(value, facts)}` (line {_line(assignment, facts)}) are computed "
+                         "there: they would be computed at the call instead; assign them to variables first")
+    assigned_at = _line(assignment, facts)
+    for length in lengths:
+        for name in (node for node in matchers.findall(length, matchers.Name()) if facts.is_read(node)):
+            scope = scopes.defining_scope(name.value, scopes.scope_of[name])
+            rebound = [store for store in scopes.stores.get(name.value, ())
+                       if scopes.scope_of[store] is scope and assigned_at < _line(store, facts)]
+            if rebound:
+                raise Unmappable(f"`{name.value}`, a length of `{source(value, facts)}` (line {assigned_at}), is "
+                                 f"assigned again at line {_line(rebound[0], facts)}: moved into the call, it could "
+                                 "read the new value")
+
+
+def _assigned_bias(variable: cst.Name, call: cst.Call, facts: FileFacts) -> tuple[cst.SimpleStatementLine,
+                                                                                   cst.BaseExpression]:
+    """(the statement line, the value) of the one assignment `variable = value` of the function around
+    the call, in the block of the call's statement or one enclosing it, before that statement; Unmappable
+    otherwise (what the variable holds is known only when it runs)."""
+    scopes, name = facts.scopes, variable.value
+    used_in = scopes.scope_of.get(variable, scopes.module)
+    scope = scopes.defining_scope(name, used_in)
+    unknown = (f"attn_bias `{name}` is a variable that may hold a mask object or a tensor, which one is known only "
+               "when it runs")
+    if scope is not used_in or not isinstance(scope, cst.FunctionDef):
+        raise Unmappable(f"{unknown}: it is not assigned in the function around the call")
+    if name in scopes.parameters.get(scope, ()):
+        raise Unmappable(f"{unknown}: it is a parameter of `{scope.name.value}`")
+    if scopes.binding_count(name, scope) != 1 or not isinstance(scope.body, cst.IndentedBlock):
+        raise Unmappable(f"{unknown}: it is bound more than once in `{scope.name.value}`")
+    call_start = facts.span(call)[0]
+    for line, block in statement_lines(scope.body.body):
+        for statement in line.body:
+            if isinstance(statement, cst.Assign) and len(statement.targets) == 1 \
+                    and isinstance(statement.targets[0].target, cst.Name) and statement.targets[0].target.value == name:
+                after = block[block.index(line) + 1:]
+                if any(facts.span(later)[0] <= call_start < facts.span(later)[1] for later in after) \
+                        and len(line.body) == 1:
+                    return line, statement.value
+    raise Unmappable(f"{unknown}: its one assignment in `{scope.name.value}` is not a statement of its own before "
+                     "the call in the call's block or one enclosing it")
 
 
 def _sequence_ends(bias: cst.Call, call: cst.Call, facts: FileFacts) -> tuple[str, str]:
