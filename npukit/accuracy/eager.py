@@ -322,3 +322,11 @@ def runs_compiled_graph(module) -> bool:
 def runs_compiled(wrapper) -> bool:
     """torch.compile(model, fullgraph=True)'s OptimizedModule: the model inside runs compiled, unseen."""
     return getattr(wrapper, "dynamo_ctx", None) in _attached
+
+
+def not_a_layer(module) -> bool:
+    """torch.compile's wrapper (OptimizedModule: the model it wraps makes the calls that count) or a
+    fullgraph region's compiled backward graph: module calls a watcher's hooks pass over."""
+    from npukit.accuracy.naming import is_compile_wrapper
+
+    return is_compile_wrapper(module) or runs_compiled_graph(module)

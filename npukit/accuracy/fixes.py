@@ -29,6 +29,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from npukit.accuracy import eager
 from npukit.errors import UserError
 
 KINDS = ("fp32", "hf32_off", "finite_fill", "unfuse", "inf_nan_mode")
@@ -257,6 +258,8 @@ class PrecisionFixSession:
         self._handles: list = []
         self._mode = None
         self._module_stack: list = []
+        self._compile_watched = False
+        self._unfixed_regions: set[str] = set()
 
     def __enter__(self) -> PrecisionFixSession:
         import torch
@@ -276,6 +279,10 @@ class PrecisionFixSession:
             return self
         self._paths = naming.ModulePaths()
         self._names = naming.api_name_table()
+        # Dynamo cannot trace through the module hooks, and a compiled graph would bypass the changes:
+        # compiled code runs eagerly while the fix applies; a fullgraph region runs compiled, unfixed
+        eager.enter("the precision fix", self._on_compiled_region)
+        self._compile_watched = True
         self._handles = [module_hooks.register_module_forward_pre_hook(self._enter_module),
                          module_hooks.register_module_forward_hook(self._leave_module, always_call=True)]
         session = self
@@ -299,16 +306,29 @@ class PrecisionFixSession:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self._compile_watched:
+            self._compile_watched = False
+            eager.leave(self._on_compiled_region)
+
+    def _on_compiled_region(self, name: str) -> None:
+        if name not in self._unfixed_regions:
+            self._unfixed_regions.add(name)
+            print(f"npukit: {name} runs compiled (fullgraph=True): --precision-fix cannot change the ops "
+                  "inside it; compile it without fullgraph=True for the fix to apply there", file=sys.stderr)
 
     # ------------------------------------------------------------------ where the run is
     def _enter_module(self, module, args) -> None:
         from npukit.accuracy import naming
 
+        if eager.not_a_layer(module):
+            return
         outer = self._module_stack[0] if self._module_stack else None
         self._module_stack.append(module)
         naming.module_path(self._paths, module, outer)
 
     def _leave_module(self, module, args, output) -> None:
+        if eager.not_a_layer(module):
+            return
         if self._module_stack and self._module_stack[-1] is module:
             self._module_stack.pop()
 

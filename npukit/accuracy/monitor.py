@@ -224,7 +224,7 @@ class MonitorSession:
         record.slots.append((kind, name, tensor.dtype, slot))
 
     def _on_module_pre_forward(self, module, args) -> None:
-        if _not_a_layer(module):
+        if eager.not_a_layer(module):
             if eager.runs_compiled(module):
                 # torch.compile(model, fullgraph=True): the model runs unseen, but its parameters
                 # keep their module names (`0.weight`, not `param_group0.0`)
@@ -237,7 +237,7 @@ class MonitorSession:
         self._running_modules += 1
 
     def _on_module_forward(self, module, args, output) -> None:
-        if _not_a_layer(module):
+        if eager.not_a_layer(module):
             return
         self._running_modules = max(0, self._running_modules - 1)
         outermost = self._outermost
@@ -539,12 +539,6 @@ class MonitorSession:
             values += [(tag, value) for tag, value in (("loss", loss), ("grad_norm", grad_norm),
                                                        ("loss_scale", loss_scale)) if value is not None]
             events.write(step, values)
-
-
-def _not_a_layer(module) -> bool:
-    """torch.compile's wrapper (its model's own calls are recorded) and a compiled region's backward
-    graph module: neither is a layer of the model."""
-    return naming.is_compile_wrapper(module) or eager.runs_compiled_graph(module)
 
 
 class _Leaf:

@@ -418,6 +418,20 @@ def test_a_precision_fix_changes_only_the_op_it_names(npu):
     assert outputs == {"a": torch.float16, "b": torch.float16}
 
 
+def test_a_precision_fix_applies_to_a_torch_compiled_model_by_its_layers_names(npu, capfd):
+    """Dynamo failed tracing the fix's module hooks ("already tracked for mutation", the run died):
+    the compiled model now runs eagerly under the fix, its layers named as without compile."""
+    model = TwoLinears().to(npu)
+    outputs = {}
+    model.a.register_forward_hook(lambda module, args, output: outputs.__setitem__("a", output.dtype))
+    model.b.register_forward_hook(lambda module, args, output: outputs.__setitem__("b", output.dtype))
+    fix = PrecisionFix([FixChange("fp32", "Functional.linear", "a")])
+    with PrecisionFixSession(fix), torch.autocast(npu, dtype=torch.float16):
+        torch.compile(model)(torch.randn(2, 4, device=npu))
+    assert outputs == {"a": torch.float32, "b": torch.float16}
+    assert "torch.compile regions run eagerly while the precision fix is active" in capfd.readouterr().err
+
+
 def test_a_finite_fill_replaces_infinity_by_the_dtypes_extreme(npu):
     scores = torch.zeros(2, 3, device=npu, dtype=torch.float16)
     mask = torch.tensor([[True, False, False], [False, False, True]], device=npu)
