@@ -270,7 +270,12 @@ def test_flash_attn_modules_become_torch_modules_with_the_same_state_dict_loss_a
     ("CrossEntropyLoss(process_group=group)", "process_group (a vocabulary split over tensor-parallel ranks)"),
     ("CrossEntropyLoss(lse_square_scale=1e-4, return_z_loss=True)", "z-loss"),
     ("FusedDense(64, 64, return_residual=True)", "return_residual=True"),
-    ("RotaryEmbedding(64)", "flash_attn's RotaryEmbedding rotates q and k"),
+    ("RotaryEmbedding(64)", "flash_attn's RotaryEmbedding rotates q and k (or packed qkv) with its own cos/sin cache, "
+                            "XPos scaling and KV-cache offsets: no torch or torch_npu module does"),
+    ("MHA(256, 4, rotary_emb_dim=32, causal=True)",
+     "torch.nn.MultiheadAttention (in_proj_weight) and torch_npu.contrib.module.MultiheadAttention (fairseq's q_proj/"
+     "k_proj/v_proj) take (query, key, value) and return (output, weights), so neither the model's calls nor its "
+     "state dict would carry over"),
 ])
 def test_flash_attn_layer_calls_fused_cannot_map_stay_with_the_reason(line, reason):  # with or without --fused
     source = textwrap.dedent("""\
@@ -279,11 +284,12 @@ def test_flash_attn_layer_calls_fused_cannot_map_stay_with_the_reason(line, reas
         from flash_attn.losses.cross_entropy import CrossEntropyLoss
         from flash_attn.ops.fused_dense import FusedDense
         from flash_attn.layers.rotary import RotaryEmbedding
+        from flash_attn.modules.mha import MHA
         out = """) + line + "\n"
     for facts in (TreeFacts(), FUSED):
         outcome = migrate_python(source, "model.py", facts=facts)
         assert f"out = {line}\n" in outcome.text
-        [finding] = [f for f in outcome.findings if f.line == 6]
+        [finding] = [f for f in outcome.findings if f.line == 7]
         assert "`npu-migrate --fused` keeps it: " in finding.reason and reason in finding.reason
 
 

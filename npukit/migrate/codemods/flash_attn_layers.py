@@ -27,7 +27,8 @@ Kept, with the reason: a bias in rms_norm_fn, x1 / weight1 / bias1 (two norms of
 rowscale, zero_centered_weight, out / residual_out / out_dtype / return_dropout_mask, flags that are
 not literals; CrossEntropyLoss's z-loss (lse_square_scale, return_z_loss), logit_scale and
 process_group (vocab-parallel); FusedDense's return_residual; a module class also used other than by
-calling it (isinstance, a base class); RotaryEmbedding and MHA (no single torch / torch_npu module).
+calling it (isinstance, a base class); RotaryEmbedding and MHA (no torch / torch_npu module computes
+them with their parameters and forward: KEPT says why, for each).
 """
 
 from __future__ import annotations
@@ -194,11 +195,16 @@ class FlashLayersToTorch(FusedCodemod):
     TARGETS = {qualified: qualified.rsplit(".", 1)[1] for qualified in _MODULES}
     KEPT = {
         "flash_attn.layers.rotary.RotaryEmbedding": "flash_attn's RotaryEmbedding rotates q and k (or packed qkv) with "
-        "its own cos/sin cache, XPos scaling and KV-cache offsets: no torch or torch_npu module does; compute cos and "
-        "sin and call apply_rotary_emb (which --fused rewrites to torch_npu.npu_rotary_mul)",
-        "flash_attn.modules.mha.MHA": "flash_attn's MHA (projections, rotary, flash attention and a KV cache in one "
-        "module) has no single torch or torch_npu counterpart: build it from torch.nn.Linear and the attention "
-        "functions --fused rewrites",
+        "its own cos/sin cache, XPos scaling and KV-cache offsets: no torch or torch_npu module does (torch_npu's rotary "
+        "is the function npu_rotary_mul, given the cos/sin tables), and the module's forward runs where the module is "
+        "used, not where it is built; compute cos and sin and call apply_rotary_emb (which --fused rewrites to "
+        "torch_npu.npu_rotary_mul)",
+        "flash_attn.modules.mha.MHA": "flash_attn's MHA (Wqkv or Wq/Wkv and out_proj projections, rotary, GQA, causal "
+        "flash attention, a depthwise conv and a KV cache in one module, forward(x, ...) -> output) has no torch or "
+        "torch_npu counterpart: torch.nn.MultiheadAttention (in_proj_weight) and torch_npu.contrib.module."
+        "MultiheadAttention (fairseq's q_proj/k_proj/v_proj) take (query, key, value) and return (output, weights), so "
+        "neither the model's calls nor its state dict would carry over; build it from torch.nn.Linear and the "
+        "attention functions --fused rewrites",
     }
 
     @classmethod
