@@ -245,3 +245,37 @@ def test_a_recorded_call_is_accepted_when_the_decomposition_computes_it(api, arg
     leaves = [TensorLeaf(f"{name}.input.{i}", "torch.float16", (2, 8, 16), None, None, None, True, None, None, None,
                          f"input.{i}") for i in range(3)]
     assert unfuse.accepts(name, body, leaves) is accepted
+
+
+PRECISION_FIX_CALLS = {  # the fused call as a model makes it (npu tensors q, k, v, bias)
+    "NPU.npu_fusion_attention_v2": lambda ops, q, k, v, bias: ops.npu_fusion_attention_v2(
+        q, k, v, 2, "BNSD", pse=bias, scale=0.5, pse_type=0)[0],
+    "NPU.npu_prompt_flash_attention": lambda ops, q, k, v, bias: ops.npu_prompt_flash_attention(
+        q, k, v, pse_shift=bias, num_heads=2, input_layout="BNSD", scale_value=0.5),
+    "NPU.npu_fused_infer_attention_score": lambda ops, q, k, v, bias: ops.npu_fused_infer_attention_score(
+        q, k, v, pse_shift=bias, num_heads=2, input_layout="BNSD", scale=0.5)[0],
+}
+
+
+@pytest.mark.parametrize("api", list(PRECISION_FIX_CALLS))
+def test_precision_fix_computes_the_call_by_its_decomposition(npu, api):
+    """npu-run --precision-fix with an unfuse change of these ops: the call on the emulated NPU returns
+    what the decomposition computes (fp16: the fused kernel's own roundings are gone)."""
+    from npukit.accuracy.fixes import PrecisionFix, PrecisionFixSession
+
+    ops, call = _ops(), PRECISION_FIX_CALLS[api]
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 64, 8, device=npu).half() for _ in range(3))
+    bias = torch.randn(1, 2, 64, 64, device=npu).half()
+    fused = call(ops, q, k, v, bias)
+    with PrecisionFixSession(PrecisionFix([FixChange("unfuse", api)])):
+        fixed = call(ops, q, k, v, bias)
+    expected = call(_Decompositions(), q, k, v, bias)
+    assert torch.equal(fixed, expected) and not torch.equal(fixed, fused)
+
+
+class _Decompositions:
+    """The decompositions under the ops' names, for the calls above."""
+
+    def __getattr__(self, name):
+        return unfuse.DECOMPOSITIONS[f"NPU.{name}"]
