@@ -576,19 +576,7 @@ def _is_float(dtype: str) -> bool:
 def check_op(op: _Op, device) -> OpCheck:
     """Run one op every way and judge the NPU's outputs (and input gradients)."""
     kind = hf32_kind(op.entry.name)
-    previous = None
-    if op.hf32 is not None and not _npu_device()[1]:  # the dump's HF32 setting (a real device: torch_npu's)
-        from npukit.npu_backend import numerics
-
-        previous = numerics.configure(matmul_hf32=op.hf32 if kind == "matmul" else None,
-                                      conv_hf32=op.hf32 if kind == "conv" else None)
-    try:
-        npu = _call(op, op.inputs, device, "npu")
-    finally:
-        if previous is not None:
-            from npukit.npu_backend import numerics
-
-            numerics.restore(previous)
+    npu = _call_on_npu(op, op.inputs, device)
     cpu = torch.device("cpu")
     references = [_call(op, op.inputs, cpu, "ref")]
     if op.tf32:
@@ -632,6 +620,66 @@ def check_op(op: _Op, device) -> OpCheck:
     if check.status != SKIP:
         check.reason = op.note or ("" if forward else "only its backward had a result to judge")
     return check
+
+
+def _call_on_npu(op: _Op, tensors: list, device):
+    """_call on the NPU with the dump's HF32 setting for the op (a real device: torch_npu's own)."""
+    kind = hf32_kind(op.entry.name)
+    previous = None
+    if op.hf32 is not None and not _npu_device()[1]:
+        from npukit.npu_backend import numerics
+
+        previous = numerics.configure(matmul_hf32=op.hf32 if kind == "matmul" else None,
+                                      conv_hf32=op.hf32 if kind == "conv" else None)
+    try:
+        return _call(op, tensors, device, "npu")
+    finally:
+        if previous is not None:
+            from npukit.npu_backend import numerics
+
+            numerics.restore(previous)
+
+
+def npu_gradients_from(label: str, source: DumpEntry, source_body: dict, source_backward: DumpEntry,
+                       target: DumpEntry, target_backward: DumpEntry, hf32: frozenset | None,
+                       grad_scale: float = 1.0) -> tuple[list, list]:
+    """(gradient per tensor argument as the NPU computes it, the one `source_backward` recorded), or None
+    where there is none: `target`'s op re-run on the NPU in the target run's dtypes and HF32 setting (`hf32`:
+    the target dump's), on the inputs and incoming gradients another dump recorded for the same op
+    (`source`: the golden run's). What the op itself gets wrong, without the error its inputs carried.
+    grad_scale: the target's loss scale (its incoming gradients were that much larger; the results are
+    returned unscaled). Raises CannotRun when the op cannot be re-run."""
+    if source.base != target.base:
+        raise CannotRun(f"{target.name} is {target.base} in the target and {source.base} in the other dump")
+    op = _prepare(label, source, source_body, source_backward, False, hf32)
+    if op.backward is None:
+        raise CannotRun(f"{source_backward.name}: no gradient to re-run")
+    by_suffix = {leaf.suffix: leaf for leaf in target.inputs}
+    slots = _arguments(source.name, source_body, {leaf.name: leaf for leaf in source.inputs})[2]
+    inputs = []
+    for leaf, tensor in zip(slots, op.inputs):
+        own = by_suffix.get(leaf.suffix)
+        # each input in the dtype the target run held it in (its rounding there is its producer's error)
+        inputs.append(tensor.to(_torch_dtype(own.dtype)) if own is not None and tensor.is_floating_point()
+                      and _is_float(own.dtype) else tensor)
+    received = {leaf.suffix: leaf for leaf in target_backward.inputs}
+    grad_outputs = []
+    for index, grad in enumerate(op.grad_outputs):
+        own = received.get(f"input.{index}")
+        if grad is not None and grad.is_floating_point():
+            grad = grad.double() * grad_scale
+            grad = grad.to(_torch_dtype(own.dtype) if own is not None and _is_float(own.dtype) else grad.dtype)
+        grad_outputs.append(grad)
+    floating_outputs = [leaf for leaf in target.outputs if _is_float(leaf.dtype)]
+    compute = _torch_dtype(floating_outputs[0].dtype) if floating_outputs else op.compute
+    kind = hf32_kind(target.name)
+    op = replace(op, inputs=inputs, grad_outputs=grad_outputs, compute=compute,
+                 hf32=None if kind is None or hf32 is None else kind in hf32)
+    _, grads = _call_on_npu(op, op.inputs, _npu_device()[0])
+    grads = [grad.double() / grad_scale if grad is not None and grad.is_floating_point() else grad
+             for grad in (grads or [None] * len(op.inputs))]
+    recorded = [_load(leaf, False, 0) if leaf is not None else None for leaf in op.grad_inputs]
+    return grads, recorded
 
 
 def _as_fp64(op: _Op, perturb_grads: int | None = None) -> _Op:
