@@ -447,6 +447,12 @@ THIRD_PARTY = {
         "xformers", "error", "xformers kernels are CUDA-only",
         "F.scaled_dot_product_attention (check the mask/bias semantics)",
     ),
+    # an MLP, not attention: xformers' SwiGLU is w3(silu(x @ w1) * (x @ w2)), w12 packing [w1; w2] by default
+    "xformers.ops.SwiGLU": Flag(
+        "xformers", "error", "xformers' SwiGLU is a fused CUDA MLP kernel",
+        "an nn.Module computing w3(F.silu(w1(x)) * w2(x)) with nn.Linear w1/w2/w3 (the same state dict as "
+        "_pack_weights=False; packed, w12 is [w1; w2]), or w3(torch_npu.npu_swiglu(w12(x), dim=-1)) on the NPU",
+    ),
     "triton": Flag(
         "triton", "error", "triton kernels target CUDA",
         "triton-ascend (triton-lang/triton-ascend) runs triton on NPU, but kernels need review; or use torch ops",
@@ -494,6 +500,37 @@ THIRD_PARTY = {
     "selective_scan_cuda": Flag("cuda-only-library", "error", "selective_scan_cuda is mamba_ssm's compiled CUDA "
                                 "extension", "use mamba_ssm's reference (pure torch) selective_scan_ref path or an "
                                 "Ascend port"),
+    **{name: Flag("cuda-only-library", "error", f"{name} is {origin}'s compiled CUDA extension", suggestion)
+       for name, origin, suggestion in (
+           ("flash_attn_2_cuda", "flash-attn", "torch_npu.npu_fusion_attention or F.scaled_dot_product_attention"),
+           ("flash_attn_cuda", "flash-attn", "torch_npu.npu_fusion_attention or F.scaled_dot_product_attention"),
+           ("rotary_emb", "flash-attn (csrc/rotary)", "torch_npu.npu_rotary_mul(x, cos, sin) (cos/sin repeated to "
+            "the full head dim), or x * cos + rotate_half(x) * sin in torch"),
+           ("dropout_layer_norm", "flash-attn (csrc/layer_norm)", "torch_npu.npu_rms_norm(x, weight, eps)[0] or "
+            "F.layer_norm (add the residual and apply dropout before it)"),
+           ("xentropy_cuda_lib", "flash-attn (csrc/xentropy)", "F.cross_entropy (label_smoothing=, "
+            "ignore_index=) in fp32"),
+           ("fused_dense_lib", "flash-attn (csrc/fused_dense_lib)", "nn.Linear / F.linear"),
+           ("fused_softmax_lib", "flash-attn (csrc/fused_softmax)", "torch_npu.npu_scaled_masked_softmax or "
+            "torch.softmax"),
+           ("ft_attention", "flash-attn (csrc/ft_attention)", "torch_npu.npu_incre_flash_attention or "
+            "F.scaled_dot_product_attention"),
+           ("apex_C", "apex", "torch._utils._flatten_dense_tensors / _unflatten_dense_tensors"),
+           ("fused_layer_norm_cuda", "apex", "F.layer_norm or torch_npu.npu_rms_norm(x, weight, eps)[0]"),
+           ("fast_layer_norm", "apex (contrib)", "F.layer_norm"),
+           ("fused_adam_cuda", "apex", "torch.optim.AdamW(fused=True) or Ascend's apex fork (NpuFusedAdamW)"),
+           ("fused_lamb_cuda", "apex", "a torch LAMB optimizer or Ascend's apex fork (NpuFusedLamb)"),
+           ("syncbn", "apex", "torch.nn.SyncBatchNorm"),
+           ("mlp_cuda", "apex", "nn.Sequential of nn.Linear and the activation"),
+           ("fused_dense_cuda", "apex", "nn.Linear / F.linear"),
+           ("xentropy_cuda", "apex (contrib)", "F.cross_entropy (label_smoothing=) in fp32"),
+           ("scaled_masked_softmax_cuda", "apex/Megatron", "torch_npu.npu_scaled_masked_softmax"),
+           ("scaled_upper_triang_masked_softmax_cuda", "apex/Megatron", "torch_npu.npu_scaled_masked_softmax with "
+            "an upper-triangular mask"),
+           ("scaled_softmax_cuda", "apex/Megatron", "torch.softmax(x * scale, dim=-1)"),
+           ("fused_weight_gradient_mlp_cuda", "apex/Megatron", "the weight gradient of F.linear (no gradient "
+            "accumulation fusion)"),
+       )},
     "torch_tensorrt": Flag("tensorrt", "error", "Torch-TensorRT is NVIDIA-only", "use torchair (torch.compile backend 'npu')"),
     "cuml": Flag("cudf", "error", "cuML runs on CUDA only", "use scikit-learn"),
     "cugraph": Flag("cudf", "error", "cuGraph runs on CUDA only", "use networkx or torch ops"),
@@ -522,12 +559,22 @@ def third_party_flag(qualified: str, local_packages: frozenset[str] = frozenset(
     """The finding for a name in a CUDA-only library (THIRD_PARTY), by its most specific entry; none
     for a name in one of the migrated tree's own packages (mamba_ssm's own repository imports
     mamba_ssm.models.config_mamba, a dataclass: its kernels are reported where they are)."""
-    if qualified.split(".")[0] in local_packages:
+    top = qualified.split(".")[0]
+    if top in local_packages:
         return None
     for prefix in dotted_prefixes(qualified):
         if prefix in THIRD_PARTY:
             return THIRD_PARTY[prefix]
+    if CUDA_EXTENSION_NAME.search(top):
+        return Flag("cuda-only-library", "error",
+                    f"{top} is named as a compiled CUDA extension and is not a module of this tree: its kernels "
+                    "have no NPU build", "replace its calls with torch / torch_npu ops (the package's pure-torch "
+                    "reference, if it ships one)")
     return None
+
+
+# a top-level module named like a built CUDA extension: `xentropy_cuda_lib`, `fused_adam_cuda`, `cuda_kernels_v2`
+CUDA_EXTENSION_NAME = re.compile(r"(?:^|_)cuda(?:_|\d|$)", re.I)
 
 NVIDIA_SMI = Flag(
     "nvidia-smi", "error", "nvidia-smi does not exist on NPU hosts",
