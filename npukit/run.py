@@ -314,6 +314,9 @@ def _enter_sessions(options: RunOptions, stack: contextlib.ExitStack, sessions: 
     if dump_options is not None:
         from npukit.accuracy.dump import DumpSession
 
+        # step S of --dump-steps is step S of the monitor and of --replay-step (--localize's re-runs)
+        dump_options["training_steps"] = options.replay is not None or options.monitor is not None
+
         sessions.append(stack.enter_context(DumpSession(**dump_options)))
     if options.detect_overflow:
         from npukit.accuracy.overflow import OverflowSession

@@ -541,7 +541,11 @@ class DumpSession:
         ranks: str | None = None,
         tensor_format: str = "pt",
         ops: str | None = None,
+        training_steps: bool = False,
     ) -> None:
+        """training_steps: number steps as --monitor, --replay-step and --stop-after-step do, where a
+        forward without gradients before the first optimizer step (an evaluation before training)
+        starts no step; by default each such forward is a step (an inference run's steps)."""
         if level not in LEVELS:
             raise UserError(f"--dump-level: {level!r} is not one of {', '.join(LEVELS)}")
         if mode not in MODES:
@@ -579,6 +583,7 @@ class DumpSession:
         self._forward_seen = False
         self._optimizer_seen = False
         self._forward_steps = ForwardSteps()  # without an optimizer: a step per new root forward
+        self._training_steps = training_steps
         self._paths = naming.ModulePaths()
         self._module_stack: list[tuple[str, _Entry | None, torch.nn.Module]] = []  # path, entry, module
         self._handles: list = []
@@ -738,7 +743,8 @@ class DumpSession:
                 self._module_path(module._orig_mod)
             return
         root = not self._module_stack
-        if root and self._auto_step and not self._optimizer_seen and self._forward_steps.new_step(module):
+        if (root and self._auto_step and not self._optimizer_seen
+                and (torch.is_grad_enabled() or not self._training_steps) and self._forward_steps.new_step(module)):
             self._end_step()
         if not self._step_selected():
             return

@@ -232,7 +232,10 @@ class MonitorSession:
             return
         if not self._running_modules:
             self._outermost = module
-            if not self._optimizer_stepped and not self._in_optimizer and self._forward_steps.new_step(module):
+            # steps are training steps, numbered as --replay-step and --stop-after-step number them: an
+            # evaluation forward before the first optimizer step (Trainer.evaluate()) starts none
+            if (not self._optimizer_stepped and not self._in_optimizer and torch.is_grad_enabled()
+                    and self._forward_steps.new_step(module)):
                 self._finish_step(None, False, None)
         self._running_modules += 1
 

@@ -417,6 +417,26 @@ def test_inference_loop_without_optimizer_splits_steps_at_root_forward(tmp_path)
     assert "Module.0.Linear.forward.0" in load(tmp_path, 2)["data"]
 
 
+@pytest.mark.parametrize("training_steps", [False, True])
+def test_an_evaluation_before_training_is_a_step_unless_steps_are_training_steps(tmp_path, training_steps):
+    """Under --monitor or --replay (so in --localize's re-runs) step S is the monitor's training step S:
+    the forwards of an evaluation before the first optimizer step start no step there (they did, so
+    the re-run dumped an evaluation forward instead of the step the monitor named)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    x = torch.randn(2, 4)
+    with DumpSession(tmp_path, level="mix", mode="stats", steps="0", training_steps=training_steps):
+        with torch.no_grad():
+            for _ in range(3):
+                model(x)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            model(x).sum().backward()
+            optimizer.step()
+    entries = load(tmp_path, 0)["data"]
+    assert any(name.endswith(".backward") for name in entries) == training_steps
+
+
 def test_scope_and_list_filters(tmp_path):
     train(tmp_path / "scope", level="mix", mode="stats", steps=1, scope="blocks.1")
     names = list(load(tmp_path / "scope")["data"])

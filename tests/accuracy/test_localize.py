@@ -68,6 +68,30 @@ def test_replay_step_gives_the_npu_run_the_golden_runs_state_at_that_step(tmp_pa
     assert alone.returncode != 0 and "--replay-step N goes with --replay DIR" in alone.stderr
 
 
+@pytest.mark.slow  # (a whole-run e2e)
+def test_after_an_evaluation_before_training_the_monitor_the_dump_and_the_replay_agree_on_step_2(tmp_path):
+    """Trainer.evaluate() before train(): the monitor and the dump counted its forwards as steps,
+    --replay-step and --stop-after-step did not, so --localize's re-run dumped another step than the
+    one the trend named."""
+    create_optimizer = "optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)\n"
+    evaluate_first = TRAIN.replace(create_optimizer, "").replace(  # the optimizer made by train(), after it
+        "for step in range(6):", "with torch.no_grad():\n    for _ in range(4):\n        model(torch.randn(4, 8, "
+        "generator=data).to('npu'))\n" + create_optimizer + "for step in range(6):")
+    assert evaluate_first.count(create_optimizer) == 1
+    (tmp_path / "train.py").write_text(evaluate_first)
+    run = npu_run("--monitor", "mon", "--replay", "state", "--replay-step", "2", "--dump", "dump", "--dump-steps",
+                  "2", "--stop-after-step", "2", "train.py", "0", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert sorted(losses(run.stdout)) == [0, 1, 2]
+    monitored = (tmp_path / "mon" / "rank0" / "scalars.csv").read_text().splitlines()[1:]
+    assert [float(line.split(",")[1]) for line in monitored] == [float(loss) for loss in losses(run.stdout).values()]
+    assert [line.split(",")[0] for line in monitored] == ["0", "1", "2"]
+    import json
+
+    dumped = json.loads((tmp_path / "dump" / "step2" / "rank0" / "dump.json").read_text())["data"]
+    assert any(name.endswith(".backward") for name in dumped)  # a training step, not an evaluation forward
+
+
 def test_the_reruns_replace_the_users_watching_options_and_keep_the_rest(tmp_path):
     command = ["npu-run", "--seed", "0", "--monitor", "mon/npu", "--monitor-every", "2", "--dump", "old", "--devices",
                "2", "--dump-scope", "fc", "train.py", "--epochs", "3", "--dump", "scripts-own"]

@@ -633,3 +633,25 @@ def test_a_fullgraph_compiled_model_runs_compiled_and_its_parameters_keep_their_
     assert {("weight", "fc1.weight"), ("grad", "fc2.bias"), ("exp_avg", "fc1.weight")} <= names
     assert not any(name.startswith("param_group") for _, name in names)
     assert not any(kind == "activation" and name.startswith("fc") for kind, name in names)
+
+
+def test_evaluation_before_training_starts_no_step_so_steps_are_numbered_as_replay_numbers_them(tmp_path):
+    """Trainer.evaluate() before train(): its forwards ran before any optimizer existed and were each
+    counted as a step, so the first training step was written as step 3 here while --replay-step and
+    --stop-after-step (and so --localize) call it step 0."""
+    torch.manual_seed(0)
+    model = TwoLayers().to("npu")
+    x = torch.randn(5, 4, device="npu")
+    with MonitorSession(tmp_path / "mon", rank=0):
+        with torch.no_grad():
+            for _ in range(3):
+                model(x)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            model(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    scalars = _rows(tmp_path / "mon" / "rank0" / "scalars.csv")
+    assert [row["step"] for row in scalars] == ["0", "1"]
+    records = _rows(tmp_path / "mon" / "rank0" / "monitor.csv")
+    assert {row["step"] for row in records} == {"0", "1"}
