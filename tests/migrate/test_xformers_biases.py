@@ -290,3 +290,14 @@ def test_a_second_run_changes_nothing_and_libcsts_tool_gives_the_same_bytes(tmp_
     assert run.returncode == 0, run.stderr
     for name, source in sources.items():
         assert (tmp_path / "src" / name).read_text() == migrate_python(source, name, facts=FUSED).text, name
+
+
+def test_run_alone_by_libcst_the_concern_removes_the_held_masks_assignments_too():
+    import libcst as cst
+    from libcst.codemod import CodemodContext
+
+    from npukit.migrate import codemods
+
+    alone = codemods.XformersAttentionToNpu(CodemodContext(filename="held.py")).transform_module(
+        cst.parse_module(CAUSAL_AND_HELD))
+    assert alone.code == migrate_python(CAUSAL_AND_HELD, "held.py", facts=FUSED).text.replace("import torch_npu\n", "", 1)
