@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from npukit.accuracy import metrics
 from npukit.accuracy.compare import ERROR, Thresholds, align, compare_dirs
 from npukit.accuracy.dumpfile import DumpEntry
 from npukit.accuracy.metrics import PairJob, compare_pairs
@@ -127,6 +128,41 @@ def test_multiprocess_metrics_equal_single_process(tmp_path):
     multi = compare_pairs(jobs, workers=2)
     for a, b in zip(single, multi):
         assert a.rel_l2 == pytest.approx(b.rel_l2, rel=1e-12) and a.max_abs == b.max_abs
+
+
+@pytest.mark.parametrize("golden_dtype, target_dtype", [
+    (torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.float64, torch.float16),
+    (torch.float16, torch.float32), (torch.bfloat16, torch.float64)])
+def test_one_pass_metrics_equal_numpys_chunked_metrics(tmp_path, golden_dtype, target_dtype):
+    """Float pairs are measured by one C pass (pair_partial); its figures are the numpy chunks':
+    non-finite values, zeros in the golden (relative error over eps), a loss scale, ULPs near zero."""
+    rng = np.random.default_rng(3)
+    values = rng.standard_normal(10_003) * 50
+    values[rng.integers(0, values.size, 40)] = 0.0
+    golden = torch.from_numpy(values).to(golden_dtype)
+    target = (torch.from_numpy(values * (1 + 1e-3 * rng.standard_normal(values.size))) * 4).to(target_dtype)
+    golden[[7, 5000]] = float("nan")
+    target[[7, 9000]] = float("nan")
+    golden[[100, 6000]] = float("inf")
+    target[[100, 6001]] = float("-inf")
+    write_tensor(tmp_path / "g.pt", golden)
+    write_tensor(tmp_path / "t.pt", target)
+    names = [str(dtype) for dtype in (golden_dtype, target_dtype)]
+    job = PairJob(str(tmp_path / "g.pt"), names[0], str(tmp_path / "t.pt"), names[1], golden.numel(), names[1],
+                  target_scale=0.25, ulp_floor=0.5, zero_eps=metrics.FLOAT32_EPS)
+    (measured,) = compare_pairs([job], workers=1)
+    reference = metrics.empty_partial()
+    for low in range(0, golden.numel(), 4096):  # numpy's path, chunk by chunk as it reads files
+        chunk = metrics.chunk_partial(golden[low:low + 4096].double().numpy().copy(),
+                                      target[low:low + 4096].double().numpy() * 0.25, names[1], None, 0.5)
+        metrics.merge(reference, chunk)
+    expected = metrics.finish(reference, True)
+    for field in ("cosine", "rel_l2", "sqnr_db", "euc_dist", "max_abs", "max_rel", "within_1e3", "within_5e3",
+                  "max_ulp", "nan_inf_mismatch", "golden_nonfinite", "target_nonfinite"):
+        assert getattr(measured, field) == pytest.approx(getattr(expected, field), rel=1e-12), field
+    assert measured.golden_stats == pytest.approx(expected.golden_stats, rel=1e-12)
+    assert measured.target_stats == pytest.approx(expected.target_stats, rel=1e-12)
+    assert 0 < measured.within_1e3 < 1 and measured.nan_inf_mismatch == 5
 
 
 def test_nan_inf_mismatch_is_an_error(tmp_path):
