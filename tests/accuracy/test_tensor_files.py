@@ -260,3 +260,18 @@ def test_dumped_pt_files_are_whole_zips_torch_and_unzip_read(tmp_path, monkeypat
             assert loaded.dtype == torch.bfloat16 and list(loaded.shape) == leaf["shape"]
             assert loaded.view(torch.uint16).numpy().tobytes() == _stored(rank_dir, leaf).tobytes()
     assert not list((rank_dir / "dump_tensor_data").glob(".*.tmp"))
+
+
+def test_the_dumps_checksum_is_zlibs_crc32_for_every_length_and_start():
+    """The .pt files' zip checksums come from the folded CRC-32 (64 bytes a step, the rest and
+    short buffers byte by byte): the same value as zlib.crc32 at every length, offset and start."""
+    import zlib
+
+    from npukit.accuracy._stats import crc32
+
+    data = np.random.default_rng(0).integers(0, 256, 70_000, dtype=np.uint8).tobytes()
+    for length in [*range(0, 200), 4095, 4096, 4097, 65_536 + 13]:
+        for offset in (0, 1, 7):
+            piece = memoryview(data)[offset:offset + length]
+            assert crc32(piece) == zlib.crc32(piece), (length, offset)
+            assert crc32(piece, 0xDEADBEEF) == zlib.crc32(piece, 0xDEADBEEF), (length, offset)
