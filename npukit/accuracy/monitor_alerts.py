@@ -2,7 +2,8 @@
 
     nan/inf        the first record of the step (forward order: activations, then gradients) with a
                    non-finite value, and its statistic
-    turbulence     a norm beyond (1 + threshold) x its running mean (msprobe's AnomalyTurbulence)
+    turbulence     a norm beyond (1 + threshold) x its running mean (msprobe's AnomalyTurbulence);
+                   Adam's exp_avg_sq, a mean of squared gradients, beyond (1 + threshold)^2 x
     loss spike     the loss beyond (1 + loss_spike) x its running mean
     grad-norm      the total gradient norm beyond grad_norm_growth x its running mean
     skipped steps  GradScaler skipped every one of the last skipped_steps monitored steps
@@ -118,7 +119,10 @@ class Alerts:
             if record.values[4] or record.values[5] or not math.isfinite(norm):
                 continue
             mean = self._running(("norm", f"{record.kind}:{record.name}"), abs(norm))
-            if mean is not None and abs(norm) > (1 + self.rules.turbulence) * mean > 0:
+            # Adam's exp_avg_sq holds squared gradients: a gradient (1 + threshold)x its usual size
+            # shows there squared (a 3x gradient, normal in a small layer's first steps, is 9x)
+            factor = (1 + self.rules.turbulence) ** (2 if record.kind == "exp_avg_sq" else 1)
+            if mean is not None and abs(norm) > factor * mean > 0:
                 found.append(Alert(step, "turbulence", f"{record.name}:{record.kind}", "norm", norm,
                                    f"step {step}: {label(record)} norm {short_number(norm)}, "
                                    f"{abs(norm) / mean:.1f}x its running mean {short_number(mean)}"))

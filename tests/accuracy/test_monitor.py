@@ -655,3 +655,23 @@ def test_evaluation_before_training_starts_no_step_so_steps_are_numbered_as_repl
     assert [row["step"] for row in scalars] == ["0", "1"]
     records = _rows(tmp_path / "mon" / "rank0" / "monitor.csv")
     assert {row["step"] for row in records} == {"0", "1"}
+
+
+def test_adams_second_moment_is_judged_in_gradient_units():
+    """exp_avg_sq sums squared gradients: in Adam's first steps a layer's gradient 5x its usual size
+    (seen in a clean Hugging Face Trainer run's layer norm at step 5) moved it 13x its running mean, a
+    turbulence alert, while the gradient itself stayed below its 10x. It is judged on the square of the
+    threshold now; a gradient 30x its size alerts on both."""
+    from npukit.accuracy.monitor_alerts import Alerts, Record
+
+    def turbulence(gradient_norms):
+        alerts, found, v = Alerts(), [], 0.0
+        for step, g in enumerate(gradient_norms):
+            v = 0.999 * v + 0.001 * g * g  # Adam's exp_avg_sq of a one-element weight (beta2 0.999)
+            records = [Record("grad", "norm.weight", torch.float32, [g, g, g, g, 0.0, 0.0]),
+                       Record("exp_avg_sq", "norm.weight", torch.float32, [v, v, v, v, 0.0, 0.0])]
+            found += [a.name for a in alerts.judge(step, records, None, None, False, None) if a.rule == "turbulence"]
+        return found
+
+    assert turbulence([1.0] * 6 + [5.0] + [1.0] * 3) == []
+    assert turbulence([1.0] * 6 + [30.0] + [1.0] * 3) == ["norm.weight:grad", "norm.weight:exp_avg_sq"]
