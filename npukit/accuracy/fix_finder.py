@@ -320,9 +320,10 @@ def _without_dump(arguments: list[str]) -> list[str]:
     return arguments
 
 
-def npu_run_launcher(command: list[str]) -> tuple[list[str], list[str]]:
+def npu_run_launcher(command: list[str], option: str = "--find-fix") -> tuple[list[str], list[str]]:
     """(how to start npu-run, its arguments): `npu-run` (or `python -m npukit.run`) runs as this
-    interpreter's `-m npukit.run`, so the trials use the npukit and torch of this compare."""
+    interpreter's `-m npukit.run`, so the trials use the npukit and torch of this compare. option:
+    the npu-compare option the command follows, named in errors."""
     if not command:
         raise UserError("--find-fix needs the npu-run command that wrote the NPU dump after `--`, e.g. "
                         "npu-compare golden npu --find-fix -- npu-run --replay rep --dump npu train.py")
@@ -331,8 +332,8 @@ def npu_run_launcher(command: list[str]) -> tuple[list[str], list[str]]:
     for index in range(len(command) - 1):
         if command[index] == "-m" and command[index + 1] == "npukit.run":
             return command[:index + 2], command[index + 2:]
-    raise UserError(f"--find-fix: {' '.join(command)!r} is not an npu-run command (npu-run ... or python -m npukit.run ...): "
-                    "the trials pass it --precision-fix and --dump")
+    raise UserError(f"{option}: {' '.join(command)!r} is not an npu-run command (npu-run ... or python -m npukit.run "
+                    "...): its re-runs pass it --precision-fix and --dump")
 
 
 # ---------------------------------------------------------------------------- the search

@@ -39,7 +39,7 @@ def rerun_commands(command: list[str], step: int, work: Path) -> tuple[list[str]
     into work/golden and work/npu."""
     from npukit.accuracy.fix_finder import npu_run_launcher
 
-    launcher, arguments = npu_run_launcher(command)
+    launcher, arguments = npu_run_launcher(command, "--localize")
     options, script = option_spans(arguments)
     if not script:
         raise UserError(f"--localize: {' '.join(command)!r} names no script to run")

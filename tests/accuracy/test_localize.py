@@ -110,6 +110,9 @@ def test_the_reruns_replace_the_users_watching_options_and_keep_the_rest(tmp_pat
     assert npu[npu.index("--dump") + 1] == str(tmp_path / "npu")
     with pytest.raises(UserError, match="names no script"):
         rerun_commands(["npu-run", "--seed", "0"], 1, tmp_path)
+    # `--localize DIR -- npu-run ...` (--localize takes no value): the error names --localize, not --find-fix
+    with pytest.raises(UserError, match=r"^--localize: 'loc npu-run train.py' is not an npu-run command"):
+        rerun_commands(["loc", "npu-run", "train.py"], 1, tmp_path)
 
 
 ELAPSED_TIME = '''\
