@@ -3,6 +3,8 @@
 // aliases and return a new tensor on the same device. The Python op checks the arguments first.
 #include "fused_kernels.h"
 
+#include <atomic>
+
 #include <ATen/OpMathType.h>
 #include <ATen/Version.h>
 #include <torch/csrc/Dtype.h>
@@ -11,6 +13,8 @@
 namespace npukit {
 at::Tensor cpu_alias(const at::Tensor& t);  // device.cpp
 void saturate_half(const at::Tensor& cpu);
+extern std::atomic<bool> g_saturation;     // the fp16 saturation mode
+extern std::atomic<bool> g_overflow_flag;  // the sticky overflow flag
 }  // namespace npukit
 
 namespace npukit::fused {
@@ -115,12 +119,59 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& dy, const
   return {dx, dgamma.to(gamma.scalar_type())};
 }
 
+// The mask's CPU alias expanded to x's 4-dim shape, contiguous in its last dim.
+at::Tensor expanded_mask(const at::Tensor& mask, const at::Tensor& x) {
+  at::Tensor cpu = cpu_alias(mask);
+  if (cpu.stride(-1) != 1) cpu = cpu.contiguous();
+  return cpu.expand(x.sizes());
+}
+
+// ScaledMaskedSoftmax of a 4-dim x (the Python op checks the shapes and builds the mask), in x's dtype.
+// half_logits: the fp16 kernel's logits, x * scale rounded to fp16 (scale already an fp16 value).
+at::Tensor scaled_masked_softmax_forward(const at::Tensor& x, const at::Tensor& mask, double scale, bool half_logits) {
+  TORCH_CHECK(!half_logits || x.scalar_type() == at::kHalf, "scaled_masked_softmax_forward: half_logits needs fp16 x");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  const at::Tensor x_cpu = cpu_alias(x).contiguous(), mask_cpu = expanded_mask(mask, x), out_cpu = cpu_alias(out);
+  // the device's fp16 mul saturates its product (and raises the overflow flag) in saturation mode
+  const bool saturate = half_logits && x.is_privateuseone() && g_saturation.load(std::memory_order_relaxed);
+  bool saturated;
+  {
+    pybind11::gil_scoped_release no_gil;
+    saturated = kernels().scaled_masked_softmax_forward(x_cpu, mask_cpu, out_cpu, scale, half_logits, saturate);
+  }
+  if (saturated) g_overflow_flag = true;
+  finish(out_cpu, x);
+  return out;
+}
+
+// Its input gradient in dy's dtype (computed in the compute dtype of dy and y, rounded once).
+at::Tensor scaled_masked_softmax_backward(const at::Tensor& dy, const at::Tensor& y, const at::Tensor& mask,
+                                          double scale) {
+  if (dy.scalar_type() != y.scalar_type()) {
+    const auto compute = at::promote_types(at::toOpMathType(dy.scalar_type()), at::toOpMathType(y.scalar_type()));
+    return scaled_masked_softmax_backward(dy.to(compute), y.to(compute), mask, scale).to(dy.scalar_type());
+  }
+  at::Tensor dx = at::empty(y.sizes(), y.options());
+  const at::Tensor dy_cpu = cpu_alias(dy).contiguous(), y_cpu = cpu_alias(y).contiguous();
+  const at::Tensor mask_cpu = expanded_mask(mask, y), dx_cpu = cpu_alias(dx);
+  {
+    pybind11::gil_scoped_release no_gil;
+    kernels().scaled_masked_softmax_backward(dy_cpu, y_cpu, mask_cpu, dx_cpu, scale);
+  }
+  finish(dx_cpu, y);
+  return dx;
+}
+
 }  // namespace
 
 void bind(pybind11::module& m) {
   m.def("swiglu_forward", &swiglu_forward, "npu_swiglu's kernel (fused/activations.py)");
   m.def("swiglu_backward", &swiglu_backward, "npu_swiglu_backward's kernel (fused/activations.py)");
   m.def("rms_norm_backward", &rms_norm_backward, "npu_rms_norm_backward's kernel (fused/norms.py)");
+  m.def("scaled_masked_softmax_forward", &scaled_masked_softmax_forward,
+        "npu_scaled_masked_softmax's kernel (fused/softmax.py)");
+  m.def("scaled_masked_softmax_backward", &scaled_masked_softmax_backward,
+        "npu_scaled_masked_softmax_backward's kernel (fused/softmax.py)");
   m.def("rotary_mul", [](const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleave,
                          const pybind11::object& out_dtype) {
     TORCH_CHECK(THPDtype_Check(out_dtype.ptr()), "rotary_mul: out_dtype must be a torch.dtype");

@@ -30,6 +30,14 @@ struct Kernels {
   void (*rms_norm_backward)(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& gamma,
                             const at::Tensor& rstd, const at::Tensor& dx, const at::Tensor& dgamma, int64_t rows,
                             int64_t width);
+  // ScaledMaskedSoftmax over the last dim of a 4-dim x: softmax of x * scale (rounded to fp16 first when
+  // half_logits; a non-finite fp16 logit saturated when saturate) with -10000 where mask (bool, expanded
+  // to x's shape, contiguous in the last dim) is set. Returns whether a logit was saturated.
+  bool (*scaled_masked_softmax_forward)(const at::Tensor& x, const at::Tensor& mask, const at::Tensor& out,
+                                        double scale, bool half_logits, bool saturate);
+  // Its input gradient: ((dy - sum(dy * y)) * y) * scale, 0 where masked (dy of y's dtype)
+  void (*scaled_masked_softmax_backward)(const at::Tensor& dy, const at::Tensor& y, const at::Tensor& mask,
+                                         const at::Tensor& dx, double scale);
 };
 
 #define NPUKIT_DECLARE_KERNELS(capability) \

@@ -15,6 +15,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <type_traits>
 #include <vector>
@@ -263,6 +264,125 @@ void rms_norm_backward_typed(const scalar_t* dy, const scalar_t* x, const acc_t<
     for (int64_t c = 0; c < width; ++c) dgamma[c] += partial[t * width + c];
 }
 
+// ---- ScaledMaskedSoftmax, per row of the last dim: the logits x * scale (the fp16 kernel's rounded
+// to fp16, and with saturation on, a non-finite one saturated as the device's fp16 mul saturates it),
+// -10000 where the mask is set, then ATen's last-dim softmax (vec::reduce_all's max, exp, its sum, one
+// reciprocal, the product) on the row's fp32 working copy in a buffer that stays in L1, rounded once.
+// The backward: ATen's softmax backward ((dy - sum(dy * y)) * y, summed in vec::map2_reduce_all's
+// order) on fp32 copies of the row, times scale, 0 where masked, rounded once.
+
+constexpr float kMaskedLogit = -10000.0f;  // what the kernel writes at masked positions (Megatron's value)
+constexpr float kHalfMax = 65504.0f;
+
+// The mask (bool, expanded to x's 4-dim shape, contiguous in the last dim) row by row of x.
+struct MaskRows {
+  const bool* data;
+  int64_t s0, s1, s2, n1, n2;
+  explicit MaskRows(const at::Tensor& mask)
+      : data(mask.const_data_ptr<bool>()), s0(mask.stride(0)), s1(mask.stride(1)), s2(mask.stride(2)),
+        n1(mask.size(1)), n2(mask.size(2)) {}
+  const bool* row(int64_t r) const { return data + r / (n1 * n2) * s0 + (r / n2) % n1 * s1 + r % n2 * s2; }
+};
+
+template <typename acc>
+inline void fill_masked(acc* values, const bool* mask, int64_t width, acc masked) {
+  for (int64_t c = 0; c < width; ++c) values[c] = mask[c] ? masked : values[c];
+}
+
+template <typename scalar_t>
+bool scaled_masked_softmax_forward_typed(const at::Tensor& x_t, const at::Tensor& mask_t, const at::Tensor& out_t,
+                                         double scale, bool half_logits, bool saturate) {
+  using acc = acc_t<scalar_t>;
+  using Vec = Vectorized<acc>;
+  const scalar_t* x = x_t.const_data_ptr<scalar_t>();
+  scalar_t* out = out_t.mutable_data_ptr<scalar_t>();
+  const MaskRows mask(mask_t);
+  const int64_t width = x_t.size(3), rows = width ? x_t.numel() / width : 0;
+  const Vec scale_v(static_cast<acc>(scale));
+  std::atomic<bool> saturated{false};
+  at::parallel_for(0, rows, std::max<int64_t>(1, at::internal::GRAIN_SIZE / (16 * std::max<int64_t>(width, 1))),
+                   [&](int64_t begin, int64_t end) {
+    std::vector<acc> buffer(width);
+    acc* logits = buffer.data();
+    for (int64_t row = begin; row < end; ++row) {
+      const scalar_t* xr = x + row * width;
+      for (int64_t c = 0; c < width; c += Vec::size()) {
+        const int64_t n = std::min<int64_t>(Vec::size(), width - c);
+        Vec v = load(xr + c, n) * scale_v;
+        if constexpr (std::is_same_v<scalar_t, at::Half>) {
+          if (half_logits) {  // the fp16 product, as the device's fp16 mul rounds it
+            at::Half rounded[Vec::size()];
+            store(rounded, v, n);
+            v = load(rounded, n);
+          }
+        }
+        v.store(logits + c, n);
+      }
+      if (saturate) {
+        for (int64_t c = 0; c < width; ++c) {
+          if (!std::isfinite(logits[c])) {
+            logits[c] = std::isnan(logits[c]) ? acc(0) : std::copysign(acc(kHalfMax), logits[c]);
+            saturated.store(true, std::memory_order_relaxed);
+          }
+        }
+      }
+      fill_masked(logits, mask.row(row), width, acc(kMaskedLogit));
+      const acc max = at::vec::reduce_all<acc>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, logits, width);
+      at::vec::map([max](Vec v) { return (v - Vec(max)).exp(); }, logits, logits, width);
+      acc sum = at::vec::reduce_all<acc>([](Vec& a, Vec& b) { return a + b; }, logits, width);
+      sum = 1 / sum;
+      scalar_t* yr = out + row * width;
+      for (int64_t c = 0; c < width; c += Vec::size()) {
+        const int64_t n = std::min<int64_t>(Vec::size(), width - c);
+        store(yr + c, Vec::loadu(logits + c, n) * Vec(sum), n);
+      }
+    }
+  });
+  return saturated.load();
+}
+
+template <typename scalar_t>
+void scaled_masked_softmax_backward_typed(const at::Tensor& dy_t, const at::Tensor& y_t, const at::Tensor& mask_t,
+                                          const at::Tensor& dx_t, double scale) {
+  using acc = acc_t<scalar_t>;
+  using Vec = Vectorized<acc>;
+  const scalar_t* dy = dy_t.const_data_ptr<scalar_t>();
+  const scalar_t* y = y_t.const_data_ptr<scalar_t>();
+  scalar_t* dx = dx_t.mutable_data_ptr<scalar_t>();
+  const MaskRows mask(mask_t);
+  const int64_t width = y_t.size(3), rows = width ? y_t.numel() / width : 0;
+  const Vec scale_v(static_cast<acc>(scale));
+  at::parallel_for(0, rows, std::max<int64_t>(1, at::internal::GRAIN_SIZE / (16 * std::max<int64_t>(width, 1))),
+                   [&](int64_t begin, int64_t end) {
+    std::vector<acc> buffer(3 * width);
+    acc* grad = buffer.data();
+    acc* prob = grad + width;
+    acc* products = prob + width;
+    for (int64_t row = begin; row < end; ++row) {
+      for (int64_t c = 0; c < width; c += Vec::size()) {
+        const int64_t n = std::min<int64_t>(Vec::size(), width - c);
+        const Vec g = load(dy + row * width + c, n), p = load(y + row * width + c, n);
+        g.store(grad + c, n);
+        p.store(prob + c, n);
+        (g * p).store(products + c, n);
+      }
+      // ATen's sum of the rounded products (its vec::map2_reduce_all, whose product and sum its build
+      // does not fuse into an FMA; summed in a loop of their own here, the compiler cannot fuse them)
+      const acc sum = at::vec::reduce_all<acc>([](Vec& a, Vec& b) { return a + b; }, products, width);
+      for (int64_t c = 0; c < width; c += Vec::size()) {
+        const int64_t n = std::min<int64_t>(Vec::size(), width - c);
+        const Vec softmax_grad = (Vec::loadu(grad + c, n) - Vec(sum)) * Vec::loadu(prob + c, n);
+        (softmax_grad * scale_v).store(grad + c, n);
+      }
+      fill_masked(grad, mask.row(row), width, acc(0));
+      for (int64_t c = 0; c < width; c += Vec::size()) {
+        const int64_t n = std::min<int64_t>(Vec::size(), width - c);
+        store(dx + row * width + c, Vec::loadu(grad + c, n), n);
+      }
+    }
+  });
+}
+
 #define NPUKIT_FLOAT_DISPATCH(dtype, name, ...) \
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, name, __VA_ARGS__)
 
@@ -294,8 +414,26 @@ void rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tens
   });
 }
 
+bool scaled_masked_softmax_forward(const at::Tensor& x, const at::Tensor& mask, const at::Tensor& out, double scale,
+                                   bool half_logits, bool saturate) {
+  bool saturated = false;
+  NPUKIT_FLOAT_DISPATCH(x.scalar_type(), "npu_scaled_masked_softmax", [&] {
+    saturated = scaled_masked_softmax_forward_typed<scalar_t>(x, mask, out, scale, half_logits, saturate);
+  });
+  return saturated;
+}
+
+void scaled_masked_softmax_backward(const at::Tensor& dy, const at::Tensor& y, const at::Tensor& mask,
+                                    const at::Tensor& dx, double scale) {
+  NPUKIT_FLOAT_DISPATCH(y.scalar_type(), "npu_scaled_masked_softmax_backward",
+                        [&] { scaled_masked_softmax_backward_typed<scalar_t>(dy, y, mask, dx, scale); });
+}
+
 }  // namespace
 
-Kernels kernels() { return Kernels{&swiglu_forward, &swiglu_backward, &rotary, &rms_norm_backward}; }
+Kernels kernels() {
+  return Kernels{&swiglu_forward, &swiglu_backward, &rotary, &rms_norm_backward, &scaled_masked_softmax_forward,
+                 &scaled_masked_softmax_backward};
+}
 
 }  // namespace npukit::fused::CPU_CAPABILITY

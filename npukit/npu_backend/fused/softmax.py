@@ -9,6 +9,10 @@ returning the byte mask (1 = kept, one per element, flat), the softmax and the d
 three stages round their results to the input dtype.
 Both read fp16/bf16, compute in fp32 and round each output once to the input dtype (the fp16
 ScaledMaskedSoftmax kernel scales its logits in fp16 first).
+
+Speed: ScaledMaskedSoftmax and its backward are one-pass C++ kernels (csrc/fused_kernels_impl.h:
+each row's fp32 working copy stays in L1, fp16/bf16 converted in registers), bit for bit the
+previous composition of the device's ops on fp32 working copies.
 """
 
 from __future__ import annotations
@@ -17,8 +21,8 @@ import functools
 
 import torch
 
+from npukit.npu_backend import _C
 from npukit.npu_backend.fused import (
-    LOW_PRECISION,
     fused_op,
     npu_numerics,
     register_autograd,
@@ -27,7 +31,6 @@ from npukit.npu_backend.fused import (
 )
 from npukit.npu_backend.fused.norms import check_float_dtypes
 
-MASKED_LOGIT = -10000.0  # what the kernel writes at masked positions (Megatron's value)
 SCALED_MASKED_SOFTMAX_SIZES = range(32, 4097, 32)  # H and W: multiples of 32 in [32, 4096]
 DROPOUT_ADD_SOFTMAX_SIZES = (128, 256, 384, 512)
 
@@ -55,21 +58,21 @@ def _check_scaled_masked_softmax(op: str, x: torch.Tensor) -> None:
                          f"[32, 4096], got shape {tuple(x.shape)}")
 
 
+def _scaled_masked_softmax_fake(x, mask, scale=1, fixed_triu_mask=False):
+    _check_scaled_masked_softmax("npu_scaled_masked_softmax", x)
+    _scaled_masked_mask("npu_scaled_masked_softmax", x, mask, fixed_triu_mask)
+    return x.new_empty(x.shape)
+
+
 @fused_op("npu_scaled_masked_softmax(Tensor x, Tensor mask, Scalar scale=1, bool fixed_triu_mask=False) -> Tensor",
-          unfused="torch.softmax((x * scale).masked_fill(mask, -10000), -1)")
+          unfused="torch.softmax((x * scale).masked_fill(mask, -10000), -1)", fake=_scaled_masked_softmax_fake)
 def npu_scaled_masked_softmax(x, mask, scale=1, fixed_triu_mask=False):
     _check_scaled_masked_softmax("npu_scaled_masked_softmax", x)
     mask = _scaled_masked_mask("npu_scaled_masked_softmax", x, mask, fixed_triu_mask)
-    # CANN's fp16 kernel scales in fp16 (the scale and the product rounded to fp16) before its fp32
-    # softmax: the device's own fp16 ops do exactly that (fp16 read, fp32 inside, one rounding each:
-    # the softmax of fp16 logits equals the fp32 softmax rounded once), with no fp32 copy. bf16 and fp32
-    # scale in fp32: one fp32 working copy of the logits, scaled and masked in place.
-    if x.dtype == torch.float16 and npu_numerics(x):
-        logits = x * _fp16_scale(scale)
-    else:
-        logits = x.float().mul_(scale) if x.dtype in LOW_PRECISION else x * scale
-    logits.masked_fill_(mask, MASKED_LOGIT)
-    return torch.softmax(logits, -1).to(x.dtype)
+    # CANN's fp16 kernel scales in fp16 (the scale and the product rounded to fp16, saturated as the
+    # device's fp16 mul saturates it) before its fp32 softmax; bf16 and fp32 scale in fp32.
+    half_logits = x.dtype == torch.float16 and npu_numerics(x)
+    return _C.scaled_masked_softmax_forward(x, mask, _fp16_scale(scale) if half_logits else float(scale), half_logits)
 
 
 @functools.lru_cache(maxsize=64)
@@ -78,16 +81,24 @@ def _fp16_scale(scale: float) -> float:
     return float(torch.tensor(float(scale), dtype=torch.float16))
 
 
+def _scaled_masked_softmax_backward_fake(y_grad, y, mask, scale, fixed_triu_mask):
+    _check_scaled_masked_softmax("npu_scaled_masked_softmax_backward", y)
+    _scaled_masked_mask("npu_scaled_masked_softmax_backward", y, mask, fixed_triu_mask)
+    return y_grad.new_empty(y.shape)
+
+
 @fused_op("npu_scaled_masked_softmax_backward(Tensor y_grad, Tensor y, Tensor mask, Scalar scale, "
           "bool fixed_triu_mask) -> Tensor",
-          unfused="autograd of npu_scaled_masked_softmax's decomposition", public=False)
+          unfused="autograd of npu_scaled_masked_softmax's decomposition", public=False,
+          fake=_scaled_masked_softmax_backward_fake)
 def npu_scaled_masked_softmax_backward(y_grad, y, mask, scale, fixed_triu_mask):
     _check_scaled_masked_softmax("npu_scaled_masked_softmax_backward", y)
     mask = _scaled_masked_mask("npu_scaled_masked_softmax_backward", y, mask, fixed_triu_mask)
-    # y (dy - sum(dy y)) through torch's fused softmax backward, then scaled and masked in place.
-    dy, y32 = upcast(y_grad), upcast(y)
-    dx = torch.ops.aten._softmax_backward_data(dy, y32, -1, y32.dtype)
-    return dx.mul_(scale).masked_fill_(mask, 0.0).to(y_grad.dtype)
+    if y_grad.shape != y.shape:
+        raise ValueError(f"torch_npu.npu_scaled_masked_softmax_backward: y_grad's shape {tuple(y_grad.shape)} must "
+                         f"be y's {tuple(y.shape)}")
+    # y (dy - sum(dy y)) as torch's softmax backward computes it, then scaled and masked, in fp32
+    return _C.scaled_masked_softmax_backward(y_grad, y, mask, float(scale))
 
 
 def _scaled_masked_softmax_setup(ctx, inputs, output):

@@ -1,6 +1,6 @@
 """The one-pass C++ kernels (csrc/fused_kernels_impl.h) compute what the op-by-op composition on
 fp32 working copies they replace computed: fp16/bf16 read, fp32 inside, one rounding at the end.
-npu_swiglu and npu_rotary_mul bit for bit; npu_rms_norm_backward up to the order of its fp32 sums. The compositions below are those ops' Python kernels as
+npu_swiglu, npu_rotary_mul and npu_scaled_masked_softmax bit for bit; npu_rms_norm_backward up to the order of its fp32 sums. The compositions below are those ops' Python kernels as
 they were (issue #30), forward and backward, on odd sizes (vector tails), a size ATen's elementwise
 loops split across threads, other split dims and non-contiguous inputs, on the npu and on the CPU
 (the golden reference)."""
@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import torch_npu
 
 from npukit.npu_backend import numerics
+from npukit.npu_backend.fused import npu_numerics
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 DEVICES = ["npu", "cpu"]
@@ -215,3 +216,89 @@ def test_rms_norm_backward_refuses_mismatched_gradients():
         torch.ops.npu.npu_rms_norm_backward(torch.randn(4, 4).npu(), x, gamma, rstd)
     with pytest.raises(ValueError, match="npu_rms_norm_backward: rstd has 2 values"):
         torch.ops.npu.npu_rms_norm_backward(torch.randn(4, 8).npu(), x, gamma, rstd[:2])
+
+
+# ---- npu_scaled_masked_softmax -------------------------------------------------------------------
+
+def scaled_masked_softmax_composition(x, mask, scale, fixed_triu_mask):
+    if fixed_triu_mask:
+        mask = torch.ones(x.shape[-2:], dtype=torch.bool, device=x.device).triu(1)
+    if x.dtype == torch.float16 and npu_numerics(x):  # the fp16 kernel's logits: scale and product in fp16
+        logits = x * float(torch.tensor(float(scale), dtype=torch.float16))
+    else:
+        logits = upcast(x).mul_(scale) if x.dtype != upcast(x).dtype else x * scale
+    logits.masked_fill_(mask, -10000.0)
+    return torch.softmax(logits, -1).to(x.dtype)
+
+
+def scaled_masked_softmax_backward_composition(dy, y, mask, scale, fixed_triu_mask):
+    if fixed_triu_mask:
+        mask = torch.ones(y.shape[-2:], dtype=torch.bool, device=y.device).triu(1)
+    dy32, y32 = upcast(dy), upcast(y)
+    dx = torch.ops.aten._softmax_backward_data(dy32, y32, -1, y32.dtype)
+    return dx.mul_(scale).masked_fill_(mask, 0.0).to(dy.dtype)
+
+
+SOFTMAX_CASES = [  # (x, mask); 192 rows of 64 and of 96: more rows than a thread's share of the loop
+    ((2, 3, 32, 64), (2, 3, 32, 64)),
+    ((2, 3, 32, 96), (2, 1, 32, 96)),
+    ((1, 2, 64, 32), (1, 1, 64, 32)),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fixed_triu_mask", [False, True])
+@pytest.mark.parametrize("shapes", SOFTMAX_CASES, ids=lambda s: "x".join(map(str, s[0])) + "-" + "x".join(map(str, s[1])))
+def test_scaled_masked_softmax_is_the_composition_bit_for_bit(device, dtype, fixed_triu_mask, shapes):
+    x_shape, mask_shape = shapes
+    torch.manual_seed(4)
+    x = (torch.randn(x_shape) * 8).to(dtype).to(device)
+    mask = (torch.rand(mask_shape) < 0.3).to(device)
+    mask[..., 0, :] = True  # a fully masked row: every logit -10000
+    scale = 0.3  # not an fp16 value: the fp16 kernel rounds it
+    y = torch_npu.npu_scaled_masked_softmax(x, mask, scale, fixed_triu_mask)
+    assert_same_bits(y, scaled_masked_softmax_composition(x, mask, scale, fixed_triu_mask))
+    strided = x.transpose(1, 2).contiguous().transpose(1, 2)
+    assert_same_bits(torch_npu.npu_scaled_masked_softmax(strided, mask, scale, fixed_triu_mask), y)
+    dy = torch.randn(x_shape).to(dtype).to(device)
+    dx = torch.ops.npu.npu_scaled_masked_softmax_backward(dy, y, mask, scale, fixed_triu_mask)
+    assert_same_bits(dx, scaled_masked_softmax_backward_composition(dy, y, mask, scale, fixed_triu_mask))
+    leaf = x.detach().requires_grad_()  # through autograd, with an expanded (stride-0) gradient
+    torch_npu.npu_scaled_masked_softmax(leaf, mask, scale, fixed_triu_mask).sum().backward()
+    ones = torch.ones(x_shape, dtype=dtype, device=device)
+    assert_same_bits(leaf.grad, scaled_masked_softmax_backward_composition(ones, y, mask, scale, fixed_triu_mask))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scaled_masked_softmax_non_finite_inputs_are_the_composition(dtype):
+    """inf, nan and (in fp16) logits past 65504: the composition's results, inf/nan included."""
+    x = torch.randn(1, 2, 32, 32) * 4
+    x[0, 0, 1, 3], x[0, 0, 2, 5], x[0, 1, 3, 7] = float("inf"), float("nan"), -float("inf")
+    x[0, 1, 4, :4] = 60000.0  # x * 2 overflows fp16
+    x = x.to(dtype).npu()
+    mask = (torch.rand(1, 1, 32, 32) < 0.2).npu()
+    for fp16_mode in ("inf_nan", "saturation"):
+        with numerics.policies(fp16_mode=fp16_mode):
+            numerics.clear_overflow_flag()
+            y = torch_npu.npu_scaled_masked_softmax(x, mask, 2.0)
+            flag = numerics.overflow_flag()
+            numerics.clear_overflow_flag()
+            expected = scaled_masked_softmax_composition(x, mask, 2.0, False)
+            assert flag == numerics.overflow_flag()
+            assert torch.equal(y.cpu().isnan(), expected.cpu().isnan())
+            assert_same_bits(y.nan_to_num(), expected.nan_to_num())
+            dy = torch.randn(x.shape).to(dtype).npu()
+            dx = torch.ops.npu.npu_scaled_masked_softmax_backward(dy, y, mask, 2.0, False)
+            expected = scaled_masked_softmax_backward_composition(dy, y, mask, 2.0, False)
+            assert_same_bits(dx.nan_to_num(), expected.nan_to_num())
+
+
+def test_scaled_masked_softmax_fp32_gradient_of_a_low_precision_output():
+    torch.manual_seed(5)
+    x = torch.randn(1, 2, 32, 64, dtype=torch.bfloat16).npu()
+    mask = (torch.rand(1, 1, 32, 64) < 0.3).npu()
+    y = torch_npu.npu_scaled_masked_softmax(x, mask, 0.5)
+    dy = torch.randn(1, 2, 32, 64).npu()
+    assert_same_bits(torch.ops.npu.npu_scaled_masked_softmax_backward(dy, y, mask, 0.5, False),
+                     scaled_masked_softmax_backward_composition(dy, y, mask, 0.5, False))
