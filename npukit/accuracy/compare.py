@@ -1489,6 +1489,11 @@ def _divergence(pair_label, found, golden, target, out_err) -> Divergence:
                   f" {computed} computed for it (error {_fmt(computed_error)}): it was changed between the two,"
                   " outside the dumped ops (a hook on this op's output (Tensor.register_hook), a custom autograd"
                   " Function)")
+        if not computed:  # the ops that used the output ran without autograd (a custom Function's forward)
+            reason = (f"the gradient arriving at this backward differs (error {_fmt(row.error)}) and no dumped op's"
+                      " backward computed it (the ops that used this op's output ran without autograd, as inside a"
+                      " custom autograd Function's forward): it was made outside the dumped ops (a custom autograd"
+                      " Function's backward, a hook on this op's output (Tensor.register_hook))")
     elif side == "gradient-gap":
         reason = (f"the gradient arriving at this backward differs (error {_fmt(row.error)}) while every"
                   " gradient before it matched: it was changed outside the dumped ops (a custom autograd"
@@ -1934,6 +1939,10 @@ def compare_dirs(golden_dir: Path, target_dir: Path, thresholds: Thresholds | No
                                f" {earlier[1]} only, so the two runs train from different weights after it. Compare"
                                f" the steps up to {earlier[0]}, or start GradScaler at a scale the target does not"
                                " overflow at (init_scale=...) so that both runs update at every step")
+    from npukit.accuracy.own_error import split_backward_errors
+
+    for pair in results:  # a backward-first divergence: each suspect op's own error, re-run (in this process)
+        split_backward_errors(pair, thresholds, _contained(golden_dir), _contained(target_dir))
     _changed_before_the_reduce(results)
     paired_golden = {g for g, _ in labels_pairs}
     paired_target = {t for _, t in labels_pairs}

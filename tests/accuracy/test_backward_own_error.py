@@ -1,0 +1,123 @@
+"""A backward-first divergence (forward equal, gradients off) is named at the backward op whose own
+error is largest: each suspect backward op re-run on the golden run's inputs in the target's numerics
+(npukit/accuracy/own_error.py), the verdict giving its own error and the error it inherited.
+
+Each case is a small model trained one step under a golden run (fp32, NPU numerics off) and an fp16
+NPU run, both dumped in tensor mode as `npu-run --golden --dump` and `npu-run --dump` would; the
+compare is npu-compare's (compare_dirs), so plain `npu-compare GOLDEN NPU` and `--localize` say the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+import torch
+import torch.nn as nn
+
+from npukit.accuracy.compare import compare_dirs
+
+
+def _compare(tmp_path, make_model, inputs_shape):
+    from npukit.accuracy.dump import DumpSession
+    from npukit.npu_backend import numerics
+
+    for side in ("golden", "npu"):
+        golden_run = side == "golden"
+        torch.manual_seed(0)
+        model = make_model().npu()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with numerics.golden() if golden_run else contextlib.nullcontext(), DumpSession(tmp_path / side, mode="tensor"):
+            torch.manual_seed(1)
+            with torch.autocast("npu", dtype=torch.float32 if golden_run else torch.float16):
+                loss = model(torch.randn(*inputs_shape, device="npu")).float().pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    return compare_dirs(tmp_path / "golden", tmp_path / "npu", workers=1)
+
+
+def _figure(text: str, pattern: str) -> float:
+    found = re.search(pattern, text)
+    assert found, (pattern, text)
+    return float(found.group(1))
+
+
+class _Attention(nn.Module):
+    """Query and key weights `scale` times their initial size: attention logits in the hundreds at 16."""
+
+    def __init__(self, scale: float = 16.0):
+        super().__init__()
+        self.q, self.k, self.v, self.out = (nn.Linear(16, 16) for _ in range(4))
+        with torch.no_grad():
+            self.q.weight.mul_(scale)
+            self.k.weight.mul_(scale)
+
+    def forward(self, x):
+        att = (self.q(x) @ self.k(x).transpose(-1, -2)) * 0.25
+        return self.out(att.softmax(-1) @ self.v(x))
+
+
+def test_an_fp16_softmax_backward_over_large_logits_is_named_with_its_own_and_inherited_error(tmp_path, npu):
+    """The forward is within fp16's limits; the softmax backward's gradient is 4% off. Re-run on the
+    golden inputs and incoming gradient in fp16, that error is its own (>1%), while the gradient it
+    received carried 5e-4: the verdict says so with both figures, and that no other op re-run comes near."""
+    result = _compare(tmp_path, _Attention, (2, 8, 16))
+    divergence = result.pairs[0].divergence
+    assert divergence is not None and result.failed()
+    assert divergence.entry == "Tensor.softmax.0.backward"
+    reason = divergence.reason
+    own = _figure(reason, r"its gradient for input\.0 has an own error of ([\d.e+-]+)")
+    inherited = _figure(reason, r"while what it received carried ([\d.e+-]+) \(inherited\)")
+    assert own > 0.005 > inherited and own > 10 * inherited
+    assert "The largest own error of the" in reason
+    others = re.search(r"\(next: (.*?)\)", reason).group(1)
+    assert all(float(figure) < own / 10 for figure in re.findall(r"backward ([\d.e+-]+)", others))
+    assert divergence.input_error < 0.005 < divergence.output_error  # the table's figures: inherited, in the run
+
+
+class _Offset(torch.autograd.Function):
+    """Exact forward (x * 2); the backward adds and removes 64: in fp16 the gradient's low bits are lost
+    (fp16's step at 64 is 1/16), in the golden run's fp32 they are kept."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ((grad + 64) - 64) * 2
+
+
+class _WithOffset(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.fc2(_Offset.apply(torch.tanh(self.fc1(x))))
+
+
+def test_a_custom_function_whose_fp16_backward_is_imprecise_is_found_between_the_dumped_ops(tmp_path, npu):
+    """Its backward's ops are not dumped: the first dumped op after it (tanh's backward) gets a gradient
+    100% off. Re-run on the golden inputs, tanh's own error is fp16's rounding and its error inherited:
+    named where the gradient arrives, as made between the dumped ops, with the figures (it read
+    'from the one  computed for it (error 0)', no op named, no figures)."""
+    result = _compare(tmp_path, _WithOffset, (64, 16))
+    divergence = result.pairs[0].divergence
+    assert divergence is not None and result.failed()
+    assert divergence.entry == "Torch.tanh.0.backward"
+    reason = divergence.reason
+    assert "no dumped op's backward computed it" in reason and "custom autograd Function's backward" in reason
+    assert "No dumped op makes it" in reason and "the error was made between the dumped ops" in reason
+    own = _figure(reason, r"this op: own error ([\d.e+-]+)")
+    inherited = _figure(reason, r"this op: own error [\d.e+-]+, inherited ([\d.e+-]+)")
+    assert own < 0.005 and inherited > 0.5
+    largest = _figure(reason, r"\(largest: \S+, ([\d.e+-]+)\)")
+    assert largest < 0.005
+
+
+def test_a_clean_fp16_run_names_no_op(tmp_path, npu):
+    """The same attention with logits of ordinary size: nothing named, nothing re-run named."""
+    result = _compare(tmp_path, lambda: _Attention(scale=2.0), (2, 8, 16))
+    assert not result.failed() and result.pairs[0].divergence is None
