@@ -9,32 +9,19 @@ compare is npu-compare's (compare_dirs), so plain `npu-compare GOLDEN NPU` and `
 
 from __future__ import annotations
 
-import contextlib
 import re
 
 import torch
 import torch.nn as nn
 
-from npukit.accuracy.compare import compare_dirs
+from tests.accuracy.test_diagnosis import _dumps
 
 
 def _compare(tmp_path, make_model, inputs_shape):
-    from npukit.accuracy.dump import DumpSession
-    from npukit.npu_backend import numerics
+    def loss_of(model):
+        return model(torch.randn(*inputs_shape, device="npu")).float().pow(2).mean()
 
-    for side in ("golden", "npu"):
-        golden_run = side == "golden"
-        torch.manual_seed(0)
-        model = make_model().npu()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        with numerics.golden() if golden_run else contextlib.nullcontext(), DumpSession(tmp_path / side, mode="tensor"):
-            torch.manual_seed(1)
-            with torch.autocast("npu", dtype=torch.float32 if golden_run else torch.float16):
-                loss = model(torch.randn(*inputs_shape, device="npu")).float().pow(2).mean()
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-    return compare_dirs(tmp_path / "golden", tmp_path / "npu", workers=1)
+    return _dumps(tmp_path, make_model, loss_of, dtype=torch.float16)
 
 
 def _figure(text: str, pattern: str) -> float:
