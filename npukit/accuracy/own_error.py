@@ -93,8 +93,9 @@ def _errors(rows: list[Row]) -> float:
 
 
 def measure_own_errors(pair: PairResult, golden: RankDump, target: RankDump, golden_data: dict, last: int,
-                       thresholds: Thresholds) -> tuple[list[OwnError], int]:
-    """(the own error of each suspect backward op that could be re-run, how many could not)."""
+                       thresholds: Thresholds) -> tuple[list[OwnError], int, int]:
+    """(the own error of each suspect backward op that could be re-run, how many could not, how many
+    backward ops there are from the loss to `last`: more than MAX_SUSPECTS when the nearest were kept)."""
     from npukit.accuracy.precheck import npu_gradients_from
 
     rows_of: dict[str, list[Row]] = {}
@@ -104,9 +105,10 @@ def measure_own_errors(pair: PairResult, golden: RankDump, target: RankDump, gol
     golden_names = {row.target_entry: row.golden_entry for row in pair.rows if row.golden_entry is not None}
     golden_entries, target_entries = golden.by_name(), target.by_name()
     order_of = {row.target_entry: row.order for row in pair.rows if row.target_entry is not None}
-    suspects = [entry for entry in target.entries if entry.direction == naming.BACKWARD
-                and not entry.name.startswith("Module.") and entry.name in golden_names
-                and order_of.get(entry.name, math.inf) <= last][-MAX_SUSPECTS:]
+    candidates = [entry for entry in target.entries if entry.direction == naming.BACKWARD
+                  and not entry.name.startswith("Module.") and entry.name in golden_names
+                  and order_of.get(entry.name, math.inf) <= last]
+    suspects = candidates[-MAX_SUSPECTS:]
     hf32 = target.hf32 if target.by_npukit else None
     measured, failed = [], 0
     for backward in suspects:
@@ -144,7 +146,7 @@ def measure_own_errors(pair: PairResult, golden: RankDump, target: RankDump, gol
         received = [row for row in rows_of.get(backward.name, []) if row.role == "input"]
         received += [row for row in rows_of.get(forward_name, []) if row.role in ("input", "param")]
         measured.append(OwnError(backward.name, best[1], best[0], _errors(received), best[3], best[2]))
-    return measured, failed
+    return measured, failed, len(candidates)
 
 
 def _figures(own: OwnError) -> str:
@@ -162,14 +164,15 @@ def split_backward_errors(pair: PairResult, thresholds: Thresholds, golden_paths
     golden = load_rank_dump(pair.golden_dir, pair.golden_pair, golden_paths)
     target = load_rank_dump(pair.target_dir, pair.pair, target_paths)
     golden_data = load_json(pair.golden_dir / "dump.json").get("data") or {}
-    measured, failed = measure_own_errors(pair, golden, target, golden_data, order, thresholds)
+    measured, failed, candidates = measure_own_errors(pair, golden, target, golden_data, order, thresholds)
     if not measured:
         return
     ranked = sorted(measured, key=lambda each: each.own, reverse=True)
     worst = ranked[0]
     how = "re-run on the golden run's inputs and incoming gradients in the target's numerics"
-    suspects = f"{len(measured)} backward ops re-run from the loss to the first diverging gradient" + (
-        f" ({failed} could not be re-run)" if failed else "")
+    span = "from the loss to the first diverging gradient" if candidates <= MAX_SUSPECTS else (
+        f"nearest before the first diverging gradient, of the {candidates} from the loss")
+    suspects = f"{len(measured)} backward ops re-run {span}" + (f" ({failed} could not be re-run)" if failed else "")
     first_rows = [row for row in pair.rows if row.target_entry == first_entry and row.error is not None]
     first_error = max((row.error for row in first_rows), default=0.0)
     if worst.own > worst.limit:
