@@ -41,9 +41,11 @@ from npukit.migrate.codemods.environment import CudaEnvironment
 from npukit.migrate.codemods.flash_attention import FlashAttentionToNpu, FlashRotaryToNpu
 from npukit.migrate.codemods.flash_attn_layers import FlashLayersToTorch, FlashNormFunctionsToNpu
 from npukit.migrate.codemods.fused import FusedImports
+from npukit.migrate.codemods.fused_checks import FusedInstallChecks
 from npukit.migrate.codemods.infinite_fills import InfiniteFills
 from npukit.migrate.codemods.int_ordinals import IntDeviceOrdinals
 from npukit.migrate.codemods.leftovers import CudaLeftovers
+from npukit.migrate.codemods.lightning import LightningAccelerators
 from npukit.migrate.codemods.quantisation import BitsAndBytesQuantisation
 from npukit.migrate.codemods.third_party import ThirdPartyCuda
 from npukit.migrate.codemods.torch_load import TorchLoadMapLocation
@@ -54,16 +56,17 @@ from npukit.migrate.codemods.xformers_attention import XformersAttentionToNpu
 # npu-migrate --fused's concerns (CUDA kernel libraries -> torch_npu fused ops / torch equivalents):
 # only under --fused (TreeFacts.fused), or when libcst's tool is asked for one by name
 FUSED_CODEMODS = (FlashAttentionToNpu, FlashRotaryToNpu, XformersAttentionToNpu, ApexNormsToTorch, ApexAdamToTorch, ApexSgdToTorch,
-                  ApexMultiTensorToTorch, FlashNormFunctionsToNpu, FlashLayersToTorch, FusedImports)
+                  ApexMultiTensorToTorch, FlashNormFunctionsToNpu, FlashLayersToTorch, FusedImports,
+                  FusedInstallChecks)
 # The concerns ported from the ast engine so far, in the order they run (each on the original parse).
-BUILTIN_CODEMODS = (DualTargetCode, *FUSED_CODEMODS, DeviceStrings, IntDeviceOrdinals, AmpUpgrade, CudaNamespace, UnsupportedApis, CudaEnvironment, CudaDefaultDevices, InfiniteFills, TorchLoadMapLocation, CustomCudaOps,
+BUILTIN_CODEMODS = (DualTargetCode, *FUSED_CODEMODS, LightningAccelerators, DeviceStrings, IntDeviceOrdinals, AmpUpgrade, CudaNamespace, UnsupportedApis, CudaEnvironment, CudaDefaultDevices, InfiniteFills, TorchLoadMapLocation, CustomCudaOps,
                     Bf16Autocast, DdpSetDevice, ThirdPartyCuda, BitsAndBytesQuantisation, DeviceModelChecks,
                     DefaultTensorType, CompileModes, UnsupportedTensorMethods, AutocastGpuDtype, CudaMethods,
                     DistributedBackends, CudaCliFlags, CudaLeftovers)
 
-__all__ = ["BUILTIN_CODEMODS", "FUSED_CODEMODS", "AmpUpgrade", "ApexAdamToTorch", "ApexMultiTensorToTorch", "ApexNormsToTorch", "ApexSgdToTorch", "FlashAttentionToNpu", "FlashLayersToTorch", "FlashNormFunctionsToNpu", "FlashRotaryToNpu", "FusedImports", "AutocastGpuDtype", "Bf16Autocast", "BitsAndBytesQuantisation", "CompileModes", "CudaCliFlags", "CudaDefaultDevices", "CudaEnvironment", "CudaLeftovers",
+__all__ = ["BUILTIN_CODEMODS", "FUSED_CODEMODS", "AmpUpgrade", "ApexAdamToTorch", "ApexMultiTensorToTorch", "ApexNormsToTorch", "ApexSgdToTorch", "FlashAttentionToNpu", "FlashLayersToTorch", "FlashNormFunctionsToNpu", "FlashRotaryToNpu", "FusedImports", "FusedInstallChecks", "AutocastGpuDtype", "Bf16Autocast", "BitsAndBytesQuantisation", "CompileModes", "CudaCliFlags", "CudaDefaultDevices", "CudaEnvironment", "CudaLeftovers",
            "CudaMethods", "CudaNamespace", "CustomCudaOps", "DdpSetDevice", "DefaultTensorType", "DeviceModelChecks", "DeviceStrings", "DistributedBackends", "DualTargetCode",
-           "InfiniteFills", "IntDeviceOrdinals", "MigrateToNpu", "ThirdPartyCuda", "TorchLoadMapLocation", "UnsupportedApis", "UnsupportedTensorMethods", "XformersAttentionToNpu"]
+           "InfiniteFills", "IntDeviceOrdinals", "LightningAccelerators", "MigrateToNpu", "ThirdPartyCuda", "TorchLoadMapLocation", "UnsupportedApis", "UnsupportedTensorMethods", "XformersAttentionToNpu"]
 
 
 class MigrateToNpu(CodemodCommand):
