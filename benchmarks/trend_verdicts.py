@@ -1,7 +1,8 @@
 """How often `npu-compare --trend` is right: clean NPU runs (no departure) and runs with a late
 NPU-only fault (departure named at the fault's module, at a step within a few of its onset).
 
-    python benchmarks/trend_verdicts.py [--steps 240] [--models mlp,norm,residual,deep] [--jobs 2] [--json out.json]
+    python benchmarks/trend_verdicts.py [--steps 240] [--models mlp,norm,residual,deep] [--seed 0] [--seeds 1]
+                                        [--jobs 2] [--json out.json]
     python benchmarks/trend_verdicts.py --models norm --keep /tmp/runs   # the monitors kept, to look at a verdict
 
 Each scenario is a small model of its own (below) trained `--steps` steps on fixed random data, with
@@ -228,6 +229,7 @@ def main() -> int:
     parser.add_argument("--within", type=int, default=10, help="monitored steps after the onset a fault may be named")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--seeds", type=int, default=1, help="scenarios per model, optimizer and dtype")
+    parser.add_argument("--seed", type=int, default=0, help="the first scenario seed (initial weights and data)")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--keep", type=Path, help="keep each scenario's monitors in DIR/<model>-<optimizer>-<dtype>-<seed>")
@@ -238,7 +240,7 @@ def main() -> int:
         parser.error(f"--models: unknown {', '.join(unknown)} (known: {', '.join(MODELS)})")
     scenarios = [{"model": m, "optimizer": o, "dtype": d, "seed": s, "steps": options.steps, "within": options.within,
                   "keep": str(options.keep) if options.keep else None}
-                 for s, m, o, d in product(range(options.seeds), models, OPTIMIZERS, DTYPES)]
+                 for s, m, o, d in product(range(options.seed, options.seed + options.seeds), models, OPTIMIZERS, DTYPES)]
     began = time.perf_counter()
     with ProcessPoolExecutor(options.jobs) as pool:
         verdicts = [v for batch in pool.map(judge, scenarios) for v in batch]
