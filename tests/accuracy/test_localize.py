@@ -3,6 +3,8 @@ commands built from the user's npu-run command."""
 
 from __future__ import annotations
 
+import math
+import os
 import re
 import subprocess
 import sys
@@ -155,38 +157,41 @@ print("final loss", loss.item())
 
 
 @pytest.mark.slow
-def test_localize_names_the_op_of_a_late_overflow_and_a_fix_that_lets_the_run_train_through_it(tmp_path):
-    """The monitor sees embed's output become inf at step 19 (the trend's departure there: a non-finite
-    value is outside any band). Re-run to step 19, the NPU run from the golden state: the compare names
-    embed's linear, the fix finder computing it in fp32; the whole run, fixed, stays finite."""
+def test_from_the_trend_to_the_op_and_a_fix_that_keeps_the_run_inside_the_band(tmp_path):
+    """As a user runs it: a golden monitor, a perturbed one and the NPU run's; --trend names embed's
+    output leaving the band at step 19 (inf: outside any band); --localize re-runs to step 19 (the NPU
+    run from the golden state) and names embed's linear and the fix computing it in fp32; the run with
+    that fix, monitored again, stays inside the band over all 25 steps."""
     import json
 
-    from rich.console import Console
-
-    from npukit.accuracy.localize import localize
-    from npukit.accuracy.trend import Departure
+    def compare(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", "from npukit.cli import compare_main; compare_main()", *args],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=900,
+                              env={**os.environ, "COLUMNS": "200"})
 
     (tmp_path / "train.py").write_text(ELAPSED_TIME)
-    departure = Departure(rank=0, kind="activation", name="embed", statistic="max", first_step=19, last_step=24,
-                          golden=2.0e4, perturbed=2.0e4, npu=float("inf"), half_width=100.0)
-    command = [sys.executable, "-m", "npukit.run", "--monitor", "mon", "train.py", "25"]
-    work = tmp_path / "localize"
-    import os
+    for options in (["--golden", "--monitor", "golden"], ["--golden-perturb", "fp16", "--monitor", "perturbed"],
+                    ["--monitor", "npu"]):
+        run = npu_run(*options, "train.py", "25", cwd=tmp_path)
+        assert run.returncode == 0, run.stderr
+    assert "final loss nan" in run.stdout  # the NPU run
+    trend = compare("--trend", "golden", "npu", "--perturbed", "perturbed")
+    assert trend.returncode == 1, trend.stdout + trend.stderr
+    assert "leaves the golden band at step 19, in embed" in " ".join(trend.stdout.split())
 
-    cwd = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        code = localize(departure, command, work, Console(width=200, file=open(os.devnull, "w")), 8, 5, 1)
-    finally:
-        os.chdir(cwd)
-    assert code == 1
-    report = json.loads((work / "compare.json").read_text())
+    localized = compare("--trend", "golden", "npu", "--perturbed", "perturbed", "--localize", "--localize-dir", "loc",
+                        "--", sys.executable, "-m", "npukit.run", "--monitor", "npu", "train.py", "25")
+    assert localized.returncode == 1, localized.stdout + localized.stderr
+    report = json.loads((tmp_path / "loc" / "compare.json").read_text())
     named = report["pairs"][0]["first_divergence"]
     assert (named["entry"], named["module_path"]) == ("Functional.linear.0.forward", "embed")
-    fix = json.loads((work / "find-fix.json").read_text())["fix"]
+    fix = json.loads((tmp_path / "loc" / "find-fix.json").read_text())["fix"]
     assert [(change["kind"], change["api"], change["module"]) for change in fix] == [("fp32", "Functional.linear", "embed")]
-    unfixed = npu_run("train.py", "25", cwd=tmp_path)
-    fixed = npu_run("--precision-fix", str(work / "find-fix" / "fix.json"), "train.py", "25", cwd=tmp_path)
-    assert "final loss nan" in unfixed.stdout
+
+    fixed = npu_run("--precision-fix", "loc/find-fix/fix.json", "--monitor", "fixed", "train.py", "25", cwd=tmp_path)
+    assert fixed.returncode == 0, fixed.stderr
     final = float(fixed.stdout.split("final loss")[1])
-    assert fixed.returncode == 0 and final == final and final < 10  # finite: it trained through step 19
+    assert math.isfinite(final) and final < 10  # it trained through step 19
+    inside = compare("--trend", "golden", "fixed", "--perturbed", "perturbed")
+    assert inside.returncode == 0, inside.stdout + inside.stderr
+    assert "No trend divergence: over steps 0-24" in " ".join(inside.stdout.split())
