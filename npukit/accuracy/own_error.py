@@ -10,10 +10,14 @@ result (a softmax's over large logits) hides an op's error below its neighbours'
 So each suspect backward op -- the api backward entries from the loss to the first gradient over
 its limits, the nearest MAX_SUSPECTS of them -- is re-run on the NPU in the target run's dtypes and
 HF32 setting, on the GOLDEN run's inputs and incoming gradients (precheck.npu_gradients_from): its
-result against the golden run's gradient is its own error; the error of what it received in the
-target run is the error it inherited. The op with the largest own error above its dtype's warn
-limit is named, with both figures (the search's divergence moves to it, or gets the figures when it
-is that op). When no op's own error is above its limit, the error was made between the dumped ops
+result against fp64 on the same values is its own error -- the incoming gradients taken as the
+target held them, rounded to its dtype by the op before (whose own error that rounding is: an fp16
+gradient that underflows is its maker's), the forward values as the golden run had them (an op whose
+gradient the rounding of its forward values throws off, a saturated softmax, makes that error
+itself); the error of what it received in the target run is the error it inherited. The op with the
+largest own error above its dtype's warn limit is named, with both figures (the search's divergence
+moves to it, or gets the figures when it is that op; where the search named none, only an
+error-sized own error is). When no op's own error is above its limit, the error was made between the dumped ops
 (a custom autograd Function, a hook): the divergence the search named stays, and says so with the
 figures. Error rows the search named nothing for are left alone: a correct mixed-precision run has
 them, and an op's own error there is its dtype's (a bf16 group norm's backward: 9%).
@@ -49,7 +53,7 @@ _GRADIENT_DIRECTIONS = (naming.BACKWARD, naming.PARAMETERS_GRAD)
 class OwnError:
     entry: str  # the backward entry (Tensor.softmax.0.backward)
     argument: str  # its gradient with the largest own error ("input.0": the gradient for that argument)
-    own: float  # relative L2 of that gradient re-run on the golden inputs, against the golden run's
+    own: float  # relative L2 of that gradient re-run on the golden inputs, against its fp64 reference
     inherited: float  # the largest error of what it received in the target run (gradients, forward values)
     total: float  # that gradient's error in the target run
     limit: float  # the warn limit of the gradient's dtype
@@ -61,12 +65,11 @@ def _direction(entry_name: str | None) -> str | None:
 
 def backward_first(pair: PairResult) -> tuple[int, str] | None:
     """(order, target entry) of the first gradient over its limits, when the forward is equal and the
-    divergence the search named is in the backward: a tensor dump of one tool. Error rows the search
-    named nothing for are not one: a correct mixed-precision run has them (a relu's mask flipped, a bf16
-    group norm's backward 30% off), and an op's own error there is its dtype's."""
+    divergence the search named, if any, is in the backward: a tensor dump of one tool, searched."""
     divergence = pair.divergence
-    if pair.mode != "tensor" or pair.cross_tool or divergence is None \
-            or _direction(divergence.entry) not in _GRADIENT_DIRECTIONS:
+    if pair.mode != "tensor" or pair.cross_tool or pair.unsearched or pair.skipped_by_grad_scaler:
+        return None
+    if divergence is not None and _direction(divergence.entry) not in _GRADIENT_DIRECTIONS:
         return None
     rows = [row for row in pair.rows if row.target_entry is not None]
     start = min((row.order for row in rows if _direction(row.target_entry) in _GRADIENT_DIRECTIONS), default=None)
@@ -74,7 +77,8 @@ def backward_first(pair: PairResult) -> tuple[int, str] | None:
         return None
     first = min(((row.order, row.target_entry) for row in rows if row.order >= start and row.verdict == ERROR
                  and _direction(row.target_entry) in _GRADIENT_DIRECTIONS), default=None)
-    named = min((row.order for row in rows if row.target_entry == divergence.entry), default=None)
+    named = min((row.order for row in rows if divergence is not None and row.target_entry == divergence.entry),
+                default=None)
     if named is not None and (first is None or named < first[0]):
         first = (named, divergence.entry)
     return first
@@ -120,7 +124,7 @@ def measure_own_errors(pair: PairResult, golden: RankDump, target: RankDump, gol
             failed += 1
             continue
         try:
-            grads, recorded = npu_gradients_from(pair.pair, golden_forward, golden_data.get(golden_forward.name, {}),
+            grads, references = npu_gradients_from(pair.pair, golden_forward, golden_data.get(golden_forward.name, {}),
                                                  golden_backward, forward, backward, hf32, pair.loss_scale)
         except Exception:  # noqa: BLE001  (an op that cannot be re-run is counted, never judged)
             failed += 1
@@ -128,7 +132,7 @@ def measure_own_errors(pair: PairResult, golden: RankDump, target: RankDump, gol
         outputs = {row.target.suffix: row for row in rows_of.get(backward.name, [])
                    if row.role == "output" and row.target is not None}
         best = None
-        for index, (grad, truth) in enumerate(zip(grads, recorded)):
+        for index, (grad, truth) in enumerate(zip(grads, references)):
             row = outputs.get(f"output.{index}")
             if grad is None or truth is None or row is None:
                 continue
@@ -175,10 +179,14 @@ def split_backward_errors(pair: PairResult, thresholds: Thresholds, golden_paths
     suspects = f"{len(measured)} backward ops re-run {span}" + (f" ({failed} could not be re-run)" if failed else "")
     first_rows = [row for row in pair.rows if row.target_entry == first_entry and row.error is not None]
     first_error = max((row.error for row in first_rows), default=0.0)
-    if worst.own > worst.limit:
+    # Where the search named nothing, error rows are what a correct mixed-precision run can show (a
+    # relu's mask flipped, a bf16 group norm's backward 9% off on its own): an op is named for them
+    # only when its own error is error-sized (an fp16 gradient that underflows in its scaling).
+    limit = worst.limit if pair.divergence is not None else max(worst.limit, thresholds.error_rel_l2)
+    if worst.own > limit:
         others = "; ".join(f"{each.entry} {each.own:.3g}" for each in ranked[1:3])
-        own_text = (f"{how}, its gradient for {worst.argument} has an own error of {worst.own:.3g} (warn limit"
-                    f" {worst.limit:g}) while what it received carried {worst.inherited:.3g} (inherited); in the run that"
+        own_text = (f"{how}, its gradient for {worst.argument} has an own error of {worst.own:.3g} ("
+                    f"{'warn' if limit == worst.limit else 'error'} limit {limit:g}) while what it received carried {worst.inherited:.3g} (inherited); in the run that"
                     f" gradient's error is {worst.total:.3g}. The largest own error of the {suspects}"
                     + (f" (next: {others})" if others else ""))
         if first_entry != worst.entry:
@@ -196,6 +204,8 @@ def split_backward_errors(pair: PairResult, thresholds: Thresholds, golden_paths
                                      stack=entry_stack(entry, target), input_error=worst.inherited,
                                      output_error=worst.total)
         return
+    if pair.divergence is None:
+        return  # the error rows carry what the ops inherited
     here = next((each for each in measured if each.entry == pair.divergence.entry), None)
     this = f"; this op: {_figures(here)}" if here is not None else ""
     pair.divergence.reason += (

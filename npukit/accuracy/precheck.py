@@ -643,12 +643,14 @@ def _call_on_npu(op: _Op, tensors: list, device):
 def npu_gradients_from(label: str, source: DumpEntry, source_body: dict, source_backward: DumpEntry,
                        target: DumpEntry, target_backward: DumpEntry, hf32: frozenset | None,
                        grad_scale: float = 1.0) -> tuple[list, list]:
-    """(gradient per tensor argument as the NPU computes it, the one `source_backward` recorded), or None
-    where there is none: `target`'s op re-run on the NPU in the target run's dtypes and HF32 setting (`hf32`:
-    the target dump's), on the inputs and incoming gradients another dump recorded for the same op
-    (`source`: the golden run's). What the op itself gets wrong, without the error its inputs carried.
-    grad_scale: the target's loss scale (its incoming gradients were that much larger; the results are
-    returned unscaled). Raises CannotRun when the op cannot be re-run."""
+    """(gradient per tensor argument as the NPU computes it, its fp64 reference), or None where there is
+    none: `target`'s op re-run on the NPU in the target run's dtypes and HF32 setting (`hf32`: the target
+    dump's), on the inputs and incoming gradients another dump recorded for the same op (`source`: the
+    golden run's). The reference computes in fp64 on the same values, the incoming gradients as the
+    target held them (rounded to its dtype, by the op that computed them): what the op gets wrong
+    itself, its sensitivity to its forward values' rounding included, without the error its inputs
+    carried. grad_scale: the target's loss scale (its incoming gradients were that much larger; the
+    results are returned unscaled). Raises CannotRun when the op cannot be re-run."""
     if source.base != target.base:
         raise CannotRun(f"{target.name} is {target.base} in the target and {source.base} in the other dump")
     op = _prepare(label, source, source_body, source_backward, False, hf32)
@@ -673,13 +675,15 @@ def npu_gradients_from(label: str, source: DumpEntry, source_body: dict, source_
     floating_outputs = [leaf for leaf in target.outputs if _is_float(leaf.dtype)]
     compute = _torch_dtype(floating_outputs[0].dtype) if floating_outputs else op.compute
     kind = hf32_kind(target.name)
+    golden = op.inputs
     op = replace(op, inputs=inputs, grad_outputs=grad_outputs, compute=compute,
                  hf32=None if kind is None or hf32 is None else kind in hf32)
     _, grads = _call_on_npu(op, op.inputs, _npu_device()[0])
-    grads = [grad.double() / grad_scale if grad is not None and grad.is_floating_point() else grad
-             for grad in (grads or [None] * len(op.inputs))]
-    recorded = [_load(leaf, False, 0) if leaf is not None else None for leaf in op.grad_inputs]
-    return grads, recorded
+    _, truth = _call(_as_fp64(op), [t.double() if t.is_floating_point() else t for t in golden], torch.device("cpu"),
+                     "truth")
+    unscaled = [[grad.double() / grad_scale if grad is not None and grad.is_floating_point() else grad
+                 for grad in (side or [None] * len(op.inputs))] for side in (grads, truth)]
+    return unscaled[0], unscaled[1]
 
 
 def _as_fp64(op: _Op, perturb_grads: int | None = None) -> _Op:

@@ -63,6 +63,32 @@ def test_an_fp16_softmax_backward_over_large_logits_is_named_with_its_own_and_in
     assert divergence.input_error < 0.005 < divergence.output_error  # the table's figures: inherited, in the run
 
 
+class _ScaledLogits(_Attention):
+    """The logits scaled down by 1e-4 and back up by 2500: in fp16 the gradient of the scaling down
+    (the saturated softmax's gradient, times 2500, times 1e-4) is below fp16's smallest values."""
+
+    def forward(self, x):
+        att = ((self.q(x) @ self.k(x).transpose(-1, -2)) * 1e-4) * 2500
+        return self.out(att.softmax(-1) @ self.v(x))
+
+
+def test_an_fp16_gradient_that_underflows_is_named_at_the_op_that_made_it(tmp_path, npu):
+    """The forward is equal, the query and key weights' gradients 100% off, and npu-compare said 'no
+    divergence' (exit 0): no op's error was 10x the error it received in the dump (the gradient 1e-4
+    times smaller was 'negligible' beside the one it came from). Re-run on the golden inputs, the
+    scaling's backward makes the whole error itself; the matmul after it only receives zeros."""
+    result = _compare(tmp_path, lambda: _ScaledLogits(scale=24.0), (2, 8, 16))
+    divergence = result.pairs[0].divergence
+    assert divergence is not None and result.failed()
+    assert divergence.entry == "Tensor.__mul__.0.backward"
+    reason = divergence.reason
+    assert reason.startswith("this backward makes the error: re-run on the golden run's inputs")
+    assert _figure(reason, r"has an own error of ([\d.e+-]+) \(error limit 0\.3\)") > 0.9
+    assert _figure(reason, r"while what it received carried ([\d.e+-]+) \(inherited\)") < 0.5
+    assert "the first gradient over its limits is at Tensor.__matmul__.0.backward" in reason
+    assert "Tensor.__matmul__.0.backward" not in re.search(r"\(next: (.*?)\)", reason).group(1)
+
+
 class _Offset(torch.autograd.Function):
     """Exact forward (x * 2); the backward adds and removes 64: in fp16 the gradient's low bits are lost
     (fp16's step at 64 is 1/16), in the golden run's fp32 they are kept."""
