@@ -4,6 +4,7 @@
 #include "fused_kernels.h"
 
 #include <atomic>
+#include <vector>
 
 #include <ATen/OpMathType.h>
 #include <ATen/Version.h>
@@ -162,12 +163,41 @@ at::Tensor scaled_masked_softmax_backward(const at::Tensor& dy, const at::Tensor
   return dx;
 }
 
+// MoE routing: the stable order of the flat expert ids (int32, each in [start, end)) by expert, as
+// torch.argsort(ids, stable=True) gives it (equal ids keep their flat order), and each expert's count
+// (int64), by a counting sort: one pass to count, one to place (argsort's comparison sort costs ~10x).
+std::tuple<at::Tensor, at::Tensor> stable_expert_order(const at::Tensor& ids, int64_t start, int64_t end) {
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kInt && start < end,
+              "stable_expert_order: 1-D int32 expert ids and a non-empty range [start, end)");
+  const int64_t pairs = ids.numel();
+  at::Tensor order = at::empty({pairs}, ids.options().dtype(at::kLong));
+  at::Tensor counts = at::zeros({end - start}, ids.options().dtype(at::kLong));
+  const at::Tensor ids_cpu = cpu_alias(ids).contiguous(), order_cpu = cpu_alias(order), counts_cpu = cpu_alias(counts);
+  const int32_t* id = ids_cpu.const_data_ptr<int32_t>();
+  int64_t* count = counts_cpu.mutable_data_ptr<int64_t>();
+  int64_t* out = order_cpu.mutable_data_ptr<int64_t>();
+  for (int64_t i = 0; i < pairs; ++i) {
+    TORCH_CHECK(id[i] >= start && id[i] < end, "stable_expert_order: expert id ", id[i], " at ", i,
+                " is outside [", start, ", ", end, ")");
+    ++count[id[i] - start];
+  }
+  std::vector<int64_t> next(static_cast<size_t>(end - start));
+  for (int64_t e = 0, offset = 0; e < end - start; ++e) {
+    next[e] = offset;
+    offset += count[e];
+  }
+  for (int64_t i = 0; i < pairs; ++i) out[next[id[i] - start]++] = i;
+  return {order, counts};
+}
+
 }  // namespace
 
 void bind(pybind11::module& m) {
   m.def("swiglu_forward", &swiglu_forward, "npu_swiglu's kernel (fused/activations.py)");
   m.def("swiglu_backward", &swiglu_backward, "npu_swiglu_backward's kernel (fused/activations.py)");
   m.def("rms_norm_backward", &rms_norm_backward, "npu_rms_norm_backward's kernel (fused/norms.py)");
+  m.def("stable_expert_order", &stable_expert_order,
+        "the stable order of MoE expert ids and their counts (fused/moe.py)");
   m.def("scaled_masked_softmax_forward", &scaled_masked_softmax_forward,
         "npu_scaled_masked_softmax's kernel (fused/softmax.py)");
   m.def("scaled_masked_softmax_backward", &scaled_masked_softmax_backward,

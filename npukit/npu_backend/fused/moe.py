@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from npukit.npu_backend import _C
 from npukit.npu_backend.fused import fused_op, register_autograd, register_no_derivative, upcast
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -282,7 +283,11 @@ def _init_v2_all_active(x, flat_experts, scale, k, active_num, start, end, exper
     """npu_moe_init_routing_v2, dropless, when every pair's expert is in the active range (the usual
     call): the general path's outputs without its bookkeeping of inactive pairs (a third of its ops)."""
     pairs = flat_experts.shape[0]
-    order = torch.argsort(flat_experts, stable=True)  # equal experts keep their flat order i*K + j
+    if end > 0:  # a counting sort, with each expert's count
+        order, counts = _C.stable_expert_order(flat_experts, start, end)
+    else:
+        order = torch.argsort(flat_experts, stable=True)  # equal experts keep their flat order i*K + j
+        counts = None
     token_of_sorted = order // k
     out_rows = pairs if active_num <= 0 else min(active_num, pairs)
     if out_rows < pairs:
@@ -294,7 +299,8 @@ def _init_v2_all_active(x, flat_experts, scale, k, active_num, start, end, exper
     else:  # scatter index: the flat pair of each sorted position
         expanded_row_idx = order.to(torch.int32)
     if tokens_num_flag:
-        counts = torch.bincount(flat_experts - start if start else flat_experts, minlength=end - start)
+        if counts is None:
+            counts = torch.bincount(flat_experts - start if start else flat_experts, minlength=end - start)
         token_counts = _token_counts_output(counts, start, end, expert_num, tokens_num_type)
     else:
         token_counts = torch.zeros((), dtype=torch.int64, device=x.device)

@@ -159,6 +159,26 @@ def test_init_routing_v2_modes_against_the_formulas(case, dtype):
         assert torch.equal(expanded_scale.cpu()[:valid], scale[token_of_row[:valid] // k])
 
 
+@pytest.mark.parametrize("case", [dict(expert_num=4, expert_tokens_num_type=1),
+                                  dict(expert_num=6, expert_tokens_num_type=0, active_expert_range=[2, 5]),
+                                  dict(expert_num=6, expert_tokens_num_type=2, active_expert_range=[2, 5],
+                                       row_idx_type=1, active_num=50)],
+                         ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_init_routing_v2_every_pair_active_keeps_the_flat_order_of_equal_experts(case):
+    """Every pair in the active range (the usual call, sorted by counting): many pairs per expert, each
+    expert's pairs in their flat order i*K + j, as the formulas (a stable sort) give them."""
+    rows, k = 40, 3
+    start, end = case.get("active_expert_range") or (0, case["expert_num"])
+    x = torch.randn(rows, 4)
+    expert_idx = torch.randint(start, end, (rows, k), generator=torch.Generator().manual_seed(4), dtype=torch.int32)
+    expanded_x, expanded_row_idx, tokens, _ = torch_npu.npu_moe_init_routing_v2(
+        x.npu(), expert_idx.npu(), expert_tokens_num_flag=True, **case)
+    expected_x, expected_row_idx, expected_tokens = init_routing_v2_reference(x, expert_idx, **case)
+    assert torch.equal(expanded_x.cpu().double(), expected_x)
+    assert expanded_row_idx.cpu().tolist() == expected_row_idx.tolist()
+    assert tokens.cpu().tolist() == expected_tokens.tolist()
+
+
 def test_init_routing_v2_without_counts_and_refusals():
     x, expert_idx = torch.randn(4, 3).npu(), distinct_experts(4, 2, 4, seed=3).npu()
     expanded_x, _, tokens, expanded_scale = torch_npu.npu_moe_init_routing_v2(x, expert_idx)
