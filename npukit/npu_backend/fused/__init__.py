@@ -140,9 +140,13 @@ def _raising_autograd_kernel(op: torch._ops.OpOverload, message: str) -> Callabl
     def kernel(*args, **kwargs):
         with torch._C._AutoDispatchBelowAutograd():
             outputs = op(*args, **kwargs)
-        inputs = [leaf for leaf in torch.utils._pytree.tree_leaves((args, kwargs))
+        if not torch.is_grad_enabled():
+            return outputs
+        # a schema's arguments nest one level at most (Tensor[]): no pytree walk on every call
+        inputs = [leaf for value in (*args, *kwargs.values())
+                  for leaf in (value if isinstance(value, (list, tuple)) else (value,))
                   if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
-        if not inputs or not torch.is_grad_enabled():
+        if not inputs:
             return outputs
         single = isinstance(outputs, torch.Tensor)
         tracked = _NoDerivative.apply(message, (outputs,) if single else tuple(outputs), *inputs)
