@@ -54,12 +54,6 @@ class Case:
 
 
 # Why a row can miss the target: the extra work of the kernel's numerics or of a custom op's call.
-FP32_WORKING_COPIES = (
-    "fp32 inside, as the kernel computes: the emulator runs the kernel as a chain of the device's ops on fp32 "
-    "working copies of the fp16/bf16 inputs (a conversion pass each, then twice the bytes per pass), where the CPU's "
-    "fp16/bf16 ops convert in registers and round after every step; a real fused kernel does one pass. It costs "
-    "about what the same-numerics decomposition costs (its column)")
-LOW_PRECISION_WHY = {torch.float16: FP32_WORKING_COPIES, torch.bfloat16: FP32_WORKING_COPIES}
 CALL_OVERHEAD = (
     "a sub-millisecond op: the fused call's fixed cost (the custom op's dispatch and argument checks, reading "
     "{what} on the host) is a large share of it; the data movement is the decomposition's")
@@ -131,8 +125,10 @@ def attention_case(device, dtype=torch.float32):
                 why={torch.bfloat16: "q @ k^T (in the forward, and again in the backward, which recomputes P from "
                                      "the softmax statistics as the kernel does) and dP = dy @ v^T accumulate in "
                                      "fp32 and stay fp32 for the softmax and its gradient: the CPU's bf16 GEMM "
-                                     "(AVX512-BF16) returns only bf16, so these 3 of the 7 matmuls run in fp32, "
-                                     "about 3x a bf16 one here (the other 4 run as bf16 GEMMs); the bf16 "
+                                     "(AVX512-BF16) returns only bf16 (torch 2.13 has no CPU kernel for "
+                                     "mm/bmm/addmm's out_dtype overloads, baddbmm refuses an fp32 input with bf16 "
+                                     "batches, mkldnn's linear returns bf16), so these 3 of the 7 matmuls run in "
+                                     "fp32, about 3x a bf16 one here (the other 4 run as bf16 GEMMs); the bf16 "
                                      "decomposition runs 6 bf16 matmuls and rounds the scores to bf16"})
 
 
@@ -143,7 +139,7 @@ def scaled_masked_softmax_case(device, dtype=torch.float32):
     def decomposition(x):
         return torch.softmax((x * 0.5).masked_fill(mask, -10000.0), dim=-1)
     return Case(lambda: torch_npu.npu_scaled_masked_softmax(x, mask, 0.5), lambda: decomposition(x),
-                _fp32_inside(dtype, decomposition, x), why=LOW_PRECISION_WHY)
+                _fp32_inside(dtype, decomposition, x))
 
 
 def grouped_matmul_case(device, dtype=torch.float32):
@@ -223,8 +219,8 @@ def init_routing_v2_case(device, dtype=torch.float32):
     return Case(lambda: torch_npu.npu_moe_init_routing_v2(x, expert_idx, expert_num=experts, expert_tokens_num_type=1,
                                                           expert_tokens_num_flag=True)[0],
                 lambda: decomposition()[0], None,
-                why={dtype: CALL_OVERHEAD.format(what="expert_idx's range") + " (its ~12 device ops to the "
-                            "decomposition's 6)" for dtype in (torch.float32, torch.float16, torch.bfloat16)})
+                why={dtype: CALL_OVERHEAD.format(what="expert_idx's range") + " (its 9 device ops, the pairs "
+                            "ordered by a counting sort, to the decomposition's 6 with a stable argsort)" for dtype in (torch.float32, torch.float16, torch.bfloat16)})
 
 
 CASES = {"npu_rms_norm": rms_norm_case, "npu_swiglu": swiglu_case, "npu_rotary_mul": rotary_case,
