@@ -75,6 +75,9 @@ _CARRIED_KINDS = frozenset({"weight", "exp_avg", "exp_avg_sq"})
 _SKIPPED_STEP_RECORDS = frozenset({"activation_grad", "grad_local", "grad", "grad_norm"})
 
 
+SHARED_RECORDS = 0.9  # of each monitor's records, at least, for a trend over the shared ones
+
+
 class MonitorsDoNotPair(UserError):
     """The three monitors are not of the same run (other ranks, records or steps): exit code 3."""
 
@@ -266,17 +269,26 @@ def read_monitor(folder: Path) -> Monitor:
 
 # ----------------------------------------------------------------------------- pairing
 def _pair(golden: Monitor, perturbed: Monitor, npu: Monitor, notes: list[str]) -> tuple[list[int], list[tuple[str, str]]]:
-    """The steps and records the three monitors share; MonitorsDoNotPair when they are not of one run."""
+    """The steps and records the three monitors share; MonitorsDoNotPair when they are not of one run.
+
+    A record one run lacks is left out, said in a note, while the shared records are at least
+    SHARED_RECORDS of each monitor's: a low-precision run can lack a gradient the golden run has (the
+    Trainer's fp16 logits are a copy the loss does not use: no gradient reaches them)."""
     monitors = (("golden", golden), ("perturbed golden", perturbed), ("NPU", npu))
-    for role, monitor in monitors[1:]:
-        missing = [r for r in golden.records if r not in set(monitor.records)]
-        extra = [r for r in monitor.records if r not in set(golden.records)]
-        if missing or extra:
-            said = "; ".join(text for text in (
-                f"{len(missing)} golden records it lacks ({_records_text(missing)})" if missing else "",
-                f"{len(extra)} records the golden run lacks ({_records_text(extra)})" if extra else "") if text)
+    sets = [set(monitor.records) for _, monitor in monitors]
+    shared = [r for r in golden.records if all(r in records for records in sets)]
+    for (role, monitor), records in zip(monitors[1:], sets[1:]):
+        missing = [r for r in golden.records if r not in records]
+        extra = [r for r in monitor.records if r not in sets[0]]
+        if not (missing or extra):
+            continue
+        said = "; ".join(text for text in (
+            f"{len(missing)} golden record(s) it lacks ({_records_text(missing)})" if missing else "",
+            f"{len(extra)} record(s) the golden run lacks ({_records_text(extra)})" if extra else "") if text)
+        if len(shared) < SHARED_RECORDS * max(len(golden.records), len(monitor.records)):
             raise MonitorsDoNotPair(f"the monitors do not pair: the {role} run's {monitor.folder} has {said}: "
                                     "monitor the same script with the same --monitor-modules")
+        notes.append(f"the {role} run's {monitor.folder} has {said}: not compared")
     length = min(len(monitor.steps) for _, monitor in monitors)
     for role, monitor in monitors[1:]:
         if monitor.steps[:length] != golden.steps[:length]:
@@ -291,7 +303,7 @@ def _pair(golden: Monitor, perturbed: Monitor, npu: Monitor, notes: list[str]) -
         if len(monitor.steps) > length:
             notes.append(f"the {role} run monitored {len(monitor.steps)} steps, the shortest {length}: steps "
                          f"{golden.steps[0]}-{golden.steps[length - 1]} compared")
-    return golden.steps[:length], golden.records
+    return golden.steps[:length], shared
 
 
 def _scalar(value: float) -> list[float]:

@@ -258,6 +258,22 @@ def test_monitors_that_do_not_pair_are_refused_with_their_own_exit_code(short_pa
         compare_trend(unperturbed, two_ranks / "rank0")
 
 
+def test_a_record_one_run_lacks_is_left_out_and_said_the_others_are_compared(short_pair, tmp_path):
+    """A Hugging Face Trainer's fp16 run lacks the logits' gradient its fp32 golden run records (the
+    logits it returns are an fp32 copy the loss does not use): the trend refused the whole pair."""
+    npu = tmp_path / "npu"
+    train(npu, 20, "npu")
+    every_record = compare_trend(short_pair, npu).records
+    table = npu / "rank0" / "monitor.csv"
+    lines = table.read_text().splitlines(keepends=True)
+    table.write_text("".join(line for line in lines if ",activation_grad,fc3," not in line))
+    code, output = _trend_cli(short_pair, npu)
+    text = " ".join(output.split())
+    assert code == 0 and "No trend divergence" in text
+    assert "1 golden record(s) it lacks (activation_grad fc3): not compared" in text
+    assert compare_trend(short_pair, npu).records == every_record - 1
+
+
 def test_a_missing_perturbed_run_says_how_to_record_it(short_pair, tmp_path):
     code, output = _trend_cli(tmp_path / "nowhere", short_pair)
     assert code == 2 and "nowhere.perturbed" in output
