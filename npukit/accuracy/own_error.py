@@ -87,8 +87,8 @@ def backward_first(pair: PairResult) -> tuple[int, str] | None:
 def _rel_l2(measured, golden) -> float | None:
     golden_array = golden.double().numpy().reshape(-1)
     measured_array = measured.double().numpy().reshape(-1)
-    if golden_array.size != measured_array.size or not np.isfinite(golden_array).all():
-        return None
+    if golden_array.size != measured_array.size or not np.isfinite(golden_array).all() or not golden_array.any():
+        return None  # a reference of zeros (or inf) gives a relative error no meaning
     return finish(chunk_partial(golden_array.copy(), measured_array.copy(), None), False).rel_l2
 
 
@@ -125,7 +125,7 @@ def measure_own_errors(pair: PairResult, golden: RankDump, target: RankDump, gol
             continue
         try:
             grads, references = npu_gradients_from(pair.pair, golden_forward, golden_data.get(golden_forward.name, {}),
-                                                 golden_backward, forward, backward, hf32, pair.loss_scale)
+                                                   golden_backward, forward, backward, hf32, pair.loss_scale)
         except Exception:  # noqa: BLE001  (an op that cannot be re-run is counted, never judged)
             failed += 1
             continue
@@ -145,8 +145,7 @@ def measure_own_errors(pair: PairResult, golden: RankDump, target: RankDump, gol
             if own is not None and (best is None or own > best[0]):
                 best = (own, f"input.{index}", thresholds.limits(row.dtype_class).warn_rel_l2, row.error or 0.0)
         if best is None:
-            failed += 1
-            continue
+            continue  # re-run, but no gradient of it to judge
         received = [row for row in rows_of.get(backward.name, []) if row.role == "input"]
         received += [row for row in rows_of.get(forward_name, []) if row.role in ("input", "param")]
         measured.append(OwnError(backward.name, best[1], best[0], _errors(received), best[3], best[2]))
