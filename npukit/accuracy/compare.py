@@ -583,6 +583,14 @@ def _gradient_scale_keys(rows: list[Row]) -> dict[int, tuple]:
     return keys
 
 
+def judge_carried_gradient(row: Row, thresholds: Thresholds) -> None:
+    """Judge a negligible gradient row on its error after all: another op's backward takes it on and
+    carries its error (own_error.py named the op that made it)."""
+    if row.negligible and row.metrics is not None:
+        row.negligible = False
+        _judge_tensor(row, thresholds.limits(row.dtype_class), thresholds)
+
+
 def _judge_tensor(row: Row, limits: DtypeLimits, thresholds: Thresholds) -> None:
     m = row.metrics
     floating = is_floating(row.target.dtype) or is_floating(row.golden.dtype)

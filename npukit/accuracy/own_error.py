@@ -39,6 +39,7 @@ from npukit.accuracy.compare import (
     Thresholds,
     entry_module_path,
     entry_stack,
+    judge_carried_gradient,
 )
 from npukit.accuracy.dumpfile import RankDump, load_rank_dump
 from npukit.accuracy.metrics import chunk_partial, finish
@@ -188,6 +189,12 @@ def split_backward_errors(pair: PairResult, thresholds: Thresholds, golden_paths
                     f"{'warn' if limit == worst.limit else 'error'} limit {limit:g}) while what it received carried {worst.inherited:.3g} (inherited); in the run that"
                     f" gradient's error is {worst.total:.3g}. The largest own error of the {suspects}"
                     + (f" (next: {others})" if others else ""))
+        # its gradient, noise beside the one it received (a saturated softmax's, an underflowed one),
+        # is what the next backward receives: the table judges it on its error, as the headline does
+        for row in pair.rows:
+            if row.target_entry == worst.entry and row.target is not None \
+                    and row.target.suffix == worst.argument.replace("input", "output"):
+                judge_carried_gradient(row, thresholds)
         if first_entry != worst.entry:
             own_text += f"; the first gradient over its limits is at {first_entry} (error {first_error:.3g})"
         if pair.divergence is not None and pair.divergence.entry == worst.entry:

@@ -14,6 +14,7 @@ import re
 import torch
 import torch.nn as nn
 
+from npukit.accuracy.compare import ERROR, PASS
 from tests.accuracy.test_diagnosis import _dumps
 
 
@@ -61,6 +62,9 @@ def test_an_fp16_softmax_backward_over_large_logits_is_named_with_its_own_and_in
     others = re.search(r"\(next: (.*?)\)", reason).group(1)
     assert all(float(figure) < own / 10 for figure in re.findall(r"backward ([\d.e+-]+)", others))
     assert divergence.input_error < 0.005 < divergence.output_error  # the table's figures: inherited, in the run
+    # the table agrees: the gradient it made (1e-4 of the one it received) is judged, not "negligible"
+    [row] = [row for row in result.pairs[0].rows if row.name == "Tensor.softmax.0.backward.output.0"]
+    assert row.verdict != PASS and not row.negligible
 
 
 class _ScaledLogits(_Attention):
@@ -87,6 +91,8 @@ def test_an_fp16_gradient_that_underflows_is_named_at_the_op_that_made_it(tmp_pa
     assert _figure(reason, r"while what it received carried ([\d.e+-]+) \(inherited\)") < 0.5
     assert "the first gradient over its limits is at Tensor.__matmul__.0.backward" in reason
     assert "Tensor.__matmul__.0.backward" not in re.search(r"\(next: (.*?)\)", reason).group(1)
+    [row] = [row for row in result.pairs[0].rows if row.name == "Tensor.__mul__.0.backward.output.0"]
+    assert row.verdict == ERROR  # the table agrees with the headline
 
 
 class _Offset(torch.autograd.Function):
