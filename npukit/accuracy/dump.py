@@ -46,7 +46,13 @@ from npukit.accuracy.dumpfile import (
     OPTIMIZER,
 )
 from npukit.accuracy.stacks import CallStacks
-from npukit.accuracy.tensor_io import TensorFileWriter, local_shard, strided_form, tensor_to_numpy
+from npukit.accuracy.tensor_io import (
+    TensorFileWriter,
+    local_shard,
+    lower_thread_priority,
+    strided_form,
+    tensor_to_numpy,
+)
 from npukit.errors import UserError
 from npukit.files import check_output_location, output_folder, refuse_links_inside, write_text_atomic
 from npukit.watch.scaler_steps import GradScalerStepWatch
@@ -625,7 +631,8 @@ class DumpSession:
         ]
         self._scaler_steps.install()
         # Files are written by one thread, in order, while training goes on.
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="npukit-dump")
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="npukit-dump",
+                                          initializer=lower_thread_priority)
         if self._apis:
             self._mode = ApiMode(self._recording_api, self._record_api)
             self._mode.__enter__()

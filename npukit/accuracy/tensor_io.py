@@ -25,6 +25,7 @@ import re
 import shutil
 import struct
 import sys
+import threading
 import uuid
 import zipfile
 import zlib
@@ -301,7 +302,6 @@ class TensorFileWriter:
     _POOLED_BYTES = 64 << 10  # smaller copies come from the allocator's free lists: no page faults
 
     def __init__(self, max_bytes: int | None = None) -> None:
-        import threading
 
         self.max_bytes = max_bytes if max_bytes is not None else _default_pending_bytes()
         self.failed: list[Path] = []  # files that could not be written
@@ -430,6 +430,24 @@ class TensorFileWriter:
                 self._free.setdefault(frame.numel(), []).append(frame)
                 self._free_bytes += frame.numel()
             self._room.notify_all()
+
+
+WRITER_NICE = 10  # nice levels a dump's writer thread runs below the training
+
+
+def lower_thread_priority(levels: int | None = None) -> None:
+    """Run the calling thread `levels` nice levels below the rest of the process (Linux keeps a
+    nice value per thread; elsewhere nothing changes). The dump's writer then takes the cores the
+    training leaves idle rather than sharing them: torch cuts a parallel op into one piece per
+    core, so a writer sharing a core stretched every such op to twice its time."""
+    levels = WRITER_NICE if levels is None else levels
+    if not sys.platform.startswith("linux"):
+        return  # there PRIO_PROCESS with a thread id would name a process
+    try:
+        thread = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + levels))
+    except OSError:  # a sandbox refusing it: the writer keeps the training's priority
+        pass
 
 
 def _default_pending_bytes() -> int:

@@ -4,6 +4,7 @@ session) and reading .pt files without torch (numpy only, pickle-free)."""
 import errno
 import json
 import os
+import sys
 import threading
 import time
 import zipfile
@@ -275,3 +276,22 @@ def test_the_dumps_checksum_is_zlibs_crc32_for_every_length_and_start():
             piece = memoryview(data)[offset:offset + length]
             assert crc32(piece) == zlib.crc32(piece), (length, offset)
             assert crc32(piece, 0xDEADBEEF) == zlib.crc32(piece, 0xDEADBEEF), (length, offset)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a nice value per thread is Linux's")
+def test_the_dump_writer_runs_below_the_training_threads_priority(tmp_path):
+    """The writer takes the cores training leaves idle: its thread runs WRITER_NICE nice levels
+    below the training thread, whose own priority the dump leaves as it was."""
+    from npukit.accuracy.tensor_io import WRITER_NICE
+
+    training = threading.get_native_id()
+    before = os.getpriority(os.PRIO_PROCESS, training)
+    model = Doubler(8)
+    with torch.no_grad(), DumpSession(tmp_path, level="mix", mode="tensor") as session:
+        model(torch.randn(4, 8))
+        session.step()
+        writers = [thread for thread in threading.enumerate() if thread.name.startswith("npukit-dump")]
+        assert writers
+        for writer in writers:
+            assert os.getpriority(os.PRIO_PROCESS, writer.native_id) == min(19, before + WRITER_NICE)
+    assert os.getpriority(os.PRIO_PROCESS, training) == before
