@@ -701,7 +701,9 @@ def _backward(problem: _Problem, dy4, out4, row_max, row_sum, keep_prob, seed, o
     log_sum_exp = log_sum_exp.to(dtype).reshape(dy3.shape[0], dy3.shape[1], 1)
     # The forward's probabilities, from its statistics. Floored at exp(-87) (a normal float, ~1e-38):
     # the CPU's vectorised exp leaves its fast path for masked scores (-1e30) and denormal results.
-    p = problem.scores().sub_(log_sum_exp).clamp_min_(-87.0).exp_()
+    # Capped at exp(0): fp64 scores sit above their fp32 row max by its rounding, and a row with every
+    # key masked (-1e30 in fp64, -1.0000000150e30 as the fp32 max) gave exp(1.5e22) = inf, inf x 0 = nan.
+    p = problem.scores().sub_(log_sum_exp).clamp_(-87.0, 0.0).exp_()
     dropped = _dropped(p.shape, keep_prob, seed, offset, p.device) if keep_prob < 1 else None
     p_out = p if dropped is None else p.masked_fill(dropped, 0).mul_(1 / keep_prob)
     if problem.bf16_cube and problem.masking.row_valid is None:
