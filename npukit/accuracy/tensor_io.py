@@ -302,7 +302,6 @@ class TensorFileWriter:
     _POOLED_BYTES = 64 << 10  # smaller copies come from the allocator's free lists: no page faults
 
     def __init__(self, max_bytes: int | None = None) -> None:
-
         self.max_bytes = max_bytes if max_bytes is not None else _default_pending_bytes()
         self.failed: list[Path] = []  # files that could not be written
         self.waited = 0.0  # seconds copy() waited for the writer to catch up

@@ -73,8 +73,6 @@ _PARAMETER_KINDS = frozenset({"weight", "grad_local", "grad", "exp_avg", "exp_av
 _CARRIED_KINDS = frozenset({"weight", "exp_avg", "exp_avg_sq"})
 # what a step GradScaler skipped leaves non-finite by design (its scaled gradients overflowed), not judged there
 _SKIPPED_STEP_RECORDS = frozenset({"activation_grad", "grad_local", "grad", "grad_norm"})
-
-
 SHARED_RECORDS = 0.9  # of each monitor's records, at least, for a trend over the shared ones
 
 
