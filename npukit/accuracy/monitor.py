@@ -26,12 +26,12 @@ off, and training goes on.
 from __future__ import annotations
 
 import csv
+import io
 import math
 import re
 import sys
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -39,7 +39,7 @@ import torch
 from npukit.accuracy import eager, naming
 from npukit.accuracy._stats import adam_stats
 from npukit.accuracy.dump import StatsBuffer, _host_memory, hook_failed, rank_from_env, tensors_in
-from npukit.accuracy.event_file import ScalarEventFile
+from npukit.accuracy.event_file import ScalarEventFile, SummaryLayout
 from npukit.accuracy.monitor_alerts import Alert, AlertRules, Alerts, Record
 from npukit.errors import UserError
 from npukit.files import check_output_location, output_folder, refuse_links_inside
@@ -101,6 +101,7 @@ class MonitorSession:
         self._writer: ThreadPoolExecutor | None = None
         self._pending: list[Future] = []
         self._files: dict = {}
+        self._layout: _StepLayout | None = None  # the writer thread's
         self._new_step()
 
     # ------------------------------------------------------------------ session
@@ -522,10 +523,12 @@ class MonitorSession:
         return entry
 
     def _write_step(self, step, records, loss, grad_norm, loss_scale, skipped, alerts) -> None:
+        layout = self._layout_of(records)
         if self.csv_files:
             rows = self._csv("monitor.csv", RECORD_COLUMNS)
-            rows.writer.writerows([step, r.kind, r.name, str(r.dtype).removeprefix("torch."), *map(repr, r.values)]
-                                  for r in records)
+            # the rows csv.writer writes, from each record's fields as written once (_StepLayout)
+            rows.file.write("".join([f"{step},{prefix}{','.join(map(repr, r.values))}\r\n"
+                                     for prefix, r in zip(layout.csv_prefixes, records)]))
             rows.flush()
             scalars = self._csv("scalars.csv", SCALAR_COLUMNS)
             scalars.writer.writerow([step, _number(loss), _number(grad_norm), _number(loss_scale), int(skipped)])
@@ -538,10 +541,34 @@ class MonitorSession:
             events = self._files.get("events")
             if events is None:
                 events = self._files["events"] = ScalarEventFile(self.directory)
-            values = [(tag, value) for r in records for tag, value in zip(_tags(r.kind, r.name), r.values)]
-            values += [(tag, value) for tag, value in (("loss", loss), ("grad_norm", grad_norm),
-                                                       ("loss_scale", loss_scale)) if value is not None]
-            events.write(step, values)
+            scalars = [(tag, value) for tag, value in (("loss", loss), ("grad_norm", grad_norm),
+                                                      ("loss_scale", loss_scale)) if value is not None]
+            events.write(step, scalars, layout.summary, [value for r in records for value in r.values])
+
+    def _layout_of(self, records) -> _StepLayout:
+        """The step's record fields as written (the last step's: one kept, memory stays bounded)."""
+        key = [(r.kind, r.name, r.dtype) for r in records]
+        if self._layout is None or self._layout.key != key:
+            self._layout = _StepLayout(key)
+        return self._layout
+
+
+class _StepLayout:
+    """What a step's files hold for its records besides their values, made once for the run's steps
+    that record the same (kind, name, dtype) in the same order: each record's monitor.csv fields
+    before its values, and the TensorBoard tags (`{kind}/{name}/{statistic}`)."""
+
+    def __init__(self, key: list[tuple[str, str, torch.dtype]]) -> None:
+        self.key = key
+        buffer = io.StringIO()
+        fields = csv.writer(buffer)
+        self.csv_prefixes = []
+        for kind, name, dtype in key:
+            buffer.seek(0)
+            buffer.truncate()
+            fields.writerow([kind, name, str(dtype).removeprefix("torch."), ""])
+            self.csv_prefixes.append(buffer.getvalue()[:-2])  # "kind,name,dtype," without the row's end
+        self.summary = SummaryLayout([f"{kind}/{name}/{stat}" for kind, name, _ in key for stat in STAT_NAMES])
 
 
 class _Leaf:
@@ -629,11 +656,6 @@ class _CsvFile:
 
     def close(self) -> None:
         self.file.close()
-
-
-@lru_cache(maxsize=65536)
-def _tags(kind: str, name: str) -> tuple[str, ...]:
-    return tuple(f"{kind}/{name}/{stat}" for stat in STAT_NAMES)
 
 
 def _number(value) -> str:
