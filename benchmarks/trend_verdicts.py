@@ -8,8 +8,9 @@ NPU-only fault (departure named at the fault's module, at a step within a few of
 Each scenario is a small model of its own (below) trained `--steps` steps on fixed random data, with
 SGD (momentum 0.9) or AdamW, on the emulated NPU under fp16 autocast (with GradScaler) or bf16
 autocast; the learning rate drops 20x at half the run, so late updates are small. Per scenario:
-the golden run (`--golden` numerics, fp32), the golden run rounded at the NPU run's precision (the
-perturbed golden run of `npu-run --golden-perturb`), and three NPU runs:
+the golden run (`--golden` numerics, fp32), the golden run rounded at the NPU run's precision twice
+(the perturbed golden runs of `npu-run --golden-perturb`, `--perturb-seed` 0 and 1), and four NPU
+runs, each judged on the band of the first perturbed run alone and on that of both:
 
 - clean: nothing injected; the verdict is right when --trend names no departure;
 - lost: from the onset (3/4 of the run) the target module's weight takes a pure-bf16 optimizer step
@@ -47,6 +48,7 @@ MODELS = ("mlp", "norm", "residual", "deep")
 OPTIMIZERS = ("sgd", "adamw")
 DTYPES = ("fp16", "bf16")
 FAULTS = ("lost", "accumulate", "state")
+BANDS = (1, 2)  # perturbed golden runs the band rests on: GOLDEN.perturbed, then also GOLDEN.perturbed.1
 TARGET = {"mlp": "fc2", "norm": "embed", "residual": "blocks.1.up", "deep": "layers.2"}  # the faulty module
 
 
@@ -125,8 +127,8 @@ class AccumulateInLowPrecision:
         self.module.weight.grad.copy_(total.float())
 
 
-def train(out: Path, scenario: dict, run: str) -> None:
-    """`run`: golden, perturbed, clean, lost or accumulate (see the module docstring)."""
+def train(out: Path, scenario: dict, run: str, perturb_seed: int = 0) -> None:
+    """`run`: golden, perturbed (with `perturb_seed`), clean, lost or accumulate (see the module docstring)."""
     import torch
 
     import npukit.npu_backend  # noqa: F401
@@ -158,7 +160,7 @@ def train(out: Path, scenario: dict, run: str) -> None:
             stack.enter_context(numerics.golden())
         stack.enter_context(MonitorSession(out, rank=0, tensorboard=False))
         if run == "perturbed":
-            stack.enter_context(PerturbSession(dtype_name, rank=0))
+            stack.enter_context(PerturbSession(dtype_name, seed=perturb_seed, rank=0))
         for step in range(steps):
             start = (step * 16) % 128
             x, y = inputs[start:start + 16], targets[start:start + 16]
@@ -185,7 +187,7 @@ def train(out: Path, scenario: dict, run: str) -> None:
 
 
 def judge(scenario: dict) -> list[dict]:
-    """The three NPU runs' verdicts of one scenario."""
+    """The NPU runs' verdicts of one scenario, on the band of one perturbed run and on that of two."""
     import torch
 
     from npukit.accuracy.trend import compare_trend
@@ -199,14 +201,17 @@ def judge(scenario: dict) -> list[dict]:
         else:
             work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="trend_verdicts_")))
         train(work / "golden", scenario, "golden")
-        train(work / "golden.perturbed", scenario, "perturbed")
+        perturbed = [work / "golden.perturbed", work / "golden.perturbed.1"]
+        for seed, folder in enumerate(perturbed):
+            train(folder, scenario, "perturbed", perturb_seed=seed)
         onset = scenario["steps"] * 3 // 4
         verdicts = []
-        for run in ("clean", *FAULTS):
-            train(work / run, scenario, run)
-            result = compare_trend(work / "golden", work / run)
+        for run, bands in product(("clean", *FAULTS), BANDS):
+            if not (work / run).exists():
+                train(work / run, scenario, run)
+            result = compare_trend(work / "golden", work / run, perturbed[:bands])
             first = result.first()
-            verdict = {**scenario, "run": run, "departure": None}
+            verdict = {**scenario, "run": run, "bands": bands, "departure": None}
             if first is not None:
                 verdict["departure"] = {"step": first.first_step, "module": first.module(), "what": first.what()}
             if run == "clean":
@@ -245,25 +250,28 @@ def main() -> int:
     with ProcessPoolExecutor(options.jobs) as pool:
         verdicts = [v for batch in pool.map(judge, scenarios) for v in batch]
     seconds = time.perf_counter() - began
-    clean = [v for v in verdicts if v["run"] == "clean"]
     onset = options.steps * 3 // 4
     print(f"{len(scenarios)} scenarios ({', '.join(models)} x SGD/AdamW x fp16/bf16, {options.steps} steps, "
           f"fault onset at step {options.steps * 3 // 4}), {seconds:.0f} s")
-    print(f"clean runs without a departure: {_rate(sum(v['right'] for v in clean), len(clean))}")
-    for fault in FAULTS:
-        runs = [v for v in verdicts if v["run"] == fault]
-        at_module = [v["departure"]["step"] - onset for v in runs if v["departure"] and not v["early"]
-                     and v["departure"]["module"] == TARGET[v["model"]]]
-        delays = f" (steps after the onset: median {statistics.median(at_module):g}, most {max(at_module)})" \
-            if at_module else ""
-        print(f"{fault}: named at the module within {options.within} steps of the onset "
-              f"{_rate(sum(v['right'] for v in runs), len(runs))}, at any later step {_rate(len(at_module), len(runs))}"
-              f"{delays}; departure before the onset {_rate(sum(v['early'] for v in runs), len(runs))}; "
-              f"none {_rate(sum(v['departure'] is None for v in runs), len(runs))}")
+    for bands in BANDS:
+        print(f"-- the band of {bands} perturbed golden run(s):")
+        clean = [v for v in verdicts if v["run"] == "clean" and v["bands"] == bands]
+        print(f"clean runs without a departure: {_rate(sum(v['right'] for v in clean), len(clean))}")
+        for fault in FAULTS:
+            runs = [v for v in verdicts if v["run"] == fault and v["bands"] == bands]
+            at_module = [v["departure"]["step"] - onset for v in runs if v["departure"] and not v["early"]
+                         and v["departure"]["module"] == TARGET[v["model"]]]
+            delays = f" (steps after the onset: median {statistics.median(at_module):g}, most {max(at_module)})" \
+                if at_module else ""
+            print(f"{fault}: named at the module within {options.within} steps of the onset "
+                  f"{_rate(sum(v['right'] for v in runs), len(runs))}, at any later step "
+                  f"{_rate(len(at_module), len(runs))}{delays}; departure before the onset "
+                  f"{_rate(sum(v['early'] for v in runs), len(runs))}; "
+                  f"none {_rate(sum(v['departure'] is None for v in runs), len(runs))}")
     wrong = [v for v in verdicts if not v["right"]]
     for v in wrong:
         said = v["departure"]
-        print(f"  wrong: {v['model']} {v['optimizer']} {v['dtype']} seed {v['seed']} {v['run']}: "
+        print(f"  wrong ({v['bands']} perturbed): {v['model']} {v['optimizer']} {v['dtype']} seed {v['seed']} {v['run']}: "
               + (f"step {said['step']} in {said['module']} ({said['what']})" if said else "no departure")
               + (f" (target {TARGET[v['model']]})" if v["run"] != "clean" else ""))
     if options.json:

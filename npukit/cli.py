@@ -67,6 +67,7 @@ def run(
     local_addr: Optional[str] = typer.Option(None, "--local-addr", help="torchrun's --local-addr: this node's address for the other nodes."),
     golden: bool = typer.Option(False, "--golden", help="Golden run: NPU numerics off, autocast regions computed in fp32."),
     golden_perturb: Optional[str] = typer.Option(None, "--golden-perturb", metavar="PRECISION", help="A second golden run (implies --golden) with each op's output rounded at the NPU run's precision on a grid of its own: fp16 | bf16 | hf32 | fp32 (the band of npu-compare --trend)."),
+    perturb_seed: int = typer.Option(0, "--perturb-seed", help="With --golden-perturb: the seed of its rounding grid; a second perturbed run with another seed (monitor it into GOLDEN.perturbed.1) widens npu-compare --trend's band by a second draw."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed torch, numpy and random before the script runs."),
     dump: Optional[Path] = typer.Option(None, "--dump", help="Dump per-layer tensors into DIR."),
     dump_level: str = typer.Option("mix", "--dump-level", help="module | api | mix"),
@@ -97,7 +98,7 @@ def run(
     from npukit.run import RunOptions, main
 
     options = RunOptions(
-        script=script, args=list(args or []), module=module, devices=devices, emulate=emulate, transfer_to_npu=transfer_to_npu, golden_perturb=golden_perturb,
+        script=script, args=list(args or []), module=module, devices=devices, emulate=emulate, transfer_to_npu=transfer_to_npu, golden_perturb=golden_perturb, perturb_seed=perturb_seed,
         nproc_per_node=nproc_per_node, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, rdzv_conf=rdzv_conf, local_addr=local_addr, golden=golden, seed=seed,
         dump=dump, dump_level=dump_level, dump_mode=dump_mode, dump_tensor_format=dump_tensor_format, dump_steps=dump_steps,
         dump_scope=dump_scope, dump_list=dump_list, dump_ops=dump_ops, dump_config=dump_config, replay=replay, replay_step=replay_step, stop_after_step=stop_after_step,
@@ -177,8 +178,9 @@ def compare(
     precheck_dir: Optional[Path] = typer.Option(None, "--precheck-dir", help="Where --precheck writes msprobe's CSV files (default: DUMP.precheck)."),
     trend: bool = typer.Option(False, "--trend", help="Instead: GOLDEN and TARGET are monitors (npu-run --monitor); name the first step "
                                "and module where TARGET leaves the band of GOLDEN and the perturbed golden run."),
-    perturbed: Optional[Path] = typer.Option(None, "--perturbed", metavar="DIR", help="With --trend: the perturbed golden "
-                                             "run's monitor (npu-run --golden-perturb; default: GOLDEN.perturbed)."),
+    perturbed: Optional[list[Path]] = typer.Option(None, "--perturbed", metavar="DIR", help="With --trend: a perturbed golden "
+                                                   "run's monitor (npu-run --golden-perturb); repeat it for each perturbed run "
+                                                   "(default: GOLDEN.perturbed and GOLDEN.perturbed.*)."),
     localize: bool = typer.Option(False, "--localize", help="With --trend: re-run the golden and NPU runs to the step the "
                                   "NPU run departs at (the npu-run command of the NPU run follows `--`), the NPU one from the "
                                   "golden state at that step's start; compare that step and find the fix."),
@@ -211,7 +213,7 @@ def compare(
             if localize else None
         sys.exit(run_trend_command(golden, target, perturbed, csv_path, json_path, html_path, top, make_console(),
                                    localize=localizing, workers=workers))
-    if perturbed is not None or localize or localize_dir is not None:
+    if perturbed or localize or localize_dir is not None:
         raise UserError("--perturbed, --localize and --localize-dir go with --trend (they read monitors)")
 
     fix_options = FindFixOptions(list(command or []), find_fix_runs, find_fix_dir, find_fix_json) if find_fix else None

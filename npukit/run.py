@@ -42,6 +42,7 @@ class RunOptions:
     local_addr: str | None = None  # torchrun's --local-addr: the address other nodes reach this one at
     golden: bool = False
     golden_perturb: str | None = None  # a perturbed golden run at this precision (perturb.MANTISSA_BITS)
+    perturb_seed: int = 0  # its rounding grid's seed (another seed: another draw of the band)
     seed: int | None = None
     dump: Path | None = None
     dump_level: str = "mix"
@@ -295,7 +296,7 @@ def _enter_sessions(options: RunOptions, stack: contextlib.ExitStack, sessions: 
     if options.golden_perturb is not None:  # first: the other sessions watch the perturbed run
         from npukit.accuracy.perturb import PerturbSession
 
-        sessions.append(stack.enter_context(PerturbSession(options.golden_perturb)))
+        sessions.append(stack.enter_context(PerturbSession(options.golden_perturb, seed=options.perturb_seed)))
     if options.replay is not None:
         from npukit.accuracy.replay import ReplaySession
 
@@ -452,6 +453,10 @@ def main(options: RunOptions) -> int:
 
         check_precision(options.golden_perturb)
         options.golden = True
+    if options.perturb_seed != 0 and options.golden_perturb is None:
+        raise UserError("--perturb-seed goes with --golden-perturb PRECISION (the seed of its rounding grid)")
+    if options.perturb_seed < 0:
+        raise UserError(f"--perturb-seed {options.perturb_seed}: expected a seed >= 0")
     _dump_options(options)  # a bad --dump-config or --dump-ops fails here, before any rank starts
     if options.nproc_per_node is not None:
         return _launch_torchrun(options)

@@ -157,7 +157,7 @@ def run_precheck_command(dump: Path, out: Path | None, top: int, console, worker
     return result.exit_code()
 
 
-def run_trend_command(golden: Path, npu: Path, perturbed: Path | None, csv_path: Path | None, json_path: Path | None,
+def run_trend_command(golden: Path, npu: Path, perturbed: list[Path] | None, csv_path: Path | None, json_path: Path | None,
                       html_path: Path | None, top: int, console, localize: FindFixOptions | None = None,
                       workers: int | None = None) -> int:
     """`npu-compare --trend GOLDEN NPU`: the first step and module where the NPU run's monitored statistics
@@ -174,7 +174,7 @@ def run_trend_command(golden: Path, npu: Path, perturbed: Path | None, csv_path:
         if path is not None and not path.parent.exists():
             raise UserError(f"{option}: directory {path.parent} does not exist")
     try:
-        result = compare_trend(golden, npu, perturbed)
+        result = compare_trend(golden, npu, perturbed or None)
     except MonitorsDoNotPair as exc:
         print(f"error: {exc}", file=sys.stderr)
         return PAIRING_EXIT_CODE

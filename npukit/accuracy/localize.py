@@ -30,7 +30,7 @@ from npukit.launch_options import option_spans
 _REPLACED = ("--dump", "--dump-mode", "--dump-level", "--dump-steps", "--dump-scope", "--dump-list", "--dump-config",
              "--dump-tensor-format", "--replay", "--replay-step", "--stop-after-step", "--precision-fix",
              "--monitor", "--monitor-dir", "--monitor-every", "--monitor-modules", "--monitor-config",
-             "--golden", "--golden-perturb", "--profile", "--profile-steps", "--detect-overflow", "--overflow-action",
+             "--golden", "--golden-perturb", "--perturb-seed", "--profile", "--profile-steps", "--detect-overflow", "--overflow-action",
              "--overflow-max", "--overflow-dir", "--overflow-level", "--overflow-underflow")
 
 

@@ -10,7 +10,8 @@ step by step, is how far the NPU run may drift for no reason of its own: there i
 Per rank, record (`weight fc2.weight`, `activation blocks.1.mlp`, the loss ...) and statistic
 (max, min, mean, norm, nan, inf):
 
-    spread(t)    = |perturbed(t) - golden(t)|
+    spread(t)    = |perturbed(t) - golden(t)|, the widest over the perturbed runs (GOLDEN.perturbed and
+                   any GOLDEN.perturbed.*, recorded with other --perturb-seed: other draws of the rounding)
     envelope(t)  = the largest spread over the monitored steps up to twice t (at least LOOKAHEAD
                    steps past t): it grows as the spread grows, and judges each step on many samples
                    of the spread, not on the one at t (a weight's drift is one slow sample per run:
@@ -154,7 +155,7 @@ class Series:
 @dataclass
 class TrendResult:
     golden: Path
-    perturbed: Path
+    perturbed: list[Path]  # the perturbed golden runs the band rests on (the first is plotted)
     npu: Path
     ranks: list[int]
     steps: list[int]  # the monitored steps compared (the same on every rank)
@@ -186,7 +187,8 @@ class TrendResult:
                 f"{_times(first.peak)} over those steps)")
 
     def as_json(self) -> dict:
-        return {"golden": str(self.golden), "perturbed_golden": str(self.perturbed), "npu": str(self.npu),
+        return {"golden": str(self.golden), "perturbed_golden": [str(path) for path in self.perturbed],
+                "npu": str(self.npu),
                 "ranks": self.ranks, "steps": [self.steps[0], self.steps[-1]] if self.steps else [],
                 "monitored_steps": len(self.steps), "records": self.records, "statistics": self.series,
                 "diverged": bool(self.departures), "headline": self.headline(), "notes": self.notes,
@@ -266,13 +268,14 @@ def read_monitor(folder: Path) -> Monitor:
 
 
 # ----------------------------------------------------------------------------- pairing
-def _pair(golden: Monitor, perturbed: Monitor, npu: Monitor, notes: list[str]) -> tuple[list[int], list[tuple[str, str]]]:
-    """The steps and records the three monitors share; MonitorsDoNotPair when they are not of one run.
+def _pair(golden: Monitor, perturbed: list[Monitor], npu: Monitor,
+          notes: list[str]) -> tuple[list[int], list[tuple[str, str]]]:
+    """The steps and records the monitors share; MonitorsDoNotPair when they are not of one run.
 
     A record one run lacks is left out, said in a note, while the shared records are at least
     SHARED_RECORDS of each monitor's: a low-precision run can lack a gradient the golden run has (the
     Trainer's fp16 logits are a copy the loss does not use: no gradient reaches them)."""
-    monitors = (("golden", golden), ("perturbed golden", perturbed), ("NPU", npu))
+    monitors = (("golden", golden), *(("perturbed golden", monitor) for monitor in perturbed), ("NPU", npu))
     sets = [set(monitor.records) for _, monitor in monitors]
     shared = [r for r in golden.records if all(r in records for records in sets)]
     for (role, monitor), records in zip(monitors[1:], sets[1:]):
@@ -320,12 +323,20 @@ def _aligned(monitor: Monitor, records: list[tuple[str, str]], length: int) -> n
 
 
 # ----------------------------------------------------------------------------- the band
-def band_half_width(golden: np.ndarray, perturbed: np.ndarray, kinds: list[str] | None = None) -> np.ndarray:
-    """MARGIN x the envelope of |perturbed - golden| along axis 1 (steps): at step index t, the largest
-    spread over indices 0 .. max(2t, t + LOOKAHEAD). Non-finite spreads count as none. For records
+def widest_spread(golden: np.ndarray, perturbed: list[np.ndarray]) -> np.ndarray:
+    """|perturbed - golden|, the widest over the perturbed runs ([record, step, statistic]); NaN where the
+    golden run or a perturbed run is not finite (not judged there)."""
+    spread = np.abs(perturbed[0] - golden)
+    for other in perturbed[1:]:
+        spread = np.maximum(spread, np.abs(other - golden))  # (NaN wins: not judged)
+    return np.where(np.isfinite(spread), spread, np.nan)
+
+
+def band_half_width(golden: np.ndarray, spread: np.ndarray, kinds: list[str] | None = None) -> np.ndarray:
+    """MARGIN x the envelope of the spread (`widest_spread`) along axis 1 (steps): at step index t, the
+    largest spread over indices 0 .. max(2t, t + LOOKAHEAD). Non-finite spreads count as none. For records
     whose kind (`kinds`, one per record) carries from step to step, the envelope is at least the
     pooled drift (`pooled_drift`)."""
-    spread = np.abs(perturbed - golden)
     spread = np.where(np.isfinite(spread), spread, 0.0)
     steps = spread.shape[1]
     running = np.maximum.accumulate(spread, axis=1)
@@ -363,9 +374,10 @@ def pooled_drift(golden: np.ndarray, envelope: np.ndarray, kinds: list[str]) -> 
     return drift
 
 
-def outside_band(golden: np.ndarray, perturbed: np.ndarray, npu: np.ndarray, half_width: np.ndarray) -> np.ndarray:
-    """Where the NPU run is outside the band: beyond it, or non-finite where both golden runs are finite."""
-    judged = np.isfinite(golden) & np.isfinite(perturbed)
+def outside_band(golden: np.ndarray, spread: np.ndarray, npu: np.ndarray, half_width: np.ndarray) -> np.ndarray:
+    """Where the NPU run is outside the band: beyond it, or non-finite where every golden run is finite
+    (`spread` finite)."""
+    judged = np.isfinite(golden) & np.isfinite(spread)
     deviation = np.abs(npu - golden)
     beyond = np.where(np.isfinite(deviation), deviation > half_width, True)
     return judged & beyond
@@ -398,29 +410,44 @@ def _causal_order(records: list[tuple[str, str]]) -> list[int]:
 
 
 # ----------------------------------------------------------------------------- the trend
-def compare_trend(golden: Path, npu: Path, perturbed: Path | None = None) -> TrendResult:
-    """The band, the departures and the plots of three monitor directories (see the module docstring)."""
-    perturbed = perturbed if perturbed is not None else golden.with_name(golden.name + ".perturbed")
-    if not perturbed.exists():
-        raise UserError(f"--trend: no perturbed golden monitor at {perturbed}: record the golden run a second time "
-                        f"with `npu-run --golden-perturb bf16 --monitor {perturbed} ...` (the precision the NPU run "
-                        "computes in: fp16, bf16 or hf32), or name its directory with --perturbed DIR")
-    folders = {role: rank_folders(path, role) for role, path in (("golden", golden), ("perturbed golden", perturbed),
-                                                                 ("NPU", npu))}
-    ranks = list(folders["golden"])
-    for role in ("perturbed golden", "NPU"):
-        if list(folders[role]) != ranks:
+def perturbed_monitors(golden: Path) -> list[Path]:
+    """The perturbed golden runs recorded beside GOLDEN: GOLDEN.perturbed, then GOLDEN.perturbed.* (a second
+    one, `npu-run --golden-perturb P --perturb-seed 1 --monitor GOLDEN.perturbed.1`), in name order."""
+    first = golden.with_name(golden.name + ".perturbed")
+    more = sorted(path for path in golden.parent.glob(f"{golden.name}.perturbed.*") if path.is_dir()) \
+        if golden.parent.is_dir() else []
+    return ([first] if first.exists() else []) + more
+
+
+def compare_trend(golden: Path, npu: Path, perturbed: Path | list[Path] | None = None) -> TrendResult:
+    """The band, the departures and the plots of the monitor directories (see the module docstring).
+    `perturbed`: the perturbed golden run(s); by default those beside GOLDEN (`perturbed_monitors`)."""
+    if perturbed is None:
+        perturbed = perturbed_monitors(golden)
+        if not perturbed:
+            missing = golden.with_name(golden.name + ".perturbed")
+            raise UserError(f"--trend: no perturbed golden monitor at {missing}: record the golden run a second time "
+                            f"with `npu-run --golden-perturb bf16 --monitor {missing} ...` (the precision the NPU run "
+                            "computes in: fp16, bf16 or hf32), or name its directory with --perturbed DIR")
+    perturbed = [perturbed] if isinstance(perturbed, Path) else list(perturbed)
+    several = len(perturbed) > 1
+    roles = [("golden", golden), *((f"perturbed golden ({path})" if several else "perturbed golden", path)
+                                   for path in perturbed), ("NPU", npu)]
+    folders = [rank_folders(path, role) for role, path in roles]
+    ranks = list(folders[0])
+    for (role, _), found in zip(roles[1:], folders[1:]):
+        if list(found) != ranks:
             raise MonitorsDoNotPair(f"the monitors do not pair: the golden run has rank(s) {_ranks_text(ranks)}, the "
-                                    f"{role} run rank(s) {_ranks_text(list(folders[role]))}")
+                                    f"{role} run rank(s) {_ranks_text(list(found))}")
     notes: list[str] = []
     departures: list[tuple[int, int, int, Departure]] = []  # (step index, causal position, rank, departure)
     plots_of_rank: dict[int, list[Series]] = {}  # the rank's first departure (or closest) and its loss
     records_count = series_count = 0
-    identical = True
+    identical = [True] * len(perturbed)  # each perturbed run recorded exactly what the golden run did
+    alike = len(perturbed) > 1  # the perturbed runs recorded the same values (one seed twice)
     closest_ratio, closest_rank = -1.0, ranks[0]
-    loaded = {rank: [read_monitor(folders[role][rank]) for role in ("golden", "perturbed golden", "NPU")]
-              for rank in ranks}
-    paired = {rank: _pair(*monitors, notes) for rank, monitors in loaded.items()}
+    loaded = {rank: [read_monitor(found[rank]) for found in folders] for rank in ranks}
+    paired = {rank: _pair(monitors[0], monitors[1:-1], monitors[-1], notes) for rank, monitors in loaded.items()}
     # the steps every rank monitored (one may have stopped first)
     steps = min((rank_steps for rank_steps, _ in paired.values()), key=len)
     for rank, (rank_steps, _) in paired.items():
@@ -432,16 +459,18 @@ def compare_trend(golden: Path, npu: Path, perturbed: Path | None = None) -> Tre
                          f"{steps[0]}-{steps[-1]} compared")
     for rank in ranks:
         monitors, records = loaded.pop(rank), paired[rank][1]
-        g, p, n = (_aligned(monitor, records, len(steps)) for monitor in monitors)
-        identical = identical and bool(np.array_equal(g, p, equal_nan=True))
+        g, *each, n = (_aligned(monitor, records, len(steps)) for monitor in monitors)
+        identical = [same and bool(np.array_equal(g, q, equal_nan=True)) for same, q in zip(identical, each)]
+        alike = alike and all(np.array_equal(each[0], q, equal_nan=True) for q in each[1:])
+        p, spread = each[0], widest_spread(g, each)
         skipped = [column for column, step in enumerate(steps) if any(step in m.skipped for m in monitors)]
         if skipped:  # (a skipped step's optimizer did not step: the weights say what that cost)
             gradients = [row for row, (kind, _) in enumerate(records) if kind in _SKIPPED_STEP_RECORDS]
             g[np.ix_(gradients, skipped)] = np.nan
             notes.append(f"rank {rank}: {len(skipped)} step(s) GradScaler skipped (from step {steps[skipped[0]]}): "
                          "their gradients are not judged")
-        half = band_half_width(g, p, [kind for kind, _ in records])
-        start, last = first_stretch(np.moveaxis(outside_band(g, p, n, half), 1, 2), PERSIST)  # [record, stat]
+        half = band_half_width(g, spread, [kind for kind, _ in records])
+        start, last = first_stretch(np.moveaxis(outside_band(g, spread, n, half), 1, 2), PERSIST)  # [record, stat]
         records_count = len(records)
         series_count += int(np.isfinite(g).any(axis=1).sum())
         found = []
@@ -473,12 +502,24 @@ def compare_trend(golden: Path, npu: Path, perturbed: Path | None = None) -> Tre
         if ("loss", "") in records and records[shown[0]] != ("loss", ""):
             plots_of_rank[rank].append(_series(rank, records, records.index(("loss", "")), STATS.index("mean"), steps,
                                                g, p, n, half))
-    if identical:
-        raise MonitorsDoNotPair(f"the monitors do not pair as a band: the perturbed golden run {perturbed} recorded "
+    if any(identical):
+        same = perturbed[identical.index(True)]
+        raise MonitorsDoNotPair(f"the monitors do not pair as a band: the perturbed golden run {same} recorded "
                                 f"exactly what the golden run {golden} did, so the band has no width: record it with "
                                 "npu-run --golden-perturb PRECISION")
+    if alike:
+        raise MonitorsDoNotPair(f"the monitors do not pair as a band: the perturbed golden runs "
+                                f"{', '.join(map(str, perturbed))} recorded the same values (the same --perturb-seed): "
+                                "a second perturbed run is a second draw of the rounding only with another "
+                                "--perturb-seed")
     departures.sort(key=lambda d: d[:3])
     ordered = [d[3] for d in departures]
+    if ordered and len(perturbed) == 1:
+        second = golden.with_name(golden.name + ".perturbed.1")
+        notes.append(f"the band rests on one perturbed golden run, one draw of benign rounding (an Adam update "
+                     f"of the other sign on a gradient element within rounding of zero stays in a weight): record "
+                     f"a second draw, `npu-run --golden-perturb PRECISION --perturb-seed 1 --monitor {second} ...`, "
+                     "and npu-compare --trend reads both")
     plots = plots_of_rank[ordered[0].rank if ordered else closest_rank]
     return TrendResult(golden, perturbed, npu, ranks, steps, records_count, series_count, ordered, plots,
                        list(dict.fromkeys(notes)))  # each rank says the same

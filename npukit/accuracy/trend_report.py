@@ -33,7 +33,8 @@ def print_trend(result: TrendResult, console, top: int = 20) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    console.print(f"golden: {result.golden}   perturbed golden: {result.perturbed}   NPU: {result.npu}")
+    console.print(f"golden: {result.golden}   perturbed golden: {', '.join(map(str, result.perturbed))}   "
+                  f"NPU: {result.npu}")
     for note in result.notes:
         console.print(f"note: {note}")
     if result.departures:
@@ -92,7 +93,7 @@ def write_trend_html(result: TrendResult, path: Path) -> Path:
     out = ["<!DOCTYPE html><html><head><meta charset='utf-8'><title>npu-compare --trend report</title>",
            f"<style>{report_page.CSS}</style></head><body>", "<h1>npu-compare --trend report</h1>",
            f"<p>golden: <code>{html.escape(str(result.golden))}</code><br>perturbed golden: "
-           f"<code>{html.escape(str(result.perturbed))}</code><br>NPU: <code>{html.escape(str(result.npu))}</code></p>",
+           f"<code>{html.escape(', '.join(map(str, result.perturbed)))}</code><br>NPU: <code>{html.escape(str(result.npu))}</code></p>",
            f"<div class='{verdict}' id='verdict'><b>{html.escape(result.headline())}</b></div>"]
     out += [f"<p class='note'>{html.escape(note)}</p>" for note in result.notes]
     out.append(f"<p class='note'>{html.escape(band_text())}.</p>")

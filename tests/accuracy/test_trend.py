@@ -222,6 +222,53 @@ def test_the_rank_that_departs_first_a_nan_and_a_run_that_stopped_early(tmp_path
     assert result.steps == list(range(60)) and any("steps 0-59 compared" in note for note in result.notes)
 
 
+def test_a_second_perturbed_run_is_a_second_draw_of_the_band(tmp_path):
+    """One perturbed run is one draw of benign rounding: an NPU run whose Adam update took the other sign
+    on a gradient element within rounding of zero stays 4e-3 off (a carried offset) where that draw took
+    none. A second perturbed run that did (GOLDEN.perturbed.1, found beside GOLDEN) widens the band."""
+    golden = _write_monitor(tmp_path / "golden", [10.0] * 40)
+    _write_monitor(tmp_path / "golden.perturbed", [10.0 + 1e-4 * (-1) ** step for step in range(40)])
+    npu = _write_monitor(tmp_path / "npu", [10.0] + [10.004] * 39)
+    one = compare_trend(golden, npu, tmp_path / "golden.perturbed")
+    assert (one.first().first_step, one.first().statistic) == (1, "norm")
+    assert any("--perturb-seed 1 --monitor " + str(tmp_path / "golden.perturbed.1") in note for note in one.notes)
+    _write_monitor(tmp_path / "golden.perturbed.1", [10.0] + [9.997] * 39)  # the other draw: a flip of its own
+    both = compare_trend(golden, npu)
+    assert both.departures == [] and both.perturbed == [tmp_path / "golden.perturbed", tmp_path / "golden.perturbed.1"]
+    # the wider draw is the band; a larger offset still leaves it (5 x 3e-3)
+    assert compare_trend(golden, _write_monitor(tmp_path / "far", [10.0] + [10.02] * 39)).first().first_step == 1
+    # as npu-compare is told: --perturbed, once per run, and the report names them all
+    code, output = _trend_cli(golden, npu, "--perturbed", tmp_path / "golden.perturbed", "--perturbed",
+                              tmp_path / "golden.perturbed.1")
+    assert code == 0 and "No trend divergence" in output and "golden.perturbed.1" in output
+    code, output = _trend_cli(golden, npu, "--perturbed", tmp_path / "golden.perturbed")
+    assert code == 1 and "Trend divergence" in output
+
+
+def test_a_second_perturbed_run_of_the_same_seed_is_refused(tmp_path):
+    golden = _write_monitor(tmp_path / "golden", [10.0] * 20)
+    _write_monitor(tmp_path / "golden.perturbed", [10.0 + 1e-4 * (-1) ** step for step in range(20)])
+    shutil.copytree(tmp_path / "golden.perturbed", tmp_path / "golden.perturbed.1")
+    with pytest.raises(MonitorsDoNotPair, match="the same --perturb-seed"):
+        compare_trend(golden, _write_monitor(tmp_path / "npu", [10.0] * 20))
+
+
+def test_perturb_seed_draws_another_rounding_grid():
+    import contextlib
+
+    from npukit.accuracy.perturb import PerturbSession
+    from npukit.run import RunOptions, _session_contexts, main
+
+    scales = []
+    for seed in (0, 1):
+        with contextlib.ExitStack() as stack:
+            session, = _session_contexts(RunOptions(script="", golden_perturb="bf16", perturb_seed=seed), stack)
+            scales.append(session.scale)
+    assert scales[1] != scales[0] and scales == [PerturbSession("bf16", seed=s, rank=0).scale for s in (0, 1)]
+    with pytest.raises(UserError, match="--perturb-seed goes with --golden-perturb"):
+        main(RunOptions(script="train.py", perturb_seed=1))
+
+
 # ----------------------------------------------------------------------------- pairing
 @pytest.fixture(scope="module")
 def short_pair(tmp_path_factory) -> Path:
@@ -320,14 +367,15 @@ def test_golden_runs_agreeing_to_the_last_bit_leave_a_band_of_an_fp32_ulp_not_of
     weight minimum, and an NPU run one fp32 ulp off is not a departure (it was named at step 3)."""
     import numpy as np
 
-    from npukit.accuracy.trend import MARGIN, band_half_width, outside_band
+    from npukit.accuracy.trend import MARGIN, band_half_width, outside_band, widest_spread
 
     golden = np.full((1, 20, 1), -0.3347, dtype=np.float64)
     npu = golden + np.spacing(np.float32(0.3347))
-    half = band_half_width(golden, golden.copy())
+    spread = widest_spread(golden, [golden.copy()])
+    half = band_half_width(golden, spread)
     assert np.all(half == MARGIN * np.spacing(np.float32(0.3347)))
-    assert not outside_band(golden, golden.copy(), npu, half).any()
-    assert outside_band(golden, golden.copy(), golden + 1e-4, half).all()  # a real difference still is
+    assert not outside_band(golden, spread, npu, half).any()
+    assert outside_band(golden, spread, golden + 1e-4, half).all()  # a real difference still is
 
 
 def _write_scaled_monitor(folder: Path, weights: list[float], grads: list[float], skipped: set[int]) -> Path:
@@ -418,7 +466,7 @@ def test_a_carried_records_band_is_at_least_the_pooled_drift_of_the_golden_pair(
     times its movement, not zero; a gradient (not carried from step to step) keeps its own spread."""
     import numpy as np
 
-    from npukit.accuracy.trend import MARGIN, STATS, band_half_width
+    from npukit.accuracy.trend import MARGIN, STATS, band_half_width, widest_spread
 
     steps = 20
     path = np.linspace(1.0, 1.19, steps)  # each step moves the extreme elements 0.01
@@ -428,7 +476,7 @@ def test_a_carried_records_band_is_at_least_the_pooled_drift_of_the_golden_pair(
     perturbed[0] += 1e-7 * movement[:, None]
     perturbed[1] += 1e-5 * movement[:, None]
     perturbed[3] += 1e-6  # a gradient's own spread
-    half = band_half_width(golden, perturbed, ["weight", "weight", "weight", "grad"])
+    half = band_half_width(golden, widest_spread(golden, [perturbed]), ["weight", "weight", "weight", "grad"])
     # where the envelope (which looks ahead) has reached the run's end, each rate is the final spread per
     # unit moved so far: the upper quartile of the three, times the lucky weight's own movement
     late = np.arange(steps // 2, steps)
