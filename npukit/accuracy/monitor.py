@@ -28,10 +28,12 @@ from __future__ import annotations
 import csv
 import io
 import math
+import operator
 import re
 import sys
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -94,6 +96,8 @@ class MonitorSession:
         # id(parameter) -> (a weak reference to it, its name, its module's path): tensors compare by
         # value, so no WeakKeyDictionary
         self._parameter_names: dict[int, tuple[weakref.ref, str, str]] = {}
+        # id(optimizer) -> (it, its groups and parameters in order, what _parameters returns for them)
+        self._optimizer_parameters: dict[int, tuple[weakref.ref, list, list]] = {}
         self._handles: list = []
         self._local_gradient_hooks: dict[int, tuple[weakref.ref, object]] = {}  # id(parameter) -> (it, handle)
         self._many_ranks = False  # a process group of more than one rank exists (found once)
@@ -125,6 +129,7 @@ class MonitorSession:
         # Dynamo cannot trace through global module hooks: compiled models run eagerly while the
         # monitor watches (a notice says so), fullgraph regions compiled and unseen, as under the dump
         eager.enter("the monitor")
+        self._on_activation_grad_guarded = self._guarded(self._on_activation_grad)  # with each output: its hook
         self._handles = [
             module_hooks.register_module_forward_pre_hook(self._guarded(self._on_module_pre_forward)),
             module_hooks.register_module_forward_hook(self._guarded(self._on_module_forward), always_call=True),
@@ -266,14 +271,7 @@ class MonitorSession:
             self._step.leaves.append(leaf)
             self._add("activation", leaf, tensor)
             if tensor.requires_grad and torch.is_grad_enabled():
-                tensor.register_hook(self._gradient_hook(leaf))
-
-    def _gradient_hook(self, leaf: _Leaf):
-        on_gradient = self._guarded(self._on_activation_grad)
-
-        def hook(gradient):
-            on_gradient(leaf, gradient)
-        return hook
+                tensor.register_hook(partial(self._on_activation_grad_guarded, leaf))
 
     def _on_activation_grad(self, leaf: _Leaf, gradient) -> None:
         if gradient is not None and self._monitored():
@@ -341,18 +339,34 @@ class MonitorSession:
                                                                 f"param_group{group}.{index}", "")
         return found[1], found[2]
 
-    def _parameters(self, optimizer):
+    def _parameters(self, optimizer) -> list[tuple[dict, str, torch.Tensor]]:
+        """(group, name, parameter) of the optimizer's parameters the filter keeps. Made again only
+        when its groups or their parameters change (load_state_dict makes new groups); a parameter's
+        name, once found, stays its own."""
+        current = []
+        for group in optimizer.param_groups:
+            current.append(group)
+            current.extend(group["params"])
+        cached = self._optimizer_parameters.get(id(optimizer))
+        if (cached is not None and cached[0]() is optimizer and len(cached[1]) == len(current)
+                and all(map(operator.is_, cached[1], current))):
+            return cached[2]
+        kept = []
         for group_index, group in enumerate(optimizer.param_groups):
             for index, parameter in enumerate(group["params"]):
                 name, path = self._parameter_name(parameter, group_index, index)
                 if self.module_filter is None or self._keeps(path or name):
-                    yield group, name, parameter
+                    kept.append((group, name, parameter))
+        lists, key = self._optimizer_parameters, id(optimizer)
+        # dropped with the optimizer: a run that makes a new optimizer per epoch keeps no old parameters
+        lists[key] = (weakref.ref(optimizer, lambda _: lists.pop(key, None)), current, kept)
+        return kept
 
     def _record_parameters(self, optimizer) -> None:
         for _, name, parameter in self._parameters(optimizer):
-            self._add("weight", name, parameter.detach())
+            self._add("weight", name, parameter)
             if parameter.grad is not None:
-                self._add("grad", name, parameter.grad.detach())
+                self._add("grad", name, parameter.grad)
 
     def _on_optimizer_pre_step(self, optimizer, args, kwargs) -> None:
         if self._ending is not None and self._in_optimizer == 0 and self._is_clock(optimizer):
