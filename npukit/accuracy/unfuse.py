@@ -9,7 +9,8 @@ npukit/npu_backend/fused). `npu-run --precision-fix` runs the function below in 
 and the fix finder prints that same function's source for the user to paste, after the functions it
 calls (HELPERS): they use nothing but torch (a test runs their source in a namespace holding only
 torch). Decomposed: npu_fusion_attention and _v2, and the inference kernels npu_prompt_flash_attention,
-npu_incre_flash_attention and npu_fused_infer_attention_score, all by attention_unfused.
+npu_incre_flash_attention and npu_fused_infer_attention_score (and _v2: v1's under v2's names), all by
+attention_unfused.
 
 The decomposition calls torch's functions (`torch.matmul`, `torch.mul`), not Tensor operators: a dump
 of the patched code records them in place of the fused op, and the compare, aligning the two op
@@ -293,12 +294,60 @@ def npu_fused_infer_attention_score_unfused(query, key, value, *, pse_shift=None
     return out, log_sum_exp if softmax_lse_flag else query.new_zeros(1, dtype=torch.float32)
 
 
+def npu_fused_infer_attention_score_v2_unfused(query, key, value, *, query_rope=None, key_rope=None, pse_shift=None,
+                                               atten_mask=None, actual_seq_qlen=None, actual_seq_kvlen=None,
+                                               block_table=None, dequant_scale_query=None, dequant_scale_key=None,
+                                               dequant_offset_key=None, dequant_scale_value=None,
+                                               dequant_offset_value=None, dequant_scale_key_rope=None,
+                                               quant_scale_out=None, quant_offset_out=None, quant_scale_p=None,
+                                               learnable_sink=None, num_query_heads=1, num_key_value_heads=0,
+                                               softmax_scale=1.0, pre_tokens=2147483647, next_tokens=2147483647,
+                                               input_layout="BSH", sparse_mode=0, block_size=0, query_quant_mode=0,
+                                               key_quant_mode=0, value_quant_mode=0, inner_precise=0,
+                                               return_softmax_lse=False, query_dtype=None, key_dtype=None,
+                                               value_dtype=None, query_rope_dtype=None, key_rope_dtype=None,
+                                               key_shared_prefix_dtype=None, value_shared_prefix_dtype=None,
+                                               dequant_scale_query_dtype=None, dequant_scale_key_dtype=None,
+                                               dequant_scale_value_dtype=None, dequant_scale_key_rope_dtype=None,
+                                               out_dtype=None):
+    """torch_npu.npu_fused_infer_attention_score_v2 unfused: v1's decomposition under v2's names
+    (num_query_heads, softmax_scale, actual_seq_qlen/kvlen, return_softmax_lse); returns (attention_out,
+    softmax_lse). Layouts BSH, BSND, BNSD, BNSD_BSND; sparse_mode 0-4; MLA rope parts; no TND, no paged
+    cache, no learnable sink, no quantization."""
+    refuse_unfused("npu_fused_infer_attention_score_v2_unfused", {
+        f"input_layout {input_layout}": input_layout not in ("BSH", "BSND", "BNSD", "BNSD_BSND"),
+        "learnable_sink": learnable_sink is not None,
+        **{f"{name}={mode}": bool(mode) for name, mode in (
+            ("query_quant_mode", query_quant_mode), ("key_quant_mode", key_quant_mode),
+            ("value_quant_mode", value_quant_mode))},
+        **{name: given is not None for name, given in (
+            ("dequant_scale_query", dequant_scale_query), ("dequant_scale_key", dequant_scale_key),
+            ("dequant_offset_key", dequant_offset_key), ("dequant_scale_value", dequant_scale_value),
+            ("dequant_offset_value", dequant_offset_value), ("dequant_scale_key_rope", dequant_scale_key_rope),
+            ("quant_scale_out", quant_scale_out), ("quant_offset_out", quant_offset_out),
+            ("quant_scale_p", quant_scale_p), ("query_dtype", query_dtype), ("key_dtype", key_dtype),
+            ("value_dtype", value_dtype), ("query_rope_dtype", query_rope_dtype), ("key_rope_dtype", key_rope_dtype),
+            ("key_shared_prefix_dtype", key_shared_prefix_dtype),
+            ("value_shared_prefix_dtype", value_shared_prefix_dtype),
+            ("dequant_scale_query_dtype", dequant_scale_query_dtype),
+            ("dequant_scale_key_dtype", dequant_scale_key_dtype),
+            ("dequant_scale_value_dtype", dequant_scale_value_dtype),
+            ("dequant_scale_key_rope_dtype", dequant_scale_key_rope_dtype), ("out_dtype", out_dtype))}})
+    return npu_fused_infer_attention_score_unfused(
+        query, key, value, pse_shift=pse_shift, atten_mask=atten_mask, actual_seq_lengths=actual_seq_qlen,
+        actual_seq_lengths_kv=actual_seq_kvlen, block_table=block_table, query_rope=query_rope, key_rope=key_rope,
+        num_heads=num_query_heads, scale=softmax_scale, pre_tokens=pre_tokens, next_tokens=next_tokens,
+        input_layout=input_layout, num_key_value_heads=num_key_value_heads, sparse_mode=sparse_mode,
+        softmax_lse_flag=return_softmax_lse)
+
+
 # The fused ops (as dumps name them) that the unfuse fix computes by their decomposition.
 DECOMPOSITIONS = {"NPU.npu_fusion_attention": npu_fusion_attention_unfused,
                   "NPU.npu_fusion_attention_v2": npu_fusion_attention_v2_unfused,
                   "NPU.npu_prompt_flash_attention": npu_prompt_flash_attention_unfused,
                   "NPU.npu_incre_flash_attention": npu_incre_flash_attention_unfused,
-                  "NPU.npu_fused_infer_attention_score": npu_fused_infer_attention_score_unfused}
+                  "NPU.npu_fused_infer_attention_score": npu_fused_infer_attention_score_unfused,
+                  "NPU.npu_fused_infer_attention_score_v2": npu_fused_infer_attention_score_v2_unfused}
 # The functions the decompositions call, printed before them (each once).
 HELPERS = {
     "NPU.npu_fusion_attention": (attention_layout_unfused, attention_output_unfused, attention_masked_unfused,
@@ -308,7 +357,10 @@ HELPERS = {
     **dict.fromkeys(("NPU.npu_prompt_flash_attention", "NPU.npu_incre_flash_attention",
                      "NPU.npu_fused_infer_attention_score"),
                     (attention_layout_unfused, attention_output_unfused, attention_masked_unfused, attention_unfused,
-                     refuse_unfused, infer_attention_unfused))}
+                     refuse_unfused, infer_attention_unfused)),
+    "NPU.npu_fused_infer_attention_score_v2": (attention_layout_unfused, attention_output_unfused,
+                                               attention_masked_unfused, attention_unfused, refuse_unfused,
+                                               infer_attention_unfused, npu_fused_infer_attention_score_unfused)}
 
 
 def decomposition(api: str):

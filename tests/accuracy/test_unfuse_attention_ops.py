@@ -1,5 +1,5 @@
 """The precision fix `unfuse` for npu_fusion_attention_v2 and the inference attention ops
-(npu_prompt_flash_attention, npu_incre_flash_attention, npu_fused_infer_attention_score): each
+(npu_prompt_flash_attention, npu_incre_flash_attention, npu_fused_infer_attention_score and _v2): each
 decomposition equals the golden kernel (the emulator's op on CPU tensors, its reference numerics) in
 fp32 and fp64 (fp16 within its rounding), and the code the fix prints, the user's line with the call
 replaced and the functions it calls, runs as printed and computes the same."""
@@ -149,6 +149,32 @@ def test_inference_attention_unfused_equals_the_golden_kernel(case):
         _assert_equal(fused, unfused, dtype, "attention_out")
 
 
+# v1's keyword arguments under v2's names
+V2_NAMES = {"num_heads": "num_query_heads", "scale": "softmax_scale", "softmax_lse_flag": "return_softmax_lse",
+            "actual_seq_lengths": "actual_seq_qlen", "actual_seq_lengths_kv": "actual_seq_kvlen"}
+
+
+@pytest.mark.parametrize("case", [case for case in INFER_CASES if INFER_CASES[case][0] == "npu_fused_infer_attention_score"])
+def test_fused_infer_attention_score_v2_unfused_equals_the_golden_kernel(case):
+    """v2 is v1 under other names: v1's cases (both branches, masks, lengths, MLA rope) through v2's op
+    and v2's decomposition, with GQA (4 query heads over 2)."""
+    _, layout, sq, skv, options = INFER_CASES[case]
+    torch.manual_seed(0)
+    b, n, kv_heads = 2, 4, 2
+    for dtype in (torch.float32, torch.float16):
+        q = _tensor(layout, b, n, sq, 8, dtype)
+        k, v = (_tensor(layout, b, kv_heads, skv, 8, dtype) for _ in range(2))
+        kwargs = {V2_NAMES.get(name, name): value for name, value in _infer_kwargs(options, dtype, b, n, sq, skv).items()}
+        kwargs.update(num_query_heads=n, num_key_value_heads=kv_heads, input_layout=layout)
+        if options.get("rope"):
+            kwargs["query_rope"] = _tensor(layout, b, n, sq, 4, dtype)
+            kwargs["key_rope"] = _tensor(layout, b, kv_heads, skv, 4, dtype)
+        fused = _ops().npu_fused_infer_attention_score_v2(q, k, v, **kwargs)
+        unfused = unfuse.DECOMPOSITIONS["NPU.npu_fused_infer_attention_score_v2"](q, k, v, **kwargs)
+        _assert_equal(fused[1], unfused[1], dtype, "softmax_lse")
+        _assert_equal(fused[0], unfused[0], dtype, "attention_out")
+
+
 def test_fused_infer_attention_score_without_the_lse_flag_returns_its_placeholder():
     q, k, v = (torch.randn(1, 2, 3, 8) for _ in range(3))
     out, lse = unfuse.npu_fused_infer_attention_score_unfused(q, k, v, num_heads=2, input_layout="BNSD")
@@ -167,6 +193,9 @@ USER_LINES = {  # the user's line (q, k, v in the namespace), its inputs' layout
     "NPU.npu_fused_infer_attention_score": (
         "out, lse = torch_npu.npu_fused_infer_attention_score(q, k, v, num_heads=2, input_layout='BNSD', "
         "scale=0.5, softmax_lse_flag=True)", 3, 6),
+    "NPU.npu_fused_infer_attention_score_v2": (
+        "out, lse = torch_npu.npu_fused_infer_attention_score_v2(q, k, v, num_query_heads=2, input_layout='BNSD', "
+        "softmax_scale=0.5, return_softmax_lse=True)", 3, 6),
 }
 
 
@@ -196,7 +225,10 @@ def test_the_printed_code_replaces_the_call_at_the_users_line_and_runs_as_printe
                 "NPU.npu_incre_flash_attention": lambda: _ops().npu_incre_flash_attention(
                     q, k, v, num_heads=2, input_layout="BNSD", scale_value=0.5),
                 "NPU.npu_fused_infer_attention_score": lambda: _ops().npu_fused_infer_attention_score(
-                    q, k, v, num_heads=2, input_layout="BNSD", scale=0.5, softmax_lse_flag=True)[0]}[api]()
+                    q, k, v, num_heads=2, input_layout="BNSD", scale=0.5, softmax_lse_flag=True)[0],
+                "NPU.npu_fused_infer_attention_score_v2": lambda: _ops().npu_fused_infer_attention_score_v2(
+                    q, k, v, num_query_heads=2, input_layout="BNSD", softmax_scale=0.5,
+                    return_softmax_lse=True)[0]}[api]()
     _assert_equal(expected, namespace["out"], torch.float32, api)
 
 
@@ -219,6 +251,9 @@ def test_one_printed_fix_for_two_ops_defines_each_shared_function_once():
      r"block_table \(paged KV cache\)"),
     ("NPU.npu_fused_infer_attention_score", lambda f, q: f(q, q, q, num_heads=2, sparse_mode=9, antiquant_scale=q),
      "sparse_mode 9, antiquant_scale"),
+    ("NPU.npu_fused_infer_attention_score_v2",
+     lambda f, q: f(q, q, q, num_query_heads=2, input_layout="TND", learnable_sink=q[0, :, 0, 0], key_quant_mode=1),
+     "input_layout TND, learnable_sink, key_quant_mode=1"),
 ])
 def test_what_a_decomposition_does_not_compute_is_refused_naming_it(api, call, refused):
     """The fix finder's accepts() and --precision-fix rely on this refusal: such a call keeps its fused op."""
@@ -233,6 +268,8 @@ def test_what_a_decomposition_does_not_compute_is_refused_naming_it(api, call, r
     ("NPU.npu_prompt_flash_attention", [], {"num_heads": 2, "input_layout": "TND"}, False),
     ("NPU.npu_incre_flash_attention", [], {"num_heads": 2, "input_layout": "BSH"}, True),
     ("NPU.npu_fused_infer_attention_score", [], {"num_heads": 2, "input_layout": "BSH", "sparse_mode": 9}, False),
+    ("NPU.npu_fused_infer_attention_score_v2", [], {"num_query_heads": 2, "input_layout": "BSH"}, True),
+    ("NPU.npu_fused_infer_attention_score_v2", [], {"num_query_heads": 2, "input_layout": "TND"}, False),
 ])
 def test_a_recorded_call_is_accepted_when_the_decomposition_computes_it(api, args, kwargs, accepted):
     """What the fix finder asks before proposing to unfuse a call the dump recorded."""
@@ -254,6 +291,8 @@ PRECISION_FIX_CALLS = {  # the fused call as a model makes it (npu tensors q, k,
         q, k, v, pse_shift=bias, num_heads=2, input_layout="BNSD", scale_value=0.5),
     "NPU.npu_fused_infer_attention_score": lambda ops, q, k, v, bias: ops.npu_fused_infer_attention_score(
         q, k, v, pse_shift=bias, num_heads=2, input_layout="BNSD", scale=0.5)[0],
+    "NPU.npu_fused_infer_attention_score_v2": lambda ops, q, k, v, bias: ops.npu_fused_infer_attention_score_v2(
+        q, k, v, pse_shift=bias, num_query_heads=2, input_layout="BNSD", softmax_scale=0.5)[0],
 }
 
 
