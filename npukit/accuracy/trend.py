@@ -336,7 +336,8 @@ def band_half_width(golden: np.ndarray, spread: np.ndarray, kinds: list[str] | N
     """MARGIN x the envelope of the spread (`widest_spread`) along axis 1 (steps): at step index t, the
     largest spread over indices 0 .. max(2t, t + LOOKAHEAD). Non-finite spreads count as none. For records
     whose kind (`kinds`, one per record) carries from step to step, the envelope is at least the
-    pooled drift (`pooled_drift`)."""
+    pooled drift (`pooled_drift`); a module output that is a weight as it is (`weight_copies`) takes
+    that weight's envelope."""
     spread = np.where(np.isfinite(spread), spread, 0.0)
     steps = spread.shape[1]
     running = np.maximum.accumulate(spread, axis=1)
@@ -344,10 +345,28 @@ def band_half_width(golden: np.ndarray, spread: np.ndarray, kinds: list[str] | N
     envelope = running[:, reach]
     if kinds is not None:
         envelope = np.maximum(envelope, pooled_drift(golden, envelope, kinds))
+        for output, weight in weight_copies(golden, kinds):
+            envelope[output] = np.maximum(envelope[output], envelope[weight])
     # never narrower than what an fp32 statistic resolves: two golden runs may agree to the last bit
     # (an Adam update is nearly the sign of its gradient), where one fp32 ulp more is no departure
     resolution = np.spacing(np.abs(np.where(np.isfinite(golden), golden, 0.0)).astype(np.float32)).astype(np.float64)
     return MARGIN * np.maximum(envelope, resolution)
+
+
+def weight_copies(golden: np.ndarray, kinds: list[str]) -> list[tuple[int, int]]:
+    """(activation, weight) record indices whose golden statistics are the same at every monitored step:
+    a module whose output is its weight as it is (a learned position embedding looked up at all its
+    positions: GPT-2's and makemore's wpe with the sequence at block_size). That output carries the
+    weight's drift from step to step as the weight does, so it is judged on the weight's band: on its
+    own spread (one golden pair's sample, not pooled), makemore's clean bf16 run put wpe's output
+    1.56x outside its band where the weight stayed at 0.13x of its own."""
+    values = slice(0, STATS.index("nan"))
+    weights: dict[bytes, int] = {}
+    for index, kind in enumerate(kinds):
+        if kind == "weight" and np.isfinite(golden[index, :, values]).all():
+            weights.setdefault(golden[index, :, values].tobytes(), index)
+    return [(index, weights[key]) for index, kind in enumerate(kinds)
+            if kind == "activation" and (key := golden[index, :, values].tobytes()) in weights]
 
 
 def pooled_drift(golden: np.ndarray, envelope: np.ndarray, kinds: list[str]) -> np.ndarray:

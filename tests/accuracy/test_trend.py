@@ -485,3 +485,39 @@ def test_a_carried_records_band_is_at_least_the_pooled_drift_of_the_golden_pair(
     assert np.allclose(half[2, late, values], MARGIN * (rate * movement[late])[:, None], rtol=1e-6)
     assert np.allclose(half[3], MARGIN * np.maximum(1e-6, np.spacing(np.float32(path))[:, None]), rtol=1e-3)
     assert np.all(half[1] >= MARGIN * 1e-5 * movement[:, None] * (1 - 1e-9))  # its own spread, where larger
+
+
+def _write_weight_and_copy(folder: Path, weight_mean: list[float], other_mean: list[float]) -> Path:
+    """A monitor of a position embedding whose output is its whole table (wpe.weight's statistics, the
+    activation wpe's the same) and of another weight (fc.weight), both moving 0.01 a step at their
+    extremes; `*_mean`: each one's mean per step."""
+    (folder / "rank0").mkdir(parents=True, exist_ok=True)
+    rows = ["step,kind,name,dtype,max,min,mean,norm,nan,inf"]
+    for step, (mean, other) in enumerate(zip(weight_mean, other_mean)):
+        extremes = f"{1 + 0.01 * step!r},{-1 - 0.01 * step!r}"
+        rows += [f"{step},activation,wpe,float32,{extremes},{mean!r},10.0,0.0,0.0",
+                 f"{step},weight,wpe.weight,float32,{extremes},{mean!r},10.0,0.0,0.0",
+                 f"{step},weight,fc.weight,float32,{extremes},{other!r},10.0,0.0,0.0"]
+    (folder / "rank0" / "monitor.csv").write_text("\n".join(rows) + "\n")
+    return folder
+
+
+def test_an_output_that_is_its_modules_weight_is_judged_with_the_weights_band(tmp_path):
+    """A learned position embedding over all its positions outputs its weight as it is (makemore's and
+    GPT-2's wpe with the sequence at block_size): the activation carries the weight's drift from step to
+    step, so its band is the weight's (the pooled drift of the golden pair's weights), not its own spread:
+    on makemore's clean bf16 run wpe's output mean was named at 1.56x its band, the weight at 0.13x."""
+    steps = 40
+    golden = _write_weight_and_copy(tmp_path / "golden", [0.0] * steps, [0.0] * steps)
+    # the golden pair drifted fc.weight's mean 1e-4 per step (0.01 per unit its extremes moved) and,
+    # by luck, wpe's 1e-9
+    _write_weight_and_copy(tmp_path / "golden.perturbed", [1e-9 * t for t in range(steps)],
+                           [1e-4 * t for t in range(steps)])
+    clean = compare_trend(golden, _write_weight_and_copy(tmp_path / "npu", [1e-4 * t for t in range(steps)],
+                                                         [0.0] * steps))
+    assert clean.departures == [], clean.headline()
+    # a weight that really departs is still named, the weight before its output
+    far = compare_trend(golden, _write_weight_and_copy(tmp_path / "far", [1e-2 * t for t in range(steps)],
+                                                       [0.0] * steps))
+    assert [(d.record(), d.statistic) for d in far.departures[:2]] == [("weight wpe.weight", "mean"),
+                                                                      ("activation wpe", "mean")]
