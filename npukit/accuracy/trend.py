@@ -177,7 +177,7 @@ class TrendResult:
         if first is None:
             return (f"No trend divergence: over {span} ({len(self.steps)} monitored, rank(s) "
                     f"{_ranks_text(self.ranks)}), all {self.series} statistics of {self.records} records stay "
-                    "inside the band the two golden runs spread over")
+                    "inside the band the golden runs spread over")
         rank = f" on rank {first.rank}" if len(self.ranks) > 1 else ""
         where = f"in the model's {first.kind}" if first.kind in SCALARS else f"in {first.module()} ({first.what()})"
         return (f"Trend divergence: the NPU run leaves the golden band at step {first.first_step}{rank}, "

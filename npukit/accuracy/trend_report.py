@@ -23,7 +23,7 @@ _PLOT_POINTS = 800  # at most this many steps drawn per line (evenly spaced, the
 
 
 def band_text() -> str:
-    return (f"band: the golden run +- {MARGIN:g}x the largest spread of the two golden runs up to twice the step "
+    return (f"band: the golden run +- {MARGIN:g}x the largest spread of the perturbed golden run(s) from it up to twice the step "
             f"(at least {LOOKAHEAD} monitored steps ahead; for weights and optimizer state, at least their movement x the "
             f"{DRIFT_QUANTILE:.0%} quantile of the golden pair's drift per movement over all of them); a departure is "
             f"{PERSIST} monitored steps in a row outside it")
