@@ -3,8 +3,12 @@
     nan/inf        the first record of the step (forward order: activations, then gradients) with a
                    non-finite value, and its statistic
     turbulence     a norm beyond (1 + threshold) x its running mean (msprobe's AnomalyTurbulence);
-                   Adam's exp_avg_sq, a mean of squared gradients, beyond (1 + threshold)^2 x
-    loss spike     the loss beyond (1 + loss_spike) x its running mean
+                   Adam's exp_avg_sq, a mean of squared gradients, beyond (1 + threshold)^2 x; a
+                   norm of zero carries no scale and is not taken in (a LayerNorm's bias, zero at
+                   initialization, doubled each step of its first few and was called turbulent)
+    loss spike     the loss beyond (1 + loss_spike) x its running mean and beyond loss_spike_sigmas
+                   running standard deviations above it: a small batch's loss varies by itself (a
+                   regression over 16 random rows reached 2.7x its running mean, 5.3 deviations)
     grad-norm      the total gradient norm beyond grad_norm_growth x its running mean
     skipped steps  GradScaler skipped every one of the last skipped_steps monitored steps
     forecast       an activation's or gradient's abs-max past the square root of its dtype's largest
@@ -37,7 +41,8 @@ _EMA_DECAY = 0.9
 @dataclass
 class AlertRules:
     turbulence: float = 9.0  # a norm beyond 10x its running mean
-    loss_spike: float = 1.0  # a loss twice its running mean
+    loss_spike: float = 1.0  # a loss twice its running mean ...
+    loss_spike_sigmas: float = 8.0  # ... and this many running standard deviations above it
     grad_norm_growth: float = 10.0
     warmup: int = 5
     forecast_steps: int = 50
@@ -97,6 +102,7 @@ class Alerts:
         self._means: dict[tuple[str, str], tuple[float, int]] = {}  # (kind, name) -> (running mean, samples)
         self._history: dict[tuple[str, str], deque] = {}  # (kind, name) -> (step, log abs-max)
         self._skipped_since: tuple[int, float | None, int] | None = None  # first step, its scale, steps
+        self._loss_variance = 0.0
 
     def judge(self, step: int, records: list[Record], loss: float | None, grad_norm: float | None,
               skipped: bool, loss_scale: float | None) -> list[Alert]:
@@ -118,7 +124,7 @@ class Alerts:
             norm = record.values[3]
             if record.values[4] or record.values[5] or not math.isfinite(norm):
                 continue
-            mean = self._running(("norm", f"{record.kind}:{record.name}"), abs(norm))
+            mean = self._running(("norm", f"{record.kind}:{record.name}"), abs(norm)) if norm else None
             # Adam's exp_avg_sq holds squared gradients: a gradient (1 + threshold)x its usual size
             # shows there squared (a 3x gradient, normal in a small layer's first steps, is 9x)
             factor = (1 + self.rules.turbulence) ** (2 if record.kind == "exp_avg_sq" else 1)
@@ -131,8 +137,10 @@ class Alerts:
                 if forecast is not None:
                     found.append(forecast)
         if loss is not None and math.isfinite(loss):
+            deviation = self._running_deviation(loss)
             mean = self._running(("loss", ""), loss)
-            if mean is not None and mean > 0 and loss > (1 + self.rules.loss_spike) * mean:
+            if (mean is not None and mean > 0 and loss > (1 + self.rules.loss_spike) * mean
+                    and loss - mean > self.rules.loss_spike_sigmas * deviation):
                 found.append(Alert(step, "loss spike", "loss", "value", loss,
                                    f"step {step}: loss {loss:.4g}, {loss / mean:.1f}x its running mean {mean:.4g}"))
         if grad_norm is not None and math.isfinite(grad_norm) and not skipped:
@@ -166,6 +174,15 @@ class Alerts:
                      f"step {step}: GradScaler skipped every step since step {first} (loss scale "
                      f"{first_scale:g} -> {loss_scale:g}): the model is not training; npu-run --detect-overflow "
                      "names the op that overflows (or, in saturation mode, saturates)")
+
+    def _running_deviation(self, loss: float) -> float:
+        """The loss's running standard deviation before this value (its exponential variance about
+        the running mean, as the mean decays); then takes the value in."""
+        mean, samples = self._means.get(("loss", ""), (loss, 0))
+        variance = self._loss_variance
+        if samples:
+            self._loss_variance = _EMA_DECAY * (variance + (1 - _EMA_DECAY) * (loss - mean) ** 2)
+        return math.sqrt(variance)
 
     def _running(self, key: tuple[str, str], value: float) -> float | None:
         """The running mean before this value (None during the warmup); then takes the value in."""

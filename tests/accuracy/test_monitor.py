@@ -676,3 +676,45 @@ def test_adams_second_moment_is_judged_in_gradient_units():
 
     assert turbulence([1.0] * 6 + [5.0] + [1.0] * 3) == []
     assert turbulence([1.0] * 6 + [30.0] + [1.0] * 3) == ["norm.weight:grad", "norm.weight:exp_avg_sq"]
+
+
+def test_a_weight_growing_from_zero_is_not_turbulence_a_jump_is():
+    """A LayerNorm's bias starts at zero; under SGD with momentum its norm doubled each step (0, 0.00068,
+    0.0011 ... 0.0085 at step 5): against a running mean that began at zero, 11.7x its mean, an alert on
+    a clean run. A zero norm carries no scale now; a weight that then jumps 30x still alerts."""
+    from npukit.accuracy.monitor_alerts import Alerts, Record
+
+    def turbulence(norms):
+        alerts, found = Alerts(), []
+        for step, norm in enumerate(norms):
+            record = Record("weight", "norm.bias", torch.float32, [norm, -norm, 0.0, norm, 0.0, 0.0])
+            found += [(a.step, a.name) for a in alerts.judge(step, [record], None, None, False, None)
+                      if a.rule == "turbulence"]
+        return found
+
+    growing = [0.0, 0.000675, 0.00109, 0.00205, 0.00404, 0.00847, 0.00956, 0.0104, 0.0111, 0.0117]
+    assert turbulence(growing) == []
+    assert turbulence(growing + [0.35]) == [(10, "norm.bias:weight")]
+
+
+def test_a_loss_spike_stands_out_of_the_losses_own_variation():
+    """A small batch's loss varies by itself: over 2,000 steps of a regression on 16 random rows (a
+    mean of 16 squared errors) the loss reached 2.7x its running mean with no cause, and was called a
+    spike. A spike is now also 8 running standard deviations above the mean; a loss 6x its level is."""
+    import random
+
+    from npukit.accuracy.monitor_alerts import Alerts
+
+    def spikes(losses):
+        alerts = Alerts()
+        return [alert.step for step, loss in enumerate(losses)
+                for alert in alerts.judge(step, [], loss, None, False, None) if alert.rule == "loss spike"]
+
+    draw = random.Random(0)
+    noisy = [0.43 * sum(draw.gauss(0, 1) ** 2 for _ in range(16)) / 16 for _ in range(2000)]
+    assert max(loss / (sum(noisy[:100]) / 100) for loss in noisy) > 2.4  # as noisy as the run was
+    assert spikes(noisy) == []
+    spiked = noisy[:1500] + [6 * 0.43] + noisy[1501:]
+    assert spikes(spiked) == [1500]
+    steady = [2.0 + 0.01 * draw.gauss(0, 1) for _ in range(200)]  # a language model's loss, 0.5% noise
+    assert spikes(steady[:150] + [4.2] + steady[151:]) == [150]
