@@ -220,6 +220,8 @@ def test_the_rank_that_departs_first_a_nan_and_a_run_that_stopped_early(tmp_path
     # rank 0's departure follows; the steps compared are those rank 1 monitored too, and a note says so
     assert [(d.rank, d.first_step, d.last_step) for d in result.departures] == [(1, 40, 59), (0, 50, 59)]
     assert result.steps == list(range(60)) and any("steps 0-59 compared" in note for note in result.notes)
+    # a nan is out of any band: no second draw of the rounding would widen it to that
+    assert not any("--perturb-seed" in note for note in result.notes)
 
 
 def test_a_second_perturbed_run_is_a_second_draw_of_the_band(tmp_path):
