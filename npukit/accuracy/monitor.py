@@ -93,6 +93,7 @@ class MonitorSession:
         self._steps = TrainingSteps(self._on_step_end)
         self._paths = naming.ModulePaths()
         self._kept: dict[str, bool] = {}  # module path -> the filter keeps it
+        self._module_names: dict[int, tuple[weakref.ref, str, bool]] = {}  # id(module) -> (it, path, kept)
         # id(parameter) -> (a weak reference to it, its name, its module's path): tensors compare by
         # value, so no WeakKeyDictionary
         self._parameter_names: dict[int, tuple[weakref.ref, str, str]] = {}
@@ -257,9 +258,15 @@ class MonitorSession:
             return
         # named as the dump names it: from the outermost running module; a module with nothing
         # above it running (a layer called outside its model's forward) by its owner's attribute path
-        outer = outermost if outermost is not module else None
-        path = naming.module_path(self._paths, module, outer) or type(module).__name__
-        if not self._keeps(path):
+        named = self._module_names.get(id(module))
+        if named is None or named[0]() is not module:
+            outer = outermost if outermost is not module else None
+            path = naming.module_path(self._paths, module, outer) or type(module).__name__
+            names, key = self._module_names, id(module)
+            # a module's path, once given, is its own: looked up once (dropped with the module)
+            named = names[key] = (weakref.ref(module, lambda _: names.pop(key, None)), path, self._keeps(path))
+        _, path, kept = named
+        if not kept:
             return
         calls = self._step.calls.get(path, 0)
         self._step.calls[path] = calls + 1
