@@ -47,7 +47,7 @@ class AlertRules:
     warmup: int = 5
     forecast_steps: int = 50
     forecast_window: int = 6
-    forecast_min_growth: float = 0.005  # slower than 0.5% a step is no trend
+    forecast_min_growth: float = 0.005  # slower than 0.5% a step is no trend, unless by a steady amount
     skipped_steps: int = 10  # GradScaler skipping this many monitored steps in a row
 
 
@@ -212,15 +212,17 @@ class Alerts:
         samples = list(history)
         slopes = [(b_log - a_log) / (b_step - a_step) for (a_step, a_log), (b_step, b_log) in zip(samples, samples[1:])]
         slope = min(slopes)
-        if slope < math.log1p(self.rules.forecast_min_growth):
+        if slope <= 0:
             return None  # not growing at every sample: no trend to extrapolate
-        steps_left = (math.log(largest) - samples[-1][1]) / slope
         # a value that grows by a steady amount (a feature rising with the step) grows ever slower in
         # proportion: its rate falls at every sample, and it reaches the largest value at that amount
         increments = [(math.exp(b_log) - math.exp(a_log)) / (b_step - a_step)
                       for (a_step, a_log), (b_step, b_log) in zip(samples, samples[1:])]
         steady = all(later < earlier for earlier, later in zip(slopes, slopes[1:])) and \
             max(increments) <= 1.5 * min(increments)
+        if slope < math.log1p(self.rules.forecast_min_growth) and not steady:
+            return None  # a slow creep of changing pace is no trend; a steady amount is, however slow
+        steps_left = (math.log(largest) - samples[-1][1]) / slope
         if steady:
             steps_left = (largest - abs_max) / increments[-1]
         if steps_left > self.rules.forecast_steps:

@@ -596,6 +596,12 @@ def test_a_value_growing_by_a_steady_amount_is_forecast_at_that_amount_not_at_it
     assert abs(steps_left - (65504 - (60000 + 330 * near_the_top[0].step)) / 330) <= 1
     exponential = forecasts([300.0 * 1.2 ** step for step in range(30)])
     assert exponential and "20% a step" in exponential[0].message
+    # 12 a step at 64.8k is 0.02% a step, under the 0.5% a trend needs, yet fp16's top is 59 steps away:
+    # a steady amount is a trend however slow in proportion; named 50 steps ahead
+    slow = forecasts([64800.0 + 12.0 * step for step in range(60)])
+    assert [alert.step for alert in slow] == [9] and "growing by 12 a step" in slow[0].message
+    # near the top but not growing by a steady amount: no trend
+    assert forecasts([64800.0 + 12.0 * step + 30.0 * (step % 2) for step in range(60)]) == []
 
 
 def _train_compiled(session_dir: Path, compile_model, steps: int = 3) -> list[dict]:
