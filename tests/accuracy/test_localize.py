@@ -119,7 +119,8 @@ def test_the_reruns_replace_the_users_watching_options_and_keep_the_rest(tmp_pat
 
 ELAPSED_TIME = '''\
 """A regressor over sensor readings and the time elapsed, in fp16 (autocast, GradScaler): the elapsed
-time, unnormalized, grows 3500 a step and passes fp16's largest value at step 19."""
+time, unnormalized, grows argv[2] a step (3500: embed's output passes fp16's largest value at step 19;
+35: at step 1872)."""
 import sys
 import torch
 import torch.nn as nn
@@ -144,7 +145,7 @@ scaler = torch.amp.GradScaler("npu", init_scale=1024.0)
 data = torch.Generator().manual_seed(1)
 for step in range(int(sys.argv[1])):
     readings = torch.randn(16, 8, generator=data)
-    x = torch.cat([readings, torch.full((16, 1), 3500.0 * step)], dim=1).to("npu")
+    x = torch.cat([readings, torch.full((16, 1), float(sys.argv[2]) * step)], dim=1).to("npu")
     y = readings[:, :1].sin().to("npu")
     with torch.autocast("npu", dtype=torch.float16):
         loss = (model(x).float() - y).square().mean()
@@ -157,11 +158,13 @@ print("final loss", loss.item())
 
 
 @pytest.mark.slow
-def test_from_the_trend_to_the_op_and_a_fix_that_keeps_the_run_inside_the_band(tmp_path):
-    """As a user runs it: a golden monitor, a perturbed one and the NPU run's; --trend names embed's
-    output leaving the band at step 19 (inf: outside any band); --localize re-runs to step 19 (the NPU
-    run from the golden state) and names embed's linear and the fix computing it in fp32; the run with
-    that fix, monitored again, stays inside the band over all 25 steps."""
+@pytest.mark.parametrize(("steps", "growth", "departs"), [(25, "3500", 19), (2000, "35", 1872)])
+def test_from_the_trend_to_the_op_and_a_fix_that_keeps_the_run_inside_the_band(tmp_path, steps, growth, departs):
+    """As a user runs it: a golden monitor, a perturbed one and the NPU run's (the golden runs raise no
+    alert, the NPU run only the overflow's forecast before it); --trend names embed's output leaving the band at step 19 (of 25; 1872 of 2,000: inf,
+    outside any band); --localize re-runs to that step (the NPU run from the golden state) and names
+    embed's linear and the fix computing it in fp32; the run with that fix, monitored again, stays
+    inside the band over every step and raises no alert."""
     import json
 
     def compare(*args: str) -> subprocess.CompletedProcess:
@@ -170,17 +173,24 @@ def test_from_the_trend_to_the_op_and_a_fix_that_keeps_the_run_inside_the_band(t
                               env={**os.environ, "COLUMNS": "200"})
 
     (tmp_path / "train.py").write_text(ELAPSED_TIME)
+    script = ["train.py", str(steps), growth]
     for options in (["--golden", "--monitor", "golden"], ["--golden-perturb", "fp16", "--monitor", "perturbed"],
                     ["--monitor", "npu"]):
-        run = npu_run(*options, "train.py", "25", cwd=tmp_path)
+        run = npu_run(*options, *script, cwd=tmp_path)
         assert run.returncode == 0, run.stderr
+        alerts = [line for line in run.stderr.splitlines() if line.startswith("npukit monitor: step")]
+        early = [line for line in alerts if int(line.split()[3].rstrip(":")) < departs]
+        if "golden" in options[0]:
+            assert alerts == [], run.stderr
+        else:  # before the inf, only the forecast of it
+            assert all("fp16 overflow in about" in line for line in early) and len(early) < len(alerts), run.stderr
     assert "final loss nan" in run.stdout  # the NPU run
     trend = compare("--trend", "golden", "npu", "--perturbed", "perturbed")
     assert trend.returncode == 1, trend.stdout + trend.stderr
-    assert "leaves the golden band at step 19, in embed" in " ".join(trend.stdout.split())
+    assert f"leaves the golden band at step {departs}, in embed" in " ".join(trend.stdout.split())
 
     localized = compare("--trend", "golden", "npu", "--perturbed", "perturbed", "--localize", "--localize-dir", "loc",
-                        "--", sys.executable, "-m", "npukit.run", "--monitor", "npu", "train.py", "25")
+                        "--", sys.executable, "-m", "npukit.run", "--monitor", "npu", *script)
     assert localized.returncode == 1, localized.stdout + localized.stderr
     report = json.loads((tmp_path / "loc" / "compare.json").read_text())
     named = report["pairs"][0]["first_divergence"]
@@ -188,10 +198,11 @@ def test_from_the_trend_to_the_op_and_a_fix_that_keeps_the_run_inside_the_band(t
     fix = json.loads((tmp_path / "loc" / "find-fix.json").read_text())["fix"]
     assert [(change["kind"], change["api"], change["module"]) for change in fix] == [("fp32", "Functional.linear", "embed")]
 
-    fixed = npu_run("--precision-fix", "loc/find-fix/fix.json", "--monitor", "fixed", "train.py", "25", cwd=tmp_path)
+    fixed = npu_run("--precision-fix", "loc/find-fix/fix.json", "--monitor", "fixed", *script, cwd=tmp_path)
     assert fixed.returncode == 0, fixed.stderr
+    assert "npukit monitor: step" not in fixed.stderr
     final = float(fixed.stdout.split("final loss")[1])
     assert math.isfinite(final) and final < 10  # it trained through step 19
     inside = compare("--trend", "golden", "fixed", "--perturbed", "perturbed")
     assert inside.returncode == 0, inside.stdout + inside.stderr
-    assert "No trend divergence: over steps 0-24" in " ".join(inside.stdout.split())
+    assert f"No trend divergence: over steps 0-{steps - 1}" in " ".join(inside.stdout.split())
