@@ -182,8 +182,8 @@ class TrendResult:
         where = f"in the model's {first.kind}" if first.kind in SCALARS else f"in {first.module()} ({first.what()})"
         return (f"Trend divergence: the NPU run leaves the golden band at step {first.first_step}{rank}, "
                 f"{where}, and stays out through step "
-                f"{first.last_step}: NPU {_short(first.npu)}, golden {_short(first.golden)}, band "
-                f"+-{_short(first.half_width)} ({_times(first.times_out())} its half-width; at most "
+                f"{first.last_step}: NPU {short_value(first.npu, first.half_width)}, golden "
+                f"{short_value(first.golden, first.half_width)}, band +-{short_value(first.half_width)} ({_times(first.times_out())} its half-width; at most "
                 f"{_times(first.peak)} over those steps)")
 
     def as_json(self) -> dict:
@@ -198,8 +198,15 @@ class TrendResult:
                 "departures": [d.as_json() for d in self.departures]}
 
 
-def _short(value: float) -> str:
-    return f"{value:.4g}" if math.isfinite(value) else str(value)
+def short_value(value: float, resolve: float | None = None) -> str:
+    """`value` to 4 significant digits, or to as many as show a tenth of `resolve` (the band's half-width):
+    an NPU value a band outside the golden one is not printed as the same number (wpe's norm: 31.64 both)."""
+    if not math.isfinite(value):
+        return str(value)
+    digits = 4
+    if resolve is not None and math.isfinite(resolve) and resolve > 0 and value != 0:
+        digits = min(12, max(4, math.floor(math.log10(abs(value))) - math.floor(math.log10(resolve / 10)) + 1))
+    return f"{value:.{digits}g}"
 
 
 def _times(value: float) -> str:

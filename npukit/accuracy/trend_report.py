@@ -14,7 +14,16 @@ from pathlib import Path
 import numpy as np
 
 from npukit.accuracy import report_page
-from npukit.accuracy.trend import DRIFT_QUANTILE, LOOKAHEAD, MARGIN, PERSIST, SCALARS, Series, TrendResult
+from npukit.accuracy.trend import (
+    DRIFT_QUANTILE,
+    LOOKAHEAD,
+    MARGIN,
+    PERSIST,
+    SCALARS,
+    Series,
+    TrendResult,
+    short_value,
+)
 from npukit.files import write_text_atomic
 
 _DEPARTURE_COLUMNS = ("rank", "module", "kind", "name", "statistic", "first_step", "last_step", "golden",
@@ -45,8 +54,10 @@ def print_trend(result: TrendResult, console, top: int = 20) -> None:
                              else "right")
         for departure in result.departures[:top]:
             table.add_row(str(departure.rank), departure.module(), departure.record(), departure.statistic,
-                          f"{departure.first_step}-{departure.last_step}", _short(departure.golden),
-                          _short(departure.npu), _short(departure.half_width), _times(departure.times_out()),
+                          f"{departure.first_step}-{departure.last_step}",
+                          short_value(departure.golden, departure.half_width),
+                          short_value(departure.npu, departure.half_width), short_value(departure.half_width),
+                          _times(departure.times_out()),
                           _times(departure.peak))
         console.print(table)
         if len(result.departures) > top:
@@ -54,10 +65,6 @@ def print_trend(result: TrendResult, console, top: int = 20) -> None:
     console.print(band_text())
     style = "bold red" if result.departures else "bold green"
     console.print(f"[{style}]{escape(result.headline())}[/]")
-
-
-def _short(value: float) -> str:
-    return f"{value:.4g}" if math.isfinite(value) else str(value)
 
 
 def _times(value: float) -> str:
@@ -104,8 +111,9 @@ def write_trend_html(result: TrendResult, path: Path) -> Path:
                    + "".join(f"<th>{c}</th>" for c in ("rank", "module", "record", "statistic", "steps out", "golden",
                                                        "perturbed golden", "NPU", "band +-", "x band", "at most")) + "</tr>")
         for index, d in enumerate(result.departures[:500]):
-            cells = (d.rank, d.module(), d.record(), d.statistic, f"{d.first_step}-{d.last_step}", _short(d.golden),
-                     _short(d.perturbed), _short(d.npu), _short(d.half_width), _times(d.times_out()), _times(d.peak))
+            cells = (d.rank, d.module(), d.record(), d.statistic, f"{d.first_step}-{d.last_step}",
+                     *(short_value(value, d.half_width) for value in (d.golden, d.perturbed, d.npu)),
+                     short_value(d.half_width), _times(d.times_out()), _times(d.peak))
             css = " class='first'" if index == 0 else ""
             out.append(f"<tr{css}>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>")
         out.append("</table>")

@@ -523,3 +523,14 @@ def test_an_output_that_is_its_modules_weight_is_judged_with_the_weights_band(tm
                                                        [0.0] * steps))
     assert [(d.record(), d.statistic) for d in far.departures[:2]] == [("weight wpe.weight", "mean"),
                                                                       ("activation wpe", "mean")]
+
+
+def test_the_npu_and_golden_values_are_printed_to_the_digits_that_tell_them_apart(tmp_path):
+    """makemore's wpe output norm left its band (+-5.4e-05) with 'NPU 31.64, golden 31.64': 4 significant
+    digits could not show the difference the verdict was about."""
+    golden = _write_monitor(tmp_path / "golden", [31.64] * 40)
+    _write_monitor(tmp_path / "golden.perturbed", [31.64 + 1e-6 * (-1) ** step for step in range(40)])
+    result = compare_trend(golden, _write_monitor(tmp_path / "npu", [31.64] * 10 + [31.64006] * 30))
+    assert "NPU 31.64006, golden 31.64, band" in result.headline()
+    code, output = _trend_cli(golden, tmp_path / "npu")
+    assert code == 1 and "31.64006" in output
