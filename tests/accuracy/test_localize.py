@@ -158,6 +158,7 @@ print("final loss", loss.item())
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # 2,000 steps: three monitored runs, the re-runs to step 1872 and the fixed run (~5 min quiet)
 @pytest.mark.parametrize(("steps", "growth", "departs"), [(25, "3500", 19), (2000, "35", 1872)])
 def test_from_the_trend_to_the_op_and_a_fix_that_keeps_the_run_inside_the_band(tmp_path, steps, growth, departs):
     """As a user runs it: a golden monitor, a perturbed one and the NPU run's (the golden runs raise no
