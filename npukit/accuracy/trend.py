@@ -343,8 +343,8 @@ def band_half_width(golden: np.ndarray, spread: np.ndarray, kinds: list[str] | N
     """MARGIN x the envelope of the spread (`widest_spread`) along axis 1 (steps): at step index t, the
     largest spread over indices 0 .. max(2t, t + LOOKAHEAD). Non-finite spreads count as none. For records
     whose kind (`kinds`, one per record) carries from step to step, the envelope is at least the
-    pooled drift (`pooled_drift`); a module output that is a weight as it is (`weight_copies`) takes
-    that weight's envelope."""
+    pooled drift (`pooled_drift`), and a weight's max and min at least its norm's; a module output that
+    is a weight as it is (`weight_copies`) takes that weight's envelope."""
     spread = np.where(np.isfinite(spread), spread, 0.0)
     steps = spread.shape[1]
     running = np.maximum.accumulate(spread, axis=1)
@@ -352,6 +352,15 @@ def band_half_width(golden: np.ndarray, spread: np.ndarray, kinds: list[str] | N
     envelope = running[:, reach]
     if kinds is not None:
         envelope = np.maximum(envelope, pooled_drift(golden, envelope, kinds))
+        # a weight's largest and smallest elements can change hands: an element the loss leaves free (an
+        # attention key's bias: softmax ignores a shift) has rounding noise for a gradient in a low-precision
+        # run, which Adam turns into steps of its learning rate, and it may walk past the extreme on one run
+        # and not on another. An extreme moves no more than the elements do, and the norm's spread measures
+        # how far they moved (randomly signed changes move the norm by about their rms)
+        weights = np.array([kind == "weight" for kind in kinds], dtype=bool)
+        norm = envelope[weights, :, STATS.index("norm")]
+        for extreme in (STATS.index("max"), STATS.index("min")):
+            envelope[weights, :, extreme] = np.maximum(envelope[weights, :, extreme], norm)
         for output, weight in weight_copies(golden, kinds):
             envelope[output] = np.maximum(envelope[output], envelope[weight])
     # never narrower than what an fp32 statistic resolves: two golden runs may agree to the last bit

@@ -534,3 +534,29 @@ def test_the_npu_and_golden_values_are_printed_to_the_digits_that_tell_them_apar
     assert "NPU 31.64006, golden 31.64, band" in result.headline()
     code, output = _trend_cli(golden, tmp_path / "npu")
     assert code == 1 and "31.64006" in output
+
+
+def _write_weight(folder: Path, maxima: list[float], norms: list[float]) -> Path:
+    """A monitor of one weight (fc.weight) whose largest element and norm take these values."""
+    (folder / "rank0").mkdir(parents=True, exist_ok=True)
+    rows = ["step,kind,name,dtype,max,min,mean,norm,nan,inf"]
+    rows += [f"{step},weight,fc.weight,float32,{largest!r},-1.0,0.0,{norm!r},0.0,0.0"
+             for step, (largest, norm) in enumerate(zip(maxima, norms))]
+    (folder / "rank0" / "monitor.csv").write_text("\n".join(rows) + "\n")
+    return folder
+
+
+def test_a_weights_largest_element_may_change_hands_as_far_as_the_norm_says_its_elements_moved(tmp_path):
+    """makemore's attention key bias gets rounding noise for a gradient (softmax ignores a shift), which
+    Adam turns into steps of its learning rate: on each low-precision run its elements walked (0.01 rms on
+    the perturbed run as on the NPU run), and on the NPU run one walked past the bias's largest element
+    (c_attn.bias max, 2x its band at step 290; in 3 of 3 clean runs at some layer's max or min), where the
+    perturbed runs' largest stayed the same element. The norm's spread shows how far the elements move."""
+    steps = 40
+    golden = _write_weight(tmp_path / "golden", [1.0] * steps, [10.0] * steps)
+    _write_weight(tmp_path / "golden.perturbed", [1.0] * steps, [10.0 + 1e-3 * (-1) ** step for step in range(steps)])
+    crossed = compare_trend(golden, _write_weight(tmp_path / "npu", [1.0] * 20 + [1.003] * 20, [10.0] * steps))
+    assert crossed.departures == [], crossed.headline()
+    # a largest element far beyond what the elements moved still leaves the band
+    far = compare_trend(golden, _write_weight(tmp_path / "far", [1.0] * 20 + [1.02] * 20, [10.0] * steps))
+    assert (far.first().statistic, far.first().first_step) == ("max", 20)
