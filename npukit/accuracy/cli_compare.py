@@ -164,7 +164,8 @@ def run_trend_command(golden: Path, npu: Path, perturbed: list[Path] | None, csv
     leave the band of the golden and perturbed golden runs (npukit/accuracy/trend.py). Returns the exit
     code: 1 on a trend divergence, 0 without, trend.PAIRING_EXIT_CODE when the monitors do not pair.
     `localize` (--localize: the NPU run's command, the find-fix runs, the folder): then re-run to the
-    departure's step and compare it there (localize.py); the exit code is that compare's."""
+    departure's step and compare it there (localize.py); the exit code is that compare's, and 1 still when
+    that step shows no divergence of its own (the trend's divergence stands)."""
     from npukit.accuracy.trend import PAIRING_EXIT_CODE, MonitorsDoNotPair, compare_trend
     from npukit.accuracy.trend_report import print_trend, write_trend_csv, write_trend_html, write_trend_json
 
@@ -192,6 +193,13 @@ def run_trend_command(golden: Path, npu: Path, perturbed: list[Path] | None, csv
             return result.exit_code()
         from npukit.accuracy.localize import localize as localize_departure
 
-        return localize_departure(result.first(), localize.command, localize.work, console, localize.max_runs, top,
+        code = localize_departure(result.first(), localize.command, localize.work, console, localize.max_runs, top,
                                   workers)
+        if code == 0:  # (exit 0 would tell a script the NPU run trains as the golden one does)
+            console.print(f"localize: step {result.first().first_step}, computed from the golden state, shows no "
+                          "divergence of its own; the trend divergence above stands (exit 1): it built up over "
+                          "steps each within tolerance, or an op's error is within tolerance of what it writes "
+                          "(an update lost against the weight it is added to)")
+            return result.exit_code()
+        return code
     return result.exit_code()
