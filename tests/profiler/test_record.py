@@ -208,6 +208,9 @@ def test_a_tensor_swap_while_recording_goes_ahead_and_recording_resumes_at_the_n
             for step in range(4):
                 model(torch.randn(2, 4)).sum().backward()
                 optimizer.step()
+                # (without it, to_empty also swaps each .grad for uninitialized memory: the next step
+                # accumulated into it, and a nan from that memory failed the check below now and then)
+                optimizer.zero_grad()
                 if step == 1:
                     model.to_empty(device="cpu")  # swaps each parameter
                     model.reset_parameters()
