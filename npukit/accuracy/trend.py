@@ -497,13 +497,14 @@ def compare_trend(golden: Path, npu: Path, perturbed: Path | list[Path] | None =
         g, *each, n = (_aligned(monitor, records, len(steps)) for monitor in monitors)
         identical = [same and bool(np.array_equal(g, q, equal_nan=True)) for same, q in zip(identical, each)]
         alike = alike and all(np.array_equal(each[0], q, equal_nan=True) for q in each[1:])
-        p, spread = each[0], widest_spread(g, each)
         skipped = [column for column, step in enumerate(steps) if any(step in m.skipped for m in monitors)]
         if skipped:  # (a skipped step's optimizer did not step: the weights say what that cost)
             gradients = [row for row, (kind, _) in enumerate(records) if kind in _SKIPPED_STEP_RECORDS]
             g[np.ix_(gradients, skipped)] = np.nan
             notes.append(f"rank {rank}: {len(skipped)} step(s) GradScaler skipped (from step {steps[skipped[0]]}): "
                          "their gradients are not judged")
+        # (after the skipped steps are blanked: their scaled gradients neither are judged nor widen the band)
+        p, spread = each[0], widest_spread(g, each)
         half = band_half_width(g, spread, [kind for kind, _ in records])
         start, last = first_stretch(np.moveaxis(outside_band(g, spread, n, half), 1, 2), PERSIST)  # [record, stat]
         records_count = len(records)

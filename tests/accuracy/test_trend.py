@@ -413,6 +413,22 @@ def test_gradients_of_the_steps_grad_scaler_skipped_are_not_judged_but_the_weigh
     assert first is not None and first.kind == "weight"  # the updates the skipped steps did not make show
 
 
+def test_gradients_of_skipped_steps_do_not_widen_the_band(tmp_path):
+    """A perturbed run whose GradScaler skipped its first steps recorded scaled gradients there (finite,
+    200x): they are not judged, and they do not widen the gradients' band for the steps after either."""
+    steps = 40
+    weights = [1.0 - 0.01 * step for step in range(steps)]
+    grads = [0.5 + 0.001 * step for step in range(steps)]
+    golden = _write_scaled_monitor(tmp_path / "golden", weights, grads, set())
+    skipped = set(range(7))
+    scaled = [100.0 if step in skipped else g * (1 + 1e-4) for step, g in enumerate(grads)]
+    _write_scaled_monitor(tmp_path / "golden.perturbed", [w * (1 + 1e-4) for w in weights], scaled, skipped)
+    npu = _write_scaled_monitor(tmp_path / "npu", weights, [g * (1.01 if step >= 10 else 1) for step, g in
+                                                             enumerate(grads)], set())
+    first = compare_trend(golden, npu).first()
+    assert first is not None and (first.kind, first.first_step) == ("grad", 10), first
+
+
 class ElapsedRegressor(nn.Module):
     """Sensor readings and the time elapsed (unnormalized) -> one value, through a LayerNorm."""
 
