@@ -231,8 +231,9 @@ def _version(tensor: torch.Tensor) -> int:
 
 def _host_memory(tensor: torch.Tensor) -> bool:
     """True where reading a value back costs no device sync (CPU, and the emulated NPU)."""
-    kind = tensor.device.type
-    return kind == "cpu" or (kind == "npu" and "npukit.npu_backend" in sys.modules)
+    if tensor.is_cpu:
+        return True
+    return tensor.device.type == "npu" and "npukit.npu_backend" in sys.modules
 
 
 _STAT_NAMES = ("Max", "Min", "Mean", "Norm")

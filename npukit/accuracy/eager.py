@@ -324,9 +324,14 @@ def runs_compiled(wrapper) -> bool:
     return getattr(wrapper, "dynamo_ctx", None) in _attached
 
 
+_NOT_LAYER_CLASSES = frozenset({"OptimizedModule", "GraphModule"})
+
+
 def not_a_layer(module) -> bool:
     """torch.compile's wrapper (OptimizedModule: the model it wraps makes the calls that count) or a
     fullgraph region's compiled backward graph: module calls a watcher's hooks pass over."""
+    if type(module).__name__ not in _NOT_LAYER_CLASSES:
+        return False  # a model's own layer, told by its class name alone (every module call asks)
     from npukit.accuracy.naming import is_compile_wrapper
 
     return is_compile_wrapper(module) or runs_compiled_graph(module)

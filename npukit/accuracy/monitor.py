@@ -53,6 +53,7 @@ SCALAR_COLUMNS = ("step", "loss", "grad_norm", "loss_scale", "skipped_by_grad_sc
 ALERT_COLUMNS = ("step", "rule", "name", "statistic", "value", "message")
 _FILES = ("monitor.csv", "scalars.csv", "alerts.csv")
 _PENDING_STEPS = 2  # steps handed to the writer and not yet written, at most
+_STEP_MARK = "\x00"  # where a row's step number goes in _StepLayout.csv_rows
 
 
 class MonitorSession:
@@ -239,6 +240,7 @@ class MonitorSession:
             return
         if not self._running_modules:
             self._outermost = module
+            self._distributed()  # asked once per root forward (a process group made since is seen)
             # steps are training steps, numbered as --replay-step and --stop-after-step number them: an
             # evaluation forward before the first optimizer step (Trainer.evaluate()) starts none
             if (not self._optimizer_stepped and not self._in_optimizer and torch.is_grad_enabled()
@@ -270,7 +272,7 @@ class MonitorSession:
             return
         calls = self._step.calls.get(path, 0)
         self._step.calls[path] = calls + 1
-        if self._distributed():
+        if self._many_ranks:
             self._watch_local_gradients(module, path)
         outputs = [t for t in tensors_in(output) if t.is_floating_point()]
         for index, tensor in enumerate(outputs):
@@ -495,9 +497,10 @@ class MonitorSession:
             stats = values[slot] if isinstance(slot, int) else slot
             if stats is None:
                 continue
-            stats, name = list(stats), str(name)
+            name = str(name)
             if kind in ("activation_grad", "grad_local") and unscale != 1.0:
-                stats[:4] = [value * unscale for value in stats[:4]]
+                # a copy: a tensor measured twice in the step shares its values
+                stats = [value * unscale for value in stats[:4]] + list(stats[4:])
             if kind == "grad":
                 squares += stats[3] ** 2
             records.append(Record(kind, name, dtype, stats))
@@ -545,11 +548,15 @@ class MonitorSession:
 
     def _write_step(self, step, records, loss, grad_norm, loss_scale, skipped, alerts) -> None:
         layout = self._layout_of(records)
+        values = [value for r in records for value in r.values]
         if self.csv_files:
             rows = self._csv("monitor.csv", RECORD_COLUMNS)
             # the rows csv.writer writes, from each record's fields as written once (_StepLayout)
-            rows.file.write("".join([f"{step},{prefix}{','.join(map(repr, r.values))}\r\n"
-                                     for prefix, r in zip(layout.csv_prefixes, records)]))
+            if layout.csv_rows is not None:
+                rows.file.write(layout.csv_rows.replace(_STEP_MARK, str(step)) % tuple(values))
+            else:
+                rows.file.write("".join([f"{step},{prefix}{','.join(map(repr, r.values))}\r\n"
+                                         for prefix, r in zip(layout.csv_prefixes, records)]))
             rows.flush()
             scalars = self._csv("scalars.csv", SCALAR_COLUMNS)
             scalars.writer.writerow([step, _number(loss), _number(grad_norm), _number(loss_scale), int(skipped)])
@@ -564,7 +571,7 @@ class MonitorSession:
                 events = self._files["events"] = ScalarEventFile(self.directory)
             scalars = [(tag, value) for tag, value in (("loss", loss), ("grad_norm", grad_norm),
                                                       ("loss_scale", loss_scale)) if value is not None]
-            events.write(step, scalars, layout.summary, [value for r in records for value in r.values])
+            events.write(step, scalars, layout.summary, values)
 
     def _layout_of(self, records) -> _StepLayout:
         """The step's record fields as written (the last step's: one kept, memory stays bounded)."""
@@ -589,6 +596,14 @@ class _StepLayout:
             buffer.truncate()
             fields.writerow([kind, name, str(dtype).removeprefix("torch."), ""])
             self.csv_prefixes.append(buffer.getvalue()[:-2])  # "kind,name,dtype," without the row's end
+        # A step's rows in one formatting: the step number put where the mark is, then the values
+        # (repr, as csv.writer writes floats); the joins per record were most of the writer's time.
+        # None (the rows joined per record) in the odd case of a name holding the mark.
+        self.csv_rows = None
+        if not any(_STEP_MARK in prefix for prefix in self.csv_prefixes):
+            fields = ",".join(["%r"] * len(STAT_NAMES))
+            self.csv_rows = "".join(f"{_STEP_MARK},{prefix.replace('%', '%%')}{fields}\r\n"
+                                    for prefix in self.csv_prefixes)
         self.summary = SummaryLayout([f"{kind}/{name}/{stat}" for kind, name, _ in key for stat in STAT_NAMES])
 
 

@@ -82,6 +82,17 @@ _LABELS = {"activation": "output", "activation_grad": "output gradient", "grad":
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
 
 
+_LARGEST: dict[torch.dtype, float | None] = {}
+
+
+def _largest(dtype: torch.dtype) -> float | None:
+    """The dtype's largest finite value (None: not a floating-point dtype), looked up once."""
+    largest = _LARGEST.get(dtype, False)
+    if largest is False:
+        largest = _LARGEST[dtype] = torch.finfo(dtype).max if dtype.is_floating_point else None
+    return largest
+
+
 def label(record: Record) -> str:
     return f"{record.name} {_LABELS.get(record.kind, record.kind)}"
 
@@ -99,7 +110,8 @@ class Alerts:
     def __init__(self, rules: AlertRules | None = None) -> None:
         self.rules = rules or AlertRules()
         self._said: set[tuple[str, str]] = set()
-        self._means: dict[tuple[str, str], tuple[float, int]] = {}  # (kind, name) -> (running mean, samples)
+        # (kind, name) -> (running mean of the norm, samples); ("loss", "") and ("grad_norm", ""): the scalars'
+        self._means: dict[tuple[str, str], tuple[float, int]] = {}
         self._history: dict[tuple[str, str], deque] = {}  # (kind, name) -> (step, log abs-max)
         self._skipped_since: tuple[int, float | None, int] | None = None  # first step, its scale, steps
         self._loss_variance = 0.0
@@ -120,19 +132,29 @@ class Alerts:
             found.append(Alert(step, "nan/inf", first_bad.name, statistic, float(count),
                                f"step {step}: {count} {statistic} value(s) in {label(first_bad)}, the first "
                                "module with a non-finite value this step"))
+        # Adam's exp_avg_sq holds squared gradients: a gradient (1 + threshold)x its usual size
+        # shows there squared (a 3x gradient, normal in a small layer's first steps, is 9x)
+        factor = 1 + self.rules.turbulence
+        squared = factor ** 2
+        forecast_kinds = FORECAST_KINDS - _TAKEN_UNDER_THE_LOSS_SCALE if loss_scaled else FORECAST_KINDS
+        # per record: one lookup and one update of its running norm (hundreds of records a step,
+        # judged in the training thread)
+        means, warmup, isfinite = self._means, self.rules.warmup, math.isfinite
         for record in judged:
-            norm = record.values[3]
-            if record.values[4] or record.values[5] or not math.isfinite(norm):
+            kind, values = record.kind, record.values
+            norm = values[3]
+            if values[4] or values[5] or not isfinite(norm):
                 continue
-            mean = self._running(("norm", f"{record.kind}:{record.name}"), abs(norm)) if norm else None
-            # Adam's exp_avg_sq holds squared gradients: a gradient (1 + threshold)x its usual size
-            # shows there squared (a 3x gradient, normal in a small layer's first steps, is 9x)
-            factor = (1 + self.rules.turbulence) ** (2 if record.kind == "exp_avg_sq" else 1)
-            if mean is not None and abs(norm) > factor * mean > 0:
-                found.append(Alert(step, "turbulence", f"{record.name}:{record.kind}", "norm", norm,
-                                   f"step {step}: {label(record)} norm {short_number(norm)}, "
-                                   f"{abs(norm) / mean:.1f}x its running mean {short_number(mean)}"))
-            if record.kind in FORECAST_KINDS and not (record.kind in _TAKEN_UNDER_THE_LOSS_SCALE and loss_scaled):
+            if norm:
+                norm = abs(norm)
+                key = (kind, record.name)
+                mean, samples = means.get(key, (norm, 0))
+                means[key] = (_EMA_DECAY * mean + (1 - _EMA_DECAY) * norm if samples else norm, samples + 1)
+                if samples >= warmup and norm > (squared if kind == "exp_avg_sq" else factor) * mean > 0:
+                    found.append(Alert(step, "turbulence", f"{record.name}:{kind}", "norm", values[3],
+                                       f"step {step}: {label(record)} norm {short_number(values[3])}, "
+                                       f"{norm / mean:.1f}x its running mean {short_number(mean)}"))
+            if kind in forecast_kinds:
                 forecast = self._forecast(step, record)
                 if forecast is not None:
                     found.append(forecast)
@@ -195,9 +217,9 @@ class Alerts:
         """The abs-max grew at every one of the last forecast_window samples: at the slowest of
         those rates (per step), when does it reach the dtype's largest value? A value rising from
         near zero grows fast at first; the slowest recent rate keeps it from being called early."""
-        if not record.dtype.is_floating_point:
+        largest = _largest(record.dtype)
+        if largest is None:
             return None
-        largest = torch.finfo(record.dtype).max
         abs_max = record.abs_max
         key = (record.kind, record.name)
         history = self._history.get(key)

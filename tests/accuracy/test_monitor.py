@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import gc
+import io
 import json
 import math
 import subprocess
@@ -104,6 +105,35 @@ def test_files_hold_each_steps_statistics_recomputed_from_the_tensors(tmp_path):
     norms = events.Scalars("grad/fc1.weight/norm")
     assert [e.value for e in norms] == pytest.approx(
         [float(s["grads"]["fc1.weight"].double().norm()) for s in expected], rel=1e-6)
+
+
+@pytest.mark.parametrize("odd_name", ['50%,"odd"', "nul\x00name"])
+def test_rows_are_written_as_csv_writer_writes_them_whatever_the_module_names(tmp_path, odd_name):
+    """monitor.csv's rows are formatted per step from a template (the step, then each record's
+    fields): a name with %, a comma, quotes or a NUL character is written as csv.writer writes it."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({odd_name: nn.Linear(3, 2), "plain": nn.Linear(2, 1)}).to("npu")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 3, device="npu")
+    with MonitorSession(tmp_path / "mon", rank=0):
+        for _ in range(3):
+            model["plain"](model[odd_name](x)).square().mean().backward()
+            before_update = float(model[odd_name].weight.detach().double().norm())
+            optimizer.step()
+            optimizer.zero_grad()
+    path = tmp_path / "mon" / "rank0" / "monitor.csv"
+    text = path.read_bytes().decode()
+    with open(path, newline="") as file:
+        rows = list(csv.reader(file))
+    rewritten = io.StringIO()
+    csv.writer(rewritten).writerows(rows)
+    assert text == rewritten.getvalue()
+    assert rows[0] == ["step", "kind", "name", "dtype", "max", "min", "mean", "norm", "nan", "inf"]
+    names = {(row[0], row[1], row[2]) for row in rows[1:]}
+    for step in ("0", "1", "2"):
+        assert {(step, "weight", f"{odd_name}.weight"), (step, "activation", odd_name)} <= names
+    weight = next(row for row in rows[1:] if row[:3] == ["2", "weight", f"{odd_name}.weight"])
+    assert float(weight[7]) == pytest.approx(before_update, rel=1e-6)
 
 
 def _adam_ratio(optimizer, parameter, weight_before) -> float:
