@@ -25,9 +25,13 @@ Under torchrun (RANK set) every rank records and replays in its own DIR/rank{RAN
 do; a single process uses DIR itself.
 
 From a later step (`start_step=N`, npu-run's `--replay-step N`): the same, at the start of step N
-instead of the run's (when step N-1 ends, as watch.steps ends steps): every root module's state and
-every optimizer's state (Adam's moments, its step count, SGD's momentum) are saved, or loaded in
-place, and the batches and forward arguments counted from there. So an NPU run whose weights drifted
+instead of the run's (when step N-1 ends, as watch.steps.RunSteps ends steps, the monitor's count):
+every root module's state and every optimizer's state (Adam's moments, its step count, SGD's
+momentum) are saved, or loaded in place, and the batches and forward arguments counted from there.
+Without an optimizer (weights updated by hand) step N starts as the first root module starts its
+forward for step N (with gradients): the state is taken there, after step N-1's update, and the
+DataLoader batches taken after step N-1's forward began (the loop takes step N's before its forward)
+are step N's. No random number generator state is recorded, nor state kept outside the modules. So an NPU run whose weights drifted
 over N steps computes step N from the golden run's state: its dump of step N shows what step N's own
 ops do, not what N steps accumulated (npu-compare --trend --localize relies on it).
 """
@@ -130,19 +134,21 @@ class ReplaySession:
             refuse_links_inside(self.root_directory, "--replay", depth=2)
             rank = () if self.rank is None else (f"rank{self.rank}",)
             output_folder(self.root_directory, *rank, "tensors")
+        if self.start_step:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            from npukit.watch.steps import RunSteps
+
+            self._optimizer_hook = register_optimizer_step_post_hook(self._on_optimizer_step)
+            # before the module hooks below: a step that starts at a forward (no optimizer) has begun,
+            # and its state been loaded, when _on_pre_forward takes that forward's inputs
+            self._step_watch = RunSteps(self._on_step_end)
+            self._step_watch.install()
         self._handles = [
             module_hooks.register_module_forward_pre_hook(self._on_pre_forward),
             module_hooks.register_module_forward_hook(self._on_forward, always_call=True),
         ]
         self._patch_dataloader()
-        if self.start_step:
-            from torch.optim.optimizer import register_optimizer_step_post_hook
-
-            from npukit.watch.steps import TrainingSteps
-
-            self._optimizer_hook = register_optimizer_step_post_hook(self._on_optimizer_step)
-            self._step_watch = TrainingSteps(self._on_step_end)
-            self._step_watch.install()
         return self
 
     def __exit__(self, exc_type, *exc_info) -> None:
@@ -158,7 +164,9 @@ class ReplaySession:
         if not self._active and exc_type is None:
             raise UserError(f"--replay-step {self.start_step}: the run ended after {self._steps_ended} training "
                             f"step(s), before step {self.start_step} started: nothing was "
-                            f"{'replayed' if self.replaying else 'recorded'} in {self.directory}")
+                            f"{'replayed' if self.replaying else 'recorded'} in {self.directory} (a step ends at "
+                            "each optimizer step or, in a script without an optimizer, as its first model starts "
+                            "a new forward with gradients enabled: forwards under torch.no_grad() make none)")
         if not self.replaying:
             write_text_atomic(self.directory / MANIFEST, json.dumps(self._manifest, indent=1))
 
@@ -378,9 +386,16 @@ class ReplaySession:
             owner.__next__ = original
             self._patched_next = None
 
+    def _next_steps_batch(self) -> bool:
+        """Under forward steps (no optimizer), a batch taken after step N-1's forward began is step N's:
+        the loop takes it before the forward that starts step N."""
+        watch = self._step_watch
+        return (watch is not None and self._steps_ended == self.start_step - 1 and watch.forward_begun
+                and watch.by_forwards())
+
     def _on_batch(self, batch):
         call = self._batch_calls
-        if not self._active or call >= self.batches:
+        if not (self._active or self._next_steps_batch()) or call >= self.batches:
             return batch
         self._batch_calls += 1
         if self.replaying:

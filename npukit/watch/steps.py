@@ -9,6 +9,10 @@ end the step at GradScaler.step, use GradScalerStepWatch directly.
 
 A script with no optimizer (inference, or updates made by hand) has no optimizer.step: there a
 step ends each time its first root module starts a new forward (ForwardSteps).
+
+RunSteps joins the two as the monitor (and the dump under --monitor or --replay) numbers steps, for
+--replay-step and --stop-after-step: TrainingSteps' ends and, until an optimizer steps, ForwardSteps'
+boundaries of forwards run with gradients (an evaluation forward, without them, starts no step).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from __future__ import annotations
 import gc
 import weakref
 from collections.abc import Callable
+
+import torch
 
 from npukit.watch.scaler_steps import GradScalerStepWatch
 
@@ -83,13 +89,79 @@ class ForwardSteps:
         if root is None:
             self._root = weakref.ref(module)
             return False
-        return root is module and not self._optimizer_alive()
+        return root is module and not self.optimizer_alive()
 
-    def _optimizer_alive(self) -> bool:
-        if self._optimizer_exists is None:
-            # type(obj), not isinstance: isinstance reads __class__, which deprecated objects warn on
-            import torch
+    def optimizer_alive(self, remember: bool = True) -> bool:
+        """remember=False: a scan made before the root's first repeat (which asks, and remembers) is
+        not kept, so an optimizer made after it is still seen then, as the monitor's scan sees it."""
+        if self._optimizer_exists is not None:
+            return self._optimizer_exists
+        # type(obj), not isinstance: isinstance reads __class__, which deprecated objects warn on
+        optimizer = torch.optim.Optimizer
+        exists = any(issubclass(type(obj), optimizer) for obj in gc.get_objects())
+        if remember:
+            self._optimizer_exists = exists
+        return exists
 
-            optimizer = torch.optim.Optimizer
-            self._optimizer_exists = any(issubclass(type(obj), optimizer) for obj in gc.get_objects())
-        return self._optimizer_exists
+
+class RunSteps:
+    """Steps numbered as the monitor numbers them (and so the dump of --localize's re-runs):
+    on_end(optimizer, skipped, loss_scale) once per step as it ends. With an optimizer, as
+    TrainingSteps ends steps; until one steps, also as ForwardSteps sees the first root module start
+    a new forward with gradients enabled (a script updating its weights by hand): then optimizer is
+    None and on_end runs in that forward's pre-hook, before the forward and before the pre-hooks
+    registered after install(): a client that registers its own hooks after install() sees the
+    new step already begun.
+
+    `forward_begun`: a root forward with gradients started in the step running now (under forward
+    steps, what follows it in that step, e.g. the DataLoader's next batch, prepares the next step)."""
+
+    def __init__(self, on_end: Callable[[object, bool, float | None], None]) -> None:
+        self.on_end = on_end
+        self.optimizer_stepped = False
+        self.forward_begun = False
+        self._forwards = ForwardSteps()
+        self._training = TrainingSteps(self._on_training_end)
+        self._depth = 0  # module forwards running
+        self._handles: list = []
+
+    def install(self) -> None:
+        from torch.nn.modules import module as module_hooks
+
+        self._training.install()
+        self._handles = [module_hooks.register_module_forward_pre_hook(self._on_pre_forward),
+                         module_hooks.register_module_forward_hook(self._on_forward, always_call=True)]
+
+    def remove(self) -> None:
+        self._training.remove()
+        self._remove_module_hooks()
+
+    def _remove_module_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def by_forwards(self) -> bool:
+        """Steps end at forwards: no optimizer stepped, and none exists (ForwardSteps' gc scan; asked
+        before the root's first repeat, the answer is not kept: the step count takes it there)."""
+        return not self.optimizer_stepped and not self._forwards.optimizer_alive(remember=False)
+
+    def _on_training_end(self, optimizer, skipped: bool, loss_scale: float | None) -> None:
+        if not self.optimizer_stepped:
+            self.optimizer_stepped = True
+            self._remove_module_hooks()  # forwards end no step from here: a long run pays nothing for them
+        self.forward_begun = False
+        self.on_end(optimizer, skipped, loss_scale)
+
+    def _on_pre_forward(self, module, args) -> None:
+        self._depth += 1
+        if self._depth != 1 or self.optimizer_stepped:
+            return
+        if not torch.is_grad_enabled():
+            return
+        if self._forwards.new_step(module):
+            self.on_end(None, False, None)
+        self.forward_begun = True
+
+    def _on_forward(self, module, args, output) -> None:
+        self._depth = max(0, self._depth - 1)

@@ -94,6 +94,57 @@ def test_after_an_evaluation_before_training_the_monitor_the_dump_and_the_replay
     assert any(name.endswith(".backward") for name in dumped)  # a training step, not an evaluation forward
 
 
+BY_HAND = '''\
+import sys
+import torch
+import torch.nn as nn
+torch.manual_seed(int(sys.argv[1]))
+model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).to("npu")
+data = torch.Generator().manual_seed(int(sys.argv[1]))
+with torch.no_grad():  # an evaluation before training
+    for _ in range(2):
+        model(torch.randn(4, 8, generator=data).to("npu"))
+for step in range(6):
+    x = torch.randn(4, 8, generator=data).to("npu")
+    loss = model(x).square().mean()
+    loss.backward()
+    with torch.no_grad():  # no optimizer: the weights updated by hand
+        for p in model.parameters():
+            p -= 1e-2 * p.grad
+            p.grad = None
+    print("step", step, "loss", repr(loss.item()), flush=True)
+print("finished")
+'''
+
+
+@pytest.mark.slow  # (two whole runs, ~5 s)
+def test_without_an_optimizer_the_monitor_the_dump_the_replay_and_the_stop_agree_on_step_2(tmp_path):
+    """A script that updates its weights by hand: the monitor and the dump end a step as the model starts
+    its next forward with gradients; --replay-step and --stop-after-step counted optimizer steps only,
+    found none, and the re-run ran to the end and failed ("the run ended after 0 training steps")."""
+    (tmp_path / "train.py").write_text(BY_HAND)
+    golden = npu_run("--golden", "--monitor", "mon", "--replay", "state", "--replay-step", "2", "--dump", "dump",
+                     "--dump-steps", "2", "--stop-after-step", "2", "train.py", "0", cwd=tmp_path)
+    assert golden.returncode == 0, golden.stderr
+    assert sorted(losses(golden.stdout)) == [0, 1, 2] and "stopped after step 2 (--stop-after-step)" in golden.stderr
+    monitored = (tmp_path / "mon" / "rank0" / "scalars.csv").read_text().splitlines()[1:]
+    assert [line.split(",")[0] for line in monitored] == ["0", "1", "2"]
+    assert [float(line.split(",")[1]) for line in monitored] == [float(v) for v in losses(golden.stdout).values()]
+    import json
+
+    assert [path.name for path in (tmp_path / "dump").iterdir()] == ["step2"]
+    dumped = json.loads((tmp_path / "dump" / "step2" / "rank0" / "dump.json").read_text())["data"]
+    assert any(name.endswith(".backward") for name in dumped)  # a training step, not an evaluation forward
+    # another seed (its own weights and data for steps 0-1) computes step 2 from the golden state
+    other = npu_run("--replay", "state", "--replay-step", "2", "--stop-after-step", "2", "train.py", "1",
+                    cwd=tmp_path)
+    assert other.returncode == 0, other.stderr
+    golden_losses, other_losses = losses(golden.stdout), losses(other.stdout)
+    assert sorted(other_losses) == [0, 1, 2]
+    assert golden_losses[0] != other_losses[0] and golden_losses[1] != other_losses[1]
+    assert golden_losses[2] == other_losses[2]
+
+
 def test_the_reruns_replace_the_users_watching_options_and_keep_the_rest(tmp_path):
     command = ["npu-run", "--seed", "0", "--monitor", "mon/npu", "--monitor-every", "2", "--dump", "old", "--devices",
                "2", "--dump-scope", "fc", "train.py", "--epochs", "3", "--dump", "scripts-own"]
@@ -207,3 +258,73 @@ def test_from_the_trend_to_the_op_and_a_fix_that_keeps_the_run_inside_the_band(t
     inside = compare("--trend", "golden", "fixed", "--perturbed", "perturbed")
     assert inside.returncode == 0, inside.stdout + inside.stderr
     assert f"No trend divergence: over steps 0-{steps - 1}" in " ".join(inside.stdout.split())
+
+
+BY_HAND_ELAPSED_TIME = '''\
+"""ELAPSED_TIME's regressor with no optimizer and no GradScaler: its weights updated by hand."""
+import sys
+import torch
+import torch.nn as nn
+
+torch.manual_seed(0)
+
+
+class Regressor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(9, 32)
+        self.norm = nn.LayerNorm(32)
+        self.head = nn.Linear(32, 1)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.norm(self.embed(x))))
+
+
+model = Regressor().to("npu")
+data = torch.Generator().manual_seed(1)
+for step in range(int(sys.argv[1])):
+    readings = torch.randn(16, 8, generator=data)
+    x = torch.cat([readings, torch.full((16, 1), float(sys.argv[2]) * step)], dim=1).to("npu")
+    y = readings[:, :1].sin().to("npu")
+    with torch.autocast("npu", dtype=torch.float16):
+        loss = (model(x).float() - y).square().mean()
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 1e-2 * p.grad
+            p.grad = None
+print("final loss", loss.item())
+'''
+
+
+@pytest.mark.slow  # (three monitored runs and the two re-runs: ~40 s)
+def test_localize_a_script_without_an_optimizer(tmp_path):
+    """#34: the trend names step 19 of a run whose weights are updated by hand; --localize's re-runs
+    recorded and replayed step 19's start and stopped after it (they counted optimizer steps, found
+    none, and failed), so the compare names embed's linear and the fix computes it in fp32."""
+    import json
+
+    def compare(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", "from npukit.cli import compare_main; compare_main()", *args],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=900,
+                              env={**os.environ, "COLUMNS": "200"})
+
+    (tmp_path / "train.py").write_text(BY_HAND_ELAPSED_TIME)
+    script = ["train.py", "25", "3500"]
+    for options in (["--golden", "--monitor", "golden"], ["--golden-perturb", "fp16", "--monitor", "perturbed"],
+                    ["--monitor", "npu"]):
+        run = npu_run(*options, *script, cwd=tmp_path)
+        assert run.returncode == 0, run.stderr
+    assert "final loss nan" in run.stdout  # the NPU run
+    localized = compare("--trend", "golden", "npu", "--perturbed", "perturbed", "--localize", "--localize-dir", "loc",
+                        "--", sys.executable, "-m", "npukit.run", "--monitor", "npu", *script)
+    assert localized.returncode == 1, localized.stdout + localized.stderr
+    assert "leaves the golden band at step 19, in embed" in " ".join(localized.stdout.split())
+    assert json.loads((tmp_path / "loc" / "replay" / "replay.json").read_text())["start_step"] == 19
+    for side in ("golden", "npu"):
+        assert [path.name for path in (tmp_path / "loc" / side).iterdir()] == ["step19"]
+    report = json.loads((tmp_path / "loc" / "compare.json").read_text())
+    named = report["pairs"][0]["first_divergence"]
+    assert (named["entry"], named["module_path"]) == ("Functional.linear.0.forward", "embed")
+    fix = json.loads((tmp_path / "loc" / "find-fix.json").read_text())["fix"]
+    assert [(change["kind"], change["api"], change["module"]) for change in fix] == [("fp32", "Functional.linear", "embed")]

@@ -1,6 +1,7 @@
 """ReplaySession: the second run starts from the first run's weights and batches."""
 
 import contextlib
+import gc
 import json
 
 import pytest
@@ -188,3 +189,47 @@ def test_replay_step_mismatch_and_a_run_too_short_are_clear_errors(tmp_path):
     with pytest.raises(UserError, match="--replay-step 9: the run ended after 5 training step"):
         training(1, tmp_path / "short", 9)
     assert not (tmp_path / "short" / "replay.json").exists()
+
+
+def training_by_hand(seed, replay_dir, start_step, steps=5):
+    """No optimizer: SGD written out (p -= lr * p.grad), a BatchNorm (its running statistics are
+    buffers), a shuffled DataLoader and an evaluation forward (no gradients) after each update:
+    weights, buffers and data order all depend on the seed."""
+    gc.collect()  # an optimizer of an earlier test, left in a reference cycle, is one the scan would find
+    torch.manual_seed(seed)
+    with (ReplaySession(replay_dir, batches=1, start_step=start_step) if replay_dir else contextlib.nullcontext()) as session:
+        model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 2))
+        loader = DataLoader(TensorDataset(torch.randn(4 * steps, 4), torch.randn(4 * steps, 2)), batch_size=4,
+                            shuffle=True)
+        losses, states = [], []
+        for x, y in loader:
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            with torch.no_grad():
+                for parameter in model.parameters():
+                    parameter -= 0.05 * parameter.grad
+                    parameter.grad = None
+                model.eval()
+                model(x)
+                model.train()
+            losses.append(loss.item())
+            states.append({key: value.clone() for key, value in model.state_dict().items()})
+    return losses, states, session
+
+
+def test_replay_from_a_later_step_without_an_optimizer_counts_its_models_forwards(tmp_path):
+    """--replay-step 3 in a script that updates its weights by hand: step 3 starts as the model's
+    fourth forward with gradients starts (the monitor's and the dump's step 3); the second run computes
+    it from the first run's weights, buffers and batch, taken before that forward (the loop takes the
+    batch first), whatever its own first 3 steps did."""
+    first, first_states, recorder = training_by_hand(1, tmp_path, 3)
+    second, second_states, replayer = training_by_hand(2, tmp_path, 3)
+    assert replayer.replayed_modules == 1 and replayer.replayed_batches == 1 and replayer.replayed_optimizers == 0
+    assert second[:3] != first[:3]  # its own first steps
+    assert second[3] == first[3]  # step 3 from the recorded state and batch
+    for key, value in first_states[3].items():  # and its update and running statistics too
+        assert torch.equal(second_states[3][key], value), key
+    unrecorded, _, _ = training_by_hand(1, None, 0)
+    assert unrecorded == first  # recording changes nothing in the recorded run
+    with pytest.raises(UserError, match="--replay-step 9: the run ended after 4 training step.*without an optimizer"):
+        training_by_hand(1, tmp_path / "short", 9)

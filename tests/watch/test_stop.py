@@ -1,0 +1,68 @@
+"""--stop-after-step counts steps as the monitor and --dump-steps number them: optimizer steps, or in
+a script without an optimizer, each new forward (with gradients) of its model."""
+
+import gc
+
+import pytest
+import torch
+import torch.nn as nn
+
+from npukit.watch.stop import StopAfterStep, StoppedAfterStep
+
+
+def train_by_hand(steps: list, stop_after: int, evaluations: bool = True) -> None:
+    """SGD written out (no torch.optim): an evaluation forward before training and after each step."""
+    gc.collect()  # an optimizer of an earlier test, left in a reference cycle, is one the scan would find
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    x = torch.randn(16, 4)
+    with StopAfterStep(stop_after):
+        if evaluations:
+            with torch.no_grad():
+                model(x)
+        for step in range(6):
+            loss = model(x).square().mean()
+            loss.backward()
+            with torch.no_grad():
+                for parameter in model.parameters():
+                    parameter -= 0.1 * parameter.grad
+                    parameter.grad = None
+            steps.append(step)
+            if evaluations:
+                with torch.no_grad():
+                    model(x)
+
+
+@pytest.mark.parametrize("stop_after", [0, 2])
+def test_without_an_optimizer_the_run_stops_once_that_steps_forwards_ended(stop_after):
+    steps: list[int] = []
+    with pytest.raises(StoppedAfterStep, match=f"stopped after step {stop_after}"):
+        train_by_hand(steps, stop_after)
+    assert steps == list(range(stop_after + 1))  # the evaluation forwards (no gradients) count no step
+
+
+def test_forwards_end_steps_only_without_an_optimizer():
+    """The same model run twice a step (two micro-batches): without an optimizer each forward is a
+    step; with one, its steps are."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    optimizer = None
+
+    def train(steps: list) -> None:
+        for step in range(6):
+            for _ in range(2):
+                model(torch.randn(4, 4)).square().mean().backward()
+                steps.append(step)
+            if optimizer is not None:
+                optimizer.step()
+                optimizer.zero_grad()
+
+    by_hand: list[int] = []
+    with pytest.raises(StoppedAfterStep), StopAfterStep(1):
+        train(by_hand)
+    assert by_hand == [0, 0]  # forwards 0 and 1: steps 0 and 1
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    accumulated: list[int] = []
+    with pytest.raises(StoppedAfterStep), StopAfterStep(1):
+        train(accumulated)
+    assert accumulated == [0, 0, 1, 1]
