@@ -1,5 +1,6 @@
-"""Builds npukit's extensions: the emulated device (C++ against the installed torch) and the
-dump session's one-pass statistics kernel (C++ on the CPython API, no torch).
+"""Builds npukit's extensions: the emulated device (C++ against the installed torch), the
+dump session's one-pass statistics kernels (C++ on the CPython API, no torch) and their entry that
+takes a tensor (against torch).
 
 The fused ops' kernels (csrc/fused_kernels_<capability>.cpp) are compiled once per CPU capability
 ATen dispatches to, with the flags ATen builds that capability's kernels with, so that each
@@ -58,7 +59,11 @@ setup(
             extra_compile_args=["-O3", "-std=c++17"],
             extra_link_args=["-fopenmp"],
         ),
-        Extension("npukit.accuracy._stats", ["npukit/accuracy/csrc/stats.cpp"], extra_compile_args=["-O3"]),
+        Extension("npukit.accuracy._stats", ["npukit/accuracy/csrc/stats.cpp"], extra_compile_args=["-O3"],
+                  depends=["npukit/accuracy/csrc/stats_kernels.h"]),
+        # the same kernels, given a tensor: its fields read in C++ (see tensor_stats.cpp)
+        CppExtension("npukit.accuracy._tensor_stats", ["npukit/accuracy/csrc/tensor_stats.cpp"],
+                     extra_compile_args=["-O3", "-std=c++17"], depends=["npukit/accuracy/csrc/stats_kernels.h"]),
     ],
     cmdclass={"build_ext": BuildWithCapabilities.with_options(use_ninja=False)},
 )

@@ -2,7 +2,7 @@
 benchmarks/backend_overhead.py (npu device, AdamW: every statistic the monitor takes, Adam's
 state and update ratio included, CSV and TensorBoard files written each step).
 
-Interleaved runs (off, monitored every step, every 10 steps; repeated), medians, 1 thread. Wall
+Interleaved runs (off, monitored every step, every 10 steps; repeated, each first in turn), medians, 1 thread. Wall
 time and process CPU time are both measured: on a shared machine the CPU time of this process is
 the steadier of the two (it includes the monitor's writer thread). Exits 1 when monitoring every
 step costs more than the target.
@@ -13,7 +13,7 @@ runs, the same step unmonitored, under npukit's monitor and under msprobe's (Tra
 same statistics: activations and their gradients, weights and gradients, Adam's moments and
 update ratio, every step, CSV), interleaved.
 
-    python benchmarks/monitor_overhead.py [--repeats 7] [--steps 5] [--memory-steps 200]
+    python benchmarks/monitor_overhead.py [--repeats 15] [--steps 5] [--memory-steps 200]
 """
 
 from __future__ import annotations
@@ -89,10 +89,14 @@ def against_msprobe(args, out_dir: Path, monitor) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--memory-steps", type=int, default=200)
     args = parser.parse_args()
+    if args.repeats < 1 or args.steps < 1:
+        parser.error("--repeats and --steps must be at least 1")
+    if args.memory_steps <= 20:
+        parser.error(f"--memory-steps must be more than 20 (the first reading is taken after 20), got {args.memory_steps}")
     torch.set_num_threads(1)
     import npukit.npu_backend  # noqa: F401
     from npukit.accuracy.monitor import MonitorSession
@@ -111,9 +115,11 @@ def main() -> int:
         with make():
             time_steps(case, 2)  # warm-up
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in configs}
-    for _ in range(args.repeats):
-        for name, make in configs.items():
-            with make():
+    names = list(configs)
+    for repeat in range(args.repeats):
+        # each configuration first in turn: a machine whose speed drifts within a round favours none
+        for name in names[repeat % len(names):] + names[:repeat % len(names)]:
+            with configs[name]():
                 times[name].append(time_steps(case, args.steps))
     with open(out_dir / "run0" / "rank0" / "monitor.csv") as table:
         records = sum(1 for line in table if line.startswith("0,"))

@@ -36,6 +36,7 @@ from torch.overrides import TorchFunctionMode
 
 from npukit.accuracy import eager, graph, msprobe_config, naming
 from npukit.accuracy._stats import stats as one_pass_stats
+from npukit.accuracy._tensor_stats import host_stats
 from npukit.accuracy.dumpfile import (
     ARGUMENTS,
     COMPILED_REGION,
@@ -229,11 +230,16 @@ def _version(tensor: torch.Tensor) -> int:
         return -1 - _ops_run
 
 
+def npu_in_host_memory() -> bool:
+    """The npu device is npukit's emulated one, whose tensors live in host memory (not torch_npu's)."""
+    return "npukit.npu_backend" in sys.modules
+
+
 def _host_memory(tensor: torch.Tensor) -> bool:
     """True where reading a value back costs no device sync (CPU, and the emulated NPU)."""
     if tensor.is_cpu:
         return True
-    return tensor.device.type == "npu" and "npukit.npu_backend" in sys.modules
+    return tensor.device.type == "npu" and npu_in_host_memory()
 
 
 _STAT_NAMES = ("Max", "Min", "Mean", "Norm")
@@ -249,15 +255,13 @@ def tensor_stats(tensor: torch.Tensor):
     (StatsBuffer). None for empty tensors. A complex tensor is measured as its real view (real and
     imaginary parts side by side): Norm is its 2-norm, Max/Min/Mean are over both parts.
     """
+    # a plain float tensor in host memory, read in place, its fields read in C++: the conversions
+    # below, and even reading those fields from Python in a cache-cold hook, are most of the cost of
+    # the hundreds of small tensors a monitored or dumped step measures
+    values = host_stats(tensor, npu_in_host_memory())
+    if values is not None:
+        return values
     with torch._C.DisableTorchFunction():
-        kind = _ONE_PASS_KINDS.get(tensor.dtype)
-        if (kind is not None and type(tensor) in _PLAIN_TENSORS and tensor.layout is torch.strided
-                and not tensor.is_nested and tensor.numel() and _host_memory(tensor)):
-            # a plain float tensor in host memory, read in place: the conversions below are most of
-            # the cost of the hundreds of small tensors a monitored or dumped step measures
-            result = one_pass_stats(tensor.data_ptr(), kind, tensor.shape, tensor.stride())
-            if result is not None and result[4]:
-                return _finite_stats(result, tensor.numel())
         data = strided_form(tensor.detach())
         if data is None or data.numel() == 0:
             return None
@@ -286,7 +290,6 @@ def real_view(data: torch.Tensor) -> torch.Tensor:
 
 
 _ONE_PASS_KINDS = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # no subclass: its data may not be its own
 
 
 def _finite_stats(result: tuple, count: int) -> list[float]:
@@ -334,7 +337,10 @@ class StatsBuffer:
         self._device_slots: list[int] = []
 
     def add(self, tensor: torch.Tensor) -> int:
-        stats = tensor_stats(tensor)
+        return self.add_values(tensor_stats(tensor))
+
+    def add_values(self, stats) -> int:
+        """A slot for statistics already computed (tensor_stats' result)."""
         if isinstance(stats, torch.Tensor):
             self._device_slots.append(len(self._values))
         self._values.append(stats)

@@ -40,7 +40,15 @@ import torch
 
 from npukit.accuracy import eager, naming
 from npukit.accuracy._stats import adam_stats
-from npukit.accuracy.dump import StatsBuffer, _host_memory, hook_failed, rank_from_env, tensors_in
+from npukit.accuracy._tensor_stats import host_stats
+from npukit.accuracy.dump import (
+    StatsBuffer,
+    _host_memory,
+    hook_failed,
+    npu_in_host_memory,
+    rank_from_env,
+    tensors_in,
+)
 from npukit.accuracy.event_file import ScalarEventFile, SummaryLayout
 from npukit.accuracy.monitor_alerts import Alert, AlertRules, Alerts, Record
 from npukit.errors import UserError
@@ -216,18 +224,25 @@ class MonitorSession:
         return kept
 
     def _add(self, kind: str, name: str, tensor: torch.Tensor) -> None:
-        if not tensor.is_floating_point() or tensor.numel() == 0:
-            return
         # The same tensor seen twice in a step (a Sequential's output is its last layer's; a residual
         # add hands one gradient to both branches) is measured once, unless changed in place since.
         # By identity, not by address: a freed tensor's memory is reused within the step.
         record = self._step
-        seen = record.measured.get(id(tensor))
-        if seen is not None and seen[0]() is tensor and seen[1] == tensor._version:
+        key, version = id(tensor), tensor._version
+        seen = record.measured.get(key)
+        if seen is not None and seen[0]() is tensor and seen[1] == version:
             slot = seen[2]
         else:
-            slot = self._buffer.add(tensor)
-            record.measured[id(tensor)] = (weakref.ref(tensor), tensor._version, slot)
+            # hooks run cache-cold: a plain float host tensor is measured in one call (host_stats),
+            # its fields read in C++; any other tensor is asked what it is first
+            values = host_stats(tensor, npu_in_host_memory())
+            if values is not None:
+                slot = self._buffer.add_values(values)
+            elif not tensor.is_floating_point() or tensor.numel() == 0:
+                return
+            else:
+                slot = self._buffer.add(tensor)
+            record.measured[key] = (weakref.ref(tensor), version, slot)
         record.used = True
         record.slots.append((kind, name, tensor.dtype, slot))
 

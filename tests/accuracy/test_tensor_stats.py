@@ -1,0 +1,60 @@
+"""host_stats: a tensor's statistics in one C++ call (its fields read there), and where it steps
+aside for tensor_stats' general path, which must then give the same values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from npukit.accuracy._tensor_stats import host_stats
+from npukit.accuracy.dump import tensor_stats
+
+pytestmark = pytest.mark.usefixtures("npu")
+
+
+def _exact(tensor: torch.Tensor) -> list[float]:
+    data = tensor.detach().cpu().double()
+    return [float(data.max()), float(data.min()), float(data.mean()), float(data.norm()), 0.0, 0.0]
+
+
+def _views(dtype, device):
+    torch.manual_seed(0)
+    base = torch.randn(6, 40, 24, dtype=dtype, device=device) * 3
+    return {"contiguous": base, "transposed": base.transpose(0, 2), "sliced": base[1:5, ::2, 2:20],
+            "one element": base[2, 3, 4], "expanded row": base[0, 0].expand(5, 24), "parameter": torch.nn.Parameter(base)}
+
+
+@pytest.mark.parametrize("device", ["cpu", "npu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_float_host_tensors_are_measured_in_place_as_torch_measures_them(dtype, device):
+    for what, tensor in _views(dtype, device).items():
+        values = host_stats(tensor, True)
+        expected = _exact(tensor)
+        if values is None:  # a layout the strided walk does not take (overlapping): the general path
+            assert what == "expanded row"
+            values = tensor_stats(tensor)
+        assert values[:2] == expected[:2], what  # max and min: exact
+        assert values[2:4] == pytest.approx(expected[2:4], rel=1e-6), what
+        assert values[4:] == [0.0, 0.0]
+        assert tensor_stats(tensor) == pytest.approx(values, rel=1e-12), what
+
+
+def test_it_steps_aside_for_what_it_does_not_measure():
+    class Marked(torch.Tensor):
+        pass
+
+    plain = torch.randn(8)
+    with_nan = plain.clone()
+    with_nan[3] = math.nan
+    npu = plain.to("npu")
+    cases = {"subclass": plain.as_subclass(Marked), "nan": with_nan, "integer": torch.arange(8),
+             "float64": plain.double(), "empty": torch.empty(0), "meta": torch.empty(8, device="meta"),
+             "sparse": plain.to_sparse(), "npu of another backend": npu}
+    for what, tensor in cases.items():
+        flag = what != "npu of another backend"  # the npu device is not npukit's: not host memory
+        assert host_stats(tensor, flag) is None, what
+    assert host_stats(npu, True) == tensor_stats(plain)
+    # the general path still counts the nan
+    assert tensor_stats(with_nan)[4] == 1.0
