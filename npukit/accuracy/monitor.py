@@ -294,7 +294,7 @@ class MonitorSession:
             leaf = _Leaf(path, calls, "" if len(outputs) == 1 else f".{index}")
             self._step.leaves.append(leaf)
             self._add("activation", leaf, tensor)
-            if tensor.requires_grad and torch.is_grad_enabled():
+            if tensor.requires_grad:  # grad mode is on: checked above
                 tensor.register_hook(partial(self._on_activation_grad_guarded, leaf))
 
     def _on_activation_grad(self, leaf: _Leaf, gradient) -> None:
