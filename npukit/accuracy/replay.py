@@ -31,15 +31,31 @@ momentum) are saved, or loaded in place, and the batches and forward arguments c
 Without an optimizer (weights updated by hand) step N starts as the first root module starts its
 forward for step N (with gradients): the state is taken there, after step N-1's update, and the
 DataLoader batches taken after step N-1's forward began (the loop takes step N's before its forward)
-are step N's. No random number generator state is recorded, nor state kept outside the modules. So an NPU run whose weights drifted
-over N steps computes step N from the golden run's state: its dump of step N shows what step N's own
-ops do, not what N steps accumulated (npu-compare --trend --localize relies on it).
+are step N's. So an NPU run whose weights drifted over N steps computes step N from the golden run's
+state: its dump of step N shows what step N's own ops do, not what N steps accumulated (npu-compare
+--trend --localize relies on it).
+
+Random number generators: at the same point (the first root forward of the run, or step N's start)
+the states of the global generators are recorded and set back -- torch's CPU generator, each npu
+device's default generator, Python's `random` and numpy's `np.random` -- so a step that draws (dropout,
+noise, a random crop, a DataLoader iterator started from there: its shuffle and its workers' seeds) draws
+what the recorded run drew, whatever the run's own seed did before. All four are restored, not only
+torch's: they are the script's state at that point as much as its weights are (same script, same
+point of it, every other input of the step restored), and npukit itself draws from none of them.
+Generators the script makes itself (torch.Generator, random.Random, np.random.default_rng) and those of
+DataLoader workers already running are not reached. Reading an emulated npu generator's state makes it
+continue from that state (seed and offset), as torch.npu.get_rng_state() in the script would: from the
+recorded point on the recorded run draws, on the npu, what the state stands for and a replay draws
+again. A directory recorded before the states were (no "rng" in replay.json) restores none, and says
+so once.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
+import sys
 import weakref
 from pathlib import Path
 
@@ -99,6 +115,7 @@ class ReplaySession:
         self._manifest = self._load_manifest() if self.replaying else {
             "version": _FORMAT_VERSION, "modules": [], "forward_inputs": [], "batches": [],
         }
+        self.replayed_generators = False
         self._roots: dict[int, int] = {}  # id(module) -> index in manifest["modules"]
         self._root_refs: list = []  # keep ids stable while the session runs
         self._forward_calls: dict[int, int] = {}  # root index -> forwards seen
@@ -191,6 +208,7 @@ class ReplaySession:
                 self._load_optimizers(optimizers)
             else:
                 self._manifest["optimizers"] = [self._encode_optimizer(optimizer) for optimizer in optimizers]
+            self._generators()
 
     def _encode_optimizer(self, optimizer) -> dict:
         """Its per-parameter state in param_groups order: tensors as files, numbers as they are (its
@@ -238,6 +256,67 @@ class ReplaySession:
                             live[key] = value
             self.replayed_optimizers += 1
 
+    # ---------------------------------------------------------------- random number generators
+    def _generators(self) -> None:
+        """Record, or set back, the global generators' states (the module docstring says which, and why)."""
+        if not self.replaying:
+            self._manifest["rng"] = self._encode_generators()
+            return
+        states = self._manifest.get("rng")
+        if states is None:
+            print(f"npukit replay: {self.directory / MANIFEST} holds no random number generators' states (recorded "
+                  "by an earlier npukit): they are not restored, so random draws (dropout) from the replayed point "
+                  "on are this run's own; record the directory again to have them replayed", file=sys.stderr)
+            return
+        self._restore_generators(states)
+        self.replayed_generators = True
+
+    def _encode_generators(self) -> dict:
+        import numpy
+
+        version, words, gauss_next = random.getstate()
+        algorithm, keys, position, has_gauss, cached_gaussian = numpy.random.get_state(legacy=True)
+        npu = _npu_generators()
+        return {
+            "torch": self._encode(torch.get_rng_state()),
+            "npu": [self._encode(npu.get_rng_state(index)) for index in range(npu.device_count())] if npu else [],
+            "python": [version, list(words), gauss_next],
+            "numpy": {"algorithm": algorithm, "keys": keys.tolist(), "pos": int(position),
+                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
+        }
+
+    def _restore_generators(self, states: dict) -> None:
+        import numpy
+
+        byte = torch.empty(0, dtype=torch.uint8)
+        where = self.directory / MANIFEST
+        try:
+            torch.set_rng_state(self._decode(states["torch"], byte))
+        except RuntimeError as exc:
+            raise UserError(f"{where}: rng.torch: not a CPU generator's state ({exc})") from None
+        npu = _npu_generators()
+        recorded = states["npu"]
+        count = npu.device_count() if npu else 0
+        for index, encoded in enumerate(recorded[:count]):
+            try:
+                npu.set_rng_state(self._decode(encoded, byte), index)
+            except RuntimeError as exc:
+                raise UserError(f"{where}: rng.npu[{index}]: not an npu generator's state ({exc})") from None
+        if len(recorded) > count:
+            print(f"npukit replay: {where} holds the generator states of {len(recorded)} npu devices; this run has "
+                  f"{count}: those of npu:{count} on are not restored", file=sys.stderr)
+        version, words, gauss_next = states["python"]
+        try:
+            random.setstate((version, tuple(words), gauss_next))
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise UserError(f"{where}: rng.python: not a state of Python's random ({exc})") from None
+        state = states["numpy"]
+        try:
+            numpy.random.set_state((state["algorithm"], numpy.array(state["keys"], dtype=numpy.uint32), state["pos"],
+                                    state["has_gauss"], state["cached_gaussian"]))
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise UserError(f"{where}: rng.numpy: not a state of numpy's global generator ({exc})") from None
+
     def _check_layout(self, root: Path) -> None:
         """Refuse to record a second, differently laid out recording next to an existing one."""
         if self.rank is None:
@@ -280,6 +359,8 @@ class ReplaySession:
                         self._load_state(module, index)
                     else:
                         self._save_state(module)
+                    if index == 0:  # the run's start: its first root forward
+                        self._generators()
         if not self._active:
             return None
         call = self._forward_calls.get(index, 0)
@@ -473,6 +554,14 @@ class ReplaySession:
         return live
 
 
+def _npu_generators():
+    """torch.npu (npukit's emulated device, or a real torch_npu's) when it has device generators, else None."""
+    npu = getattr(torch, "npu", None)
+    if npu is None or not all(hasattr(npu, name) for name in ("get_rng_state", "set_rng_state", "device_count")):
+        return None
+    return npu
+
+
 def _check_manifest(manifest: dict, path: Path) -> None:
     """Every field the replay reads has the type it expects, so that a broken or hand-edited
     replay.json is named here (field by field) instead of failing inside the user's script."""
@@ -538,3 +627,35 @@ def _check_manifest(manifest: dict, path: Path) -> None:
         encoded(item.get("args"), f"{where}.args")
     for index, batch in enumerate(manifest.get("batches", [])):
         encoded(batch, f"batches[{index}]")
+    if "rng" in manifest:
+        _check_generators(manifest["rng"], fail, encoded)
+
+
+def _check_generators(states, fail, encoded) -> None:
+    def integer(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    if not isinstance(states, dict):
+        fail("rng", "expected an object with torch, npu, python and numpy")
+    for field in ("torch", "npu", "python", "numpy"):
+        if field not in states:
+            fail("rng", f"has no {field!r}")
+    if not isinstance(states["npu"], list):
+        fail("rng.npu", "must be a list")
+    for where, state in [("rng.torch", states["torch"]),
+                         *((f"rng.npu[{index}]", state) for index, state in enumerate(states["npu"]))]:
+        encoded(state, where)
+        if "tensor" not in state:
+            fail(where, "expected a tensor")
+    python = states["python"]
+    if not (isinstance(python, list) and len(python) == 3 and integer(python[0]) and isinstance(python[1], list)
+            and len(python[1]) == 625 and all(integer(word) for word in python[1])
+            and (python[2] is None or isinstance(python[2], float))):
+        fail("rng.python", "expected [version, 625 integers, gauss_next]")
+    numpy_state = states["numpy"]
+    if not (isinstance(numpy_state, dict) and isinstance(numpy_state.get("algorithm"), str)
+            and isinstance(numpy_state.get("keys"), list) and all(integer(word) for word in numpy_state["keys"])
+            and all(integer(numpy_state.get(key)) for key in ("pos", "has_gauss"))
+            and isinstance(numpy_state.get("cached_gaussian"), int | float)
+            and not isinstance(numpy_state.get("cached_gaussian"), bool)):
+        fail("rng.numpy", "expected an object with algorithm, keys, pos, has_gauss and cached_gaussian")

@@ -3,7 +3,9 @@
 import contextlib
 import gc
 import json
+import random
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -55,15 +57,17 @@ def test_different_model_is_a_clear_error(tmp_path):
 
 
 def loss_module_script(seed, replay_dir, steps=3, batches=2):
-    """word_language_model's shape: an nn.Module loss called on the model's output, no DataLoader."""
+    """word_language_model's shape: an nn.Module loss called on the model's output, no DataLoader.
+    Its data comes from a generator of its own (the global ones are set back at the first forward)."""
     torch.manual_seed(seed)
+    data = torch.Generator().manual_seed(seed)
     with ReplaySession(replay_dir, batches=batches) as session:
         model = nn.Linear(4, 2)
         criterion = nn.MSELoss()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         losses, grads = [], []
         for _ in range(steps):
-            x, y = torch.randn(8, 4), torch.randn(8, 2)
+            x, y = torch.randn(8, 4, generator=data), torch.randn(8, 2, generator=data)
             loss = criterion(model(x), y)
             optimizer.zero_grad()
             loss.backward()
@@ -233,3 +237,93 @@ def test_replay_from_a_later_step_without_an_optimizer_counts_its_models_forward
     assert unrecorded == first  # recording changes nothing in the recorded run
     with pytest.raises(UserError, match="--replay-step 9: the run ended after 4 training step.*without an optimizer"):
         training_by_hand(1, tmp_path / "short", 9)
+
+
+class Noise(nn.Module):
+    """Randomness a script draws in its step from its device's, Python's and numpy's global generators
+    (the emulated device's dropout draws from the CPU generator, torch.rand_like on it from its own)."""
+
+    def forward(self, x):
+        noise = np.random.standard_normal(tuple(x.shape)).astype(np.float32)
+        return x * random.uniform(0.5, 1.5) + 0.1 * torch.from_numpy(noise).to(x.device) + 0.1 * torch.rand_like(x)
+
+
+def dropout_training(seed, replay_dir, start_step, device="cpu", by_hand=False, steps=5):
+    """Dropout (the device's generator), Noise (Python's and numpy's) and a shuffled DataLoader (the CPU
+    generator), with Adam or, by_hand, SGD written out: every step draws random numbers."""
+    gc.collect()  # an optimizer of an earlier test, left in a reference cycle, is one the scan would find
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+    with ReplaySession(replay_dir, batches=1, start_step=start_step) as session:
+        model = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.5), Noise(), nn.Linear(16, 2)).to(device)
+        optimizer = None if by_hand else torch.optim.Adam(model.parameters(), lr=0.05)
+        loader = DataLoader(TensorDataset(torch.randn(4 * steps, 4), torch.randn(4 * steps, 2)), batch_size=4,
+                            shuffle=True)
+        losses = []
+        for x, y in loader:
+            loss = F.mse_loss(model(x.to(device)), y.to(device))
+            loss.backward()
+            if optimizer is None:
+                with torch.no_grad():
+                    for parameter in model.parameters():
+                        parameter -= 0.05 * parameter.grad
+                        parameter.grad = None
+            else:
+                optimizer.step()
+                optimizer.zero_grad()
+            losses.append(loss.item())
+    return losses, session
+
+
+@pytest.mark.parametrize("device,by_hand", [("cpu", False), ("npu", False), ("cpu", True)])
+def test_replay_from_a_later_step_draws_the_recorded_runs_random_numbers(tmp_path, request, device, by_hand):
+    """Step 3 replayed by a run seeded otherwise draws the same dropout mask (the CPU or npu generator)
+    and the same Python and numpy numbers as the recorded run: it computes step 3 exactly as it did."""
+    if device == "npu":
+        request.getfixturevalue("npu")
+    first, _ = dropout_training(1, tmp_path, 3, device, by_hand)
+    second, replayer = dropout_training(2, tmp_path, 3, device, by_hand)
+    assert replayer.replaying and replayer.replayed_modules == 1 and replayer.replayed_batches == 1
+    assert replayer.replayed_generators
+    assert second[:3] != first[:3]  # its own first steps
+    assert second[3] == first[3]  # step 3 from the recorded state, batch and random number generators
+
+
+def test_replay_from_the_first_step_draws_the_recorded_runs_random_numbers(tmp_path):
+    first, _ = dropout_training(1, tmp_path, 0)
+    second, _ = dropout_training(2, tmp_path, 0)
+    assert second[0] == first[0] and second[1:] != first[1:]  # later batches are the run's own
+
+
+def test_a_recording_without_generator_states_replays_the_rest_and_says_so_once(tmp_path, capsys):
+    """A replay directory recorded before the generators' states were (an older npukit) still replays
+    weights, optimizer state and batches; its random draws are the run's own, and it says so once."""
+    first, _ = dropout_training(1, tmp_path, 3)
+    manifest = json.loads((tmp_path / "replay.json").read_text())
+    del manifest["rng"]
+    (tmp_path / "replay.json").write_text(json.dumps(manifest))
+    capsys.readouterr()
+    second, replayer = dropout_training(2, tmp_path, 3)
+    assert replayer.replayed_modules == 1 and replayer.replayed_optimizers == 1 and replayer.replayed_batches == 1
+    assert second[3] != first[3] and not replayer.replayed_generators  # other dropout masks and noise
+    err = capsys.readouterr().err
+    assert err.count("random number generators' states") == 1 and "not restored" in err
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("rng", [], "rng: expected an object"),
+    ("python", [3, [1, 2], None], r"rng.python: expected \[version, 625 integers, gauss_next\]"),
+    ("numpy", {"keys": [1]}, "rng.numpy: expected"),
+    ("npu", {"tensor": "x"}, "rng.npu: must be a list"),
+])
+def test_a_broken_generator_state_is_named(tmp_path, field, value, message):
+    dropout_training(1, tmp_path, 0)
+    manifest = json.loads((tmp_path / "replay.json").read_text())
+    if field == "rng":
+        manifest["rng"] = value
+    else:
+        manifest["rng"][field] = value
+    (tmp_path / "replay.json").write_text(json.dumps(manifest))
+    with pytest.raises(UserError, match=f"replay.json: {message}"):
+        dropout_training(2, tmp_path, 0)
