@@ -315,8 +315,10 @@ def _enter_sessions(options: RunOptions, stack: contextlib.ExitStack, sessions: 
     if dump_options is not None:
         from npukit.accuracy.dump import DumpSession
 
-        # step S of --dump-steps is step S of the monitor and of --replay-step (--localize's re-runs)
-        dump_options["training_steps"] = options.replay is not None or options.monitor is not None
+        # step S of --dump-steps is step S of the monitor, --replay-step and --stop-after-step (--localize's
+        # re-runs): forwards without gradients before the first optimizer step start no step
+        dump_options["training_steps"] = (options.replay is not None or options.monitor is not None
+                                          or options.stop_after_step is not None)
 
         sessions.append(stack.enter_context(DumpSession(**dump_options)))
     if options.detect_overflow:
