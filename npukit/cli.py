@@ -78,7 +78,7 @@ def run(
     dump_list: Optional[str] = typer.Option(None, "--dump-list", help="Only these module/op names (comma list)."),
     dump_ops: Optional[str] = typer.Option(None, "--dump-ops", help="Which apis: focus (default: what msprobe records by default) | core | msprobe-all | all (also views, slicing, copies msprobe never hooks)."),
     dump_config: Optional[Path] = typer.Option(None, "--dump-config", help="msprobe's config.json (task, level, step, rank, scope, list, risk_level): one config for both tools."),
-    replay: Optional[Path] = typer.Option(None, "--replay", help="Save (first run) or load (second run) initial weights and first batches in DIR."),
+    replay: Optional[Path] = typer.Option(None, "--replay", help="Save (first run) or load (second run) initial weights, first batches and random number generator states in DIR."),
     replay_step: int = typer.Option(0, "--replay-step", metavar="N", help="With --replay: at the start of training step N instead: weights, buffers and optimizer state, and the batches from there. Steps are counted as --monitor counts them: at each optimizer step or, without an optimizer (weights updated by hand), at each new forward with gradients of the first model."),
     stop_after_step: Optional[int] = typer.Option(None, "--stop-after-step", metavar="N", help="End the run (exit 0) once training step N (0-based, counted as --monitor counts steps) has ended; without an optimizer, as the first model starts its forward with gradients for step N+1."),
     precision_fix: Optional[Path] = typer.Option(None, "--precision-fix", help="Apply a precision fix (JSON, as npu-compare --find-fix writes it) without editing the code."),

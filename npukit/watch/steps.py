@@ -10,7 +10,7 @@ end the step at GradScaler.step, use GradScalerStepWatch directly.
 A script with no optimizer (inference, or updates made by hand) has no optimizer.step: there a
 step ends each time its first root module starts a new forward (ForwardSteps).
 
-RunSteps joins the two as the monitor (and the dump under --monitor or --replay) numbers steps, for
+RunSteps joins the two as the monitor (and the dump under --monitor, --replay or --stop-after-step) numbers steps, for
 --replay-step and --stop-after-step: TrainingSteps' ends and, until an optimizer steps, ForwardSteps'
 boundaries of forwards run with gradients (an evaluation forward, without them, starts no step).
 """
