@@ -66,6 +66,52 @@ def test_rng_is_per_device_and_reproducible():
     assert torch.equal(torch.randn(4, device="npu", generator=generator).cpu(), e.cpu())
 
 
+def _drawn_with(cpu_seed: int, npu_seed: int, draw):
+    torch.manual_seed(cpu_seed)  # seeds the npu generators too: the npu seed is set after it
+    torch.npu.manual_seed(npu_seed)
+    return draw().cpu()
+
+
+@pytest.mark.parametrize("what", ["dropout", "attention dropout", "alpha dropout"])
+def test_dropout_masks_follow_the_npu_generator_not_the_cpus(what):
+    """nn.Dropout's native_dropout has no generator argument: run on the CPU aliases, its mask came
+    from the CPU generator, so torch.npu.manual_seed did not change it (torch_npu's follows it)."""
+    import torch.nn.functional as F
+
+    x = torch.randn(2, 3, 8, 16, device="npu")
+    draw = {"dropout": lambda: F.dropout(x, 0.5, training=True),
+            "attention dropout": lambda: F.scaled_dot_product_attention(x, x, x, dropout_p=0.5),
+            "alpha dropout": lambda: F.alpha_dropout(x, 0.5, training=True)}[what]
+    first = _drawn_with(0, 1, draw)
+    assert torch.equal(_drawn_with(5, 1, draw), first)  # another CPU seed: the same masks
+    assert not torch.equal(_drawn_with(0, 2, draw), first)  # another npu seed: other masks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_native_dropout_on_npu_computes_as_the_cpu_kernel(dtype):
+    torch.npu.manual_seed(3)
+    x = torch.randn(6, 40, device="npu", dtype=dtype).t()  # strided: the output keeps the layout
+    out, mask = torch.native_dropout(x, 0.3, True)
+    assert mask.dtype == torch.bool and mask.stride() == x.stride() == out.stride()
+    kept = mask.float().mean().item()
+    assert 0.55 < kept < 0.85
+    # the CPU kernel's arithmetic: the scale a double, applied in the op's fp32 opmath
+    assert torch.equal(out.cpu(), x.cpu().mul(mask.cpu().to(dtype)).mul_(1 / 0.7))
+    for p, train in [(0.3, False), (0.0, True), (1.0, True)]:
+        cpu_out, cpu_mask = torch.native_dropout(x.cpu(), p, train)  # no randomness in these cases
+        npu_out, npu_mask = torch.native_dropout(x, p, train)
+        assert torch.equal(npu_out.cpu(), cpu_out) and torch.equal(npu_mask.cpu(), cpu_mask), (p, train)
+        assert npu_out.data_ptr() != x.data_ptr()
+    empty = torch.empty(0, 3, device="npu", dtype=dtype)
+    out, mask = torch.native_dropout(empty, 0.5, True)
+    assert out is empty and mask.dtype == dtype and mask.shape == empty.shape
+    # the gradient goes through the kept elements, scaled
+    leaf = torch.randn(50, device="npu", requires_grad=True)
+    out, mask = torch.native_dropout(leaf, 0.4, True)
+    out.sum().backward()
+    assert torch.allclose(leaf.grad.cpu(), mask.cpu().float() / 0.6)
+
+
 def test_rng_state_is_seed_and_philox_offset_as_torch_npus():
     """DTensor's random ops (FSDP2's meta-device init, then reset_parameters) read the state as
     (seed, offset) and write offsets into it; the state was the CPU generator's 5056 bytes, and

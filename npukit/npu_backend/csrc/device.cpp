@@ -18,6 +18,7 @@
 #include <ATen/native/TensorFactories.h>
 #include <ATen/Operators.h>
 #include <ATen/Parallel.h>
+#include <ATen/ScalarOps.h>
 #include <ATen/ops/_reshape_alias_native.h>
 #include <ATen/ops/as_strided_native.h>
 #include <ATen/ops/resize_native.h>
@@ -1250,6 +1251,28 @@ at::Tensor efficient_zero_tensor(at::IntArrayRef size, std::optional<at::ScalarT
                                    std::nullopt);
 }
 
+// native_dropout (nn.Dropout, F.dropout, attention dropout) as the CPU computes it, its mask drawn
+// from the npu generator: its schema has no generator argument, so the boxed fallback's CPU kernel
+// drew from the CPU's default generator, and torch.npu.manual_seed did not change the masks (a
+// seeded npu run depended on the CPU seed instead, where torch_npu's dropout follows the npu one).
+// The CPU kernel: mask = bernoulli(1 - p) in the input's dtype, out = input * mask * 1 / (1 - p)
+// (0 when p is 1), the mask returned as bool; outside training a copy and an all-true mask; an
+// empty input returned as it is with an empty mask of its dtype.
+std::tuple<at::Tensor, at::Tensor> native_dropout(const at::Tensor& input, double p, std::optional<bool> train) {
+  if (input.numel() == 0) return {input, at::empty_like(input)};
+  if (train.has_value() && !*train) {
+    return {input.clone(), at::ones_like(input, input.options().dtype(at::kBool))};
+  }
+  double keep = 1. - p;
+  double scale = keep == 0 ? 0. : 1. / keep;
+  at::Tensor mask = at::empty_like(input);  // the input's layout, as the CPU keeps it
+  mask.bernoulli_(keep);  // on npu: the boxed fallback draws from the npu generator
+  // scaled by a wrapped number, as the CPU kernel's mul_(double) computes (in the op's fp32 opmath;
+  // the device's Scalar overload rounds a scalar to an fp16/bf16 tensor's dtype first, as CANN's does)
+  at::Tensor output = input.mul(mask).mul_(at::native::wrapped_scalar_tensor(scale));
+  return {output, mask.to(at::kBool)};
+}
+
 at::Tensor as_strided(const at::Tensor& self, c10::SymIntArrayRef size, c10::SymIntArrayRef stride,
                       std::optional<c10::SymInt> storage_offset) {
   return at::native::as_strided_tensorimpl(
@@ -1633,6 +1656,7 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("convolution_backward_overrideable", convolution_backward_overrideable);
   m.impl("_has_compatible_shallow_copy_type", has_compatible_shallow_copy_type);
   m.impl("_efficientzerotensor", efficient_zero_tensor);
+  m.impl("native_dropout", native_dropout);
   // Out variants whose composite kernel accepts only CPU/CUDA/XPU tensors: run on the CPU aliases.
   for (const char* name : {"mode.values"})
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&npu_fallback>());
