@@ -20,6 +20,8 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+import numpy as np
+
 from npukit.accuracy import naming
 from npukit.accuracy.dumpfile import (
     INTERNAL_ERROR,
@@ -33,14 +35,16 @@ from npukit.accuracy.dumpfile import (
     load_rank_dump,
 )
 from npukit.accuracy.metrics import (
+    CHUNK,
     FLOAT32_EPS,
     FLOAT64_EPS,
     PairJob,
     PairMetrics,
     _pool_context,
+    as_real_elements,
     compare_pairs,
 )
-from npukit.accuracy.tensor_io import is_floating
+from npukit.accuracy.tensor_io import float64_converter, is_floating, read_tensor
 from npukit.alignment import myers_alignment
 from npukit.errors import UserError
 from npukit.files import ContainedPaths
@@ -1101,6 +1105,10 @@ def find_divergence(pair_label: str, pairs: list, rows: list[Row], golden: RankD
                     found = (target_entry.name, "gradient-gap", row)
         if found:
             return _divergence(pair_label, found, golden, target, out_err)
+        lost = _lost_in_place_update(pair_label, golden_entry, target_entry, entry_rows, target, target_lineage,
+                                     out_err)
+        if lost is not None:
+            return lost
         in_err = max(activation_errors, default=0.0)
         source_err = max(source_errors, default=0.0)
         limit = warn
@@ -1381,10 +1389,96 @@ def _lost_update_text(producer: DumpEntry, lineage: _Lineage, shared: set[str]) 
     output = producer.outputs[0] if producer.outputs else None
     if len(norms) != 2 or not norms["shared"] or output is None:
         return None
-    eps = _FINFO.get(output.dtype, {}).get("eps")
-    ratio = norms["update"] / norms["shared"]
-    unit = f", below {output.dtype.removeprefix('torch.')}'s rounding unit ({eps:.2g})" if eps and ratio < eps else ""
-    return f"it adds an update {ratio:.2g}x the size of the tensor it updates{unit}, so most of the update is lost"
+    return f"it adds {_update_size_text(norms['update'] / norms['shared'], output.dtype)}"
+
+
+def _update_size_text(ratio: float, dtype: str) -> str:
+    """"an update 0.00012x the size of the tensor it updates, below bfloat16's rounding unit (0.0078),
+    so most of the update is lost": a lost update's size, as both of its checks word it."""
+    eps = _FINFO.get(dtype, {}).get("eps")
+    unit = f", below {dtype.removeprefix('torch.')}'s rounding unit ({eps:.2g})" if eps and ratio < eps else ""
+    return f"an update {ratio:.2g}x the size of the tensor it updates{unit}, so most of the update is lost"
+
+
+# The share of the golden run's change of a weight the target's change keeps (its projection on it)
+# below which an in-place update of the weight lost it: most of the update is gone, not changed (a
+# correct mixed-precision run's gradients a few percent apart keep ~100%; AdamW's first update moves
+# each weight by about lr either way, so a bf16 sign flip in 5% of them keeps 90%).
+_LOST_UPDATE_KEPT = 0.5
+
+
+def _in_place(entry: DumpEntry) -> bool:
+    """`Tensor.add_`, `Tensor.__isub__`: the op writes its first input (what naming.writes_its_input
+    tells at the call, read back from the recorded name)."""
+    op = entry.base.rpartition(".")[2]
+    return entry.direction == naming.FORWARD and (op.startswith("__i") or (op.endswith("_") and not op.startswith("__")))
+
+
+def _change_figures(golden_in: TensorLeaf, golden_out: TensorLeaf, target_in: TensorLeaf,
+                    target_out: TensorLeaf) -> tuple[float, float, float, float] | None:
+    """(|golden change|^2, |golden input|^2, target change . golden change, |change difference|^2) of
+    an in-place op, in fp64 over chunks of the four tensor files (never read whole); None when a value
+    is not finite."""
+    arrays = [as_real_elements(read_tensor(leaf.data_path, leaf.dtype, list(leaf.shape)))
+              for leaf in (golden_in, golden_out, target_in, target_out)]
+    converters = [float64_converter(leaf.dtype) for leaf in (golden_in, golden_out, target_in, target_out)]
+    sums = np.zeros(4)
+    buffers = [np.empty(CHUNK) for _ in arrays]
+    for low in range(0, arrays[0].size, CHUNK):
+        high = min(arrays[0].size, low + CHUNK)
+        gi, go, ti, to = (buffer[:high - low] for buffer in buffers)
+        for convert, array, buffer in zip(converters, arrays, (gi, go, ti, to)):
+            convert(array[low:high], buffer)
+        golden_change = go - gi
+        target_change = to - ti
+        sums += (golden_change @ golden_change, gi @ gi, target_change @ golden_change,
+                 np.square(target_change - golden_change).sum())
+    return tuple(float(value) for value in sums) if np.isfinite(sums).all() else None
+
+
+def _lost_in_place_update(pair_label, golden_entry: DumpEntry, target_entry: DumpEntry, entry_rows: list[Row],
+                          target: RankDump, lineage: _Lineage, out_err: float) -> Divergence | None:
+    """An in-place update of a parameter (the optimizer's `param.add_(grad, alpha=-lr)`, a script's
+    `p -= lr * p.grad`) that lost most of the golden run's change: a weight kept in bf16 whose update
+    is below half its rounding unit writes the weight back unchanged. What it writes is the weight,
+    whose relative error (the update's size, 1e-4) is far within tolerance: the change it makes
+    (output - input) is compared instead, from tensor dumps. Only where the target keeps the weight
+    in a coarser dtype than the golden run (two runs that both keep it in bf16 round its update alike,
+    and a weight both keep in fp32 loses nothing to its rounding)."""
+    if not _in_place(target_entry):
+        return None
+    rows = {row.target.suffix: row for row in entry_rows
+            if row.target is not None and row.golden is not None and row.target.suffix in ("input.0", "output.0")}
+    if len(rows) != 2:
+        return None
+    leaves = (rows["input.0"].golden, rows["output.0"].golden, rows["input.0"].target, rows["output.0"].target)
+    if not rows["input.0"].target.requires_grad or any(
+            leaf.data_path is None or leaf.uninitialized or leaf.dtype not in _FINFO or leaf.shape != leaves[0].shape
+            for leaf in leaves):
+        return None
+    dtype = leaves[3].dtype
+    if _FINFO[dtype]["eps"] <= _FINFO[leaves[1].dtype]["eps"]:
+        return None
+    figures = _change_figures(*leaves)
+    if figures is None:
+        return None
+    golden_change, golden_size, along, apart = figures
+    if not golden_change or not golden_size or along / golden_change >= _LOST_UPDATE_KEPT:
+        return None
+    origin = lineage.origin(rows["input.0"].target)
+    used_by = lineage.entries.get(_entry_of_leaf(origin.name)) if origin is not rows["input.0"].target else None
+    module = entry_module_path(used_by, target) if used_by is not None else None
+    weight = "the parameter" if used_by is None else \
+        f"the parameter ({origin.suffix} of {used_by.name}{f' in {module}' if module else ''})"
+    reason = (f"it makes {_update_size_text(math.sqrt(golden_change / golden_size), dtype)}: {weight} is kept in"
+              f" {dtype.removeprefix('torch.')}, and the change this op makes to it keeps"
+              f" {max(along / golden_change, 0.0):.0%} of the golden run's (the change's relative error"
+              f" {_fmt(math.sqrt(apart / golden_change))}; the weight it writes: relative error {_fmt(out_err)}, all"
+              f" the compare of the weight alone sees). Keep these weights in fp32 (an fp32 master copy the optimizer"
+              f" updates, cast to {dtype.removeprefix('torch.')} for the forward), or compute the update on fp32 copies")
+    divergence = _make_divergence(pair_label, target_entry, golden_entry, reason, target, 0.0, out_err)
+    divergence.module_path = module or divergence.module_path  # the weight's module, not the optimizer's "(root)"
+    return divergence
 
 
 def _cancellation_divergence(pair_label, revealed, consumer, dump, lineage: _Lineage, out_err,
