@@ -7,8 +7,8 @@ import math
 
 import pytest
 import torch
-from npukit.accuracy._tensor_stats import host_stats
 
+from npukit.accuracy._tensor_stats import host_stats
 from npukit.accuracy.dump import tensor_stats
 
 pytestmark = pytest.mark.usefixtures("npu")
