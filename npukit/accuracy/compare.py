@@ -171,6 +171,9 @@ class Divergence:
     input_error: float
     output_error: float
     side: str = "both"  # both | target-only | golden-only
+    # what kind of problem, where a fix depends on it: "lost-update" (an in-place update of a weight kept
+    # in fp16/bf16 lost the golden run's change: fixes.py's fp32_master); "" otherwise
+    kind: str = ""
 
 
 @dataclass
@@ -1478,6 +1481,7 @@ def _lost_in_place_update(pair_label, golden_entry: DumpEntry, target_entry: Dum
               f" updates, cast to {dtype.removeprefix('torch.')} for the forward), or compute the update on fp32 copies")
     divergence = _make_divergence(pair_label, target_entry, golden_entry, reason, target, 0.0, out_err)
     divergence.module_path = module or divergence.module_path  # the weight's module, not the optimizer's "(root)"
+    divergence.kind = "lost-update"
     return divergence
 
 
