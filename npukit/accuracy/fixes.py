@@ -11,6 +11,7 @@ and, where the module calls that api more than once, the user's source line (`tr
 | `finite_fill` | a fill value of +-inf becomes the tensor dtype's max / min     | `torch.finfo(x.dtype).min` at that line |
 | `unfuse`      | a fused attention op (npu_fusion_attention and _v2, the inference kernels) computed by its decomposition in fp32, rounded to its output dtype (unfuse.py) | a call of that decomposition (printed in full, plain torch) at that line |
 | `inf_nan_mode`| (the whole run) fp16 in INF_NAN mode, not saturation           | `INF_NAN_MODE_ENABLE=1` |
+| `fp32_master` | (a module, no op) each optimizer.step() updates an fp32 master copy of the module's fp16/bf16 parameters (their gradients cast up, the optimizer's state for them fp32); each parameter then holds its master rounded to its dtype | keep_fp32_master(): the same, with optimizer step hooks |
 
 Only torch's public API is used (autocast, torch.npu's HF32 flags), so a fix found on the emulated
 NPU means the same on an Ascend host with torch_npu. The fix finder (`npu-compare --find-fix`)
@@ -32,7 +33,7 @@ from pathlib import Path
 from npukit.accuracy import eager
 from npukit.errors import UserError
 
-KINDS = ("fp32", "hf32_off", "finite_fill", "unfuse", "inf_nan_mode")
+KINDS = ("fp32", "hf32_off", "finite_fill", "unfuse", "inf_nan_mode", "fp32_master")
 FIX_ENV = "NPUKIT_PRECISION_FIX"
 # the fill APIs whose value argument may be +-inf (the `inf-fill` finding of npu-migrate)
 FILL_APIS = frozenset({"Tensor.masked_fill", "Tensor.masked_fill_", "Torch.masked_fill", "Tensor.fill_",
@@ -43,7 +44,7 @@ FILL_APIS = frozenset({"Tensor.masked_fill", "Tensor.masked_fill_", "Torch.maske
 @dataclass(frozen=True)
 class FixChange:
     kind: str
-    api: str = ""  # "Functional.linear"; empty for a whole-run change
+    api: str = ""  # "Functional.linear"; empty for a whole-run change and for fp32_master (a module's parameters)
     module: str = ""  # the calling module's path; "" is the model itself; `h.*.attn`: every index
     line: str = ""  # "train.py:16": only this call site of the api in that module ("" = every one)
     source: str = ""  # the code at that line, for the suggestion (not used to match)
@@ -52,6 +53,8 @@ class FixChange:
         if self.kind == "inf_nan_mode":
             return "fp16 in INF_NAN mode (not saturation)"
         module = f"every {self.module}" if "*" in self.module else self.module or "the model"
+        if self.kind == "fp32_master":
+            return f"keep an fp32 master copy of {module}'s fp16/bf16 parameters for the optimizer"
         where = f"{self.api} in {module}" + (f" at {self.line}" if self.line and with_line else "")
         return {"fp32": f"compute {where} in fp32", "hf32_off": f"HF32 off for {where}",
                 "finite_fill": f"fill with the dtype's min/max instead of +-inf in {where}",
@@ -144,14 +147,56 @@ def change_op(model, modules, ops, line, kind):
         module.register_forward_hook(leave, always_call=True)
 '''
 
+# The code fix_code() prints for fp32_master: the master copy PrecisionFixSession keeps, with the optimizer's
+# step hooks (public torch API), pasted once the model and its optimizer are built.
+_KEEP_FP32_MASTER = '''import re
+
+import torch
+
+
+def keep_fp32_master(model, optimizer, modules):
+    """Each fp16/bf16 parameter of the modules of `model` whose path matches `modules` (a regex; "": the
+    model itself) gets an fp32 master copy: optimizer.step() updates the master (the gradient cast up; the
+    optimizer's state for it is fp32) and the parameter then holds the master rounded to its dtype."""
+    low = (torch.float16, torch.bfloat16)
+    params = {p for name, module in model.named_modules() if re.fullmatch(modules, name)
+              for p in module.parameters() if p.dtype in low}
+    masters, swapped = {}, []
+    def before(optimizer, args, kwargs):
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p in params and p.grad is not None and p.dtype in low:
+                    grad, dtype, master = p.grad, p.dtype, masters.get(p)
+                    if master is None or not torch.equal(master.to(dtype), p.data):
+                        master = p.data.float()  # the first step, or the weight was set since (a checkpoint)
+                    p.grad = None
+                    p.data = master
+                    p.grad = grad.float()
+                    state = optimizer.state.get(p, {})
+                    for key, value in state.items():
+                        if torch.is_tensor(value) and value.dtype == dtype:
+                            state[key] = value.float()
+                    swapped.append((p, dtype, grad))
+    def after(optimizer, args, kwargs):
+        while swapped:
+            p, dtype, grad = swapped.pop()
+            masters[p] = p.data
+            p.grad = None
+            p.data = masters[p].to(dtype)
+            p.grad = grad
+    optimizer.register_step_pre_hook(before)
+    optimizer.register_step_post_hook(after)
+'''
+
 
 def fix_code(changes: list[FixChange]) -> str:
     """The fix as code: pasted as it is once the model is built (named `model`), it makes the changes
     npu-run --precision-fix applied, to the same ops in the same modules: an op change is change_op()
     (defined once) per op and line, over the modules it names; a fill as the line with its value
     spelled finite (to edit there); a fused op unfused as the call to write at its line and the
-    decomposition it calls, printed in full (unfuse.code); INF_NAN mode as the variable to set before the run."""
-    calls, edits, unfused = [], [], []
+    decomposition it calls, printed in full (unfuse.code); INF_NAN mode as the variable to set before the run;
+    fp32 master copies as keep_fp32_master() (defined once) over the modules named, once the optimizer is built."""
+    calls, edits, unfused, masters = [], [], [], []
     merged: dict[tuple, list[FixChange]] = {}
     for change in changes:
         if change.kind in ("fp32", "hf32_off"):
@@ -164,6 +209,8 @@ def fix_code(changes: list[FixChange]) -> str:
                          f"#   {change.source or '<the line that calls it>'}")
         elif change.kind == "unfuse":
             unfused.append(change)
+        elif change.kind == "fp32_master":
+            masters.append(change)
         else:
             edits.append("# before the run (Ascend 910B and later), fp16 with IEEE inf/nan, not saturation: in the shell\n"
                          "#   export INF_NAN_MODE_ENABLE=1")
@@ -185,6 +232,14 @@ def fix_code(changes: list[FixChange]) -> str:
         from npukit.accuracy import unfuse  # (torch: imported when the fix holds such a change)
 
         edits.append(unfuse.code(unfused))
+    if masters:
+        modules = "|".join(_module_regex(change.module) for change in masters)
+        where = "; ".join(change.describe() for change in masters)
+        edits.append("# paste once the model and its optimizer are built (`model`, `optimizer`): the master copies "
+                     f"npu-run --precision-fix kept\n{_KEEP_FP32_MASTER}# {where}\n"
+                     f"keep_fp32_master(model, optimizer, r\"{modules}\")\n"
+                     "# or keep those weights in fp32 (no .to(torch.bfloat16) / .half() on them): autocast casts them "
+                     "for the forward")
     parts = [head if calls else "", *calls, *edits]
     return "\n".join(part for part in parts if part)
 
@@ -221,6 +276,7 @@ def _op_expressions(api: str) -> list[str]:
 @dataclass
 class PrecisionFix:
     changes: list[FixChange]
+    source: str = ""  # the file it was loaded from, named in errors (not written by to_json)
 
     def to_json(self) -> str:
         return json.dumps({"changes": [asdict(change) for change in self.changes]}, indent=1)
@@ -238,12 +294,15 @@ class PrecisionFix:
             unknown = set(item) - {"kind", "api", "module", "line", "source"}
             if unknown:
                 raise UserError(f"--precision-fix {path}: change {index}: unknown field(s) {', '.join(sorted(unknown))}")
+            if item["kind"] == "fp32_master" and (item.get("api") or item.get("line")):
+                raise UserError(f"--precision-fix {path}: change {index}: fp32_master names a module (its parameters),"
+                                " not an op: leave api and line empty")
             if item["kind"] == "unfuse":  # a fused op with a decomposition
                 from npukit.accuracy.unfuse import check_api
 
                 check_api(str(item.get("api", "")), f"--precision-fix {path}: change {index}")
             changes.append(FixChange(**{key: str(value) for key, value in item.items()}))
-        return cls(changes)
+        return cls(changes, str(path))
 
 
 class PrecisionFixSession:
@@ -253,8 +312,9 @@ class PrecisionFixSession:
         self.fix = fix
         self._by_api: dict[str, list[FixChange]] = {}
         for change in fix.changes:
-            if change.kind != "inf_nan_mode":
+            if change.kind not in ("inf_nan_mode", "fp32_master"):
                 self._by_api.setdefault(change.api, []).append(change)
+        self._masters = _Fp32Masters(fix, self) if any(c.kind == "fp32_master" for c in fix.changes) else None
         self._handles: list = []
         self._mode = None
         self._module_stack: list = []
@@ -275,7 +335,7 @@ class PrecisionFixSession:
                 numerics.set_fp16_mode("inf_nan")
             except ImportError:  # a real Ascend host: the variable above is the switch
                 pass
-        if not self._by_api:
+        if not self._by_api and self._masters is None:
             return self
         self._paths = naming.ModulePaths()
         self._names = naming.api_name_table()
@@ -285,6 +345,10 @@ class PrecisionFixSession:
         self._compile_watched = True
         self._handles = [module_hooks.register_module_forward_pre_hook(self._enter_module),
                          module_hooks.register_module_forward_hook(self._leave_module, always_call=True)]
+        if self._masters is not None:
+            self._masters.watch()
+        if not self._by_api:
+            return self
         session = self
 
         class _FixMode(torch.overrides.TorchFunctionMode):
@@ -309,6 +373,9 @@ class PrecisionFixSession:
         if self._compile_watched:
             self._compile_watched = False
             eager.leave(self._on_compiled_region)
+        if self._masters is not None:
+            self._masters.unwatch()
+            self._masters.check_applied(exc_info[0])
 
     def _on_compiled_region(self, name: str) -> None:
         if name not in self._unfixed_regions:
@@ -331,6 +398,10 @@ class PrecisionFixSession:
             return
         if self._module_stack and self._module_stack[-1] is module:
             self._module_stack.pop()
+
+    def module_paths(self) -> list[tuple[object, str]]:
+        """(module, path as the dump names it) of every module the run has called so far."""
+        return list(self._paths.items())
 
     def _change_for(self, func) -> FixChange | None:
         from npukit.accuracy import naming
@@ -369,6 +440,131 @@ class PrecisionFixSession:
 
             return unfuse.run(change, args, kwargs)
         return func(*args, **kwargs)
+
+
+class _Fp32Masters:
+    """fp32_master: the fp16/bf16 parameters of the modules a fix names get fp32 master copies that
+    every optimizer.step() updates. Inside the step (the optimizer's own step hooks, which run inside
+    the global ones of the dump, the monitor and the other sessions: those see the parameters as the
+    run keeps them) each parameter holds its master and its gradient cast up, so the optimizer's update
+    and its state are fp32; after it the master is kept and the parameter gets it rounded to its
+    dtype. A master is dropped when its parameter was written since (a checkpoint, --replay's state)."""
+
+    _LOW = ("torch.float16", "torch.bfloat16")
+
+    def __init__(self, fix: PrecisionFix, session: PrecisionFixSession) -> None:
+        self._changes = [(index, change) for index, change in enumerate(fix.changes) if change.kind == "fp32_master"]
+        self._source = fix.source or "(the fix)"
+        self._session = session
+        self._global_hook = None
+        self._hooked = None  # optimizer -> its own step hooks' handles
+        self._masters: dict[int, tuple] = {}  # id(parameter) -> (weakref to it, its fp32 master)
+        self._swapped: list[tuple] = []  # inside a step: (parameter, its dtype, its gradient)
+        self._wanted: tuple[int, dict[int, int]] = (-1, {})  # (modules known, id(parameter) -> change index)
+        self._matched: set[int] = set()  # changes whose module the run called
+        self._kept: set[int] = set()  # changes that kept a master of at least one parameter
+        self._steps = 0
+
+    def watch(self) -> None:
+        import weakref
+
+        from torch.optim import optimizer as optimizer_hooks
+
+        self._hooked = weakref.WeakKeyDictionary()
+        self._global_hook = optimizer_hooks.register_optimizer_step_pre_hook(self._on_step)
+
+    def unwatch(self) -> None:
+        if self._swapped:  # a step that raised: the parameters back in their dtype
+            self._after_step(None, None, None)
+        for handles in list(self._hooked.values()) if self._hooked is not None else ():
+            for handle in handles:
+                handle.remove()
+        if self._global_hook is not None:
+            self._global_hook.remove()
+            self._global_hook = None
+
+    def _on_step(self, optimizer, args, kwargs) -> None:
+        # the optimizer's own hooks run after every global pre-hook and before every global post-hook
+        if optimizer not in self._hooked:
+            self._hooked[optimizer] = [optimizer.register_step_pre_hook(self._before_step),
+                                       optimizer.register_step_post_hook(self._after_step)]
+
+    def _parameters(self) -> dict[int, int]:
+        """id(parameter) -> the change that names its module, for the modules the run has called."""
+        modules = self._session.module_paths()
+        if self._wanted[0] != len(modules):
+            wanted: dict[int, int] = {}
+            for module, path in modules:
+                for index, change in self._changes:
+                    if module_matches(change.module, path):
+                        self._matched.add(index)
+                        for parameter in module.parameters():
+                            wanted.setdefault(id(parameter), index)
+            self._wanted = (len(modules), wanted)
+        return self._wanted[1]
+
+    def _before_step(self, optimizer, args, kwargs) -> None:
+        import weakref
+
+        import torch
+
+        self._steps += 1
+        wanted = self._parameters()
+        with torch._C.DisableTorchFunction():  # the casts are no ops of the run's (the dump records none)
+            for group in optimizer.param_groups:
+                for parameter in group["params"]:
+                    index = wanted.get(id(parameter))
+                    if index is None or parameter.grad is None or str(parameter.dtype) not in self._LOW:
+                        continue
+                    grad, dtype = parameter.grad, parameter.dtype
+                    ref, master = self._masters.get(id(parameter), (None, None))
+                    if ref is None or ref() is not parameter or not torch.equal(master.to(dtype), parameter.data):
+                        master = parameter.data.float()  # the first step, or the parameter was written since
+                    parameter.grad = None  # (a gradient must have its parameter's dtype)
+                    parameter.data = master
+                    parameter.grad = grad.float()
+                    state = optimizer.state.get(parameter, {})
+                    for key, value in state.items():  # (a state loaded into the parameter took its dtype)
+                        if isinstance(value, torch.Tensor) and value.dtype == dtype:
+                            state[key] = value.float()
+                    self._masters[id(parameter)] = (weakref.ref(parameter), master)
+                    self._swapped.append((parameter, dtype, grad))
+                    self._kept.add(index)
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        import torch
+
+        with torch._C.DisableTorchFunction():
+            while self._swapped:
+                parameter, dtype, grad = self._swapped.pop()
+                master = parameter.data  # updated in place by the optimizer
+                self._masters[id(parameter)] = (self._masters[id(parameter)][0], master)
+                parameter.grad = None
+                parameter.data = master.to(dtype)
+                parameter.grad = grad
+
+    def check_applied(self, exc_type) -> None:
+        """A fix that changed nothing is an error (the run ended as it does without it): no optimizer
+        stepped (a script updating its weights by hand), the module never ran, or it holds no fp16/bf16
+        parameter the optimizer updated. Not raised over the run's own error."""
+        from npukit.watch.stop import StoppedAfterStep
+
+        if exc_type is not None and not issubclass(exc_type, StoppedAfterStep):
+            return
+        for index, change in self._changes:
+            what = f"--precision-fix {self._source}: change {index} ({change.describe()})"
+            if not self._steps:
+                raise UserError(f"{what}: no optimizer stepped in this run (torch.optim's optimizer.step(), or "
+                                "scaler.step(optimizer)), and the master copy is updated there: a script that "
+                                "updates its weights by hand (`p -= lr * p.grad` under torch.no_grad()) cannot be "
+                                "fixed this way. Keep those weights in fp32 (autocast casts them for the forward), "
+                                "or apply the update to fp32 copies of them")
+            if index not in self._matched:
+                raise UserError(f"{what}: the run called no module {change.module!r} (name it as the dump does: "
+                                "the divergence's module)")
+            if index not in self._kept:
+                raise UserError(f"{what}: it holds no fp16/bf16 parameter with a gradient that an optimizer "
+                                "updated: nothing to keep an fp32 master copy of")
 
 
 _NEGATIVE_INF = re.compile(r"""float\(\s*(['"])-inf\1\s*\)|-\s*float\(\s*(['"])inf\2\s*\)|-\s*(?:math|torch|np|numpy)\.inf\b""")

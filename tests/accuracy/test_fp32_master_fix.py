@@ -1,0 +1,167 @@
+"""The fp32_master precision fix: a weight kept in bf16 whose optimizer updates are below half its
+rounding unit loses them (tests/accuracy/test_lost_update.py); with an fp32 master copy that every
+optimizer.step() updates, it follows the run that keeps it in fp32. npu-run --precision-fix applies
+it without code edits, the code it prints does the same, and the fix finder proposes it for a lost
+update and proves it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from npukit.accuracy.fixes import FixChange, PrecisionFix, PrecisionFixSession, fix_code
+from npukit.errors import UserError
+from tests.accuracy.test_lost_update import MLP
+
+pytestmark = pytest.mark.usefixtures("npu")
+
+STEPS = 12
+MASTER_FC2 = PrecisionFix([FixChange("fp32_master", module="fc2")])
+
+
+def _batches():
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(16, 16, generator=generator).to("npu"), torch.randn(16, 4, generator=generator).to("npu"))
+            for _ in range(STEPS)]
+
+
+class TiedMLP(MLP):
+    """The MLP with a second middle layer that shares fc2's weight (its own bias)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc2b = nn.Linear(32, 32)
+        self.fc2b.weight = self.fc2.weight
+
+    def forward(self, x):
+        h = self.act1(self.fc1(x)).to(self.fc2.weight.dtype)
+        return self.fc3(self.act2(self.fc2b(self.act2(self.fc2(h)))).float())
+
+
+def _train(optimizer: str, foreach: bool, bf16_fc2: bool, fix: PrecisionFix | None = None, scaler: bool = False,
+           model_class=MLP, code: str = ""):
+    """STEPS steps of the MLP under bf16 autocast, the model and optimizer. fc2 (and fc2b) start from bf16
+    weights and are kept in bf16 (bf16_fc2) or fp32. `code`: run once the optimizer is built (a fix's code)."""
+    torch.manual_seed(0)
+    model = model_class().to("npu")
+    middle = [module for name, module in model.named_children() if name.startswith("fc2")]
+    for module in middle:
+        module.to(torch.bfloat16)
+    if not bf16_fc2:
+        for module in middle:
+            module.to(torch.float32)
+    # learning rates whose updates to fc2 are mostly below half a bf16 rounding unit of its weights
+    kinds = {"sgd": (torch.optim.SGD, 2e-3), "adamw": (torch.optim.AdamW, 2e-5)}
+    kind, lr = kinds[optimizer]
+    update = kind(model.parameters(), lr=lr, foreach=foreach)
+    if code:
+        exec(code, {"model": model, "optimizer": update})  # noqa: S102 (the fix's code, as a user pastes it)
+    grad_scaler = torch.amp.GradScaler("npu", init_scale=256.0) if scaler else None
+    with PrecisionFixSession(fix) if fix is not None else torch.enable_grad():
+        for x, y in _batches():
+            update.zero_grad()
+            with torch.autocast("npu", dtype=torch.bfloat16):
+                loss = (model(x).float() - y).square().mean()
+            if grad_scaler is None:
+                loss.backward()
+                update.step()
+            else:
+                grad_scaler.scale(loss).backward()
+                grad_scaler.step(update)
+                grad_scaler.update()
+    return model, update
+
+
+@pytest.mark.parametrize("scaler", [False, True], ids=["", "grad-scaler"])
+@pytest.mark.parametrize("foreach", [False, True], ids=["per-tensor", "foreach"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_bf16_weights_with_an_fp32_master_follow_the_fp32_run(optimizer, foreach, scaler):
+    """Under autocast, a weight kept in fp32 is cast to bf16 for the forward: the bf16 weight the
+    master is rounded to is the same, and so is every gradient. So the fixed run is the fp32 run,
+    bit for bit: fc2's weights are the fp32 run's rounded to bf16, every other parameter is the fp32
+    run's. Without the fix fc2 loses its updates."""
+    reference, _ = _train(optimizer, foreach, bf16_fc2=False, scaler=scaler)
+    lost, _ = _train(optimizer, foreach, bf16_fc2=True, scaler=scaler)
+    fixed, update = _train(optimizer, foreach, bf16_fc2=True, fix=MASTER_FC2, scaler=scaler)
+    torch.manual_seed(0)
+    start = MLP().to("npu").fc2.to(torch.bfloat16)  # fc2's weights before training
+    for name, parameter in fixed.named_parameters():
+        wanted = dict(reference.named_parameters())[name]
+        if name.startswith("fc2."):
+            assert parameter.dtype == torch.bfloat16 and parameter.grad.dtype == torch.bfloat16, name
+            assert torch.equal(parameter.cpu(), wanted.detach().to(torch.bfloat16).cpu()), name
+            # the optimizer's state for it is fp32, as a real master copy's
+            assert all(value.dtype == torch.float32 for value in update.state[parameter].values()
+                       if isinstance(value, torch.Tensor) and value.dim()), name
+        else:  # untouched: fp32, and the fp32 run's
+            assert parameter.dtype == torch.float32 and torch.equal(parameter.cpu(), wanted.detach().cpu()), name
+    # without the fix fc2's change over the steps is far from the fp32 run's (its updates lost)
+    change = reference.fc2.weight.detach().float() - start.weight.detach().float()
+    lost_change = lost.fc2.weight.detach().float() - start.weight.detach().float()
+    assert (lost_change - change).norm() > 0.5 * change.norm()
+
+
+def _same_parameters(model, reference) -> None:
+    wanted = dict(reference.named_parameters())
+    for name, parameter in model.named_parameters():
+        assert parameter.dtype == wanted[name].dtype or parameter.dtype == torch.bfloat16, name
+        assert torch.equal(parameter.detach().cpu(), wanted[name].detach().to(parameter.dtype).cpu()), name
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["per-tensor", "foreach"])
+def test_a_weight_two_modules_share_gets_one_master(foreach):
+    """fc2's weight is fc2b's too: the whole model's fix ("") keeps one master of it (and of the two
+    bf16 biases), updated once a step: the run is the fp32 run's."""
+    reference, _ = _train("adamw", foreach, bf16_fc2=False, model_class=TiedMLP)
+    fixed, _ = _train("adamw", foreach, bf16_fc2=True, model_class=TiedMLP,
+                      fix=PrecisionFix([FixChange("fp32_master", module="")]))
+    assert fixed.fc2.weight is fixed.fc2b.weight and fixed.fc2.weight.dtype == torch.bfloat16
+    _same_parameters(fixed, reference)
+
+
+def test_the_printed_code_keeps_the_same_master_copy():
+    """keep_fp32_master(), pasted once the model and optimizer are built, trains as npu-run
+    --precision-fix did: the fp32 run's weights, fc2's rounded to bf16."""
+    code = fix_code(MASTER_FC2.changes)
+    assert 'keep_fp32_master(model, optimizer, r"fc2")' in code
+    reference, _ = _train("adamw", True, bf16_fc2=False)
+    pasted, update = _train("adamw", True, bf16_fc2=True, code=code)
+    assert pasted.fc2.weight.dtype == torch.bfloat16
+    _same_parameters(pasted, reference)
+    assert update.state[pasted.fc2.weight]["exp_avg"].dtype == torch.float32
+
+
+def test_a_script_updating_its_weights_by_hand_is_told_the_fix_cannot_apply(tmp_path):
+    """No optimizer.step(): nowhere to update a master copy. The run says so, naming the fix file and
+    change, instead of ending as if fixed."""
+    path = tmp_path / "fix.json"
+    path.write_text(MASTER_FC2.to_json())
+    torch.manual_seed(0)
+    model = MLP().to("npu")
+    model.fc2.to(torch.bfloat16)
+    x, y = _batches()[0]
+    with pytest.raises(UserError, match="updates its weights by hand") as raised:
+        with PrecisionFixSession(PrecisionFix.load(path)):
+            with torch.autocast("npu", dtype=torch.bfloat16):
+                (model(x).float() - y).square().mean().backward()
+            with torch.no_grad():
+                for weight in model.parameters():
+                    weight -= 2e-3 * weight.grad
+    assert f"--precision-fix {path}: change 0 (keep an fp32 master copy of fc2's" in str(raised.value)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (FixChange("fp32_master", module="fc9"), "the run called no module 'fc9'"),
+    (FixChange("fp32_master", module="fc1"), "holds no fp16/bf16 parameter"),  # fc1 is fp32
+])
+def test_a_master_fix_that_changes_nothing_is_an_error(change, message):
+    with pytest.raises(UserError, match=message):
+        _train("sgd", False, bf16_fc2=True, fix=PrecisionFix([change]))
+
+
+def test_a_master_fix_naming_an_op_is_refused(tmp_path):
+    path = tmp_path / "fix.json"
+    path.write_text('{"changes": [{"kind": "fp32_master", "api": "Functional.linear", "module": "fc2"}]}')
+    with pytest.raises(UserError, match=r"fix.json: change 0: fp32_master names a module"):
+        PrecisionFix.load(path)
