@@ -4,7 +4,8 @@ precision fix that brings the NPU run back within tolerance.
 From the divergence a compare names (its op, and the ops after it that are off too), candidates
 are drawn: each op computed in fp32 instead of fp16/bf16, a fused op (npu_fusion_attention) computed
 by its unfused decomposition in fp32 (before its fp32 candidate: the call keeps its output dtype),
-HF32 off for a matmul/conv the run computed in HF32, a fill with +-inf made finite. The step is run
+HF32 off for a matmul/conv the run computed in HF32, a fill with +-inf made finite; for an update
+optimizer.step() lost in a bf16 weight, first an fp32 master copy of the weight's module. The step is run
 again (the user's command under `--replay`, with `--precision-fix` and a dump of its own) with sets
 of candidates applied, and each run is compared with the golden dump: a set fixes the run when
 that compare finds no divergence.
@@ -167,12 +168,28 @@ def candidates_with_blocks(result: CompareResult, limit: int = MAX_CANDIDATES
             if entry.name in off:
                 off_changes.add(change)
     grouped, members = _groups(found)
-    grouped = grouped[:limit]
+    grouped = [*_master_copies(pair, dump, anchor_name), *grouped][:limit]
     blocks = {change: sorted(members[change], key=lambda member: member in off_changes)
               for change in grouped if change in members}
     if _saturated(pair):  # last: a code fix is preferred, and a 910A has no INF_NAN mode
         grouped.append(FixChange("inf_nan_mode"))
     return grouped, blocks
+
+
+def _master_copies(pair, dump, anchor_name: str) -> list[FixChange]:
+    """For an update optimizer.step() lost (a weight kept in fp16/bf16, its update below half a rounding
+    unit: the compare's "lost-update"): an fp32 master copy of the weight's module's parameters, then of
+    the model's (the op may update weights of several modules: a foreach update). First: computing the
+    update op in fp32 cannot help, its result is written into the bf16 weight. None for an update made
+    by hand (`p -= lr * p.grad`, outside an optimizer): no optimizer step updates a master there."""
+    divergence = pair.divergence
+    if divergence is None or divergence.kind != "lost-update" or divergence.entry != anchor_name:
+        return []
+    entry = dump.by_name().get(anchor_name)
+    if entry is None or entry.parent != "optimizer":
+        return []
+    module = "" if divergence.module_path in (None, "(root)") else divergence.module_path
+    return [FixChange("fp32_master", module=path) for path in dict.fromkeys([module, ""])]
 
 
 def _saturated(pair) -> bool:
@@ -454,7 +471,8 @@ def print_fix(fix_result: FixResult, console) -> None:
     for change in fix_result.fix:
         console.print(f"  {change.describe()}")
     kinds = {change.kind for change in fix_result.fix}
-    how = ["pasted once the model is built"] if kinds - {"unfuse"} else []
+    built = "the model and its optimizer are" if "fp32_master" in kinds else "the model is"
+    how = [f"pasted once {built} built"] if kinds - {"unfuse"} else []
     if "unfuse" in kinds:  # a call replaced at its line
         how.append("an unfused op's function put in its file and called at the line shown")
     console.print(f"  as code (it runs as printed, {'; '.join(how)}):")

@@ -460,7 +460,7 @@ class _Fp32Masters:
         self._hooked = None  # optimizer -> its own step hooks' handles
         self._masters: dict[int, tuple] = {}  # id(parameter) -> (weakref to it, its fp32 master)
         self._swapped: list[tuple] = []  # inside a step: (parameter, its dtype, its gradient)
-        self._wanted: tuple[int, dict[int, int]] = (-1, {})  # (modules known, id(parameter) -> change index)
+        self._wanted: tuple[int, dict[int, set]] = (-1, {})  # (modules known, id(parameter) -> changes naming it)
         self._matched: set[int] = set()  # changes whose module the run called
         self._kept: set[int] = set()  # changes that kept a master of at least one parameter
         self._steps = 0
@@ -489,17 +489,18 @@ class _Fp32Masters:
             self._hooked[optimizer] = [optimizer.register_step_pre_hook(self._before_step),
                                        optimizer.register_step_post_hook(self._after_step)]
 
-    def _parameters(self) -> dict[int, int]:
-        """id(parameter) -> the change that names its module, for the modules the run has called."""
+    def _parameters(self) -> dict[int, set]:
+        """id(parameter) -> the changes that name its module (or a module above it), for the modules the
+        run has called. A parameter modules share (tied weights) is one entry: one master."""
         modules = self._session.module_paths()
         if self._wanted[0] != len(modules):
-            wanted: dict[int, int] = {}
+            wanted: dict[int, set] = {}
             for module, path in modules:
                 for index, change in self._changes:
                     if module_matches(change.module, path):
                         self._matched.add(index)
                         for parameter in module.parameters():
-                            wanted.setdefault(id(parameter), index)
+                            wanted.setdefault(id(parameter), set()).add(index)
             self._wanted = (len(modules), wanted)
         return self._wanted[1]
 
@@ -507,14 +508,15 @@ class _Fp32Masters:
         import weakref
 
         import torch
+        from torch.autograd.graph import increment_version
 
         self._steps += 1
         wanted = self._parameters()
         with torch._C.DisableTorchFunction():  # the casts are no ops of the run's (the dump records none)
             for group in optimizer.param_groups:
                 for parameter in group["params"]:
-                    index = wanted.get(id(parameter))
-                    if index is None or parameter.grad is None or str(parameter.dtype) not in self._LOW:
+                    naming = wanted.get(id(parameter))
+                    if naming is None or parameter.grad is None or str(parameter.dtype) not in self._LOW:
                         continue
                     grad, dtype = parameter.grad, parameter.dtype
                     ref, master = self._masters.get(id(parameter), (None, None))
@@ -522,6 +524,7 @@ class _Fp32Masters:
                         master = parameter.data.float()  # the first step, or the parameter was written since
                     parameter.grad = None  # (a gradient must have its parameter's dtype)
                     parameter.data = master
+                    increment_version(parameter)  # other values: what the dump measured of it is not them
                     parameter.grad = grad.float()
                     state = optimizer.state.get(parameter, {})
                     for key, value in state.items():  # (a state loaded into the parameter took its dtype)
@@ -529,10 +532,11 @@ class _Fp32Masters:
                             state[key] = value.float()
                     self._masters[id(parameter)] = (weakref.ref(parameter), master)
                     self._swapped.append((parameter, dtype, grad))
-                    self._kept.add(index)
+                    self._kept |= naming
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         import torch
+        from torch.autograd.graph import increment_version
 
         with torch._C.DisableTorchFunction():
             while self._swapped:
@@ -541,6 +545,7 @@ class _Fp32Masters:
                 self._masters[id(parameter)] = (self._masters[id(parameter)][0], master)
                 parameter.grad = None
                 parameter.data = master.to(dtype)
+                increment_version(parameter)
                 parameter.grad = grad
 
     def check_applied(self, exc_type) -> None:

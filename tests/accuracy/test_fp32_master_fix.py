@@ -165,3 +165,90 @@ def test_a_master_fix_naming_an_op_is_refused(tmp_path):
     path.write_text('{"changes": [{"kind": "fp32_master", "api": "Functional.linear", "module": "fc2"}]}')
     with pytest.raises(UserError, match=r"fix.json: change 0: fp32_master names a module"):
         PrecisionFix.load(path)
+
+
+# The lost update as a script: the NPU port keeps fc2 in bf16, the reference (npu-run --golden, which
+# sets NPUKIT_GOLDEN) every weight in fp32. One step of SGD (per tensor: the dump records its update ops).
+LOST_UPDATE = '''
+import os
+
+import torch
+import torch.nn as nn
+import torch_npu  # noqa: F401
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act1 = nn.Linear(16, 32), nn.Tanh()
+        self.fc2, self.act2 = nn.Linear(32, 32), nn.Tanh()
+        self.fc3 = nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = self.act1(self.fc1(x))
+        return self.fc3(self.act2(self.fc2(h.to(self.fc2.weight.dtype)).float()))
+
+
+torch.manual_seed(0)
+model = MLP().to("npu")
+if os.environ.get("NPUKIT_GOLDEN") != "1":
+    model.fc2.to(torch.bfloat16)
+optimizer = torch.optim.SGD(model.parameters(), lr=2e-3, foreach=False)
+data = torch.Generator().manual_seed(1)
+x, y = torch.randn(16, 16, generator=data).to("npu"), torch.randn(16, 4, generator=data).to("npu")
+with torch.autocast("npu", dtype=torch.bfloat16):
+    loss = (model(x).float() - y).square().mean()
+loss.backward()
+optimizer.step()
+'''
+
+
+@pytest.mark.slow  # (whole runs of a script: golden, NPU, the finder's trials: ~15 s)
+def test_the_fix_finder_keeps_an_fp32_master_of_the_module_whose_update_was_lost(tmp_path):
+    import json
+
+    from tests.accuracy.test_fix_finder import _npukit
+
+    (tmp_path / "train.py").write_text(LOST_UPDATE)
+    common = ["--seed", "0", "--replay", "replay", "--dump-mode", "tensor"]  # (the change is judged from tensors)
+    for options in (["--golden", "--dump", "golden"], ["--dump", "npu"]):
+        run = _npukit("run_main", *options, *common, "train.py", cwd=tmp_path)
+        assert run.returncode == 0, run.stderr
+    found = _npukit("compare_main", "golden", "npu", "--find-fix", "--find-fix-json", "fix.json", "--", "npu-run",
+                    *common, "--dump", "npu", "train.py", cwd=tmp_path)
+    assert "Traceback" not in found.stderr, found.stderr
+    assert "First divergence: Tensor.add_.2.forward  (module fc2)" in found.stdout, found.stdout
+    result = json.loads((tmp_path / "fix.json").read_text())
+    # the master copy first: the update op computed in fp32 is still written into the bf16 weight
+    assert [(c["kind"], c["module"]) for c in result["candidates"][:2]] == [("fp32_master", "fc2"),
+                                                                           ("fp32_master", "")]
+    assert [(c["kind"], c["api"], c["module"]) for c in result["fix"]] == [("fp32_master", "", "fc2")], found.stdout
+    assert result["after"]["fixed"] and not result["before"]["fixed"]
+    assert 'keep_fp32_master(model, optimizer, r"fc2")' in found.stdout
+    assert "pasted once the model and its optimizer are built" in " ".join(found.stdout.split())
+    # applied by hand, the fix file brings the step within tolerance
+    applied = _npukit("run_main", *common, "--precision-fix", "npu.find-fix/fix.json", "--dump", "fixed", "train.py",
+                      cwd=tmp_path)
+    assert applied.returncode == 0, applied.stderr
+    again = _npukit("compare_main", "golden", "fixed", cwd=tmp_path)
+    assert again.returncode == 0 and "No divergence found" in again.stdout, again.stdout
+
+
+@pytest.mark.parametrize(("optimizer", "first"), [("sgd", [("fp32_master", "fc2"), ("fp32_master", "")]),
+                                                  ("adamw", [("fp32_master", "fc2"), ("fp32_master", "")]),
+                                                  ("by hand", [])])
+def test_a_lost_update_gets_master_copy_candidates_only_inside_an_optimizer_step(tmp_path, optimizer, first):
+    """The compare's lost update (kind "lost-update") inside optimizer.step(): the master copy of the
+    weight's module first, then of the model's; updated by hand (`weight -= lr * weight.grad`), no
+    optimizer step updates a master: no such candidate."""
+    from npukit.accuracy.compare import compare_dirs
+    from npukit.accuracy.fix_finder import candidates_from
+    from tests.accuracy.test_lost_update import step
+
+    step(tmp_path / "golden", "golden", optimizer)
+    step(tmp_path / "npu", "npu", optimizer, bf16_fc2=True)
+    result = compare_dirs(tmp_path / "golden", tmp_path / "npu", workers=1)
+    assert result.pairs[0].divergence.kind == "lost-update"
+    candidates = candidates_from(result)
+    masters = [(change.kind, change.module) for change in candidates if change.kind == "fp32_master"]
+    assert masters == first and [(change.kind, change.module) for change in candidates[:len(first)]] == first
