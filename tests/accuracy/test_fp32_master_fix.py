@@ -252,3 +252,103 @@ def test_a_lost_update_gets_master_copy_candidates_only_inside_an_optimizer_step
     candidates = candidates_from(result)
     masters = [(change.kind, change.module) for change in candidates if change.kind == "fp32_master"]
     assert masters == first and [(change.kind, change.module) for change in candidates[:len(first)]] == first
+
+
+LOST_LATE = '''\
+"""An MLP whose middle layer the NPU port keeps in bf16 (the reference, npu-run --golden, which sets
+NPUKIT_GOLDEN, keeps every weight in fp32; both start from the same bf16 weights, as from a bf16
+checkpoint), trained by AdamW under bf16 autocast. The learning rate drops from 1e-2 to 3e-4 at half
+the run (argv[1] steps): from then on most of the middle layer's updates are below half a bf16
+rounding unit of its weights, and lost."""
+import os
+import sys
+
+import torch
+import torch.nn as nn
+
+torch.set_num_threads(1)
+torch.manual_seed(0)
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.mid, self.out = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x)).to(self.mid.weight.dtype)
+        return self.out(torch.tanh(self.mid(h)).float())
+
+
+model = MLP().to("npu")
+model.mid.to(torch.bfloat16)
+if os.environ.get("NPUKIT_GOLDEN") == "1":
+    model.mid.to(torch.float32)
+steps = int(sys.argv[1])
+# (beta2 0.95: a bf16 state's 0.999 decay would be lost too, from the first step)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0, foreach=False)
+# PASTE HERE
+schedule = torch.optim.lr_scheduler.MultiStepLR(optimizer, [steps // 2], gamma=3e-2)
+data = torch.randn(64, 16, generator=torch.Generator().manual_seed(1)).to("npu")
+target = torch.randn(64, 4, generator=torch.Generator().manual_seed(2)).to("npu")
+for step in range(steps):
+    start = (step * 16) % 64
+    with torch.autocast("npu", dtype=torch.bfloat16):
+        loss = (model(data[start:start + 16]).float() - target[start:start + 16]).square().mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    schedule.step()
+print("final loss", loss.item())
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # 120 steps: three monitored runs, the re-runs to step 85, four trials, two fixed runs (~80 s)
+def test_from_the_trend_to_the_lost_update_and_a_master_copy_that_keeps_the_run_inside_the_band(tmp_path):
+    """As a user runs it: golden, perturbed and NPU monitors; --trend names mid leaving the band at step
+    85 (of 120: its weights' norm, the updates lost since the learning rate dropped at 60); --localize
+    re-runs to that step and names AdamW's update of mid's weight (Tensor.addcdiv_, inside
+    optimizer.step()) and the fix keeping an fp32 master copy of mid; the run with that fix file, and the
+    run with the printed code pasted after the optimizer is built, stay inside the band."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.accuracy.test_fix_finder import _printed_code
+    from tests.accuracy.test_localize import npu_run
+
+    def compare(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", "from npukit.cli import compare_main; compare_main()", *args],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "COLUMNS": "200"})
+
+    (tmp_path / "train.py").write_text(LOST_LATE)
+    script = ["train.py", "120"]
+    for options in (["--golden", "--monitor", "golden"], ["--golden-perturb", "bf16", "--monitor", "perturbed"],
+                    ["--monitor", "npu"]):
+        run = npu_run(*options, *script, cwd=tmp_path)
+        assert run.returncode == 0, run.stderr
+    localized = compare("--trend", "golden", "npu", "--perturbed", "perturbed", "--localize", "--localize-dir", "loc",
+                        "--", sys.executable, "-m", "npukit.run", "--monitor", "npu", *script)
+    assert localized.returncode == 1, localized.stdout + localized.stderr
+    assert "leaves the golden band at step 85, in mid" in " ".join(localized.stdout.split()), localized.stdout
+    named = json.loads((tmp_path / "loc" / "compare.json").read_text())["pairs"][0]["first_divergence"]
+    assert (named["entry"], named["module_path"]) == ("Tensor.addcdiv_.2.forward", "mid"), named
+    assert "most of the update is lost" in named["reason"]
+    fix = json.loads((tmp_path / "loc" / "find-fix.json").read_text())["fix"]
+    assert [(change["kind"], change["module"]) for change in fix] == [("fp32_master", "mid")]
+
+    fixed = npu_run("--precision-fix", "loc/find-fix/fix.json", "--monitor", "fixed", *script, cwd=tmp_path)
+    assert fixed.returncode == 0, fixed.stderr
+    inside = compare("--trend", "golden", "fixed", "--perturbed", "perturbed")
+    assert inside.returncode == 0, inside.stdout + inside.stderr
+    assert "No trend divergence: over steps 0-119" in " ".join(inside.stdout.split())
+    # the printed code, pasted once the optimizer is built, does what the fix file did
+    (tmp_path / "pasted.py").write_text(LOST_LATE.replace("# PASTE HERE", _printed_code(localized.stdout)))
+    pasted = npu_run("--monitor", "pasted", "pasted.py", "120", cwd=tmp_path)
+    assert pasted.returncode == 0, pasted.stderr
+    assert pasted.stdout == fixed.stdout  # the same final loss
+    inside = compare("--trend", "golden", "pasted", "--perturbed", "perturbed")
+    assert inside.returncode == 0 and "No trend divergence" in inside.stdout, inside.stdout
