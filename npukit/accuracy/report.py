@@ -220,6 +220,7 @@ def divergence_record(divergence: Divergence | None) -> dict | None:
         "entry": divergence.entry,
         "golden_entry": divergence.golden_entry,
         "side": divergence.side,
+        "kind": divergence.kind,  # "lost-update", or "" (a fix depends on it: fix_finder)
         "reason": divergence.reason,
         "module_path": divergence.module_path,
         "input_error": _json_value(divergence.input_error),

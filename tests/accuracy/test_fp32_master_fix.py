@@ -243,12 +243,14 @@ def test_a_lost_update_gets_master_copy_candidates_only_inside_an_optimizer_step
     optimizer step updates a master: no such candidate."""
     from npukit.accuracy.compare import compare_dirs
     from npukit.accuracy.fix_finder import candidates_from
+    from npukit.accuracy.report import result_json
     from tests.accuracy.test_lost_update import step
 
     step(tmp_path / "golden", "golden", optimizer)
     step(tmp_path / "npu", "npu", optimizer, bf16_fc2=True)
     result = compare_dirs(tmp_path / "golden", tmp_path / "npu", workers=1)
     assert result.pairs[0].divergence.kind == "lost-update"
+    assert result_json(result)["pairs"][0]["first_divergence"]["kind"] == "lost-update"  # compare.json says it too
     candidates = candidates_from(result)
     masters = [(change.kind, change.module) for change in candidates if change.kind == "fp32_master"]
     assert masters == first and [(change.kind, change.module) for change in candidates[:len(first)]] == first
