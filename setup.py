@@ -25,18 +25,22 @@ CAPABILITY_FLAGS = {
     + KERNEL_FLAGS,
 }
 CAPABILITIES = list(CAPABILITY_FLAGS) if X86 else ["default"]
+# Kernels for one CPU feature beyond ATen's capabilities, called only where the CPU has it (checked at run
+# time): fused_kernels_avx512bf16.cpp, the bf16 -> fp32 matmul on vdpbf16ps (AVX512-BF16)
+FEATURE_FLAGS = {"avx512bf16": CAPABILITY_FLAGS["avx512"] + ["-mavx512bf16"]}
+FEATURES = list(FEATURE_FLAGS) if X86 else []
 
 
 class BuildWithCapabilities(BuildExtension):
-    """BuildExtension, with each fused_kernels_<capability>.cpp compiled with its capability's flags."""
+    """BuildExtension, with each fused_kernels_<capability or feature>.cpp compiled with its flags."""
 
     def build_extension(self, ext):
         compile_one = self.compiler._compile
 
         def compile_with_flags(obj, src, ext_name, cc_args, extra_postargs, pp_opts):
             stem = Path(src).stem
-            flags = CAPABILITY_FLAGS.get(stem.removeprefix("fused_kernels_"), []) if stem.startswith(
-                "fused_kernels_") else []
+            kind = stem.removeprefix("fused_kernels_")
+            flags = CAPABILITY_FLAGS.get(kind, FEATURE_FLAGS.get(kind, [])) if stem.startswith("fused_kernels_") else []
             if isinstance(extra_postargs, dict):
                 extra_postargs = {**extra_postargs, "cxx": list(extra_postargs.get("cxx", [])) + flags}
             else:
@@ -55,7 +59,8 @@ setup(
         CppExtension(
             "npukit.npu_backend._C",
             [f"{CSRC}/device.cpp", f"{CSRC}/tensor_types.cpp", f"{CSRC}/fused_kernels.cpp"]
-            + [f"{CSRC}/fused_kernels_{capability}.cpp" for capability in CAPABILITIES],
+            + [f"{CSRC}/fused_kernels_{capability}.cpp" for capability in CAPABILITIES]
+            + [f"{CSRC}/fused_kernels_{feature}.cpp" for feature in FEATURES],
             extra_compile_args=["-O3", "-std=c++17"],
             extra_link_args=["-fopenmp"],
         ),

@@ -122,14 +122,15 @@ def attention_case(device, dtype=torch.float32):
     same_numerics = (lambda: kernel_numerics(q, k, v)) if dtype in LOW_PRECISION else None
     return Case(lambda: torch_npu.npu_fusion_attention(q, k, v, n, "BNSD", atten_mask=mask, scale=scale)[0],
                 lambda: decomposition(q, k, v), same_numerics,
-                why={torch.bfloat16: "q @ k^T (in the forward, and again in the backward, which recomputes P from "
-                                     "the softmax statistics as the kernel does) and dP = dy @ v^T accumulate in "
-                                     "fp32 and stay fp32 for the softmax and its gradient: the CPU's bf16 GEMM "
-                                     "(AVX512-BF16) returns only bf16 (torch 2.13 has no CPU kernel for "
-                                     "mm/bmm/addmm's out_dtype overloads, baddbmm refuses an fp32 input with bf16 "
-                                     "batches, mkldnn's linear returns bf16), so these 3 of the 7 matmuls run in "
-                                     "fp32, about 3x a bf16 one here (the other 4 run as bf16 GEMMs); the bf16 "
-                                     "decomposition runs 6 bf16 matmuls and rounds the scores to bf16"})
+                why={torch.bfloat16: "on a CPU without AVX512-BF16 (with it, all 7 matmuls multiply the bf16 values "
+                                     "exactly and sum in fp32 in C++, skipping masked blocks as the flash kernel "
+                                     "does): q @ k^T (in the forward, and again in the backward, which recomputes P "
+                                     "from the softmax statistics as the kernel does) and dP = dy @ v^T accumulate in "
+                                     "fp32 and stay fp32 for the softmax and its gradient, and the CPU's bf16 GEMM "
+                                     "returns only bf16 (torch 2.13 has no CPU kernel for mm/bmm/addmm's out_dtype "
+                                     "overloads), so these 3 of the 7 matmuls run in fp32 on upcast copies, about 3x "
+                                     "a bf16 one; the bf16 decomposition runs 6 bf16 matmuls and rounds the scores to "
+                                     "bf16"})
 
 
 def scaled_masked_softmax_case(device, dtype=torch.float32):

@@ -190,6 +190,70 @@ std::tuple<at::Tensor, at::Tensor> stable_expert_order(const at::Tensor& ids, in
   return {order, counts};
 }
 
+// Does the CPU multiply bf16 pairs into fp32 (AVX512-BF16, with the AVX-512 it extends)? Checked here,
+// in code compiled without AVX-512, before any of it runs.
+bool has_bf16_dot_product() {
+#if defined(__x86_64__)
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                          __builtin_cpu_supports("avx512bf16");
+  return has;
+#else
+  return false;
+#endif
+}
+
+// alpha * a @ b (+ bias) of a [batches, M, K] (bf16, or fp32 rounded to bf16) and bf16 b [batches, K, N]
+// (any strides), the products exact and summed in fp32 as the cube unit computes, rounded once to
+// out_dtype (fp32 or bf16); on the operands' device. Where the bias is `masked`, the result is `masked`.
+// With row_offset ([batches, M]), the result x is exp(clamp(x - row_offset, -87, 0)) and 0 where masked;
+// with probabilities too ([batches, M, N]), probabilities * (x - row_offset).
+at::Tensor bf16_matmul(const at::Tensor& a, const at::Tensor& b, double alpha, const std::optional<at::Tensor>& bias,
+                       std::optional<double> masked, const std::optional<at::Tensor>& row_offset,
+                       const std::optional<at::Tensor>& probabilities, at::ScalarType out_dtype) {
+  TORCH_CHECK(has_bf16_dot_product(), "bf16_matmul: this CPU has no AVX512-BF16 (see has_bf16_dot_product)");
+  TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && a.size(0) == b.size(0) && a.size(2) == b.size(1),
+              "bf16_matmul: a [batches, M, K] and b [batches, K, N], got ", a.sizes(), " and ", b.sizes());
+  TORCH_CHECK((a.scalar_type() == at::kBFloat16 || a.scalar_type() == at::kFloat) && b.scalar_type() == at::kBFloat16,
+              "bf16_matmul: a bf16 or fp32 and b bf16, got ", a.scalar_type(), " and ", b.scalar_type());
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, "bf16_matmul: out_dtype fp32 or bf16, got ",
+              out_dtype);
+  TORCH_CHECK(a.device() == b.device(), "bf16_matmul: operands on ", a.device(), " and ", b.device());
+  const int64_t batches = a.size(0), M = a.size(1), N = b.size(2);
+  at::Tensor bias_cpu, offset_cpu;
+  if (bias) {
+    TORCH_CHECK(bias->dim() == 3 && (bias->size(0) == 1 || bias->size(0) == batches) && bias->size(1) == M &&
+                    bias->size(2) == N && bias->device() == a.device(),
+                "bf16_matmul: the bias must be [1 or ", batches, ", ", M, ", ", N, "] on ", a.device(), ", got ",
+                bias->sizes(), " on ", bias->device());
+    bias_cpu = cpu_alias(*bias).to(at::kFloat);
+    if (bias_cpu.stride(2) != 1) bias_cpu = bias_cpu.contiguous();
+  }
+  if (row_offset) {
+    TORCH_CHECK(row_offset->numel() == batches * M && row_offset->device() == a.device(),
+                "bf16_matmul: row_offset must hold [", batches, ", ", M, "] values on ", a.device(), ", got ",
+                row_offset->sizes(), " on ", row_offset->device());
+    offset_cpu = cpu_alias(*row_offset).to(at::kFloat).contiguous();
+  }
+  at::Tensor probabilities_cpu;
+  if (probabilities) {
+    TORCH_CHECK(row_offset && probabilities->sizes() == at::IntArrayRef({batches, M, N}) &&
+                    probabilities->device() == a.device(),
+                "bf16_matmul: probabilities must be [", batches, ", ", M, ", ", N, "] on ", a.device(),
+                " with row_offset, got ", probabilities->sizes(), " on ", probabilities->device());
+    probabilities_cpu = cpu_alias(*probabilities).to(at::kFloat).contiguous();
+  }
+  at::Tensor out = at::empty({batches, M, N}, a.options().dtype(out_dtype));
+  const at::Tensor a_cpu = cpu_alias(a), b_cpu = cpu_alias(b), out_cpu = cpu_alias(out);
+#if defined(__x86_64__)
+  {
+    pybind11::gil_scoped_release no_gil;
+    AVX512BF16::bf16_matmul(a_cpu, b_cpu, bias_cpu, masked, offset_cpu, probabilities_cpu, out_cpu, alpha);
+  }
+#endif
+  return out;
+}
+
 }  // namespace
 
 void bind(pybind11::module& m) {
@@ -202,6 +266,18 @@ void bind(pybind11::module& m) {
         "npu_scaled_masked_softmax's kernel (fused/softmax.py)");
   m.def("scaled_masked_softmax_backward", &scaled_masked_softmax_backward,
         "npu_scaled_masked_softmax_backward's kernel (fused/softmax.py)");
+  m.def("has_bf16_dot_product", &has_bf16_dot_product,
+        "whether the CPU has AVX512-BF16, which bf16_matmul needs");
+  m.def("bf16_matmul", [](const at::Tensor& a, const at::Tensor& b, double alpha, const std::optional<at::Tensor>& bias,
+                          std::optional<double> masked, const std::optional<at::Tensor>& row_offset,
+                          const std::optional<at::Tensor>& probabilities, const pybind11::object& out_dtype) {
+    TORCH_CHECK(out_dtype.is_none() || THPDtype_Check(out_dtype.ptr()), "bf16_matmul: out_dtype must be a torch.dtype");
+    return bf16_matmul(a, b, alpha, bias, masked, row_offset, probabilities,
+                       out_dtype.is_none() ? at::kFloat : reinterpret_cast<THPDtype*>(out_dtype.ptr())->scalar_type);
+  }, pybind11::arg("a"), pybind11::arg("b"), pybind11::arg("alpha") = 1.0, pybind11::arg("bias") = pybind11::none(),
+        pybind11::arg("masked") = pybind11::none(), pybind11::arg("row_offset") = pybind11::none(),
+        pybind11::arg("probabilities") = pybind11::none(), pybind11::arg("out_dtype") = pybind11::none(),
+        "alpha * a @ b (+ bias) of bf16 (or fp32) a and bf16 b, products exact and summed in fp32 (fused/attention.py)");
   m.def("rotary_mul", [](const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleave,
                          const pybind11::object& out_dtype) {
     TORCH_CHECK(THPDtype_Check(out_dtype.ptr()), "rotary_mul: out_dtype must be a torch.dtype");

@@ -51,4 +51,18 @@ NPUKIT_DECLARE_KERNELS(AVX512)
 #endif
 #undef NPUKIT_DECLARE_KERNELS
 
+#if defined(__x86_64__)
+// out [batches, M, N] (fp32 or bf16, contiguous) = alpha * a @ b (+ bias), of a [batches, M, K] (bf16, or fp32
+// rounded to bf16) and bf16 b [batches, K, N] (any strides), the products exact and summed in fp32
+// (vdpbf16ps). bias: fp32 [1 or batches, M, N], contiguous in N; where it is `masked`, the result is
+// `masked` (0 with row_offset). row_offset: fp32 [batches, M]; the result x becomes
+// exp(clamp(x - row_offset, -87, 0)) (the attention backward's probabilities), or with probabilities (fp32
+// [batches, M, N], contiguous) probabilities * (x - row_offset) (dS from dP). Compiled with AVX512-BF16
+// (fused_kernels_avx512bf16.cpp): call it only where the CPU has it.
+namespace AVX512BF16 {
+void bf16_matmul(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias, std::optional<double> masked,
+                 const at::Tensor& row_offset, const at::Tensor& probabilities, const at::Tensor& out, double alpha);
+}
+#endif
+
 }  // namespace npukit::fused

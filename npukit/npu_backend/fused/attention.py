@@ -11,9 +11,11 @@ GQA/MQA):
 
 with q @ k^T accumulated in fp32 on the cube unit, the softmax in fp32 on the vector unit, the
 probabilities rounded to the input dtype before the P @ V matmul, and one rounding of the output
-to the input dtype. softmax_max and softmax_sum are the row max and the row sum of exp(scores - max),
-each repeated 8 times (the kernel's 32-byte blocks); the grad op recomputes P from them instead of
-keeping the probability matrix, as the flash-attention backward does.
+to the input dtype (bf16 on a CPU with AVX512-BF16: every matmul multiplies the bf16 values exactly
+and sums in fp32 in C++, _cube_matmul, skipping masked blocks as the flash kernel does; elsewhere the
+fp32 results come from fp32 matmuls of upcast copies). softmax_max and softmax_sum are the row max and
+the row sum of exp(scores - max), each repeated 8 times (the kernel's 32-byte blocks); the grad op
+recomputes P from them instead of keeping the probability matrix, as the flash-attention backward does.
 
 Masks (atten_mask True/1 = masked out) follow sparse_mode:
   0 defaultMask: the given mask, and only the band -pre_tockens <= j - i <= next_tockens (top-left
@@ -44,6 +46,7 @@ a paged KV cache gathered through block_table, and the MLA rope parts joined to 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from collections import OrderedDict
@@ -51,6 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
+from npukit.npu_backend import _C
 from npukit.npu_backend.fused import (
     _LIBRARY,
     compute_dtype,
@@ -556,18 +560,33 @@ def _group(t: torch.Tensor, geometry: _Geometry) -> torch.Tensor:
 @dataclass
 class _Problem:
     """q/k/v of one call as the batched matmuls read them: q [B*Nkv, G*Sq, D], k [B*Nkv, Skv, D],
-    v [B*Nkv, Skv, Dv], in the compute dtype; a group of query heads shares its key/value head."""
+    v [B*Nkv, Skv, Dv]; a group of query heads shares its key/value head. q_in, k_in, v_in are in the
+    input dtype, q, k, v their copies in the compute dtype (made when first read)."""
     geometry: _Geometry
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
+    q_in: torch.Tensor
+    k_in: torch.Tensor
+    v_in: torch.Tensor
     scale: float
     masking: _Masking
     in_dtype: torch.dtype   # what the kernel rounds its intermediates to (the input dtype)
     npu: bool
-    q_in: torch.Tensor      # q, k, v as given (the input dtype), shaped as q, k, v
-    k_in: torch.Tensor
-    v_in: torch.Tensor
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype (fp32, or fp64 for fp64 inputs)."""
+        return compute_dtype(self.in_dtype)
+
+    @functools.cached_property
+    def q(self) -> torch.Tensor:
+        return self.q_in.to(self.dtype)
+
+    @functools.cached_property
+    def k(self) -> torch.Tensor:
+        return self.k_in.to(self.dtype)
+
+    @functools.cached_property
+    def v(self) -> torch.Tensor:
+        return self.v_in.to(self.dtype)
 
     @property
     def bf16_cube(self) -> bool:
@@ -576,6 +595,13 @@ class _Problem:
         once: the cube unit's numerics, at a third of an fp32 matmul's cost. (No fp16 GEMM on the
         CPU is faster than fp32; the golden run keeps fp32.)"""
         return self.npu and self.in_dtype == torch.bfloat16
+
+    @property
+    def bf16_dot(self) -> bool:
+        """Can every matmul run as _cube_matmul (exact products of bf16 values summed in fp32, rounded
+        once to fp32 or bf16: the cube unit's numerics), the scores and dP included, whose fp32 results
+        the kernel keeps (the CPU's bf16 GEMM rounds to bf16)? Where the CPU has AVX512-BF16."""
+        return self.bf16_cube and BF16_DOT_PRODUCT
 
     def grouped(self, t3: torch.Tensor) -> torch.Tensor:
         g = self.geometry
@@ -586,18 +612,32 @@ class _Problem:
         g = self.geometry
         return t3.view(g.batch, g.heads, g.sq, t3.shape[-1])
 
-    def scores(self) -> torch.Tensor:
-        """scale * q @ k^T plus the bias (scaled pse, masked positions), fp32 [B*Nkv, G*Sq, Skv]."""
-        k_t = self.k.transpose(1, 2)
+    def scores(self, log_sum_exp: torch.Tensor | None = None) -> torch.Tensor:
+        """scale * q @ k^T plus the bias (scaled pse, masked positions), fp32 [B*Nkv, G*Sq, Skv]; given
+        the rows' log-sum-exp, the probabilities exp(scores - log_sum_exp) (see _backward)."""
         bias = self.masking.bias
-        if bias is None:
-            return torch.bmm(self.q, k_t).mul_(self.scale)
-        bias3 = self._bias3(bias)
-        if bias3 is not None:  # one pass: the matmul adds it
-            return torch.baddbmm(bias3.to(self.q.dtype), self.q, k_t, alpha=self.scale)
-        s = torch.bmm(self.q, k_t).mul_(self.scale)
-        self.grouped(s).add_(_group(bias, self.geometry))
-        return s
+        bias3 = None if bias is None else self._bias3(bias)
+        if self.bf16_dot and (bias is None or bias3 is not None):  # one pass: the matmul adds the bias
+            return _cube_matmul(self.q_in, self.k_in.transpose(1, 2), self.scale, bias3, log_sum_exp)
+        if self.bf16_dot:
+            s = _cube_matmul(self.q_in, self.k_in.transpose(1, 2), self.scale)
+            self.grouped(s).add_(_group(bias, self.geometry))
+        else:
+            k_t = self.k.transpose(1, 2)
+            if bias is None:
+                s = torch.bmm(self.q, k_t).mul_(self.scale)
+            elif bias3 is not None:  # one pass: the matmul adds it
+                s = torch.baddbmm(bias3.to(self.dtype), self.q, k_t, alpha=self.scale)
+            else:
+                s = torch.bmm(self.q, k_t).mul_(self.scale)
+                self.grouped(s).add_(_group(bias, self.geometry))
+        if log_sum_exp is None:
+            return s
+        # Floored at exp(-87) (a normal float, ~1e-38): the CPU's vectorised exp leaves its fast path for
+        # masked scores (-1e30) and denormal results. Capped at exp(0): fp64 scores sit above their fp32
+        # row max by its rounding, and a row with every key masked (-1e30 in fp64, -1.0000000150e30 as the
+        # fp32 max) gave exp(1.5e22) = inf, inf x 0 = nan.
+        return s.sub_(log_sum_exp).clamp_(-87.0, 0.0).exp_()
 
     def _bias3(self, bias: torch.Tensor) -> torch.Tensor | None:
         """The bias as a [1 or B*Nkv, G*Sq, Skv] tensor baddbmm broadcasts, when that needs no copy
@@ -615,16 +655,35 @@ class _Problem:
 
 def _problem(q4, k4, v4, geometry: _Geometry, scale: float, masking: _Masking, in_dtype, npu) -> _Problem:
     g = geometry
-    dtype = compute_dtype(in_dtype)
     q_in = q4.unflatten(1, (g.kv_heads, g.group)).reshape(g.batch * g.kv_heads, g.group * g.sq, g.d)
     k_in = k4.reshape(g.batch * g.kv_heads, g.skv, k4.shape[-1])
     v_in = v4.reshape(g.batch * g.kv_heads, g.skv, v4.shape[-1])
-    return _Problem(g, q_in.to(dtype), k_in.to(dtype), v_in.to(dtype), scale, masking, in_dtype, npu, q_in, k_in,
-                    v_in)
+    return _Problem(g, q_in, k_in, v_in, scale, masking, in_dtype, npu)
 
 
 def _is_power_of_two(value: float) -> bool:
     return value > 0 and math.frexp(value)[0] == 0.5
+
+
+# Whether this CPU multiplies bf16 pairs into fp32 (AVX512-BF16), which _cube_matmul needs.
+BF16_DOT_PRODUCT = _C.has_bf16_dot_product()
+
+
+def _cube_matmul(a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0, bias: torch.Tensor | None = None,
+                 log_sum_exp: torch.Tensor | None = None, probabilities: torch.Tensor | None = None,
+                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """alpha * a @ b (+ bias) of batches a (bf16, or fp32 rounded to bf16) and b (bf16) as the cube
+    unit computes them: the products exact, summed in fp32, rounded once to out_dtype (see
+    _Problem.bf16_dot). Where the bias is MASKED_SCORE the result is MASKED_SCORE (not MASKED_SCORE +
+    the score: the same for any finite score below 3.8e22), and a tile masked throughout is not
+    computed, nor the zeros of a's rows past the causal band, as the flash kernel skips masked blocks.
+    Given the rows' log-sum-exp [batches, M, 1], the result x becomes the probabilities
+    exp(clamp(x - log_sum_exp, -87, 0)), 0 where masked; given the probabilities too, dS =
+    probabilities * (x - log_sum_exp) (there the rows' sum of P * dP), 0 where they are 0 throughout a tile."""
+    if _is_fake(a):
+        return a.new_empty((a.shape[0], a.shape[1], b.shape[2]), dtype=out_dtype)
+    return _C.bf16_matmul(a, b, alpha, bias, MASKED_SCORE if bias is not None else None, log_sum_exp, probabilities,
+                          out_dtype)
 
 
 def _bf16_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -667,7 +726,9 @@ def _forward(problem: _Problem, keep_prob: float, seed: int, offset: int, sink: 
     row_sum = p.amax(-1, keepdim=True).reciprocal_()
     if keep_prob < 1:
         p.masked_fill_(_dropped(p.shape, keep_prob, seed, offset, p.device), 0).mul_(1 / keep_prob)
-    if problem.bf16_cube and sink is None and problem.masking.row_valid is None:
+    if problem.bf16_dot and sink is None and problem.masking.row_valid is None:
+        out = _cube_matmul(p, problem.v_in, out_dtype=torch.bfloat16)  # rounded once to bf16 as the kernel does
+    elif problem.bf16_cube and sink is None and problem.masking.row_valid is None:
         out = _bf16_matmul(p, problem.v_in)  # the output, rounded once to bf16 as the kernel does
     else:
         out = torch.bmm(round_intermediate(p, problem.in_dtype, problem.npu), problem.v)
@@ -690,7 +751,7 @@ def _backward(problem: _Problem, dy4, out4, row_max, row_sum, keep_prob, seed, o
     """dq [B, N, Sq, D], dk, dv [B, Nkv, Skv, D|Dv] (compute dtype), d(scores) [B, N, Sq, Skv] when
     asked (for dpse), dsink [N] or None."""
     g = problem.geometry
-    dtype = problem.q.dtype
+    dtype = problem.dtype
     dy = dy4.to(dtype)
     if problem.masking.row_valid is not None:
         dy = dy * problem.masking.row_valid  # rows with every key masked output zeros: no gradient
@@ -699,25 +760,33 @@ def _backward(problem: _Problem, dy4, out4, row_max, row_sum, keep_prob, seed, o
     # A padding row of a TND batch has sum 0: any finite value keeps its (zero) gradient finite.
     log_sum_exp = row_max + torch.log(row_sum.clamp_min(torch.finfo(torch.float32).tiny))
     log_sum_exp = log_sum_exp.to(dtype).reshape(dy3.shape[0], dy3.shape[1], 1)
-    # The forward's probabilities, from its statistics. Floored at exp(-87) (a normal float, ~1e-38):
-    # the CPU's vectorised exp leaves its fast path for masked scores (-1e30) and denormal results.
-    # Capped at exp(0): fp64 scores sit above their fp32 row max by its rounding, and a row with every
-    # key masked (-1e30 in fp64, -1.0000000150e30 as the fp32 max) gave exp(1.5e22) = inf, inf x 0 = nan.
-    p = problem.scores().sub_(log_sum_exp).clamp_(-87.0, 0.0).exp_()
+    # The forward's probabilities, from its statistics (0 where masked with AVX512-BF16, as in the forward)
+    p = problem.scores(log_sum_exp)
     dropped = _dropped(p.shape, keep_prob, seed, offset, p.device) if keep_prob < 1 else None
     p_out = p if dropped is None else p.masked_fill(dropped, 0).mul_(1 / keep_prob)
-    if problem.bf16_cube and problem.masking.row_valid is None:
+    if problem.bf16_dot and problem.masking.row_valid is None:  # dv, rounded once to bf16
+        dv = _cube_matmul(p_out.transpose(1, 2), dy4.reshape(dy3.shape).to(torch.bfloat16), out_dtype=torch.bfloat16)
+    elif problem.bf16_cube and problem.masking.row_valid is None:
         dv = _bf16_matmul(p_out.transpose(1, 2), dy4.reshape(dy3.shape))  # dv, rounded once to bf16
     else:
         dv = torch.bmm(round_intermediate(p_out, problem.in_dtype, problem.npu).transpose(1, 2), dy3)
     del p_out
-    dp = torch.bmm(dy3, problem.v.transpose(1, 2))
-    if dropped is not None:
-        dp.masked_fill_(dropped, 0).mul_(1 / keep_prob)
     row_dot = (dy3 * out3).sum(-1, keepdim=True)  # sum_j P_j dP_j, from the rounded output as the kernel does
-    ds = p.mul_(dp.sub_(row_dot))
-    del dp
-    if problem.bf16_cube and _is_power_of_two(problem.scale):
+    if problem.bf16_dot and dy4.dtype == torch.bfloat16 and dropped is None:
+        # dS = P * (dP - row_dot) as the matmul of dP stores it (0 where P is 0 throughout a tile)
+        dy_in = dy4 if problem.masking.row_valid is None else dy4 * problem.masking.row_valid
+        ds = _cube_matmul(dy_in.reshape(dy3.shape), problem.v_in.transpose(1, 2), log_sum_exp=row_dot, probabilities=p)
+    else:
+        dp = torch.bmm(dy3, problem.v.transpose(1, 2))
+        if dropped is not None:
+            dp.masked_fill_(dropped, 0).mul_(1 / keep_prob)
+        ds = p.mul_(dp.sub_(row_dot))
+        del dp
+    if problem.bf16_dot:
+        # dq, dk = scale * (dS @ k), scale * (dS^T @ q): dS rounded to bf16, the fp32 sums scaled, rounded once
+        dq = _cube_matmul(ds, problem.k_in, problem.scale, out_dtype=torch.bfloat16)
+        dk = _cube_matmul(ds.transpose(1, 2), problem.q_in, problem.scale, out_dtype=torch.bfloat16)
+    elif problem.bf16_cube and _is_power_of_two(problem.scale):
         # dq, dk = scale * (dS @ k), scale * (dS^T @ q), rounded once to bf16: scaling by a power of two
         # (head dim 16, 64, 256) commutes with the rounding, so the bf16 GEMM's result scaled is the same
         ds_in = ds.to(torch.bfloat16)
@@ -900,8 +969,8 @@ def _fusion_attention_grad(op, query, key, value, dy, head_num, input_layout, ps
     g = call.geometry
     dy4 = _to_bnsd(dy, g.layout, g.heads, g.varlen, "q", g.sq)
     out4 = _to_bnsd(attention_in, g.layout, g.heads, g.varlen, "q", g.sq)
-    row_max = _stats_to_rows(softmax_max, g).to(call.problem.q.dtype)
-    row_sum = _stats_to_rows(softmax_sum, g).to(call.problem.q.dtype)
+    row_max = _stats_to_rows(softmax_max, g).to(call.problem.dtype)
+    row_sum = _stats_to_rows(softmax_sum, g).to(call.problem.dtype)
     dq, dk, dv, dscores, dsink = _backward(call.problem, dy4, out4, row_max, row_sum, keep_prob, seed, offset, sink,
                                            pse is not None)
     dq = _from_bnsd(dq.to(query.dtype), g.layout, g.varlen, "q", g.q_tokens)

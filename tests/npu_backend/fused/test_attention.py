@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch_npu
 
-from npukit.npu_backend import numerics
+from npukit.npu_backend import _C, numerics
+from npukit.npu_backend.fused import attention
 from tests.npu_backend.fused.reference import assert_close_to_reference, relative_error
 
 INT_MAX = 2147483647  # the default pre_tockens / next_tockens
@@ -334,6 +335,132 @@ def test_fusion_attention_low_precision_against_fp64_and_the_kernels_accumulatio
     p = torch.softmax(s, -1).to(dtype).float()
     kernel = (p @ v.float().repeat_interleave(2, 1)).to(dtype)
     assert relative_error(out, kernel) < relative_error(kernel, ref) * 0.05 + 1e-6
+
+
+# ---- the matmuls on AVX512-BF16: exact products of bf16 values summed in fp32 ----------------------
+
+needs_bf16_dot = pytest.mark.skipif(not attention.BF16_DOT_PRODUCT, reason="the CPU has no AVX512-BF16")
+
+
+def matmul_operands(batches, m, k, n, layout, a_dtype):
+    """a [batches, m, k] (a_dtype) and bf16 b [batches, k, n] on npu: contiguous, transposed views, or
+    every other (third) element of a wider tensor."""
+    if layout == "transposed":
+        return (torch.randn(batches, k, m, device="npu").to(a_dtype).transpose(1, 2),
+                torch.randn(batches, n, k, device="npu").bfloat16().transpose(1, 2))
+    if layout == "strided":
+        return (torch.randn(batches, m, 2 * k, device="npu").to(a_dtype)[..., ::2],
+                torch.randn(batches, 3 * k, n, device="npu").bfloat16()[:, ::3])
+    return torch.randn(batches, m, k, device="npu").to(a_dtype), torch.randn(batches, k, n, device="npu").bfloat16()
+
+
+def fp32_sum_bound(a, b, alpha, bias=None):
+    """How far an fp32 sum of the K exact products, scaled and added to the bias (each step rounded),
+    can be from the exact value: (K + 2) units of 2^-24 of the magnitudes summed."""
+    magnitude = (a.cpu().double().abs() @ b.cpu().double().abs()) * abs(alpha)
+    if bias is not None:
+        magnitude = magnitude + bias.cpu().double().abs()
+    return (a.shape[2] + 2) * 2.0 ** -24 * magnitude
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("batches, m, k, n", [(1, 1, 1, 1), (1, 37, 63, 45), (3, 8, 2, 32), (2, 17, 129, 33),
+                                              (1, 9, 5, 600), (2, 3, 0, 5), (4, 64, 64, 64)])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "strided"])
+@pytest.mark.parametrize("a_dtype", [torch.bfloat16, torch.float32])
+def test_bf16_matmul_equals_fp64_of_the_bf16_inputs_within_fp32_accumulation(batches, m, k, n, layout, a_dtype):
+    torch.manual_seed(batches * 1000 + m + k + n)
+    a, b = matmul_operands(batches, m, k, n, layout, a_dtype)
+    a_bf16 = a.bfloat16()  # an fp32 a is multiplied as its bf16 rounding
+    exact = a_bf16.cpu().double() @ b.cpu().double()
+    for alpha, bias in ((1.0, None), (0.125, torch.randn(1, m, n, device="npu")),
+                        (0.3, torch.randn(batches, n, m, device="npu").transpose(1, 2))):
+        got = _C.bf16_matmul(a, b, alpha, bias)
+        assert got.dtype == torch.float32 and got.device.type == "npu" and got.shape == (batches, m, n)
+        want = alpha * exact + (0 if bias is None else bias.cpu().double())
+        error = (got.cpu().double() - want).abs()
+        assert bool((error <= fp32_sum_bound(a_bf16, b, alpha, bias)).all()), f"alpha={alpha}: max error {error.max()}"
+        # a bf16 result: the fp32 one rounded once
+        assert torch.equal(_C.bf16_matmul(a, b, alpha, bias, out_dtype=torch.bfloat16).cpu(), got.bfloat16().cpu())
+    if k >= 8:  # more accurate than the CPU's bf16 matmul, which rounds the sum to bf16
+        rounded = (torch.bmm(a_bf16, b).cpu().double() - exact).abs().max()
+        assert (_C.bf16_matmul(a, b).cpu().double() - exact).abs().max() < rounded / 100
+
+
+@needs_bf16_dot
+def test_bf16_matmul_skips_what_masking_makes_known_and_computes_the_rest():
+    """Masked scores are the masked score itself (tiles masked throughout are not computed), so a
+    non-finite key where it is masked does not reach them; the rows' zeros past the causal band are not
+    multiplied either. With the rows' log-sum-exp the result is the probabilities, 0 where masked, and
+    with the probabilities too, dS."""
+    torch.manual_seed(3)
+    m, n, masked_score = 40, 70, attention.MASKED_SCORE
+    a, b = matmul_operands(2, m, 16, n, "contiguous", torch.bfloat16)
+    b[:, :, 69] = float("inf")  # column 69: masked in every row; column 35: from row 35 on, not
+    b[:, :, 35] = float("nan")
+    masked = torch.ones(m, n, dtype=torch.bool).triu(1)
+    bias = torch.where(masked, masked_score, torch.randn(m, n)).unsqueeze(0).npu()
+    got = _C.bf16_matmul(a, b, 0.5, bias, masked_score).cpu()
+    assert bool((got[:, masked] == torch.tensor(masked_score, dtype=torch.float32)).all())
+    assert bool(got[:, 35:, 35].isnan().all()) and bool(got[:, :, :35].tril().isfinite().all())
+    want = 0.5 * (a.cpu().double() @ b.cpu().double()) + bias.cpu().double()
+    computed = ~masked & want.isfinite()
+    error = (got.double() - want).abs()[computed]
+    assert bool((error <= fp32_sum_bound(a, b, 0.5, bias)[computed]).all())
+    log_sum_exp = torch.randn(2, m, 1, device="npu")
+    probabilities = _C.bf16_matmul(a, b, 0.5, bias, masked_score, log_sum_exp).cpu()
+    finite = got.isfinite()
+    expected = (got - log_sum_exp.cpu()).clamp(-87, 0).exp().masked_fill(masked, 0)
+    torch.testing.assert_close(probabilities[finite], expected[finite], rtol=1e-6, atol=0)
+    assert bool((probabilities[:, masked] == 0).all())
+    # dS = P * (dP - the rows' sum of P dP), 0 where P is 0 throughout a tile (an inf dP there included)
+    dy, v = matmul_operands(2, m, 16, n, "contiguous", torch.bfloat16)
+    v[:, :, 69] = float("inf")
+    row_dot = torch.randn(2, m, 1, device="npu")
+    dp = _C.bf16_matmul(dy, v).cpu()
+    ds = _C.bf16_matmul(dy, v, row_offset=row_dot, probabilities=probabilities.npu()).cpu()
+    reached = dp.isfinite() & probabilities.isfinite()
+    assert torch.equal(ds[reached], (probabilities * (dp - row_dot.cpu()))[reached])
+    assert bool((ds[:, :, 64:] == 0).all())  # columns 64-69 are masked in every row
+    # causal probabilities: an inf value where a row's probabilities are 0 (past its band) is not multiplied
+    p = torch.rand(2, m, m, device="npu").tril()
+    v = torch.randn(2, m, 24, device="npu").bfloat16()
+    v[:, -1] = float("inf")  # only the last row of p reaches the last key
+    out = _C.bf16_matmul(p, v).cpu()
+    assert bool(out[:, :-8].isfinite().all())  # the rows of blocks of 8 before the last
+    v_reached = v.clone()
+    v_reached[:, -1] = 0  # what those rows' sums are: their products with the last key are 0 x inf
+    exact = p.bfloat16().cpu().double() @ v_reached.cpu().double()
+    error = (out.double() - exact).abs()[:, :-8]
+    assert bool((error <= fp32_sum_bound(p.bfloat16(), v_reached, 1.0)[:, :-8]).all())
+
+
+@needs_bf16_dot
+def test_fusion_attention_bf16_matmuls_on_avx512_bf16_equal_the_cpus_gemms(monkeypatch):
+    """With AVX512-BF16 the seven matmuls of forward and backward multiply the bf16 values exactly and
+    sum in fp32, the scores and dP kept in fp32 where fp32 copies were multiplied before, the others
+    rounded once to bf16 as the CPU's bf16 GEMM: forward and gradients equal the fp32/bf16 GEMMs' but
+    for the order of the sums (a few bf16 roundings), and match fp64."""
+    torch.manual_seed(21)
+    b, n, s, d = 2, 4, 80, 64
+    q, k, v, dy = (torch.randn(b, n, s, d).bfloat16() for _ in range(4))
+    mask = torch.ones(s, s, dtype=torch.bool).triu(1)
+    calls = []
+    kernel = _C.bf16_matmul
+    monkeypatch.setattr(_C, "bf16_matmul", lambda *args: calls.append(args[0].shape) or kernel(*args))
+    results = {}
+    for bf16_dot in (True, False):
+        monkeypatch.setattr(attention, "BF16_DOT_PRODUCT", bf16_dot)
+        qn, kn, vn = leaves(q, k, v, dtype=torch.bfloat16)
+        out = torch_npu.npu_fusion_attention(qn, kn, vn, n, "BNSD", atten_mask=mask.npu(), scale=d ** -0.5)[0]
+        results[bf16_dot] = [out, *torch.autograd.grad(out, [qn, kn, vn], dy.npu())]
+    assert len(calls) == 7  # scores, P @ V; the scores again, dV, dP, dQ, dK
+    ref, grads_ref = grads_fp64(lambda a, b, c: attention_fp64(a, b, c, d ** -0.5, mask), q, k, v, grad_output=dy)
+    for got, cpu_gemms, want, name in zip(results[True], results[False], [ref, *grads_ref],
+                                          ("attention_out", "dq", "dk", "dv")):
+        assert got.dtype == torch.bfloat16
+        assert relative_error(got, cpu_gemms) < relative_error(cpu_gemms, want) * 0.1, name
+        assert_close_to_reference(got, want, torch.bfloat16, name, factor=1 if name == "attention_out" else 3)
 
 
 def test_fusion_attention_golden_run_is_the_cpu_kernel():

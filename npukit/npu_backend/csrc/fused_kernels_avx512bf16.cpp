@@ -1,0 +1,344 @@
+// The batched matmuls of npu_fusion_attention (fused/attention.py) on AVX512-BF16 (flags: setup.py).
+//
+// vdpbf16ps multiplies bf16 pairs exactly and sums them in fp32: the Ascend cube unit's numerics. The
+// CPU's own bf16 GEMM (oneDNN) rounds its result to bf16 and torch has no CPU kernel for the out_dtype
+// matmuls, so without this an fp32 result (the scores, dP) costs an fp32 matmul on upcast copies.
+// The sums run over K in order, two products at a time, with vdpbf16ps's denormal flushing (DAZ/FTZ).
+//
+// Like the flash kernel, the matmul does not compute what masking makes known: a tile of the result
+// whose bias is the masked score throughout (or, for dS, whose probabilities are 0 throughout), and the
+// leading and trailing zeros of a block of a's rows (the probabilities and dS past the causal band). For finite operands the result is the
+// same; an inf or nan of b there does not reach it. fused_kernels.cpp calls it only where the CPU has
+// AVX512-BF16.
+#include "fused_kernels.h"
+
+#include <immintrin.h>
+#include <sleef.h>
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <ATen/Parallel.h>
+
+namespace npukit::fused::AVX512BF16 {
+namespace {
+
+constexpr int64_t kRows = 8;              // rows of the result per register tile
+constexpr int64_t kColumns = 32;          // its columns: two zmm of 16 fp32
+constexpr int64_t kMaxColumnBlock = 512;  // columns of b packed at once (kept in L2 with the rows of a)
+constexpr float kExpFloor = -87.0f;       // the probabilities' floor, exp(-87) (see _backward)
+
+using Bf16 = uint16_t;
+
+// fp32 -> bf16 as c10::BFloat16 rounds (to nearest even, a nan to the quiet nan 0x7FC0), in the
+// upper 16 bits of each lane.
+inline __m512i round_to_bf16_high(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(_mm512_andnot_si512(_mm512_set1_epi32(0xFFFF), rounded), nan,
+                               _mm512_set1_epi32(0x7FC00000));
+}
+
+inline Bf16 round_to_bf16(float x) {  // one value, the same rounding
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  if (x != x) return 0x7FC0;
+  return static_cast<Bf16>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+// One pair along K as vdpbf16ps reads it: the even k in the low half.
+inline uint32_t pair(Bf16 even, Bf16 odd) { return uint32_t(even) | (uint32_t(odd) << 16); }
+
+template <typename T>
+inline Bf16 to_bf16(T x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return round_to_bf16(x);
+  } else {
+    return x;
+  }
+}
+
+// A [M, K] operand (bf16 or fp32, rounded to bf16 as it is packed) at given strides.
+template <typename T>
+struct Matrix {
+  const T* data;
+  int64_t stride_m, stride_k;
+};
+
+// kRows rows of a as [pairs][kRows] pairs (rows past `rows` and the odd k past K zeros; 0 * 0 adds
+// nothing). Returns the range of pairs [first, last) outside which every packed pair is zero.
+template <typename T>
+std::pair<int64_t, int64_t> pack_rows(Matrix<T> a, int64_t rows, int64_t K, uint32_t* out) {
+  const int64_t pairs = (K + 1) / 2, whole = K / 2;
+  std::fill(out, out + pairs * kRows, 0u);
+  if constexpr (std::is_same_v<T, float>) {
+    if (a.stride_m == 1 && rows == kRows) {  // a transposed: 8 rows' values of one k are adjacent
+      for (int64_t p = 0; p < whole; ++p) {
+        const __m512 even = _mm512_castps256_ps512(_mm256_loadu_ps(a.data + 2 * p * a.stride_k));
+        const __m512 odd = _mm512_castps256_ps512(_mm256_loadu_ps(a.data + (2 * p + 1) * a.stride_k));
+        const __m512i packed = _mm512_or_si512(_mm512_srli_epi32(round_to_bf16_high(even), 16),
+                                               round_to_bf16_high(odd));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + p * kRows), _mm512_castsi512_si256(packed));
+      }
+      if (K % 2) {
+        for (int64_t r = 0; r < kRows; ++r) out[whole * kRows + r] = pair(round_to_bf16(a.data[(K - 1) * a.stride_k + r]), 0);
+      }
+    } else if (a.stride_k == 1) {  // rows contiguous in K: 8 pairs of a row at a time
+      const __m512i even_lanes = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 14, 12, 10, 8, 6, 4, 2, 0);
+      const __m512i odd_lanes = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 15, 13, 11, 9, 7, 5, 3, 1);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* row = a.data + r * a.stride_m;
+        int64_t p = 0;
+        for (; p + 8 <= whole; p += 8) {
+          const __m512i rounded = round_to_bf16_high(_mm512_loadu_ps(row + 2 * p));
+          const __m512i packed = _mm512_or_si512(
+              _mm512_srli_epi32(_mm512_permutexvar_epi32(even_lanes, rounded), 16),
+              _mm512_permutexvar_epi32(odd_lanes, rounded));
+          alignas(64) uint32_t lanes[16];
+          _mm512_store_si512(lanes, packed);
+          for (int64_t i = 0; i < 8; ++i) out[(p + i) * kRows + r] = lanes[i];
+        }
+        for (; p < whole; ++p) out[p * kRows + r] = pair(round_to_bf16(row[2 * p]), round_to_bf16(row[2 * p + 1]));
+        if (K % 2) out[whole * kRows + r] = pair(round_to_bf16(row[K - 1]), 0);
+      }
+    } else {
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* row = a.data + r * a.stride_m;
+        for (int64_t p = 0; p < whole; ++p) {
+          out[p * kRows + r] = pair(round_to_bf16(row[2 * p * a.stride_k]), round_to_bf16(row[(2 * p + 1) * a.stride_k]));
+        }
+        if (K % 2) out[whole * kRows + r] = pair(round_to_bf16(row[(K - 1) * a.stride_k]), 0);
+      }
+    }
+  } else {
+    for (int64_t r = 0; r < rows; ++r) {
+      const Bf16* row = a.data + r * a.stride_m;
+      if (a.stride_k == 1) {
+        for (int64_t p = 0; p < whole; ++p) std::memcpy(out + p * kRows + r, row + 2 * p, sizeof(uint32_t));
+      } else {
+        for (int64_t p = 0; p < whole; ++p) out[p * kRows + r] = pair(row[2 * p * a.stride_k], row[(2 * p + 1) * a.stride_k]);
+      }
+      if (K % 2) out[whole * kRows + r] = pair(row[(K - 1) * a.stride_k], 0);
+    }
+  }
+  // the zero pairs at both ends (+0 and -0 alike): 8 rows' pairs are one 256-bit vector
+  auto nonzero = [&](int64_t p) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(out + p * kRows));
+    return !_mm256_testz_si256(v, _mm256_set1_epi32(0x7FFF7FFF));
+  };
+  int64_t first = 0, last = pairs;
+  while (first < last && !nonzero(first)) ++first;
+  while (last > first && !nonzero(last - 1)) --last;
+  return {first, last};
+}
+
+// kColumns columns of b [K, N] (bf16) as [pairs][kColumns] pairs (zeros past `columns` and K).
+void pack_columns(const Bf16* b, int64_t stride_k, int64_t stride_n, int64_t columns, int64_t K, uint32_t* out) {
+  const int64_t pairs = (K + 1) / 2, whole = K / 2;
+  if (stride_n == 1) {  // rows of b contiguous: interleave two rows' 32 values
+    const __mmask32 valid = columns >= 32 ? ~__mmask32(0) : (__mmask32(1) << columns) - 1;
+    alignas(64) static const uint16_t low_index[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                       8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    const __m512i low = _mm512_load_si512(low_index);
+    const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+    for (int64_t p = 0; p < pairs; ++p) {
+      const __m512i even = _mm512_maskz_loadu_epi16(valid, b + 2 * p * stride_k);
+      const __m512i odd = 2 * p + 1 < K ? _mm512_maskz_loadu_epi16(valid, b + (2 * p + 1) * stride_k)
+                                        : _mm512_setzero_si512();
+      _mm512_storeu_si512(out + p * kColumns, _mm512_permutex2var_epi16(even, low, odd));
+      _mm512_storeu_si512(out + p * kColumns + 16, _mm512_permutex2var_epi16(even, high, odd));
+    }
+    return;
+  }
+  for (int64_t j = 0; j < kColumns; ++j) {
+    uint32_t* dst = out + j;
+    if (j >= columns) {
+      for (int64_t p = 0; p < pairs; ++p) dst[p * kColumns] = 0;
+      continue;
+    }
+    const Bf16* column = b + j * stride_n;
+    if (stride_k == 1) {
+      for (int64_t p = 0; p < whole; ++p) std::memcpy(dst + p * kColumns, column + 2 * p, sizeof(uint32_t));
+    } else {
+      for (int64_t p = 0; p < whole; ++p) dst[p * kColumns] = pair(column[2 * p * stride_k], column[(2 * p + 1) * stride_k]);
+    }
+    if (K % 2) dst[whole * kColumns] = pair(column[(K - 1) * stride_k], 0);
+  }
+}
+
+// What is done with alpha * a @ b in a tile before it is stored.
+struct Epilogue {
+  float alpha;
+  const float* bias;          // [rows, columns] at bias_stride, or null
+  int64_t bias_stride;
+  const float* masked;        // where the bias is *masked: the result is *masked (or 0 with exp), or null
+  const float* row_offset;    // exp(clamp(x - row_offset[r], -87, 0)) of the result x, or null
+  const float* probabilities;  // with row_offset: probabilities[r, j] * (x - row_offset[r]) instead (dS)
+  int64_t probabilities_stride;
+};
+
+template <typename Out>
+inline void store(Out* row, __mmask16 valid, __m512 v) {
+  if constexpr (std::is_same_v<Out, float>) {
+    _mm512_mask_storeu_ps(row, valid, v);
+  } else {
+    const __m256i half = _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_to_bf16_high(v), 16));
+    _mm256_mask_storeu_epi16(row, valid, half);
+  }
+}
+
+// One tile of the result: alpha * a @ b over pairs [first, last) for its valid rows and columns, then the
+// epilogue.
+template <typename Out>
+void tile(const uint32_t* a, const uint32_t* b, int64_t first, int64_t last, const Epilogue& e, Out* out,
+          int64_t out_stride, int64_t rows, int64_t columns) {
+  const __mmask16 mask0 = columns >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << columns) - 1);
+  const __mmask16 mask1 = columns >= 32 ? __mmask16(0xFFFF) : columns <= 16 ? __mmask16(0)
+                                                                             : __mmask16((1u << (columns - 16)) - 1);
+  const __m512 masked_value = _mm512_set1_ps(e.masked ? *e.masked : 0.0f);
+  const __m512 masked_result = e.row_offset ? _mm512_setzero_ps() : masked_value;
+  if (e.probabilities) {  // probabilities 0 throughout (past the causal band): dS is 0
+    bool all_zero = true;
+    const __m512 zero = _mm512_setzero_ps();
+    for (int64_t r = 0; r < rows && all_zero; ++r) {
+      const float* p_row = e.probabilities + r * e.probabilities_stride;
+      all_zero = _mm512_mask_cmpneq_ps_mask(mask0, _mm512_maskz_loadu_ps(mask0, p_row), zero) == 0 &&
+                 _mm512_mask_cmpneq_ps_mask(mask1, _mm512_maskz_loadu_ps(mask1, p_row + 16), zero) == 0;
+    }
+    if (all_zero) {
+      for (int64_t r = 0; r < rows; ++r) {
+        store(out + r * out_stride, mask0, zero);
+        store(out + r * out_stride + 16, mask1, zero);
+      }
+      return;
+    }
+  }
+  if (e.masked) {  // a tile masked throughout: nothing to compute
+    bool all_masked = true;
+    for (int64_t r = 0; r < rows && all_masked; ++r) {
+      const float* bias_row = e.bias + r * e.bias_stride;
+      all_masked = _mm512_mask_cmpneq_ps_mask(mask0, _mm512_maskz_loadu_ps(mask0, bias_row), masked_value) == 0 &&
+                   _mm512_mask_cmpneq_ps_mask(mask1, _mm512_maskz_loadu_ps(mask1, bias_row + 16), masked_value) == 0;
+    }
+    if (all_masked) {
+      for (int64_t r = 0; r < rows; ++r) {
+        store(out + r * out_stride, mask0, masked_result);
+        store(out + r * out_stride + 16, mask1, masked_result);
+      }
+      return;
+    }
+  }
+  __m512 acc[kRows][2];
+  for (int64_t r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t p = first; p < last; ++p) {
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + p * kColumns);
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + p * kColumns + 16);
+    for (int64_t r = 0; r < kRows; ++r) {
+      const __m512bh ar = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[p * kRows + r]));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], ar, b0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], ar, b1);
+    }
+  }
+  const __m512 alpha = _mm512_set1_ps(e.alpha);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t half = 0; half < 2; ++half) {
+      const __mmask16 valid = half ? mask1 : mask0;
+      __m512 v = _mm512_mul_ps(acc[r][half], alpha);
+      __mmask16 masked = 0;
+      if (e.bias) {
+        const __m512 bias = _mm512_maskz_loadu_ps(valid, e.bias + r * e.bias_stride + 16 * half);
+        v = _mm512_add_ps(v, bias);
+        if (e.masked) masked = _mm512_cmpeq_ps_mask(bias, masked_value);
+      }
+      if (e.probabilities) {
+        v = _mm512_sub_ps(v, _mm512_set1_ps(e.row_offset[r]));
+        v = _mm512_mul_ps(_mm512_maskz_loadu_ps(valid, e.probabilities + r * e.probabilities_stride + 16 * half), v);
+      } else if (e.row_offset) {
+        v = _mm512_sub_ps(v, _mm512_set1_ps(e.row_offset[r]));
+        v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(kExpFloor)), _mm512_setzero_ps());
+        v = Sleef_expf16_u10(v);
+      }
+      store(out + r * out_stride + 16 * half, valid, _mm512_mask_mov_ps(v, masked, masked_result));
+    }
+  }
+}
+
+template <typename In, typename Out>
+void run(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias, std::optional<double> masked,
+         const at::Tensor& row_offset, const at::Tensor& probabilities, const at::Tensor& out, double alpha) {
+  const int64_t batches = a.size(0), M = a.size(1), K = a.size(2), N = b.size(2);
+  if (batches == 0 || M == 0 || N == 0) return;
+  const int64_t pairs = (K + 1) / 2;
+  const In* a_data = reinterpret_cast<const In*>(a.const_data_ptr());
+  const Bf16* b_data = reinterpret_cast<const Bf16*>(b.const_data_ptr());
+  Out* out_data = reinterpret_cast<Out*>(out.mutable_data_ptr());
+  const float* bias_data = bias.defined() ? bias.const_data_ptr<float>() : nullptr;
+  // bias: [1 or batches, M, N], contiguous in N; row_offset: [batches, M] contiguous
+  const int64_t bias_batch_stride = bias.defined() && bias.size(0) > 1 ? bias.stride(0) : 0;
+  const int64_t bias_row_stride = bias.defined() ? bias.stride(1) : 0;
+  const float* offset_data = row_offset.defined() ? row_offset.const_data_ptr<float>() : nullptr;
+  // probabilities: [batches, M, N], contiguous
+  const float* probabilities_data = probabilities.defined() ? probabilities.const_data_ptr<float>() : nullptr;
+  const float masked_value = masked ? static_cast<float>(*masked) : 0.0f;
+
+  // Tasks: (batch, block of columns, block of rows); rows split further only when batches and column
+  // blocks leave a thread idle (each task packs its columns of b once).
+  const int64_t column_block = std::min(kMaxColumnBlock, (N + kColumns - 1) / kColumns * kColumns);
+  const int64_t column_blocks = (N + column_block - 1) / column_block;
+  const int64_t row_tiles = (M + kRows - 1) / kRows;
+  const int64_t outer = batches * column_blocks;
+  const int64_t row_blocks = std::min(row_tiles, std::max<int64_t>(1, (2 * at::get_num_threads() + outer - 1) / outer));
+  const int64_t tiles_per_row_block = (row_tiles + row_blocks - 1) / row_blocks;
+
+  at::parallel_for(0, outer * row_blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> b_packed(static_cast<size_t>(column_block * pairs));
+    std::vector<uint32_t> a_packed(static_cast<size_t>(kRows * pairs));
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t batch = task / (column_blocks * row_blocks);
+      const int64_t column_index = task / row_blocks % column_blocks, row_index = task % row_blocks;
+      const int64_t n_begin = column_index * column_block, n_end = std::min(N, n_begin + column_block);
+      const int64_t m_begin = row_index * tiles_per_row_block * kRows;
+      const int64_t m_end = std::min(M, m_begin + tiles_per_row_block * kRows);
+      if (m_begin >= m_end) continue;
+      const In* a_batch = a_data + batch * a.stride(0);
+      const Bf16* b_batch = b_data + batch * b.stride(0);
+      for (int64_t n0 = n_begin; n0 < n_end; n0 += kColumns) {
+        pack_columns(b_batch + n0 * b.stride(2), b.stride(1), b.stride(2), std::min(kColumns, n_end - n0), K,
+                     b_packed.data() + (n0 - n_begin) * pairs);
+      }
+      for (int64_t m0 = m_begin; m0 < m_end; m0 += kRows) {
+        const int64_t rows = std::min(kRows, m_end - m0);
+        const auto [first, last] = pack_rows(Matrix<In>{a_batch + m0 * a.stride(1), a.stride(1), a.stride(2)}, rows,
+                                             K, a_packed.data());
+        for (int64_t n0 = n_begin; n0 < n_end; n0 += kColumns) {
+          const float* bias_tile = bias_data ? bias_data + batch * bias_batch_stride + m0 * bias_row_stride + n0
+                                             : nullptr;
+          const Epilogue epilogue{static_cast<float>(alpha), bias_tile, bias_row_stride,
+                                  bias_data && masked ? &masked_value : nullptr,
+                                  offset_data ? offset_data + batch * M + m0 : nullptr,
+                                  probabilities_data ? probabilities_data + (batch * M + m0) * N + n0 : nullptr, N};
+          tile(a_packed.data(), b_packed.data() + (n0 - n_begin) * pairs, first, last, epilogue,
+               out_data + (batch * M + m0) * N + n0, N, rows, std::min(kColumns, n_end - n0));
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void bf16_matmul(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias, std::optional<double> masked,
+                 const at::Tensor& row_offset, const at::Tensor& probabilities, const at::Tensor& out, double alpha) {
+  const bool fp32_a = a.scalar_type() == at::kFloat, fp32_out = out.scalar_type() == at::kFloat;
+  if (fp32_a && fp32_out) return run<float, float>(a, b, bias, masked, row_offset, probabilities, out, alpha);
+  if (fp32_a) return run<float, Bf16>(a, b, bias, masked, row_offset, probabilities, out, alpha);
+  if (fp32_out) return run<Bf16, float>(a, b, bias, masked, row_offset, probabilities, out, alpha);
+  run<Bf16, Bf16>(a, b, bias, masked, row_offset, probabilities, out, alpha);
+}
+
+}  // namespace npukit::fused::AVX512BF16
