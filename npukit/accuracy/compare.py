@@ -152,6 +152,9 @@ class Row:
     negligible: bool = False
     stat_diffs: dict | None = None
     target_scale: float = 1.0  # 1/loss scale for loss-scaled backward tensors of the target
+    # the same values as the golden run's in another order (build_rows' merges): judged by statistics
+    by_statistics: bool = False
+    in_optimizer: bool = False  # a tensor of an optimizer's update op (its parent is "optimizer")
     norm: float = 0.0  # larger L2 norm of the two sides: the magnitude `negligible` is judged on
 
     @property
@@ -300,8 +303,9 @@ class CompareResult:
 # ---------------------------------------------------------------------------- alignment
 def align(golden: list[DumpEntry], target: list[DumpEntry], max_edits: int = 4000) -> tuple[list, bool]:
     """Pairs (golden or None, target or None) in execution order, and whether alignment was needed.
-    Parameter gradients pair by module, after the rest: one tool writes them as each module's
-    backward ends (msprobe), the other when the optimizer starts (npukit)."""
+    Parameter gradients pair by module, after the rest but before the optimizer's update ops (which
+    take them): one tool writes them as each module's backward ends (msprobe), the other when the
+    optimizer starts (npukit)."""
     golden_grads = [entry for entry in golden if entry.direction == naming.PARAMETERS_GRAD]
     target_grads = [entry for entry in target if entry.direction == naming.PARAMETERS_GRAD]
     if golden_grads or target_grads:
@@ -314,10 +318,14 @@ def align(golden: list[DumpEntry], target: list[DumpEntry], max_edits: int = 400
         by_key: dict[str, list[DumpEntry]] = {}
         for entry in by_name.values():
             by_key.setdefault(entry.key, []).append(entry)
+        grad_pairs = []
         for golden_entry, entry in zip(matched, target_grads):
             same_path = by_key.get(entry.key) if golden_entry is None else None
-            pairs.append((same_path.pop(0) if same_path else golden_entry, entry))
-        pairs += [(entry, None) for left in by_key.values() for entry in left]
+            grad_pairs.append((same_path.pop(0) if same_path else golden_entry, entry))
+        grad_pairs += [(entry, None) for left in by_key.values() for entry in left]
+        update = next((index for index, pair in enumerate(pairs)
+                       if (pair[1] or pair[0]).parent == OPTIMIZER), len(pairs))
+        pairs[update:update] = grad_pairs
         # in order: the two dumps wrote what paired in the same order (an optimizer's update ops after
         # the gradients in both, say), not one tool's gradients among the backward entries
         target_order = {id(entry): index for index, entry in enumerate(target)}
@@ -392,10 +400,13 @@ def build_rows(pair_label: str, pairs: list, hf32: frozenset = frozenset()) -> l
     """One row per tensor of each paired entry (and unmatched rows for one-sided entries)."""
     rows = []
     noop_casts = noop_cast_backwards(pairs)
+    reordered: set[str] = set()  # target leaves holding values one run merged in another order
     for order, (golden, target) in enumerate(pairs):
         cls = _entry_class(target if target is not None else golden, hf32)
         golden_leaves = _leaf_roles(golden)
         target_leaves = _leaf_roles(target)
+        if _pair_list_items_by_producer(golden_leaves, target_leaves):
+            reordered.update(leaf.name for role, leaf in target_leaves.values() if role == "output")
         for suffix in list(target_leaves) + [s for s in golden_leaves if s not in target_leaves]:
             role, _ = target_leaves.get(suffix) or golden_leaves[suffix]
             row = Row(
@@ -407,14 +418,45 @@ def build_rows(pair_label: str, pairs: list, hf32: frozenset = frozenset()) -> l
                 target=target_leaves.get(suffix, (None, None))[1],
                 role=role,
                 dtype_class=cls,
+                in_optimizer=(target or golden).parent == OPTIMIZER,
             )
             if row.golden is None or row.target is None:
                 row.verdict = UNMATCHED
                 row.message = "only in golden" if row.target is None else "only in target"
                 if (golden or target).name in noop_casts:
                     row.message += noop_casts[(golden or target).name]
+            elif row.target.name in reordered or row.target.producer in reordered:
+                row.by_statistics = True
             rows.append(row)
     return rows
+
+
+def _pair_list_items_by_producer(golden_leaves: dict, target_leaves: dict) -> bool:
+    """Pair the items of a list input (`input.0.k`: torch.stack's tensors) by the ops that made them
+    when the two runs list the same producers in another order, and say whether they did. A run that
+    keeps its parameters in two dtypes runs a foreach op once per dtype, and merges the results (the
+    norms clip_grad_norm_ stacks) in another order than a run that keeps them in one: each item is
+    compared with the golden value from the same op, and what the merge made, the same values in
+    another order, by its statistics."""
+    lists: dict[str, list[str]] = {}
+    for suffix, (role, leaf) in target_leaves.items():
+        head, _, item = suffix.rpartition(".")
+        if role == "input" and head.count(".") == 1 and item.isdigit() and leaf.producer is not None:
+            lists.setdefault(head, []).append(suffix)
+    permuted = False
+    for suffixes in lists.values():
+        golden_items = [golden_leaves.get(suffix, (None, None))[1] for suffix in suffixes]
+        if any(leaf is None or leaf.producer is None for leaf in golden_items):
+            continue
+        target_producers = [target_leaves[suffix][1].producer for suffix in suffixes]
+        golden_producers = [leaf.producer for leaf in golden_items]
+        if target_producers == golden_producers or sorted(target_producers) != sorted(golden_producers):
+            continue
+        by_producer = {leaf.producer: leaf for leaf in golden_items}
+        for suffix, producer in zip(suffixes, target_producers):
+            golden_leaves[suffix] = ("input", by_producer[producer])
+        permuted = True
+    return permuted
 
 
 _CASTS = frozenset({"Tensor.float", "Tensor.half", "Tensor.bfloat16", "Tensor.double", "Tensor.to", "Tensor.type",
@@ -478,7 +520,8 @@ def measure_rows(rows: list[Row], workers: int | None, progress=None) -> None:
         one_complex = ("complex" in golden.dtype) != ("complex" in target.dtype)  # compared by statistics
         if golden.uninitialized or target.uninitialized:
             continue  # garbage on at least one side: judged "not compared" without reading it
-        if golden.data_path is not None and target.data_path is not None and not one_complex:
+        if golden.data_path is not None and target.data_path is not None and not one_complex \
+                and not row.by_statistics:
             # Missing, truncated or mislabelled files raise a UserError naming the file (from the
             # worker that opens them).
             ulp = target.dtype if row.target_entry and _ulp_wanted_name(row.target_entry) and is_floating(target.dtype) else None
@@ -733,8 +776,8 @@ class _GradientFlow:
         row, or it is not measured)."""
         computed = []
         for user, suffix in users:
-            if user.direction != naming.FORWARD:
-                continue
+            if user.direction != naming.FORWARD or user.parent == OPTIMIZER:
+                continue  # (an optimizer's update op uses the weight after the backward)
             # a backward's `output.i` is its gradient for the i-th tensor argument
             position = next((i for i, leaf in enumerate(user.inputs) if leaf.suffix == suffix), None)
             backward = self.rows.get(naming.with_direction(user.name, naming.BACKWARD), [])
@@ -1164,6 +1207,12 @@ def find_divergence(pair_label: str, pairs: list, rows: list[Row], golden: RankD
             # bf16 flipped moves the weights apart and the next step's gradients differ by a third in a
             # correct run. What counts is whether this backward's own weights get a wrong gradient.
             continue
+        if amplified and target_entry.parent == OPTIMIZER:
+            # The update squares, divides and normalizes gradients already judged (Adam's v of a
+            # noise-level gradient, 30% off, is 60% off; m / sqrt(v) evens it out again): what it
+            # does with them shows in the weights it writes (the next step's forward) and in an update
+            # it lost (_lost_in_place_update), not in its intermediate values' relative errors.
+            continue
         if has_api_entries and target_entry.name.startswith("Module.") and target_entry.direction != naming.BACKWARD:
             continue  # a mix-level dump: the api entries inside the module say where (and see its weights)
         if amplified and has_api_entries and target_entry.name.startswith("Module.") \
@@ -1441,8 +1490,8 @@ def _change_figures(golden_in: TensorLeaf, golden_out: TensorLeaf, target_in: Te
 
 def _lost_in_place_update(pair_label, golden_entry: DumpEntry, target_entry: DumpEntry, entry_rows: list[Row],
                           target: RankDump, lineage: _Lineage, out_err: float) -> Divergence | None:
-    """An in-place update of a parameter (the optimizer's `param.add_(grad, alpha=-lr)`, a script's
-    `p -= lr * p.grad`) that lost most of the golden run's change: a weight kept in bf16 whose update
+    """An in-place update of a parameter (the optimizer's `param.add_(grad, alpha=-lr)`, an element of a
+    foreach optimizer's `torch._foreach_add_`, a script's `p -= lr * p.grad`) that lost most of the golden run's change: a weight kept in bf16 whose update
     is below half its rounding unit writes the weight back unchanged. What it writes is the weight,
     whose relative error (the update's size, 1e-4) is far within tolerance: the change it makes
     (output - input) is compared instead, from tensor dumps. Only where the target keeps the weight

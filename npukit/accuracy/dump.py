@@ -434,6 +434,120 @@ class _StepRecord:
             self.entries.append(entry)
 
 
+class _ParameterTensors:
+    """Which parameter each tensor a foreach call takes belongs to: the parameter, its gradient, an
+    optimizer's state of it (Adam's exp_avg), and what foreach ops computed from them (the
+    denominators), by the parameter's position: in the optimizer's parameter list inside its step,
+    else among the parameters of the modules the dump has seen (clip_grad_norm_'s norms).
+
+    A foreach op runs once per dtype: a golden run that keeps fc2 in fp32 updates all parameters in
+    one `torch._foreach_add_`, an NPU run that keeps fc2 in bf16 in two. So each element of a foreach
+    call is recorded as an entry of its own, named by its parameter rather than by the call: the n-th
+    call of an api on parameter k is `api.{base + n * P + k}` (P parameters, base: the api's index
+    when the step first called it), the same in both runs. With one parameter list, the foreach
+    entries are the per-tensor optimizer's (`Tensor.add_.2`, fc2's update, is `Torch._foreach_add_.2`)."""
+
+    def __init__(self, parameters, first_entry: int) -> None:
+        """parameters(): each parameter with the other tensors that are its own (its state)."""
+        self._parameters = parameters
+        self._keys: dict[int, tuple] = {}  # id(tensor) -> (weakref, parameter position)
+        self.count = self._scan()
+        self._bases: dict[str, int] = {}
+        self._calls: dict[tuple[str, int], int] = {}
+        # Where each element entry goes: the step's entries from first_entry on are put back in the
+        # order one parameter list would have run them (each call in turn, the parameters in order),
+        # whatever order the dtype groups ran in: the compare pairs entries in order.
+        self.first_entry = first_entry
+        self._slots: dict[tuple[str, int], int] = {}  # (api, n-th call on a parameter) -> its rank
+        self.places: dict[int, tuple[int, int]] = {}  # id(entry) -> (slot rank, parameter)
+
+    @classmethod
+    def of_optimizer(cls, optimizer, first_entry: int) -> _ParameterTensors:
+        def parameters():
+            for group in optimizer.param_groups:
+                for parameter in group["params"]:
+                    state = optimizer.state.get(parameter, {}).values()
+                    yield parameter, [value for value in state if isinstance(value, torch.Tensor)]
+        return cls(parameters, first_entry)
+
+    @classmethod
+    def of_modules(cls, modules, first_entry: int) -> _ParameterTensors:
+        def parameters():
+            for module in list(modules):
+                for parameter in module._parameters.values():
+                    if parameter is not None:
+                        yield parameter, ()
+        return cls(parameters, first_entry)
+
+    def _scan(self) -> int:
+        """Adopt every parameter, its gradient and its own tensors; the number of parameters."""
+        count = 0
+        for parameter, own in self._parameters():
+            held = self._keys.get(id(parameter))
+            if held is not None and held[0]() is parameter and held[1] < count:
+                continue  # a parameter two modules share: its first position
+            self.adopt(parameter, count)
+            if parameter.grad is not None:
+                self.adopt(parameter.grad, count)
+            for tensor in own:
+                self.adopt(tensor, count)
+            count += 1
+        return count
+
+    def adopt(self, tensor: torch.Tensor, key: int) -> None:
+        self._keys[id(tensor)] = (weakref.ref(tensor), key)
+
+    def keys_of(self, args: tuple) -> list[int] | None:
+        """The parameter of each element of a foreach call's lists, or None when one is unknown."""
+        lists = [arg for arg in args if _tensor_list(arg)]
+        if not lists:
+            return None
+        keys = self._keys_in(lists)
+        if keys is None:  # the step made state since it began (Adam's exp_avg at its first step)
+            self._scan()
+            keys = self._keys_in(lists)
+        return keys if keys is not None and len(set(keys)) == len(keys) else None
+
+    def _keys_in(self, lists: list) -> list[int] | None:
+        keys = []
+        for k in range(len(lists[0])):
+            found = None
+            for tensors in lists:
+                held = self._keys.get(id(tensors[k])) if k < len(tensors) else None
+                if held is not None and held[0]() is tensors[k]:
+                    found = held[1]
+                    break
+            if found is None:
+                return None
+            keys.append(found)
+        return keys
+
+    def element_name(self, api: str, key: int, counter: naming.CallCounter) -> tuple[str, tuple[int, int]]:
+        """The entry name of parameter `key`'s element of this call of `api`, and its place."""
+        base = self._bases.setdefault(api, counter.peek(api))
+        calls = self._calls.get((api, key), 0)
+        self._calls[(api, key)] = calls + 1
+        index = base + calls * self.count + key
+        counter.taken(api, index)
+        return naming.api_entry_name(api, index), (self._slots.setdefault((api, calls), len(self._slots)), key)
+
+    def put_in_order(self, entries: list) -> None:
+        positions = [i for i in range(self.first_entry, len(entries)) if id(entries[i]) in self.places]
+        ordered = sorted((entries[i] for i in positions), key=lambda entry: self.places[id(entry)])
+        for position, entry in zip(positions, ordered):
+            entries[position] = entry
+
+
+def _tensor_list(value) -> bool:
+    return isinstance(value, list | tuple) and bool(value) and all(isinstance(item, torch.Tensor) for item in value)
+
+
+def _element(value, k: int, count: int):
+    """A foreach argument's value for the k-th element: its k-th item if it is a list (of tensors or
+    of per-tensor scalars), else the argument itself (a scalar all elements share)."""
+    return value[k] if isinstance(value, list | tuple) and len(value) == count else value
+
+
 _TORCH = os.sep + "torch" + os.sep
 _TORCH_DISTRIBUTED = _TORCH + "distributed" + os.sep
 # torch's own Python an op call may pass through between its caller and __torch_function__
@@ -605,6 +719,9 @@ class DumpSession:
         self._active = False
         self._finished = False
         self._paused = 0  # > 0 inside optimizer.step(): no module entries; its apis are the optimizer's
+        # of each optimizer step running, innermost last (None: a step not dumped)
+        self._optimizer_tensors: list[_ParameterTensors | None] = []
+        self._model_tensors: _ParameterTensors | None = None  # outside optimizer steps, made when needed
         self._forward_seen = False
         self._optimizer_seen = False
         self._forward_steps = ForwardSteps()  # without an optimizer: a step per new root forward
@@ -706,6 +823,7 @@ class DumpSession:
     def _end_step(self) -> None:
         if self._record.entries or self._record.incomplete:
             self._flush()
+        self._model_tensors = None
         self._record = _StepRecord()
         self._module_stack = []
         self.step_index += 1
@@ -731,13 +849,21 @@ class DumpSession:
         if self._modules and self._step_selected():
             self._record_parameter_grads()
         self._paused += 1
-        if self._mode is not None and not self._step_selected():
-            self._mode.lift()  # a step not dumped: each update op would pay a Python dispatch for nothing
+        if self._mode is not None:
+            selected = self._step_selected()
+            self._optimizer_tensors.append(_ParameterTensors.of_optimizer(optimizer, len(self._record.entries))
+                                           if selected else None)
+            if not selected:
+                self._mode.lift()  # a step not dumped: each update op would pay a Python dispatch for nothing
 
     @unintercepted
     def _on_optimizer_post_step(self, optimizer, args, kwargs) -> None:
         if self._mode is not None:
             self._mode.restore()
+            if self._optimizer_tensors:
+                tensors = self._optimizer_tensors.pop()
+                if tensors is not None:
+                    tensors.put_in_order(self._record.entries)
         self._paused = max(0, self._paused - 1)
         if self._auto_step and self._paused == 0 and not self._scaler_steps.inside:
             self._end_step()
@@ -881,6 +1007,11 @@ class DumpSession:
         # is recorded: one producer link cannot say where its output came from
         if not msprobe_config.api_recorded(self.ops, api) and not self._merges_recorded(args, kwargs):
             return self._pass_through(api, func, args, kwargs)
+        if naming.foreach_op(api):
+            tensors = self._parameter_tensors()
+            keys = tensors.keys_of(args) if tensors is not None else None
+            if keys is not None:
+                return self._record_foreach(api, func, args, kwargs, tensors, keys)
         record = self._record
         index = record.counter.next(api)
         name = naming.api_entry_name(api, index)
@@ -904,7 +1035,9 @@ class DumpSession:
                     and isinstance(entry.data["input_args"][0], dict):
                 entry.data["input_args"][0][naming.UNINITIALIZED] = True
         output = func(*args, **kwargs)
-        out_tensors = tensors_in(output)
+        # an in-place foreach op returns None: what it wrote is its first list (`output.k` its k-th tensor)
+        written = args[0] if output is None and in_place and args and naming.foreach_op(api) else output
+        out_tensors = tensors_in(written)
         if not out_tensors:
             return output
         if not in_place:
@@ -918,10 +1051,47 @@ class DumpSession:
         if same_as is not None and isinstance(output, torch.Tensor) and output.numel() == same_as.numel():
             entry.data["output"] = [self._tensor_leaf(output, f"{name}.output.0", True, same_values_as=same_as)]
         else:
-            entry.data["output"] = self._describe_output(output, name)
+            entry.data["output"] = self._describe_output(written, name)
         record.place(entry)
         if torch.is_grad_enabled():
             self._hook_api_backward(api, index, args, kwargs, out_tensors, before)
+        return output
+
+    def _parameter_tensors(self) -> _ParameterTensors | None:
+        if self._paused:
+            return self._optimizer_tensors[-1] if self._optimizer_tensors else None
+        if self._model_tensors is None:
+            self._model_tensors = _ParameterTensors.of_modules(self._paths, len(self._record.entries))
+        return self._model_tensors
+
+    def _record_foreach(self, api: str, func, args, kwargs, tensors: _ParameterTensors, keys: list[int]):
+        """A foreach call on parameters' tensors, an entry per element (see _ParameterTensors): inputs
+        measured before the op writes them, the op run once as called."""
+        record = self._record
+        stack_id = self._stack_id()
+        count = len(keys)
+        entries: list[_Entry | None] = []
+        for k, key in enumerate(keys):
+            name, place = tensors.element_name(api, key, record.counter)
+            if not self._name_selected(name):
+                entries.append(None)
+                continue
+            entry = _Entry(name, OPTIMIZER, stack_id)
+            tensors.places[id(entry)] = place
+            entry.data["input_args"] = self._describe(tuple(_element(arg, k, count) for arg in args),
+                                                      f"{name}.input", False)
+            entry.data["input_kwargs"] = self._describe_kwargs({key_: _element(value, k, count)
+                                                                for key_, value in kwargs.items()}, name)
+            entries.append(entry)
+        output = func(*args, **kwargs)
+        written = args[0] if output is None else output  # an in-place foreach op returns None
+        for k, (key, entry) in enumerate(zip(keys, entries)):
+            value = _element(written, k, count)
+            if isinstance(value, torch.Tensor):
+                tensors.adopt(value, key)  # computed from parameter k's tensors: k's too
+            if entry is not None:
+                entry.data["output"] = self._describe_output(value, entry.name)
+                record.place(entry)
         return output
 
     def _pass_through(self, api: str, func, args, kwargs):
@@ -1202,6 +1372,8 @@ class DumpSession:
         """Resolve the step's statistics here (one device sync); put them in the leaves and write
         the files in the writer thread while the next step runs."""
         record = self._record
+        if self._model_tensors is not None:
+            self._model_tensors.put_in_order(record.entries)
         record.incomplete = self._internal_errors + record.incomplete
         record.stats.resolve()
         self._submit_file_jobs()

@@ -309,8 +309,12 @@ def judge(result: CompareResult, changes: list[FixChange], anchor: str) -> Trial
                     default=None)
     loss = None
     for pair in result.pairs:  # the last step's
+        # the last forward output before the backward: not clip_grad_norm_'s or the optimizer's ops after it
+        backward = min((row.order for row in pair.rows if row.target_entry and row.target_entry.endswith(".backward")),
+                       default=math.inf)
         forward_outputs = [row for row in pair.rows if row.role == "output" and row.target_entry
-                           and row.target_entry.endswith(".forward") and not row.target_entry.startswith("Module.")]
+                           and row.target_entry.endswith(".forward") and not row.target_entry.startswith("Module.")
+                           and row.order < backward and not row.in_optimizer]
         if forward_outputs:
             loss = max(forward_outputs, key=lambda row: row.order)
     loss_error = None if loss is None else (loss.error or 0.0)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from npukit.accuracy.naming import foreach_op
 from npukit.errors import UserError
 
 OP_SETS = ("focus", "core", "msprobe-all", "all")
@@ -195,7 +196,11 @@ def api_recorded(ops: str, api: str) -> bool:
         return True
     listed = _SUPPORT.get(prefix)
     if listed is None or bare not in listed:
-        return False
+        per_tensor = foreach_op(api)
+        # A foreach op msprobe does not hook (it hooks torch._foreach_norm only) is recorded where the
+        # op it applies to each tensor is: an optimizer's torch._foreach_add_ as the per-tensor
+        # optimizer's Tensor.add_ (npukit's addition: the update the default, foreach, optimizer makes)
+        return per_tensor is not None and api_recorded(ops, f"Tensor.{per_tensor}")
     if ops == "core":
         return bare in _CORE
     if ops == "focus":

@@ -20,6 +20,7 @@ from functools import lru_cache
 FORWARD = "forward"
 BACKWARD = "backward"
 PARAMETERS_GRAD = "parameters_grad"
+FOREACH_PREFIX = "_foreach_"  # torch._foreach_add_: one op over lists of tensors
 
 # Tensor methods that only manage autograd/storage bookkeeping: never worth an entry.
 _SKIPPED_TENSOR_METHODS = frozenset({
@@ -65,7 +66,20 @@ def api_name_table() -> dict:
         elif module_name.startswith("torch."):
             # torch.linalg.norm -> Torch.linalg_norm: a dot would break the name grammar.
             add(funcs, "Torch", module_name.split(".", 1)[1].replace(".", "_") + "_")
+    # torch._foreach_*: an optimizer's update of every parameter in one call (the default on
+    # accelerators, the npu included). torch does not list them as overridable, but torch-function
+    # modes see them; msprobe names torch._foreach_norm Torch._foreach_norm.
+    for name in dir(torch):
+        if name.startswith(FOREACH_PREFIX):
+            table.setdefault(getattr(torch, name), f"Torch.{name}")
     return table
+
+
+def foreach_op(api: str) -> str | None:
+    """The per-tensor op a foreach api applies to each element of its lists (`Torch._foreach_add_`:
+    `add_`), or None for any other api."""
+    bare = api.partition(".")[2]
+    return bare[len(FOREACH_PREFIX):] if bare.startswith(FOREACH_PREFIX) else None
 
 
 def npu_op_api_name(func) -> str | None:
@@ -90,6 +104,14 @@ class CallCounter:
         index = self._counts[key]
         self._counts[key] = index + 1
         return index
+
+    def peek(self, key: str) -> int:
+        """The index the next call of `key` gets."""
+        return self._counts[key]
+
+    def taken(self, key: str, index: int) -> None:
+        """`index` is used: later calls of `key` get higher ones."""
+        self._counts[key] = max(self._counts[key], index + 1)
 
 
 def api_entry_name(api: str, index: int, direction: str = FORWARD) -> str:

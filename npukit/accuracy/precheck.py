@@ -528,6 +528,8 @@ def _prepare(label: str, entry: DumpEntry, body: dict, backward: DumpEntry | Non
         raise CannotRun("a collective: it needs the other ranks")
     function = resolve_api(api)
     args, kwargs, slots = _arguments(entry.name, body, {leaf.name: leaf for leaf in entry.inputs})
+    if naming.foreach_op(api) and not any(isinstance(arg, list) for arg in args):
+        function = _one_element(function)
     seed = zlib.crc32(f"{label}/{entry.name}".encode())
     inputs = [_load(leaf, generate, seed + i) for i, leaf in enumerate(slots)]
     floating_outputs = [leaf for leaf in entry.outputs if _is_float(leaf.dtype)]
@@ -551,6 +553,16 @@ def _prepare(label: str, entry: DumpEntry, body: dict, backward: DumpEntry | Non
                tf32=kind is not None and compute == torch.float32,
                hf32=None if kind is None or hf32 is None else kind in hf32,
                in_place=naming.writes_its_input(api, tuple(args), kwargs) or api.startswith("Tensor.__i"), note=note)
+
+
+def _one_element(foreach):
+    """A foreach op's call on one element, as the dump records each parameter's element of it
+    (dump._ParameterTensors): its tensors as one-item lists; its result, that item's."""
+    def call(*args, **kwargs):
+        lists = [[arg] if isinstance(arg, torch.Tensor) else arg for arg in args]
+        result = foreach(*lists, **kwargs)
+        return lists[0][0] if result is None else result[0]  # an in-place op writes its first list
+    return call
 
 
 def _backward_leaves(entry: DumpEntry, backward: DumpEntry, inputs: list, generate: bool, seed: int):
