@@ -1460,10 +1460,8 @@ _LOST_UPDATE_KEPT = 0.5
 
 
 def _in_place(entry: DumpEntry) -> bool:
-    """`Tensor.add_`, `Tensor.__isub__`: the op writes its first input (what naming.writes_its_input
-    tells at the call, read back from the recorded name)."""
-    op = entry.base.rpartition(".")[2]
-    return entry.direction == naming.FORWARD and (op.startswith("__i") or (op.endswith("_") and not op.startswith("__")))
+    """`Tensor.add_`, `Tensor.__isub__`: the op writes its first input (read back from its name)."""
+    return entry.direction == naming.FORWARD and naming.in_place_api(entry.base)
 
 
 def _change_figures(golden_in: TensorLeaf, golden_out: TensorLeaf, target_in: TensorLeaf,

@@ -404,10 +404,22 @@ def creation_table() -> dict:
     return {getattr(torch, name): f"Torch.{name}" for name in names if hasattr(torch, name)}
 
 
+_IN_PLACE_OPERATORS = frozenset({"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
+                                  "__ipow__", "__imatmul__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
+                                  "__irshift__"})
+
+
+def in_place_api(api: str) -> bool:
+    """By its name, the api writes its first argument: `Tensor.add_`, `Torch._foreach_add_`,
+    `Tensor.__iadd__`; not `Tensor.__add__` nor `Tensor.__invert__`."""
+    op = api.rpartition(".")[2]
+    return op in _IN_PLACE_OPERATORS if op.startswith("__") else op.endswith("_")
+
+
 def writes_its_input(api: str, args: tuple, kwargs: dict) -> bool:
     """The call changes a tensor argument in place: `add_`, `__iadd__`, `out=`, or a functional
     asked to (`F.leaky_relu(x, 0.2, True)`, as nn.LeakyReLU(inplace=True) calls it)."""
-    if api.endswith("_") or api.startswith("Tensor.__i") or "out" in kwargs:
+    if in_place_api(api) or "out" in kwargs:
         return True
     if "inplace" in kwargs:
         return kwargs["inplace"] is True

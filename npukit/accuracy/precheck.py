@@ -552,7 +552,7 @@ def _prepare(label: str, entry: DumpEntry, body: dict, backward: DumpEntry | Non
     return _Op(label, entry, backward, function, args, kwargs, inputs, compute, grad_outputs, grad_inputs,
                tf32=kind is not None and compute == torch.float32,
                hf32=None if kind is None or hf32 is None else kind in hf32,
-               in_place=naming.writes_its_input(api, tuple(args), kwargs) or api.startswith("Tensor.__i"), note=note)
+               in_place=naming.writes_its_input(api, tuple(args), kwargs), note=note)
 
 
 def _one_element(foreach):

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from npukit.accuracy import naming
 from npukit.accuracy.dump import DumpSession, parse_steps, tensor_stats
 from npukit.accuracy.tensor_io import read_tensor
 from npukit.errors import UserError
@@ -401,6 +402,17 @@ def test_in_place_op_inputs_are_measured_before_the_op(tmp_path):
     entry = load(tmp_path)["data"]["Tensor.mul_.0.forward"]
     assert entry["input_args"][0]["Max"] == 1.0
     assert entry["output"][0]["Max"] == 3.0
+
+
+@pytest.mark.parametrize(("api", "in_place"), [
+    ("Tensor.mul_", True), ("Tensor.__imul__", True), ("Torch._foreach_add_", True), ("Functional.relu_", True),
+    ("Tensor.__add__", False), ("Tensor.__invert__", False), ("Tensor.__getitem__", False), ("Torch._foreach_add", False),
+])
+def test_which_apis_write_their_first_argument(api, in_place):
+    """What the dump measures before the op runs, the overflow detector copies before it runs, and the
+    compare judges by the change it made: `a += b` writes a, `a + b` and `~a` do not."""
+    assert naming.writes_its_input(api, (), {}) is in_place
+    assert naming.writes_its_input(api, (), {"out": None})  # an out= tensor is written whatever the api
 
 
 def test_optimizer_steps_split_dumps_and_step_filter(tmp_path):
