@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from npukit.accuracy._stats import crc32c
+from npukit.accuracy._stats import crc32c, fill_float32
 
 
 def masked_crc32c(data: bytes) -> int:
@@ -83,14 +83,12 @@ class SummaryLayout:
             holes.append(len(template))
             template += bytes(4)
         self.count = len(tags)
-        self._template = np.frombuffer(bytes(template), dtype=np.uint8)
-        self._holes = (np.array(holes, dtype=np.intp)[:, None] + np.arange(4)).ravel()
+        self._template = bytes(template)
+        self._holes = np.array(holes, dtype=np.int64).tobytes()
 
-    def summary(self, values) -> bytes:
-        """values: a float per tag, in the layout's order."""
-        filled = self._template.copy()
-        filled[self._holes] = np.frombuffer(_float32_bytes(values), dtype=np.uint8)
-        return filled.tobytes()
+    def summary(self, values: list[float]) -> bytes:
+        """values: a float per tag, in the layout's order (rounded to float32 as _float32_bytes does)."""
+        return fill_float32(self._template, self._holes, values)
 
 
 def _record(event: bytes) -> bytes:

@@ -32,15 +32,15 @@ import operator
 import re
 import sys
 import weakref
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from functools import partial
 from pathlib import Path
 
 import torch
 
 from npukit.accuracy import eager, naming
 from npukit.accuracy._stats import adam_stats
-from npukit.accuracy._tensor_stats import host_stats
+from npukit.accuracy._tensor_stats import csv_rows, host_stats
 from npukit.accuracy.dump import (
     StatsBuffer,
     _host_memory,
@@ -55,13 +55,13 @@ from npukit.errors import UserError
 from npukit.files import check_output_location, output_folder, refuse_links_inside
 from npukit.watch.steps import ForwardSteps, TrainingSteps
 
+no_torch_function = torch._C.DisableTorchFunction  # a hook's own tensor reads skip any mode
 STAT_NAMES = ("max", "min", "mean", "norm", "nan", "inf")  # tensor_stats' order
 RECORD_COLUMNS = ("step", "kind", "name", "dtype", *STAT_NAMES)
 SCALAR_COLUMNS = ("step", "loss", "grad_norm", "loss_scale", "skipped_by_grad_scaler")
 ALERT_COLUMNS = ("step", "rule", "name", "statistic", "value", "message")
 _FILES = ("monitor.csv", "scalars.csv", "alerts.csv")
 _PENDING_STEPS = 2  # steps handed to the writer and not yet written, at most
-_STEP_MARK = "\x00"  # where a row's step number goes in _StepLayout.csv_rows
 
 
 class MonitorSession:
@@ -139,7 +139,6 @@ class MonitorSession:
         # Dynamo cannot trace through global module hooks: compiled models run eagerly while the
         # monitor watches (a notice says so), fullgraph regions compiled and unseen, as under the dump
         eager.enter("the monitor")
-        self._on_activation_grad_guarded = self._guarded(self._on_activation_grad)  # with each output: its hook
         self._handles = [
             module_hooks.register_module_forward_pre_hook(self._guarded(self._on_module_pre_forward)),
             module_hooks.register_module_forward_hook(self._guarded(self._on_module_forward), always_call=True),
@@ -191,15 +190,40 @@ class MonitorSession:
             if self.broken:
                 return None
             try:
-                with torch._C.DisableTorchFunction():
+                with no_torch_function():
                     return hook(*args, **kwargs)
             except Exception as exc:
-                self.broken = True
-                hook_failed(kind, exc)
-                print(f"npukit monitor: monitoring stopped at step {self.step_index}; what was written before "
-                      f"stays in {self.out_dir}", file=sys.stderr)
+                self._stop_after(kind, exc)
                 return None
         return run
+
+    def _stop_after(self, kind: str, exc: Exception) -> None:
+        self.broken = True
+        hook_failed(kind, exc)
+        print(f"npukit monitor: monitoring stopped at step {self.step_index}; what was written before "
+              f"stays in {self.out_dir}", file=sys.stderr)
+
+    def _watch_activation_grad(self, tensor: torch.Tensor, leaf: _Leaf) -> None:
+        """The output's gradient measured as backward makes it. The hook runs cache-cold once per output
+        per step: it is one closure (no partial and _guarded layers), put into the tensor's hook dict
+        as Tensor.register_hook does, without the RemovableHandle nobody removes (the output dies with
+        the step); keyed by its leaf, unique, so it never takes a handle's integer id."""
+        def on_gradient(gradient):
+            if self.broken:
+                return None
+            try:
+                with no_torch_function():
+                    self._on_activation_grad(leaf, gradient)
+            except Exception as exc:
+                self._stop_after("MonitorSession._on_activation_grad", exc)
+            return None
+
+        hooks = tensor._backward_hooks
+        if hooks is None:
+            hooks = tensor._backward_hooks = OrderedDict()  # torch's type: a handle takes a weak reference to it
+            if tensor.grad_fn is not None:
+                tensor.grad_fn._register_hook_dict(tensor)
+        hooks[leaf] = on_gradient
 
     # ------------------------------------------------------------------ recording
     def _new_step(self) -> None:
@@ -234,13 +258,12 @@ class MonitorSession:
             slot = seen[2]
         else:
             # hooks run cache-cold: a plain float host tensor is measured in one call (host_stats),
-            # its fields read in C++; any other tensor is asked what it is first
-            values = host_stats(tensor, npu_in_host_memory())
-            if values is not None:
-                slot = self._buffer.add_values(values)
-            elif not tensor.is_floating_point() or tensor.numel() == 0:
-                return
-            else:
+            # its fields read in C++, and its statistics are the slot themselves (nothing to fetch);
+            # any other tensor is asked what it is first
+            slot = host_stats(tensor, npu_in_host_memory())
+            if slot is None:
+                if not tensor.is_floating_point() or tensor.numel() == 0:
+                    return
                 slot = self._buffer.add(tensor)
             record.measured[key] = (weakref.ref(tensor), version, slot)
         record.used = True
@@ -295,7 +318,7 @@ class MonitorSession:
             self._step.leaves.append(leaf)
             self._add("activation", leaf, tensor)
             if tensor.requires_grad:  # grad mode is on: checked above
-                tensor.register_hook(partial(self._on_activation_grad_guarded, leaf))
+                self._watch_activation_grad(tensor, leaf)
 
     def _on_activation_grad(self, leaf: _Leaf, gradient) -> None:
         if gradient is not None and self._monitored():
@@ -566,12 +589,9 @@ class MonitorSession:
         values = [value for r in records for value in r.values]
         if self.csv_files:
             rows = self._csv("monitor.csv", RECORD_COLUMNS)
-            # the rows csv.writer writes, from each record's fields as written once (_StepLayout)
-            if layout.csv_rows is not None:
-                rows.file.write(layout.csv_rows.replace(_STEP_MARK, str(step)) % tuple(values))
-            else:
-                rows.file.write("".join([f"{step},{prefix}{','.join(map(repr, r.values))}\r\n"
-                                         for prefix, r in zip(layout.csv_prefixes, records)]))
+            # the rows csv.writer writes, from each record's fields as written once (_StepLayout), the
+            # values' repr made in C++ (in Python, most of the writer's time)
+            rows.file.write(csv_rows(str(step), layout.csv_prefixes, values, len(STAT_NAMES)))
             rows.flush()
             scalars = self._csv("scalars.csv", SCALAR_COLUMNS)
             scalars.writer.writerow([step, _number(loss), _number(grad_norm), _number(loss_scale), int(skipped)])
@@ -611,14 +631,6 @@ class _StepLayout:
             buffer.truncate()
             fields.writerow([kind, name, str(dtype).removeprefix("torch."), ""])
             self.csv_prefixes.append(buffer.getvalue()[:-2])  # "kind,name,dtype," without the row's end
-        # A step's rows in one formatting: the step number put where the mark is, then the values
-        # (repr, as csv.writer writes floats); the joins per record were most of the writer's time.
-        # None (the rows joined per record) in the odd case of a name holding the mark.
-        self.csv_rows = None
-        if not any(_STEP_MARK in prefix for prefix in self.csv_prefixes):
-            fields = ",".join(["%r"] * len(STAT_NAMES))
-            self.csv_rows = "".join(f"{_STEP_MARK},{prefix.replace('%', '%%')}{fields}\r\n"
-                                    for prefix in self.csv_prefixes)
         self.summary = SummaryLayout([f"{kind}/{name}/{stat}" for kind, name, _ in key for stat in STAT_NAMES])
 
 

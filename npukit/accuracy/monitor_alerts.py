@@ -61,7 +61,7 @@ class Alert:
     message: str
 
 
-@dataclass
+@dataclass(slots=True)  # hundreds made per monitored step
 class Record:
     """One tensor's statistics in one step: kind is weight, grad, activation, activation_grad,
     exp_avg, exp_avg_sq or update_ratio; values as tensor_stats returns them (max, min, mean,

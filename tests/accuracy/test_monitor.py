@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from npukit.accuracy.event_file import crc32c
-from npukit.accuracy.monitor import MonitorSession
+from npukit.accuracy.monitor import MonitorSession, _StepLayout
 from npukit.errors import UserError
 
 pytestmark = pytest.mark.usefixtures("npu")
@@ -163,6 +163,56 @@ def test_crc32c_is_castagnolis_on_short_and_long_data():
     for size in (0, 1, 3, 4, 5, 256, 257, 1000, 4099, 20000):
         data = bytes(generator.randrange(256) for _ in range(size))
         assert crc32c(data) == bitwise(data), size
+
+
+
+def _tricky_floats() -> list[float]:
+    """Values whose repr takes each of Python's layouts: positional with ".0", positional with leading
+    zeros, exponent (e-05, e+16, e+308), signed zero, subnormals, float32-rounded numbers, inf/nan,
+    random bit patterns."""
+    import random
+    import struct
+
+    generator = random.Random(11)
+    values = [0.0, -0.0, 1.0, -2.5, 0.1, 0.30000000000000004, 1e-4, 1e-5, 1.234e-4, 9999999999999998.0, 1e15, 1e16,
+              1e17, 123456789012345678.0, 5e-324, 2.2250738585072014e-308, 1.7976931348623157e308, 1e22, -1.5e-10,
+              float("inf"), float("-inf"), float("nan"), 3.4028234663852886e38, 1e39, -1e39, 1e-46]
+    for _ in range(3000):
+        values.append(struct.unpack("<d", struct.pack("<Q", generator.getrandbits(64)))[0])
+        values.append(struct.unpack("<f", struct.pack("<I", generator.getrandbits(32)))[0])
+        values.append(generator.uniform(-1, 1) * 10.0 ** generator.randint(-30, 30))
+    return values + [1.0] * (-len(values) % 6)
+
+
+def test_monitor_csv_rows_are_what_csv_writer_writes():
+    """monitor.csv's rows are made in C++ (csv_rows): byte for byte csv.writer's, floats as their repr."""
+    from npukit.accuracy._tensor_stats import csv_rows
+
+    values = _tricky_floats()
+    keys = [("activation", f"blocks.{i}.mlp" if i % 3 else 'odd "name", quoted', "float32") for i in range(len(values) // 6)]
+    layout = _StepLayout(keys)
+    expected = io.StringIO()
+    writer = csv.writer(expected)
+    for row, (kind, name, dtype) in enumerate(keys):
+        writer.writerow([12, kind, name, dtype, *values[6 * row:6 * row + 6]])
+    assert csv_rows("12", layout.csv_prefixes, values, 6) == expected.getvalue()
+    with pytest.raises(ValueError, match="5 values for 1 rows of 6"):
+        csv_rows("0", layout.csv_prefixes[:1], values[:5], 6)
+
+
+def test_tensorboard_summary_rounds_to_float32_as_numpy_does():
+    """The Summary of a step's values in one C call (fill_float32): the bytes of each tag's own
+    Summary.Value, values rounded to float32 as numpy rounds them (beyond its range: inf)."""
+    from npukit.accuracy import event_file
+    from npukit.accuracy._stats import fill_float32
+
+    values = _tricky_floats()
+    tags = [f"activation/layer{i}/max" for i in range(len(values))]
+    assert event_file.SummaryLayout(tags).summary(values) == event_file._summary(list(zip(tags, values)))
+    with pytest.raises(ValueError, match="2 values for 1 holes"):
+        fill_float32(bytes(8), (0).to_bytes(8, "little"), [1.0, 2.0])
+    with pytest.raises(ValueError, match="outside the template"):
+        fill_float32(bytes(8), (6).to_bytes(8, "little"), [1.0])
 
 
 def _train(session: MonitorSession, steps: int, model: nn.Module, batch: torch.Tensor, dtype=torch.float32,

@@ -165,11 +165,29 @@ static PyObject *py_adam_stats(PyObject *self, PyObject *args) {
                          v_stats.sum, v_stats.sumsq, update_sumsq, finite ? Py_True : Py_False);
 }
 
+/* CRC-32C of a buffer with SSE 4.2's crc32 instruction (the same polynomial, reflected), 8 bytes a
+ * step: a monitored step's event (~14 kB for 74 records) in ~2 us, ~15 us from the byte table. */
+__attribute__((target("sse4.2"))) static uint32_t crc32c_sse42(uint32_t crc, const unsigned char *bytes,
+                                                               Py_ssize_t length) {
+    uint64_t wide = crc;
+    Py_ssize_t i = 0;
+    for (; i + 8 <= length; i += 8) {
+        uint64_t word;
+        memcpy(&word, bytes + i, 8);
+        wide = _mm_crc32_u64(wide, word);
+    }
+    crc = (uint32_t)wide;
+    for (; i < length; i++) crc = _mm_crc32_u8(crc, bytes[i]);
+    return crc;
+}
+
 /* crc32c(data) -> int: CRC-32C (Castagnoli), as TFRecord files checksum their records (the
- * monitor's TensorBoard events). Byte-wise from a table: ~1 GB/s, a step's event in microseconds. */
+ * monitor's TensorBoard events). With SSE 4.2's instruction where the CPU has it, else byte-wise
+ * from a table (~1 GB/s). */
 static PyObject *py_crc32c(PyObject *self, PyObject *args) {
     static uint32_t table[256];
     static bool ready = false;
+    static const bool sse42 = __builtin_cpu_supports("sse4.2");
     if (!ready) {
         for (uint32_t byte = 0; byte < 256; byte++) {
             uint32_t crc = byte;
@@ -182,9 +200,46 @@ static PyObject *py_crc32c(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*", &data)) return NULL;
     const unsigned char *bytes = (const unsigned char *)data.buf;
     uint32_t crc = 0xFFFFFFFFu;
-    Py_BEGIN_ALLOW_THREADS for (Py_ssize_t i = 0; i < data.len; i++) crc = table[(crc ^ bytes[i]) & 0xFF] ^ (crc >> 8);
+    Py_BEGIN_ALLOW_THREADS if (sse42) crc = crc32c_sse42(crc, bytes, data.len);
+    else for (Py_ssize_t i = 0; i < data.len; i++) crc = table[(crc ^ bytes[i]) & 0xFF] ^ (crc >> 8);
     Py_END_ALLOW_THREADS PyBuffer_Release(&data);
     return PyLong_FromUnsignedLong(crc ^ 0xFFFFFFFFu);
+}
+
+/* fill_float32(template, holes, values) -> bytes: template with values[i], rounded to float32
+ * (beyond its range: inf, as numpy's astype gives) little-endian, written at byte offset holes[i]
+ * (holes: int64 buffer). The monitor's TensorBoard Summary of a step, one call for its thousands
+ * of values instead of numpy's conversion, copy and fancy-indexed assignment. */
+static PyObject *py_fill_float32(PyObject *self, PyObject *args) {
+    Py_buffer layout, holes;
+    PyObject *values;
+    if (!PyArg_ParseTuple(args, "y*y*O!", &layout, &holes, &PyList_Type, &values)) return NULL;
+    Py_ssize_t count = holes.len / (Py_ssize_t)sizeof(int64_t);
+    PyObject *out = NULL;
+    if (PyList_GET_SIZE(values) != count) {
+        PyErr_Format(PyExc_ValueError, "fill_float32: %zd values for %zd holes", PyList_GET_SIZE(values), count);
+    } else if ((out = PyBytes_FromStringAndSize((const char *)layout.buf, layout.len)) != NULL) {
+        char *target = PyBytes_AS_STRING(out);
+        const int64_t *offsets = (const int64_t *)holes.buf;
+        for (Py_ssize_t i = 0; i < count; i++) {
+            double number = PyFloat_AsDouble(PyList_GET_ITEM(values, i));
+            if (number == -1.0 && PyErr_Occurred()) {
+                Py_CLEAR(out);
+                break;
+            }
+            if (offsets[i] < 0 || offsets[i] + 4 > layout.len) {
+                PyErr_Format(PyExc_ValueError, "fill_float32: hole %zd at byte %lld is outside the template", i,
+                             (long long)offsets[i]);
+                Py_CLEAR(out);
+                break;
+            }
+            float narrow = (float)number;  // round to nearest; out of range: +-inf (x86's conversion)
+            memcpy(target + offsets[i], &narrow, 4);
+        }
+    }
+    PyBuffer_Release(&layout);
+    PyBuffer_Release(&holes);
+    return out;
 }
 
 /* A golden and a target chunk compared in one read (npu-compare's metrics): the partial sums and
@@ -494,6 +549,7 @@ static PyObject *py_crc32(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"crc32c", py_crc32c, METH_VARARGS, "CRC-32C (Castagnoli) of a bytes-like object."},
+    {"fill_float32", py_fill_float32, METH_VARARGS, "A template's bytes with float32 values written at the holes."},
     {"crc32", py_crc32, METH_VARARGS, "zlib.crc32(data, value=0), folded with PCLMULQDQ."},
     {"stats", py_stats, METH_VARARGS, "One-pass (max, min, sum, sumsq, finite) of a strided host tensor, or None."},
     {"adam_stats", py_adam_stats, METH_VARARGS, "One-pass statistics of Adam's m and v and the update's sum of squares."},

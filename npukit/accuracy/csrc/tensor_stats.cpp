@@ -5,8 +5,13 @@
  * backward before it: reading those fields from Python (dtype, layout, is_nested, device,
  * data_ptr, shape, stride, numel: each a different getter) cost ~30 us there, more than the
  * statistics of a small tensor. The kernels are stats.cpp's (stats_kernels.h).
+ *
+ * Also here: csv_rows, the monitor's monitor.csv rows of a step with each float's Python repr.
  */
 #include <torch/csrc/autograd/python_variable.h>
+
+#include <charconv>
+#include <string>
 
 #include "stats_kernels.h"
 
@@ -46,7 +51,101 @@ static PyObject *py_host_stats(PyObject *self, PyObject *args) {
                          0.0);
 }
 
+/* repr(value) of a finite double, as Python writes it (float_repr_style 'short'): the shortest
+ * digits that read back to the value (std::to_chars gives those, as Python's dtoa mode 0 does),
+ * laid out in positional notation with ".0" when the decimal point's place (decpt, the value being
+ * 0.DIGITS x 10^decpt) is within -4 < decpt <= 16, otherwise as D[.DIGITS]e+XX. */
+static void append_float_repr(std::string &out, double value) {
+    char buffer[40];
+    const char *end = std::to_chars(buffer, buffer + sizeof buffer, value, std::chars_format::scientific).ptr;
+    const char *p = buffer;
+    if (*p == '-') out += '-', p++;
+    char digits[24];  // the significant digits, without the point: at most 17
+    int count = 0;
+    for (; *p != 'e'; p++)
+        if (*p != '.') digits[count++] = *p;
+    bool negative = p[1] == '-';
+    int exponent = 0;  // value = D.DDD x 10^exponent
+    for (p += 2; p < end; p++) exponent = exponent * 10 + (*p - '0');
+    if (negative) exponent = -exponent;
+    int decpt = exponent + 1;
+    if (decpt <= -4 || decpt > 16) {
+        out += digits[0];
+        if (count > 1) out += '.', out.append(digits + 1, count - 1);
+        out += negative ? "e-" : "e+";
+        int magnitude = negative ? -exponent : exponent;
+        if (magnitude < 10) out += '0';
+        out += std::to_string(magnitude);
+    } else if (decpt <= 0) {
+        out += "0.";
+        out.append(-decpt, '0');
+        out.append(digits, count);
+    } else if (decpt >= count) {
+        out.append(digits, count);
+        out.append(decpt - count, '0');
+        out += ".0";
+    } else {
+        out.append(digits, decpt);
+        out += '.';
+        out.append(digits + decpt, count - decpt);
+    }
+}
+
+/* csv_rows(step, prefixes, values): the monitor.csv rows of a step as csv.writer writes them, one
+ * per prefix ("kind,name,dtype,"): "step,prefix" + its STATS values, repr each (as csv.writer writes
+ * floats), "\r\n". Formatting the values was most of the monitor writer's time in Python (a float's
+ * repr ~0.4 us there). A value that is not a finite float is written with its own repr. */
+static PyObject *py_csv_rows(PyObject *self, PyObject *args) {
+    const char *step;
+    PyObject *prefixes, *values;
+    int per_row;
+    if (!PyArg_ParseTuple(args, "sO!O!i", &step, &PyList_Type, &prefixes, &PyList_Type, &values, &per_row))
+        return NULL;
+    Py_ssize_t rows = PyList_GET_SIZE(prefixes);
+    if (per_row < 1 || PyList_GET_SIZE(values) != rows * per_row) {
+        PyErr_Format(PyExc_ValueError, "csv_rows: %zd values for %zd rows of %d", PyList_GET_SIZE(values), rows,
+                     per_row);
+        return NULL;
+    }
+    std::string out;
+    out.reserve(rows * (48 + 24 * per_row));
+    for (Py_ssize_t row = 0; row < rows; row++) {
+        PyObject *prefix = PyList_GET_ITEM(prefixes, row);
+        Py_ssize_t length;
+        const char *text = PyUnicode_Check(prefix) ? PyUnicode_AsUTF8AndSize(prefix, &length) : NULL;
+        if (text == NULL) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "csv_rows: a prefix is not a str");
+            return NULL;
+        }
+        out += step;
+        out += ',';
+        out.append(text, length);
+        for (int column = 0; column < per_row; column++) {
+            if (column) out += ',';
+            PyObject *value = PyList_GET_ITEM(values, row * per_row + column);
+            double number = PyFloat_CheckExact(value) ? PyFloat_AS_DOUBLE(value) : NAN;
+            if (isfinite(number)) {
+                append_float_repr(out, number);
+                continue;
+            }
+            PyObject *shown = PyObject_Repr(value);
+            if (shown == NULL) return NULL;
+            const char *shown_text = PyUnicode_AsUTF8AndSize(shown, &length);
+            if (shown_text == NULL) {
+                Py_DECREF(shown);
+                return NULL;
+            }
+            out.append(shown_text, length);
+            Py_DECREF(shown);
+        }
+        out += "\r\n";
+    }
+    return PyUnicode_DecodeUTF8(out.data(), (Py_ssize_t)out.size(), NULL);
+}
+
 static PyMethodDef methods[] = {
+    {"csv_rows", py_csv_rows, METH_VARARGS,
+     "csv_rows(step, prefixes, values, per_row) -> the rows 'step,prefix,v1,...' csv.writer writes, floats as repr."},
     {"host_stats", py_host_stats, METH_VARARGS,
      "[max, min, mean, norm, 0, 0] of a plain float tensor in host memory, or None (take the general path)."},
     {NULL, NULL, 0, NULL},
