@@ -148,7 +148,10 @@ def test_fsdp2_the_scaled_input_is_named_at_its_rank_and_the_other_ranks_ops_are
                                                                           "forward", "fc1")
     for pair in result.pairs:
         if pair.pair != "step0/rank2":
-            forward = [row for row in pair.rows if ".forward" in (row.target_entry or row.golden_entry)]
+            # the model's forward ops (the optimizer's update ops take the reduced gradient, which carries
+            # rank 2's difference: below)
+            forward = [row for row in pair.rows
+                       if ".forward" in (row.target_entry or row.golden_entry) and not row.in_optimizer]
             assert pair.divergence is None and all(row.verdict != "error" for row in forward), pair.pair
     assert began.line().startswith("it began on rank 2, step 0 at Functional.linear.0.forward (module fc1), in the "
                                    "forward")
