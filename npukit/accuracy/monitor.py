@@ -3,8 +3,9 @@
     with MonitorSession(Path("mon"), every=1, modules=r"blocks\\.\\d+\\.mlp"):
         runpy.run_path("train.py", run_name="__main__")
 
-Every monitored step (steps end where the profiler's do: watch.steps.TrainingSteps; without an
-optimizer, as the first root module starts a new forward), for each module the filter keeps: the
+Every monitored step (numbered by watch.steps.RunSteps: steps end where the profiler's do, at the
+first optimizer's step or GradScaler's; without an optimizer, as the first root module starts a new
+forward with gradients), for each module the filter keeps: the
 statistics (max, min, mean, norm, nan and inf counts) of its outputs in forwards that record
 gradients (`activation`; an evaluation forward is not the step's) and of their gradients
 (`activation_grad`, unscaled by GradScaler's scale), of its parameters (`weight`) and their
@@ -53,7 +54,7 @@ from npukit.accuracy.event_file import ScalarEventFile, SummaryLayout
 from npukit.accuracy.monitor_alerts import Alert, AlertRules, Alerts, Record
 from npukit.errors import UserError
 from npukit.files import check_output_location, output_folder, refuse_links_inside
-from npukit.watch.steps import ForwardSteps, TrainingSteps
+from npukit.watch.steps import RunSteps
 
 no_torch_function = torch._C.DisableTorchFunction  # a hook's own tensor reads skip any mode
 STAT_NAMES = ("max", "min", "mean", "norm", "nan", "inf")  # tensor_stats' order
@@ -92,14 +93,12 @@ class MonitorSession:
         self.broken = False
         self._active = False
         self._in_optimizer = 0
-        self._optimizer_stepped = False
-        self._running_modules = 0  # forwards in progress
+        self._running_modules = 0  # forwards in progress (to name modules from the outermost)
         self._outermost = None  # the module whose forward runs the others
-        self._ending: tuple | None = None  # (_StepRecord, skipped, loss_scale): see _on_step_end
-        self._clock: weakref.ref | None = None  # the optimizer whose step ends a training step
+        self._ending: tuple | None = None  # (_StepRecord, skipped, loss_scale): see _end_training_step
         self._several_optimizers: bool | None = None  # None: not known before the second step begins
-        self._forward_steps = ForwardSteps()  # a run without optimizer.step still has bounded steps
-        self._steps = TrainingSteps(self._on_step_end)
+        # the step count; told of root forwards by _on_module_pre_forward, which passes over compile wrappers
+        self._steps = RunSteps(self._guarded(self._on_step_end), watch_forwards=False)
         self._paths = naming.ModulePaths()
         self._kept: dict[str, bool] = {}  # module path -> the filter keeps it
         self._module_names: dict[int, tuple[weakref.ref, str, bool]] = {}  # id(module) -> (it, path, kept)
@@ -279,11 +278,8 @@ class MonitorSession:
         if not self._running_modules:
             self._outermost = module
             self._distributed()  # asked once per root forward (a process group made since is seen)
-            # steps are training steps, numbered as --replay-step and --stop-after-step number them: an
-            # evaluation forward before the first optimizer step (Trainer.evaluate()) starts none
-            if (not self._optimizer_stepped and not self._in_optimizer and torch.is_grad_enabled()
-                    and self._forward_steps.new_step(module)):
-                self._finish_step(None, False, None)
+            # before the first optimizer step, a new forward with gradients may end a step (RunSteps)
+            self._steps.root_forward(module)
         self._running_modules += 1
 
     def _on_module_forward(self, module, args, output) -> None:
@@ -416,10 +412,9 @@ class MonitorSession:
                 self._add("grad", name, parameter.grad)
 
     def _on_optimizer_pre_step(self, optimizer, args, kwargs) -> None:
-        if self._ending is not None and self._in_optimizer == 0 and self._is_clock(optimizer):
+        if self._ending is not None and self._in_optimizer == 0 and self._steps.ends_steps(optimizer):
             self._finish_ending()  # the next training step's first optimizer: the last one ended
         self._in_optimizer += 1
-        self._optimizer_stepped = True
         if self._monitored() and self._in_optimizer == 1:
             self._record_parameters(optimizer)
 
@@ -427,14 +422,11 @@ class MonitorSession:
         self._in_optimizer = max(0, self._in_optimizer - 1)
         if self._monitored() and isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
             self._record_adam(optimizer)
-        if self._in_optimizer == 0 and self._clock is not None and not self._is_clock(optimizer):
+        if self._in_optimizer == 0 and self._steps.training_step_ended and not self._steps.ends_steps(optimizer):
             self._several_optimizers = True
             if self._ending is not None:  # what led to this optimizer's step is the ending step's
                 self._ending[0].absorb(self._step)
                 self._step = _StepRecord(self.step_index, continues=self._ending[0])
-
-    def _is_clock(self, optimizer) -> bool:
-        return self._clock is not None and self._clock() is optimizer
 
     def _record_adam(self, optimizer) -> None:
         """exp_avg, exp_avg_sq, and the norm of Adam's step direction m^ / (sqrt(v^) + eps) per
@@ -475,17 +467,19 @@ class MonitorSession:
 
     # ------------------------------------------------------------------ step end
     def _on_step_end(self, optimizer, skipped: bool, loss_scale: float | None) -> None:
-        self._optimizer_stepped = True
-        if not self.broken:
-            self._guarded(self._end_training_step)(optimizer, skipped, loss_scale)
+        """RunSteps ended a step: at a new root forward without an optimizer (optimizer None), or at
+        the first optimizer's step."""
+        if optimizer is None:
+            self._finish_step(None, False, None)
+        else:
+            self._end_training_step(optimizer, skipped, loss_scale)
 
     def _end_training_step(self, optimizer, skipped: bool, loss_scale: float | None) -> None:
-        """The first optimizer's step ended a training step (watch.steps.TrainingSteps). With several
-        optimizers (a GAN's D and G, two optimizers over parameter groups), the others step after it in
-        the same training step: the step is written when the first optimizer's next step begins, with
-        what led to each other optimizer's step (its forward, backward, weights, gradients, state)."""
-        if self._clock is None or self._clock() is None:
-            self._clock = weakref.ref(optimizer) if optimizer is not None else None
+        """The first optimizer's step ended a training step. With several optimizers (a GAN's D and G,
+        two optimizers over parameter groups), the others step after it in the same training step
+        (RunSteps numbers one step, at the first one's): the step is written when the first optimizer's
+        next step begins, with what led to each other optimizer's step (its forward, backward, weights,
+        gradients, state)."""
         if self._ending is not None:  # a step GradScaler skipped starts no optimizer.step: no pre-hook ended it
             self._finish_ending()
         # the first step waits, like those of several optimizers: whether another optimizer steps

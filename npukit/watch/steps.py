@@ -10,9 +10,10 @@ end the step at GradScaler.step, use GradScalerStepWatch directly.
 A script with no optimizer (inference, or updates made by hand) has no optimizer.step: there a
 step ends each time its first root module starts a new forward (ForwardSteps).
 
-RunSteps joins the two as the monitor (and the dump under --monitor, --replay or --stop-after-step) numbers steps, for
---replay-step and --stop-after-step: TrainingSteps' ends and, until an optimizer steps, ForwardSteps'
-boundaries of forwards run with gradients (an evaluation forward, without them, starts no step).
+RunSteps joins the two: TrainingSteps' ends and, until an optimizer step begins, ForwardSteps'
+boundaries of forwards run with gradients (an evaluation forward, without them, starts no step). The
+monitor numbers its steps with it, and so do --replay-step and --stop-after-step (the dump under
+--monitor, --replay or --stop-after-step numbers its steps to match).
 """
 
 from __future__ import annotations
@@ -74,6 +75,15 @@ class TrainingSteps:
         if self._clock() is optimizer:  # with several optimizers, one step = the first one's step
             self.on_end(optimizer, skipped, scale)
 
+    def ends_steps(self, optimizer) -> bool:
+        """optimizer is the one whose step ends training steps (the first that stepped, while alive)."""
+        return self._clock is not None and self._clock() is optimizer
+
+    @property
+    def step_ended(self) -> bool:
+        """A training step has ended (so an optimizer ends them: ends_steps tells which)."""
+        return self._clock is not None
+
 
 class ForwardSteps:
     """Step boundaries of a script without an optimizer: new_step(module), called as a root module
@@ -107,36 +117,47 @@ class ForwardSteps:
 class RunSteps:
     """Steps numbered as the monitor numbers them (and so the dump of --localize's re-runs):
     on_end(optimizer, skipped, loss_scale) once per step as it ends. With an optimizer, as
-    TrainingSteps ends steps; until one steps, also as ForwardSteps sees the first root module start
-    a new forward with gradients enabled (a script updating its weights by hand): then optimizer is
-    None and on_end runs in that forward's pre-hook, before the forward and before the pre-hooks
-    registered after install(): a client that registers its own hooks after install() sees the
-    new step already begun.
+    TrainingSteps ends steps; until an optimizer step begins, also as ForwardSteps sees the first
+    root module start a new forward with gradients enabled (a script updating its weights by hand):
+    then optimizer is None and on_end runs in that forward's pre-hook, before the forward and before
+    the pre-hooks registered after install(): a client that registers its own hooks after install()
+    sees the new step already begun.
 
+    watch_forwards=False: for a client that hooks module forwards itself (the monitor, which passes
+    over torch.compile's wrapper and counts the model inside): RunSteps registers no module hook, and
+    the client calls root_forward(module) as each of its root forwards starts.
+
+    `optimizer_stepped`: an optimizer step began (or GradScaler skipped one); forwards end no step
+    from then on (LBFGS's closure runs forwards inside the first step), and the module hooks are
+    removed as that first step ends: a long run pays nothing for them.
     `forward_begun`: a root forward with gradients started in the step running now (under forward
     steps, what follows it in that step, e.g. the DataLoader's next batch, prepares the next step)."""
 
-    def __init__(self, on_end: Callable[[object, bool, float | None], None]) -> None:
+    def __init__(self, on_end: Callable[[object, bool, float | None], None], *, watch_forwards: bool = True) -> None:
         self.on_end = on_end
         self.optimizer_stepped = False
         self.forward_begun = False
+        self._watch_forwards = watch_forwards
         self._forwards = ForwardSteps()
         self._training = TrainingSteps(self._on_training_end)
         self._depth = 0  # module forwards running
-        self._handles: list = []
+        self._handles: list = []  # removed once the first training step ended
 
     def install(self) -> None:
         from torch.nn.modules import module as module_hooks
+        from torch.optim import optimizer as optimizer_hooks
 
         self._training.install()
-        self._handles = [module_hooks.register_module_forward_pre_hook(self._on_pre_forward),
-                         module_hooks.register_module_forward_hook(self._on_forward, always_call=True)]
+        self._handles = [optimizer_hooks.register_optimizer_step_pre_hook(self._on_optimizer_pre_step)]
+        if self._watch_forwards:
+            self._handles += [module_hooks.register_module_forward_pre_hook(self._on_pre_forward),
+                              module_hooks.register_module_forward_hook(self._on_forward, always_call=True)]
 
     def remove(self) -> None:
         self._training.remove()
-        self._remove_module_hooks()
+        self._remove_hooks()
 
-    def _remove_module_hooks(self) -> None:
+    def _remove_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -146,22 +167,37 @@ class RunSteps:
         before the root's first repeat, the answer is not kept: the step count takes it there)."""
         return not self.optimizer_stepped and not self._forwards.optimizer_alive(remember=False)
 
+    def ends_steps(self, optimizer) -> bool:
+        """With several optimizers, optimizer is the one whose step ends a training step."""
+        return self._training.ends_steps(optimizer)
+
+    @property
+    def training_step_ended(self) -> bool:
+        """An optimizer's step (or GradScaler's) has ended a training step."""
+        return self._training.step_ended
+
     def _on_training_end(self, optimizer, skipped: bool, loss_scale: float | None) -> None:
-        if not self.optimizer_stepped:
-            self.optimizer_stepped = True
-            self._remove_module_hooks()  # forwards end no step from here: a long run pays nothing for them
+        self.optimizer_stepped = True
+        if self._handles:
+            self._remove_hooks()  # forwards end no step from here
         self.forward_begun = False
         self.on_end(optimizer, skipped, loss_scale)
 
-    def _on_pre_forward(self, module, args) -> None:
-        self._depth += 1
-        if self._depth != 1 or self.optimizer_stepped:
-            return
-        if not torch.is_grad_enabled():
+    def _on_optimizer_pre_step(self, optimizer, args, kwargs) -> None:
+        self.optimizer_stepped = True
+
+    def root_forward(self, module) -> None:
+        """A root module (no module running) starts its forward."""
+        if self.optimizer_stepped or not torch.is_grad_enabled():
             return
         if self._forwards.new_step(module):
             self.on_end(None, False, None)
         self.forward_begun = True
+
+    def _on_pre_forward(self, module, args) -> None:
+        self._depth += 1
+        if self._depth == 1:
+            self.root_forward(module)
 
     def _on_forward(self, module, args, output) -> None:
         self._depth = max(0, self._depth - 1)

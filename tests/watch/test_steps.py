@@ -48,7 +48,24 @@ def accumulated(model, loader):
         yield
 
 
-@pytest.mark.parametrize("script", [by_hand, optimizer_after_a_dry_run, accumulated])
+def lbfgs_after_forwards(model, loader):
+    """Two forwards before the optimizer exists (the second ends a step), then LBFGS, whose closure
+    runs forwards inside its step: from the first optimizer step on, forwards end no step."""
+    batches = iter(loader)
+    model(next(batches)[0])
+    model(next(batches)[0])
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3)
+    for (x,) in batches:
+        def closure(x=x):
+            optimizer.zero_grad()
+            loss = model(x).square().mean()
+            loss.backward()
+            return loss
+        optimizer.step(closure)
+        yield
+
+
+@pytest.mark.parametrize("script", [by_hand, optimizer_after_a_dry_run, accumulated, lbfgs_after_forwards])
 def test_steps_end_where_the_monitors_steps_end(tmp_path, script):
     """After each training step RunSteps and the monitor have ended as many steps. The dry run's batch
     asks whether steps end at forwards before the optimizer exists: that answer is not kept, or the
