@@ -76,8 +76,12 @@ def _install_fused_ops(root: types.ModuleType) -> None:
     from npukit.npu_backend import fused
     from npukit.npu_backend.fused.wheel_ops import WHEEL_DOCUMENTED_OPS, what_to_run_instead
 
-    for op in fused.public_ops():
-        setattr(root, op.name, op.packet)
+    # Every op of torch.ops.npu is an attribute of torch_npu, its grad ops too (the wheel's
+    # _export_ops: `for name in dir(torch.ops.npu): globals_dict[name] = ...`): code written for
+    # Ascend calls torch_npu.npu_rms_norm_backward ... in its own autograd.Functions.
+    for name in fused.load():
+        packet = name.partition(".")[0]  # an overload ("npu_apply_adam.out") is its op's
+        setattr(root, packet, getattr(torch.ops.npu, packet))
     for family in fused.FAMILIES:  # plain Python attributes a family adds (torch_npu.get_npu_format ...)
         module = sys.modules.get(f"{fused.__name__}.{family}")
         for name, value in getattr(module, "TORCH_NPU_ATTRIBUTES", {}).items():

@@ -47,7 +47,7 @@ class FusedOp:
     name: str          # torch_npu's name: torch_npu.<name>, torch.ops.npu.<name>
     family: str        # the module under npukit/npu_backend/fused that defines it
     unfused: str       # the PyTorch ops it stands for, as a user would write them
-    public: bool       # an attribute of torch_npu (grad ops are torch.ops.npu only)
+    public: bool       # an op users call (grad ops are torch_npu attributes too, as in the wheel, but called by backward)
 
     @property
     def packet(self) -> torch._ops.OpOverloadPacket:

@@ -35,6 +35,31 @@ def test_rms_norm_forward_and_backward_against_fp64(dtype):
     assert_close_to_reference(dg, dg_ref, dtype, "dgamma", factor=2)
 
 
+def test_rms_norm_backward_is_on_torch_npu_for_a_hand_written_autograd_function():
+    """Code written for Ascend wraps the forward and grad ops in its own autograd.Function, calling
+    torch_npu.npu_rms_norm_backward (the wheel exports every op of torch.ops.npu, grad ops included)."""
+
+    class RMSNorm(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, gamma):
+            y, rstd = torch_npu.npu_rms_norm(x, gamma, epsilon=1e-6)
+            ctx.save_for_backward(x, gamma, rstd)
+            return y
+
+        @staticmethod
+        def backward(ctx, dy):
+            x, gamma, rstd = ctx.saved_tensors
+            return torch_npu.npu_rms_norm_backward(dy, x, gamma, rstd)
+
+    torch.manual_seed(0)
+    x, gamma, dy = torch.randn(3, 5, 32).npu(), torch.randn(32).npu(), torch.randn(3, 5, 32).npu()
+    x_op, g_op = x.clone().requires_grad_(), gamma.clone().requires_grad_()
+    expected = torch.autograd.grad(torch_npu.npu_rms_norm(x_op, g_op, epsilon=1e-6)[0], [x_op, g_op], dy)
+    x_fn, g_fn = x.clone().requires_grad_(), gamma.clone().requires_grad_()
+    got = torch.autograd.grad(RMSNorm.apply(x_fn, g_fn), [x_fn, g_fn], dy)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
 def test_rms_norm_fp16_rounds_once_like_the_kernel():
     """fp16 in, fp32 inside, one rounding out: the result is the fp64 reference rounded to fp16
     (an unfused fp16 decomposition rounds after every op and is further off)."""
