@@ -99,6 +99,12 @@ def _install_fused_ops(root: types.ModuleType) -> None:
         # names the real package re-exports from this submodule (torch_npu.contrib.ROIAlign ...)
         for name in getattr(module, "PARENT_EXPORTS", ()):
             setattr(sys.modules[parent], name, getattr(module, name))
+        # the wheel's modules inside this package (torch_npu.optim.npu_fused_adamw ...)
+        for child_name, names in getattr(module, "WHEEL_SUBMODULES", {}).items():
+            submodule = _module(f"{public}.{child_name}", f"{public}.{child_name} (emulated)")
+            for name in names:
+                setattr(submodule, name, getattr(module, name))
+            setattr(module, child_name, submodule)
 
 
 def install_torch_npu() -> types.ModuleType:

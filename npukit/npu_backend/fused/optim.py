@@ -27,6 +27,16 @@ __all__ = [
     "NpuFusedAdamP", "NpuFusedBertAdam", "NpuFusedRMSprop", "NpuFusedRMSpropTF",
 ]
 
+# The wheel's torch_npu.optim is a package with a module per optimizer, which code imports from
+# (`from torch_npu.optim.npu_fused_adamw import NpuFusedAdamW`): module name -> its names.
+WHEEL_SUBMODULES = {
+    "npu_fused_optim_base": ("NpuFusedOptimizerBase",), "npu_fused_sgd": ("NpuFusedSGD",),
+    "npu_fused_adadelta": ("NpuFusedAdadelta",), "npu_fused_lamb": ("NpuFusedLamb",),
+    "npu_fused_adam": ("NpuFusedAdam",), "npu_fused_adamw": ("NpuFusedAdamW",), "npu_fused_adamp": ("NpuFusedAdamP",),
+    "npu_fused_bert_adam": ("NpuFusedBertAdam",), "npu_fused_rmsprop": ("NpuFusedRMSprop",),
+    "npu_fused_rmsprop_tf": ("NpuFusedRMSpropTF",),
+}
+
 
 # ---- ops -----------------------------------------------------------------------------------------
 

@@ -1,4 +1,5 @@
 import copy
+import importlib
 import math
 
 import pytest
@@ -59,6 +60,18 @@ def test_fused_optimizer_steps_equal_torch_optim(name, kwargs, reference):
     expected = train(twin, reference(twin.parameters(), **kwargs), data)
     assert_params_close(fused, expected, what=name)
     assert not all(torch.equal(a, b.cpu().double()) for a, b in zip(fused, small_model().parameters(), strict=True))
+
+
+@pytest.mark.parametrize("module", ["npu_fused_optim_base", "npu_fused_sgd", "npu_fused_adadelta", "npu_fused_lamb",
+                                    "npu_fused_adam", "npu_fused_adamw", "npu_fused_adamp", "npu_fused_bert_adam",
+                                    "npu_fused_rmsprop", "npu_fused_rmsprop_tf"])
+def test_each_optimizer_imports_from_its_module_as_in_the_wheel(module):
+    """`from torch_npu.optim.npu_fused_adamw import NpuFusedAdamW`: the wheel's torch_npu.optim is a
+    package with one module per optimizer, and code written for Ascend imports from them."""
+    imported = importlib.import_module(f"torch_npu.optim.{module}")
+    assert getattr(torch_npu.optim, module) is imported
+    (name,) = [name for name in torch_npu.optim.__all__ if name in vars(imported)]
+    assert getattr(imported, name) is getattr(torch_npu.optim, name)
 
 
 def test_fused_adam_fp16_parameters_follow_torch_optim():
