@@ -56,8 +56,7 @@ from npukit.accuracy.tensor_io import (
 )
 from npukit.errors import UserError
 from npukit.files import check_output_location, output_folder, refuse_links_inside, write_text_atomic
-from npukit.watch.scaler_steps import GradScalerStepWatch
-from npukit.watch.steps import ForwardSteps
+from npukit.watch.steps import RecordedSteps
 
 LEVELS = ("module", "api", "mix")
 MODES = ("stats", "tensor", "md5")
@@ -715,17 +714,12 @@ class DumpSession:
         self.written_steps: list[int] = []
         self._modules = level in ("module", "mix")
         self._apis = level in ("api", "mix")
-        self._auto_step = True
         self._active = False
         self._finished = False
-        self._paused = 0  # > 0 inside optimizer.step(): no module entries; its apis are the optimizer's
         # of each optimizer step running, innermost last (None: a step not dumped)
         self._optimizer_tensors: list[_ParameterTensors | None] = []
         self._model_tensors: _ParameterTensors | None = None  # outside optimizer steps, made when needed
         self._forward_seen = False
-        self._optimizer_seen = False
-        self._forward_steps = ForwardSteps()  # without an optimizer: a step per new root forward
-        self._training_steps = training_steps
         self._paths = naming.ModulePaths()
         self._module_stack: list[tuple[str, _Entry | None, torch.nn.Module]] = []  # path, entry, module
         self._handles: list = []
@@ -736,7 +730,10 @@ class DumpSession:
         self._tensor_files: TensorFileWriter | None = None  # host copies of tensors, until written
         self._record = _StepRecord()
         self._op_nodes = graph.OpNodes()
-        self._scaler_steps = GradScalerStepWatch(lambda: self._active, lambda: None, self._after_scaler_step)
+        # steps.paused > 0 inside optimizer.step(): no module entries; its apis are the optimizer's
+        self._steps = RecordedSteps(lambda: self._active, self._on_auto_step_end,
+                                    after_scaler_step=self._after_scaler_step,
+                                    forwards_with_gradients_only=training_steps)
         self._data_dirs: dict[int, Path] = {}  # step -> its tensor data folder, once made
         self._internal_errors: list[dict] = []  # hooks switched off: every later step lacks their part
 
@@ -765,7 +762,7 @@ class DumpSession:
             optimizer_hooks.register_optimizer_step_pre_hook(self._on_optimizer_pre_step),
             optimizer_hooks.register_optimizer_step_post_hook(self._on_optimizer_post_step),
         ]
-        self._scaler_steps.install()
+        self._steps.install()
         # Files are written by one thread, in order, while training goes on.
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="npukit-dump",
                                           initializer=lower_thread_priority)
@@ -775,7 +772,7 @@ class DumpSession:
 
     def step(self) -> None:
         """End the current step (written if selected) and start the next one."""
-        self._auto_step = False
+        self._steps.automatic = False
         self._end_step()
 
     def stop(self) -> None:
@@ -789,7 +786,7 @@ class DumpSession:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._scaler_steps.remove()
+        self._steps.remove()
         eager.leave(self._on_compiled_region)
         if self._on_hook_failed in _failure_listeners:
             _failure_listeners.remove(self._on_hook_failed)
@@ -817,7 +814,8 @@ class DumpSession:
     def _recording_api(self) -> bool:
         # inside optimizer.step (paused for modules): its update ops, as msprobe records them; inside
         # GradScaler.step but outside the optimizer's: its unscaling, no op of the model
-        return (self._active and self._forward_seen and (self._paused > 0 or not self._scaler_steps.inside)
+        steps = self._steps
+        return (self._active and self._forward_seen and (steps.paused > 0 or not steps.scaler.inside)
                 and self._step_selected())
 
     def _end_step(self) -> None:
@@ -838,17 +836,16 @@ class DumpSession:
     def _on_compiled_region(self, name: str) -> None:
         """A torch.compile(fullgraph=True) region runs compiled: its ops are missing from this step
         (not from an optimizer step's, whose update ops are never dumped)."""
-        if self._active and self._step_selected() and not self._paused and not self._scaler_steps.inside:
+        if self._active and self._step_selected() and not self._steps.paused and not self._steps.scaler.inside:
             incomplete = self._record.incomplete
             if all(item["where"] != name for item in incomplete):
                 incomplete.append({"kind": COMPILED_REGION, "where": name, "detail": eager.REGION_DETAIL})
 
     @unintercepted
     def _on_optimizer_pre_step(self, optimizer, args, kwargs) -> None:
-        self._optimizer_seen = True
         if self._modules and self._step_selected():
             self._record_parameter_grads()
-        self._paused += 1
+        self._steps.optimizer_step_begins()
         if self._mode is not None:
             selected = self._step_selected()
             self._optimizer_tensors.append(_ParameterTensors.of_optimizer(optimizer, len(self._record.entries))
@@ -864,19 +861,19 @@ class DumpSession:
                 tensors = self._optimizer_tensors.pop()
                 if tensors is not None:
                     tensors.put_in_order(self._record.entries)
-        self._paused = max(0, self._paused - 1)
-        if self._auto_step and self._paused == 0 and not self._scaler_steps.inside:
-            self._end_step()
+        self._steps.optimizer_step_returned()
+        self._steps.end_after_optimizer_step()
 
     @unintercepted
     def _after_scaler_step(self, skipped: bool, scale: float) -> None:
-        self._optimizer_seen = True
         if skipped and self._step_selected():
             self._record.skipped_at_loss_scale = scale
             if self._modules:  # no optimizer pre-hook ran: the (unscaled, non-finite) gradients now
                 self._record_parameter_grads()
-        if self._auto_step and not self._scaler_steps.inside:  # the outermost of nested GradScaler.steps
-            self._end_step()
+
+    @unintercepted
+    def _on_auto_step_end(self, skipped: bool, loss_scale: float | None) -> None:
+        self._end_step()
 
     # ------------------------------------------------------------------ modules
     def _module_path(self, module: torch.nn.Module) -> str:
@@ -886,7 +883,7 @@ class DumpSession:
     @unintercepted
     def _on_module_pre_forward(self, module, args) -> None:
         self._forward_seen = True
-        if self._finished or self._paused or eager.runs_compiled_graph(module):
+        if self._finished or self._steps.paused or eager.runs_compiled_graph(module):
             return
         if naming.is_compile_wrapper(module):
             if eager.runs_compiled(module) and self._step_selected():
@@ -895,9 +892,8 @@ class DumpSession:
                 self._module_path(module._orig_mod)
             return
         root = not self._module_stack
-        if (root and self._auto_step and not self._optimizer_seen
-                and (torch.is_grad_enabled() or not self._training_steps) and self._forward_steps.new_step(module)):
-            self._end_step()
+        if root:
+            self._steps.root_forward(module)  # without an optimizer, a new forward of the model may end a step
         if not self._step_selected():
             return
         path = self._module_path(module)
@@ -1019,7 +1015,7 @@ class DumpSession:
         if not (self._in_scope(path) and self._name_selected(name)):
             return func(*args, **kwargs)
         in_place = naming.writes_its_input(api, args, kwargs)
-        entry = _Entry(name, OPTIMIZER if self._paused else self._parent_name(), self._stack_id())
+        entry = _Entry(name, OPTIMIZER if self._steps.paused else self._parent_name(), self._stack_id())
         uninitialized_output = api in naming.UNINITIALIZED_OUTPUT
         # a resize_ that does not grow keeps initialized elements: its size before tells
         numel_before = args[0].numel() if uninitialized_output and in_place and args \
@@ -1058,7 +1054,7 @@ class DumpSession:
         return output
 
     def _parameter_tensors(self) -> _ParameterTensors | None:
-        if self._paused:
+        if self._steps.paused:
             return self._optimizer_tensors[-1] if self._optimizer_tensors else None
         if self._model_tensors is None:
             self._model_tensors = _ParameterTensors.of_modules(self._paths, len(self._record.entries))

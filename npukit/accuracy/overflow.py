@@ -67,8 +67,7 @@ from npukit.accuracy.tensor_io import local_shard, strided_form, write_tensor
 from npukit.console import number_ranges
 from npukit.errors import UserError
 from npukit.files import check_output_location
-from npukit.watch.scaler_steps import GradScalerStepWatch
-from npukit.watch.steps import ForwardSteps
+from npukit.watch.steps import RecordedSteps
 
 ACTIONS = ("report", "dump", "stop")
 LEVELS = ("api", "module")
@@ -393,14 +392,11 @@ class OverflowSession:
         self._active = False
         self._run_failed = False
         self._checking = False
-        self._auto_step = True
         self._auto_ended = False  # the last step boundary was an automatic one
-        self._paused = 0  # > 0 inside optimizer.step(): its update ops are not the model's
-        self._optimizer_steps = 0
-        self._scaler_steps = GradScalerStepWatch(lambda: self._active, self._before_scaler_step,
-                                                 self._after_scaler_step)
+        # steps.paused > 0 inside optimizer.step(): its update ops are not the model's
+        self._steps = RecordedSteps(lambda: self._active, self._on_auto_step_end,
+                                    before_scaler_step=self._before_scaler_step)
         self._optimizer_update: _OpRecord | None = None  # the running optimizer.step's, inputs checked
-        self._forward_steps = ForwardSteps()  # without an optimizer: a step per new root forward
         self._paths = naming.ModulePaths()
         # (path, module, record (module level), flag value before the module ran)
         self._module_stack: list[tuple[str, object, _OpRecord | None, bool]] = []
@@ -448,10 +444,11 @@ class OverflowSession:
             optimizer_hooks.register_optimizer_step_pre_hook(self._on_optimizer_pre_step),
             optimizer_hooks.register_optimizer_step_post_hook(self._on_optimizer_post_step),
         ]
-        self._scaler_steps.install()
+        self._steps.install()
         self._watch_collectives(True)
         if self.level == "api":
-            self._mode = ApiMode(lambda: not self._paused and not self._scaler_steps.inside, self._run_api,
+            steps = self._steps
+            self._mode = ApiMode(lambda: not steps.paused and not steps.scaler.inside, self._run_api,
                                  naming.creation_table())
             self._mode.__enter__()
         return self
@@ -462,8 +459,8 @@ class OverflowSession:
         The first call switches the automatic boundaries off; if the optimizer step just ended this
         step automatically, that boundary counts and no empty step is added.
         """
-        just_ended = self._auto_step and self._auto_ended and not self._state.recorded
-        self._auto_step = False
+        just_ended = self._steps.automatic and self._auto_ended and not self._state.recorded
+        self._steps.automatic = False
         if not just_ended:
             self._end_step()
 
@@ -483,7 +480,7 @@ class OverflowSession:
             for handle in self._handles:
                 handle.remove()
             self._handles = []
-            self._scaler_steps.remove()
+            self._steps.remove()
             self._watch_collectives(False)
             self._write_report(final=True)
             self._print_summary()
@@ -517,7 +514,7 @@ class OverflowSession:
                         + (f"; gradients overflowed first in {handled[0]['name']}" if handled else ""))
         self._state = _StepState(self.underflow)
         self._brought.pop(self.step_index, None)
-        self._auto_ended = self._auto_step
+        self._auto_ended = self._steps.automatic
         self._read_mode()
         self._module_stack = []
         self.step_index += 1
@@ -540,14 +537,13 @@ class OverflowSession:
 
     @unintercepted
     def _on_optimizer_pre_step(self, optimizer, args, kwargs) -> None:
-        self._optimizer_steps += 1
-        if self._paused == 0:
-            if not self._scaler_steps.inside:
+        if self._steps.paused == 0:
+            if not self._steps.scaler.inside:
                 self._check_parameter_grads()
             # Read before the update: with action="stop" the weights never see the overflow.
             self._resolve()
             self._optimizer_update = self._optimizer_update_record(optimizer)
-        self._paused += 1
+        self._steps.optimizer_step_begins()
         if self._mode is not None:
             self._mode.lift()
 
@@ -555,8 +551,8 @@ class OverflowSession:
     def _on_optimizer_post_step(self, optimizer, args, kwargs) -> None:
         if self._mode is not None:
             self._mode.restore()
-        self._paused = max(0, self._paused - 1)
-        if self._paused == 0 and self._optimizer_update is not None:
+        self._steps.optimizer_step_returned()
+        if self._steps.paused == 0 and self._optimizer_update is not None:
             record, self._optimizer_update = self._optimizer_update, None
             updated = self._updated(optimizer)
             # Checked afresh: an update through param.data (or a foreach op on the emulated device)
@@ -565,8 +561,7 @@ class OverflowSession:
                 self._state.checks.seen.pop(id(param), None)
             record.outputs = [self._check(param, f"output.{i}") for i, param in enumerate(updated)]
             self._append(record)
-        if self._auto_step and self._paused == 0 and not self._scaler_steps.inside:
-            self._end_step()
+        self._steps.end_after_optimizer_step()
 
     @staticmethod
     def _updated(optimizer) -> list[torch.Tensor]:
@@ -595,9 +590,8 @@ class OverflowSession:
         self._check_parameter_grads()  # still scaled: what GradScaler is about to look at
 
     @unintercepted
-    def _after_scaler_step(self, skipped: bool, scale: float) -> None:
-        if self._auto_step and not self._scaler_steps.inside:  # the outermost of nested GradScaler.steps
-            self._end_step(skipped_by_scaler=skipped, scale=scale)
+    def _on_auto_step_end(self, skipped: bool, loss_scale: float | None) -> None:
+        self._end_step(skipped_by_scaler=skipped, scale=loss_scale)
 
     def _on_hook_failed(self, kind: str, where: str, detail: str) -> None:
         if kind.startswith(type(self).__name__ + "."):
@@ -607,7 +601,7 @@ class OverflowSession:
     def _on_compiled_region(self, name: str) -> None:
         """A torch.compile(fullgraph=True) region runs compiled: its ops are not checked one by one
         (inside an optimizer step the update is still checked as one op)."""
-        if self._active and self._checking and not self._paused:
+        if self._active and self._checking and not self._steps.paused:
             self._not_watched(COMPILED_REGION, name, eager.REGION_DETAIL)
 
     def _not_watched(self, kind: str, where: str, detail: str) -> None:
@@ -633,15 +627,14 @@ class OverflowSession:
 
     @unintercepted
     def _on_module_pre_forward(self, module, args) -> None:
-        if self._paused or eager.runs_compiled_graph(module):
+        if self._steps.paused or eager.runs_compiled_graph(module):
             return
         if naming.is_compile_wrapper(module):
             if eager.runs_compiled(module):  # its modules' parameter gradients are still checked
                 self._module_path(module._orig_mod)
             return
-        if (not self._module_stack and self._auto_step and self._optimizer_steps == 0
-                and self._forward_steps.new_step(module)):
-            self._end_step()
+        if not self._module_stack:
+            self._steps.root_forward(module)  # without an optimizer, a new forward of the model may end a step
         path = self._module_path(module)
         record = None
         if self.level == "module" and self._checking:

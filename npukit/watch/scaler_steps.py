@@ -1,6 +1,6 @@
 """GradScaler.step ends a training step even when it skips optimizer.step.
 
-Sessions that end a step at optimizer.step (the dump, the overflow detector) would otherwise run
+Steps that end at optimizer.step (steps.TrainingSteps, steps.RecordedSteps) would otherwise run
 a skipped step (inf/nan gradients under loss scaling) into the next one. While installed, the
 watch wraps GradScaler.step (and so every subclass that does not override it) and tells its
 session, around each enabled call, whether the optimizer stepped. It also marks the time spent

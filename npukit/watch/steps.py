@@ -1,19 +1,35 @@
-"""Where a training step ends, for readers that count steps without taking part in them.
+"""Where a step of a running script ends: the step boundaries every reader of it counts by.
 
-A step ends when optimizer.step() returns; with several optimizers, at the step of the first one
-that stepped (one training step, not one per optimizer). Under GradScaler it ends when
-GradScaler.update returns (its ops are the step's), also when GradScaler.step skipped
+TrainingSteps: a training step ends when optimizer.step() returns; with several optimizers, at the
+step of the first one that stepped (one training step, not one per optimizer). Under GradScaler it
+ends when GradScaler.update returns (its ops are the step's), also when GradScaler.step skipped
 optimizer.step (inf/nan gradients), or, without an update call, when the next GradScaler.step
-starts. The dump and the overflow detector, which pause their recording inside optimizer.step and
-end the step at GradScaler.step, use GradScalerStepWatch directly.
+starts. The profiler counts its steps so.
 
-A script with no optimizer (inference, or updates made by hand) has no optimizer.step: there a
-step ends each time its first root module starts a new forward (ForwardSteps).
+ForwardSteps: a script with no optimizer (inference, or updates made by hand) has no
+optimizer.step: there a step ends each time its first root module starts a new forward.
 
 RunSteps joins the two: TrainingSteps' ends and, until an optimizer step begins, ForwardSteps'
 boundaries of forwards run with gradients (an evaluation forward, without them, starts no step). The
 monitor numbers its steps with it, and so do --replay-step and --stop-after-step (the dump under
 --monitor, --replay or --stop-after-step numbers its steps to match).
+
+RecordedSteps: the steps of the dump and the overflow detector, which record a step's ops, the
+optimizer's update among them (the dump writes the update's ops under the parent "optimizer", as
+msprobe does; the detector checks the update as one op). They differ from RunSteps on purpose:
+  - recording pauses inside optimizer.step (`paused`: no module of the model runs there) and inside
+    GradScaler's own step, unscale_ and update (none of their ops is the model's);
+  - a step ends as optimizer.step or GradScaler.step returns, skipped or not (what GradScaler.update
+    then runs is recorded by neither), so that the step is read or written before the next begins;
+  - every optimizer's step ends a step (two optimizers, two steps), where RunSteps ends one training
+    step at the first optimizer's;
+  - before the first optimizer step, each new forward of the first root module ends a step, also one
+    without gradients (an inference run's steps), unless forwards_with_gradients_only (the dump beside
+    --monitor, --replay or --stop-after-step: with one optimizer its step S is then RunSteps' step S);
+  - a user's own step() call switches the automatic boundaries off (`automatic`).
+The readers drive it from their own hooks (optimizer_step_begins, optimizer_step_returned,
+end_after_optimizer_step, root_forward) instead of it hooking the script: their work around a
+boundary has an order (gradients read before the pause, the update checked before the step ends).
 """
 
 from __future__ import annotations
@@ -201,3 +217,67 @@ class RunSteps:
 
     def _on_forward(self, module, args, output) -> None:
         self._depth = max(0, self._depth - 1)
+
+
+class RecordedSteps:
+    """Step boundaries of a reader that records a step's ops, the optimizer's update among them (the
+    dump, the overflow detector), which differ from RunSteps' on purpose (see the module docstring):
+    on_end(skipped, loss_scale) as a step ends automatically; loss_scale is None unless GradScaler
+    ended it. The reader calls optimizer_step_begins() from its optimizer step-pre hook,
+    optimizer_step_returned() then end_after_optimizer_step() from its post hook, and
+    root_forward(module) as a root module of its own count starts its forward outside optimizer.step.
+
+    `paused` > 0 while optimizer.step runs (no module of the model runs then: its ops are the
+    update's); `scaler.inside` > 0 while GradScaler's own step, unscale_ or update runs (none of
+    those ops is the model's); `automatic`: set False when the user ends steps by hand (step()).
+    before_scaler_step(): GradScaler.step starts (gradients still scaled); after_scaler_step(skipped,
+    loss_scale): it returned, before it ends the step."""
+
+    def __init__(self, is_active: Callable[[], bool], on_end: Callable[[bool, float | None], None], *,
+                 before_scaler_step: Callable[[], None] | None = None,
+                 after_scaler_step: Callable[[bool, float], None] | None = None,
+                 forwards_with_gradients_only: bool = False) -> None:
+        self.on_end = on_end
+        self.automatic = True
+        self.paused = 0
+        self.optimizer_seen = False  # an optimizer step began, or GradScaler.step ran (and maybe skipped it)
+        self.scaler = GradScalerStepWatch(is_active, before_scaler_step or _nothing, self._after_scaler_step)
+        self._after_scaler = after_scaler_step
+        self._gradients_only = forwards_with_gradients_only
+        self._forwards = ForwardSteps()
+
+    def install(self) -> None:
+        self.scaler.install()
+
+    def remove(self) -> None:
+        self.scaler.remove()
+
+    def optimizer_step_begins(self) -> None:
+        self.optimizer_seen = True
+        self.paused += 1
+
+    def optimizer_step_returned(self) -> None:
+        self.paused = max(0, self.paused - 1)
+
+    def end_after_optimizer_step(self) -> None:
+        """The outermost optimizer.step returned, not inside GradScaler.step (which ends the step itself)."""
+        if self.automatic and self.paused == 0 and not self.scaler.inside:
+            self.on_end(False, None)
+
+    def _after_scaler_step(self, skipped: bool, loss_scale: float) -> None:
+        self.optimizer_seen = True
+        if self._after_scaler is not None:
+            self._after_scaler(skipped, loss_scale)
+        if self.automatic and not self.scaler.inside:  # the outermost of nested GradScaler.steps
+            self.on_end(skipped, loss_scale)
+
+    def root_forward(self, module) -> None:
+        """Without an optimizer, a new forward of the first root module ends the step (with gradients
+        enabled only, under forwards_with_gradients_only)."""
+        if (self.automatic and not self.optimizer_seen
+                and (not self._gradients_only or torch.is_grad_enabled()) and self._forwards.new_step(module)):
+            self.on_end(False, None)
+
+
+def _nothing() -> None:
+    pass

@@ -183,6 +183,30 @@ def test_grad_scaler_skipped_steps_are_reported_not_events(tmp_path, npu):
     assert report["skipped_steps"][0]["scale"] == pytest.approx(1e30, rel=1e-6)
 
 
+def test_after_a_step_the_scaler_skipped_forwards_end_no_step(tmp_path, npu):
+    """Forwards of a dry run before the optimizer exists end steps; once GradScaler.step ran, even
+    skipping optimizer.step (every step here), a forward ends none, as in the dump: one step per
+    training step, the skipped ones numbered one after another."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).to(npu)
+    x = torch.randn(8, 16, device=npu)
+    with OverflowSession(tmp_path, console=False) as session:
+        model(x)
+        model(x)  # the dry run's second forward: without an optimizer, a step
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        scaler = torch.amp.GradScaler("npu", init_scale=1e30)  # scaled gradients overflow fp16: every step skipped
+        for _ in range(3):
+            with torch.autocast("npu", dtype=torch.float16):
+                loss = model(x).float().square().mean()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+    skipped = [item["step"] for item in session.skipped_steps]
+    assert len(skipped) == 3 and skipped == list(range(skipped[0], skipped[0] + 3))
+    assert session.step_index == skipped[-1] + 1
+
+
 def test_forward_overflow_under_amp_is_an_event_and_stop_raises(tmp_path, npu):
     session = OverflowSession(tmp_path, action="stop", console=False)
     with pytest.raises(OverflowStop, match=r"overflow at step 1 .*Tensor\.__mul__\.0\.forward"):
