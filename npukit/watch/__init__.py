@@ -6,10 +6,13 @@ the collective mark from here. (Inside accuracy/, the overflow detector and the 
 the dump's statistics buffer and hook guard from dump.py.)
 
     scaler_steps.py   GradScalerStepWatch: GradScaler.step/unscale_/update, whether a step was skipped
-    steps.py          TrainingSteps: where a training step ends (optimizer.step, GradScaler's steps);
-                      ForwardSteps: without an optimizer, a step per new forward of the first root module;
-                      RunSteps: the two as the monitor joins them (forwards with gradients until an
-                      optimizer steps), for --replay-step and --stop-after-step
+    steps.py          TrainingSteps: where a training step ends (optimizer.step, GradScaler's steps;
+                      the profiler's steps); ForwardSteps: without an optimizer, a step per new
+                      forward of the first root module; RunSteps: the two joined (forwards with
+                      gradients until an optimizer steps), the monitor's steps and those of
+                      --replay-step and --stop-after-step; RecordedSteps: the dump's and the overflow
+                      detector's (recording paused inside optimizer.step, a step per optimizer.step or
+                      GradScaler.step: why they differ is in steps.py)
     stop.py           StopAfterStep: --stop-after-step N ends the run once step N (RunSteps') ended
     collectives.py    COLLECTIVE_MARK: the range the emulated device records around each collective
 """
