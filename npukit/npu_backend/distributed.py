@@ -20,6 +20,8 @@ has no such types.
 
 from __future__ import annotations
 
+import atexit
+import collections
 import contextlib
 import ctypes
 import os
@@ -330,6 +332,104 @@ _WITH_PYTHON_CALLBACKS: set = set()
 groups_made = 0
 
 
+class _HandedTensors:
+    """Holds every tensor handed to gloo until gloo has let it go, so that a gloo thread never frees one.
+
+    A gloo thread retiring a finished collective drops its references to the tensors it was given. Where
+    that reference is the last (the caller has dropped its own), the free needs the GIL: the tensor's
+    Python object, and the CPU alias's buffer (a Python object) that its storage was made from. During
+    the interpreter's finalization a thread that asks for the GIL is ended in place (pthread_exit), and
+    where that unwinds through a destructor, the process aborts: "terminate called without an active
+    exception", after the script ended correctly (a 2-rank accelerate script that leaves its group to
+    the interpreter's exit, 1 run in 8 on a loaded machine). Held here, the last reference is dropped by
+    the thread that calls a collective (which holds the GIL); what is still held at exit is never freed
+    (the container itself is made immortal), as the process ends anyway."""
+
+    # Entries older than this many later hand-overs are let go even if something else still holds
+    # their tensors (a CPU tensor the caller keeps in C++): memory stays bounded in any run.
+    _MOST_KEPT = 4096
+
+    def __init__(self) -> None:
+        self._entries: collections.deque = collections.deque()  # (serial, tensors, use counts before gloo)
+        self._serial = 0
+        self._scan_at = 64  # a full scan once this many are held (entries retire out of order)
+
+    def before(self, tensors: list) -> tuple:
+        """What to register once gloo took the tensors: their use counts before it did."""
+        return tensors, [t._use_count() for t in tensors]
+
+    def taken(self, before: tuple) -> None:
+        tensors, counts = before
+        self._serial += 1
+        self._entries.append((self._serial, tensors, counts))
+        entries = self._entries
+        while entries and self._retired(entries[0]):
+            entries.popleft()
+        if len(entries) >= self._scan_at:
+            kept = [entry for entry in entries if not self._retired(entry)]
+            entries.clear()
+            entries.extend(kept)
+            self._scan_at = max(64, 2 * len(entries))
+
+    def _retired(self, entry) -> bool:
+        serial, tensors, counts = entry
+        if self._serial - serial > self._MOST_KEPT:
+            return True
+        return all(t._use_count() <= count for t, count in zip(tensors, counts, strict=True))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+_HANDED = _HandedTensors()
+# Never freed, not even when the interpreter tears modules down: the tensors it still holds then may be
+# held by a gloo thread too (see _HandedTensors).
+ctypes.pythonapi.Py_IncRef(ctypes.py_object(_HANDED))
+
+
+def _tensors_in(values) -> list:
+    found = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, list | tuple):
+            found.extend(_tensors_in(value))
+    return found
+
+
+class _GlooHanding:
+    """The group's gloo backend, whose collectives register the tensors they are given (_HANDED)."""
+
+    def __init__(self, gloo: dist.ProcessGroupGloo) -> None:
+        self._gloo = gloo
+
+    def __getattr__(self, name: str):
+        method = getattr(self._gloo, name)
+        if not callable(method):
+            return method
+
+        def handing(*args):
+            before = _HANDED.before(_tensors_in(args))
+            work = method(*args)
+            _HANDED.taken(before)
+            return work
+
+        return handing
+
+
+def _finish_callbacks_at_exit(seconds: float = 10.0) -> None:
+    """At interpreter exit, before finalization: collectives still to run a Python callback (a future's)
+    finish now, when their gloo thread can still take the GIL (see _HandedTensors for what a thread that
+    asks for it during finalization does). Bounded: a peer that never joins does not hold the exit."""
+    deadline = time.monotonic() + seconds
+    for work in list(_WITH_PYTHON_CALLBACKS):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        with contextlib.suppress(Exception):  # failed or timed out: its waiter has been or will not be told
+            work.wait(timedelta(seconds=remaining))
+
+
 def _settled(work: _AliasWork) -> bool:
     try:
         return work.is_completed()
@@ -344,14 +444,15 @@ class ProcessGroupHCCL(dist.ProcessGroup):
         global groups_made
         groups_made += 1
         super().__init__(rank, size)
-        self._gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
+        gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
         # The group's name (which functional collectives resolve groups by) is kept by its
         # registered backends; gloo is the real one for CPU tensors.
-        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)
+        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
         # init_process_group(device_id=torch.device("npu", i)) asks the group for its npu backend
         # (whether it supports splitting); so do DeviceMesh and split_group. Collectives do not go
         # through it: the overrides below take npu tensors to gloo as CPU aliases.
-        self._register_backend(torch.device("npu"), dist.ProcessGroup.BackendType.CUSTOM, self._gloo)
+        self._register_backend(torch.device("npu"), dist.ProcessGroup.BackendType.CUSTOM, gloo)
+        self._gloo = _GlooHanding(gloo)
 
     def shutdown(self) -> None:
         """destroy_process_group calls this: finish what gloo threads still complete into Python."""
@@ -612,4 +713,5 @@ def install() -> None:
         return
     if BACKEND_NAME not in dist.Backend.backend_list:
         dist.Backend.register_backend(BACKEND_NAME, _create_process_group, devices=["npu"])
+        atexit.register(_finish_callbacks_at_exit)
     dist.is_hccl_available = is_hccl_available

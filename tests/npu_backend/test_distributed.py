@@ -5,6 +5,8 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import pytest
 import torch
@@ -344,3 +346,71 @@ def test_tensor_pin_memory_pins_a_copy_on_the_host():
     assert pinned.is_pinned() and not tensor.is_pinned()
     assert pinned.device.type == "cpu" and torch.equal(pinned, tensor)
     assert torch.equal(pinned.to("npu", non_blocking=True).cpu(), tensor)
+
+
+def _two_ranks_in_this_process() -> dict[int, ProcessGroupHCCL]:
+    """Ranks 0 and 1 of one hccl group, both in this process (each made on its own thread: gloo's
+    connection waits for the peer)."""
+    from datetime import timedelta
+
+    store = dist.HashStore()
+    groups: dict[int, ProcessGroupHCCL] = {}
+
+    def make(rank):
+        groups[rank] = ProcessGroupHCCL(store, rank, 2, timedelta(seconds=60))
+
+    makers = [threading.Thread(target=make, args=(rank,)) for rank in (0, 1)]
+    for maker in makers:
+        maker.start()
+    for maker in makers:
+        maker.join()
+    return groups
+
+
+def test_a_gloo_thread_never_frees_what_a_collective_was_given():
+    """A gloo thread retiring a collective whose caller has dropped its tensors frees them, which needs
+    the GIL; during the interpreter's exit that thread is ended in place and the process aborted ("terminate
+    called without an active exception", a 2-rank accelerate script ending without
+    destroy_process_group, 1 run in 8). The group now holds what it hands to gloo until gloo lets it go,
+    and the thread that calls a later collective frees it. Two ranks of one group in this process: rank
+    0's all_reduce waits in its gloo thread for rank 1 while rank 0 drops every reference to it."""
+    import weakref
+
+    groups = _two_ranks_in_this_process()
+    freed_on: list[str] = []
+
+    def record():
+        freed_on.append("caller" if threading.current_thread() is threading.main_thread() else "gloo")
+
+    for _ in range(3):
+        mine = torch.ones(1000, device="npu")
+        weakref.finalize(mine, record).atexit = False
+        opts = dist.AllreduceOptions()
+        groups[0].allreduce([mine], opts)  # rank 0's gloo thread now waits for rank 1
+        del mine  # and the work: only gloo holds rank 0's tensor
+        theirs = torch.ones(1000, device="npu")
+        groups[1].allreduce([theirs], dist.AllreduceOptions()).wait()
+        assert theirs.tolist() == [2.0] * 1000
+        time.sleep(0.2)  # rank 0's gloo thread retires its work (it completed with rank 1's)
+    # each collective let go of the earlier ones' tensors, on the calling thread
+    assert freed_on and set(freed_on) == {"caller"}, freed_on
+
+
+def test_at_exit_collectives_whose_futures_run_python_finish_first_within_a_bound():
+    """At interpreter exit a collective still to complete a future with a Python callback (DDP's) is
+    finished while its gloo thread can take the GIL; one whose peer never comes holds the exit only
+    for the bound."""
+    from npukit.npu_backend import distributed as hccl
+
+    groups = _two_ranks_in_this_process()
+    pending = groups[0].allreduce([torch.ones(4, device="npu")], dist.AllreduceOptions())
+    pending.get_future()
+    started = time.monotonic()
+    hccl._finish_callbacks_at_exit(seconds=0.5)  # rank 1 never joins
+    assert 0.4 < time.monotonic() - started < 5 and not pending.is_completed()
+    peer = threading.Timer(0.3, lambda: groups[1].allreduce([torch.ones(4, device="npu")],
+                                                            dist.AllreduceOptions()).wait())
+    peer.start()
+    hccl._finish_callbacks_at_exit(seconds=30)
+    peer.join()
+    assert pending.is_completed() and pending.result()[0].tolist() == [2.0] * 4
