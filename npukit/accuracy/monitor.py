@@ -422,7 +422,7 @@ class MonitorSession:
         self._in_optimizer = max(0, self._in_optimizer - 1)
         if self._monitored() and isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
             self._record_adam(optimizer)
-        if self._in_optimizer == 0 and self._steps.training_step_ended and not self._steps.ends_steps(optimizer):
+        if self._in_optimizer == 0 and self._steps.ended_by_another(optimizer):
             self._several_optimizers = True
             if self._ending is not None:  # what led to this optimizer's step is the ending step's
                 self._ending[0].absorb(self._step)

@@ -95,10 +95,9 @@ class TrainingSteps:
         """optimizer is the one whose step ends training steps (the first that stepped, while alive)."""
         return self._clock is not None and self._clock() is optimizer
 
-    @property
-    def step_ended(self) -> bool:
-        """A training step has ended (so an optimizer ends them: ends_steps tells which)."""
-        return self._clock is not None
+    def ended_by_another(self, optimizer) -> bool:
+        """A training step has ended, at another optimizer's step than this one's (several optimizers)."""
+        return self._clock is not None and self._clock() is not optimizer
 
 
 class ForwardSteps:
@@ -147,7 +146,9 @@ class RunSteps:
     from then on (LBFGS's closure runs forwards inside the first step), and the module hooks are
     removed as that first step ends: a long run pays nothing for them.
     `forward_begun`: a root forward with gradients started in the step running now (under forward
-    steps, what follows it in that step, e.g. the DataLoader's next batch, prepares the next step)."""
+    steps, what follows it in that step, e.g. the DataLoader's next batch, prepares the next step).
+    ends_steps(optimizer) / ended_by_another(optimizer): with several optimizers, whether this one's
+    step is the one that ends training steps / a step has ended at another's (TrainingSteps')."""
 
     def __init__(self, on_end: Callable[[object, bool, float | None], None], *, watch_forwards: bool = True) -> None:
         self.on_end = on_end
@@ -156,6 +157,10 @@ class RunSteps:
         self._watch_forwards = watch_forwards
         self._forwards = ForwardSteps()
         self._training = TrainingSteps(self._on_training_end)
+        # with several optimizers, which one's step ends a training step (the monitor asks at each
+        # optimizer step: TrainingSteps' own methods, no call in between)
+        self.ends_steps = self._training.ends_steps
+        self.ended_by_another = self._training.ended_by_another
         self._depth = 0  # module forwards running
         self._handles: list = []  # removed once the first training step ended
 
@@ -182,15 +187,6 @@ class RunSteps:
         """Steps end at forwards: no optimizer stepped, and none exists (ForwardSteps' gc scan; asked
         before the root's first repeat, the answer is not kept: the step count takes it there)."""
         return not self.optimizer_stepped and not self._forwards.optimizer_alive(remember=False)
-
-    def ends_steps(self, optimizer) -> bool:
-        """With several optimizers, optimizer is the one whose step ends a training step."""
-        return self._training.ends_steps(optimizer)
-
-    @property
-    def training_step_ended(self) -> bool:
-        """An optimizer's step (or GradScaler's) has ended a training step."""
-        return self._training.step_ended
 
     def _on_training_end(self, optimizer, skipped: bool, loss_scale: float | None) -> None:
         self.optimizer_stepped = True
