@@ -720,18 +720,25 @@ def _forward(problem: _Problem, keep_prob: float, seed: int, offset: int, sink: 
     g = problem.geometry
     s = problem.scores()
     row_max = s.amax(-1, keepdim=True)
+    # The flash kernel's softmax leaves exp(S - max) unnormalised (largest value exactly 1), its P @ V
+    # reads that in the input dtype and the fp32 result is divided by the row sum afterwards
+    # (Bmm2ResultDiv): rounding the normalised probabilities instead skews the output by the rounding of
+    # their sum, which D = rowsum(dO * O) in the backward amplifies.
+    # (From the softmax: exp(S - max) computed directly leaves the CPU's fast exp on the masked -1e30
+    # scores, 8x slower.)
     p = torch.softmax(s, -1)
     del s
-    # The largest probability is exp(0) / sum: the row sum without another pass of exp.
-    row_sum = p.amax(-1, keepdim=True).reciprocal_()
+    largest = p.amax(-1, keepdim=True)  # exp(0) / sum
+    row_sum = largest.reciprocal()
+    p.div_(largest)  # exp(S - max), its largest value exactly 1
     if keep_prob < 1:
         p.masked_fill_(_dropped(p.shape, keep_prob, seed, offset, p.device), 0).mul_(1 / keep_prob)
-    if problem.bf16_dot and sink is None and problem.masking.row_valid is None:
-        out = _cube_matmul(p, problem.v_in, out_dtype=torch.bfloat16)  # rounded once to bf16 as the kernel does
-    elif problem.bf16_cube and sink is None and problem.masking.row_valid is None:
-        out = _bf16_matmul(p, problem.v_in)  # the output, rounded once to bf16 as the kernel does
+    if problem.bf16_dot:
+        out = _cube_matmul(p, problem.v_in)  # exp(S - max) read as bf16, fp32 sums
     else:
         out = torch.bmm(round_intermediate(p, problem.in_dtype, problem.npu), problem.v)
+    del p
+    out.div_(row_sum)  # rounded once to the input dtype by the caller, as the kernel does
     out, row_max, row_sum = problem.heads(out), problem.heads(row_max), problem.heads(row_sum)
     if sink is not None:
         # A per-head logit that joins every row's softmax without a value: m = max(sink, max(S)),
