@@ -232,6 +232,19 @@ def test_overflow_flag_utils():
     assert not utils.npu_check_overflow(torch.ones(2, device="npu"))
 
 
+def test_soc_version_is_torch_npus_number_of_the_emulated_chip():
+    """torch_npu.npu.utils.get_soc_version(): torchair and AscendC build helpers select by it (>= 220 is 910B)."""
+    from torch.npu import utils
+
+    from tests.npu_backend.conftest import run_python
+
+    assert utils.get_soc_version() == 221  # Ascend910B2, the default chip (SocVersion in NpuVariables.h)
+    script = "import npukit.npu_backend, torch; print(torch.npu.utils.get_soc_version())"
+    for chip, number in (("Ascend910B4", "224"), ("Ascend910_9391", "250")):
+        result = run_python(script, env={"NPUKIT_CHIP": chip})
+        assert result.stdout.strip() == number, result.stderr
+
+
 def test_memory_capacity_from_environment_and_torch_npu_submodules_import():
     from tests.npu_backend.conftest import run_python
 
