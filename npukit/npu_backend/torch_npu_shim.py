@@ -104,7 +104,8 @@ def _install_fused_ops(root: types.ModuleType) -> None:
             submodule = _module(f"{public}.{child_name}", f"{public}.{child_name} (emulated)")
             for name in names:
                 setattr(submodule, name, getattr(module, name))
-            setattr(module, child_name, submodule)
+            if not hasattr(module, child_name):  # a function named as its file (roll) stays the attribute, as in the wheel
+                setattr(module, child_name, submodule)
 
 
 def install_torch_npu() -> types.ModuleType:

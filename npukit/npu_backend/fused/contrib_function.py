@@ -31,6 +31,16 @@ PARENT_EXPORTS = [
     "npu_bbox_coder_encode_xyxy2xywh", "npu_bbox_coder_decode_xywh2xyxy", "roll", "matmul_transpose",
     "npu_fused_attention_with_layernorm", "npu_fused_attention", "fuse_add_softmax_dropout",
 ]
+# The wheel's module files and their names (`from torch_npu.contrib.function.roll import roll`).
+WHEEL_SUBMODULES = {
+    "anchor_generator": ("npu_single_level_responsible_flags",),
+    "bbox_coder": ("npu_bbox_coder_encode_yolo", "npu_bbox_coder_encode_xyxy2xywh", "npu_bbox_coder_decode_xywh2xyxy"),
+    "fuse_add_softmax_dropout": ("fuse_add_softmax_dropout",),
+    "fused_attention": ("npu_fused_attention_with_layernorm", "npu_fused_attention"),
+    "index_op": ("npu_fast_condition_index_put",), "iou": ("npu_iou", "npu_giou", "npu_diou", "npu_ciou", "npu_ptiou"),
+    "matmul_transpose": ("matmul_transpose",), "nms": ("npu_multiclass_nms", "npu_batched_multiclass_nms"),
+    "npu_functional": ("dropout_with_byte_mask",), "roll": ("roll",),
+}
 
 
 def not_emulated(qualified_name: str, equivalent: str) -> Callable:

@@ -38,6 +38,20 @@ PARENT_EXPORTS = [
     "FusedColorJitter", "NpuDropPath", "Focus", "FastBatchNorm1d", "FastBatchNorm2d", "FastBatchNorm3d",
     "FastSyncBatchNorm", "LinearA8W8Quant", "LinearQuant", "LinearWeightQuant",
 ]
+# The wheel's module files and their names (the op docs' examples import from them:
+# `from torch_npu.contrib.module.npu_modules import DropoutWithByteMask`).
+_FAST_BATCH_NORMS = ("FastBatchNorm1d", "FastBatchNorm2d", "FastBatchNorm3d", "FastSyncBatchNorm")
+WHEEL_SUBMODULES = {
+    "activations": ("Mish", "SiLU", "Swish"), "bidirectional_lstm": ("BiLSTM",), "channel_shuffle": ("ChannelShuffle",),
+    "crossentropy": ("LabelSmoothingCrossEntropy",), "deform_conv": ("ModulatedDeformConv", "DCNv2"),
+    "drop_path": ("NpuDropPath",), "ensemble_dropout": ("NpuCachedDropout", "NpuFairseqDropout"), "focus": ("Focus",),
+    "fusedcolorjitter": ("FusedColorJitter",), "linear_a8w8_quant": ("LinearA8W8Quant",),
+    "linear_quant": ("LinearQuant",), "linear_weight_quant": ("LinearWeightQuant",),
+    "multihead_attention": ("MultiheadAttention",), "npu_modules": ("DropoutWithByteMask",),
+    "prefetcher": ("Prefetcher",), "ps_roi_pooling": ("PSROIPool",), "quant_conv2d": ("QuantConv2d",),
+    "roi_align": ("ROIAlign",), "_batchnorm_with_int32_count": _FAST_BATCH_NORMS,
+    "batchnorm_with_int32_count": _FAST_BATCH_NORMS,
+}
 
 
 # ---- activations and dropouts --------------------------------------------------------------------

@@ -1,4 +1,6 @@
+import importlib
 import math
+import sys
 
 import pytest
 import torch
@@ -51,6 +53,24 @@ def test_every_wheel_name_is_an_attribute_and_the_missing_ones_say_so():
         contrib_module.MultiheadAttention(16, 2)
     with pytest.raises(NotImplementedError, match="contrib.function.npu_fused_attention is not emulated.*scaled_dot_product"):
         contrib_function.npu_fused_attention(None, None)
+
+
+@pytest.mark.parametrize(("path", "name"), [
+    ("torch_npu.contrib.module.npu_modules", "DropoutWithByteMask"), ("torch_npu.contrib.module.roi_align", "ROIAlign"),
+    ("torch_npu.contrib.module.multihead_attention", "MultiheadAttention"),
+    ("torch_npu.contrib.module.batchnorm_with_int32_count", "FastBatchNorm2d"),
+    ("torch_npu.contrib.function.roll", "roll"), ("torch_npu.contrib.function.iou", "npu_giou")])
+def test_classes_import_from_the_wheels_module_files(path, name):
+    """The op docs' call examples import from the wheel's files:
+    `from torch_npu.contrib.module.npu_modules import DropoutWithByteMask`."""
+    package = contrib_module if ".module." in path else contrib_function
+    assert getattr(importlib.import_module(path), name) is getattr(package, name)
+
+
+def test_a_function_named_as_its_file_stays_the_packages_attribute():
+    """torch_npu.contrib.function.roll is the function (the wheel's `from .roll import roll`), not its module."""
+    assert callable(contrib_function.roll) and contrib_module.roi_align is not sys.modules.get(
+        "torch_npu.contrib.module.roi_align")
 
 
 # ---- activations -------------------------------------------------------------------------------
