@@ -105,6 +105,31 @@ def rotary_case(device, dtype=torch.float32):
                 _fp32_inside(dtype, decomposition, x, cos, sin))
 
 
+def _attention_costs() -> dict:
+    """Why npu_fusion_attention's low-precision rows cost what they do, on this machine's CPU."""
+    from npukit.npu_backend import _C
+
+    if not _C.has_bf16_dot_product():
+        return {torch.bfloat16: "on a CPU without AVX512-BF16 (with it, all 7 matmuls multiply the bf16 values "
+                                "exactly and sum in fp32 in C++, skipping masked blocks as the flash kernel "
+                                "does): q @ k^T (in the forward, and again in the backward, which recomputes P "
+                                "from the softmax statistics as the kernel does) and dP = dy @ v^T accumulate in "
+                                "fp32 and stay fp32 for the softmax and its gradient, and the CPU's bf16 GEMM "
+                                "returns only bf16 (torch 2.13 has no CPU kernel for mm/bmm/addmm's out_dtype "
+                                "overloads), so these 3 of the 7 matmuls run in fp32 on upcast copies, about 3x "
+                                "a bf16 one; the bf16 decomposition runs 6 bf16 matmuls and rounds the scores to "
+                                "bf16"}
+    if not torch.cpu._is_amx_tile_supported():
+        return {}
+    return {torch.bfloat16: "this CPU has AMX: the decomposition's bf16 matmuls run on its AMX tiles (oneDNN), the "
+                            "emulator's 7 fp32-accumulating bf16 matmuls on AVX512-BF16 dot products in C++ (the "
+                            "CPU's bf16 GEMM returns only bf16, and torch 2.13 has no CPU out_dtype kernel)",
+            torch.float16: "the probabilities P, and dS, are rounded to fp16 and back for their fp32 matmuls "
+                           "(two copies of a [B*N, S, S] tensor each, three times a step), as the same-numerics "
+                           "decomposition rounds them, while this CPU (AVX512-FP16) multiplies fp16 directly in "
+                           "the fp16 decomposition"}
+
+
 def attention_case(device, dtype=torch.float32):
     b, n, s, d = 2, 8, 256, 64
     q, k, v = (torch.randn(b, n, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
@@ -122,15 +147,7 @@ def attention_case(device, dtype=torch.float32):
     same_numerics = (lambda: kernel_numerics(q, k, v)) if dtype in LOW_PRECISION else None
     return Case(lambda: torch_npu.npu_fusion_attention(q, k, v, n, "BNSD", atten_mask=mask, scale=scale)[0],
                 lambda: decomposition(q, k, v), same_numerics,
-                why={torch.bfloat16: "on a CPU without AVX512-BF16 (with it, all 7 matmuls multiply the bf16 values "
-                                     "exactly and sum in fp32 in C++, skipping masked blocks as the flash kernel "
-                                     "does): q @ k^T (in the forward, and again in the backward, which recomputes P "
-                                     "from the softmax statistics as the kernel does) and dP = dy @ v^T accumulate in "
-                                     "fp32 and stay fp32 for the softmax and its gradient, and the CPU's bf16 GEMM "
-                                     "returns only bf16 (torch 2.13 has no CPU kernel for mm/bmm/addmm's out_dtype "
-                                     "overloads), so these 3 of the 7 matmuls run in fp32 on upcast copies, about 3x "
-                                     "a bf16 one; the bf16 decomposition runs 6 bf16 matmuls and rounds the scores to "
-                                     "bf16"})
+                why=_attention_costs())
 
 
 def scaled_masked_softmax_case(device, dtype=torch.float32):

@@ -72,6 +72,8 @@ PREFIX_MASK_SHAPE = (3072, 2048)  # sparse mode 6: triu(2048x2048) over a 1024x2
 # What a masked score becomes before the softmax: far below any real score, finite so that a row
 # with every key masked gives no NaN (its output is zeroed afterwards).
 MASKED_SCORE = -1e30
+# exp(-87) rounded up: the backward's recomputed probabilities below it are 0 (see _Problem.scores)
+_EXP_FLOOR = 1.7e-38
 SOFTMAX_STAT_WIDTH = 8  # softmax_max / softmax_sum repeat each row's value 8 times
 
 
@@ -636,8 +638,12 @@ class _Problem:
         # Floored at exp(-87) (a normal float, ~1e-38): the CPU's vectorised exp leaves its fast path for
         # masked scores (-1e30) and denormal results. Capped at exp(0): fp64 scores sit above their fp32
         # row max by its rounding, and a row with every key masked (-1e30 in fp64, -1.0000000150e30 as the
-        # fp32 max) gave exp(1.5e22) = inf, inf x 0 = nan.
-        return s.sub_(log_sum_exp).clamp_(-87.0, 0.0).exp_()
+        # fp32 max) gave exp(1.5e22) = inf, inf x 0 = nan. Then the floor is made 0 again, as the masked
+        # probabilities are: products of ~1e-38 are denormal, and the backward's three matmuls over P
+        # and dS ran 8-30x slower on CPUs that trap on them (npu_fusion_attention's fp32 gradient 3.3x
+        # the unfused one's on a Sapphire Rapids).
+        p = s.sub_(log_sum_exp).clamp_(-87.0, 0.0).exp_()
+        return torch.threshold_(p, _EXP_FLOOR, 0.0)
 
     def _bias3(self, bias: torch.Tensor) -> torch.Tensor | None:
         """The bias as a [1 or B*Nkv, G*Sq, Skv] tensor baddbmm broadcasts, when that needs no copy
