@@ -31,12 +31,18 @@ Masks (atten_mask True/1 = masked out) follow sparse_mode:
 Without atten_mask every mode computes everything (the documented behaviour). A row every key of
 which is masked gives zeros (the kernel's invalid-row correction) and no gradient.
 
-TND (varlen) takes cumulative sequence lengths. The sequences are gathered into a zero-padded
-batch (B * maxSq * maxSkv scores), or, when that is cheaper (one long sequence among short ones),
-all tokens are one sequence with a block-diagonal mask (Tq * Tkv scores); either way batch and
-heads are one batched matmul (no loop over sequences) and masks apply per sequence in its own
-coordinates. Dropout masks come from a generator seeded by (seed, offset): the forward returns the
-pair and the grad op regenerates the same mask from it.
+TND (varlen) takes cumulative sequence lengths. The sequences are split into at most 8 buckets of
+similar lengths (chosen to minimise the padded scores, sum of sequences x maxSq x maxSkv per bucket,
+see _varlen_buckets), each gathered into a zero-padded batch of its own longest and computed as one
+batched matmul over its sequences and heads (no loop over sequences): a call costs about the scores
+its sequences need (one sequence of 2048 tokens among 30 of 64: 2048^2 + 30 * 64^2 per head, not
+31 * 2048^2 padded or 3968^2 packed). Masks apply per sequence in its own coordinates (the
+[maxSq, maxSkv] atten_mask cut to each sequence; modes 7/8 and prefix by the sequence's index in
+the call). With pse, given per padded batch [B, N, maxSq, maxSkv], all the sequences stay one
+padded batch. Dropout masks come from a generator seeded by (seed, offset): the forward returns the
+pair and the grad op regenerates the same mask from it; the buckets of a split call each draw their
+own (seeded also by the bucket's index, the grad op's buckets being the forward's), so a call the
+buckets split drops other elements than one padded batch of the same sequences would.
 
 The inference kernels compute the same attention forward-only: scores = scale * q @ k^T + pse_shift,
 the sparse modes 0-4 as above (prompt flash attention's next_tokens defaults to 0: with a mask,
@@ -46,6 +52,7 @@ a paged KV cache gathered through block_table, and the MLA rope parts joined to 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import math
@@ -81,14 +88,15 @@ SOFTMAX_STAT_WIDTH = 8  # softmax_max / softmax_sum repeat each row's value 8 ti
 
 @dataclass
 class _Varlen:
-    """TND sequences: per-sequence lengths and their offsets in T. `packed`: computed as one
-    sequence of all T tokens with a block-diagonal mask (cheaper than a zero-padded batch when one
-    long sequence sits among many short ones)."""
+    """TND sequences: per-sequence lengths and their offsets in T; a bucket of them (see
+    _varlen_buckets) keeps their indices among all `count` sequences of the call (sparse modes 7/8
+    and prefix name a sequence by its index)."""
     q_lens: list[int]
     kv_lens: list[int]
     q_starts: list[int]
     kv_starts: list[int]
-    packed: bool = False
+    sequences: list[int]
+    count: int
 
     @property
     def batch(self) -> int:
@@ -149,7 +157,68 @@ def _varlen(op: str, actual_seq_qlen, actual_seq_kvlen, q_tokens: int, kv_tokens
     if sum(q_lens) > q_tokens or sum(kv_lens) > kv_tokens:
         raise ValueError(f"torch_npu.{op}: actual_seq_qlen/actual_seq_kvlen end at {sum(q_lens)}/{sum(kv_lens)}, "
                          f"beyond the T of query/key ({q_tokens}/{kv_tokens})")
-    return _Varlen(q_lens, kv_lens, q_starts, kv_starts)
+    return _Varlen(q_lens, kv_lens, q_starts, kv_starts, list(range(len(q_lens))), len(q_lens))
+
+
+MAX_BUCKETS = 8
+# What a bucket costs beyond its scores (its gathers, mask and launches), in score elements: a
+# split saving less is not made.
+BUCKET_OVERHEAD_SCORES = 1 << 16
+BUCKET_UNITS = 512  # the bucketing's search runs over at most this many groups of similar sequences
+
+
+def _varlen_buckets(varlen: _Varlen) -> list[_Varlen]:
+    """The sequences in at most MAX_BUCKETS buckets of similar lengths, each a zero-padded batch
+    padded to its own longest (see _bucket_members)."""
+    members = _bucket_members(tuple(varlen.q_lens), tuple(varlen.kv_lens), BUCKET_OVERHEAD_SCORES)
+    if members is None:
+        return [varlen]
+    return [_Varlen([varlen.q_lens[i] for i in bucket], [varlen.kv_lens[i] for i in bucket],
+                    [varlen.q_starts[i] for i in bucket], [varlen.kv_starts[i] for i in bucket],
+                    [varlen.sequences[i] for i in bucket], varlen.count) for bucket in members]
+
+
+@functools.lru_cache(maxsize=64)  # forward and grad, and every layer of a step, split the same lengths
+def _bucket_members(q_lens: tuple[int, ...], kv_lens: tuple[int, ...], overhead: int) -> list[list[int]] | None:
+    """The sequences (indices) of each bucket, None for one bucket of them all: chosen to minimise
+    the padded scores (sum over buckets of sequences x maxSq x maxSkv, plus `overhead` each), the
+    sequences sorted by their scores and split into contiguous runs by dynamic programming.
+    Sequences without queries output nothing and are left out."""
+    active = sorted((i for i in range(len(q_lens)) if q_lens[i] > 0),
+                    key=lambda i: (q_lens[i] * kv_lens[i], q_lens[i], kv_lens[i]))
+    if len(active) <= 1:
+        return None
+    # Units: runs of the sorted sequences (one sequence each unless there are more than BUCKET_UNITS).
+    edges = torch.linspace(0, len(active), min(len(active), BUCKET_UNITS) + 1).round().long()
+    q = torch.tensor([q_lens[i] for i in active], dtype=torch.float64)
+    kv = torch.tensor([kv_lens[i] for i in active], dtype=torch.float64)
+    units = edges.shape[0] - 1
+    unit_of = torch.repeat_interleave(torch.arange(units), edges.diff())
+    unit_q = torch.zeros(units, dtype=torch.float64).scatter_reduce_(0, unit_of, q, "amax")
+    unit_kv = torch.zeros(units, dtype=torch.float64).scatter_reduce_(0, unit_of, kv, "amax")
+    # cost[i, e]: units i..e as one bucket (inf for e < i)
+    after = torch.arange(units).unsqueeze(1) <= torch.arange(units).unsqueeze(0)
+    run_q = torch.where(after, unit_q.unsqueeze(0), 0).cummax(1).values
+    run_kv = torch.where(after, unit_kv.unsqueeze(0), 0).cummax(1).values
+    sizes = edges[1:].double().unsqueeze(0) - edges[:-1].double().unsqueeze(1)
+    cost = torch.where(after, sizes * run_q * run_kv + overhead, math.inf)
+    best = [cost[0]]  # best[k - 1][e]: units 0..e in exactly k buckets
+    starts = [torch.zeros(units, dtype=torch.long)]
+    for _ in range(1, min(MAX_BUCKETS, units)):
+        # a last bucket of units i..e (i >= 1) after units 0..i-1 in the buckets before
+        candidates = best[-1][:-1].unsqueeze(1) + cost[1:]
+        value, index = candidates.min(0)
+        best.append(torch.cat([value.new_full((1,), math.inf), value[1:]]))
+        starts.append(index + 1)
+    buckets_count = int(torch.stack([b[-1] for b in best]).argmin()) + 1
+    runs, end = [], units - 1
+    for k in range(buckets_count - 1, -1, -1):
+        first = int(starts[k][end])
+        runs.append((int(edges[first]), int(edges[end + 1])))
+        end = first - 1
+    if len(runs) == 1 and len(active) == len(q_lens):
+        return None
+    return [sorted(active[begin:stop]) for begin, stop in reversed(runs)]
 
 
 def _split_hidden(op: str, what: str, hidden: int, parts: int, unit: str) -> int:
@@ -160,10 +229,10 @@ def _split_hidden(op: str, what: str, hidden: int, parts: int, unit: str) -> int
 
 
 def _geometry(op: str, query, key, value, head_num: int, layout: str, actual_seq_qlen=None,
-              actual_seq_kvlen=None, kv_heads: int | None = None, allow_packed: bool = True) -> _Geometry:
+              actual_seq_kvlen=None, kv_heads: int | None = None) -> _Geometry:
     """Sizes of a q/k/v triple in `layout`; kv_heads is needed only for BSH/SBH inputs whose
-    key head count the shapes do not give (the inference ops' num_key_value_heads). TND: a padded
-    batch of the sequences, or (allow_packed, when cheaper) all tokens as one block-diagonal sequence."""
+    key head count the shapes do not give (the inference ops' num_key_value_heads). TND: the padded
+    batch of all the sequences (see _parts for its buckets)."""
     dims = {"BSH": 3, "SBH": 3, "TND": 3, "BNSD": 4, "BSND": 4}[layout]
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         if tensor.dim() != dims:
@@ -195,11 +264,8 @@ def _geometry(op: str, query, key, value, head_num: int, layout: str, actual_seq
         if query.shape[1] != head_num:
             raise ValueError(f"torch_npu.{op}: head_num={head_num} but query (TND) has {query.shape[1]} heads")
         varlen = _varlen(op, actual_seq_qlen, actual_seq_kvlen, query.shape[0], key.shape[0])
-        varlen.packed = allow_packed and query.shape[0] * key.shape[0] < varlen.batch * varlen.max_q * varlen.max_kv
-        batch, sq, skv = (1, query.shape[0], key.shape[0]) if varlen.packed else \
-            (varlen.batch, varlen.max_q, varlen.max_kv)
-        geometry = _Geometry(layout, batch, head_num, key.shape[1], sq, skv, query.shape[2], value.shape[2], varlen,
-                             query.shape[0], key.shape[0])
+        geometry = _Geometry(layout, varlen.batch, head_num, key.shape[1], varlen.max_q, varlen.max_kv,
+                             query.shape[2], value.shape[2], varlen, query.shape[0], key.shape[0])
     if geometry.kv_heads <= 0 or geometry.heads % geometry.kv_heads:
         raise ValueError(f"torch_npu.{op}: query heads ({geometry.heads}) must be a multiple of key/value heads "
                          f"({geometry.kv_heads})")
@@ -211,6 +277,15 @@ def _geometry(op: str, query, key, value, head_num: int, layout: str, actual_seq
         raise ValueError(f"torch_npu.{op}: query and key must have the same head dim, got {query.shape[-1]} and "
                          f"{key.shape[-1]}")
     return geometry
+
+
+def _parts(geometry: _Geometry, split: bool = True) -> list[_Geometry]:
+    """What to compute one batched problem each: TND (when split) its buckets of similar sequences,
+    each padded to its own longest; otherwise the geometry itself."""
+    if geometry.varlen is None or not split:
+        return [geometry]
+    return [dataclasses.replace(geometry, batch=bucket.batch, sq=bucket.max_q, skv=bucket.max_kv, varlen=bucket)
+            for bucket in _varlen_buckets(geometry.varlen)]
 
 
 # ---- layouts -------------------------------------------------------------------------------------
@@ -226,8 +301,7 @@ def _varlen_gather_index(lens: list[int], starts: list[int], padded: int, device
 
 def _to_bnsd(x: torch.Tensor, layout: str, heads: int, varlen: _Varlen | None = None, which: str = "q",
              padded: int = 0) -> torch.Tensor:
-    """[B, N, S, D] view (TND: the sequences gathered into a zero-padded batch, or all tokens as one
-    sequence when packed)."""
+    """[B, N, S, D] view (TND: the sequences of `varlen` gathered into a zero-padded batch)."""
     if layout == "BNSD":
         return x
     if layout == "BSND":
@@ -236,8 +310,6 @@ def _to_bnsd(x: torch.Tensor, layout: str, heads: int, varlen: _Varlen | None = 
         return x.unflatten(2, (heads, -1)).transpose(1, 2)
     if layout == "SBH":
         return x.unflatten(2, (heads, -1)).permute(1, 2, 0, 3)
-    if varlen.packed:
-        return x.transpose(0, 1).unsqueeze(0)
     lens, starts = (varlen.q_lens, varlen.q_starts) if which == "q" else (varlen.kv_lens, varlen.kv_starts)
     if x.shape[0] == 0:
         return x.new_zeros(len(lens), x.shape[1], padded, x.shape[2])
@@ -246,28 +318,41 @@ def _to_bnsd(x: torch.Tensor, layout: str, heads: int, varlen: _Varlen | None = 
     return gathered.transpose(1, 2)
 
 
-def _from_bnsd(y: torch.Tensor, layout: str, varlen: _Varlen | None = None, which: str = "q",
-               tokens: int = 0) -> torch.Tensor:
-    """The inverse of _to_bnsd, contiguous (TND padded: the valid rows back in [T, N, D], zeros for
-    tokens after the last sequence)."""
+def _from_bnsd(y: torch.Tensor, layout: str) -> torch.Tensor:
+    """The inverse of _to_bnsd, contiguous (TND: see _varlen_scatter)."""
     if layout == "BNSD":
         return y.contiguous()
     if layout == "BSND":
         return y.transpose(1, 2).contiguous()
     if layout == "BSH":
         return y.transpose(1, 2).flatten(2).contiguous()
-    if layout == "SBH":
-        return y.permute(2, 0, 1, 3).flatten(2).contiguous()
-    if varlen.packed:
-        return y[0].transpose(0, 1).contiguous()
-    lens = torch.tensor(varlen.q_lens if which == "q" else varlen.kv_lens, dtype=torch.long, device=y.device)
-    batch_index = torch.repeat_interleave(torch.arange(lens.shape[0], device=y.device), lens)
-    starts = torch.repeat_interleave(lens.cumsum(0) - lens, lens)
-    position = torch.arange(batch_index.shape[0], device=y.device) - starts
-    rows = y.transpose(1, 2)[batch_index, position]  # [sum(lens), N, D]
-    if rows.shape[0] < tokens:  # tokens after the last sequence take no part
-        rows = torch.cat([rows, rows.new_zeros(tokens - rows.shape[0], *rows.shape[1:])])
-    return rows
+    return y.permute(2, 0, 1, 3).flatten(2).contiguous()  # SBH
+
+
+def _varlen_scatter(ys: list[torch.Tensor], varlens: list[_Varlen], which: str, tokens: int) -> torch.Tensor:
+    """[T, N, X]: the valid rows of each padded batch ys[i] [B_i, N, S_i, X] (the sequences of
+    varlens[i]) at their tokens, zeros for tokens no sequence holds."""
+    out = ys[0].new_zeros(tokens, ys[0].shape[1], ys[0].shape[3])
+    for y, varlen in zip(ys, varlens):
+        lens_list, starts_list = (varlen.q_lens, varlen.q_starts) if which == "q" else (varlen.kv_lens,
+                                                                                       varlen.kv_starts)
+        total = sum(lens_list)
+        lens = torch.tensor(lens_list, dtype=torch.long, device=y.device)
+        batch_index = torch.repeat_interleave(torch.arange(lens.shape[0], device=y.device), lens, output_size=total)
+        position = torch.arange(total, device=y.device) - torch.repeat_interleave(lens.cumsum(0) - lens, lens,
+                                                                                 output_size=total)
+        token = torch.repeat_interleave(torch.tensor(starts_list, dtype=torch.long, device=y.device), lens,
+                                        output_size=total) + position
+        out[token] = y.transpose(1, 2)[batch_index, position]
+    return out
+
+
+def _assemble(ys: list[torch.Tensor], geometry: _Geometry, parts: list[_Geometry], which: str = "q") -> torch.Tensor:
+    """The parts' [B, N, S, X] results (see _parts) in the input layout, contiguous."""
+    if geometry.layout != "TND":
+        return _from_bnsd(ys[0], geometry.layout)
+    tokens = geometry.q_tokens if which == "q" else geometry.kv_tokens
+    return _varlen_scatter(ys, [part.varlen for part in parts], which, tokens)
 
 
 def _out_shape(geometry: _Geometry) -> list[int]:
@@ -284,16 +369,17 @@ def _stat_shape(geometry: _Geometry) -> list[int]:
 
 
 def _stats_to_rows(stat: torch.Tensor, geometry: _Geometry) -> torch.Tensor:
-    """softmax_max/sum ([B, N, Sq, 8] or [T, N, 8]) as [B, N, Sq] rows of the padded problem."""
+    """softmax_max/sum ([B, N, Sq, 8] or [T, N, 8]) as [B, N, Sq] rows of the (part's) padded problem."""
     if geometry.layout != "TND":
         return stat[..., 0]
     return _to_bnsd(stat[..., :1], "TND", geometry.heads, geometry.varlen, "q", geometry.sq)[..., 0]
 
 
-def _rows_to_stats(rows: torch.Tensor, geometry: _Geometry) -> torch.Tensor:
-    if geometry.layout == "TND":
-        rows = _from_bnsd(rows.unsqueeze(-1), "TND", geometry.varlen, "q", geometry.q_tokens)[..., 0]
-    return rows.unsqueeze(-1).expand(*rows.shape, SOFTMAX_STAT_WIDTH).contiguous()
+def _rows_to_stats(rows: list[torch.Tensor], geometry: _Geometry, parts: list[_Geometry]) -> torch.Tensor:
+    """The parts' [B, N, Sq] rows as softmax_max/sum ([B, N, Sq, 8] in every layout but TND's [T, N, 8])."""
+    stat = _assemble([r.unsqueeze(-1) for r in rows], geometry, parts) if geometry.layout == "TND" \
+        else rows[0].unsqueeze(-1)
+    return stat.expand(*stat.shape[:-1], SOFTMAX_STAT_WIDTH).contiguous()
 
 
 # ---- masks ---------------------------------------------------------------------------------------
@@ -415,7 +501,8 @@ def _masking(op: str, geometry: _Geometry, atten_mask, sparse_mode: int, pre: in
                               q_lens, kv_lens)
     varlen = geometry.varlen
     key = (query.device, sparse_mode, pre, nxt, geometry.batch, geometry.heads, geometry.sq, geometry.skv,
-           None if varlen is None else (tuple(varlen.q_lens), tuple(varlen.kv_lens)),
+           None if varlen is None else (tuple(varlen.q_lens), tuple(varlen.kv_lens), tuple(varlen.sequences),
+                                        varlen.count),
            None if q_lens is None else tuple(q_lens), None if kv_lens is None else tuple(kv_lens),
            None if prefix is None else tuple(prefix), id(atten_mask), getattr(atten_mask, "_version", None))
     cached = _masking_cache.get(key)
@@ -444,11 +531,6 @@ def _build_masking(op: str, geometry: _Geometry, atten_mask, sparse_mode: int, p
         raise ValueError(f"torch_npu.{op}: sparse_mode=5 (uncompressed prefix) is not supported with input_layout TND")
     if varlen is None and sparse_mode in (7, 8):
         raise ValueError(f"torch_npu.{op}: sparse_mode={sparse_mode} is for input_layout TND only")
-    if varlen is not None and varlen.packed:
-        masked = _packed_masked(op, geometry, atten_mask, sparse_mode, pre, nxt, prefix, device)
-        bias = (torch.where(masked, MASKED_SCORE, 0.0) if pse_bias is None
-                else pse_bias.masked_fill(masked, MASKED_SCORE))
-        return _Masking(bias, _valid_rows(masked))
     if varlen is not None:
         q_lens, kv_lens = varlen.q_lens, varlen.kv_lens
     masked = None
@@ -465,6 +547,7 @@ def _build_masking(op: str, geometry: _Geometry, atten_mask, sparse_mode: int, p
         i = torch.arange(geometry.sq, device=device).unsqueeze(1)
         j = torch.arange(geometry.skv, device=device).unsqueeze(0)
         batch_index = None
+        batches = len(q_lens) if per_batch else geometry.batch
         prefix_len = None if prefix is None else torch.tensor(prefix, device=device).view(-1, 1, 1)
         if per_batch:
             sq = torch.tensor(q_lens, device=device).view(-1, 1, 1)
@@ -472,8 +555,12 @@ def _build_masking(op: str, geometry: _Geometry, atten_mask, sparse_mode: int, p
             batch_index = torch.arange(len(q_lens), device=device).view(-1, 1, 1)
         else:
             sq, skv = geometry.sq, geometry.skv
-        allowed = _structural_allowed(op, sparse_mode, i, j, sq, skv, pre, nxt, prefix_len, batch_index,
-                                      len(q_lens) if per_batch else geometry.batch)
+        if varlen is not None:  # a bucket's sequences: their indices among all the call's
+            batches = varlen.count
+            batch_index = torch.tensor(varlen.sequences, device=device).view(-1, 1, 1)
+            if prefix_len is not None and prefix_len.shape[0] == varlen.count:
+                prefix_len = prefix_len[batch_index.view(-1)]
+        allowed = _structural_allowed(op, sparse_mode, i, j, sq, skv, pre, nxt, prefix_len, batch_index, batches)
         if allowed is not None:
             structural = ~allowed
             if structural.dim() == 3:
@@ -506,48 +593,11 @@ def _valid_rows(masked: torch.Tensor) -> torch.Tensor | None:
     return row_valid
 
 
-def _token_positions(lens: list[int], tokens: int, missing: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's sequence (`missing` after the last one) and its position in it."""
-    lengths = torch.tensor(lens, dtype=torch.long, device=device)
-    sequence = torch.repeat_interleave(torch.arange(len(lens), device=device), lengths)
-    position = torch.arange(sequence.shape[0], device=device) - torch.repeat_interleave(lengths.cumsum(0) - lengths,
-                                                                                         lengths)
-    extra = tokens - sequence.shape[0]
-    return (torch.cat([sequence, sequence.new_full((extra,), missing)]),
-            torch.cat([position, position.new_zeros(extra)]))
-
-
 def _check_mask_arguments(op: str, atten_mask, sparse_mode: int, prefix) -> None:
     if atten_mask.dtype not in (torch.bool, torch.uint8, torch.int8):
         raise ValueError(f"torch_npu.{op}: atten_mask must be bool or uint8 (True/1 = masked), got {atten_mask.dtype}")
     if sparse_mode in (5, 6) and prefix is None:
         raise ValueError(f"torch_npu.{op}: sparse_mode={sparse_mode} needs prefix (one N per batch)")
-
-
-def _packed_masked(op: str, geometry: _Geometry, atten_mask, sparse_mode: int, pre: int, nxt: int, prefix,
-                   device) -> torch.Tensor:
-    """[1, 1, Tq, Tkv]: True where a query token may not see a key token: another sequence's, or
-    masked by the sparse mode in their own sequence's coordinates."""
-    varlen = geometry.varlen
-    q_seq, i = _token_positions(varlen.q_lens, geometry.sq, -1, device)
-    kv_seq, j = _token_positions(varlen.kv_lens, geometry.skv, -2, device)
-    masked = q_seq.unsqueeze(1) != kv_seq.unsqueeze(0)
-    if atten_mask is not None:
-        _check_mask_arguments(op, atten_mask, sparse_mode, prefix)
-        row_seq = q_seq.clamp_min(0).unsqueeze(1)
-        i, j = i.unsqueeze(1), j.unsqueeze(0)
-        if sparse_mode in (0, 1):  # the [maxSq, maxSkv] mask in each sequence's coordinates
-            user = _user_mask(op, atten_mask, geometry)
-            masked = masked | user[i.clamp_max(user.shape[0] - 1), j.clamp_max(user.shape[1] - 1)]
-        else:
-            _check_compressed_mask(op, atten_mask, sparse_mode)
-        sq = torch.tensor(varlen.q_lens, device=device)[row_seq]
-        skv = torch.tensor(varlen.kv_lens, device=device)[row_seq]
-        prefix_len = None if prefix is None else torch.tensor(prefix, device=device)[row_seq]
-        allowed = _structural_allowed(op, sparse_mode, i, j, sq, skv, pre, nxt, prefix_len, row_seq, varlen.batch)
-        if allowed is not None:
-            masked = masked | ~allowed
-    return masked[None, None]
 
 
 # ---- the kernel's computation --------------------------------------------------------------------
@@ -572,6 +622,7 @@ class _Problem:
     masking: _Masking
     in_dtype: torch.dtype   # what the kernel rounds its intermediates to (the input dtype)
     npu: bool
+    dropout_stream: int = 0  # which of a TND call's buckets: its dropout mask's own draws (see _dropped)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -659,12 +710,13 @@ class _Problem:
         return None
 
 
-def _problem(q4, k4, v4, geometry: _Geometry, scale: float, masking: _Masking, in_dtype, npu) -> _Problem:
+def _problem(q4, k4, v4, geometry: _Geometry, scale: float, masking: _Masking, in_dtype, npu,
+             dropout_stream: int = 0) -> _Problem:
     g = geometry
     q_in = q4.unflatten(1, (g.kv_heads, g.group)).reshape(g.batch * g.kv_heads, g.group * g.sq, g.d)
     k_in = k4.reshape(g.batch * g.kv_heads, g.skv, k4.shape[-1])
     v_in = v4.reshape(g.batch * g.kv_heads, g.skv, v4.shape[-1])
-    return _Problem(g, q_in, k_in, v_in, scale, masking, in_dtype, npu)
+    return _Problem(g, q_in, k_in, v_in, scale, masking, in_dtype, npu, dropout_stream)
 
 
 def _is_power_of_two(value: float) -> bool:
@@ -699,11 +751,12 @@ def _bf16_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a.to(torch.bfloat16), b.to(torch.bfloat16), out=out)
 
 
-def _dropped(shape, keep_prob: float, seed: int, offset: int, device) -> torch.Tensor:
+def _dropped(shape, keep_prob: float, seed: int, offset: int, device, stream: int = 0) -> torch.Tensor:
     """Which probabilities dropout zeroes: uniform 16-bit draws of a generator seeded by (seed,
-    offset), so the grad op regenerates the same mask from the pair the forward returns."""
+    offset), so the grad op regenerates the same mask from the pair the forward returns; `stream`:
+    the TND bucket (see _varlen_buckets), each its own draws (forward and grad bucket alike)."""
     generator = torch.Generator(device=device)
-    generator.manual_seed((seed * 0x9E3779B97F4A7C15 + offset) % (1 << 63))
+    generator.manual_seed((seed * 0x9E3779B97F4A7C15 + offset + stream * 0xBF58476D1CE4E5B9) % (1 << 63))
     numel = math.prod(shape)
     words = torch.empty((numel + 3) // 4, dtype=torch.int64, device=device).random_(-(1 << 63), None,
                                                                                   generator=generator)
@@ -738,7 +791,8 @@ def _forward(problem: _Problem, keep_prob: float, seed: int, offset: int, sink: 
     row_sum = largest.reciprocal()
     p.div_(largest)  # exp(S - max), its largest value exactly 1
     if keep_prob < 1:
-        p.masked_fill_(_dropped(p.shape, keep_prob, seed, offset, p.device), 0).mul_(1 / keep_prob)
+        p.masked_fill_(_dropped(p.shape, keep_prob, seed, offset, p.device, problem.dropout_stream),
+                       0).mul_(1 / keep_prob)
     if problem.bf16_dot:
         out = _cube_matmul(p, problem.v_in)  # exp(S - max) read as bf16, fp32 sums
     else:
@@ -775,7 +829,8 @@ def _backward(problem: _Problem, dy4, out4, row_max, row_sum, keep_prob, seed, o
     log_sum_exp = log_sum_exp.to(dtype).reshape(dy3.shape[0], dy3.shape[1], 1)
     # The forward's probabilities, from its statistics (0 where masked with AVX512-BF16, as in the forward)
     p = problem.scores(log_sum_exp)
-    dropped = _dropped(p.shape, keep_prob, seed, offset, p.device) if keep_prob < 1 else None
+    dropped = (_dropped(p.shape, keep_prob, seed, offset, p.device, problem.dropout_stream) if keep_prob < 1
+               else None)
     p_out = p if dropped is None else p.masked_fill(dropped, 0).mul_(1 / keep_prob)
     if problem.bf16_dot and problem.masking.row_valid is None:  # dv, rounded once to bf16
         dv = _cube_matmul(p_out.transpose(1, 2), dy4.reshape(dy3.shape).to(torch.bfloat16), out_dtype=torch.bfloat16)
@@ -850,10 +905,15 @@ def _pse_bias(op: str, pse, geometry: _Geometry, scale: float, pse_type: int) ->
 
 @dataclass
 class _Call:
-    """Everything one npu_fusion_attention(_v2) call decides before computing."""
+    """Everything one npu_fusion_attention(_v2) call decides before computing: the geometry and a
+    problem per part (TND: per bucket of similar sequences, see _parts)."""
     geometry: _Geometry
-    problem: _Problem
+    problems: list[_Problem]
     numels: int
+
+    @property
+    def parts(self) -> list[_Geometry]:
+        return [problem.geometry for problem in self.problems]
 
 
 def _prepare(op: str, query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale, keep_prob,
@@ -876,21 +936,22 @@ def _prepare(op: str, query, key, value, head_num, input_layout, pse, padding_ma
     if query_rope is not None:
         query = torch.cat([query, query_rope.to(query.dtype)], -1)
         key = torch.cat([key, key_rope.to(key.dtype)], -1)
-    # pse is given per sequence: its TND problem is the padded batch
-    geometry = _geometry(op, query, key, value, head_num, layout, actual_seq_qlen, actual_seq_kvlen,
-                         allow_packed=pse is None)
+    geometry = _geometry(op, query, key, value, head_num, layout, actual_seq_qlen, actual_seq_kvlen)
     varlen = geometry.varlen
-    q4 = _to_bnsd(query, layout, geometry.heads, varlen, "q", geometry.sq)
-    k4 = _to_bnsd(key, layout, geometry.kv_heads, varlen, "kv", geometry.skv)
-    v4 = _to_bnsd(value, layout, geometry.kv_heads, varlen, "kv", geometry.skv)
     pse_bias = _pse_bias(op, pse, geometry, scale, pse_type)
-    masking = _masking(op, geometry, atten_mask, sparse_mode, pre_tokens, next_tokens, prefix, pse_bias, query)
-    problem = _problem(q4, k4, v4, geometry, scale, masking, query.dtype, npu_numerics(query))
+    problems = []
+    # pse is given per padded batch [B, N, maxSq, maxSkv]: its TND problem stays the one padded batch
+    for stream, part in enumerate(_parts(geometry, split=pse is None)):
+        q4 = _to_bnsd(query, layout, part.heads, part.varlen, "q", part.sq)
+        k4 = _to_bnsd(key, layout, part.kv_heads, part.varlen, "kv", part.skv)
+        v4 = _to_bnsd(value, layout, part.kv_heads, part.varlen, "kv", part.skv)
+        masking = _masking(op, part, atten_mask, sparse_mode, pre_tokens, next_tokens, prefix, pse_bias, query)
+        problems.append(_problem(q4, k4, v4, part, scale, masking, query.dtype, npu_numerics(query), stream))
     if varlen is not None:
         numels = geometry.heads * sum(a * b for a, b in zip(varlen.q_lens, varlen.kv_lens))
     else:
         numels = geometry.batch * geometry.heads * geometry.sq * geometry.skv
-    return _Call(geometry, problem, numels)
+    return _Call(geometry, problems, numels)
 
 
 def _seed_offset(query, keep_prob: float, seed: int, offset: int) -> tuple[int, int]:
@@ -911,10 +972,14 @@ def _fusion_attention(op, query, key, value, head_num, input_layout, pse, paddin
                     pre_tokens, next_tokens, prefix, actual_seq_qlen, actual_seq_kvlen, sparse_mode, softmax_layout,
                     sink, pse_type, query_rope, key_rope)
     seed, offset = _seed_offset(query, keep_prob, seed, offset)
-    out, row_max, row_sum = _forward(call.problem, keep_prob, seed, offset, sink)
-    g = call.geometry
-    attention_out = _from_bnsd(out.to(query.dtype), g.layout, g.varlen, "q", g.q_tokens)
-    return (attention_out, _rows_to_stats(row_max.float(), g), _rows_to_stats(row_sum.float(), g),
+    outs, row_maxes, row_sums = [], [], []
+    for problem in call.problems:
+        out, row_max, row_sum = _forward(problem, keep_prob, seed, offset, sink)
+        outs.append(out.to(query.dtype))
+        row_maxes.append(row_max.float())
+        row_sums.append(row_sum.float())
+    g, parts = call.geometry, call.parts
+    return (_assemble(outs, g, parts), _rows_to_stats(row_maxes, g, parts), _rows_to_stats(row_sums, g, parts),
             query.new_empty(0), seed, offset, call.numels)
 
 
@@ -979,17 +1044,23 @@ def _fusion_attention_grad(op, query, key, value, dy, head_num, input_layout, ps
     call = _prepare(op, query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale, keep_prob,
                     pre_tokens, next_tokens, prefix, actual_seq_qlen, actual_seq_kvlen, sparse_mode, softmax_layout,
                     sink, pse_type, query_rope, key_rope)
-    g = call.geometry
-    dy4 = _to_bnsd(dy, g.layout, g.heads, g.varlen, "q", g.sq)
-    out4 = _to_bnsd(attention_in, g.layout, g.heads, g.varlen, "q", g.sq)
-    row_max = _stats_to_rows(softmax_max, g).to(call.problem.dtype)
-    row_sum = _stats_to_rows(softmax_sum, g).to(call.problem.dtype)
-    dq, dk, dv, dscores, dsink = _backward(call.problem, dy4, out4, row_max, row_sum, keep_prob, seed, offset, sink,
-                                           pse is not None)
-    dq = _from_bnsd(dq.to(query.dtype), g.layout, g.varlen, "q", g.q_tokens)
-    dk = _from_bnsd(dk.to(query.dtype), g.layout, g.varlen, "kv", g.kv_tokens)
-    dv = _from_bnsd(dv.to(query.dtype), g.layout, g.varlen, "kv", g.kv_tokens)
-    if pse is not None:
+    grads = []
+    for problem in call.problems:
+        part = problem.geometry
+        dy4 = _to_bnsd(dy, part.layout, part.heads, part.varlen, "q", part.sq)
+        out4 = _to_bnsd(attention_in, part.layout, part.heads, part.varlen, "q", part.sq)
+        row_max = _stats_to_rows(softmax_max, part).to(problem.dtype)
+        row_sum = _stats_to_rows(softmax_sum, part).to(problem.dtype)
+        dq, dk, dv, dscores, dsink = _backward(problem, dy4, out4, row_max, row_sum, keep_prob, seed, offset, sink,
+                                               pse is not None)
+        grads.append((dq.to(query.dtype), dk.to(query.dtype), dv.to(query.dtype), dsink))
+    g, parts = call.geometry, call.parts
+    dq = _assemble([grad[0] for grad in grads], g, parts, "q")
+    dk = _assemble([grad[1] for grad in grads], g, parts, "kv")
+    dv = _assemble([grad[2] for grad in grads], g, parts, "kv")
+    if sink is not None:
+        dsink = sum(grad[3] for grad in grads)
+    if pse is not None:  # one part (see _prepare)
         # scores = scale * (qk + pse) (pse_type 1) or scale * qk + pse (pse_type 0)
         dscores = dscores * scale if pse_type == 1 else dscores
         dpse = dscores.sum_to_size(pse.shape).to(pse.dtype)
@@ -1279,7 +1350,7 @@ def _infer_mask(op: str, atten_mask, sparse_mode: int, sq: int, skv: int, varlen
 def _infer_attention(op, query, key, value, *, layout, num_heads, num_key_value_heads, scale, atten_mask, pse_shift,
                      q_lengths, kv_lengths, pre_tokens, next_tokens, sparse_mode, block_table=None, block_size=0,
                      query_rope=None, key_rope=None, incremental=False, sink=None):
-    """attention_out in the output layout and the rows' log-sum-exp [B, N, Sq] (padded TND rows)."""
+    """attention_out in the output layout and the rows' log-sum-exp [B, N, Sq] (TND: [T, N])."""
     if layout not in INFER_LAYOUTS:
         raise ValueError(f"torch_npu.{op}: input_layout must be one of {', '.join(INFER_LAYOUTS)}, got {layout!r}")
     for name, tensor in (("query", query), ("key", key), ("value", value)):
@@ -1315,14 +1386,10 @@ def _infer_attention(op, query, key, value, *, layout, num_heads, num_key_value_
                              f"({geometry.kv_heads})")
     else:
         geometry = _geometry(op, query, key, value, num_heads, in_layout, q_lengths if varlen else None,
-                             kv_lengths if varlen else None, kv_heads=num_key_value_heads or None,
-                             allow_packed=pse_shift is None)
+                             kv_lengths if varlen else None, kv_heads=num_key_value_heads or None)
         if num_key_value_heads and geometry.kv_heads != num_key_value_heads:
             raise ValueError(f"torch_npu.{op}: num_key_value_heads={num_key_value_heads} but key has "
                              f"{geometry.kv_heads} heads")
-        q4 = _to_bnsd(query, in_layout, geometry.heads, geometry.varlen, "q", geometry.sq)
-        k4 = _to_bnsd(key, in_layout, geometry.kv_heads, geometry.varlen, "kv", geometry.skv)
-        v4 = _to_bnsd(value, in_layout, geometry.kv_heads, geometry.varlen, "kv", geometry.skv)
     q_lens = None if varlen else _per_batch(op, "actual_seq_lengths", q_lengths, geometry.batch)
     kv_lens = None if varlen else _per_batch(op, "actual_seq_lengths_kv", kv_lengths, geometry.batch)
     for lens, bound, name in ((q_lens, geometry.sq, "query"), (kv_lens, geometry.skv, "key/value")):
@@ -1338,15 +1405,27 @@ def _infer_attention(op, query, key, value, *, layout, num_heads, num_key_value_
                              f"{tuple(pse_shift.shape)}")
         pse_bias = upcast(pse_shift[:, :, :geometry.sq, :geometry.skv])  # scale * q k^T + pse_shift
     mask = _infer_mask(op, atten_mask, sparse_mode, geometry.sq, geometry.skv, varlen)
-    masking = _masking(op, geometry, mask, sparse_mode, pre_tokens, next_tokens, None, pse_bias, query,
-                       q_lens, kv_lens)
-    problem = _problem(q4, k4, v4, geometry, scale, masking, query.dtype, npu_numerics(query))
     if sink is not None and (sink.dim() != 1 or sink.shape[0] != num_heads):
         raise ValueError(f"torch_npu.{op}: learnable_sink must have shape (Q_N,) = ({num_heads},), got "
                          f"{tuple(sink.shape)}")
-    out, row_max, row_sum = _forward(problem, 1.0, 0, 0, sink)
-    out = _from_bnsd(out.to(query.dtype), out_layout, geometry.varlen, "q", geometry.q_tokens)
-    return out, row_max + torch.log(row_sum), geometry
+    # TND: a problem per bucket of similar sequences (one padded batch with a pse_shift, given per batch)
+    parts = [geometry] if block_table is not None else _parts(geometry, split=pse_shift is None)
+    outs, log_sum_exps = [], []
+    for part in parts:
+        if block_table is None:
+            q4 = _to_bnsd(query, in_layout, part.heads, part.varlen, "q", part.sq)
+            k4 = _to_bnsd(key, in_layout, part.kv_heads, part.varlen, "kv", part.skv)
+            v4 = _to_bnsd(value, in_layout, part.kv_heads, part.varlen, "kv", part.skv)
+        masking = _masking(op, part, mask, sparse_mode, pre_tokens, next_tokens, None, pse_bias, query, q_lens,
+                           kv_lens)
+        problem = _problem(q4, k4, v4, part, scale, masking, query.dtype, npu_numerics(query))
+        out, row_max, row_sum = _forward(problem, 1.0, 0, 0, sink)
+        outs.append(out.to(query.dtype))
+        log_sum_exps.append(row_max + torch.log(row_sum))
+    if varlen:
+        return (_assemble(outs, geometry, parts), _assemble([lse.unsqueeze(-1) for lse in log_sum_exps], geometry,
+                                                             parts)[..., 0], geometry)
+    return _from_bnsd(outs[0], out_layout), log_sum_exps[0], geometry
 
 
 _PFA_SCHEMA = (
@@ -1465,10 +1544,7 @@ def _fused_infer(op, query, key, value, pse_shift, atten_mask, q_lengths, kv_len
         incremental=incremental, sink=sink)
     if not softmax_lse:
         return out, query.new_zeros(1, dtype=torch.float32)
-    lse = log_sum_exp.float().unsqueeze(-1)  # [B, N, Sq, 1]
-    if geometry.layout == "TND":
-        lse = _from_bnsd(lse, "TND", geometry.varlen, "q", geometry.q_tokens)  # [T, N, 1]
-    return out, lse
+    return out, log_sum_exp.float().unsqueeze(-1)  # [B, N, Sq, 1] (TND: [T, N, 1])
 
 
 _FIA_V2_SCHEMA = (

@@ -244,18 +244,31 @@ def cumulative(lengths):
 
 
 TND_LENGTHS = {
-    # similar lengths: computed as a zero-padded batch of the sequences
+    # similar lengths: computed as one zero-padded batch of the sequences
     "padded": ([3, 7, 1, 5], [5, 7, 4, 9]),
-    # one long sequence among short ones: computed as all tokens with a block-diagonal mask
-    "packed": ([12, 1, 2, 1, 1], [12, 3, 2, 1, 4]),
+    # one long sequence among short ones: buckets of similar sequences, each padded to its own longest
+    "bucketed": ([12, 1, 2, 1, 1], [12, 3, 2, 1, 4]),
 }
+
+
+def tnd_buckets(q_lens, kv_lens) -> int:
+    """How many buckets of similar sequences a TND call of these lengths is computed in."""
+    varlen = attention._varlen("op", cumulative(q_lens), cumulative(kv_lens), sum(q_lens), sum(kv_lens))
+    return len(attention._varlen_buckets(varlen))
+
+
+@pytest.fixture
+def small_buckets(monkeypatch):
+    """Buckets for sequences of a few tokens too (a bucket's own cost otherwise outweighs their padding)."""
+    monkeypatch.setattr(attention, "BUCKET_OVERHEAD_SCORES", 100)
 
 
 @pytest.mark.parametrize("lengths", list(TND_LENGTHS))
 @pytest.mark.parametrize("sparse_mode", ["none", "0-mask", 2, 3])
-def test_fusion_attention_tnd_varlen_equals_each_sequence_alone(sparse_mode, lengths):
+def test_fusion_attention_tnd_varlen_equals_each_sequence_alone(sparse_mode, lengths, small_buckets):
     torch.manual_seed(4)
     q_lens, kv_lens = TND_LENGTHS[lengths]
+    assert (tnd_buckets(q_lens, kv_lens) > 1) == (lengths == "bucketed")
     n, nkv, d = 4, 2, 8
     q = torch.randn(sum(q_lens), n, d)
     k, v = torch.randn(sum(kv_lens), nkv, d), torch.randn(sum(kv_lens), nkv, d)
@@ -290,13 +303,13 @@ def test_fusion_attention_tnd_varlen_equals_each_sequence_alone(sparse_mode, len
             torch.testing.assert_close(got.cpu().split(lens)[i], want[0], rtol=1e-4, atol=1e-5)
 
 
-def test_fusion_attention_tnd_split_sequence_modes_7_and_8():
+def test_fusion_attention_tnd_split_sequence_modes_7_and_8(small_buckets):
     """Mode 7: rightDownCausal but the last sequence a bottom-right band; mode 8: leftUpCausal but
     the first sequence a band (the docs' examples of a sequence split across devices)."""
     torch.manual_seed(6)
     n, d = 2, 8
-    cases = ((7, [3, 2], [3, 6], 6, -2), (8, [3, 5, 4], [4, 5, 4], 4, 1),  # padded
-             (7, [1, 1, 9, 2], [2, 1, 9, 6], 6, -2), (8, [3, 9, 1, 1], [4, 9, 2, 1], 4, 1))  # packed
+    cases = ((7, [3, 2], [3, 6], 6, -2), (8, [3, 5, 4], [4, 5, 4], 4, 1),  # one padded batch
+             (7, [1, 1, 9, 2], [2, 1, 9, 6], 6, -2), (8, [3, 9, 1, 1], [4, 9, 2, 1], 4, 1))  # buckets
     for mode, q_lens, kv_lens, pre, nxt in cases:
         q = torch.randn(sum(q_lens), n, d)
         k, v = torch.randn(sum(kv_lens), n, d), torch.randn(sum(kv_lens), n, d)
@@ -313,6 +326,55 @@ def test_fusion_attention_tnd_split_sequence_modes_7_and_8():
             want = attention_fp64(qs.transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None], 0.4,
                                   masked)[0].transpose(0, 1)
             torch.testing.assert_close(out.split(q_lens)[i].double(), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_fusion_attention_tnd_one_long_among_many_short_costs_what_its_sequences_need():
+    """1 sequence of 2048 tokens and 30 of 64 (causal): each sequence's outputs and gradients are
+    its own BNSD call's, and the peak memory is a few times the scores the sequences need, not the
+    scores of a batch padded to 2048 (31 x 2048^2) or of all tokens as one sequence (3968^2)."""
+    torch.manual_seed(8)
+    lens, n, d = [64] * 15 + [2048] + [64] * 15, 2, 64
+    assert tnd_buckets(lens, lens) == 2
+    q, k, v, dy = (torch.randn(sum(lens), n, d) for _ in range(4))
+    qn, kn, vn = leaves(q, k, v)
+    mask = CAUSAL_2048.npu()
+    torch.npu.synchronize()
+    torch.npu.reset_peak_memory_stats()
+    before = torch.npu.memory_allocated()
+    out, softmax_max = torch_npu.npu_fusion_attention(qn, kn, vn, n, "TND", atten_mask=mask, scale=0.125,
+                                                      sparse_mode=3, actual_seq_qlen=cumulative(lens),
+                                                      actual_seq_kvlen=cumulative(lens))[:2]
+    grads = torch.autograd.grad(out, [qn, kn, vn], dy.npu())
+    peak = torch.npu.max_memory_allocated() - before
+    scores_needed = sum(length * length for length in lens) * n * 4  # fp32
+    assert peak < 5 * scores_needed, (peak, scores_needed)
+    for i, (qs, ks, vs, dys) in enumerate(zip(*(t.split(lens) for t in (q, k, v, dy)))):
+        a, b, c = (t.transpose(0, 1)[None].contiguous().npu().requires_grad_() for t in (qs, ks, vs))
+        alone, alone_max = torch_npu.npu_fusion_attention(a, b, c, n, "BNSD", atten_mask=mask, scale=0.125,
+                                                          sparse_mode=3)[:2]
+        alone_grads = torch.autograd.grad(alone, [a, b, c], dys.transpose(0, 1)[None].npu())
+        torch.testing.assert_close(out.split(lens)[i], alone[0].transpose(0, 1), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(softmax_max.split(lens)[i], alone_max[0].transpose(0, 1))
+        for got, want in zip(grads, alone_grads):
+            torch.testing.assert_close(got.split(lens)[i], want[0].transpose(0, 1), rtol=1e-4, atol=1e-5)
+
+
+def test_fusion_attention_tnd_buckets_dropout_backward_regenerates_the_forward_mask(small_buckets):
+    """gradcheck in fp64 of a TND call computed in buckets: each bucket's grad regenerates its
+    forward's dropout mask."""
+    q_lens, kv_lens = [7, 1, 2, 1], [7, 2, 1, 3]
+    assert tnd_buckets(q_lens, kv_lens) > 1
+    torch.manual_seed(9)
+    q = torch.randn(sum(q_lens), 1, 2, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(sum(kv_lens), 1, 2, dtype=torch.float64, requires_grad=True) for _ in range(2))
+
+    def fn(a, b, c, keep_prob=0.7):
+        return torch_npu.npu_fusion_attention(a, b, c, 1, "TND", scale=0.5, keep_prob=keep_prob, seed=4321, offset=5,
+                                              actual_seq_qlen=cumulative(q_lens),
+                                              actual_seq_kvlen=cumulative(kv_lens))[0]
+    assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-6, fast_mode=True)
+    assert not torch.allclose(fn(q, k, v), fn(q, k, v, keep_prob=1.0))  # some probabilities were dropped
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -726,23 +788,30 @@ def test_fused_infer_attention_score_takes_the_prompt_and_the_incremental_branch
     torch.testing.assert_close(out, incre)
 
 
-def test_fused_infer_attention_score_tnd_and_mla_rope():
+@pytest.mark.parametrize("lengths", [([3, 5], [4, 8]), ([9, 1, 2], [10, 2, 3])], ids=["padded", "bucketed"])
+def test_fused_infer_attention_score_tnd_and_mla_rope(lengths, small_buckets):
     torch.manual_seed(16)
-    q_lens, kv_lens, n, d, d_rope = [3, 5], [4, 8], 2, 16, 8
-    q, q_rope = torch.randn(8, n, d).bfloat16(), torch.randn(8, n, d_rope).bfloat16()
-    k, k_rope = torch.randn(12, n, d).bfloat16(), torch.randn(12, n, d_rope).bfloat16()
-    v = torch.randn(12, n, d).bfloat16()
+    (q_lens, kv_lens), n, d, d_rope = lengths, 2, 16, 8
+    tq, tkv = sum(q_lens), sum(kv_lens)
+    assert (tnd_buckets(q_lens, kv_lens) > 1) == (len(q_lens) == 3)
+    q, q_rope = torch.randn(tq, n, d).bfloat16(), torch.randn(tq, n, d_rope).bfloat16()
+    k, k_rope = torch.randn(tkv, n, d).bfloat16(), torch.randn(tkv, n, d_rope).bfloat16()
+    v = torch.randn(tkv, n, d).bfloat16()
     out, lse = torch_npu.npu_fused_infer_attention_score(
         q, k, v, query_rope=q_rope, key_rope=k_rope, atten_mask=CAUSAL_2048, sparse_mode=3, num_heads=n, scale=0.2,
         input_layout="TND", actual_seq_lengths=cumulative(q_lens), actual_seq_lengths_kv=cumulative(kv_lens),
         softmax_lse_flag=True)
-    assert out.shape == (8, n, d) and lse.shape == (8, n, 1)
-    refs = []
+    assert out.shape == (tq, n, d) and lse.shape == (tq, n, 1)
+    refs, ref_lses = [], []
     for qs, qrs, ks, krs, vs in zip(q.split(q_lens), q_rope.split(q_lens), k.split(kv_lens), k_rope.split(kv_lens),
                                     v.split(kv_lens)):
         bnsd = [t.transpose(0, 1)[None] for t in (torch.cat([qs, qrs], -1), torch.cat([ks, krs], -1), vs)]
-        refs.append(attention_fp64(*bnsd, 0.2, band_mask(len(qs), len(ks), INT_MAX, 0, True))[0].transpose(0, 1))
+        masked = band_mask(len(qs), len(ks), INT_MAX, 0, True)
+        refs.append(attention_fp64(*bnsd, 0.2, masked)[0].transpose(0, 1))
+        scores = (0.2 * bnsd[0].double() @ bnsd[1].double().transpose(-1, -2)).masked_fill(masked, -math.inf)
+        ref_lses.append(scores.logsumexp(-1)[0].transpose(0, 1))
     assert_close_to_reference(out, torch.cat(refs), torch.bfloat16, "out")
+    torch.testing.assert_close(lse[..., 0].double(), torch.cat(ref_lses), rtol=1e-5, atol=1e-5)
 
 
 def test_fused_infer_attention_score_under_compile():
