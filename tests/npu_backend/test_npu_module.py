@@ -276,3 +276,29 @@ def test_an_npu_default_tensor_type_is_refused_as_torch_npu_refuses_it(tensor_ty
     with pytest.raises(TypeError, match="only floating-point types are supported as the default type"):
         torch.set_default_tensor_type(getattr(torch.npu, tensor_type))
     assert torch.tensor([]).type() == before  # nothing half-set
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_scaled_dot_product_attention_takes_the_kernel_the_cpu_takes(dtype):
+    """F.scaled_dot_product_attention on npu runs the CPU's flash kernel where the CPU would (exp(S - max)
+    read in the input dtype, the fp32 sums divided by the row sum at the end, as Ascend's flash kernel),
+    not the math decomposition: the same outputs and gradients as on the CPU, bit for bit. With
+    dropout it keeps the math path, whose mask follows the npu generator (test above)."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 48, 32, dtype=dtype, requires_grad=True) for _ in range(3))
+    mask = torch.rand(48, 48) > 0.2
+    on_npu = [t.detach().npu().requires_grad_() for t in (q, k, v)]
+    for kwargs in ({"is_causal": True}, {"attn_mask": mask}):
+        npu_kwargs = {name: value.npu() if isinstance(value, torch.Tensor) else value for name, value in kwargs.items()}
+        expected = F.scaled_dot_product_attention(q, k, v, **kwargs)
+        got = F.scaled_dot_product_attention(*on_npu, **npu_kwargs)
+        assert type(got.grad_fn).__name__ == type(expected.grad_fn).__name__ == \
+            "ScaledDotProductFlashAttentionForCpuBackward0"
+        assert torch.equal(got.cpu(), expected)
+        expected.sum().backward()
+        got.sum().backward()
+        for cpu_tensor, npu_tensor in zip((q, k, v), on_npu, strict=True):
+            assert torch.equal(npu_tensor.grad.cpu(), cpu_tensor.grad)
+            cpu_tensor.grad = npu_tensor.grad = None

@@ -16,6 +16,9 @@
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <ATen/native/Resize.h>
 #include <ATen/native/TensorFactories.h>
+#include <ATen/native/transformers/attention.h>
+#include <ATen/SDPBackend.h>
+#include <ATen/ops/_fused_sdp_choice_native.h>
 #include <ATen/Operators.h>
 #include <ATen/Parallel.h>
 #include <ATen/ScalarOps.h>
@@ -1948,3 +1951,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("round_to_hf32", [](const at::Tensor& t) { return round_to_hf32(t); });
   mod.def("legacy_tensor_types", &npukit::legacy_tensor_types);
 }
+
+
+// scaled_dot_product_attention on npu takes the kernel the CPU takes for the same tensors (its flash
+// attention kernel wherever that applies: scores and exp(S - max) in fp32, P read in the input dtype
+// by the second matmul, the fp32 sums divided by the row sum at the end, as Ascend's flash kernel
+// computes), not the math decomposition, which rounds the softmax's output and costs a third more
+// (a tiny Llama training step 1.17-1.18x the CPU's on the math path, 1.07-1.10x so). With dropout the
+// math path stays: its mask comes from the npu generator, where the CPU kernel would draw from the
+// CPU's.
+namespace {
+int64_t npu_fused_sdp_choice(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                             const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
+                             std::optional<double> scale, bool enable_gqa) {
+  if (dropout_p > 0) return static_cast<int64_t>(at::SDPBackend::math);
+  // The CPU's choice reads only the tensors' metadata (shapes, strides, dtypes, requires_grad), so it
+  // is made on the npu tensors themselves: also on FakeTensors, so torch.compile picks the same kernel.
+  return at::native::_fused_sdp_choice_cpp(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa);
+}
+}  // namespace
+
+namespace at::native {
+REGISTER_PRIVATEUSE1_DISPATCH(_fused_sdp_choice_stub, &npu_fused_sdp_choice)
+}  // namespace at::native
