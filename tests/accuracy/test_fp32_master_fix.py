@@ -6,6 +6,8 @@ update and proves it."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -306,11 +308,11 @@ print("final loss", loss.item())
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # 120 steps: three monitored runs, the re-runs to step 93, four trials, two fixed runs (~80 s)
+@pytest.mark.timeout(900)  # 120 steps: three monitored runs, the re-runs to the departure, four trials, two fixed runs (~80 s)
 def test_from_the_trend_to_the_lost_update_and_a_master_copy_that_keeps_the_run_inside_the_band(tmp_path):
-    """As a user runs it: golden, perturbed and NPU monitors; --trend names mid leaving the band at step
-    93 (of 120: its weights' norm, the updates lost since the learning rate dropped at 60); --localize
-    re-runs to that step and names AdamW's update of mid's weight (its element of the foreach
+    """As a user runs it: golden, perturbed and NPU monitors; --trend names mid leaving the band after
+    step 60 (of 120: the updates lost since the learning rate dropped there); --localize re-runs to that
+    step and names AdamW's update of mid's weight (its element of the foreach
     torch._foreach_addcdiv_, inside optimizer.step(): torch's default on the npu) and the fix keeping
     an fp32 master copy of mid; the run with that fix file, and the run with the printed code pasted
     after the optimizer is built, stay inside the band."""
@@ -336,7 +338,11 @@ def test_from_the_trend_to_the_lost_update_and_a_master_copy_that_keeps_the_run_
     localized = compare("--trend", "golden", "npu", "--perturbed", "perturbed", "--localize", "--localize-dir", "loc",
                         "--", sys.executable, "-m", "npukit.run", "--monitor", "npu", *script)
     assert localized.returncode == 1, localized.stdout + localized.stderr
-    assert "leaves the golden band at step 93, in mid" in " ".join(localized.stdout.split()), localized.stdout
+    # where in mid the departure is first seen depends on the CPU's bf16 arithmetic (step 93, mid's
+    # weight norm, on an AVX512-BF16 CPU; step 61, mid's exp_avg_sq norm, on one with AMX): after the
+    # learning rate dropped at step 60, when the updates began to be lost, and never before
+    departure = re.search(r"leaves the golden band at step (\d+), in (\w+)", " ".join(localized.stdout.split()))
+    assert departure and departure[2] == "mid" and 60 <= int(departure[1]) < 120, localized.stdout
     named = json.loads((tmp_path / "loc" / "compare.json").read_text())["pairs"][0]["first_divergence"]
     # AdamW's foreach update of mid's weight (the 3rd parameter), inside optimizer.step()
     assert (named["entry"], named["module_path"]) == ("Torch._foreach_addcdiv_.2.forward", "mid"), named
