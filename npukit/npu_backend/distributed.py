@@ -377,9 +377,6 @@ class _HandedTensors:
             return True
         return all(t._use_count() <= count for t, count in zip(tensors, counts, strict=True))
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
 
 _HANDED = _HandedTensors()
 # Never freed, not even when the interpreter tears modules down: the tensors it still holds then may be
@@ -414,6 +411,9 @@ class _GlooHanding:
             _HANDED.taken(before)
             return work
 
+        # Kept on the instance: __getattr__ is not called again for this name (one closure per collective
+        # kind, not per call).
+        setattr(self, name, handing)
         return handing
 
 
