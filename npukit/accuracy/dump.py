@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import sys
 import weakref
@@ -32,7 +31,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from npukit.accuracy import eager, graph, msprobe_config, naming
 from npukit.accuracy._stats import stats as one_pass_stats
@@ -47,16 +45,14 @@ from npukit.accuracy.dumpfile import (
     OPTIMIZER,
 )
 from npukit.accuracy.stacks import CallStacks
-from npukit.accuracy.tensor_io import (
-    TensorFileWriter,
-    local_shard,
-    lower_thread_priority,
-    strided_form,
-    tensor_to_numpy,
-)
+from npukit.accuracy.tensor_io import TensorFileWriter, lower_thread_priority, tensor_to_numpy
 from npukit.errors import UserError
 from npukit.files import check_output_location, output_folder, refuse_links_inside, write_text_atomic
+from npukit.watch.hook_guard import add_failure_listener, remove_failure_listener, revive_hooks, unintercepted
+from npukit.watch.op_hooks import ApiMode
+from npukit.watch.process import host_memory, npu_in_host_memory, rank_from_env
 from npukit.watch.steps import RecordedSteps
+from npukit.watch.tensors import local_shard, ops_ran, real_view, strided_form, tensor_version, tensors_in
 
 LEVELS = ("module", "api", "mix")
 MODES = ("stats", "tensor", "md5")
@@ -79,82 +75,6 @@ _SAME_ELEMENTS = frozenset(
 
 _MAX_STACK_FRAMES = 30
 _MAX_MODULE_NODES = 50_000  # a bound on the graph walk behind one module call
-
-
-def tensors_in(value) -> list[torch.Tensor]:
-    """The tensors in a (nested) argument structure, in order. A loop, not a recursive
-    generator: it runs for every op's arguments and outputs."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    found: list[torch.Tensor] = []
-    pending = [value]
-    while pending:
-        item = pending.pop()
-        if isinstance(item, torch.Tensor):
-            found.append(item)
-        elif isinstance(item, list | tuple):
-            pending.extend(reversed(item))
-        elif isinstance(item, dict):
-            pending.extend(reversed(item.values()))
-    return found
-
-
-def unintercepted(function):
-    """Run a hook with torch-function handling off: its own tensor accesses (.shape, .dtype, ...)
-    would otherwise each go through the api mode (the mode is off only inside its own handler).
-    No functools.wraps: hooks are wrapped per op, where copying metadata is a measurable cost.
-
-    Crash safety: an error inside the hook (a bug of npukit's, a full disk) never reaches the
-    user's run. It is reported once, naming the hook and the module it ran for, that hook is
-    switched off for the rest of the run, and the run goes on (the hook returns None: nothing of
-    the user's changes). Only errors meant for the user (OverflowStop) pass through.
-    """
-    kind = function.__qualname__
-
-    def wrapper(*args, **kwargs):
-        if kind in _broken_hooks:
-            return None
-        try:
-            with torch._C.DisableTorchFunction():
-                return function(*args, **kwargs)
-        except Exception as exc:
-            if getattr(exc, "npukit_propagate", False):
-                raise
-            hook_failed(kind, exc, _hook_subject(args))
-            return None
-    return wrapper
-
-
-_broken_hooks: set[str] = set()
-_failure_listeners: list = []  # each active session's on_hook_failed(kind, where, detail)
-
-
-def hook_failed(kind: str, exc: BaseException, subject: str = "") -> None:
-    """Switch a hook off after an internal error and say so once (on stderr); the active sessions
-    are told, so that what they write says they are incomplete from here on."""
-    if kind in _broken_hooks:
-        return
-    _broken_hooks.add(kind)
-    where = f" (at {subject})" if subject else ""
-    detail = f"internal error in {kind}: {type(exc).__name__}: {exc}"
-    print(f"npukit: internal error in {kind}{where}: {type(exc).__name__}: {exc}. This hook is switched off for "
-          "the rest of the run; the run goes on. Please report this to the npukit maintainers.", file=sys.stderr)
-    for listener in list(_failure_listeners):
-        listener(kind, subject or kind, detail)
-
-
-def revive_hooks(owner: str) -> None:
-    """A new session of `owner` (a class name) starts with its hooks on again."""
-    _broken_hooks.difference_update([kind for kind in _broken_hooks if kind.startswith(owner + ".")])
-
-
-def _hook_subject(args) -> str:
-    for arg in args[:2]:
-        if isinstance(arg, torch.nn.Module):
-            return f"module {type(arg).__name__}"
-        if isinstance(arg, str):
-            return arg
-    return ""
 
 
 _MAX_STEP = 10**9
@@ -199,48 +119,6 @@ def parse_name_list(spec: str | None, option: str) -> tuple[str, ...] | None:
     return items
 
 
-def rank_from_env() -> int:
-    value = os.environ.get("RANK", "0")
-    try:
-        rank = int(value)
-    except ValueError:
-        raise UserError(f"RANK environment variable: {value!r} is not an integer") from None
-    if rank < 0:
-        raise UserError(f"RANK environment variable: {value!r} is negative")
-    return rank
-
-
-# Ops run so far (counted by ApiMode and the module forward hooks). An inference tensor has no
-# version counter: what was recorded of it holds only until the next op runs, which may write it in
-# place (a KV cache under torch.inference_mode: cache.add_(x) was recorded with its input's values).
-_ops_run = 0
-
-
-def ops_ran() -> None:
-    global _ops_run
-    _ops_run += 1
-
-
-def _version(tensor: torch.Tensor) -> int:
-    """The tensor's version counter; for an inference tensor, a number that changes with every op."""
-    try:
-        return tensor._version
-    except RuntimeError:  # inference tensors carry no version counter
-        return -1 - _ops_run
-
-
-def npu_in_host_memory() -> bool:
-    """The npu device is npukit's emulated one, whose tensors live in host memory (not torch_npu's)."""
-    return "npukit.npu_backend" in sys.modules
-
-
-def _host_memory(tensor: torch.Tensor) -> bool:
-    """True where reading a value back costs no device sync (CPU, and the emulated NPU)."""
-    if tensor.is_cpu:
-        return True
-    return tensor.device.type == "npu" and npu_in_host_memory()
-
-
 _STAT_NAMES = ("Max", "Min", "Mean", "Norm")
 _INTEGER_DTYPE = re.compile(r"torch\.u?int\d+")
 _RAISED = object()  # the forward hook's output when the module's forward raised
@@ -268,7 +146,7 @@ def tensor_stats(tensor: torch.Tensor):
             data = real_view(data)
         if not data.is_floating_point():
             data = data.to(torch.float64)
-        if _host_memory(data):
+        if host_memory(data):
             return _host_stats(data)
         accumulate = torch.float64 if data.dtype == torch.float64 else torch.float32
         low, high = torch.aminmax(data)
@@ -278,14 +156,6 @@ def tensor_stats(tensor: torch.Tensor):
             high.to(accumulate), low.to(accumulate), mean, norm,
             torch.isnan(data).sum().to(accumulate), torch.isinf(data).sum().to(accumulate),
         ]).to(torch.float64)
-
-
-def real_view(data: torch.Tensor) -> torch.Tensor:
-    """A complex tensor's values as real numbers (its real view: real and imaginary parts side by
-    side). Made outside inference mode: under it, a view of an npu tensor made outside it (a rotary
-    freqs_cis buffer) fails on the emulated device ("Cannot set version_counter for inference tensor")."""
-    with torch.inference_mode(False):
-        return torch.view_as_real(data.resolve_conj())
 
 
 _ONE_PASS_KINDS = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -547,110 +417,6 @@ def _element(value, k: int, count: int):
     return value[k] if isinstance(value, list | tuple) and len(value) == count else value
 
 
-_TORCH = os.sep + "torch" + os.sep
-_TORCH_DISTRIBUTED = _TORCH + "distributed" + os.sep
-# torch's own Python an op call may pass through between its caller and __torch_function__
-_THROUGH = tuple(_TORCH + name for name in ("overrides.py", "_tensor.py", "functional.py", "_jit_internal.py"))
-
-
-def _called_by_torch_distributed() -> bool:
-    """The op is called by torch.distributed's own Python (FSDP2 sharding and gathering parameters,
-    DDP's helpers), not by the model: not the user's op, and it may read a buffer a collective has
-    not filled yet (FSDP2 views its all-gather output, a torch.empty, before the gather: a correct
-    4-rank run compared as diverging on every rank with errors up to 1e40)."""
-    frame = sys._getframe(2)
-    for _ in range(4):
-        if frame is None:
-            return False
-        filename = frame.f_code.co_filename
-        if _TORCH_DISTRIBUTED in filename:
-            return True
-        if not filename.endswith(_THROUGH):
-            return False
-        frame = frame.f_back
-    return False
-
-
-class ApiMode(TorchFunctionMode):
-    """Hands each torch / functional / Tensor api call to `handle(api, func, args, kwargs)` while
-    `wanted()` is true (torch's functions are not patched; only the Tensor operators are wrapped, to
-    name them as msprobe does: naming.OperatorNames); used by the dump and the overflow detector.
-
-    lift() takes it off the torch-function stack while an optimizer runs (its hundreds of update
-    ops would each pay a Python dispatch just to be ignored); restore() puts it back.
-    """
-
-    def __init__(self, wanted, handle, extra: dict | None = None) -> None:
-        super().__init__()
-        self._wanted = wanted
-        self._handle = handle
-        self._kind = getattr(handle, "__qualname__", "api handler")
-        self._table = naming.api_name_table()
-        if extra:  # functions beyond the overridable ones (factories), func -> api name
-            self._table = {**extra, **self._table}
-        self._lifted = False
-        self._names_operators = False
-
-    def __enter__(self):
-        naming.OperatorNames.install()
-        self._names_operators = True
-        return super().__enter__()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        api = self._table.get(func) or naming.npu_op_api_name(func)
-        if api is None or self._kind in _broken_hooks or not self._wanted() or _called_by_torch_distributed():
-            return func(*args, **kwargs)
-        api = naming.OperatorNames.take(api)
-        # The handler runs the op itself (between measuring inputs and outputs). An error of the op
-        # is the user's and propagates; an error of the handler is npukit's: reported once, the
-        # handler switched off, and the op's result returned (the op is never run twice).
-        ran: list = []
-
-        def run_op(*op_args, **op_kwargs):
-            try:
-                result = func(*op_args, **op_kwargs)
-            except BaseException as exc:
-                ran.append(exc)
-                raise
-            finally:
-                ops_ran()
-            ran.append(result)
-            return result
-
-        try:
-            return self._handle(api, run_op, args, kwargs)
-        except Exception as exc:
-            if getattr(exc, "npukit_propagate", False) or (ran and ran[0] is exc):
-                raise
-            hook_failed(self._kind, exc, api)
-            return ran[0] if ran else func(*args, **kwargs)
-
-    def _on_top(self) -> bool:
-        size = torch._C._len_torch_function_stack()
-        return bool(size) and torch._C._get_function_stack_at(size - 1) is self
-
-    def lift(self) -> None:
-        if self._on_top():
-            torch._C._pop_torch_function_stack()
-            self._lifted = True
-
-    def restore(self) -> None:
-        if self._lifted:
-            torch._C._push_on_torch_function_stack(self)
-            self._lifted = False
-
-    def close(self) -> None:
-        """Leave the stack. When another mode entered after this one is still active, this one
-        stays below it, passing every call through (its `wanted()` is false by then)."""
-        self.restore()
-        if self._on_top():
-            self.__exit__(None, None, None)
-        if self._names_operators:
-            naming.OperatorNames.uninstall()
-            self._names_operators = False
-
-
 def hf32_ops_on() -> list[str]:
     """The fp32 op kinds the device computes in HF32 now: torch_npu's (and the emulated NPU's)
     `torch.npu.conv.allow_hf32` / `torch.npu.matmul.allow_hf32`. npu-compare judges those ops
@@ -754,7 +520,7 @@ class DumpSession:
         refuse_links_inside(self.out_dir, "--dump")
         self._active = True
         revive_hooks(type(self).__name__)
-        _failure_listeners.append(self._on_hook_failed)
+        add_failure_listener(self._on_hook_failed)
         eager.enter("the dump", self._on_compiled_region)
         self._handles = [
             module_hooks.register_module_forward_pre_hook(self._on_module_pre_forward),
@@ -767,7 +533,7 @@ class DumpSession:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="npukit-dump",
                                           initializer=lower_thread_priority)
         if self._apis:
-            self._mode = ApiMode(self._recording_api, self._record_api)
+            self._mode = ApiMode(self._recording_api, self._record_api, naming.MsprobeOpNames())
             self._mode.__enter__()
 
     def step(self) -> None:
@@ -788,8 +554,7 @@ class DumpSession:
         self._handles = []
         self._steps.remove()
         eager.leave(self._on_compiled_region)
-        if self._on_hook_failed in _failure_listeners:
-            _failure_listeners.remove(self._on_hook_failed)
+        remove_failure_listener(self._on_hook_failed)
         try:
             if self._record.entries or self._record.incomplete:
                 self._flush()
@@ -1042,7 +807,7 @@ class DumpSession:
             entry.data["input_kwargs"] = self._describe_kwargs(written_kwargs, name)
         if uninitialized_output and not (in_place and out_tensors[0].numel() <= numel_before):
             for tensor in out_tensors:
-                record.uninitialized[id(tensor)] = (weakref.ref(tensor), _version(tensor))
+                record.uninitialized[id(tensor)] = (weakref.ref(tensor), tensor_version(tensor))
         same_as = args[0] if api in _SAME_ELEMENTS and args and isinstance(args[0], torch.Tensor) else None
         if same_as is not None and isinstance(output, torch.Tensor) and output.numel() == same_as.numel():
             entry.data["output"] = [self._tensor_leaf(output, f"{name}.output.0", True, same_values_as=same_as)]
@@ -1105,10 +870,10 @@ class DumpSession:
         for tensor in tensors_in(output):
             try:
                 if origin is not None:
-                    self._record.carried[id(tensor)] = (weakref.ref(tensor), _version(tensor), origin)
+                    self._record.carried[id(tensor)] = (weakref.ref(tensor), tensor_version(tensor), origin)
                 # torch.empty_like's memory (or a growing resize_'s): still marked where an op reads it
                 if api in naming.UNINITIALIZED_OUTPUT and not (in_place and tensor.numel() <= numel_before):
-                    self._record.uninitialized[id(tensor)] = (weakref.ref(tensor), _version(tensor))
+                    self._record.uninitialized[id(tensor)] = (weakref.ref(tensor), tensor_version(tensor))
             except TypeError:
                 pass
         return output
@@ -1121,7 +886,7 @@ class DumpSession:
     def _recorded_as(self, tensor: torch.Tensor) -> str | None:
         """The leaf that first recorded this tensor's present value (directly or carried through
         left-out apis), or None."""
-        version = _version(tensor)
+        version = tensor_version(tensor)
         for table, position in ((self._record.seen, 3), (self._record.carried, 2)):
             found = table.get(id(tensor))
             if found is not None and found[0]() is tensor and found[1] == version:
@@ -1270,7 +1035,7 @@ class DumpSession:
             same_values_as = local_shard(same_values_as)
         record = self._record
         key = id(tensor)
-        version = _version(tensor)
+        version = tensor_version(tensor)
         seen = record.seen.get(key)
         if seen is not None and seen[0]() is tensor and seen[1] == version:
             # Already recorded: reuse its statistics and data, and point at where it was first seen
@@ -1314,7 +1079,7 @@ class DumpSession:
 
     def _slot_of(self, tensor: torch.Tensor) -> int | None:
         seen = self._record.seen.get(id(tensor))
-        if seen is not None and seen[0]() is tensor and seen[1] == _version(tensor):
+        if seen is not None and seen[0]() is tensor and seen[1] == tensor_version(tensor):
             return seen[2]
         return None
 

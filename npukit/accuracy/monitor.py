@@ -42,19 +42,15 @@ import torch
 from npukit.accuracy import eager, naming
 from npukit.accuracy._stats import adam_stats
 from npukit.accuracy._tensor_stats import csv_rows, host_stats
-from npukit.accuracy.dump import (
-    StatsBuffer,
-    _host_memory,
-    hook_failed,
-    npu_in_host_memory,
-    rank_from_env,
-    tensors_in,
-)
+from npukit.accuracy.dump import StatsBuffer
 from npukit.accuracy.event_file import ScalarEventFile, SummaryLayout
 from npukit.accuracy.monitor_alerts import Alert, AlertRules, Alerts, Record
 from npukit.errors import UserError
 from npukit.files import check_output_location, output_folder, refuse_links_inside
+from npukit.watch.hook_guard import hook_failed
+from npukit.watch.process import host_memory, npu_in_host_memory, rank_from_env
 from npukit.watch.steps import RunSteps
+from npukit.watch.tensors import tensors_in
 
 no_torch_function = torch._C.DisableTorchFunction  # a hook's own tensor reads skip any mode
 STAT_NAMES = ("max", "min", "mean", "norm", "nan", "inf")  # tensor_stats' order
@@ -693,7 +689,7 @@ def _adam_state_in_one_read(m: torch.Tensor, v: torch.Tensor, eps: float):
     """(m's statistics, v's, the norm of m / (sqrt(v) + eps)) from one read of fp32 host state, or
     None where torch's ops measure it (other dtypes or layouts, another device, nan/inf in it)."""
     if (m.dtype != torch.float32 or v.dtype != torch.float32 or m.numel() == 0 or m.shape != v.shape
-            or not m.is_contiguous() or not v.is_contiguous() or not _host_memory(m) or not _host_memory(v)):
+            or not m.is_contiguous() or not v.is_contiguous() or not host_memory(m) or not host_memory(v)):
         return None
     *figures, finite = adam_stats(m.data_ptr(), v.data_ptr(), m.numel(), eps)
     if not finite:

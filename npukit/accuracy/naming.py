@@ -223,6 +223,19 @@ class OperatorNames:
         return f"Tensor.{dunder}" if api.startswith("Tensor.") else api
 
 
+class MsprobeOpNames:
+    """How the dump and the overflow detector name the ops watch's op hooks (watch.op_hooks.ApiMode)
+    hand them: msprobe's api names (api_name_table, plus `extra`: func -> api name, e.g.
+    creation_table()), torch_npu's ops as NPU.*, and Python operators by their dunder."""
+
+    unlisted = staticmethod(npu_op_api_name)
+    operators = OperatorNames
+
+    def __init__(self, extra: dict | None = None) -> None:
+        table = api_name_table()
+        self.table = {**extra, **table} if extra else table
+
+
 def operator_op(base: str) -> str:
     """`Tensor.__add__` -> `Tensor.add`; any other api name unchanged."""
     prefix, _, name = base.rpartition(".")

@@ -45,29 +45,19 @@ from pathlib import Path
 import torch
 
 from npukit.accuracy import eager, naming
-from npukit.accuracy.dump import (
-    ApiMode,
-    StatsBuffer,
-    _failure_listeners,
-    _version,
-    describe_value,
-    fill_stats,
-    ops_ran,
-    rank_from_env,
-    real_view,
-    revive_hooks,
-    tensors_in,
-    unintercepted,
-    write_json,
-)
+from npukit.accuracy.dump import StatsBuffer, describe_value, fill_stats, write_json
 from npukit.accuracy.dumpfile import COMPILED_REGION, INTERNAL_ERROR
 from npukit.accuracy.graph import OpNodes
 from npukit.accuracy.stacks import CallStacks
-from npukit.accuracy.tensor_io import local_shard, strided_form, write_tensor
+from npukit.accuracy.tensor_io import write_tensor
 from npukit.console import number_ranges
 from npukit.errors import UserError
 from npukit.files import check_output_location
+from npukit.watch.hook_guard import add_failure_listener, remove_failure_listener, revive_hooks, unintercepted
+from npukit.watch.op_hooks import ApiMode
+from npukit.watch.process import rank_from_env
 from npukit.watch.steps import RecordedSteps
+from npukit.watch.tensors import local_shard, ops_ran, real_view, strided_form, tensor_version, tensors_in
 
 ACTIONS = ("report", "dump", "stop")
 LEVELS = ("api", "module")
@@ -206,7 +196,7 @@ class _Checks:
     def slots(self, tensor: torch.Tensor) -> tuple[tuple[int, ...], int | None]:
         """(slots of the finiteness check, slot of the non-zero count or None)."""
         key = id(tensor)
-        version = _version(tensor)
+        version = tensor_version(tensor)
         known = self.seen.get(key)
         if known is not None and known[0]() is tensor and known[1] == version:
             return known[2], known[3]
@@ -240,7 +230,7 @@ class _Checks:
 
     def remember(self, tensor: torch.Tensor, slots: tuple[int, ...], zero_slot: int | None = None) -> None:
         with contextlib.suppress(TypeError):
-            self.seen[id(tensor)] = (weakref.ref(tensor), _version(tensor), slots, zero_slot)
+            self.seen[id(tensor)] = (weakref.ref(tensor), tensor_version(tensor), slots, zero_slot)
 
     def resolve(self) -> list[float]:
         if self.pending:
@@ -430,7 +420,7 @@ class OverflowSession:
 
         self._active = self._checking = True
         revive_hooks(type(self).__name__)
-        _failure_listeners.append(self._on_hook_failed)
+        add_failure_listener(self._on_hook_failed)
         eager.enter("overflow detection", self._on_compiled_region)
         self._flag = _DeviceFlag()
         self._read_mode()
@@ -449,7 +439,7 @@ class OverflowSession:
         if self.level == "api":
             steps = self._steps
             self._mode = ApiMode(lambda: not steps.paused and not steps.scaler.inside, self._run_api,
-                                 naming.creation_table())
+                                 naming.MsprobeOpNames(naming.creation_table()))
             self._mode.__enter__()
         return self
 
@@ -470,8 +460,7 @@ class OverflowSession:
             return
         self._active = False
         eager.leave(self._on_compiled_region)
-        if self._on_hook_failed in _failure_listeners:
-            _failure_listeners.remove(self._on_hook_failed)
+        remove_failure_listener(self._on_hook_failed)
         try:
             self._resolve()
         finally:

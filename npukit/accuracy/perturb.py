@@ -31,6 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from npukit.errors import UserError
+from npukit.watch.process import rank_from_env
 
 # Mantissa bits of each precision an NPU run computes in (the unit roundoff is 2^-(bits + 1))
 MANTISSA_BITS = {"fp16": 10, "bf16": 7, "hf32": 10, "fp32": 23}
@@ -68,8 +69,6 @@ class PerturbSession:
 
     def __init__(self, precision: str, seed: int = 0, rank: int | None = None) -> None:
         check_precision(precision)
-        from npukit.accuracy.dump import rank_from_env
-
         self.precision = precision
         self.drop_bits = 23 - MANTISSA_BITS[precision]  # of fp32's mantissa
         self.cube_only = precision == "hf32"

@@ -71,6 +71,7 @@ from npukit.files import (
     refuse_links_inside,
     write_text_atomic,
 )
+from npukit.watch.process import rank_from_env
 
 MANIFEST = "replay.json"
 _FORMAT_VERSION = 2  # 2: forward calls are counted per root module, activations are not stored
@@ -87,8 +88,6 @@ def _rank() -> int | None:
     """This process's rank under torchrun (RANK set), else None."""
     if "RANK" not in os.environ:
         return None
-    from npukit.accuracy.dump import rank_from_env
-
     return rank_from_env()
 
 

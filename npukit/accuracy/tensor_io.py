@@ -95,6 +95,8 @@ def write_tensor(path: Path, tensor) -> None:
     if path.suffix == ".pt":
         import torch
 
+        from npukit.watch.tensors import strided_form
+
         with torch._C.DisableTorchFunction():
             compact = strided_form(tensor.detach()).to("cpu")  # the values the .npy form keeps too
             if compact.untyped_storage().nbytes() != compact.numel() * compact.element_size() \
@@ -458,39 +460,11 @@ def _default_pending_bytes() -> int:
     return max(64 << 20, min(2 << 30, memory // 8))
 
 
-def local_shard(tensor):
-    """What this rank holds, as a tensor with data of its own: a DTensor's local shard (FSDP2's
-    sharded parameters and their gradients, what DTensor ops return), the result of a functional
-    collective still in flight (tensor parallelism's outputs: AsyncCollectiveTensor, waited for);
-    any other tensor as it is."""
-    distributed_tensor = sys.modules.get("torch.distributed.tensor")
-    if distributed_tensor is not None and isinstance(tensor, distributed_tensor.DTensor):
-        tensor = tensor._local_tensor
-    functional = sys.modules.get("torch.distributed._functional_collectives")
-    if functional is not None and isinstance(tensor, functional.AsyncCollectiveTensor):
-        tensor = tensor.trigger_wait()
-    return tensor
-
-
-def strided_form(data):
-    """The same values as a plain strided tensor: sparse and mkldnn tensors made dense (the
-    implicit zeros are values too), quantized ones dequantized, a DTensor's local shard; None for
-    nested tensors."""
-    import torch
-
-    data = local_shard(data)
-    if data.is_nested:
-        return None
-    if data.is_quantized:
-        return data.dequantize()
-    if data.layout != torch.strided:
-        return data.to_dense()
-    return data
-
-
 def tensor_to_numpy(tensor):
     """Host numpy array holding the tensor's exact bits (bf16/float8 as raw unsigned integers)."""
     import torch
+
+    from npukit.watch.tensors import strided_form
 
     data = strided_form(tensor.detach())
     if data.device.type != "cpu":

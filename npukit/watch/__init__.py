@@ -3,7 +3,7 @@
 The dump, the overflow detector, the monitor and the profiler are clients of this layer: the
 profiler and accuracy/ import nothing of each other, and the device takes nothing of a reader, only
 the collective mark from here. (Inside accuracy/, the overflow detector and the monitor still take
-the dump's statistics buffer and hook guard from dump.py.)
+the dump's statistics buffer from dump.py.)
 
     scaler_steps.py   GradScalerStepWatch: GradScaler.step/unscale_/update, whether a step was skipped
     steps.py          TrainingSteps: where a training step ends (optimizer.step, GradScaler's steps;
@@ -15,4 +15,12 @@ the dump's statistics buffer and hook guard from dump.py.)
                       GradScaler.step: why they differ is in steps.py)
     stop.py           StopAfterStep: --stop-after-step N ends the run once step N (RunSteps') ended
     collectives.py    COLLECTIVE_MARK: the range the emulated device records around each collective
+    op_hooks.py       ApiMode: the TorchFunctionMode that hands every torch / functional / Tensor
+                      call to a reader's handler (the dump's, the overflow detector's), named as
+                      the reader says (accuracy.naming.MsprobeOpNames)
+    hook_guard.py     a reader's hook that fails is reported once and switched off, the run goes
+                      on (unintercepted, hook_failed, revive_hooks); readers listening are told
+    tensors.py        the tensors a hook is handed: tensors_in (nested arguments), tensor_version
+                      (and ops_ran, for inference tensors), real_view, local_shard, strided_form
+    process.py        rank_from_env; npu_in_host_memory, host_memory: where a read costs no sync
 """

@@ -15,6 +15,7 @@ from npukit.accuracy import dump as dump_module
 from npukit.accuracy.compare import compare_dirs
 from npukit.accuracy.dump import DumpSession
 from npukit.accuracy.overflow import OverflowSession
+from npukit.watch import hook_guard
 from tests.accuracy.test_journey import npukit
 
 WIDTH, HEADS, LAYERS, VOCAB, SEQ = 16, 2, 3, 32, 6
@@ -170,7 +171,7 @@ def test_an_internal_error_of_a_hook_is_written_into_the_dump_and_fails_the_comp
 
 
 def test_a_new_session_has_its_hooks_on_again_after_an_internal_error(tmp_path, npu, monkeypatch):
-    monkeypatch.setattr(dump_module, "_broken_hooks", {"DumpSession._record_api"})  # an earlier session's error
+    monkeypatch.setattr(hook_guard, "broken_hooks", {"DumpSession._record_api"})  # an earlier session's error
     with DumpSession(tmp_path, level="api", mode="stats"):
         nn.Identity()(torch.ones(2, device=npu))
         torch.relu(torch.ones(2, device=npu))

@@ -360,7 +360,7 @@ def test_a_cross_tool_compare_leaves_out_the_running_statistics_each_tool_measur
 def test_a_real_dump_an_internal_error_switched_off_makes_the_compare_say_so(inference_dump, tmp_path, monkeypatch):
     """The dump itself records the internal error that switched its api handler off (during
     layers.1: everything after it is missing), and the compare reads it."""
-    from npukit.accuracy import dump as dump_module
+    from npukit.watch import hook_guard
 
     torch.manual_seed(0)
     model, ids = TinyLM().eval(), torch.randint(0, 40, (2, 6))
@@ -373,7 +373,7 @@ def test_a_real_dump_an_internal_error_switched_off_makes_the_compare_say_so(inf
     model.layers[0].done = False
     model.layers[0].register_forward_hook(lambda module, args, output: setattr(module, "done", True))
     monkeypatch.setattr(DumpSession, "_tensor_leaf", fails_after_the_first_layer)
-    monkeypatch.setattr(dump_module, "_broken_hooks", set())
+    monkeypatch.setattr(hook_guard, "broken_hooks", set())
     target = tmp_path / "target"
     session = DumpSession(target, level="mix", mode="stats")
     session.start()

@@ -301,9 +301,9 @@ def _train_losses(session_factory, steps=3):
 def test_an_internal_error_in_a_hook_is_reported_once_and_the_run_goes_on(tmp_path, monkeypatch, capsys, tool, broken):
     import contextlib
 
-    from npukit.accuracy import dump as dump_module
     from npukit.accuracy.dump import DumpSession
     from npukit.accuracy.overflow import OverflowSession
+    from npukit.watch import hook_guard
 
     session_class = DumpSession if tool == "dump" else OverflowSession
     expected = _train_losses(contextlib.nullcontext)
@@ -312,7 +312,7 @@ def test_an_internal_error_in_a_hook_is_reported_once_and_the_run_goes_on(tmp_pa
         raise ZeroDivisionError("injected fault")
 
     monkeypatch.setattr(session_class, broken, fault)
-    monkeypatch.setattr(dump_module, "_broken_hooks", set())
+    monkeypatch.setattr(hook_guard, "broken_hooks", set())
     factory = (lambda: DumpSession(tmp_path / "d")) if tool == "dump" else (
         lambda: OverflowSession(tmp_path / "o", level="module" if "module" in broken else "api"))
     assert _train_losses(factory) == expected  # the run goes on, unchanged

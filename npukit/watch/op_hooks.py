@@ -1,0 +1,129 @@
+"""Op hooks: ApiMode, the TorchFunctionMode that sees every torch / functional / Tensor call of the
+run (torch itself is never patched) and hands it to a reader's handler; the dump and the overflow
+detector are its clients.
+
+What an op is called is the reader's to say (`names`: the dump's and the detector's are msprobe's,
+accuracy.naming.MsprobeOpNames); an op the names leave out runs unseen. A handler's error is the
+hook guard's (hook_guard): reported once, the handler switched off, the op's result returned.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from npukit.watch import hook_guard
+from npukit.watch.tensors import ops_ran
+
+_TORCH = os.sep + "torch" + os.sep
+_TORCH_DISTRIBUTED = _TORCH + "distributed" + os.sep
+# torch's own Python an op call may pass through between its caller and __torch_function__
+_THROUGH = tuple(_TORCH + name for name in ("overrides.py", "_tensor.py", "functional.py", "_jit_internal.py"))
+
+
+def _called_by_torch_distributed() -> bool:
+    """The op is called by torch.distributed's own Python (FSDP2 sharding and gathering parameters,
+    DDP's helpers), not by the model: not the user's op, and it may read a buffer a collective has
+    not filled yet (FSDP2 views its all-gather output, a torch.empty, before the gather: a correct
+    4-rank run compared as diverging on every rank with errors up to 1e40)."""
+    frame = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            return False
+        filename = frame.f_code.co_filename
+        if _TORCH_DISTRIBUTED in filename:
+            return True
+        if not filename.endswith(_THROUGH):
+            return False
+        frame = frame.f_back
+    return False
+
+
+class ApiMode(TorchFunctionMode):
+    """Hands each torch / functional / Tensor api call to `handle(api, run_op, args, kwargs)` while
+    `wanted()` is true; the handler runs the op itself, through run_op (between measuring its
+    inputs and its outputs).
+
+    names: how ops are named, with
+        table       op function -> its api name (the ops the handler is given)
+        unlisted    func -> an api name for an op the table lacks (torch_npu's), or None: not seen
+        operators   install() / uninstall() around the mode's life, take(api) -> the name of the op a
+                    Python operator called (`x + y` named apart from the Tensor.add it calls)
+
+    lift() takes it off the torch-function stack while an optimizer runs (its hundreds of update
+    ops would each pay a Python dispatch just to be ignored); restore() puts it back.
+    """
+
+    def __init__(self, wanted, handle, names) -> None:
+        super().__init__()
+        self._wanted = wanted
+        self._handle = handle
+        self._kind = getattr(handle, "__qualname__", "api handler")
+        self._table = names.table
+        self._unlisted = names.unlisted
+        self._operators = names.operators
+        self._lifted = False
+        self._names_operators = False
+
+    def __enter__(self):
+        self._operators.install()
+        self._names_operators = True
+        return super().__enter__()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        api = self._table.get(func) or self._unlisted(func)
+        if api is None or self._kind in hook_guard.broken_hooks or not self._wanted() \
+                or _called_by_torch_distributed():
+            return func(*args, **kwargs)
+        api = self._operators.take(api)
+        # The handler runs the op itself (between measuring inputs and outputs). An error of the op
+        # is the user's and propagates; an error of the handler is npukit's: reported once, the
+        # handler switched off, and the op's result returned (the op is never run twice).
+        ran: list = []
+
+        def run_op(*op_args, **op_kwargs):
+            try:
+                result = func(*op_args, **op_kwargs)
+            except BaseException as exc:
+                ran.append(exc)
+                raise
+            finally:
+                ops_ran()
+            ran.append(result)
+            return result
+
+        try:
+            return self._handle(api, run_op, args, kwargs)
+        except Exception as exc:
+            if getattr(exc, "npukit_propagate", False) or (ran and ran[0] is exc):
+                raise
+            hook_guard.hook_failed(self._kind, exc, api)
+            return ran[0] if ran else func(*args, **kwargs)
+
+    def _on_top(self) -> bool:
+        size = torch._C._len_torch_function_stack()
+        return bool(size) and torch._C._get_function_stack_at(size - 1) is self
+
+    def lift(self) -> None:
+        if self._on_top():
+            torch._C._pop_torch_function_stack()
+            self._lifted = True
+
+    def restore(self) -> None:
+        if self._lifted:
+            torch._C._push_on_torch_function_stack(self)
+            self._lifted = False
+
+    def close(self) -> None:
+        """Leave the stack. When another mode entered after this one is still active, this one
+        stays below it, passing every call through (its `wanted()` is false by then)."""
+        self.restore()
+        if self._on_top():
+            self.__exit__(None, None, None)
+        if self._names_operators:
+            self._operators.uninstall()
+            self._names_operators = False
