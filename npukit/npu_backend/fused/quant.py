@@ -22,6 +22,7 @@ torch.quint4x2 16 ...); torch.ops accepts a torch.dtype for them, as torch_npu's
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from npukit.npu_backend.fused import cube_matmul, fused_op, npu_numerics, round_intermediate
 
@@ -327,13 +328,34 @@ def npu_anti_quant(x, scale, *, offset=None, dst_dtype=None, src_dtype=None):
     if scale.dim() != 1 or scale.shape[0] not in (1, values.shape[-1]):
         raise ValueError(f"torch_npu.{op}: scale must be 1-D with 1 or {values.shape[-1]} values, got "
                          f"{tuple(scale.shape)}")
-    result = values.float()  # a fresh fp32 working tensor (from integers), updated in place
-    if offset is not None:
-        if offset.shape != scale.shape:
-            raise ValueError(f"torch_npu.{op}: offset must have scale's shape {tuple(scale.shape)}, got "
-                             f"{tuple(offset.shape)}")
-        result.add_(offset.float())
-    return result.mul_(scale.float()).to(target)
+    if offset is not None and offset.shape != scale.shape:
+        raise ValueError(f"torch_npu.{op}: offset must have scale's shape {tuple(scale.shape)}, got "
+                         f"{tuple(offset.shape)}")
+    return _dequantize_rows(values, scale.float(), None if offset is None else offset.float(), target)
+
+
+# fp32 elements of the dequantization's working tensor per block: 512 KB, within a core's L2
+_DEQUANT_BLOCK_ELEMENTS = 1 << 17
+
+
+def _dequantize_rows(values: torch.Tensor, scale32: torch.Tensor, offset32: torch.Tensor | None,
+                     target: torch.dtype) -> torch.Tensor:
+    """((values + offset) * scale) in fp32, rounded once to `target` (scale and offset along the
+    last dim). Computed a block of rows at a time in one reused fp32 buffer that stays in cache:
+    the same four elementwise passes (int -> fp32, + offset, * scale, round) as on the whole
+    tensor, without a fresh fp32 tensor of x's size that each pass streams through memory."""
+    rows = values.reshape(-1, values.shape[-1])
+    out = torch.empty(rows.shape, dtype=target, device=values.device)
+    # traced (fake tensors): one block, no loop over symbolic sizes
+    block_rows = rows.shape[0] if is_fake(values) else max(1, _DEQUANT_BLOCK_ELEMENTS // max(1, rows.shape[1]))
+    buffer = torch.empty((min(block_rows, rows.shape[0]), rows.shape[1]), dtype=torch.float32, device=values.device)
+    for row_block, out_block in zip(rows.split(block_rows), out.split(block_rows)):
+        working = buffer[:row_block.shape[0]]
+        working.copy_(row_block)
+        if offset32 is not None:
+            working.add_(offset32)
+        out_block.copy_(working.mul_(scale32))
+    return out.reshape(values.shape)
 
 
 # ---- quantized matmuls ---------------------------------------------------------------------------
