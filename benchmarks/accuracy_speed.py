@@ -34,8 +34,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from npukit.accuracy.compare import compare_dirs  # noqa: E402
-from npukit.accuracy.dump import DumpSession, write_json  # noqa: E402
+from npukit.accuracy.dump import DumpSession  # noqa: E402
 from npukit.accuracy.tensor_io import write_tensor  # noqa: E402
+from npukit.files import write_json  # noqa: E402
 
 
 class Block(nn.Module):

@@ -63,6 +63,12 @@ def write_text_atomic(path: Path | str, text: str) -> None:
         handle.write(text)
 
 
+def write_json(path: Path | str, payload) -> None:
+    """Write JSON atomically and compactly: readers never see a half-written dump.json."""
+    # json.dumps, not json.dump: only the one-shot encoder runs in C (5x faster on big dumps).
+    write_text_atomic(path, json.dumps(payload, separators=(",", ":")))
+
+
 class ContainedPaths:
     """Paths named inside an input folder (a dump's data_name, a replay's tensor file), resolved so
     that they stay inside it: `..`, absolute names and symlinks leading out are refused with a

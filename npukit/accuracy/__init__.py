@@ -5,7 +5,9 @@ Modules, and what other parts of npukit (the overflow detector) can reuse:
 - `naming`     msprobe entry names: api_name_table (torch function -> "Functional.relu"),
                CallCounter, api_entry_name, module_entry_name, split_entry_name.
 - `tensor_io`  pickle-free .npy tensor files exact for bf16/float8: write_tensor, read_tensor.
-- `dump`       DumpSession (hooks, step detection, dump.json writer), tensor_stats, write_json.
+- `dump`       DumpSession: records the ops and modules npukit.watch hands it, writes dump.json.
+- `dump_leaves` a dump.json leaf as its writers (dump, overflow detector) fill it: fill_stats,
+               describe_value.
 - `replay`     ReplaySession: same initial weights and first batches in two runs.
 - `dumpfile`   readers for npukit and msprobe dump directories.
 - `metrics`    fp64 chunked, multi-process tensor comparison.

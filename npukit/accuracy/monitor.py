@@ -15,7 +15,7 @@ the norm of the weight before the update); per step the loss (the tensor backwar
 called on, unscaled), the total gradient norm and GradScaler's loss scale.
 
 Statistics are computed on the tensor's device as the dump computes them (one pass on host memory)
-and fetched with one device->host copy per step (dump.StatsBuffer). A writer thread appends
+and fetched with one device->host copy per step (watch.tensor_stats.StatsBuffer). A writer thread appends
 them to DIR/rank{R}/monitor.csv, scalars.csv and a TensorBoard event file as the run goes; at most
 two steps wait for it, so memory stays bounded however long the run. Alerts (monitor_alerts) are
 printed once each and appended to DIR/rank{R}/alerts.csv.
@@ -42,7 +42,6 @@ import torch
 from npukit.accuracy import eager, naming
 from npukit.accuracy._stats import adam_stats
 from npukit.accuracy._tensor_stats import csv_rows, host_stats
-from npukit.accuracy.dump import StatsBuffer
 from npukit.accuracy.event_file import ScalarEventFile, SummaryLayout
 from npukit.accuracy.monitor_alerts import Alert, AlertRules, Alerts, Record
 from npukit.errors import UserError
@@ -50,6 +49,7 @@ from npukit.files import check_output_location, output_folder, refuse_links_insi
 from npukit.watch.hook_guard import hook_failed
 from npukit.watch.process import host_memory, npu_in_host_memory, rank_from_env
 from npukit.watch.steps import RunSteps
+from npukit.watch.tensor_stats import StatsBuffer
 from npukit.watch.tensors import tensors_in
 
 no_torch_function = torch._C.DisableTorchFunction  # a hook's own tensor reads skip any mode

@@ -45,18 +45,19 @@ from pathlib import Path
 import torch
 
 from npukit.accuracy import eager, naming
-from npukit.accuracy.dump import StatsBuffer, describe_value, fill_stats, write_json
+from npukit.accuracy.dump_leaves import describe_value, fill_stats
 from npukit.accuracy.dumpfile import COMPILED_REGION, INTERNAL_ERROR
 from npukit.accuracy.graph import OpNodes
 from npukit.accuracy.stacks import CallStacks
 from npukit.accuracy.tensor_io import write_tensor
 from npukit.console import number_ranges
 from npukit.errors import UserError
-from npukit.files import check_output_location
+from npukit.files import check_output_location, write_json
 from npukit.watch.hook_guard import add_failure_listener, remove_failure_listener, revive_hooks, unintercepted
 from npukit.watch.op_hooks import ApiMode
 from npukit.watch.process import rank_from_env
 from npukit.watch.steps import RecordedSteps
+from npukit.watch.tensor_stats import StatsBuffer
 from npukit.watch.tensors import local_shard, ops_ran, real_view, strided_form, tensor_version, tensors_in
 
 ACTIONS = ("report", "dump", "stop")

@@ -2,8 +2,8 @@
 
 The dump, the overflow detector, the monitor and the profiler are clients of this layer: the
 profiler and accuracy/ import nothing of each other, and the device takes nothing of a reader, only
-the collective mark from here. (Inside accuracy/, the overflow detector and the monitor still take
-the dump's statistics buffer from dump.py.)
+the collective mark from here. Inside accuracy/, the dump, the overflow detector and the monitor
+take what they share from here too, none from another's module.
 
     scaler_steps.py   GradScalerStepWatch: GradScaler.step/unscale_/update, whether a step was skipped
     steps.py          TrainingSteps: where a training step ends (optimizer.step, GradScaler's steps;
@@ -23,4 +23,7 @@ the dump's statistics buffer from dump.py.)
     tensors.py        the tensors a hook is handed: tensors_in (nested arguments), tensor_version
                       (and ops_ran, for inference tensors), real_view, local_shard, strided_form
     process.py        rank_from_env; npu_in_host_memory, host_memory: where a read costs no sync
+    tensor_stats.py   tensor_stats: max, min, mean, norm, nan and inf counts on the tensor's device
+                      (one pass on host memory, with accuracy's compiled kernels); StatsBuffer: a
+                      step's statistics fetched with one device->host copy
 """

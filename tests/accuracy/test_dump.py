@@ -9,9 +9,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from npukit.accuracy import naming
-from npukit.accuracy.dump import DumpSession, parse_steps, tensor_stats
+from npukit.accuracy.dump import DumpSession, parse_steps
 from npukit.accuracy.tensor_io import read_tensor
 from npukit.errors import UserError
+from npukit.watch.tensor_stats import tensor_stats
 
 from .models import train
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from npukit.accuracy._tensor_stats import host_stats
-from npukit.accuracy.dump import tensor_stats
+from npukit.watch.tensor_stats import tensor_stats
 
 pytestmark = pytest.mark.usefixtures("npu")
 
