@@ -55,6 +55,8 @@ class FusedOp:
 
 
 REGISTRY: dict[str, FusedOp] = {}
+# Each op's kernel for the npu and CPU keys (one function for both), by op name ("op" or "op.overload").
+BACKEND_KERNELS: dict[str, Callable] = {}
 
 
 def fused_op(schema: str, *, unfused: str, fake: Callable | bool = True, public: bool = True,
@@ -81,6 +83,7 @@ def fused_op(schema: str, *, unfused: str, fake: Callable | bool = True, public:
         elif fake:
             torch.library.register_fake(qualified, fake, lib=_LIBRARY)
         REGISTRY[name] = FusedOp(name, family or kernel.__module__.rsplit(".", 1)[-1], unfused, public)
+        BACKEND_KERNELS[name] = kernel
         return kernel
 
     return register
@@ -95,11 +98,13 @@ def register_autograd(name: str, backward: Callable, setup_context: Callable) ->
 NO_DERIVATIVE: set[str] = set()
 
 
-def register_no_derivative(name: str) -> None:
+def register_no_derivative(name: str, kernel: Callable | None = None) -> None:
     """Backward of an op torch_npu gives no autograd formula (its libtorch_npu has no
     Npu<Op>Backward0): the real op's grad_fn raises "the derivative ... is not implemented" when
     backpropagated through, so the emulator raises too instead of differentiating its Python
-    decomposition (which would train here and fail on the device)."""
+    decomposition (which would train here and fail on the device).
+
+    `kernel`: the op's npu/CPU kernel when `fused_op` did not register it (an overload)."""
 
     packet_name, _, overload = name.partition(".")  # an overload ("op.List") is named by its op
     message = (f"the derivative for torch_npu.{packet_name} is not implemented: torch_npu defines no backward for it "
@@ -115,7 +120,8 @@ def register_no_derivative(name: str) -> None:
     op = getattr(getattr(torch.ops.npu, packet_name), overload or "default")
     if torch._library.utils.has_kwarg_only_tensors(op._schema):
         # torch.library.register_autograd refuses keyword-only tensors: the same, by hand
-        _LIBRARY.impl(name, _raising_autograd_kernel(op, message), "Autograd")
+        _LIBRARY.impl(name, _raising_autograd_kernel(op, message, kernel or BACKEND_KERNELS.get(name)), "Autograd",
+                      with_keyset=True)
     else:
         register_autograd(name, backward, setup)
     NO_DERIVATIVE.add(name)
@@ -136,16 +142,55 @@ class _NoDerivative(torch.autograd.Function):
         raise NotImplementedError(ctx.message)
 
 
-def _raising_autograd_kernel(op: torch._ops.OpOverload, message: str) -> Callable:
-    def kernel(*args, **kwargs):
-        with torch._C._AutoDispatchBelowAutograd():
-            outputs = op(*args, **kwargs)
-        if not torch.is_grad_enabled():
-            return outputs
-        # a schema's arguments nest one level at most (Tensor[]): no pytree walk on every call
-        inputs = [leaf for value in (*args, *kwargs.values())
-                  for leaf in (value if isinstance(value, (list, tuple)) else (value,))
-                  if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+# The keys below autograd that a call to an op with no derivative may pass through on its way to the
+# op's own npu/CPU kernel (BACKEND_KERNELS) and still have it called directly.
+_BELOW_AUTOGRAD = torch._C._after_autograd_keyset.remove(torch._C.DispatchKey.ADInplaceOrView)
+_BACKEND_KEYS = (torch._C.DispatchKey.PrivateUse1, torch._C.DispatchKey.CPU)
+_reaches_backend_directly: dict[int, bool] = {}  # by the call's dispatch key set (its raw bits)
+_Tensor = torch.Tensor
+
+
+def _calls_backend_directly(keyset: torch._C.DispatchKeySet) -> bool:
+    """Nothing sits between autograd and the npu/CPU kernel in this call: no dispatch mode, tensor
+    subclass, functionalization or tracing (each adds its key) and no meta tensor."""
+    bits = keyset.raw_repr()
+    direct = _reaches_backend_directly.get(bits)
+    if direct is None:
+        direct = _reaches_backend_directly[bits] = (keyset & _BELOW_AUTOGRAD).highestPriorityTypeId() in _BACKEND_KEYS
+    return direct
+
+
+def _inputs_requiring_grad(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensor arguments that require grad (a schema's arguments nest one level at most: Tensor[])."""
+    inputs = []
+    for values in (args, kwargs.values()):
+        for value in values:
+            if value is None:  # most optional arguments: skipped first, this runs on every call
+                continue
+            if isinstance(value, _Tensor):
+                if value.requires_grad:
+                    inputs.append(value)
+            elif isinstance(value, (list, tuple)):
+                for leaf in value:
+                    if isinstance(leaf, _Tensor) and leaf.requires_grad:
+                        inputs.append(leaf)
+    return inputs
+
+
+def _raising_autograd_kernel(op: torch._ops.OpOverload, message: str, backend_kernel: Callable | None) -> Callable:
+    def kernel(keyset, *args, **kwargs):
+        inputs = _inputs_requiring_grad(args, kwargs) if torch.is_grad_enabled() else ()
+        if backend_kernel is not None and _calls_backend_directly(keyset):
+            # the npu/CPU kernel is called here, as the dispatcher would call it, without a second trip
+            # through the dispatcher (each converts all the schema's arguments); with no input to track
+            # there is no autograd history to keep out of it either
+            if not inputs:
+                return backend_kernel(*args, **kwargs)
+            with torch._C._AutoDispatchBelowAutograd():
+                outputs = backend_kernel(*args, **kwargs)
+        else:
+            with torch._C._AutoDispatchBelowAutograd():
+                outputs = op(*args, **kwargs)
         if not inputs:
             return outputs
         single = isinstance(outputs, torch.Tensor)

@@ -54,6 +54,20 @@ def _alignment(tensor: torch.Tensor) -> int:
     return _ALIGNMENT_BYTES // tensor.element_size()
 
 
+def _aligned(tensor: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """`tensor` as torch._grouped_mm takes it: zero-padded so that each of `dims` spans a multiple
+    of 16 bytes, with aligned strides. A contiguous tensor whose `dims` are aligned already (the
+    usual case) is returned as it is without the general checks, which cost per call."""
+    if tensor.is_contiguous():
+        alignment, shape = _alignment(tensor), tensor.shape
+        for dim in dims:
+            if shape[dim] % alignment:
+                break
+        else:
+            return tensor
+    return _with_aligned_strides(_pad_to_alignment(tensor, dims))
+
+
 def _pad_to_alignment(tensor: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     """`tensor` zero-padded so that each of `dims` spans a multiple of 16 bytes (zeros add nothing
     to a product; the caller slices the padding off the result)."""
@@ -75,7 +89,9 @@ def _with_aligned_strides(tensor: torch.Tensor) -> torch.Tensor:
 def _is_fake(tensor: torch.Tensor) -> bool:
     """Tracing (torch.compile's fake tensors): torch._grouped_mm's meta kernel takes bf16 only, so
     the traced grouped matmuls are given their shape directly."""
-    return is_fake(tensor) or tensor.device.type == "meta"
+    if type(tensor) is torch.Tensor:  # a plain tensor is fake only on the meta device
+        return tensor.is_meta
+    return is_fake(tensor) or tensor.is_meta
 
 
 def grouped_rows_matmul(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -87,9 +103,7 @@ def grouped_rows_matmul(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Te
     if _is_fake(x):
         return x.new_empty(rows, n)
     grouped_rows = _check_offsets(offsets, rows, "x.size(0)")
-    x_ready = _with_aligned_strides(_pad_to_alignment(x, (1,)))
-    weight_ready = _with_aligned_strides(_pad_to_alignment(weight, (1, 2)))
-    out = torch._grouped_mm(x_ready, weight_ready, offs=offsets)
+    out = torch._grouped_mm(_aligned(x, (1,)), _aligned(weight, (1, 2)), offs=offsets)
     if out.shape[1] != n:
         out = out[:, :n]
     if grouped_rows < rows:
@@ -104,16 +118,15 @@ def grouped_reduce_matmul(a32: torch.Tensor, b32: torch.Tensor, offsets: torch.T
     if _is_fake(a32):
         return a32.new_empty(offsets.shape[0], m, n)
     _check_offsets(offsets, a32.shape[1], "the K of x")
-    a_ready = _with_aligned_strides(_pad_to_alignment(a32, (0, 1)))
-    b_ready = _with_aligned_strides(_pad_to_alignment(b32, (0, 1)))
-    return torch._grouped_mm(a_ready, b_ready, offs=offsets)[:, :m, :n]
+    return torch._grouped_mm(_aligned(a32, (0, 1)), _aligned(b32, (0, 1)), offs=offsets)[:, :m, :n]
 
 
 def _check_offsets(offsets: torch.Tensor, limit: int, what: str) -> int:
     """The groups must tile a prefix of the split dim (torch._grouped_mm would read past it); returns
     the prefix's length (host memory: reading the offsets costs no device sync)."""
     ends = offsets.tolist()
-    if any(end < start for start, end in zip([0] + ends[:-1], ends)) or ends[-1] > limit:
+    # non-negative sizes: cumulative ends from >= 0, non-decreasing
+    if ends[0] < 0 or ends != sorted(ends) or ends[-1] > limit:
         raise ValueError(f"{_GMM}: group_list must give non-negative group sizes summing to at most {what} "
                          f"({limit}); as cumulative ends it is {ends}")
     return ends[-1]
@@ -129,7 +142,7 @@ def group_of_rows(offsets: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch
 def _offsets(group_list: torch.Tensor, group_list_type: int) -> torch.Tensor:
     """group_list as the cumulative row ends torch._grouped_mm takes (int32)."""
     ends = group_list if group_list_type == 0 else torch.cumsum(group_list, 0)
-    return ends.to(torch.int32)
+    return ends if ends.dtype == torch.int32 else ends.to(torch.int32)
 
 
 # ---- npu_grouped_matmul -----------------------------------------------------------------------
@@ -195,20 +208,26 @@ def _stacked_bias(bias, experts: int) -> torch.Tensor | None:
     return stacked
 
 
-def _split_m(x, weight, bias, offsets, split_item, out_dtype, counts):
+def _split_m(x, weight, bias, group_list, group_list_type, split_item, out_dtype, counts):
     """One x split along M by group_list, group e times weight e (group_type 0)."""
     if x[0].dim() != 2:
         raise ValueError(f"{_GMM}: with a group_list, x must be 2-D [M, K], got {tuple(x[0].shape)}")
     stacked = _stacked_weight(weight)
-    if offsets.numel() != stacked.shape[0]:
-        raise ValueError(f"{_GMM}: group_list has {offsets.numel()} groups but weight has {stacked.shape[0]}")
+    if group_list.numel() != stacked.shape[0]:
+        raise ValueError(f"{_GMM}: group_list has {group_list.numel()} groups but weight has {stacked.shape[0]}")
     stacked_bias = _stacked_bias(bias, stacked.shape[0])
     if stacked_bias is None and x[0].dtype == stacked.dtype == out_dtype == torch.bfloat16:
         # bf16 read, fp32 accumulation, one rounding: torch._grouped_mm does exactly that, without
         # fp32 copies of x and the weights (fp16 goes through fp32: its cast applies saturation)
+        offsets = _offsets(group_list, group_list_type)
         out = grouped_rows_matmul(x[0], stacked, offsets)
         return [out] if split_item in (2, 3) else _per_group(out, offsets, counts)
-    out = grouped_rows_matmul(_fp32(x[0]), _fp32(stacked), offsets)
+    # the large fp32 copies before the small offsets tensor: in the other order glibc's heap gave
+    # their memory back after each call and faulted it in again (~40 page faults a call, measured)
+    x32, weight32 = _fp32(x[0]), _fp32(stacked)
+    offsets = _offsets(group_list, group_list_type)
+    out = grouped_rows_matmul(x32, weight32, offsets)
+    del x32, weight32
     if stacked_bias is not None:
         group, in_a_group = group_of_rows(offsets, out.shape[0])
         out = out + _fp32(stacked_bias)[group] * in_a_group.unsqueeze(1)
@@ -274,7 +293,7 @@ def grouped_matmul_forward(x, weight, bias, group_list, split_item, group_type, 
             raise ValueError(f"{_GMM}: group_type=2 needs a group_list")
         return _split_k(x, weight, bias, _offsets(group_list, group_list_type), split_item, out_dtype)
     if group_list is not None and len(x) == 1 and (group_type == 0 or len(weight) > 1 or weight[0].dim() == 3):
-        return _split_m(x, weight, bias, _offsets(group_list, group_list_type), split_item, out_dtype, counts)
+        return _split_m(x, weight, bias, group_list, group_list_type, split_item, out_dtype, counts)
     if group_list is None and len(x) == 1 and (len(weight) > 1 or weight[0].dim() == 3):
         raise ValueError(f"{_GMM}: one x with {len(weight)} weight groups needs a group_list")
     return _per_list(x, weight, bias, split_item, out_dtype)
@@ -299,9 +318,12 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
                        x_dtype=None, weight_dtype=None, scale_dtype=None, per_token_scale_dtype=None):
     split_item = 0 if split_item is None else split_item
     group_list_type = 0 if group_list_type is None else group_list_type
-    extras = dict(zip(_QUANT_ARGUMENTS, (scale, offset, antiquant_scale, antiquant_offset, per_token_scale,
-                                         activation_input, activation_quant_scale, activation_quant_offset)))
-    extras.update(zip(_FP8_DTYPE_ARGUMENTS, (x_dtype, weight_dtype, scale_dtype, per_token_scale_dtype)))
+    unsupported = (scale, offset, antiquant_scale, antiquant_offset, per_token_scale, activation_input,
+                   activation_quant_scale, activation_quant_offset, x_dtype, weight_dtype, scale_dtype,
+                   per_token_scale_dtype)
+    # named only when one is given (the error names it): no dict built on every call
+    extras = {} if all(value is None for value in unsupported) else dict(
+        zip(_QUANT_ARGUMENTS + _FP8_DTYPE_ARGUMENTS, unsupported))
     if group_type is None:
         raise ValueError(f"{_GMM}: group_type must be -1, 0 or 2 when group_list is a tensor or None "
                          f"(only the int-list group_list form leaves it None)")
@@ -351,7 +373,7 @@ torch.library.register_fake(f"{NAMESPACE}::npu_grouped_matmul.List", npu_grouped
 # whose backward is two more grouped matmuls, M-split for dx and K-split (group_type=2) for dweight,
 # as MindSpeed's gmm does. The emulator refuses the backward as the device does.
 register_no_derivative("npu_grouped_matmul")
-register_no_derivative("npu_grouped_matmul.List")
+register_no_derivative("npu_grouped_matmul.List", npu_grouped_matmul_list)
 
 
 # ---- npu_bmmV2 -------------------------------------------------------------------------------------
