@@ -176,11 +176,12 @@ def grouped_matmul_case(device, dtype=torch.float32):
                 why={**{dtype: "the same bf16/fp32 GEMMs on both sides (torch._grouped_mm, a loop of mm); "
                                + CALL_OVERHEAD.format(what="group_list") for dtype in (torch.float32, torch.bfloat16)},
                      torch.float16: "fp32 accumulation with the device's saturating fp16 cast: the kernel multiplies "
-                                    "fp32 copies of x and the weights (a 2 MB fp32 copy of the [8, 256, 256] weights "
-                                    "each call, ~0.15 ms, and up to ~100 page faults a call when the allocator gives "
-                                    "that memory back between calls), where a CPU with AVX512-FP16 multiplies the "
-                                    "fp16 weights directly in the decomposition; the same-numerics decomposition "
-                                    "copies them too"})
+                                    "fp32 copies of x and the weights (the [8, 256, 256] weights' 2 MB copy alone "
+                                    "~0.15 ms a call) into an fp32 result, where a CPU with AVX512-FP16 multiplies "
+                                    "the fp16 tensors directly in the decomposition; and glibc gives the 3 MB these "
+                                    "take back to the system between calls here (40-100 page faults a call, counted "
+                                    "with getrusage, against 0-10 in the same-numerics decomposition, which makes the "
+                                    "same copies but smaller allocations), plus the custom op's fixed cost"})
 
 
 def dynamic_quant_case(device, dtype=torch.float32):

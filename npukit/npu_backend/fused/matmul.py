@@ -208,26 +208,20 @@ def _stacked_bias(bias, experts: int) -> torch.Tensor | None:
     return stacked
 
 
-def _split_m(x, weight, bias, group_list, group_list_type, split_item, out_dtype, counts):
+def _split_m(x, weight, bias, offsets, split_item, out_dtype, counts):
     """One x split along M by group_list, group e times weight e (group_type 0)."""
     if x[0].dim() != 2:
         raise ValueError(f"{_GMM}: with a group_list, x must be 2-D [M, K], got {tuple(x[0].shape)}")
     stacked = _stacked_weight(weight)
-    if group_list.numel() != stacked.shape[0]:
-        raise ValueError(f"{_GMM}: group_list has {group_list.numel()} groups but weight has {stacked.shape[0]}")
+    if offsets.numel() != stacked.shape[0]:
+        raise ValueError(f"{_GMM}: group_list has {offsets.numel()} groups but weight has {stacked.shape[0]}")
     stacked_bias = _stacked_bias(bias, stacked.shape[0])
     if stacked_bias is None and x[0].dtype == stacked.dtype == out_dtype == torch.bfloat16:
         # bf16 read, fp32 accumulation, one rounding: torch._grouped_mm does exactly that, without
         # fp32 copies of x and the weights (fp16 goes through fp32: its cast applies saturation)
-        offsets = _offsets(group_list, group_list_type)
         out = grouped_rows_matmul(x[0], stacked, offsets)
         return [out] if split_item in (2, 3) else _per_group(out, offsets, counts)
-    # the large fp32 copies before the small offsets tensor: in the other order glibc's heap gave
-    # their memory back after each call and faulted it in again (~40 page faults a call, measured)
-    x32, weight32 = _fp32(x[0]), _fp32(stacked)
-    offsets = _offsets(group_list, group_list_type)
-    out = grouped_rows_matmul(x32, weight32, offsets)
-    del x32, weight32
+    out = grouped_rows_matmul(_fp32(x[0]), _fp32(stacked), offsets)
     if stacked_bias is not None:
         group, in_a_group = group_of_rows(offsets, out.shape[0])
         out = out + _fp32(stacked_bias)[group] * in_a_group.unsqueeze(1)
@@ -293,7 +287,7 @@ def grouped_matmul_forward(x, weight, bias, group_list, split_item, group_type, 
             raise ValueError(f"{_GMM}: group_type=2 needs a group_list")
         return _split_k(x, weight, bias, _offsets(group_list, group_list_type), split_item, out_dtype)
     if group_list is not None and len(x) == 1 and (group_type == 0 or len(weight) > 1 or weight[0].dim() == 3):
-        return _split_m(x, weight, bias, group_list, group_list_type, split_item, out_dtype, counts)
+        return _split_m(x, weight, bias, _offsets(group_list, group_list_type), split_item, out_dtype, counts)
     if group_list is None and len(x) == 1 and (len(weight) > 1 or weight[0].dim() == 3):
         raise ValueError(f"{_GMM}: one x with {len(weight)} weight groups needs a group_list")
     return _per_list(x, weight, bias, split_item, out_dtype)
