@@ -121,13 +121,15 @@ def _attention_costs() -> dict:
                                 "bf16"}
     if not torch.cpu._is_amx_tile_supported():
         return {}
-    return {torch.bfloat16: "this CPU has AMX: the decomposition's bf16 matmuls run on its AMX tiles (oneDNN), the "
-                            "emulator's 7 fp32-accumulating bf16 matmuls on AVX512-BF16 dot products in C++ (the "
-                            "CPU's bf16 GEMM returns only bf16, and torch 2.13 has no CPU out_dtype kernel)",
-            torch.float16: "the probabilities P, and dS, are rounded to fp16 and back for their fp32 matmuls "
-                           "(two copies of a [B*N, S, S] tensor each, three times a step), as the same-numerics "
-                           "decomposition rounds them, while this CPU (AVX512-FP16) multiplies fp16 directly in "
-                           "the fp16 decomposition"}
+    return {torch.bfloat16: "both sides' bf16 products run on this CPU's AMX tiles (the emulator's through oneDNN's "
+                            "brgemm, fp32 sums), but the emulator keeps the kernel's fp32 intermediates: the scores, "
+                            "the softmax and P, dP and dS are [B*N, S, S] fp32 tensors written and read about ten "
+                            "times a step (the kernel's softmax in fp32), where the bf16 decomposition's are bf16 "
+                            "and fewer",
+            torch.float16: "the probabilities P, and dS, are rounded to fp16 in one pass each, as the same-numerics "
+                           "decomposition rounds them, for fp32 matmuls on fp32 copies (exact fp16 products, fp32 "
+                           "sums: no CPU fp16 GEMM returns fp32), while this CPU (AVX512-FP16) multiplies fp16 "
+                           "directly in the fp16 decomposition"}
 
 
 def attention_case(device, dtype=torch.float32):

@@ -8,6 +8,7 @@
 
 #include <ATen/OpMathType.h>
 #include <ATen/Version.h>
+#include <ATen/native/CPUBlas.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/extension.h>
 
@@ -163,6 +164,30 @@ at::Tensor scaled_masked_softmax_backward(const at::Tensor& dy, const at::Tensor
   return dx;
 }
 
+// An fp32 intermediate the kernel keeps in fp16 (fused.round_intermediate), rounded to fp16 and back in
+// one pass, into out (x itself when not given); on the npu, a value the rounding makes non-finite
+// saturates as the device's fp16 results do (saturation mode).
+at::Tensor round_to_half(const at::Tensor& x, const std::optional<at::Tensor>& out) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "round_to_half: a contiguous fp32 tensor, got ",
+              x.scalar_type());
+  TORCH_CHECK(!out || (out->scalar_type() == at::kFloat && out->is_contiguous() && out->sizes() == x.sizes() &&
+                       out->device() == x.device()),
+              "round_to_half: out must be a contiguous fp32 tensor of x's shape on its device");
+  const at::Tensor result = out ? *out : x;
+  const at::Tensor x_cpu = cpu_alias(x), result_cpu = cpu_alias(result);
+  bool not_finite;
+  {
+    pybind11::gil_scoped_release no_gil;
+    not_finite = kernels().round_to_half(x_cpu, result_cpu);
+  }
+  if (not_finite && x.is_privateuseone() && g_saturation.load(std::memory_order_relaxed)) {
+    g_overflow_flag = true;
+    constexpr double kHalfMax = 65504.0;
+    result_cpu.nan_to_num_(0.0, kHalfMax, -kHalfMax);
+  }
+  return result;
+}
+
 // MoE routing: the stable order of the flat expert ids (int32, each in [start, end)) by expert, as
 // torch.argsort(ids, stable=True) gives it (equal ids keep their flat order), and each expert's count
 // (int64), by a counting sort: one pass to count, one to place (argsort's comparison sort costs ~10x).
@@ -203,15 +228,22 @@ bool has_bf16_dot_product() {
 #endif
 }
 
+// Does the CPU have AMX for bf16 (oneDNN's brgemm runs on its tiles)? Off: bf16_matmul on vdpbf16ps.
+bool has_amx_bf16() { return has_bf16_dot_product() && at::native::cpublas::could_pack(at::kBFloat16); }
+
 // alpha * a @ b (+ bias) of a [batches, M, K] (bf16, or fp32 rounded to bf16) and bf16 b [batches, K, N]
 // (any strides), the products exact and summed in fp32 as the cube unit computes, rounded once to
 // out_dtype (fp32 or bf16); on the operands' device. Where the bias is `masked`, the result is `masked`.
 // With row_offset ([batches, M]), the result x is exp(clamp(x - row_offset, -87, 0)) and 0 where masked;
-// with probabilities too ([batches, M, N]), probabilities * (x - row_offset).
+// with probabilities too ([batches, M, N]), probabilities * (x - row_offset). on_amx (where the CPU has AMX,
+// by default): the products on the AMX tiles (oneDNN's brgemm), else on vdpbf16ps.
 at::Tensor bf16_matmul(const at::Tensor& a, const at::Tensor& b, double alpha, const std::optional<at::Tensor>& bias,
                        std::optional<double> masked, const std::optional<at::Tensor>& row_offset,
-                       const std::optional<at::Tensor>& probabilities, at::ScalarType out_dtype) {
+                       const std::optional<at::Tensor>& probabilities, at::ScalarType out_dtype,
+                       std::optional<bool> on_amx) {
   TORCH_CHECK(has_bf16_dot_product(), "bf16_matmul: this CPU has no AVX512-BF16 (see has_bf16_dot_product)");
+  TORCH_CHECK(!on_amx.value_or(false) || has_amx_bf16(), "bf16_matmul: on_amx on a CPU without AMX (see has_amx_bf16)");
+  const bool amx = on_amx.value_or(has_amx_bf16());
   TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && a.size(0) == b.size(0) && a.size(2) == b.size(1),
               "bf16_matmul: a [batches, M, K] and b [batches, K, N], got ", a.sizes(), " and ", b.sizes());
   TORCH_CHECK((a.scalar_type() == at::kBFloat16 || a.scalar_type() == at::kFloat) && b.scalar_type() == at::kBFloat16,
@@ -248,7 +280,7 @@ at::Tensor bf16_matmul(const at::Tensor& a, const at::Tensor& b, double alpha, c
 #if defined(__x86_64__)
   {
     pybind11::gil_scoped_release no_gil;
-    AVX512BF16::bf16_matmul(a_cpu, b_cpu, bias_cpu, masked, offset_cpu, probabilities_cpu, out_cpu, alpha);
+    AVX512BF16::bf16_matmul(a_cpu, b_cpu, bias_cpu, masked, offset_cpu, probabilities_cpu, out_cpu, alpha, amx);
   }
 #endif
   return out;
@@ -266,17 +298,23 @@ void bind(pybind11::module& m) {
         "npu_scaled_masked_softmax's kernel (fused/softmax.py)");
   m.def("scaled_masked_softmax_backward", &scaled_masked_softmax_backward,
         "npu_scaled_masked_softmax_backward's kernel (fused/softmax.py)");
+  m.def("round_to_half", &round_to_half, pybind11::arg("x"), pybind11::arg("out") = pybind11::none(),
+        "fp32 x rounded to fp16 and back in one pass, in place or into out (fused/attention.py)");
   m.def("has_bf16_dot_product", &has_bf16_dot_product,
         "whether the CPU has AVX512-BF16, which bf16_matmul needs");
+  m.def("has_amx_bf16", &has_amx_bf16, "whether bf16_matmul runs on the CPU's AMX tiles (oneDNN's brgemm)");
   m.def("bf16_matmul", [](const at::Tensor& a, const at::Tensor& b, double alpha, const std::optional<at::Tensor>& bias,
                           std::optional<double> masked, const std::optional<at::Tensor>& row_offset,
-                          const std::optional<at::Tensor>& probabilities, const pybind11::object& out_dtype) {
+                          const std::optional<at::Tensor>& probabilities, const pybind11::object& out_dtype,
+                          std::optional<bool> on_amx) {
     TORCH_CHECK(out_dtype.is_none() || THPDtype_Check(out_dtype.ptr()), "bf16_matmul: out_dtype must be a torch.dtype");
     return bf16_matmul(a, b, alpha, bias, masked, row_offset, probabilities,
-                       out_dtype.is_none() ? at::kFloat : reinterpret_cast<THPDtype*>(out_dtype.ptr())->scalar_type);
+                       out_dtype.is_none() ? at::kFloat : reinterpret_cast<THPDtype*>(out_dtype.ptr())->scalar_type,
+                       on_amx);
   }, pybind11::arg("a"), pybind11::arg("b"), pybind11::arg("alpha") = 1.0, pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("masked") = pybind11::none(), pybind11::arg("row_offset") = pybind11::none(),
         pybind11::arg("probabilities") = pybind11::none(), pybind11::arg("out_dtype") = pybind11::none(),
+        pybind11::arg("on_amx") = pybind11::none(),
         "alpha * a @ b (+ bias) of bf16 (or fp32) a and bf16 b, products exact and summed in fp32 (fused/attention.py)");
   m.def("rotary_mul", [](const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleave,
                          const pybind11::object& out_dtype) {

@@ -38,6 +38,9 @@ struct Kernels {
   // Its input gradient: ((dy - sum(dy * y)) * y) * scale, 0 where masked (dy of y's dtype)
   void (*scaled_masked_softmax_backward)(const at::Tensor& dy, const at::Tensor& y, const at::Tensor& mask,
                                          const at::Tensor& dx, double scale);
+  // fp32 x (contiguous) rounded to fp16 and back into out (fp32, contiguous; x itself allowed): the
+  // kernel's fp16 intermediates in one pass. Returns whether a value is not finite after the rounding.
+  bool (*round_to_half)(const at::Tensor& x, const at::Tensor& out);
 };
 
 #define NPUKIT_DECLARE_KERNELS(capability) \
@@ -58,10 +61,13 @@ NPUKIT_DECLARE_KERNELS(AVX512)
 // `masked` (0 with row_offset). row_offset: fp32 [batches, M]; the result x becomes
 // exp(clamp(x - row_offset, -87, 0)) (the attention backward's probabilities), or with probabilities (fp32
 // [batches, M, N], contiguous) probabilities * (x - row_offset) (dS from dP). Compiled with AVX512-BF16
-// (fused_kernels_avx512bf16.cpp): call it only where the CPU has it.
+// (fused_kernels_avx512bf16.cpp): call it only where the CPU has it. on_amx: the products by oneDNN's
+// brgemm on AMX tiles (the same numerics, the sums in another order), where cpublas::could_pack(bf16) says
+// the CPU has AMX.
 namespace AVX512BF16 {
 void bf16_matmul(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias, std::optional<double> masked,
-                 const at::Tensor& row_offset, const at::Tensor& probabilities, const at::Tensor& out, double alpha);
+                 const at::Tensor& row_offset, const at::Tensor& probabilities, const at::Tensor& out, double alpha,
+                 bool on_amx);
 }
 #endif
 

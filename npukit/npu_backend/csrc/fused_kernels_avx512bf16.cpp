@@ -4,6 +4,9 @@
 // CPU's own bf16 GEMM (oneDNN) rounds its result to bf16 and torch has no CPU kernel for the out_dtype
 // matmuls, so without this an fp32 result (the scores, dP) costs an fp32 matmul on upcast copies.
 // The sums run over K in order, two products at a time, with vdpbf16ps's denormal flushing (DAZ/FTZ).
+// On a CPU with AMX (cpublas::could_pack(bf16)) the tiles' products run instead on its tiles through
+// oneDNN's brgemm (at::native::cpublas::brgemm, as ATen's CPU flash attention calls it): tdpbf16ps
+// multiplies exactly and sums in fp32 too (DAZ/FTZ), in its own order; packing and epilogue are shared.
 //
 // Like the flash kernel, the matmul does not compute what masking makes known: a tile of the result
 // whose bias is the masked score throughout (or, for dS, whose probabilities are 0 throughout), and the
@@ -22,6 +25,7 @@
 #include <vector>
 
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 
 namespace npukit::fused::AVX512BF16 {
 namespace {
@@ -192,47 +196,76 @@ inline void store(Out* row, __mmask16 valid, __m512 v) {
   }
 }
 
+inline __mmask16 column_mask(int64_t columns, int64_t half) {
+  const int64_t valid = std::clamp<int64_t>(columns - 16 * half, 0, 16);
+  return valid == 16 ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+}
+
+// A tile of the result that the epilogue makes known without the matmul, stored: the probabilities 0
+// throughout (past the causal band: dS is 0), or the bias the masked score throughout. Returns whether
+// it was.
+template <typename Out>
+bool store_known_tile(const Epilogue& e, Out* out, int64_t out_stride, int64_t rows, int64_t columns) {
+  const __mmask16 mask0 = column_mask(columns, 0), mask1 = column_mask(columns, 1);
+  const __m512 masked_value = _mm512_set1_ps(e.masked ? *e.masked : 0.0f);
+  const __m512 zero = _mm512_setzero_ps();
+  bool known = false;
+  __m512 value = zero;
+  if (e.probabilities) {
+    known = true;
+    for (int64_t r = 0; r < rows && known; ++r) {
+      const float* p_row = e.probabilities + r * e.probabilities_stride;
+      known = _mm512_mask_cmpneq_ps_mask(mask0, _mm512_maskz_loadu_ps(mask0, p_row), zero) == 0 &&
+              _mm512_mask_cmpneq_ps_mask(mask1, _mm512_maskz_loadu_ps(mask1, p_row + 16), zero) == 0;
+    }
+  }
+  if (!known && e.masked) {
+    known = true;
+    for (int64_t r = 0; r < rows && known; ++r) {
+      const float* bias_row = e.bias + r * e.bias_stride;
+      known = _mm512_mask_cmpneq_ps_mask(mask0, _mm512_maskz_loadu_ps(mask0, bias_row), masked_value) == 0 &&
+              _mm512_mask_cmpneq_ps_mask(mask1, _mm512_maskz_loadu_ps(mask1, bias_row + 16), masked_value) == 0;
+    }
+    value = e.row_offset ? zero : masked_value;
+  }
+  if (known) {
+    for (int64_t r = 0; r < rows; ++r) {
+      store(out + r * out_stride, mask0, value);
+      store(out + r * out_stride + 16, mask1, value);
+    }
+  }
+  return known;
+}
+
+// Row r of a tile, its 16 columns from 16 * half: the sum of products scaled, then the epilogue, stored.
+template <typename Out>
+inline void store_sums(const Epilogue& e, int64_t r, int64_t half, __m512 sum, __mmask16 valid, Out* out_row) {
+  const __m512 masked_value = _mm512_set1_ps(e.masked ? *e.masked : 0.0f);
+  __m512 v = _mm512_mul_ps(sum, _mm512_set1_ps(e.alpha));
+  __mmask16 masked = 0;
+  if (e.bias) {
+    const __m512 bias = _mm512_maskz_loadu_ps(valid, e.bias + r * e.bias_stride + 16 * half);
+    v = _mm512_add_ps(v, bias);
+    if (e.masked) masked = _mm512_cmpeq_ps_mask(bias, masked_value);
+  }
+  if (e.probabilities) {
+    v = _mm512_sub_ps(v, _mm512_set1_ps(e.row_offset[r]));
+    v = _mm512_mul_ps(_mm512_maskz_loadu_ps(valid, e.probabilities + r * e.probabilities_stride + 16 * half), v);
+  } else if (e.row_offset) {
+    v = _mm512_sub_ps(v, _mm512_set1_ps(e.row_offset[r]));
+    v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(kExpFloor)), _mm512_setzero_ps());
+    v = Sleef_expf16_u10(v);
+  }
+  const __m512 masked_result = e.row_offset ? _mm512_setzero_ps() : masked_value;
+  store(out_row + 16 * half, valid, _mm512_mask_mov_ps(v, masked, masked_result));
+}
+
 // One tile of the result: alpha * a @ b over pairs [first, last) for its valid rows and columns, then the
 // epilogue.
 template <typename Out>
 void tile(const uint32_t* a, const uint32_t* b, int64_t first, int64_t last, const Epilogue& e, Out* out,
           int64_t out_stride, int64_t rows, int64_t columns) {
-  const __mmask16 mask0 = columns >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << columns) - 1);
-  const __mmask16 mask1 = columns >= 32 ? __mmask16(0xFFFF) : columns <= 16 ? __mmask16(0)
-                                                                             : __mmask16((1u << (columns - 16)) - 1);
-  const __m512 masked_value = _mm512_set1_ps(e.masked ? *e.masked : 0.0f);
-  const __m512 masked_result = e.row_offset ? _mm512_setzero_ps() : masked_value;
-  if (e.probabilities) {  // probabilities 0 throughout (past the causal band): dS is 0
-    bool all_zero = true;
-    const __m512 zero = _mm512_setzero_ps();
-    for (int64_t r = 0; r < rows && all_zero; ++r) {
-      const float* p_row = e.probabilities + r * e.probabilities_stride;
-      all_zero = _mm512_mask_cmpneq_ps_mask(mask0, _mm512_maskz_loadu_ps(mask0, p_row), zero) == 0 &&
-                 _mm512_mask_cmpneq_ps_mask(mask1, _mm512_maskz_loadu_ps(mask1, p_row + 16), zero) == 0;
-    }
-    if (all_zero) {
-      for (int64_t r = 0; r < rows; ++r) {
-        store(out + r * out_stride, mask0, zero);
-        store(out + r * out_stride + 16, mask1, zero);
-      }
-      return;
-    }
-  }
-  if (e.masked) {  // a tile masked throughout: nothing to compute
-    bool all_masked = true;
-    for (int64_t r = 0; r < rows && all_masked; ++r) {
-      const float* bias_row = e.bias + r * e.bias_stride;
-      all_masked = _mm512_mask_cmpneq_ps_mask(mask0, _mm512_maskz_loadu_ps(mask0, bias_row), masked_value) == 0 &&
-                   _mm512_mask_cmpneq_ps_mask(mask1, _mm512_maskz_loadu_ps(mask1, bias_row + 16), masked_value) == 0;
-    }
-    if (all_masked) {
-      for (int64_t r = 0; r < rows; ++r) {
-        store(out + r * out_stride, mask0, masked_result);
-        store(out + r * out_stride + 16, mask1, masked_result);
-      }
-      return;
-    }
-  }
+  if (store_known_tile(e, out, out_stride, rows, columns)) return;
   __m512 acc[kRows][2];
   for (int64_t r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t p = first; p < last; ++p) {
@@ -244,26 +277,9 @@ void tile(const uint32_t* a, const uint32_t* b, int64_t first, int64_t last, con
       acc[r][1] = _mm512_dpbf16_ps(acc[r][1], ar, b1);
     }
   }
-  const __m512 alpha = _mm512_set1_ps(e.alpha);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t half = 0; half < 2; ++half) {
-      const __mmask16 valid = half ? mask1 : mask0;
-      __m512 v = _mm512_mul_ps(acc[r][half], alpha);
-      __mmask16 masked = 0;
-      if (e.bias) {
-        const __m512 bias = _mm512_maskz_loadu_ps(valid, e.bias + r * e.bias_stride + 16 * half);
-        v = _mm512_add_ps(v, bias);
-        if (e.masked) masked = _mm512_cmpeq_ps_mask(bias, masked_value);
-      }
-      if (e.probabilities) {
-        v = _mm512_sub_ps(v, _mm512_set1_ps(e.row_offset[r]));
-        v = _mm512_mul_ps(_mm512_maskz_loadu_ps(valid, e.probabilities + r * e.probabilities_stride + 16 * half), v);
-      } else if (e.row_offset) {
-        v = _mm512_sub_ps(v, _mm512_set1_ps(e.row_offset[r]));
-        v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(kExpFloor)), _mm512_setzero_ps());
-        v = Sleef_expf16_u10(v);
-      }
-      store(out + r * out_stride + 16 * half, valid, _mm512_mask_mov_ps(v, masked, masked_result));
+      store_sums(e, r, half, acc[r][half], column_mask(columns, half), out + r * out_stride);
     }
   }
 }
@@ -330,11 +346,168 @@ void run(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias, std::
   });
 }
 
+// ---- on AMX: the tiles' products by oneDNN's brgemm (at::native::cpublas), the epilogue as above ----
+
+constexpr int64_t kAmxRows = 32;  // rows of the result per brgemm call (two AMX tiles of 16 rows)
+
+// rows of a as bf16 [rows][ld] (ld = K rounded up to even, the odd k past K zero). Returns the range of
+// pairs [first, last) outside which every row's pairs are zero. nonzero: scratch of (K + 1) / 2 values.
+template <typename T>
+std::pair<int64_t, int64_t> pack_rows_plain(Matrix<T> a, int64_t rows, int64_t K, Bf16* out, int64_t ld,
+                                            uint32_t* nonzero) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (a.stride_m == 1 && a.stride_k != 1) {  // a transposed: the rows' values of one k are adjacent
+      // 16 rows' pairs (k, k + 1) at a time, scattered to their rows
+      const __m512i row_index = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                   _mm512_set1_epi32(static_cast<int>(ld / 2)));
+      for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        const __mmask16 valid = rows - r0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (rows - r0)) - 1);
+        auto* rows_out = reinterpret_cast<int*>(out + r0 * ld);
+        for (int64_t k = 0; k < K; k += 2) {
+          const __m512i even = round_to_bf16_high(_mm512_maskz_loadu_ps(valid, a.data + k * a.stride_k + r0));
+          const __m512i odd = k + 1 < K ? round_to_bf16_high(_mm512_maskz_loadu_ps(valid, a.data + (k + 1) * a.stride_k + r0))
+                                        : _mm512_setzero_si512();
+          const __m512i both = _mm512_or_si512(_mm512_srli_epi32(even, 16), odd);
+          _mm512_mask_i32scatter_epi32(rows_out + k / 2, valid, row_index, both, 4);
+        }
+      }
+    } else {
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* row = a.data + r * a.stride_m;
+        Bf16* row_out = out + r * ld;
+        if (a.stride_k == 1) {
+          for (int64_t k = 0; k < K; k += 16) {
+            const __mmask16 valid = K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
+            const __m512 v = _mm512_maskz_loadu_ps(valid, row + k);
+            _mm256_mask_storeu_epi16(row_out + k, valid,
+                                     _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_to_bf16_high(v), 16)));
+          }
+        } else {
+          for (int64_t k = 0; k < K; ++k) row_out[k] = round_to_bf16(row[k * a.stride_k]);
+        }
+      }
+    }
+  } else {
+    for (int64_t r = 0; r < rows; ++r) {
+      const Bf16* row = a.data + r * a.stride_m;
+      Bf16* row_out = out + r * ld;
+      if (a.stride_k == 1) {
+        std::memcpy(row_out, row, K * sizeof(Bf16));
+      } else {
+        for (int64_t k = 0; k < K; ++k) row_out[k] = row[k * a.stride_k];
+      }
+    }
+  }
+  const int64_t pairs = ld / 2;
+  std::fill(nonzero, nonzero + pairs, 0u);
+  for (int64_t r = 0; r < rows; ++r) {
+    if (K % 2) out[r * ld + K] = 0;
+    const Bf16* row_out = out + r * ld;
+    for (int64_t p = 0; p < pairs; ++p) {
+      uint32_t both;
+      std::memcpy(&both, row_out + 2 * p, sizeof both);
+      nonzero[p] |= both & 0x7FFF7FFFu;  // +0 and -0 alike
+    }
+  }
+  int64_t first = 0, last = pairs;
+  while (first < last && !nonzero[first]) ++first;
+  while (last > first && !nonzero[last - 1]) --last;
+  return {first, last};
+}
+
+template <typename In, typename Out>
+void run_on_amx(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias, std::optional<double> masked,
+                const at::Tensor& row_offset, const at::Tensor& probabilities, const at::Tensor& out, double alpha) {
+  const int64_t batches = a.size(0), M = a.size(1), K = a.size(2), N = b.size(2);
+  if (batches == 0 || M == 0 || N == 0) return;
+  const int64_t pairs = (K + 1) / 2, ld = 2 * pairs;
+  const In* a_data = reinterpret_cast<const In*>(a.const_data_ptr());
+  const Bf16* b_data = reinterpret_cast<const Bf16*>(b.const_data_ptr());
+  Out* out_data = reinterpret_cast<Out*>(out.mutable_data_ptr());
+  const float* bias_data = bias.defined() ? bias.const_data_ptr<float>() : nullptr;
+  const int64_t bias_batch_stride = bias.defined() && bias.size(0) > 1 ? bias.stride(0) : 0;
+  const int64_t bias_row_stride = bias.defined() ? bias.stride(1) : 0;
+  const float* offset_data = row_offset.defined() ? row_offset.const_data_ptr<float>() : nullptr;
+  const float* probabilities_data = probabilities.defined() ? probabilities.const_data_ptr<float>() : nullptr;
+  const float masked_value = masked ? static_cast<float>(*masked) : 0.0f;
+
+  // The tasks as in run, with kAmxRows rows per tile
+  const int64_t column_block = std::min(kMaxColumnBlock, (N + kColumns - 1) / kColumns * kColumns);
+  const int64_t column_blocks = (N + column_block - 1) / column_block;
+  const int64_t row_tiles = (M + kAmxRows - 1) / kAmxRows;
+  const int64_t outer = batches * column_blocks;
+  const int64_t row_blocks = std::min(row_tiles, std::max<int64_t>(1, (2 * at::get_num_threads() + outer - 1) / outer));
+  const int64_t tiles_per_row_block = (row_tiles + row_blocks - 1) / row_blocks;
+
+  at::parallel_for(0, outer * row_blocks, 1, [&](int64_t begin, int64_t end) {
+    // b's columns as pack_columns lays them out: [pairs][kColumns] pairs, brgemm's VNNI layout (ld_b kColumns)
+    std::vector<uint32_t> b_packed(static_cast<size_t>(column_block * pairs));
+    std::vector<Bf16> a_rows(static_cast<size_t>(kAmxRows * ld));
+    std::vector<uint32_t> nonzero(static_cast<size_t>(pairs));
+    alignas(64) float sums[kAmxRows * kColumns];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t batch = task / (column_blocks * row_blocks);
+      const int64_t column_index = task / row_blocks % column_blocks, row_index = task % row_blocks;
+      const int64_t n_begin = column_index * column_block, n_end = std::min(N, n_begin + column_block);
+      const int64_t m_begin = row_index * tiles_per_row_block * kAmxRows;
+      const int64_t m_end = std::min(M, m_begin + tiles_per_row_block * kAmxRows);
+      if (m_begin >= m_end) continue;
+      const In* a_batch = a_data + batch * a.stride(0);
+      const Bf16* b_batch = b_data + batch * b.stride(0);
+      for (int64_t n0 = n_begin; n0 < n_end; n0 += kColumns) {
+        pack_columns(b_batch + n0 * b.stride(2), b.stride(1), b.stride(2), std::min(kColumns, n_end - n0), K,
+                     b_packed.data() + (n0 - n_begin) * pairs);
+      }
+      for (int64_t m0 = m_begin; m0 < m_end; m0 += kAmxRows) {
+        const int64_t rows = std::min(kAmxRows, m_end - m0);
+        const auto [first, last] = pack_rows_plain(Matrix<In>{a_batch + m0 * a.stride(1), a.stride(1), a.stride(2)},
+                                                   rows, K, a_rows.data(), ld, nonzero.data());
+        for (int64_t n0 = n_begin; n0 < n_end; n0 += kColumns) {
+          const int64_t columns = std::min(kColumns, n_end - n0);
+          const float* bias_tile = bias_data ? bias_data + batch * bias_batch_stride + m0 * bias_row_stride + n0
+                                             : nullptr;
+          const Epilogue epilogue{static_cast<float>(alpha), bias_tile, bias_row_stride,
+                                  bias_data && masked ? &masked_value : nullptr,
+                                  offset_data ? offset_data + batch * M + m0 : nullptr,
+                                  probabilities_data ? probabilities_data + (batch * M + m0) * N + n0 : nullptr, N};
+          Out* out_tile = out_data + (batch * M + m0) * N + n0;
+          if (store_known_tile(epilogue, out_tile, N, rows, columns)) continue;
+          if (first < last) {
+            // the pairs [first, last) only: a's zeros past the causal band are not multiplied
+            at::native::cpublas::brgemm(rows, kColumns, 2 * (last - first), ld, kColumns, kColumns, false,
+                                        reinterpret_cast<const c10::BFloat16*>(a_rows.data() + 2 * first),
+                                        reinterpret_cast<const c10::BFloat16*>(
+                                            b_packed.data() + (n0 - n_begin) * pairs + first * kColumns),
+                                        sums, true);
+          } else {
+            std::fill(sums, sums + rows * kColumns, 0.0f);
+          }
+          for (int64_t r = 0; r < rows; ++r) {
+            for (int64_t half = 0; half < 2; ++half) {
+              store_sums(epilogue, r, half, _mm512_load_ps(sums + r * kColumns + 16 * half),
+                         column_mask(columns, half), out_tile + r * N);
+            }
+          }
+        }
+      }
+    }
+    // brgemm keeps its AMX tile configuration per thread: released, as other oneDNN kernels set their own
+    at::native::cpublas::brgemm_release(true);
+  });
+}
+
 }  // namespace
 
 void bf16_matmul(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias, std::optional<double> masked,
-                 const at::Tensor& row_offset, const at::Tensor& probabilities, const at::Tensor& out, double alpha) {
+                 const at::Tensor& row_offset, const at::Tensor& probabilities, const at::Tensor& out, double alpha,
+                 bool on_amx) {
   const bool fp32_a = a.scalar_type() == at::kFloat, fp32_out = out.scalar_type() == at::kFloat;
+  if (on_amx) {
+    if (fp32_a && fp32_out) return run_on_amx<float, float>(a, b, bias, masked, row_offset, probabilities, out, alpha);
+    if (fp32_a) return run_on_amx<float, Bf16>(a, b, bias, masked, row_offset, probabilities, out, alpha);
+    if (fp32_out) return run_on_amx<Bf16, float>(a, b, bias, masked, row_offset, probabilities, out, alpha);
+    return run_on_amx<Bf16, Bf16>(a, b, bias, masked, row_offset, probabilities, out, alpha);
+  }
   if (fp32_a && fp32_out) return run<float, float>(a, b, bias, masked, row_offset, probabilities, out, alpha);
   if (fp32_a) return run<float, Bf16>(a, b, bias, masked, row_offset, probabilities, out, alpha);
   if (fp32_out) return run<Bf16, float>(a, b, bias, masked, row_offset, probabilities, out, alpha);

@@ -431,9 +431,40 @@ void scaled_masked_softmax_backward(const at::Tensor& dy, const at::Tensor& y, c
 
 }  // namespace
 
+// x (fp32, contiguous) rounded to fp16 (to nearest even, as .to(torch.float16)) and back to fp32 into out
+// (x itself allowed), in one pass. Returns whether a rounded value is not finite.
+bool round_to_half(const at::Tensor& x, const at::Tensor& out) {
+  const float* in = x.const_data_ptr<float>();
+  float* result = out.mutable_data_ptr<float>();
+  std::atomic<bool> not_finite{false};
+  at::parallel_for(0, x.numel(), at::internal::GRAIN_SIZE, [&](int64_t begin, int64_t end) {
+    using Vec = Vectorized<float>;
+    constexpr int64_t kStep = 2 * Vec::size();
+    Vec spread(0.0f);  // sum of (y - y): nan once a y is inf or nan
+    int64_t i = begin;
+    for (; i + kStep <= end; i += kStep) {
+      const auto half = at::vec::convert_from_float<at::Half>(Vec::loadu(in + i), Vec::loadu(in + i + Vec::size()));
+      const auto [low, high] = at::vec::convert_to_float<at::Half>(half);
+      low.store(result + i);
+      high.store(result + i + Vec::size());
+      spread = spread + (low - low) + (high - high);
+    }
+    float spread_tail = 0.0f;
+    for (; i < end; ++i) {
+      result[i] = static_cast<float>(static_cast<at::Half>(in[i]));
+      spread_tail += result[i] - result[i];
+    }
+    float lanes[Vec::size()];
+    spread.store(lanes);
+    for (float lane : lanes) spread_tail += lane;
+    if (spread_tail != spread_tail) not_finite = true;
+  });
+  return not_finite;
+}
+
 Kernels kernels() {
   return Kernels{&swiglu_forward, &swiglu_backward, &rotary, &rms_norm_backward, &scaled_masked_softmax_forward,
-                 &scaled_masked_softmax_backward};
+                 &scaled_masked_softmax_backward, &round_to_half};
 }
 
 }  // namespace npukit::fused::CPU_CAPABILITY

@@ -12,8 +12,9 @@ GQA/MQA):
 with q @ k^T accumulated in fp32 on the cube unit, the softmax in fp32 on the vector unit, the
 probabilities rounded to the input dtype before the P @ V matmul, and one rounding of the output
 to the input dtype (bf16 on a CPU with AVX512-BF16: every matmul multiplies the bf16 values exactly
-and sums in fp32 in C++, _cube_matmul, skipping masked blocks as the flash kernel does; elsewhere the
-fp32 results come from fp32 matmuls of upcast copies). softmax_max and softmax_sum are the row max and
+and sums in fp32 in C++, _cube_matmul, on the AMX tiles where the CPU has them, skipping masked blocks
+as the flash kernel does; elsewhere the fp32 results come from fp32 matmuls of upcast copies, the fp16
+intermediates rounded in one pass). softmax_max and softmax_sum are the row max and
 the row sum of exp(scores - max), each repeated 8 times (the kernel's 32-byte blocks); the grad op
 recomputes P from them instead of keeping the probability matrix, as the flash-attention backward does.
 
@@ -751,6 +752,16 @@ def _bf16_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a.to(torch.bfloat16), b.to(torch.bfloat16), out=out)
 
 
+def _round_to_input_dtype(t: torch.Tensor, problem: _Problem, in_place: bool) -> torch.Tensor:
+    """round_intermediate of an fp32 intermediate (the probabilities, dS) the kernel keeps in the input
+    dtype; fp16 on the npu in one pass (_C.round_to_half), in place where the caller no longer needs t
+    unrounded, instead of two copies."""
+    if (problem.npu and problem.in_dtype == torch.float16 and t.dtype == torch.float32 and t.is_contiguous()
+            and not _is_fake(t)):
+        return _C.round_to_half(t, None if in_place else torch.empty_like(t))
+    return round_intermediate(t, problem.in_dtype, problem.npu)
+
+
 def _dropped(shape, keep_prob: float, seed: int, offset: int, device, stream: int = 0) -> torch.Tensor:
     """Which probabilities dropout zeroes: uniform 16-bit draws of a generator seeded by (seed,
     offset), so the grad op regenerates the same mask from the pair the forward returns; `stream`:
@@ -785,20 +796,25 @@ def _forward(problem: _Problem, keep_prob: float, seed: int, offset: int, sink: 
     # their sum, which D = rowsum(dO * O) in the backward amplifies.
     # (From the softmax: exp(S - max) computed directly leaves the CPU's fast exp on the masked -1e30
     # scores, 8x slower.)
+    # For fp32 (fp64) inputs nothing is rounded between: the normalised probabilities times V are the same
+    # to the compute dtype's rounding, without the two passes over P and the output.
+    rounds_p = problem.in_dtype not in (torch.float32, torch.float64)
     p = torch.softmax(s, -1)
     del s
     largest = p.amax(-1, keepdim=True)  # exp(0) / sum
     row_sum = largest.reciprocal()
-    p.div_(largest)  # exp(S - max), its largest value exactly 1
+    if rounds_p:
+        p.div_(largest)  # exp(S - max), its largest value exactly 1
     if keep_prob < 1:
         p.masked_fill_(_dropped(p.shape, keep_prob, seed, offset, p.device, problem.dropout_stream),
                        0).mul_(1 / keep_prob)
     if problem.bf16_dot:
         out = _cube_matmul(p, problem.v_in)  # exp(S - max) read as bf16, fp32 sums
     else:
-        out = torch.bmm(round_intermediate(p, problem.in_dtype, problem.npu), problem.v)
+        out = torch.bmm(_round_to_input_dtype(p, problem, in_place=True), problem.v)
     del p
-    out.div_(row_sum)  # rounded once to the input dtype by the caller, as the kernel does
+    if rounds_p:
+        out.div_(row_sum)  # rounded once to the input dtype by the caller, as the kernel does
     out, row_max, row_sum = problem.heads(out), problem.heads(row_max), problem.heads(row_sum)
     if sink is not None:
         # A per-head logit that joins every row's softmax without a value: m = max(sink, max(S)),
@@ -836,8 +852,8 @@ def _backward(problem: _Problem, dy4, out4, row_max, row_sum, keep_prob, seed, o
         dv = _cube_matmul(p_out.transpose(1, 2), dy4.reshape(dy3.shape).to(torch.bfloat16), out_dtype=torch.bfloat16)
     elif problem.bf16_cube and problem.masking.row_valid is None:
         dv = _bf16_matmul(p_out.transpose(1, 2), dy4.reshape(dy3.shape))  # dv, rounded once to bf16
-    else:
-        dv = torch.bmm(round_intermediate(p_out, problem.in_dtype, problem.npu).transpose(1, 2), dy3)
+    else:  # p_out is P itself without dropout: kept unrounded for dS
+        dv = torch.bmm(_round_to_input_dtype(p_out, problem, in_place=dropped is not None).transpose(1, 2), dy3)
     del p_out
     row_dot = (dy3 * out3).sum(-1, keepdim=True)  # sum_j P_j dP_j, from the rounded output as the kernel does
     if problem.bf16_dot and dy4.dtype == torch.bfloat16 and dropped is None:
@@ -860,8 +876,8 @@ def _backward(problem: _Problem, dy4, out4, row_max, row_sum, keep_prob, seed, o
         ds_in = ds.to(torch.bfloat16)
         dq = _bf16_matmul(ds_in, problem.k_in).mul_(problem.scale)
         dk = _bf16_matmul(ds_in.transpose(1, 2), problem.q_in).mul_(problem.scale)
-    else:
-        ds_in = round_intermediate(ds, problem.in_dtype, problem.npu)
+    else:  # dS kept unrounded for dpse
+        ds_in = _round_to_input_dtype(ds, problem, in_place=not want_dpse)
         dq = torch.bmm(ds_in, problem.k).mul_(problem.scale)
         dk = torch.bmm(ds_in.transpose(1, 2), problem.q).mul_(problem.scale)
     dsink = None

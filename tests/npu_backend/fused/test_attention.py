@@ -419,6 +419,10 @@ def test_fusion_attention_fp16_gradients_within_flash_attentions_tolerance_of_fp
 # ---- the matmuls on AVX512-BF16: exact products of bf16 values summed in fp32 ----------------------
 
 needs_bf16_dot = pytest.mark.skipif(not attention.BF16_DOT_PRODUCT, reason="the CPU has no AVX512-BF16")
+# where the products run: vdpbf16ps, and the AMX tiles (oneDNN's brgemm) where the CPU has them (the default)
+ENGINES = [pytest.param(False, id="vdpbf16ps"),
+           pytest.param(True, id="amx", marks=pytest.mark.skipif(not (attention.BF16_DOT_PRODUCT and _C.has_amx_bf16()),
+                                                                 reason="the CPU has no AMX"))]
 
 
 def matmul_operands(batches, m, k, n, layout, a_dtype):
@@ -447,31 +451,45 @@ def fp32_sum_bound(a, b, alpha, bias=None):
                                               (1, 9, 5, 600), (2, 3, 0, 5), (4, 64, 64, 64)])
 @pytest.mark.parametrize("layout", ["contiguous", "transposed", "strided"])
 @pytest.mark.parametrize("a_dtype", [torch.bfloat16, torch.float32])
-def test_bf16_matmul_equals_fp64_of_the_bf16_inputs_within_fp32_accumulation(batches, m, k, n, layout, a_dtype):
+@pytest.mark.parametrize("on_amx", ENGINES)
+def test_bf16_matmul_equals_fp64_of_the_bf16_inputs_within_fp32_accumulation(batches, m, k, n, layout, a_dtype,
+                                                                               on_amx):
     torch.manual_seed(batches * 1000 + m + k + n)
     a, b = matmul_operands(batches, m, k, n, layout, a_dtype)
     a_bf16 = a.bfloat16()  # an fp32 a is multiplied as its bf16 rounding
     exact = a_bf16.cpu().double() @ b.cpu().double()
     for alpha, bias in ((1.0, None), (0.125, torch.randn(1, m, n, device="npu")),
                         (0.3, torch.randn(batches, n, m, device="npu").transpose(1, 2))):
-        got = _C.bf16_matmul(a, b, alpha, bias)
+        got = _C.bf16_matmul(a, b, alpha, bias, on_amx=on_amx)
         assert got.dtype == torch.float32 and got.device.type == "npu" and got.shape == (batches, m, n)
         want = alpha * exact + (0 if bias is None else bias.cpu().double())
         error = (got.cpu().double() - want).abs()
         assert bool((error <= fp32_sum_bound(a_bf16, b, alpha, bias)).all()), f"alpha={alpha}: max error {error.max()}"
         # a bf16 result: the fp32 one rounded once
-        assert torch.equal(_C.bf16_matmul(a, b, alpha, bias, out_dtype=torch.bfloat16).cpu(), got.bfloat16().cpu())
+        assert torch.equal(_C.bf16_matmul(a, b, alpha, bias, out_dtype=torch.bfloat16, on_amx=on_amx).cpu(),
+                           got.bfloat16().cpu())
     if k >= 8:  # more accurate than the CPU's bf16 matmul, which rounds the sum to bf16
         rounded = (torch.bmm(a_bf16, b).cpu().double() - exact).abs().max()
-        assert (_C.bf16_matmul(a, b).cpu().double() - exact).abs().max() < rounded / 100
+        assert (_C.bf16_matmul(a, b, on_amx=on_amx).cpu().double() - exact).abs().max() < rounded / 100
 
 
 @needs_bf16_dot
-def test_bf16_matmul_skips_what_masking_makes_known_and_computes_the_rest():
+@pytest.mark.skipif(attention.BF16_DOT_PRODUCT and _C.has_amx_bf16(), reason="the CPU has AMX")
+def test_bf16_matmul_refuses_amx_on_a_cpu_without_it():
+    a, b = matmul_operands(1, 4, 4, 4, "contiguous", torch.bfloat16)
+    with pytest.raises(RuntimeError, match="on_amx on a CPU without AMX"):
+        _C.bf16_matmul(a, b, on_amx=True)
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("on_amx", ENGINES)
+def test_bf16_matmul_skips_what_masking_makes_known_and_computes_the_rest(on_amx, monkeypatch):
     """Masked scores are the masked score itself (tiles masked throughout are not computed), so a
     non-finite key where it is masked does not reach them; the rows' zeros past the causal band are not
     multiplied either. With the rows' log-sum-exp the result is the probabilities, 0 where masked, and
     with the probabilities too, dS."""
+    kernel = _C.bf16_matmul
+    monkeypatch.setattr(_C, "bf16_matmul", lambda *args, **kwargs: kernel(*args, **kwargs, on_amx=on_amx))
     torch.manual_seed(3)
     m, n, masked_score = 40, 70, attention.MASKED_SCORE
     a, b = matmul_operands(2, m, 16, n, "contiguous", torch.bfloat16)
@@ -506,7 +524,7 @@ def test_bf16_matmul_skips_what_masking_makes_known_and_computes_the_rest():
     v = torch.randn(2, m, 24, device="npu").bfloat16()
     v[:, -1] = float("inf")  # only the last row of p reaches the last key
     out = _C.bf16_matmul(p, v).cpu()
-    assert bool(out[:, :-8].isfinite().all())  # the rows of blocks of 8 before the last
+    assert bool(out[:, :-8].isfinite().all())  # the rows of blocks before the last (8 rows; 32 on AMX)
     v_reached = v.clone()
     v_reached[:, -1] = 0  # what those rows' sums are: their products with the last key are 0 x inf
     exact = p.bfloat16().cpu().double() @ v_reached.cpu().double()
@@ -540,6 +558,52 @@ def test_fusion_attention_bf16_matmuls_on_avx512_bf16_equal_the_cpus_gemms(monke
         assert got.dtype == torch.bfloat16
         assert relative_error(got, cpu_gemms) < relative_error(cpu_gemms, want) * 0.1, name
         assert_close_to_reference(got, want, torch.bfloat16, name, factor=1 if name == "attention_out" else 3)
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_round_to_half_is_the_fp16_round_trip_in_one_pass(in_place):
+    torch.manual_seed(4)
+    x = torch.randn(3, 37, 41, device="npu") * 10.0 ** torch.randint(-9, 6, (3, 37, 41), device="npu")
+    x[0, 0, :4] = torch.tensor([65520.0, -1e6, float("inf"), float("nan")])  # 65520 rounds to inf in fp16
+    want = x.cpu().half().float()
+    out = None if in_place else torch.empty_like(x)
+    before = x.cpu().clone()
+    got = _C.round_to_half(x, out)
+    assert (got.data_ptr() == x.data_ptr()) == in_place
+    assert torch.equal(got.cpu().nan_to_num(), want.nan_to_num()) and bool(got.cpu()[0, 0, 3].isnan())
+    assert torch.equal(x.cpu().nan_to_num(), (want if in_place else before).nan_to_num())
+    # saturation mode: what the rounding makes non-finite saturates (a nan becomes 0), as fp16 results do
+    x = torch.tensor([65520.0, -1e6, 1.0 / 3.0, float("nan")], device="npu")
+    with numerics.policies(fp16_mode="saturation"):
+        numerics.clear_overflow_flag()
+        assert _C.round_to_half(x).cpu().tolist() == [65504.0, -65504.0, float(torch.tensor(1 / 3).half()), 0.0]
+        assert numerics.overflow_flag()
+        numerics.clear_overflow_flag()
+        assert _C.round_to_half(torch.ones(4, device="npu")).cpu().tolist() == [1.0] * 4
+        assert not numerics.overflow_flag()
+
+
+@pytest.mark.parametrize("keep_prob", [1.0, 0.7])
+def test_fusion_attention_fp16_intermediates_rounded_in_one_pass_equal_the_round_trip(monkeypatch, keep_prob):
+    """P (read by P @ V, and by dV) and dS (read by dQ, dK), rounded to fp16 by _C.round_to_half (in place
+    where the unrounded values are not read again): forward and gradients bit for bit those of the
+    .to(float16).to(float32) copies; with pse, dpse reads the unrounded dS."""
+    torch.manual_seed(22)
+    q, k, v, dy = (torch.randn(1, 2, 40, 16).half() for _ in range(4))
+    pse = torch.randn(1, 2, 40, 40).half()
+    mask = torch.ones(40, 40, dtype=torch.bool).triu(1).npu()
+    results = []
+    for one_pass in (True, False):
+        if not one_pass:
+            monkeypatch.setattr(_C, "round_to_half",
+                                lambda t, out=None: (t if out is None else out).copy_(t.half().float()))
+        qn, kn, vn, pn = leaves(q, k, v, pse, dtype=torch.float16)
+        torch.manual_seed(5)  # the same dropout mask
+        out = torch_npu.npu_fusion_attention(qn, kn, vn, 2, "BNSD", pse=pn, atten_mask=mask, scale=0.25,
+                                             keep_prob=keep_prob)[0]
+        results.append([out, *torch.autograd.grad(out, [qn, kn, vn, pn], dy.npu())])
+    for got, want, name in zip(*results, ("attention_out", "dq", "dk", "dv", "dpse")):
+        assert torch.equal(got.cpu(), want.cpu()), name
 
 
 def test_fusion_attention_golden_run_is_the_cpu_kernel():
