@@ -168,6 +168,34 @@ def test_grouped_matmul_backward_raises_as_torch_npu_does():
                                      group_list_type=1)
 
 
+def test_grouped_matmul_is_seen_by_dispatch_modes():
+    """Its autograd kernel calls the npu kernel directly only when nothing sits between autograd and
+    the device: a TorchDispatchMode (msprobe-style dumps) still sees the op and its result."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(4, 8, device="npu")
+    w = torch.randn(2, 8, 4, device="npu", requires_grad=True)
+    group_list = torch.tensor([1, 3]).npu()
+    recorder = Recorder()
+    with recorder:
+        (seen,) = torch_npu.npu_grouped_matmul([x], [w], group_list=group_list, split_item=3, group_type=0,
+                                               group_list_type=1)
+    assert "npu.npu_grouped_matmul.default" in recorder.ops
+    (direct,) = torch_npu.npu_grouped_matmul([x], [w], group_list=group_list, split_item=3, group_type=0,
+                                             group_list_type=1)
+    assert torch.equal(seen.cpu(), direct.cpu())
+    assert seen.requires_grad and direct.requires_grad  # both tied to the raising backward
+
+
 def test_grouped_matmul_fp16_rounds_once_like_the_kernel():
     torch.manual_seed(4)
     x, w = (torch.randn(64, 256) * 4).half(), (torch.randn(2, 256, 32) * 4).half()
