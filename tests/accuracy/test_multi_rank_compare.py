@@ -143,6 +143,7 @@ def test_the_same_op_diverging_on_every_rank_is_a_shared_cause(four_ranks, tmp_p
     assert "a cause they share" in began.line()
 
 
+@pytest.mark.slow  # (a whole-run e2e: kept out of the 20-minute main suite, run in CI's slow stage)
 def test_a_gradient_share_one_rank_changed_before_the_all_reduce_is_named_not_passed(tmp_path):
     """Rank 1 zeroes its share of module.0's weight gradient: DDP averages it into the same wrong
     gradient on both ranks, while each rank's backward computed its share as the golden run did. It
@@ -193,6 +194,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow  # (a whole-run e2e: kept out of the 20-minute main suite, run in CI's slow stage)
 def test_a_hook_inside_a_block_is_named_at_the_op_not_at_the_block_whose_backward_entry_comes_first(tmp_path):
     """Under DDP the block's backward entry is placed before the backwards of the ops inside it; its
     output gradient (the residual's plus the zeroed branch's) was named as amplified there, not

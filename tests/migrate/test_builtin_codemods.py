@@ -209,6 +209,7 @@ def _both_models(path: Path) -> tuple[PythonMigrator, FileFacts]:
     return migrator, FileFacts(str(path), cst.parse_module(text), text)
 
 
+@pytest.mark.slow  # (runs on this repository's own files, which grow: a real-code suite, run in CI's slow stage)
 @pytest.mark.parametrize("folder", ["npukit", "tests"])
 def test_the_import_table_fact_is_the_ast_engines(folder):
     """The bindings the codemods share (FileFacts.bindings) are the ones the ast rules resolve names with."""
@@ -480,6 +481,7 @@ def test_torch_load_windows(code, windows):
         assert len(whole[0]) == code.count("torch.load(")
 
 
+@pytest.mark.slow  # (runs on this repository's own files, which grow: a real-code suite, run in CI's slow stage)
 @pytest.mark.parametrize("folder", ["npukit", "tests"])
 def test_statement_windows_agree_with_the_whole_file_on_this_repository(folder):
     compared = 0

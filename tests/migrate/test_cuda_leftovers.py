@@ -126,6 +126,7 @@ def test_cuda_uses_lists_the_detector_s_uses():
         (2, "`y.cuda()`"), (3, "the string 'nccl'")]
 
 
+@pytest.mark.slow  # (runs on this repository's own files, which grow: a real-code suite, run in CI's slow stage)
 @pytest.mark.parametrize("folder", ["npukit", "tests", "examples"])
 def test_the_audits_windows_hold_every_cuda_use_of_a_file(folder):
     """npu-migrate parses only the statements holding the audit's candidates (an ast screen): the uses

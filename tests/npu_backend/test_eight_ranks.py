@@ -20,6 +20,9 @@ from npukit.profiler.cluster import cluster_summary, load_ranks
 from tests.npu_backend.conftest import DDP_TRAIN
 from tests.profiler.conftest import npu_run_ranks
 
+# Eight ranks on two cores: whole-run e2e, kept out of the 20-minute main suite and run in CI's slow stage.
+pytestmark = pytest.mark.slow
+
 SLEEP_S = 0.2  # the straggler's sleep in each forward
 OTHERS = {"fsdp2": [0, 1, 2, 4, 5, 6, 7], "ddp": [0, 1, 2, 3, 4, 6, 7]}
 

@@ -19,6 +19,10 @@ import pytest
 from npukit.profiler.cluster import cluster_summary, load_ranks
 from tests.npu_backend.conftest import DDP_TRAIN as TRAIN
 
+# Two network namespaces of four ranks each: whole-run e2e, kept out of the 20-minute main suite and run
+# in CI's slow stage.
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "multinode" / "two_nodes.sh"
 
