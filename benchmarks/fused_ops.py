@@ -122,10 +122,10 @@ def _attention_costs() -> dict:
     if not torch.cpu._is_amx_tile_supported():
         return {}
     return {torch.bfloat16: "both sides' bf16 products run on this CPU's AMX tiles (the emulator's through oneDNN's "
-                            "brgemm, fp32 sums), but the emulator keeps the kernel's fp32 intermediates: the scores, "
-                            "the softmax and P, dP and dS are [B*N, S, S] fp32 tensors written and read about ten "
-                            "times a step (the kernel's softmax in fp32), where the bf16 decomposition's are bf16 "
-                            "and fewer",
+                            "brgemm, fp32 sums), but the emulator keeps the kernel's fp32 intermediates: the scores "
+                            "and exp(S - max), recomputed P and dS are [B*N, S, S] fp32 tensors written and read "
+                            "several times a step (the kernel's softmax in fp32), where the bf16 decomposition's "
+                            "are bf16",
             torch.float16: "the probabilities P, and dS, are rounded to fp16 in one pass each, as the same-numerics "
                            "decomposition rounds them, for fp32 matmuls on fp32 copies (exact fp16 products, fp32 "
                            "sums: no CPU fp16 GEMM returns fp32), while this CPU (AVX512-FP16) multiplies fp16 "

@@ -188,6 +188,22 @@ at::Tensor round_to_half(const at::Tensor& x, const std::optional<at::Tensor>& o
   return result;
 }
 
+// The flash kernel's unnormalised softmax of the scores s (fp32, contiguous): each row becomes exp(s - its
+// max) in place, 0 below exp(-87) (masked scores); returns the rows' max and sum of exps ([..., 1], fp32).
+std::tuple<at::Tensor, at::Tensor> exp_rows(const at::Tensor& s) {
+  TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.dim() >= 1,
+              "exp_rows: a contiguous fp32 tensor, got ", s.scalar_type());
+  auto sizes = s.sizes().vec();
+  sizes.back() = 1;
+  at::Tensor row_max = at::empty(sizes, s.options()), row_sum = at::empty(sizes, s.options());
+  const at::Tensor s_cpu = cpu_alias(s), max_cpu = cpu_alias(row_max), sum_cpu = cpu_alias(row_sum);
+  {
+    pybind11::gil_scoped_release no_gil;
+    kernels().exp_rows(s_cpu, max_cpu, sum_cpu);
+  }
+  return {row_max, row_sum};
+}
+
 // MoE routing: the stable order of the flat expert ids (int32, each in [start, end)) by expert, as
 // torch.argsort(ids, stable=True) gives it (equal ids keep their flat order), and each expert's count
 // (int64), by a counting sort: one pass to count, one to place (argsort's comparison sort costs ~10x).
@@ -300,6 +316,7 @@ void bind(pybind11::module& m) {
         "npu_scaled_masked_softmax_backward's kernel (fused/softmax.py)");
   m.def("round_to_half", &round_to_half, pybind11::arg("x"), pybind11::arg("out") = pybind11::none(),
         "fp32 x rounded to fp16 and back in one pass, in place or into out (fused/attention.py)");
+  m.def("exp_rows", &exp_rows, "exp(s - rows' max) in place, and the rows' max and sum (fused/attention.py)");
   m.def("has_bf16_dot_product", &has_bf16_dot_product,
         "whether the CPU has AVX512-BF16, which bf16_matmul needs");
   m.def("has_amx_bf16", &has_amx_bf16, "whether bf16_matmul runs on the CPU's AMX tiles (oneDNN's brgemm)");

@@ -41,6 +41,9 @@ struct Kernels {
   // fp32 x (contiguous) rounded to fp16 and back into out (fp32, contiguous; x itself allowed): the
   // kernel's fp16 intermediates in one pass. Returns whether a value is not finite after the rounding.
   bool (*round_to_half)(const at::Tensor& x, const at::Tensor& out);
+  // Each row of fp32 s (contiguous, last dim) becomes exp(s - its max) in place (0 below exp(-87)); the
+  // rows' max and sum of exps into row_max / row_sum (fp32, one value a row).
+  void (*exp_rows)(const at::Tensor& s, const at::Tensor& row_max, const at::Tensor& row_sum);
 };
 
 #define NPUKIT_DECLARE_KERNELS(capability) \

@@ -462,9 +462,46 @@ bool round_to_half(const at::Tensor& x, const at::Tensor& out) {
   return not_finite;
 }
 
+// Each row of s [rows, width] (fp32, contiguous) becomes exp(s - its max) in place, 0 where s - max < -87
+// (the masked scores, -1e30, whose exp leaves the vectorised exp's fast path); the row's max and the sum
+// of its exps go to row_max / row_sum [rows]. Rows of one task stay in cache between the two passes.
+void exp_rows(const at::Tensor& s, const at::Tensor& row_max, const at::Tensor& row_sum) {
+  using Vec = Vectorized<float>;
+  const int64_t width = s.size(-1), rows = width ? s.numel() / width : 0;
+  float* data = s.mutable_data_ptr<float>();
+  float* maxes = row_max.mutable_data_ptr<float>();
+  float* sums = row_sum.mutable_data_ptr<float>();
+  constexpr float kFloor = -87.0f;
+  at::parallel_for(0, rows, std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, width)),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = data + r * width;
+      const float largest = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); },
+                                                       row, width);
+      const Vec largest_vec(largest), floor(kFloor), zero(0.0f);
+      Vec sum_vec(0.0f);
+      int64_t j = 0;
+      for (; j + Vec::size() <= width; j += Vec::size()) {
+        const Vec x = Vec::loadu(row + j) - largest_vec;
+        const Vec e = Vec::blendv(at::vec::maximum(x, floor).exp(), zero, x < floor);
+        e.store(row + j);
+        sum_vec = sum_vec + e;
+      }
+      float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sum_vec);
+      for (; j < width; ++j) {
+        const float x = row[j] - largest;
+        row[j] = x < kFloor ? 0.0f : std::exp(x);
+        sum += row[j];
+      }
+      maxes[r] = largest;
+      sums[r] = sum;
+    }
+  });
+}
+
 Kernels kernels() {
   return Kernels{&swiglu_forward, &swiglu_backward, &rotary, &rms_norm_backward, &scaled_masked_softmax_forward,
-                 &scaled_masked_softmax_backward, &round_to_half};
+                 &scaled_masked_softmax_backward, &round_to_half, &exp_rows};
 }
 
 }  // namespace npukit::fused::CPU_CAPABILITY

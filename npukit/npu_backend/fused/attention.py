@@ -789,22 +789,26 @@ def _forward(problem: _Problem, keep_prob: float, seed: int, offset: int, sink: 
     """attention_out [B, N, Sq, Dv] (compute dtype) and the softmax's row max and sum [B, N, Sq]."""
     g = problem.geometry
     s = problem.scores()
-    row_max = s.amax(-1, keepdim=True)
     # The flash kernel's softmax leaves exp(S - max) unnormalised (largest value exactly 1), its P @ V
     # reads that in the input dtype and the fp32 result is divided by the row sum afterwards
     # (Bmm2ResultDiv): rounding the normalised probabilities instead skews the output by the rounding of
     # their sum, which D = rowsum(dO * O) in the backward amplifies.
-    # (From the softmax: exp(S - max) computed directly leaves the CPU's fast exp on the masked -1e30
-    # scores, 8x slower.)
     # For fp32 (fp64) inputs nothing is rounded between: the normalised probabilities times V are the same
     # to the compute dtype's rounding, without the two passes over P and the output.
     rounds_p = problem.in_dtype not in (torch.float32, torch.float64)
-    p = torch.softmax(s, -1)
+    if rounds_p and s.dtype == torch.float32 and not _is_fake(s):
+        # exp(S - max) and the rows' max and sum in one pass over S (C++: the exp clamped at -87, the
+        # masked -1e30 scores 0, as the CPU's exp of them leaves its fast path, 8x slower)
+        row_max, row_sum = _C.exp_rows(s)
+        p = s
+    else:
+        row_max = s.amax(-1, keepdim=True)
+        p = torch.softmax(s, -1)
+        largest = p.amax(-1, keepdim=True)  # exp(0) / sum
+        row_sum = largest.reciprocal()
+        if rounds_p:
+            p.div_(largest)  # exp(S - max), its largest value exactly 1
     del s
-    largest = p.amax(-1, keepdim=True)  # exp(0) / sum
-    row_sum = largest.reciprocal()
-    if rounds_p:
-        p.div_(largest)  # exp(S - max), its largest value exactly 1
     if keep_prob < 1:
         p.masked_fill_(_dropped(p.shape, keep_prob, seed, offset, p.device, problem.dropout_stream),
                        0).mul_(1 / keep_prob)

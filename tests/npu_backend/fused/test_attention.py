@@ -583,6 +583,23 @@ def test_round_to_half_is_the_fp16_round_trip_in_one_pass(in_place):
         assert not numerics.overflow_flag()
 
 
+def test_exp_rows_is_the_unnormalised_softmax_with_its_max_and_sum():
+    """exp(s - the row's max) in place, 0 below exp(-87) (the masked scores), and the rows' max and sum."""
+    torch.manual_seed(6)
+    s = torch.randn(3, 5, 37, device="npu") * 20
+    s[0, 0, 3:] = attention.MASKED_SCORE
+    s[1, 2, :] = attention.MASKED_SCORE  # a row with every key masked: all exp(0)
+    exact = s.cpu().double()
+    shifted = (s.cpu() - s.cpu().amax(-1, keepdim=True)).double()  # s - max rounded to fp32, as the kernel does
+    row_max, row_sum = _C.exp_rows(s)
+    want = torch.where(shifted < -87, 0.0, shifted.exp())
+    torch.testing.assert_close(s.cpu().double(), want, rtol=2.5e-7, atol=0)  # the exp within 2 units of fp32
+    assert bool((s.cpu()[0, 0, 3:] == 0).all()) and bool((s.cpu()[1, 2] == 1).all())
+    assert torch.equal(row_max.cpu(), exact.amax(-1, keepdim=True).float())
+    torch.testing.assert_close(row_sum.cpu().double(), want.sum(-1, keepdim=True), rtol=1e-6, atol=0)
+    assert row_max.device.type == "npu" and row_sum.shape == (3, 5, 1)
+
+
 @pytest.mark.parametrize("keep_prob", [1.0, 0.7])
 def test_fusion_attention_fp16_intermediates_rounded_in_one_pass_equal_the_round_trip(monkeypatch, keep_prob):
     """P (read by P @ V, and by dV) and dS (read by dQ, dK), rounded to fp16 by _C.round_to_half (in place
