@@ -45,11 +45,12 @@ from npukit.accuracy.tensor_io import TensorFileWriter, lower_thread_priority, t
 from npukit.errors import UserError
 from npukit.files import check_output_location, output_folder, refuse_links_inside, write_json
 from npukit.watch.hook_guard import add_failure_listener, remove_failure_listener, revive_hooks, unintercepted
+from npukit.watch.module_hooks import ModuleHooks
 from npukit.watch.op_hooks import ApiMode
 from npukit.watch.process import rank_from_env
 from npukit.watch.steps import RecordedSteps
 from npukit.watch.tensor_stats import StatsBuffer
-from npukit.watch.tensors import local_shard, ops_ran, tensor_version, tensors_in
+from npukit.watch.tensors import local_shard, tensor_version, tensors_in
 
 LEVELS = ("module", "api", "mix")
 MODES = ("stats", "tensor", "md5")
@@ -117,6 +118,7 @@ def parse_name_list(spec: str | None, option: str) -> tuple[str, ...] | None:
 
 
 _RAISED = object()  # the forward hook's output when the module's forward raised
+_NOT_RECORDED = ("", None)  # the frame of a module running in a step not dumped
 
 
 class _Entry:
@@ -341,9 +343,12 @@ class DumpSession:
         # of each optimizer step running, innermost last (None: a step not dumped)
         self._optimizer_tensors: list[_ParameterTensors | None] = []
         self._model_tensors: _ParameterTensors | None = None  # outside optimizer steps, made when needed
-        self._forward_seen = False
         self._paths = naming.ModulePaths()
-        self._module_stack: list[tuple[str, _Entry | None, torch.nn.Module]] = []  # path, entry, module
+        # running: (module, (path, entry)); inside optimizer.step (steps.paused) and once finished, none
+        self._module_hooks = ModuleHooks(naming.ModuleNames(self._paths), owner=type(self).__name__,
+                                         guard=unintercepted, watching=self._watching_modules,
+                                         root=self._on_root_forward, enter=self._enter_module,
+                                         leave=self._leave_module, with_kwargs=True)
         self._handles: list = []
         self._mode: ApiMode | None = None
         self._writer: ThreadPoolExecutor | None = None
@@ -370,7 +375,6 @@ class DumpSession:
     def start(self) -> None:
         if self._active or not self.rank_selected:
             return
-        from torch.nn.modules import module as module_hooks
         from torch.optim import optimizer as optimizer_hooks
 
         refuse_links_inside(self.out_dir, "--dump")
@@ -378,9 +382,8 @@ class DumpSession:
         revive_hooks(type(self).__name__)
         add_failure_listener(self._on_hook_failed)
         eager.enter("the dump", self._on_compiled_region)
+        self._module_hooks.install()
         self._handles = [
-            module_hooks.register_module_forward_pre_hook(self._on_module_pre_forward),
-            module_hooks.register_module_forward_hook(self._on_module_forward, with_kwargs=True, always_call=True),
             optimizer_hooks.register_optimizer_step_pre_hook(self._on_optimizer_pre_step),
             optimizer_hooks.register_optimizer_step_post_hook(self._on_optimizer_post_step),
         ]
@@ -405,6 +408,7 @@ class DumpSession:
         if self._mode is not None:
             self._mode.close()
             self._mode = None
+        self._module_hooks.remove()
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -436,7 +440,7 @@ class DumpSession:
         # inside optimizer.step (paused for modules): its update ops, as msprobe records them; inside
         # GradScaler.step but outside the optimizer's: its unscaling, no op of the model
         steps = self._steps
-        return (self._active and self._forward_seen and (steps.paused > 0 or not steps.scaler.inside)
+        return (self._active and self._module_hooks.forward_seen and (steps.paused > 0 or not steps.scaler.inside)
                 and self._step_selected())
 
     def _end_step(self) -> None:
@@ -444,7 +448,7 @@ class DumpSession:
             self._flush()
         self._model_tensors = None
         self._record = _StepRecord()
-        self._module_stack = []
+        self._module_hooks.running.clear()
         self.step_index += 1
         if self.steps is not None and self.step_index > max(self.steps):
             self._finished = True
@@ -497,27 +501,16 @@ class DumpSession:
         self._end_step()
 
     # ------------------------------------------------------------------ modules
-    def _module_path(self, module: torch.nn.Module) -> str:
-        outer = self._module_stack[0][2] if self._module_stack else None
-        return naming.module_path(self._paths, module, outer)
+    def _watching_modules(self) -> bool:
+        return not self._finished and not self._steps.paused
 
-    @unintercepted
-    def _on_module_pre_forward(self, module, args) -> None:
-        self._forward_seen = True
-        if self._finished or self._steps.paused or eager.runs_compiled_graph(module):
-            return
-        if naming.is_compile_wrapper(module):
-            if eager.runs_compiled(module) and self._step_selected():
-                # torch.compile(model, fullgraph=True): the model runs unseen; its modules are still
-                # named, so that their parameter gradients are recorded at the optimizer step
-                self._module_path(module._orig_mod)
-            return
-        root = not self._module_stack
-        if root:
-            self._steps.root_forward(module)  # without an optimizer, a new forward of the model may end a step
+    def _on_root_forward(self, module) -> None:
+        self._steps.root_forward(module)  # without an optimizer, a new forward of the model may end a step
+
+    def _enter_module(self, module, args, root: bool) -> tuple[str, _Entry | None]:
         if not self._step_selected():
-            return
-        path = self._module_path(module)
+            return _NOT_RECORDED
+        path = self._module_hooks.path(module)
         entry = None
         selected_scope = self._in_scope(path)
         index = self._record.counter.next(f"Module.{path}.{type(module).__name__}")
@@ -528,15 +521,11 @@ class DumpSession:
             entry.data["input_kwargs"] = {}
             if torch.is_grad_enabled():  # a layer that changes its input in place gives it a new node
                 entry.producers = graph.producers(tensors_in(args))
-        self._module_stack.append((path, entry, module))
+        return path, entry
 
-    @unintercepted
-    def _on_module_forward(self, module, args, kwargs, output=_RAISED) -> None:
-        ops_ran()  # the module's own code ran (at module level, no op was counted)
-        if not self._module_stack or self._module_stack[-1][2] is not module:
-            return
-        path, entry, _ = self._module_stack.pop()
-        # always_call: torch also calls this hook, as hook(module, args, None), when forward raised.
+    def _leave_module(self, module, frame: tuple[str, _Entry | None], args, kwargs, output=_RAISED) -> None:
+        path, entry = frame
+        # always_call: torch also calls the hook, as hook(module, args, None), when forward raised.
         if entry is None or output is _RAISED:
             return
         before, entry.producers = entry.producers, None  # nodes: not kept until the step is written
@@ -632,7 +621,8 @@ class DumpSession:
         record = self._record
         index = record.counter.next(api)
         name = naming.api_entry_name(api, index)
-        path = self._module_stack[-1][0] if self._module_stack else ""
+        running = self._module_hooks.running
+        path = running[-1][1][0] if running else ""
         if not (self._in_scope(path) and self._name_selected(name)):
             return func(*args, **kwargs)
         in_place = naming.writes_its_input(api, args, kwargs)
@@ -976,7 +966,7 @@ class DumpSession:
         return self.names is None or any(naming.name_matches(item, name) for item in self.names)
 
     def _parent_name(self) -> str | None:
-        for _, entry, _ in reversed(self._module_stack):
+        for _, (_, entry) in reversed(self._module_hooks.running):
             if entry is not None:
                 return entry.name
         return None

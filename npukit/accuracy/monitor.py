@@ -47,6 +47,7 @@ from npukit.accuracy.monitor_alerts import Alert, AlertRules, Alerts, Record
 from npukit.errors import UserError
 from npukit.files import check_output_location, output_folder, refuse_links_inside
 from npukit.watch.hook_guard import hook_failed
+from npukit.watch.module_hooks import ModuleHooks
 from npukit.watch.process import host_memory, npu_in_host_memory, rank_from_env
 from npukit.watch.steps import RunSteps
 from npukit.watch.tensor_stats import StatsBuffer
@@ -89,13 +90,15 @@ class MonitorSession:
         self.broken = False
         self._active = False
         self._in_optimizer = 0
-        self._running_modules = 0  # forwards in progress (to name modules from the outermost)
-        self._outermost = None  # the module whose forward runs the others
         self._ending: tuple | None = None  # (_StepRecord, skipped, loss_scale): see _end_training_step
         self._several_optimizers: bool | None = None  # None: not known before the second step begins
-        # the step count; told of root forwards by _on_module_pre_forward, which passes over compile wrappers
+        # the step count; told of root forwards by the module hooks, which pass over compile wrappers
         self._steps = RunSteps(self._guarded(self._on_step_end), watch_forwards=False)
         self._paths = naming.ModulePaths()
+        # every module forward is on its stack (also inside optimizer.step): named from the outermost
+        self._module_hooks = ModuleHooks(naming.ModuleNames(self._paths), owner=type(self).__name__,
+                                         guard=self._guarded, root=self._on_root_forward,
+                                         leave=self._on_module_forward)
         self._kept: dict[str, bool] = {}  # module path -> the filter keeps it
         self._module_names: dict[int, tuple[weakref.ref, str, bool]] = {}  # id(module) -> (it, path, kept)
         # id(parameter) -> (a weak reference to it, its name, its module's path): tensors compare by
@@ -122,7 +125,6 @@ class MonitorSession:
         self.stop()
 
     def start(self) -> None:
-        from torch.nn.modules import module as module_hooks
         from torch.optim import optimizer as optimizer_hooks
 
         refuse_links_inside(self.out_dir, "--monitor", depth=1)
@@ -134,9 +136,8 @@ class MonitorSession:
         # Dynamo cannot trace through global module hooks: compiled models run eagerly while the
         # monitor watches (a notice says so), fullgraph regions compiled and unseen, as under the dump
         eager.enter("the monitor")
+        self._module_hooks.install()
         self._handles = [
-            module_hooks.register_module_forward_pre_hook(self._guarded(self._on_module_pre_forward)),
-            module_hooks.register_module_forward_hook(self._guarded(self._on_module_forward), always_call=True),
             optimizer_hooks.register_optimizer_step_pre_hook(self._guarded(self._on_optimizer_pre_step)),
             optimizer_hooks.register_optimizer_step_post_hook(self._guarded(self._on_optimizer_post_step)),
         ]
@@ -155,6 +156,7 @@ class MonitorSession:
         if not self._active:
             return
         torch.Tensor.backward = self._original_backward
+        self._module_hooks.remove()
         for handle in [*self._handles, *(handle for _, handle in self._local_gradient_hooks.values())]:
             handle.remove()
         self._handles = []
@@ -176,10 +178,10 @@ class MonitorSession:
             self._files = {}
 
     # ------------------------------------------------------------------ robustness
-    def _guarded(self, hook):
+    def _guarded(self, hook, kind: str | None = None):
         """The hook, or nothing once the monitor broke; an error inside it is said once (hook_failed),
         switches the whole monitor off (a half-recorded step would mislead) and never reaches the run."""
-        kind = f"MonitorSession.{hook.__name__}"
+        kind = kind or f"MonitorSession.{hook.__name__}"
 
         def run(*args, **kwargs):
             if self.broken:
@@ -264,27 +266,12 @@ class MonitorSession:
         record.used = True
         record.slots.append((kind, name, tensor.dtype, slot))
 
-    def _on_module_pre_forward(self, module, args) -> None:
-        if eager.not_a_layer(module):
-            if eager.runs_compiled(module):
-                # torch.compile(model, fullgraph=True): the model runs unseen, but its parameters
-                # keep their module names (`0.weight`, not `param_group0.0`)
-                naming.module_path(self._paths, module._orig_mod)
-            return
-        if not self._running_modules:
-            self._outermost = module
-            self._distributed()  # asked once per root forward (a process group made since is seen)
-            # before the first optimizer step, a new forward with gradients may end a step (RunSteps)
-            self._steps.root_forward(module)
-        self._running_modules += 1
+    def _on_root_forward(self, module) -> None:
+        self._distributed()  # asked once per root forward (a process group made since is seen)
+        # before the first optimizer step, a new forward with gradients may end a step (RunSteps)
+        self._steps.root_forward(module)
 
-    def _on_module_forward(self, module, args, output) -> None:
-        if eager.not_a_layer(module):
-            return
-        self._running_modules = max(0, self._running_modules - 1)
-        outermost = self._outermost
-        if not self._running_modules:
-            self._outermost = None
+    def _on_module_forward(self, module, frame, args, output) -> None:
         # evaluation forwards (no gradient) are not the training step's
         if self._in_optimizer or not torch.is_grad_enabled() or not self._monitored():
             return
@@ -292,8 +279,7 @@ class MonitorSession:
         # above it running (a layer called outside its model's forward) by its owner's attribute path
         named = self._module_names.get(id(module))
         if named is None or named[0]() is not module:
-            outer = outermost if outermost is not module else None
-            path = naming.module_path(self._paths, module, outer) or type(module).__name__
+            path = self._module_hooks.path(module) or type(module).__name__
             names, key = self._module_names, id(module)
             # a module's path, once given, is its own: looked up once (dropped with the module)
             named = names[key] = (weakref.ref(module, lambda _: names.pop(key, None)), path, self._keeps(path))

@@ -17,6 +17,8 @@ import weakref
 from collections import defaultdict
 from functools import lru_cache
 
+from npukit.accuracy import eager
+
 FORWARD = "forward"
 BACKWARD = "backward"
 PARAMETERS_GRAD = "parameters_grad"
@@ -291,6 +293,26 @@ def module_path(paths: ModulePaths, module, outermost_running=None) -> str:
         paths.add_model(module, paths.get(module, ""))
         path = paths[module]
     return path
+
+
+class ModuleNames:
+    """How a reader's module hooks (watch.module_hooks.ModuleHooks) name modules, as the dump names
+    them (module_path, into `paths`), and which module calls they pass over: torch.compile's wrapper,
+    whose model makes the calls that count, and a fullgraph region's compiled backward graph."""
+
+    passed_over = staticmethod(eager.not_a_layer)  # asked at every module call: no frame in between
+
+    def __init__(self, paths: ModulePaths) -> None:
+        self.paths = paths
+
+    def path(self, module, outermost_running=None) -> str:
+        return module_path(self.paths, module, outermost_running)
+
+    @staticmethod
+    def runs_unseen(wrapper):
+        """The model inside torch.compile(model, fullgraph=True)'s wrapper: it runs compiled, unseen,
+        and is still named (its parameters keep their module names: `0.weight`); None otherwise."""
+        return wrapper._orig_mod if eager.runs_compiled(wrapper) else None
 
 
 _MAX_OWNER_DEPTH = 16

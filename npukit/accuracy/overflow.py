@@ -54,11 +54,12 @@ from npukit.console import number_ranges
 from npukit.errors import UserError
 from npukit.files import check_output_location, write_json
 from npukit.watch.hook_guard import add_failure_listener, remove_failure_listener, revive_hooks, unintercepted
+from npukit.watch.module_hooks import ModuleHooks
 from npukit.watch.op_hooks import ApiMode
 from npukit.watch.process import rank_from_env
 from npukit.watch.steps import RecordedSteps
 from npukit.watch.tensor_stats import StatsBuffer
-from npukit.watch.tensors import local_shard, ops_ran, real_view, strided_form, tensor_version, tensors_in
+from npukit.watch.tensors import local_shard, real_view, strided_form, tensor_version, tensors_in
 
 ACTIONS = ("report", "dump", "stop")
 LEVELS = ("api", "module")
@@ -389,8 +390,13 @@ class OverflowSession:
                                     before_scaler_step=self._before_scaler_step)
         self._optimizer_update: _OpRecord | None = None  # the running optimizer.step's, inputs checked
         self._paths = naming.ModulePaths()
-        # (path, module, record (module level), flag value before the module ran)
-        self._module_stack: list[tuple[str, object, _OpRecord | None, bool]] = []
+        # running: (module, (path, record (module level), flag value before the module ran)); none
+        # inside optimizer.step (steps.paused)
+        steps = self._steps
+        self._module_hooks = ModuleHooks(naming.ModuleNames(self._paths), owner=type(self).__name__,
+                                         guard=unintercepted, watching=lambda: not steps.paused,
+                                         root=steps.root_forward, enter=self._enter_module,
+                                         leave=self._leave_module)
         self._stacks = CallStacks(_MAX_STACK_FRAMES)
         self._op_nodes = OpNodes()
         self._handles: list = []
@@ -416,7 +422,6 @@ class OverflowSession:
     def start(self) -> OverflowSession:
         if self._active:
             return self
-        from torch.nn.modules import module as module_hooks
         from torch.optim import optimizer as optimizer_hooks
 
         self._active = self._checking = True
@@ -429,9 +434,8 @@ class OverflowSession:
             self._flag.sync_left()
         else:
             self._flag.read_and_clear()  # a flag left over from before the session is not ours
+        self._module_hooks.install()
         self._handles = [
-            module_hooks.register_module_forward_pre_hook(self._on_module_pre_forward),
-            module_hooks.register_module_forward_hook(self._on_module_forward, always_call=True),
             optimizer_hooks.register_optimizer_step_pre_hook(self._on_optimizer_pre_step),
             optimizer_hooks.register_optimizer_step_post_hook(self._on_optimizer_post_step),
         ]
@@ -467,6 +471,7 @@ class OverflowSession:
         finally:
             self._stop_checking()
             self._exit_mode()
+            self._module_hooks.remove()
             for handle in self._handles:
                 handle.remove()
             self._handles = []
@@ -506,7 +511,7 @@ class OverflowSession:
         self._brought.pop(self.step_index, None)
         self._auto_ended = self._steps.automatic
         self._read_mode()
-        self._module_stack = []
+        self._module_hooks.running.clear()
         self.step_index += 1
 
     def _watch_collectives(self, watch: bool) -> None:
@@ -611,38 +616,22 @@ class OverflowSession:
             self._mode = None
 
     # ------------------------------------------------------------------ modules
-    def _module_path(self, module) -> str:
-        outer = self._module_stack[0][1] if self._module_stack else None
-        return naming.module_path(self._paths, module, outer)
-
-    @unintercepted
-    def _on_module_pre_forward(self, module, args) -> None:
-        if self._steps.paused or eager.runs_compiled_graph(module):
-            return
-        if naming.is_compile_wrapper(module):
-            if eager.runs_compiled(module):  # its modules' parameter gradients are still checked
-                self._module_path(module._orig_mod)
-            return
-        if not self._module_stack:
-            self._steps.root_forward(module)  # without an optimizer, a new forward of the model may end a step
-        path = self._module_path(module)
+    def _enter_module(self, module, args, root: bool) -> tuple[str, _OpRecord | None, bool]:
+        path = self._module_hooks.path(module)
         record = None
         if self.level == "module" and self._checking:
             index = self._state.counter.next(f"Module.{path}.{type(module).__name__}")
             name = naming.module_entry_name(path, type(module).__name__, index)
-            parent = next((entry for _, _, entry, _ in reversed(self._module_stack) if entry is not None), None)
+            parent = next((entry for _, (_, entry, _) in reversed(self._module_hooks.running) if entry is not None),
+                          None)
             record = _OpRecord(name, naming.FORWARD, path, self._stack_id(), self._check_all(args, "input"),
                                context=self._check_list(list(module.parameters()), "parameters"), parent=parent,
                                module_class=type(module).__name__)
         was = self._flag.begin() if record is not None and self._bracket else False
-        self._module_stack.append((path, module, record, was))
+        return path, record, was
 
-    @unintercepted
-    def _on_module_forward(self, module, args, output=None) -> None:
-        ops_ran()  # the module's own code ran (at module level, no op was counted)
-        if not self._module_stack or self._module_stack[-1][1] is not module:
-            return
-        _, _, record, was = self._module_stack.pop()
+    def _leave_module(self, module, frame: tuple[str, _OpRecord | None, bool], args, output=None) -> None:
+        _, record, was = frame
         if record is None or not self._checking:
             return
         record.flag = self._flag.end(was) if self._bracket else False
@@ -725,8 +714,8 @@ class OverflowSession:
         if api in naming.UNINITIALIZED_OUTPUT and not flag:
             return output  # uninitialized memory: whatever bytes it holds are not the op's result
         outputs = tensors_in(output)
-        module, module_class = ((self._module_stack[-1][0], type(self._module_stack[-1][1]).__name__)
-                                if self._module_stack else ("", ""))
+        running = self._module_hooks.running
+        module, module_class = (running[-1][1][0], type(running[-1][0]).__name__) if running else ("", "")
         copies = api in _COPIES_VALUES and not flag
         # A copy cannot be where an overflow starts: its record only carries checks to its backward.
         record = _OpRecord(naming.api_entry_name(api, index), naming.FORWARD, module,

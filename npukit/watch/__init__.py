@@ -18,6 +18,11 @@ take what they share from here too, none from another's module.
     op_hooks.py       ApiMode: the TorchFunctionMode that hands every torch / functional / Tensor
                       call to a reader's handler (the dump's, the overflow detector's), named as
                       the reader says (accuracy.naming.MsprobeOpNames)
+    module_hooks.py   ModuleHooks: a reader's global module forward hooks over the modules running
+                      (outermost first): torch.compile's wrapper passed over (the model inside still
+                      named), root forwards told to the reader's step count before its enter, a post
+                      hook popping only its own module, also when forward raised; the reader keeps
+                      what it records (the dump's, the overflow detector's and the monitor's)
     hook_guard.py     a reader's hook that fails is reported once and switched off, the run goes
                       on (unintercepted, hook_failed, revive_hooks); readers listening are told
     tensors.py        the tensors a hook is handed: tensors_in (nested arguments), tensor_version

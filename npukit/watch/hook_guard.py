@@ -20,7 +20,7 @@ broken_hooks: set[str] = set()
 _failure_listeners: list = []  # each active session's on_hook_failed(kind, where, detail)
 
 
-def unintercepted(function):
+def unintercepted(function, kind: str | None = None):
     """Run a hook with torch-function handling off: its own tensor accesses (.shape, .dtype, ...)
     would otherwise each go through the op hooks' mode (the mode is off only inside its own handler).
     No functools.wraps: hooks are wrapped per op, where copying metadata is a measurable cost.
@@ -29,8 +29,12 @@ def unintercepted(function):
     module it ran for, that hook is switched off for the rest of the run, and the run goes on (the
     hook returns None: nothing of the user's changes). Only errors meant for the user (those with
     `npukit_propagate`, such as the overflow detector's OverflowStop) pass through.
+
+    kind: the hook's name in reports and in broken_hooks (its __qualname__ unless given: a hook
+    watch/ runs for a reader is named after the reader, `{reader class}.{hook}`, so that one
+    reader's failure switches off only its own hook and revive_hooks finds it).
     """
-    kind = function.__qualname__
+    kind = kind or function.__qualname__
 
     def wrapper(*args, **kwargs):
         if kind in broken_hooks:

@@ -293,7 +293,7 @@ def _train_losses(session_factory, steps=3):
 
 @pytest.mark.parametrize("tool, broken", [
     ("dump", "_tensor_leaf"),          # runs in the api handler and the module hooks
-    ("dump", "_module_path"),          # module hooks only
+    ("dump", "_enter_module"),         # module hooks only
     ("dump", "_hook_api_backward"),    # registers backward hooks
     ("overflow", "_check_all"),
     ("overflow", "_hook_module_backward"),
