@@ -36,4 +36,4 @@ browser:
 	command -v chromium >/dev/null 2>&1 || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium chromium-driver; }
 
 clean:
-	rm -rf build npukit/npu_backend/*.so npukit/accuracy/*.so demo-out
+	rm -rf build npukit/npu_backend/*.so npukit/accuracy/*.so npukit/watch/*.so demo-out

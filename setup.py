@@ -64,11 +64,11 @@ setup(
             extra_compile_args=["-O3", "-std=c++17"],
             extra_link_args=["-fopenmp"],
         ),
-        Extension("npukit.accuracy._stats", ["npukit/accuracy/csrc/stats.cpp"], extra_compile_args=["-O3"],
-                  depends=["npukit/accuracy/csrc/stats_kernels.h"]),
+        Extension("npukit.watch._stats", ["npukit/watch/csrc/stats.cpp"], extra_compile_args=["-O3"],
+                  depends=["npukit/watch/csrc/stats_kernels.h"]),
         # the same kernels, given a tensor: its fields read in C++ (see tensor_stats.cpp)
-        CppExtension("npukit.accuracy._tensor_stats", ["npukit/accuracy/csrc/tensor_stats.cpp"],
-                     extra_compile_args=["-O3", "-std=c++17"], depends=["npukit/accuracy/csrc/stats_kernels.h"]),
+        CppExtension("npukit.watch._tensor_stats", ["npukit/watch/csrc/tensor_stats.cpp"],
+                     extra_compile_args=["-O3", "-std=c++17"], depends=["npukit/watch/csrc/stats_kernels.h"]),
     ],
     cmdclass={"build_ext": BuildWithCapabilities.with_options(use_ninja=False)},
 )

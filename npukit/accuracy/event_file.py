@@ -5,7 +5,7 @@ masked CRC-32C of the length, an `Event` protocol buffer, masked CRC-32C of the 
 `file_version: "brain.Event:2"` event. Written here because SummaryWriter needs the tensorboard
 package (grpcio, protobuf, werkzeug ... for a run that only writes numbers) and checksums every
 record in pure Python (3 ms per 10 kB measured): a monitored step's few thousand scalars go in one
-event, checksummed in C (npukit.accuracy._stats.crc32c).
+event, checksummed in C (npukit.watch._stats.crc32c).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from npukit.accuracy._stats import crc32c, fill_float32
+from npukit.watch._stats import crc32c, fill_float32
 
 
 def masked_crc32c(data: bytes) -> int:

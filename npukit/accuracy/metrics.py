@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 
-from npukit.accuracy._stats import pair_partial
 from npukit.accuracy.tensor_io import (
     FLOAT_MIN_EXPONENT,
     FLOAT_PRECISION_BITS,
@@ -26,6 +25,7 @@ from npukit.accuracy.tensor_io import (
     forbid_torch,
     read_tensor,
 )
+from npukit.watch._stats import pair_partial
 
 CHUNK = 1 << 16  # elements: the fp64 work buffers stay in L2 cache
 TASK_ELEMENTS = 1 << 22  # elements per pool task: large enough to hide dispatch cost

@@ -40,12 +40,12 @@ from pathlib import Path
 import torch
 
 from npukit.accuracy import eager, naming
-from npukit.accuracy._stats import adam_stats
-from npukit.accuracy._tensor_stats import csv_rows, host_stats
 from npukit.accuracy.event_file import ScalarEventFile, SummaryLayout
 from npukit.accuracy.monitor_alerts import Alert, AlertRules, Alerts, Record
 from npukit.errors import UserError
 from npukit.files import check_output_location, output_folder, refuse_links_inside
+from npukit.watch._stats import adam_stats
+from npukit.watch._tensor_stats import csv_rows, host_stats
 from npukit.watch.hook_guard import hook_failed
 from npukit.watch.module_hooks import ModuleHooks
 from npukit.watch.process import host_memory, npu_in_host_memory, rank_from_env

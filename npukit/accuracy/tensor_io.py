@@ -34,9 +34,9 @@ from pathlib import Path
 
 import numpy as np
 
-from npukit.accuracy._stats import crc32  # zlib.crc32, folded with carry-less multiplies: the data's checksum
 from npukit.errors import UserError
 from npukit.files import atomic_open, atomic_path
+from npukit.watch._stats import crc32  # zlib.crc32, folded with carry-less multiplies: the data's checksum
 
 # torch dtype name (as written in dump.json, "torch.float32") -> (numpy storage dtype, raw bits?)
 _STORAGE = {

@@ -29,6 +29,9 @@ take what they share from here too, none from another's module.
                       (and ops_ran, for inference tensors), real_view, local_shard, strided_form
     process.py        rank_from_env; npu_in_host_memory, host_memory: where a read costs no sync
     tensor_stats.py   tensor_stats: max, min, mean, norm, nan and inf counts on the tensor's device
-                      (one pass on host memory, with accuracy's compiled kernels); StatsBuffer: a
+                      (one pass on host memory, with the compiled kernels below); StatsBuffer: a
                       step's statistics fetched with one device->host copy
+    csrc/             the one-pass kernels over host buffers, compiled as _stats (no torch: also the
+                      compare's pair metrics, the dump's CRC-32 and the monitor's Adam statistics and
+                      CRC-32C, whose readers import them from here) and _tensor_stats (given a tensor)
 """

@@ -3,8 +3,8 @@
 tensor_stats  one tensor's statistics, computed on its own device (one pass over host memory)
 StatsBuffer   a step's statistics, fetched from the device with one copy
 
-The one-pass kernels are the compiled modules npukit.accuracy._stats and _tensor_stats (built from
-npukit/accuracy/csrc/, which the compare's metrics and the event-file writer use too).
+The one-pass kernels are the compiled modules npukit.watch._stats and _tensor_stats (built from
+npukit/watch/csrc/, which the compare's metrics and the event-file writer use too).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import math
 
 import torch
 
-from npukit.accuracy._stats import stats as one_pass_stats
-from npukit.accuracy._tensor_stats import host_stats
+from npukit.watch._stats import stats as one_pass_stats
+from npukit.watch._tensor_stats import host_stats
 from npukit.watch.process import host_memory, npu_in_host_memory
 from npukit.watch.tensors import real_view, strided_form
 

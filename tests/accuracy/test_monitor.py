@@ -186,7 +186,7 @@ def _tricky_floats() -> list[float]:
 
 def test_monitor_csv_rows_are_what_csv_writer_writes():
     """monitor.csv's rows are made in C++ (csv_rows): byte for byte csv.writer's, floats as their repr."""
-    from npukit.accuracy._tensor_stats import csv_rows
+    from npukit.watch._tensor_stats import csv_rows
 
     values = _tricky_floats()
     keys = [("activation", f"blocks.{i}.mlp" if i % 3 else 'odd "name", quoted', "float32") for i in range(len(values) // 6)]
@@ -204,7 +204,7 @@ def test_tensorboard_summary_rounds_to_float32_as_numpy_does():
     """The Summary of a step's values in one C call (fill_float32): the bytes of each tag's own
     Summary.Value, values rounded to float32 as numpy rounds them (beyond its range: inf)."""
     from npukit.accuracy import event_file
-    from npukit.accuracy._stats import fill_float32
+    from npukit.watch._stats import fill_float32
 
     values = _tricky_floats()
     tags = [f"activation/layer{i}/max" for i in range(len(values))]

@@ -268,7 +268,7 @@ def test_the_dumps_checksum_is_zlibs_crc32_for_every_length_and_start():
     short buffers byte by byte): the same value as zlib.crc32 at every length, offset and start."""
     import zlib
 
-    from npukit.accuracy._stats import crc32
+    from npukit.watch._stats import crc32
 
     data = np.random.default_rng(0).integers(0, 256, 70_000, dtype=np.uint8).tobytes()
     for length in [*range(0, 200), 4095, 4096, 4097, 65_536 + 13]:

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from npukit.accuracy._tensor_stats import host_stats
+from npukit.watch._tensor_stats import host_stats
 from npukit.watch.tensor_stats import tensor_stats
 
 pytestmark = pytest.mark.usefixtures("npu")
