@@ -40,6 +40,7 @@ from npukit.profiler.extract import (
     table_from_profiler,
 )
 from npukit.profiler.table import EVENTS_FILE, META_FILE, EventTable, write_meta
+from npukit.watch.process import rank_from_env
 from npukit.watch.steps import TrainingSteps
 
 LARGE_PROFILE_EVENTS = 100_000
@@ -302,14 +303,6 @@ def parse_steps(text: str | None) -> StepSchedule | None:
             " with active >= 1, e.g. 1,1,3"
         )
     return StepSchedule(*numbers)
-
-
-def rank_from_env() -> int:
-    value = os.environ.get("RANK", "0")
-    try:
-        return int(value)
-    except ValueError:
-        raise UserError(f"RANK={value!r}: must be an integer") from None
 
 
 class _ModuleNamer:
