@@ -51,7 +51,7 @@ from npukit.watch.module_hooks import ModuleHooks
 from npukit.watch.process import host_memory, npu_in_host_memory, rank_from_env
 from npukit.watch.steps import RunSteps
 from npukit.watch.tensor_stats import StatsBuffer
-from npukit.watch.tensors import tensors_in
+from npukit.watch.tensors import local_shard, tensors_in
 
 no_torch_function = torch._C.DisableTorchFunction  # a hook's own tensor reads skip any mode
 STAT_NAMES = ("max", "min", "mean", "norm", "nan", "inf")  # tensor_stats' order
@@ -673,7 +673,10 @@ class _StepRecord:
 
 def _adam_state_in_one_read(m: torch.Tensor, v: torch.Tensor, eps: float):
     """(m's statistics, v's, the norm of m / (sqrt(v) + eps)) from one read of fp32 host state, or
-    None where torch's ops measure it (other dtypes or layouts, another device, nan/inf in it)."""
+    None where torch's ops measure it (other dtypes or layouts, another device, nan/inf in it).
+    FSDP2's state is DTensors, wrappers without data of their own: this rank's shards are read, as its
+    weights and gradients are measured (the kernel was handed a null address: "adam_stats: no data")."""
+    m, v = local_shard(m), local_shard(v)
     if (m.dtype != torch.float32 or v.dtype != torch.float32 or m.numel() == 0 or m.shape != v.shape
             or not m.is_contiguous() or not v.is_contiguous() or not host_memory(m) or not host_memory(v)):
         return None

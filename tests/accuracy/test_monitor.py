@@ -655,6 +655,41 @@ def test_adam_state_the_one_pass_kernel_does_not_read_is_measured_by_torch(tmp_p
         assert ratio == pytest.approx(_adam_ratio(optimizer, parameter, weights[name]), rel=0.03), name
 
 
+def test_fsdp2s_adam_state_is_measured_on_this_ranks_shard(tmp_path):
+    """FSDP2 (fully_shard) keeps the parameters and Adam's state as DTensors, wrappers without data of
+    their own: the one-pass Adam kernel was handed a null address ("adam_stats: no data"), the
+    optimizer hook switched off at step 0 and no file was written (MindSpeed-LLM's fsdp2 GPT-OSS under
+    npu-run --nproc-per-node 2 --monitor). The state is read from this rank's shard, as its weights and
+    gradients are."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("hccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = TwoLayers().to("npu")
+        fully_shard(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        x = torch.randn(5, 4, device="npu")
+        with MonitorSession(tmp_path / "mon", rank=0):
+            for _ in range(2):
+                model(x).square().mean().backward()
+                weights = {name: p.detach().to_local().clone() for name, p in model.named_parameters()}
+                optimizer.step()
+                optimizer.zero_grad()
+    finally:
+        dist.destroy_process_group()
+    rows = {(r["kind"], r["name"]): r for r in _rows(tmp_path / "mon" / "rank0" / "monitor.csv") if r["step"] == "1"}
+    lr, (beta1, beta2), eps = 1e-2, (0.9, 0.999), 1e-8
+    for name, parameter in model.named_parameters():
+        m, v = (optimizer.state[parameter][key].to_local().double().cpu() for key in ("exp_avg", "exp_avg_sq"))
+        _close(rows[("exp_avg", name)], _stats(m))
+        _close(rows[("exp_avg_sq", name)], _stats(v))
+        update = lr * (m / (1 - beta1 ** 2)) / ((v / (1 - beta2 ** 2)).sqrt() + eps)
+        expected_ratio = float(update.norm() / weights[name].double().cpu().norm())
+        assert float(rows[("update_ratio", name)]["mean"]) == pytest.approx(expected_ratio, rel=1e-4), name
+
+
 def test_a_value_growing_by_a_steady_amount_is_forecast_at_that_amount_not_at_its_early_rate():
     """An unnormalized feature rising 330 a step: at step 5 it grows 24% a step, which at that rate
     overflows fp16 in ~22 steps; at 330 a step it is ~190 steps away (no alert yet). Near the top the
