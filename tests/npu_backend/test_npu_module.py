@@ -278,24 +278,39 @@ def test_an_npu_default_tensor_type_is_refused_as_torch_npu_refuses_it(tensor_ty
     assert torch.tensor([]).type() == before  # nothing half-set
 
 
+def _cpu_has_fp16_matrix_unit() -> bool:
+    """AMX-FP16, which the CPU's fp16 flash attention kernel needs to be fast (oneDNN's brgemm)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return "amx_fp16" in cpuinfo.read().split()
+    except OSError:
+        return False
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_scaled_dot_product_attention_takes_the_kernel_the_cpu_takes(dtype):
     """F.scaled_dot_product_attention on npu runs the CPU's flash kernel where the CPU would (exp(S - max)
     read in the input dtype, the fp32 sums divided by the row sum at the end, as Ascend's flash kernel),
-    not the math decomposition: the same outputs and gradients as on the CPU, bit for bit. With
-    dropout it keeps the math path, whose mask follows the npu generator (test above)."""
+    not the math decomposition: the same outputs and gradients as on the CPU, bit for bit. fp16 on a
+    CPU without AMX-FP16 takes the math path instead (the flash kernel's scalar fp16 GEMMs cost twice
+    its time): fp16 computed in fp32 and rounded once, bit for bit the CPU's math path. With dropout it
+    keeps the math path, whose mask follows the npu generator (test above)."""
     import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    on_math_path = dtype is torch.float16 and not _cpu_has_fp16_matrix_unit()
+    cpu_backend = SDPBackend.MATH if on_math_path else SDPBackend.FLASH_ATTENTION
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 4, 48, 32, dtype=dtype, requires_grad=True) for _ in range(3))
     mask = torch.rand(48, 48) > 0.2
     on_npu = [t.detach().npu().requires_grad_() for t in (q, k, v)]
     for kwargs in ({"is_causal": True}, {"attn_mask": mask}):
         npu_kwargs = {name: value.npu() if isinstance(value, torch.Tensor) else value for name, value in kwargs.items()}
-        expected = F.scaled_dot_product_attention(q, k, v, **kwargs)
+        with sdpa_kernel(cpu_backend):
+            expected = F.scaled_dot_product_attention(q, k, v, **kwargs)
         got = F.scaled_dot_product_attention(*on_npu, **npu_kwargs)
         assert type(got.grad_fn).__name__ == type(expected.grad_fn).__name__ == \
-            "ScaledDotProductFlashAttentionForCpuBackward0"
+            ("ToCopyBackward0" if on_math_path else "ScaledDotProductFlashAttentionForCpuBackward0")
         assert torch.equal(got.cpu(), expected)
         expected.sum().backward()
         got.sum().backward()

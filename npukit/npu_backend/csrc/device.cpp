@@ -19,6 +19,7 @@
 #include <ATen/native/transformers/attention.h>
 #include <ATen/SDPBackend.h>
 #include <ATen/ops/_fused_sdp_choice_native.h>
+#include <ATen/native/CPUBlas.h>
 #include <ATen/Operators.h>
 #include <ATen/Parallel.h>
 #include <ATen/ScalarOps.h>
@@ -1965,6 +1966,12 @@ int64_t npu_fused_sdp_choice(const at::Tensor& query, const at::Tensor& key, con
                              const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
                              std::optional<double> scale, bool enable_gqa) {
   if (dropout_p > 0) return static_cast<int64_t>(at::SDPBackend::math);
+  // The CPU's fp16 flash kernel multiplies fp16 blocks with scalar code where the CPU has no fp16
+  // matrix unit (AMX-FP16): 2x the math path's time. The math path computes fp16 in fp32 and rounds
+  // once at the end, so P is not rounded to fp16 before P @ V as Ascend's flash kernel rounds it.
+  if (query.scalar_type() == at::kHalf && !at::native::cpublas::could_pack(at::kHalf)) {
+    return static_cast<int64_t>(at::SDPBackend::math);
+  }
   // The CPU's choice reads only the tensors' metadata (shapes, strides, dtypes, requires_grad), so it
   // is made on the npu tensors themselves: also on FakeTensors, so torch.compile picks the same kernel.
   return at::native::_fused_sdp_choice_cpp(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa);
