@@ -72,6 +72,7 @@ from npukit.files import (
     write_text_atomic,
 )
 from npukit.watch.process import rank_from_env
+from npukit.watch.tensors import local_shard
 
 MANIFEST = "replay.json"
 _FORMAT_VERSION = 2  # 2: forward calls are counted per root module, activations are not stored
@@ -246,7 +247,7 @@ class ReplaySession:
                     elif "tensor" in encoded:
                         reference = live.get(key)
                         if not isinstance(reference, torch.Tensor):
-                            reference = parameter if encoded["shape"] == list(parameter.shape) else \
+                            reference = parameter if encoded["shape"] == _stored_shape(parameter) else \
                                 torch.empty(0, dtype=_torch_dtype(encoded["dtype"]))
                         value = self._decode(encoded, reference).requires_grad_(False)
                         if isinstance(live.get(key), torch.Tensor) and live[key].shape == value.shape:
@@ -496,7 +497,8 @@ class ReplaySession:
             name = f"tensors/{self._file_count:06d}.npy"
             with torch._C.DisableTorchFunction():
                 write_tensor(self.directory / name, value)
-            return {"tensor": name, "dtype": str(value.dtype), "shape": list(value.shape)}
+            # the file holds this rank's shard of a DTensor (FSDP2's state): its shape, not the global one
+            return {"tensor": name, "dtype": str(value.dtype), "shape": _stored_shape(value)}
         if isinstance(value, list | tuple):
             return {"list": [self._encode(item, inputs) for item in value]}
         if isinstance(value, dict):
@@ -517,6 +519,10 @@ class ReplaySession:
             # Same device and (for floats) dtype as the live tensor: a bf16 run gets the recorded values rounded.
             target_dtype = live.dtype if live.is_floating_point() and tensor.is_floating_point() else tensor.dtype
             tensor = tensor.to(device=live.device, dtype=target_dtype)
+            distributed = _distributed_tensor(live)
+            if distributed is not None:  # FSDP2's parameters and optimizer state: this rank's shard, placed as live
+                tensor = distributed.from_local(tensor, live.device_mesh, live.placements, run_check=False,
+                                                shape=live.shape, stride=live.stride())
             if live.requires_grad and tensor.is_floating_point():
                 tensor.requires_grad_(True)
         return tensor
@@ -532,9 +538,9 @@ class ReplaySession:
                 return live
             if "tensor" not in encoded:
                 raise UserError(f"replay: {what} differs from the recording in {self.directory} (a tensor was not)")
-            if list(live.shape) != encoded["shape"]:
+            if _stored_shape(live) != encoded["shape"]:
                 raise UserError(
-                    f"replay: {what} has shape {list(live.shape)} but {encoded['shape']} was recorded in {self.directory}"
+                    f"replay: {what} has shape {_stored_shape(live)} but {encoded['shape']} was recorded in {self.directory}"
                 )
             return self._decode(encoded, live)
         if isinstance(live, list | tuple):
@@ -551,6 +557,17 @@ class ReplaySession:
                 raise UserError(f"replay: {what} has different keys than recorded in {self.directory}")
             return type(live)((key, self._replace(item, items[str(key)], what, inputs)) for key, item in live.items())
         return live
+
+
+def _distributed_tensor(tensor):
+    """torch.distributed.tensor's DTensor class when `tensor` is one, else None."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module.DTensor if module is not None and isinstance(tensor, module.DTensor) else None
+
+
+def _stored_shape(tensor: torch.Tensor) -> list[int]:
+    """The shape of what a tensor file holds of `tensor`: a DTensor's local shard, as written."""
+    return list(local_shard(tensor).shape) if _distributed_tensor(tensor) is not None else list(tensor.shape)
 
 
 def _npu_generators():
