@@ -1,7 +1,7 @@
 """The monitor's alerts, judged on each monitored step's statistics as training goes on.
 
     nan/inf        the first record of the step (forward order: activations, then gradients) with a
-                   non-finite value, and its statistic
+                   non-finite value, and its statistic; a non-finite weight first (the forward used it)
     turbulence     a norm beyond (1 + threshold) x its running mean (msprobe's AnomalyTurbulence);
                    Adam's exp_avg_sq, a mean of squared gradients, beyond (1 + threshold)^2 x; a
                    norm of zero carries no scale and is not taken in (a LayerNorm's bias, zero at
@@ -126,12 +126,17 @@ class Alerts:
             found.append(skipped_run)
         judged = [r for r in records if not (skipped and r.kind in GRADIENT_KINDS)]
         first_bad = next((r for r in judged if r.values[4] or r.values[5]), None)
+        if first_bad is not None and first_bad.kind != "weight":
+            # a weight is recorded after backward but holds what the forward used: non-finite there, it
+            # is where the step's nan starts (an update made it so), not the first output computed from it
+            first_bad = next((r for r in judged if r.kind == "weight" and (r.values[4] or r.values[5])), first_bad)
         if first_bad is not None:
             statistic = "nan" if first_bad.values[4] else "inf"
             count = int(first_bad.values[4] or first_bad.values[5])
+            where = ("a weight this step's forward used: the update before it (or the initialization) made it "
+                     "non-finite") if first_bad.kind == "weight" else "the first module with a non-finite value this step"
             found.append(Alert(step, "nan/inf", first_bad.name, statistic, float(count),
-                               f"step {step}: {count} {statistic} value(s) in {label(first_bad)}, the first "
-                               "module with a non-finite value this step"))
+                               f"step {step}: {count} {statistic} value(s) in {label(first_bad)}, {where}"))
         # Adam's exp_avg_sq holds squared gradients: a gradient (1 + threshold)x its usual size
         # shows there squared (a 3x gradient, normal in a small layer's first steps, is 9x)
         factor = 1 + self.rules.turbulence

@@ -324,6 +324,27 @@ def test_the_nan_alert_names_the_first_module_with_a_nan(tmp_path):
     assert "nan" in first[0].message
 
 
+def test_the_nan_alert_names_a_weight_an_update_made_non_finite_not_the_output_computed_from_it(tmp_path):
+    """A pure-fp16 AdamW step (eps underflows: 0/0) left nan in MindSpeed-LLM's GPT-OSS weights; the
+    next step's alert named the first module output computed from them ('nan value(s) in
+    model.embed_tokens output, the first module with a non-finite value'), as if the forward made it."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Linear(4, 1)).to("npu")
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(8, 4, device="npu")
+    with MonitorSession(tmp_path / "mon", rank=0) as session:
+        for step in range(2):
+            model(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if step == 0:
+                with torch.no_grad():
+                    model[2].weight[1, 2] = float("nan")  # what a broken update leaves
+    [alert] = [a for a in session.raised if a.rule == "nan/inf"]
+    assert (alert.step, alert.name, alert.statistic, alert.value) == (1, "2.weight", "nan", 1.0)
+    assert "a weight this step's forward used" in alert.message
+
+
 def test_grad_scaler_runs_unscale_and_skipped_steps_raise_no_alert(tmp_path):
     torch.manual_seed(4)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1)).to("npu")
