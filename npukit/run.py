@@ -188,8 +188,9 @@ def golden_autocast() -> None:
 def watch_golden_precision():
     """Golden run: warn once at the first fp16/bf16 matmul or conv computed outside autocast.
 
-    Code that casts to a compute dtype itself (`model.to(torch.bfloat16)`) runs in low precision
-    under --golden too; the user must know the reference is not fp32. Returns the mode to enter.
+    Code that casts to a compute dtype itself (`model.to(torch.bfloat16)`, or FSDP2's
+    MixedPrecisionPolicy(param_dtype=torch.bfloat16), which casts the parameters it gathers) runs in
+    low precision under --golden too; the user must know the reference is not fp32. Returns the mode to enter.
     """
     import torch
     import torch.nn.functional as F
@@ -216,8 +217,9 @@ def watch_golden_precision():
                     frames = stacks.frames(stacks.capture(1))  # past this handler (run.py stops the walk)
                     where = f" at {frames[0][0]}:{frames[0][1]}" if frames else ""
                     _err(f"warning: the golden run is not fp32: {getattr(func, '__name__', func)} computes in "
-                         f"{next(t.dtype for t in tensors if t.dtype in low)}{where} (the code casts to a compute "
-                         "dtype itself; --golden only runs autocast regions in fp32)")
+                         f"{next(t.dtype for t in tensors if t.dtype in low)}{where} (the code, or a wrapper such "
+                         "as FSDP2's MixedPrecisionPolicy(param_dtype=...), casts to a compute dtype itself; "
+                         "--golden only runs autocast regions in fp32)")
             return func(*args, **kwargs)
 
     return GoldenPrecisionWatch()
