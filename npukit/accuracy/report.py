@@ -435,7 +435,8 @@ def verdict_lines(result: CompareResult) -> list[tuple[str, str, str]]:
         if first_step:
             lines.append(("note", "", f"{_error_rows(first_step, later)} carry their inputs' error and no op"
                           " amplified it (a relu's or max-pool's mask where a value near 0 changed sign in low"
-                          " precision moves a whole element of a gradient): the search names an op only where its"
+                          " precision moves a whole element of a gradient; an MoE router's top-k where a near tie"
+                          " flipped sends a token to another expert): the search names an op only where its"
                           " error is its own."))
         if later:
             lines.append(("note", "", f"{_error_rows(later, first_step, later=True)} started from weights the"
