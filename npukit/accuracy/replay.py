@@ -510,7 +510,7 @@ class ReplaySession:
         if not isinstance(name, str):
             raise UserError(f"{self.directory / MANIFEST}: a tensor entry has no file name ({name!r})")
         path = self._contained.child(self.directory, name, self.directory / MANIFEST)
-        array = read_tensor(path, encoded["dtype"], encoded["shape"])
+        array = read_tensor(path, encoded["dtype"], encoded["shape"], recorded_in=MANIFEST)
         dtype = _torch_dtype(encoded["dtype"])
         with torch._C.DisableTorchFunction():
             tensor = torch.from_numpy(array.copy())

@@ -518,11 +518,12 @@ def _read_small_npy(path: Path) -> np.ndarray | None:
     return np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape)
 
 
-def read_tensor(path: Path, dtype_name: str | None = None, shape: list[int] | None = None) -> np.ndarray:
+def read_tensor(path: Path, dtype_name: str | None = None, shape: list[int] | None = None,
+                recorded_in: str = "dump.json") -> np.ndarray:
     """Open a tensor file read-only (memory-mapped for .npy); `.pt` files (msprobe) load with weights_only.
 
     Raises UserError naming the file when it is missing, truncated, corrupt or disagrees with the
-    dtype/shape recorded in dump.json.
+    dtype/shape recorded in `recorded_in` (dump.json; a replay's replay.json).
     """
     if not path.is_file():
         raise UserError(f"{path}: tensor data file is missing")
@@ -552,10 +553,10 @@ def read_tensor(path: Path, dtype_name: str | None = None, shape: list[int] | No
         expected = np.dtype(_STORAGE[dtype_name][0])
         if array.dtype != expected:
             raise UserError(
-                f"{path}: holds {array.dtype} data but dump.json says {dtype_name} (stored as {expected})"
+                f"{path}: holds {array.dtype} data but {recorded_in} says {dtype_name} (stored as {expected})"
             )
     if shape is not None and list(array.shape) != list(shape):
-        raise UserError(f"{path}: holds shape {list(array.shape)} but dump.json says {list(shape)}")
+        raise UserError(f"{path}: holds shape {list(array.shape)} but {recorded_in} says {list(shape)}")
     return array
 
 

@@ -410,3 +410,13 @@ def test_fsdp2_on_two_ranks_replays_each_ranks_shard(tmp_path):
     manifest = json.loads((tmp_path / "replay" / "rank1" / "replay.json").read_text())
     assert manifest["modules"][0]["state"]["0.weight"]["shape"] == [4, 4]  # rank 1's half of the [8, 4] weight
     assert len(outputs[0]) == 4 and outputs[1] == outputs[0]
+
+
+def test_a_tensor_file_that_disagrees_with_replay_json_names_replay_json(tmp_path):
+    """The check is read_tensor's, which the compare shares: it said 'but dump.json says' of a replay."""
+    script(1, tmp_path)
+    manifest = json.loads((tmp_path / "replay.json").read_text())
+    weight = manifest["modules"][0]["state"]["0.weight"]
+    np.save(tmp_path / weight["tensor"], np.zeros((2, 2), dtype=np.float32))
+    with pytest.raises(UserError, match=r"holds shape \[2, 2\] but replay.json says \[8, 4\]"):
+        script(2, tmp_path)
