@@ -129,8 +129,11 @@ SPARSE_CASES = {
 }
 
 
+@pytest.mark.parametrize("query_block_rows", [None, 4], ids=["unblocked", "blocks-of-4-rows"])
 @pytest.mark.parametrize("case", list(SPARSE_CASES))
-def test_fusion_attention_sparse_modes_against_fp64(case):
+def test_fusion_attention_sparse_modes_against_fp64(case, query_block_rows, monkeypatch):
+    if query_block_rows:  # every mode through the blocked computation too, where its blocks skip keys
+        monkeypatch.setattr(attention, "QUERY_BLOCK_ROWS", query_block_rows)
     mode, pre, nxt, sq, skv, make_mask = SPARSE_CASES[case]
     q, k, v = qkv(sq=sq, skv=skv, seed=1)
     if mode == 1:  # allMask: any full mask, pre/next ignored
@@ -414,6 +417,47 @@ def test_fusion_attention_fp16_gradients_within_flash_attentions_tolerance_of_fp
     for got, want, name in zip(torch.autograd.grad(out, [qn, kn, vn], torch.ones_like(out)), grads_ref,
                                ("dq", "dk", "dv")):
         torch.testing.assert_close(got.cpu().double(), want, rtol=1e-3, atol=1e-3, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("mode, pre, nxt", [(2, INT_MAX, 0), (4, 48, 0)], ids=["causal", "band"])
+def test_fusion_attention_query_blocks_skip_the_masked_keys_and_keep_the_softmax(dtype, mode, pre, nxt, monkeypatch):
+    """Under a causal or band mask the kernel computes blocks of QUERY_BLOCK_ROWS query rows over the keys
+    they see (_query_blocks), each block holding all its rows' keys: softmax_max is the unblocked one value
+    for value, softmax_sum, the output and the gradients the unblocked ones to fp32 summation order, and
+    all within the fp64 reference's tolerances."""
+    seen_blocks = []
+
+    def query_blocks(problem):
+        seen_blocks.append(blocks := unspied(problem))
+        return blocks
+    unspied = attention._query_blocks
+    monkeypatch.setattr(attention, "_query_blocks", query_blocks)
+    q, k, v = (t.to(dtype) for t in qkv(b=1, n=2, nkv=1, sq=256, skv=256, seed=11))
+    dy = torch.randn(1, 2, 256, 16).to(dtype)
+    masked = band_mask(256, 256, pre, nxt, bottom_right=True)
+    ref, grads_ref = grads_fp64(lambda a, b, c: attention_fp64(a, b, c, 0.25, masked), q, k, v, grad_output=dy)
+    results = {}
+    for block_rows in (attention.QUERY_BLOCK_ROWS, 1 << 30):  # blocked, then one block of every row
+        monkeypatch.setattr(attention, "QUERY_BLOCK_ROWS", block_rows)
+        seen_blocks.clear()
+        qn, kn, vn = leaves(q, k, v, dtype=dtype)
+        out, softmax_max, softmax_sum = torch_npu.npu_fusion_attention(
+            qn, kn, vn, 2, "BNSD", atten_mask=CAUSAL_2048.npu(), scale=0.25, sparse_mode=mode, pre_tockens=pre,
+            next_tockens=nxt)[:3]
+        grads = torch.autograd.grad(out, [qn, kn, vn], dy.npu())
+        assert len(seen_blocks) == 2 and all((blocks is not None) == (block_rows < 256) for blocks in seen_blocks)
+        results[block_rows] = [t.cpu().double() for t in (out, softmax_max, softmax_sum, *grads)]
+    blocked, unblocked = results.values()
+    assert torch.equal(blocked[1], unblocked[1])
+    rtol = 1e-5 if dtype == torch.float32 else 1e-3  # fp16: a result 1 ulp the other side of a rounding
+    for got, want, name in zip(blocked[2:], unblocked[2:], ("softmax_sum", "attention_out", "dq", "dk", "dv")):
+        torch.testing.assert_close(got, want, rtol=rtol, atol=rtol, msg=lambda m, name=name: f"{name}: {m}")
+    for got, want, name in zip([blocked[0], *blocked[3:]], [ref, *grads_ref], ("attention_out", "dq", "dk", "dv")):
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+        else:
+            assert_close_to_reference(got, want, dtype, name, factor=1 if name == "attention_out" else 3)
 
 
 # ---- the matmuls on AVX512-BF16: exact products of bf16 values summed in fp32 ----------------------
