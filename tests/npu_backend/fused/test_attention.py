@@ -709,6 +709,29 @@ def test_fusion_attention_under_compile_forward_and_backward_equal_eager():
         torch.testing.assert_close(a.grad.cpu(), b.grad.cpu())
 
 
+def test_each_new_optimised_mask_is_checked_bit_for_bit_whatever_its_layout():
+    """Code that builds its 2048x2048 mask at every call (MindSpeed-LLM's GPT-OSS) has each new mask
+    checked against one made once per device, 8 bytes at a time where its layout allows: the same
+    answers as torch.equal on every layout, a uint8 mask and a mask one element off included."""
+    q, k, v = qkv()
+    expected = torch_npu.npu_fusion_attention(q, k, v, 4, "BNSD", atten_mask=CAUSAL_2048, sparse_mode=2, scale=0.25)[0]
+    wide = torch.zeros(2048, 4096, dtype=torch.bool)
+    wide[:, 1:2049] = CAUSAL_2048
+    for mask in (CAUSAL_2048.clone(), CAUSAL_2048.to(torch.uint8), CAUSAL_2048[None, None].clone(),
+                 wide[:, 1:2049]):  # a view neither dense nor on an 8-byte boundary
+        out = torch_npu.npu_fusion_attention(q, k, v, 4, "BNSD", atten_mask=mask, sparse_mode=2, scale=0.25)[0]
+        assert torch.equal(out, expected)
+    for index in ((0, 0), (0, 1), (2047, 2047), (1000, 1512)):
+        off_by_one = CAUSAL_2048.clone()
+        off_by_one[index] = ~off_by_one[index]
+        with pytest.raises(ValueError, match="upper-triangular"):
+            torch_npu.npu_fusion_attention(q, k, v, 4, "BNSD", atten_mask=off_by_one, sparse_mode=2, scale=0.25)
+        strided = wide.clone()[:, 1:2049]
+        strided[index] = off_by_one[index]
+        with pytest.raises(ValueError, match="upper-triangular"):
+            torch_npu.npu_fusion_attention(q, k, v, 4, "BNSD", atten_mask=strided, sparse_mode=2, scale=0.25)
+
+
 def test_fusion_attention_refuses_what_the_kernel_refuses():
     q, k, v = qkv()
     with pytest.raises(ValueError, match="input_layout"):
