@@ -415,13 +415,16 @@ def _check_compressed_mask(op: str, mask: torch.Tensor, sparse_mode: int) -> tor
                          f"{tuple(mask.shape)}")
     if _is_fake(squeezed):
         return squeezed
-    key = (id(mask), mask._version, sparse_mode)
-    checked = _checked_masks.get(key)
+    inference = mask.is_inference()
+    key = None if inference else (id(mask), mask._version, sparse_mode)
+    checked = None if inference else _checked_masks.get(key)
     if checked is None or checked is not mask:
         if not _same_mask(squeezed.bool(), _optimised_mask(sparse_mode, squeezed.device)):
             raise ValueError(f"torch_npu.{op}: sparse_mode={sparse_mode} needs atten_mask to be the optimised "
                              "upper-triangular mask torch.triu(torch.ones(2048, 2048), diagonal=1).bool() (True above "
                              "the diagonal); the NPU reads its causal tiles from it, another mask gives wrong results")
+        if inference:  # no version counter: an in-place write could not be told, so it is not kept
+            return squeezed
         if len(_checked_masks) >= CACHED_MASKS:
             _checked_masks.clear()
         _checked_masks[key] = mask  # held, so that its id is not reused while cached
@@ -526,7 +529,8 @@ def _masking(op: str, geometry: _Geometry, atten_mask, sparse_mode: int, pre: in
              pse_bias: torch.Tensor | None, query: torch.Tensor, q_lens=None, kv_lens=None) -> _Masking:
     """_build_masking, remembered for the few masks a model passes every step (forward and
     backward build the same one) when there is no pse to add."""
-    if pse_bias is not None or _is_fake(query):
+    # an inference tensor (a mask made under torch.inference_mode) has no version counter to key it by
+    if pse_bias is not None or _is_fake(query) or (atten_mask is not None and atten_mask.is_inference()):
         return _build_masking(op, geometry, atten_mask, sparse_mode, pre, nxt, prefix, pse_bias, query.device,
                               q_lens, kv_lens)
     varlen = geometry.varlen
@@ -534,7 +538,7 @@ def _masking(op: str, geometry: _Geometry, atten_mask, sparse_mode: int, pre: in
            None if varlen is None else (tuple(varlen.q_lens), tuple(varlen.kv_lens), tuple(varlen.sequences),
                                         varlen.count),
            None if q_lens is None else tuple(q_lens), None if kv_lens is None else tuple(kv_lens),
-           None if prefix is None else tuple(prefix), id(atten_mask), getattr(atten_mask, "_version", None))
+           None if prefix is None else tuple(prefix), id(atten_mask), None if atten_mask is None else atten_mask._version)
     cached = _masking_cache.get(key)
     if cached is not None and cached[0] is atten_mask:
         _masking_cache.move_to_end(key)

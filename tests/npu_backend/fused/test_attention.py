@@ -732,6 +732,25 @@ def test_each_new_optimised_mask_is_checked_bit_for_bit_whatever_its_layout():
             torch_npu.npu_fusion_attention(q, k, v, 4, "BNSD", atten_mask=strided, sparse_mode=2, scale=0.25)
 
 
+def test_masks_made_under_inference_mode_are_used_and_their_in_place_changes_seen():
+    """A mask made under torch.inference_mode (a model's forward in an inference server) is an inference
+    tensor, without a version counter: the mask caches keyed by it raised 'Inference tensors do not
+    track version counter'. Such a mask is used uncached, so a write into it is seen at the next call."""
+    q, k, v = qkv()
+    causal = torch_npu.npu_fusion_attention(q, k, v, 4, "BNSD", atten_mask=CAUSAL_2048, sparse_mode=2, scale=0.25)[0]
+    full = torch_npu.npu_fusion_attention(q, k, v, 4, "BNSD", scale=0.25)[0]
+    with torch.inference_mode():
+        compressed = torch.ones(2048, 2048, dtype=torch.bool).triu(1)
+        out = torch_npu.npu_fusion_attention(q, k, v, 4, "BNSD", atten_mask=compressed, sparse_mode=2, scale=0.25)[0]
+        assert torch.equal(out, causal)
+        mask = band_mask(12, 20, INT_MAX, 0)
+        out = torch_npu.npu_fusion_attention(q, k, v, 4, "BNSD", atten_mask=mask, scale=0.25)[0]
+        assert torch.equal(out, causal)
+        mask.fill_(False)  # nothing masked from now on
+        out = torch_npu.npu_fusion_attention(q, k, v, 4, "BNSD", atten_mask=mask, scale=0.25)[0]
+        torch.testing.assert_close(out, full)
+
+
 def test_fusion_attention_refuses_what_the_kernel_refuses():
     q, k, v = qkv()
     with pytest.raises(ValueError, match="input_layout"):
