@@ -44,11 +44,10 @@ from npukit.accuracy.event_file import ScalarEventFile, SummaryLayout
 from npukit.accuracy.monitor_alerts import Alert, AlertRules, Alerts, Record
 from npukit.errors import UserError
 from npukit.files import check_output_location, output_folder, refuse_links_inside
-from npukit.watch._stats import adam_stats
-from npukit.watch._tensor_stats import csv_rows, host_stats
+from npukit.watch._tensor_stats import adam_host_stats, csv_rows, host_stats
 from npukit.watch.hook_guard import hook_failed
 from npukit.watch.module_hooks import ModuleHooks
-from npukit.watch.process import host_memory, npu_in_host_memory, rank_from_env
+from npukit.watch.process import npu_in_host_memory, rank_from_env
 from npukit.watch.steps import RunSteps
 from npukit.watch.tensor_stats import StatsBuffer
 from npukit.watch.tensors import local_shard, tensors_in
@@ -415,7 +414,7 @@ class MonitorSession:
         parameter; the ratio to the weight's norm (taken before the update) is made on the host at
         the step's end. m^ / (sqrt(v^) + eps) = c1 m / (sqrt(c2) (sqrt(v) + eps / sqrt(c2))), with
         c = 1 / (1 - beta^t): the norm of m / (sqrt(v) + eps / sqrt(c2)), the constants applied to it.
-        fp32 state in host memory is read once for all three (adam_stats); other state takes torch's
+        fp32 state in host memory is read once for all three (adam_host_stats); other state takes torch's
         foreach ops (one call per op for all of a group's parameters)."""
         groups: dict[int, tuple[dict, list]] = {}
         for group, name, parameter in self._parameters(optimizer):
@@ -673,21 +672,14 @@ class _StepRecord:
 
 def _adam_state_in_one_read(m: torch.Tensor, v: torch.Tensor, eps: float):
     """(m's statistics, v's, the norm of m / (sqrt(v) + eps)) from one read of fp32 host state, or
-    None where torch's ops measure it (other dtypes or layouts, another device, nan/inf in it).
+    None where torch's ops measure it (other dtypes or layouts, another device, nan/inf in it): one
+    C++ call that also makes the checks (adam_host_stats: 2.2 us on a 1000-element npu state, 8.2 us
+    with dtype, shape, layout and device read from Python, timeit, hot).
     FSDP2's state is DTensors, wrappers without data of their own: this rank's shards are read, as its
     weights and gradients are measured (the kernel was handed a null address: "adam_stats: no data")."""
     if type(m) is not torch.Tensor:  # (a plain tensor skips local_shard's lookups: ~1.3 us a parameter a step)
         m, v = local_shard(m), local_shard(v)
-    if (m.dtype != torch.float32 or v.dtype != torch.float32 or m.numel() == 0 or m.shape != v.shape
-            or not m.is_contiguous() or not v.is_contiguous() or not host_memory(m) or not host_memory(v)):
-        return None
-    *figures, finite = adam_stats(m.data_ptr(), v.data_ptr(), m.numel(), eps)
-    if not finite:
-        return None
-    count = m.numel()
-    m_stats = [figures[0], figures[1], figures[2] / count, math.sqrt(figures[3]), 0.0, 0.0]
-    v_stats = [figures[4], figures[5], figures[6] / count, math.sqrt(figures[7]), 0.0, 0.0]
-    return m_stats, v_stats, math.sqrt(figures[8])
+    return adam_host_stats(m, v, eps, npu_in_host_memory())
 
 
 class _CsvFile:

@@ -10,8 +10,8 @@
  * torch's exact reductions when it is false, so nan/inf counts and NaN propagation stay torch's.
  *
  * Also here: npu-compare's metrics of a tensor pair in one pass (pair_partial), zlib's CRC-32 with
- * carry-less multiplies for the dump's .pt files (crc32), Adam's state statistics and CRC-32C for
- * the monitor.
+ * carry-less multiplies for the dump's .pt files (crc32), and CRC-32C for the monitor (its Adam state
+ * statistics are tensor_stats.cpp's adam_host_stats).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -77,92 +77,6 @@ static PyObject *py_stats(PyObject *self, PyObject *args) {
     int finite = isfinite(result.sum) && isfinite(result.sumsq);
     return Py_BuildValue("ddddO", result.max, result.min, result.sum, result.sumsq,
                          finite ? Py_True : Py_False);
-}
-
-/* Adam's state in one read: statistics of exp_avg (m) and exp_avg_sq (v), and the sum of squares
- * of m / (sqrt(v) + eps) (the monitor's update ratio), for contiguous float32 m and v. torch needs
- * two statistics passes and four more for the ratio (sqrt, add, div, norm, two of them writing a
- * tensor the size of the state). Sums as in DEFINE_FLOAT_KERNEL: float per block, then double. */
-/* sqrt of 8 lanes: one instruction under AVX (a per-lane sqrtf call otherwise: libm's errno
- * keeps the compiler from vectorising it). */
-#define sqrt8_avx2(root, y) ((root) = (v8f)_mm256_sqrt_ps((__m256)(y)))
-
-#define sqrt8_default(root, y)                                                \
-    do {                                                                      \
-        for (int lane = 0; lane < LANES; lane++) (root)[lane] = sqrtf((y)[lane]); \
-    } while (0)
-
-#define DEFINE_ADAM_KERNEL(NAME, ATTRIBUTES, SQRT8)                                                              \
-    ATTRIBUTES static void NAME(const float *m, const float *v, Py_ssize_t n, float eps, Stats *m_out, Stats *v_out, \
-                                double *update_sumsq) {                                                                                       \
-    v8f m_max = {m[0], m[0], m[0], m[0], m[0], m[0], m[0], m[0]}, m_min = m_max;                                      \
-    v8f v_max = {v[0], v[0], v[0], v[0], v[0], v[0], v[0], v[0]}, v_min = v_max;                                      \
-    v8f eps8 = {eps, eps, eps, eps, eps, eps, eps, eps};                                                              \
-    double m_sum = 0, m_sq = 0, v_sum = 0, v_sq = 0, u_sq = 0;                                                        \
-    Py_ssize_t i = 0;                                                                                                 \
-    while (i + LANES <= n) {                                                                                          \
-        v8f ms = {0}, mq = {0}, vs = {0}, vq = {0}, uq = {0};                                                         \
-        Py_ssize_t end = i + (Py_ssize_t)LANES * BLOCK;                                                               \
-        if (end > n) end = n - (n - i) % LANES;                                                                       \
-        for (; i < end; i += LANES) {                                                                                 \
-            v8f x, y, root;                                                                                           \
-            memcpy(&x, m + i, sizeof x);                                                                              \
-            memcpy(&y, v + i, sizeof y);                                                                              \
-            m_max = x > m_max ? x : m_max;                                                                            \
-            m_min = x < m_min ? x : m_min;                                                                            \
-            v_max = y > v_max ? y : v_max;                                                                            \
-            v_min = y < v_min ? y : v_min;                                                                            \
-            ms += x, mq += x * x, vs += y, vq += y * y;                                                               \
-            SQRT8(root, y);                                                                                           \
-            v8f u = x / (root + eps8);                                                                                \
-            uq += u * u;                                                                                              \
-        }                                                                                                             \
-        m_sum += lane_sum(ms), m_sq += lane_sum(mq), v_sum += lane_sum(vs), v_sq += lane_sum(vq);                     \
-        u_sq += lane_sum(uq);                                                                                         \
-    }                                                                                                                 \
-    float m_hi = lane_max(m_max), m_lo = lane_min(m_min), v_hi = lane_max(v_max), v_lo = lane_min(v_min);             \
-    for (; i < n; i++) {                                                                                              \
-        float x = m[i], y = v[i];                                                                                     \
-        m_hi = x > m_hi ? x : m_hi, m_lo = x < m_lo ? x : m_lo, v_hi = y > v_hi ? y : v_hi, v_lo = y < v_lo ? y : v_lo;\
-        m_sum += x, m_sq += (double)x * x, v_sum += y, v_sq += (double)y * y;                                         \
-        float u = x / (sqrtf(y) + eps);                                                                               \
-        u_sq += (double)u * u;                                                                                        \
-    }                                                                                                                 \
-    *m_out = {m_hi, m_lo, m_sum, m_sq};                                                                               \
-    *v_out = {v_hi, v_lo, v_sum, v_sq};                                                                               \
-    *update_sumsq = u_sq;                                                                                             \
-}
-
-DEFINE_ADAM_KERNEL(adam_kernel_avx2, __attribute__((target("avx2"))), sqrt8_avx2)
-DEFINE_ADAM_KERNEL(adam_kernel_default, , sqrt8_default)
-
-static void adam_kernel(const float *m, const float *v, Py_ssize_t n, float eps, Stats *m_out, Stats *v_out,
-                        double *update_sumsq) {
-    static const bool avx2 = __builtin_cpu_supports("avx2");
-    (avx2 ? adam_kernel_avx2 : adam_kernel_default)(m, v, n, eps, m_out, v_out, update_sumsq);
-}
-
-/* adam_stats(m_address, v_address, n, eps) -> (m's max, min, sum, sumsq, v's max, min, sum, sumsq,
- * sum of (m / (sqrt(v) + eps))^2, finite): m and v contiguous float32 host tensors of n > 0 elements.
- * finite is false when a sum is not (nan/inf in the state): the caller takes torch's path then. */
-static PyObject *py_adam_stats(PyObject *self, PyObject *args) {
-    unsigned long long m_address, v_address;
-    Py_ssize_t n;
-    float eps;
-    if (!PyArg_ParseTuple(args, "KKnf", &m_address, &v_address, &n, &eps)) return NULL;
-    if (n <= 0 || m_address == 0 || v_address == 0) {
-        PyErr_SetString(PyExc_ValueError, "adam_stats: no data");
-        return NULL;
-    }
-    Stats m_stats, v_stats;
-    double update_sumsq;
-    Py_BEGIN_ALLOW_THREADS adam_kernel((const float *)(uintptr_t)m_address, (const float *)(uintptr_t)v_address, n,
-                                       eps, &m_stats, &v_stats, &update_sumsq);
-    Py_END_ALLOW_THREADS
-    int finite = isfinite(m_stats.sum) && isfinite(m_stats.sumsq) && isfinite(v_stats.sum) &&
-                 isfinite(v_stats.sumsq) && isfinite(update_sumsq);
-    return Py_BuildValue("dddddddddO", m_stats.max, m_stats.min, m_stats.sum, m_stats.sumsq, v_stats.max, v_stats.min,
-                         v_stats.sum, v_stats.sumsq, update_sumsq, finite ? Py_True : Py_False);
 }
 
 /* CRC-32C of a buffer with SSE 4.2's crc32 instruction (the same polynomial, reflected), 8 bytes a
@@ -552,7 +466,6 @@ static PyMethodDef methods[] = {
     {"fill_float32", py_fill_float32, METH_VARARGS, "A template's bytes with float32 values written at the holes."},
     {"crc32", py_crc32, METH_VARARGS, "zlib.crc32(data, value=0), folded with PCLMULQDQ."},
     {"stats", py_stats, METH_VARARGS, "One-pass (max, min, sum, sumsq, finite) of a strided host tensor, or None."},
-    {"adam_stats", py_adam_stats, METH_VARARGS, "One-pass statistics of Adam's m and v and the update's sum of squares."},
     {"pair_partial", py_pair_partial, METH_VARARGS, "Merge the metrics partial of a golden and a target chunk into out, in one pass."},
     {NULL, NULL, 0, NULL},
 };

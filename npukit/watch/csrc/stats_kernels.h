@@ -3,6 +3,7 @@
  * by _stats (addresses from Python) and _tensor_stats (a tensor's own fields, read in C++). */
 #pragma once
 #include <Python.h>
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -13,8 +14,18 @@
 
 #define LANES 8
 #define BLOCK 64 /* elements per lane summed in float before going to double */
+#define UNROLL 4 /* vectors a kernel step */
+/* bytes ahead a kernel step asks for: the hooks find most tensors in L3 or memory, where one core's
+ * streams ran at 7-8 GB/s from memory without it, 10-12 with it (512 B ahead: 9-10; 4 kB: 10) */
+#define PREFETCH 2048
 
 typedef float v8f __attribute__((vector_size(32)));
+typedef double v8d __attribute__((vector_size(64)));
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
+typedef uint32_t v8u32 __attribute__((vector_size(32)));
+/* the same vectors read from any address (memcpy into an array of vectors compiled to a byte loop) */
+typedef float v8f_unaligned __attribute__((vector_size(32), aligned(1), may_alias));
+typedef uint16_t v8u16_unaligned __attribute__((vector_size(16), aligned(1), may_alias));
 
 typedef struct {
     double max, min, sum, sumsq;
@@ -38,20 +49,21 @@ static inline double lane_sum(const v8f &v) {
     return s;
 }
 
-/* load8 turns 8 elements of the buffer's type into floats. UNROLL independent sums: with one, each
- * float32 vector waits for the previous one's add (latency-bound at ~34 GB/s; four: ~58 GB/s);
- * max and min (short latency) take EXTREMA, so that all accumulators stay in the 16 vector
- * registers. Converted loads (fp16, bf16) are bound by the conversion: one of each (unrolled, gcc
- * no longer vectorises their conversion). x86-64-v3 adds FMA to AVX2. Each lane of each sum still
- * adds BLOCK elements in float before going to double. */
-#define DEFINE_FLOAT_KERNEL(NAME, TYPE, LOAD8, TO_FLOAT, UNROLL, EXTREMA)                       \
+/* LOAD8 turns 8 elements of the buffer's type into floats; UNROLL vectors a step. Each sum has
+ * UNROLL accumulators (with one, each vector waits for the previous one's add). Max and min have
+ * one accumulator each, fed the step's vectors reduced among themselves first, so a step waits for
+ * one dependent max (4 cycles), not one per vector (the previous kernel's limit: two per 128 bytes,
+ * ~35 GB/s on data in L2). Each lane of each sum adds BLOCK elements in float; the blocks' sums go
+ * to double as vectors (a lane-by-lane chain of double adds per block cost as much as its loads).
+ * The fp16 and bf16 loads convert as vectors (an unrolled per-lane conversion was not vectorised,
+ * and one vector a step ran at ~9 GB/s). x86-64-v3 adds AVX2 and FMA. */
+#define DEFINE_FLOAT_KERNEL(NAME, TYPE, LOAD8, TO_FLOAT)                                        \
     __attribute__((target_clones("arch=x86-64-v3", "default"))) static Stats NAME(const TYPE *data, \
                                                                                   Py_ssize_t n) {     \
         Stats out;                                                                             \
         float first = TO_FLOAT(data[0]);                                                       \
-        v8f vmax[EXTREMA], vmin[EXTREMA];                                                      \
-        for (int u = 0; u < EXTREMA; u++)                                                      \
-            vmax[u] = (v8f){first, first, first, first, first, first, first, first}, vmin[u] = vmax[u]; \
+        v8f vmax = {first, first, first, first, first, first, first, first}, vmin = vmax;      \
+        v8d block_sums = {}, block_squares = {};                                               \
         double sum = 0, sumsq = 0;                                                             \
         const Py_ssize_t stride = (Py_ssize_t)LANES * UNROLL;                                  \
         Py_ssize_t i = 0;                                                                      \
@@ -60,29 +72,33 @@ static inline double lane_sum(const v8f &v) {
             Py_ssize_t end = i + stride * BLOCK;                                               \
             if (end > n) end = n - (n - i) % stride;                                           \
             for (; i < end; i += stride) {                                                     \
-                for (int u = 0; u < UNROLL; u++) {                                             \
-                    v8f v;                                                                     \
-                    LOAD8(v, data + i + u * LANES, TO_FLOAT);                                  \
-                    vmax[u % EXTREMA] = v > vmax[u % EXTREMA] ? v : vmax[u % EXTREMA];         \
-                    vmin[u % EXTREMA] = v < vmin[u % EXTREMA] ? v : vmin[u % EXTREMA];         \
-                    vsum[u] += v;                                                              \
-                    vsq[u] += v * v;                                                           \
+                v8f v[UNROLL];                                                                 \
+                __builtin_prefetch((const char *)(data + i) + PREFETCH);                       \
+                __builtin_prefetch((const char *)(data + i) + PREFETCH + 64);                  \
+                for (int u = 0; u < UNROLL; u++) LOAD8(v[u], data + i + u * LANES, TO_FLOAT);  \
+                v8f hi = v[0], lo = v[0];                                                      \
+                for (int u = 1; u < UNROLL; u++) {                                             \
+                    hi = v[u] > hi ? v[u] : hi;                                                \
+                    lo = v[u] < lo ? v[u] : lo;                                                \
                 }                                                                              \
+                vmax = hi > vmax ? hi : vmax;                                                  \
+                vmin = lo < vmin ? lo : vmin;                                                  \
+                for (int u = 0; u < UNROLL; u++) vsum[u] += v[u], vsq[u] += v[u] * v[u];       \
             }                                                                                  \
-            for (int u = 0; u < UNROLL; u++) sum += lane_sum(vsum[u]), sumsq += lane_sum(vsq[u]); \
+            for (int u = 0; u < UNROLL; u++) {                                                 \
+                block_sums += __builtin_convertvector(vsum[u], v8d);                           \
+                block_squares += __builtin_convertvector(vsq[u], v8d);                         \
+            }                                                                                  \
         }                                                                                      \
+        for (int lane = 0; lane < LANES; lane++) sum += block_sums[lane], sumsq += block_squares[lane]; \
         for (; i + LANES <= n; i += LANES) { /* fewer than UNROLL vectors left */              \
             v8f v;                                                                             \
             LOAD8(v, data + i, TO_FLOAT);                                                      \
-            vmax[0] = v > vmax[0] ? v : vmax[0];                                               \
-            vmin[0] = v < vmin[0] ? v : vmin[0];                                               \
+            vmax = v > vmax ? v : vmax;                                                        \
+            vmin = v < vmin ? v : vmin;                                                        \
             sum += lane_sum(v), sumsq += lane_sum(v * v);                                      \
         }                                                                                      \
-        for (int u = 1; u < EXTREMA; u++) {                                                    \
-            vmax[0] = vmax[u] > vmax[0] ? vmax[u] : vmax[0];                                   \
-            vmin[0] = vmin[u] < vmin[0] ? vmin[u] : vmin[0];                                   \
-        }                                                                                      \
-        float hi = lane_max(vmax[0]), lo = lane_min(vmin[0]);                                  \
+        float hi = lane_max(vmax), lo = lane_min(vmin);                                        \
         for (; i < n; i++) {                                                                   \
             float x = TO_FLOAT(data[i]);                                                       \
             hi = x > hi ? x : hi;                                                              \
@@ -97,7 +113,7 @@ static inline double lane_sum(const v8f &v) {
         return out;                                                                            \
     }
 
-#define LOAD_F32(v, p, TO_FLOAT) memcpy(&(v), (p), sizeof(v8f))
+#define LOAD_F32(v, p, TO_FLOAT) ((v) = *(const v8f_unaligned *)(p))
 #define F32_TO_FLOAT(x) (x)
 
 static inline float bf16_to_float(uint16_t bits) {
@@ -123,15 +139,31 @@ static inline float f16_to_float(uint16_t bits) {
     return value;
 }
 
-/* 8 converted elements: bf16 and fp16 data. */
-#define LOAD_CONVERTED(v, p, TO_FLOAT)                                                         \
+/* 8 bf16 elements as floats: their bits are a float's upper half. */
+#define LOAD_BF16(v, p, TO_FLOAT)                                                              \
     do {                                                                                       \
-        for (int lane = 0; lane < LANES; lane++) (v)[lane] = TO_FLOAT((p)[lane]);              \
+        v8u16 half = *(const v8u16_unaligned *)(p);                                            \
+        v8u32 wide = __builtin_convertvector(half, v8u32) << 16;                               \
+        (v) = (v8f)wide;                                                                       \
     } while (0)
 
-DEFINE_FLOAT_KERNEL(stats_f32, float, LOAD_F32, F32_TO_FLOAT, 4, 2)
-DEFINE_FLOAT_KERNEL(stats_bf16, uint16_t, LOAD_CONVERTED, bf16_to_float, 1, 1)
-DEFINE_FLOAT_KERNEL(stats_f16, uint16_t, LOAD_CONVERTED, f16_to_float, 1, 1)
+/* 8 fp16 elements as floats: f16_to_float on 8 lanes. */
+#define LOAD_F16(v, p, TO_FLOAT)                                                               \
+    do {                                                                                       \
+        v8u16 half = *(const v8u16_unaligned *)(p);                                            \
+        v8u32 bits = __builtin_convertvector(half, v8u32);                                     \
+        v8u32 magnitude = (bits & 0x7fffu) << 13;                                              \
+        v8f value = (v8f)magnitude * 0x1.0p112f;                                               \
+        v8u32 wide = (v8u32)value;                                                             \
+        const v8f top = {65536.0f, 65536.0f, 65536.0f, 65536.0f, 65536.0f, 65536.0f, 65536.0f, 65536.0f}; \
+        wide |= (v8u32)(value >= top) & (255u << 23);                                          \
+        wide |= (bits & 0x8000u) << 16;                                                        \
+        (v) = (v8f)wide;                                                                       \
+    } while (0)
+
+DEFINE_FLOAT_KERNEL(stats_f32, float, LOAD_F32, F32_TO_FLOAT)
+DEFINE_FLOAT_KERNEL(stats_bf16, uint16_t, LOAD_BF16, bf16_to_float)
+DEFINE_FLOAT_KERNEL(stats_f16, uint16_t, LOAD_F16, f16_to_float)
 
 typedef Stats (*RunKernel)(const void *data, Py_ssize_t n);
 
@@ -195,3 +227,65 @@ static bool strided_stats(const char *base, Py_ssize_t item, RunKernel kernel, s
     }
 }
 
+/* Adam's state in one read: statistics of exp_avg (m) and exp_avg_sq (v), and the sum of squares
+ * of m / (sqrt(v) + eps) (the monitor's update ratio), for contiguous float32 m and v. torch needs
+ * two statistics passes and four more for the ratio (sqrt, add, div, norm, two of them writing a
+ * tensor the size of the state). Sums as in DEFINE_FLOAT_KERNEL: float per block, then double. */
+/* sqrt of 8 lanes: one instruction under AVX (a per-lane sqrtf call otherwise: libm's errno
+ * keeps the compiler from vectorising it). */
+#define sqrt8_avx2(root, y) ((root) = (v8f)_mm256_sqrt_ps((__m256)(y)))
+
+#define sqrt8_default(root, y)                                                \
+    do {                                                                      \
+        for (int lane = 0; lane < LANES; lane++) (root)[lane] = sqrtf((y)[lane]); \
+    } while (0)
+
+#define DEFINE_ADAM_KERNEL(NAME, ATTRIBUTES, SQRT8)                                                              \
+    ATTRIBUTES static void NAME(const float *m, const float *v, Py_ssize_t n, float eps, Stats *m_out, Stats *v_out, \
+                                double *update_sumsq) {                                                                                       \
+    v8f m_max = {m[0], m[0], m[0], m[0], m[0], m[0], m[0], m[0]}, m_min = m_max;                                      \
+    v8f v_max = {v[0], v[0], v[0], v[0], v[0], v[0], v[0], v[0]}, v_min = v_max;                                      \
+    v8f eps8 = {eps, eps, eps, eps, eps, eps, eps, eps};                                                              \
+    double m_sum = 0, m_sq = 0, v_sum = 0, v_sq = 0, u_sq = 0;                                                        \
+    Py_ssize_t i = 0;                                                                                                 \
+    while (i + LANES <= n) {                                                                                          \
+        v8f ms = {0}, mq = {0}, vs = {0}, vq = {0}, uq = {0};                                                         \
+        Py_ssize_t end = i + (Py_ssize_t)LANES * BLOCK;                                                               \
+        if (end > n) end = n - (n - i) % LANES;                                                                       \
+        for (; i < end; i += LANES) {                                                                                 \
+            v8f x, y, root;                                                                                           \
+            memcpy(&x, m + i, sizeof x);                                                                              \
+            memcpy(&y, v + i, sizeof y);                                                                              \
+            m_max = x > m_max ? x : m_max;                                                                            \
+            m_min = x < m_min ? x : m_min;                                                                            \
+            v_max = y > v_max ? y : v_max;                                                                            \
+            v_min = y < v_min ? y : v_min;                                                                            \
+            ms += x, mq += x * x, vs += y, vq += y * y;                                                               \
+            SQRT8(root, y);                                                                                           \
+            v8f u = x / (root + eps8);                                                                                \
+            uq += u * u;                                                                                              \
+        }                                                                                                             \
+        m_sum += lane_sum(ms), m_sq += lane_sum(mq), v_sum += lane_sum(vs), v_sq += lane_sum(vq);                     \
+        u_sq += lane_sum(uq);                                                                                         \
+    }                                                                                                                 \
+    float m_hi = lane_max(m_max), m_lo = lane_min(m_min), v_hi = lane_max(v_max), v_lo = lane_min(v_min);             \
+    for (; i < n; i++) {                                                                                              \
+        float x = m[i], y = v[i];                                                                                     \
+        m_hi = x > m_hi ? x : m_hi, m_lo = x < m_lo ? x : m_lo, v_hi = y > v_hi ? y : v_hi, v_lo = y < v_lo ? y : v_lo;\
+        m_sum += x, m_sq += (double)x * x, v_sum += y, v_sq += (double)y * y;                                         \
+        float u = x / (sqrtf(y) + eps);                                                                               \
+        u_sq += (double)u * u;                                                                                        \
+    }                                                                                                                 \
+    *m_out = {m_hi, m_lo, m_sum, m_sq};                                                                               \
+    *v_out = {v_hi, v_lo, v_sum, v_sq};                                                                               \
+    *update_sumsq = u_sq;                                                                                             \
+}
+
+DEFINE_ADAM_KERNEL(adam_kernel_avx2, __attribute__((target("avx2"))), sqrt8_avx2)
+DEFINE_ADAM_KERNEL(adam_kernel_default, , sqrt8_default)
+
+static inline void adam_kernel(const float *m, const float *v, Py_ssize_t n, float eps, Stats *m_out, Stats *v_out,
+                        double *update_sumsq) {
+    static const bool avx2 = __builtin_cpu_supports("avx2");
+    (avx2 ? adam_kernel_avx2 : adam_kernel_default)(m, v, n, eps, m_out, v_out, update_sumsq);
+}

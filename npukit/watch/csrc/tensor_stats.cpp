@@ -6,7 +6,8 @@
  * data_ptr, shape, stride, numel: each a different getter) cost ~30 us there, more than the
  * statistics of a small tensor. The kernels are stats.cpp's (stats_kernels.h).
  *
- * Also here: csv_rows, the monitor's monitor.csv rows of a step with each float's Python repr.
+ * Also here: adam_host_stats, the monitor's statistics of Adam's state, and csv_rows, its monitor.csv
+ * rows of a step with each float's Python repr.
  */
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -14,6 +15,14 @@
 #include <string>
 
 #include "stats_kernels.h"
+
+/* A defined, strided, not nested tensor whose data is in host memory: on the CPU, or on the emulated
+ * NPU (PrivateUse1), which keeps its tensors there when npukit's backend made them. */
+static bool strided_in_host_memory(const at::Tensor &tensor, int npu_in_host_memory) {
+    if (!tensor.defined() || tensor.layout() != at::kStrided || tensor.is_nested()) return false;
+    c10::DeviceType device = tensor.device().type();
+    return device == c10::DeviceType::CPU || (npu_in_host_memory && device == c10::DeviceType::PrivateUse1);
+}
 
 /* [max, min, mean, norm, 0.0, 0.0] (tensor_stats' values), or None when the fast path does not
  * apply: a subclass, a sparse, nested or empty tensor, another device or dtype, a layout the
@@ -24,11 +33,7 @@ static PyObject *py_host_stats(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "Op", &object, &npu_in_host_memory)) return NULL;
     if (!THPVariable_CheckExact(object)) Py_RETURN_NONE;  // torch.Tensor or Parameter, no subclass
     const at::Tensor &tensor = THPVariable_Unpack(object);
-    if (!tensor.defined() || tensor.layout() != at::kStrided || tensor.is_nested()) Py_RETURN_NONE;
-    c10::DeviceType device = tensor.device().type();
-    // the emulated NPU (PrivateUse1) keeps its tensors in host memory when npukit's backend made them
-    if (!(device == c10::DeviceType::CPU || (npu_in_host_memory && device == c10::DeviceType::PrivateUse1)))
-        Py_RETURN_NONE;
+    if (!strided_in_host_memory(tensor, npu_in_host_memory)) Py_RETURN_NONE;
     RunKernel kernel;
     Py_ssize_t item;
     switch (tensor.scalar_type()) {
@@ -49,6 +54,43 @@ static PyObject *py_host_stats(PyObject *self, PyObject *args) {
     if (!walked || !isfinite(result.sum) || !isfinite(result.sumsq)) Py_RETURN_NONE;
     return Py_BuildValue("[dddddd]", result.max, result.min, result.sum / (double)count, sqrt(result.sumsq), 0.0,
                          0.0);
+}
+
+/* A contiguous float32 tensor with data in host memory (no subclass), or nullptr. */
+static const at::Tensor *contiguous_host_float32(PyObject *object, int npu_in_host_memory) {
+    if (!THPVariable_CheckExact(object)) return nullptr;
+    const at::Tensor &tensor = THPVariable_Unpack(object);
+    if (!strided_in_host_memory(tensor, npu_in_host_memory) || tensor.scalar_type() != at::kFloat ||
+        !tensor.is_contiguous() || tensor.numel() == 0 || !tensor.has_storage() || tensor.data_ptr() == nullptr)
+        return nullptr;
+    return &tensor;
+}
+
+/* adam_host_stats(m, v, eps, npu_in_host_memory) -> ([m's max, min, mean, norm, 0, 0], [v's], the norm
+ * of m / (sqrt(v) + eps)) from one read of Adam's state (adam_kernel), or None where torch's ops
+ * measure it: not contiguous float32 host tensors of one shape, or nan/inf in them. The monitor
+ * calls it for each parameter after optimizer.step(): its checks made from Python (dtype, shape,
+ * contiguity, device, data_ptr and numel of both) cost more than the kernel on small parameters. */
+static PyObject *py_adam_host_stats(PyObject *self, PyObject *args) {
+    PyObject *m_object, *v_object;
+    float eps;
+    int npu_in_host_memory;
+    if (!PyArg_ParseTuple(args, "OOfp", &m_object, &v_object, &eps, &npu_in_host_memory)) return NULL;
+    const at::Tensor *m = contiguous_host_float32(m_object, npu_in_host_memory);
+    const at::Tensor *v = contiguous_host_float32(v_object, npu_in_host_memory);
+    if (m == nullptr || v == nullptr || m->sizes() != v->sizes()) Py_RETURN_NONE;
+    int64_t count = m->numel();
+    const float *m_data = (const float *)m->data_ptr(), *v_data = (const float *)v->data_ptr();
+    Stats m_stats, v_stats;
+    double update_sumsq;
+    Py_BEGIN_ALLOW_THREADS adam_kernel(m_data, v_data, count, eps, &m_stats, &v_stats, &update_sumsq);
+    Py_END_ALLOW_THREADS
+    if (!isfinite(m_stats.sum) || !isfinite(m_stats.sumsq) || !isfinite(v_stats.sum) || !isfinite(v_stats.sumsq) ||
+        !isfinite(update_sumsq))
+        Py_RETURN_NONE;
+    return Py_BuildValue("([dddddd][dddddd]d)", m_stats.max, m_stats.min, m_stats.sum / (double)count,
+                         sqrt(m_stats.sumsq), 0.0, 0.0, v_stats.max, v_stats.min, v_stats.sum / (double)count,
+                         sqrt(v_stats.sumsq), 0.0, 0.0, sqrt(update_sumsq));
 }
 
 /* repr(value) of a finite double, as Python writes it (float_repr_style 'short'): the shortest
@@ -146,6 +188,8 @@ static PyObject *py_csv_rows(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"csv_rows", py_csv_rows, METH_VARARGS,
      "csv_rows(step, prefixes, values, per_row) -> the rows 'step,prefix,v1,...' csv.writer writes, floats as repr."},
+    {"adam_host_stats", py_adam_host_stats, METH_VARARGS,
+     "(m's statistics, v's, the norm of m / (sqrt(v) + eps)) of Adam's fp32 host state in one read, or None."},
     {"host_stats", py_host_stats, METH_VARARGS,
      "[max, min, mean, norm, 0, 0] of a plain float tensor in host memory, or None (take the general path)."},
     {NULL, NULL, 0, NULL},
