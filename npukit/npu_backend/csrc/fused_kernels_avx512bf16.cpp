@@ -357,18 +357,53 @@ std::pair<int64_t, int64_t> pack_rows_plain(Matrix<T> a, int64_t rows, int64_t K
                                             uint32_t* nonzero) {
   if constexpr (std::is_same_v<T, float>) {
     if (a.stride_m == 1 && a.stride_k != 1) {  // a transposed: the rows' values of one k are adjacent
-      // 16 rows' pairs (k, k + 1) at a time, scattered to their rows
-      const __m512i row_index = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                                   _mm512_set1_epi32(static_cast<int>(ld / 2)));
+      // 16 rows x 16 k at a time: the 8 pairs (k, k + 1) of 16 rows, transposed in registers to 8 pairs per
+      // row and stored 4 pairs (16 bytes) at a time (a scatter per pair cost 2x a row-major a's packing)
+      const int64_t row_pairs = ld / 2;
+      alignas(64) uint32_t pairs_by_row[8][16];
       for (int64_t r0 = 0; r0 < rows; r0 += 16) {
-        const __mmask16 valid = rows - r0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (rows - r0)) - 1);
-        auto* rows_out = reinterpret_cast<int*>(out + r0 * ld);
-        for (int64_t k = 0; k < K; k += 2) {
-          const __m512i even = round_to_bf16_high(_mm512_maskz_loadu_ps(valid, a.data + k * a.stride_k + r0));
-          const __m512i odd = k + 1 < K ? round_to_bf16_high(_mm512_maskz_loadu_ps(valid, a.data + (k + 1) * a.stride_k + r0))
-                                        : _mm512_setzero_si512();
-          const __m512i both = _mm512_or_si512(_mm512_srli_epi32(even, 16), odd);
-          _mm512_mask_i32scatter_epi32(rows_out + k / 2, valid, row_index, both, 4);
+        const int64_t block_rows = std::min<int64_t>(16, rows - r0);
+        const __mmask16 valid = block_rows == 16 ? __mmask16(0xFFFF) : __mmask16((1u << block_rows) - 1);
+        auto* rows_out = reinterpret_cast<uint32_t*>(out + r0 * ld);
+        for (int64_t k0 = 0; k0 < K; k0 += 16) {
+          __m512i both[8];
+          for (int64_t i = 0; i < 8; ++i) {
+            const int64_t k = k0 + 2 * i;
+            const __m512i even = k < K ? round_to_bf16_high(_mm512_maskz_loadu_ps(valid, a.data + k * a.stride_k + r0))
+                                       : _mm512_setzero_si512();
+            const __m512i odd = k + 1 < K ? round_to_bf16_high(_mm512_maskz_loadu_ps(valid, a.data + (k + 1) * a.stride_k + r0))
+                                          : _mm512_setzero_si512();
+            both[i] = _mm512_or_si512(_mm512_srli_epi32(even, 16), odd);  // lane r: row r0 + r's pair k / 2
+          }
+          // per 128-bit lane L (rows 4L..4L+3): t = pairs (0,1), (2,3) ... interleaved, then u[m] (u[4 + m]) holds
+          // row 4L + m's pairs 0-3 (4-7) in lane L
+          __m512i t[8], u[8];
+          for (int64_t i = 0; i < 4; ++i) {
+            t[2 * i] = _mm512_unpacklo_epi32(both[2 * i], both[2 * i + 1]);
+            t[2 * i + 1] = _mm512_unpackhi_epi32(both[2 * i], both[2 * i + 1]);
+          }
+          for (int64_t half = 0; half < 2; ++half) {
+            const __m512i* th = t + 4 * half;
+            u[4 * half + 0] = _mm512_unpacklo_epi64(th[0], th[2]);
+            u[4 * half + 1] = _mm512_unpackhi_epi64(th[0], th[2]);
+            u[4 * half + 2] = _mm512_unpacklo_epi64(th[1], th[3]);
+            u[4 * half + 3] = _mm512_unpackhi_epi64(th[1], th[3]);
+          }
+          for (int64_t i = 0; i < 8; ++i) _mm512_store_si512(pairs_by_row[i], u[i]);
+          const int64_t first_pair = k0 / 2, pairs = std::min<int64_t>(8, row_pairs - first_pair);
+          for (int64_t r = 0; r < block_rows; ++r) {
+            const int64_t lane = r / 4, m = r % 4;
+            uint32_t* row_out = rows_out + r * row_pairs + first_pair;
+            if (pairs == 8) {  // fixed sizes: two 16-byte moves, not memcpy calls
+              _mm_storeu_si128(reinterpret_cast<__m128i*>(row_out),
+                               _mm_load_si128(reinterpret_cast<const __m128i*>(&pairs_by_row[m][4 * lane])));
+              _mm_storeu_si128(reinterpret_cast<__m128i*>(row_out + 4),
+                               _mm_load_si128(reinterpret_cast<const __m128i*>(&pairs_by_row[4 + m][4 * lane])));
+              continue;
+            }
+            std::memcpy(row_out, &pairs_by_row[m][4 * lane], sizeof(uint32_t) * std::min<int64_t>(4, pairs));
+            if (pairs > 4) std::memcpy(row_out + 4, &pairs_by_row[4 + m][4 * lane], sizeof(uint32_t) * (pairs - 4));
+          }
         }
       }
     } else {
