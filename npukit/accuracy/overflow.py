@@ -56,9 +56,9 @@ from npukit.files import check_output_location, write_json
 from npukit.watch.hook_guard import add_failure_listener, remove_failure_listener, revive_hooks, unintercepted
 from npukit.watch.module_hooks import ModuleHooks
 from npukit.watch.op_hooks import ApiMode
-from npukit.watch.process import rank_from_env
+from npukit.watch.process import host_memory, rank_from_env
 from npukit.watch.steps import RecordedSteps
-from npukit.watch.tensor_stats import StatsBuffer
+from npukit.watch.tensor_stats import StatsBuffer, tensor_stats
 from npukit.watch.tensors import local_shard, real_view, strided_form, tensor_version, tensors_in
 
 ACTIONS = ("report", "dump", "stop")
@@ -67,6 +67,8 @@ FP16_MAX = 65504.0
 REPORT_NAME = "overflow.json"
 _FORMAT_VERSION = 1
 _MIN_MAX_DTYPES = (torch.float16, torch.bfloat16)  # min/max: a sum of fp16 values can overflow by itself
+# so can one of fp32 (or fp64) values: min/max too, fp32 in host memory from the one-pass kernel
+_WIDE_FLOATS = (torch.float32, torch.float64)
 _MAX_STACK_FRAMES = 12
 
 # Ops whose every output value is a copy of an input value (or zero): they cannot turn finite
@@ -210,15 +212,23 @@ class _Checks:
         start = len(self.values) + len(self.pending)
         zero_slot = None
         with torch._C.DisableTorchFunction():
+            extremes = _finite_float32_extremes(data)
+            if extremes is not None:
+                self.pending += extremes
+                slots = (start, start + 1)
+                self.remember(tensor, slots)
+                return slots, None
             if data.dtype in _MIN_MAX_DTYPES:
                 low, high = torch.aminmax(data)
                 self.pending += (low, high)
                 if self.zeros:
                     zero_slot = start + 2
                     self.pending.append(torch.count_nonzero(data))
+            elif data.dtype in _WIDE_FLOATS:  # fp32 on a device or with inf/nan in it, fp64
+                self.pending += torch.aminmax(data)
             else:
                 self.pending.append(data.sum())
-        slots = tuple(range(start, start + (1 if data.dtype not in _MIN_MAX_DTYPES else 2)))
+        slots = tuple(range(start, start + (2 if data.dtype in _MIN_MAX_DTYPES or data.dtype in _WIDE_FLOATS else 1)))
         self.remember(tensor, slots, zero_slot)
         return slots, zero_slot
 
@@ -238,9 +248,12 @@ class _Checks:
         if self.pending:
             # One copy per device (a step usually has one; CPU-side checks of the data are the other).
             by_device: dict[torch.device, list[int]] = {}
-            for position, value in enumerate(self.pending):
-                by_device.setdefault(value.device, []).append(position)
             fetched = [0.0] * len(self.pending)
+            for position, value in enumerate(self.pending):
+                if isinstance(value, float):  # measured on the host already
+                    fetched[position] = value
+                else:
+                    by_device.setdefault(value.device, []).append(position)
             with torch._C.DisableTorchFunction():
                 for positions in by_device.values():
                     stacked = torch.stack([self.pending[p] for p in positions]).cpu().tolist()
@@ -249,6 +262,20 @@ class _Checks:
             self.values += fetched
             self.pending = []
         return self.values
+
+
+def _finite_float32_extremes(data: torch.Tensor) -> tuple[float, float] | None:
+    """(min, max) of an fp32 tensor in host memory whose values are all finite, from one read
+    (watch's tensor_stats, whose one-pass kernel sums in float64); None otherwise (another dtype or device, or
+    inf/nan in it: torch's min/max then). Not a float32 sum: finite values can sum to inf
+    (transformers' eager mask, torch.finfo(torch.float32).min wherever a key is hidden, sums to -inf,
+    an overflow named in every fp32 run of a Hugging Face model with eager attention)."""
+    if data.dtype != torch.float32 or not host_memory(data):
+        return None
+    values = tensor_stats(data)  # max, min, mean, norm, nan count, inf count
+    if not isinstance(values, list) or values[4] or values[5]:
+        return None
+    return values[1], values[0]
 
 
 @dataclass(slots=True)
@@ -310,7 +337,7 @@ def _log_of_exact_zeros(record: _OpRecord, outputs: list[_TensorCheck], values: 
     a log of zeros that is differentiated is found in the backward."""
     if record.input_minimum is None or values[record.input_minimum] != 0.0:
         return False
-    # min/max (fp16/bf16) or a sum (fp32): -inf and only -inf (a nan or +inf makes the sum nan)
+    # min/max (floating dtypes) or a sum (others): -inf and only -inf (a nan or +inf makes the sum nan)
     return all(values[check.slots[0]] == -math.inf and math.isfinite(values[check.slots[-1]]) if len(check.slots) == 2
                else values[check.slots[0]] == -math.inf for check in outputs if check.slots)
 

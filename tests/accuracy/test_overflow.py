@@ -522,3 +522,22 @@ def test_a_log_of_exact_zeros_is_not_an_overflow_but_its_infinite_gradient_is(tm
     with OverflowSession(tmp_path / "negative", console=False) as session:
         torch.log(torch.tensor([-1.0, 1.0], device=npu))  # nan: a domain error, not a mask
     assert [event["name"] for event in session.events] == ["Torch.log.0.forward"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_finite_values_whose_sum_overflows_are_not_an_overflow(tmp_path, npu, dtype):
+    """transformers' eager attention mask, torch.where(mask, 0, torch.finfo(dtype).min), holds only
+    finite values, but their sum is -inf: the fp32 check by a sum named it an overflow in fp32 runs
+    of Hugging Face models with eager attention (MindSpeed-LLM's GPT-OSS: 'Torch.where.0.forward in
+    module model (GptOssModel), torch.float32: inf/nan from finite inputs'). An inf made from finite
+    values still is one, on the npu and on the CPU (torch's min/max there)."""
+    for device in (npu, "cpu"):
+        causal = torch.ones(64, 64, dtype=torch.bool, device=device).tril()
+        lowest, highest = torch.finfo(dtype).min, torch.finfo(dtype).max
+        with OverflowSession(tmp_path / device, console=False) as session:
+            mask = torch.where(causal, torch.zeros((), device=device, dtype=dtype), lowest)
+            F.softmax(torch.randn(64, 64, device=device, dtype=dtype) + mask, dim=-1)
+        assert session.events == [], device
+        with OverflowSession(tmp_path / f"{device}-inf", console=False) as session:
+            torch.full((4,), highest, device=device, dtype=dtype) * 2
+        assert [event["name"] for event in session.events] == ["Tensor.__mul__.0.forward"], device
