@@ -292,28 +292,76 @@ def test_scaled_dot_product_attention_takes_the_kernel_the_cpu_takes(dtype):
     """F.scaled_dot_product_attention on npu runs the CPU's flash kernel where the CPU would (exp(S - max)
     read in the input dtype, the fp32 sums divided by the row sum at the end, as Ascend's flash kernel),
     not the math decomposition: the same outputs and gradients as on the CPU, bit for bit. fp16 on a
-    CPU without AMX-FP16 takes the math path instead (the flash kernel's scalar fp16 GEMMs cost twice
-    its time): fp16 computed in fp32 and rounded once, bit for bit the CPU's math path. With dropout it
-    keeps the math path, whose mask follows the npu generator (test above)."""
+    CPU without AMX-FP16 takes npu's math path instead (the flash kernel's scalar fp16 GEMMs cost twice
+    its time; the next test). With dropout it keeps the math path, whose mask follows the npu
+    generator (test above)."""
     import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    on_math_path = dtype is torch.float16 and not _cpu_has_fp16_matrix_unit()
-    cpu_backend = SDPBackend.MATH if on_math_path else SDPBackend.FLASH_ATTENTION
+    if dtype is torch.float16 and not _cpu_has_fp16_matrix_unit():
+        pytest.skip("fp16 takes npu's math path on a CPU without AMX-FP16 (the next test)")
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 4, 48, 32, dtype=dtype, requires_grad=True) for _ in range(3))
     mask = torch.rand(48, 48) > 0.2
     on_npu = [t.detach().npu().requires_grad_() for t in (q, k, v)]
     for kwargs in ({"is_causal": True}, {"attn_mask": mask}):
         npu_kwargs = {name: value.npu() if isinstance(value, torch.Tensor) else value for name, value in kwargs.items()}
-        with sdpa_kernel(cpu_backend):
-            expected = F.scaled_dot_product_attention(q, k, v, **kwargs)
+        expected = F.scaled_dot_product_attention(q, k, v, **kwargs)
         got = F.scaled_dot_product_attention(*on_npu, **npu_kwargs)
         assert type(got.grad_fn).__name__ == type(expected.grad_fn).__name__ == \
-            ("ToCopyBackward0" if on_math_path else "ScaledDotProductFlashAttentionForCpuBackward0")
+            "ScaledDotProductFlashAttentionForCpuBackward0"
         assert torch.equal(got.cpu(), expected)
         expected.sum().backward()
         got.sum().backward()
+        for cpu_tensor, npu_tensor in zip((q, k, v), on_npu, strict=True):
+            assert torch.equal(npu_tensor.grad.cpu(), cpu_tensor.grad)
+            cpu_tensor.grad = npu_tensor.grad = None
+
+
+def _math_path_rounding_p(q, k, v, mask=None, is_causal=False, gqa_repeats=1):
+    """The documented fp16 math path, on CPU tensors: the CPU math path's fp32 steps (the scale's square
+    root on each of q and k, the safe softmax), P rounded to fp16 straight-through, fp32 P @ V, one
+    rounding at the end."""
+    import math
+
+    factor = math.sqrt(1.0 / math.sqrt(q.shape[-1]))
+    key, value = (t.float().repeat_interleave(gqa_repeats, -3) for t in (k, v))
+    scores = (q.float() * factor) @ (key.transpose(-2, -1) * factor)
+    if is_causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+    if mask is not None:
+        scores = scores + torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    probs = torch._safe_softmax(scores, -1)
+    rounded = probs + (probs.detach().half().float() - probs.detach())
+    return (rounded @ value).half()
+
+
+@pytest.mark.skipif(_cpu_has_fp16_matrix_unit(), reason="the CPU has AMX-FP16: fp16 takes its flash kernel")
+def test_fp16_scaled_dot_product_attention_on_the_math_path_rounds_p_as_the_flash_kernels():
+    """On a CPU without AMX-FP16, fp16 attention on npu takes the math path (the CPU's fp16 flash kernel
+    multiplies with scalar code there), with P rounded to fp16 before P @ V as Ascend's flash kernel
+    rounds it: bit for bit the documented steps, gradients included (dP stays fp32: the rounding is
+    straight-through), and not the CPU's math path, which leaves P in fp32."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 48, 32, dtype=torch.float16, requires_grad=True)
+    k, v = (torch.randn(2, 2, 48, 32, dtype=torch.float16, requires_grad=True) for _ in range(2))
+    mask = torch.rand(48, 48) > 0.2
+    mask[3] = False  # a row with nothing to attend to: the safe softmax's zeros
+    on_npu = [t.detach().npu().requires_grad_() for t in (q, k, v)]
+    for kwargs in ({"is_causal": True}, {"attn_mask": mask}):
+        npu_kwargs = {name: value.npu() if isinstance(value, torch.Tensor) else value for name, value in kwargs.items()}
+        expected = _math_path_rounding_p(q, k, v, kwargs.get("attn_mask"), kwargs.get("is_causal", False), 2)
+        got = F.scaled_dot_product_attention(*on_npu, **npu_kwargs, enable_gqa=True)
+        assert torch.equal(got.cpu(), expected)
+        with sdpa_kernel(SDPBackend.MATH):
+            cpu_math = F.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), **kwargs, enable_gqa=True)
+        assert not torch.equal(got.cpu(), cpu_math)  # P's rounding shows in the output
+        torch.testing.assert_close(got.cpu(), cpu_math, rtol=2e-3, atol=2e-3)
+        grad_out = torch.randn_like(expected)
+        expected.backward(grad_out)
+        got.backward(grad_out.npu())
         for cpu_tensor, npu_tensor in zip((q, k, v), on_npu, strict=True):
             assert torch.equal(npu_tensor.grad.cpu(), cpu_tensor.grad)
             cpu_tensor.grad = npu_tensor.grad = None

@@ -20,6 +20,9 @@
 #include <ATen/SDPBackend.h>
 #include <ATen/ops/_fused_sdp_choice_native.h>
 #include <ATen/native/CPUBlas.h>
+#include <ATen/native/transformers/sdp_utils_cpp.h>
+#include <ATen/TensorSubclassLikeUtils.h>
+#include <ATen/ops/_scaled_dot_product_attention_math_native.h>
 #include <ATen/Operators.h>
 #include <ATen/Parallel.h>
 #include <ATen/ScalarOps.h>
@@ -1967,8 +1970,8 @@ int64_t npu_fused_sdp_choice(const at::Tensor& query, const at::Tensor& key, con
                              std::optional<double> scale, bool enable_gqa) {
   if (dropout_p > 0) return static_cast<int64_t>(at::SDPBackend::math);
   // The CPU's fp16 flash kernel multiplies fp16 blocks with scalar code where the CPU has no fp16
-  // matrix unit (AMX-FP16): 2x the math path's time. The math path computes fp16 in fp32 and rounds
-  // once at the end, so P is not rounded to fp16 before P @ V as Ascend's flash kernel rounds it.
+  // matrix unit (AMX-FP16): 2x the math path's time. npu's fp16 math path (npu_sdpa_math) rounds P
+  // as the flash kernels do.
   if (query.scalar_type() == at::kHalf && !at::native::cpublas::could_pack(at::kHalf)) {
     return static_cast<int64_t>(at::SDPBackend::math);
   }
@@ -1981,3 +1984,69 @@ int64_t npu_fused_sdp_choice(const at::Tensor& query, const at::Tensor& key, con
 namespace at::native {
 REGISTER_PRIVATEUSE1_DISPATCH(_fused_sdp_choice_stub, &npu_fused_sdp_choice)
 }  // namespace at::native
+
+// The math path of F.scaled_dot_product_attention on npu. In fp16 without dropout (taken where the CPU
+// has no AMX-FP16, above) it computes as the CPU's math path does (fp32 scores, the safe softmax in
+// fp32, fp32 accumulation, one rounding at the end) and also rounds P to fp16 before P @ V, as
+// Ascend's flash kernel (and the CPU's) does. The rounding is straight-through for the gradient: dP
+// stays fp32 as the flash kernels keep it (an fp16 dP could overflow where the NPU's does not).
+// Anything else is the CPU's math path as it is.
+namespace {
+struct RoundToHalfStraightThrough : public torch::autograd::Function<RoundToHalfStraightThrough> {
+  static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& probs) {
+    return probs.to(at::kHalf).to(at::kFloat);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list grads) {
+    return {grads[0]};
+  }
+};
+
+at::Tensor additive_mask(const at::Tensor& mask) {
+  if (mask.scalar_type() != at::kBool) return mask;
+  return at::zeros(mask.sizes(), mask.options().dtype(at::kFloat))
+      .masked_fill_(mask.logical_not(), -std::numeric_limits<float>::infinity());
+}
+
+std::tuple<at::Tensor, at::Tensor> npu_sdpa_math(const at::Tensor& query, const at::Tensor& key,
+                                                 const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
+                                                 double dropout_p, bool is_causal,
+                                                 const std::optional<at::Tensor>& dropout_mask,
+                                                 std::optional<double> scale, bool enable_gqa) {
+  if (query.scalar_type() != at::kHalf || dropout_p > 0 || dropout_mask.has_value() || query.is_nested() ||
+      key.is_nested() || value.is_nested()) {
+    return at::native::_scaled_dot_product_attention_math(query, key, value, attn_mask, dropout_p, is_causal,
+                                                          dropout_mask, scale, enable_gqa);
+  }
+  const bool negative_scale = scale.has_value() && scale.value() < 0.0;
+  const auto factor = sdp::calculate_scale(query, negative_scale ? std::abs(scale.value()) : scale).sqrt();
+  const auto query_acc = query.to(at::kFloat) * (negative_scale ? c10::SymFloat(0.0) - factor : factor);
+  auto key_acc = key.to(at::kFloat);
+  auto value_acc = value.to(at::kFloat);
+  if (enable_gqa && key.sym_size(-3) != query.sym_size(-3)) {
+    const auto repeats = query.sym_size(-3) / key.sym_size(-3);
+    key_acc = key_acc.repeat_interleave_symint(repeats, -3);
+    value_acc = value_acc.repeat_interleave_symint(repeats, -3);
+  }
+  auto scores = at::matmul(query_acc, key_acc.transpose(-2, -1) * factor);
+  std::optional<at::Tensor> mask;
+  if (is_causal) {
+    TORCH_CHECK(!attn_mask.has_value(),
+                "_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True");
+    mask = additive_mask(
+        at::ones_symint({query.sym_size(-2), key.sym_size(-2)}, query.options().dtype(at::kBool)).tril());
+  } else if (attn_mask.has_value()) {
+    mask = additive_mask(*attn_mask);
+  }
+  if (mask.has_value()) {
+    // in place, as the CPU's math path adds it (no second buffer of the scores' size)
+    scores = at::areAnyTensorSubclassLike({scores, *mask}) ? scores.add(*mask) : scores.add_(*mask);
+  }
+  const auto rounded = RoundToHalfStraightThrough::apply(at::_safe_softmax(scores, -1));
+  return std::make_tuple(at::matmul(rounded, value_acc).to(at::kHalf), rounded.to(at::kHalf));
+}
+}  // namespace
+
+TORCH_LIBRARY_IMPL(aten, AutogradPrivateUse1, m) {
+  m.impl("_scaled_dot_product_attention_math", &npu_sdpa_math);
+}
