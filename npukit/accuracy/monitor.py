@@ -676,7 +676,7 @@ def _adam_state_in_one_read(m: torch.Tensor, v: torch.Tensor, eps: float):
     C++ call that also makes the checks (adam_host_stats: 2.2 us on a 1000-element npu state, 8.2 us
     with dtype, shape, layout and device read from Python, timeit, hot).
     FSDP2's state is DTensors, wrappers without data of their own: this rank's shards are read, as its
-    weights and gradients are measured (the kernel was handed a null address: "adam_stats: no data")."""
+    weights and gradients are measured."""
     if type(m) is not torch.Tensor:  # (a plain tensor skips local_shard's lookups: ~1.3 us a parameter a step)
         m, v = local_shard(m), local_shard(v)
     return adam_host_stats(m, v, eps, npu_in_host_memory())
