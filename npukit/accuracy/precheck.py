@@ -589,16 +589,15 @@ def check_op(op: _Op, device) -> OpCheck:
     """Run one op every way and judge the NPU's outputs (and input gradients)."""
     kind = hf32_kind(op.entry.name)
     npu = _call_on_npu(op, op.inputs, device)
-    cpu = torch.device("cpu")
-    references = [_call(op, op.inputs, cpu, "ref")]
+    references = [_call_on_cpu(op, op.inputs, "ref")]
     if op.tf32:
-        references.append(_call(op, op.inputs, cpu, "tf32"))
+        references.append(_call_on_cpu(op, op.inputs, "tf32"))
     truth_inputs = _truth_inputs(op)
     truth_op = _as_fp64(op)
-    truth = _call(truth_op, [t.double() if t.is_floating_point() else t for t in truth_inputs], cpu, "truth")
+    truth = _call_on_cpu(truth_op, [t.double() if t.is_floating_point() else t for t in truth_inputs], "truth")
     seed = zlib.crc32(op.entry.name.encode())
     sens_op = _as_fp64(op, perturb_grads=seed)
-    sens = _call(sens_op, _perturbed(truth_inputs, seed), cpu, "sens")
+    sens = _call_on_cpu(sens_op, _perturbed(truth_inputs, seed), "sens")
     check = OpCheck(op.label, op.entry.name, PASS)
     ulp = kind is not None  # matmul-class: max ULP error reported
     prefix = op.entry.name.rpartition(".")[0]  # Functional.linear.0
@@ -632,6 +631,24 @@ def check_op(op: _Op, device) -> OpCheck:
     if check.status != SKIP:
         check.reason = op.note or ("" if forward else "only its backward had a result to judge")
     return check
+
+
+_REFERENCE_RUNS = {"ref": "the fp32 reference run on the CPU", "tf32": "the TF32 reference run on the CPU",
+                   "truth": "the float64 reference run on the CPU",
+                   "sens": "the float64 run on perturbed inputs on the CPU"}
+
+
+def _call_on_cpu(op: _Op, tensors: list, side: str):
+    """_call on the CPU; an op that raises there is skipped saying it was a reference run that raised
+    (not the NPU's), e.g. a kernel that refuses the float64 of the truth."""
+    try:
+        return _call(op, tensors, torch.device("cpu"), side)
+    except (CannotRun, UserError):
+        raise
+    except Exception as exc:
+        first_line = str(exc).splitlines()[0] if str(exc) else ""
+        raise CannotRun(f"could not re-run it: {_REFERENCE_RUNS[side]} raised {type(exc).__name__}: "
+                        f"{first_line}"[:300]) from exc
 
 
 def _call_on_npu(op: _Op, tensors: list, device):

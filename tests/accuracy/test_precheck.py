@@ -246,3 +246,66 @@ def test_a_dump_the_real_msprobe_wrote_is_prechecked(tmp_path, npu):
     assert [(op.name, op.status) for op in result.ops if op.status != PASS] == []
     assert {op.name for op in result.ops if op.reason.startswith("backward not judged")} == {
         "Functional.linear.0.forward", "Functional.linear.1.forward", "Functional.linear.2.forward"}
+
+
+def test_moe_token_routing_and_grouped_matmul_are_judged_not_skipped(tmp_path, npu):
+    """GPT-OSS's MoE layer (MindSpeed-LLM): npu_moe_token_permute, npu_grouped_matmul and
+    npu_moe_token_unpermute accept the float64 of the reference run on the CPU and are judged."""
+    from npukit.accuracy.dump import DumpSession
+    from npukit.npu_backend.torch_npu_shim import install_torch_npu
+
+    torch_npu = install_torch_npu()
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(2, 32, 32) * 0.2)
+
+        def forward(self, tokens, indices, probs):
+            permuted, sorted_indices = torch_npu.npu_moe_token_permute(tokens, indices)
+            counts = torch.bincount(indices.flatten().cpu(), minlength=2).to(tokens.device)
+            with torch.no_grad():  # torch_npu registers no backward for npu_grouped_matmul
+                torch_npu.npu_grouped_matmul([permuted], [self.weight.half()], group_list=counts, group_type=0,
+                                             group_list_type=1, split_item=2)
+            return torch_npu.npu_moe_token_unpermute(permuted, sorted_indices, probs)
+
+    torch.manual_seed(0)
+    model = Experts().to(npu)
+    tokens = torch.randn(6, 32, device=npu, dtype=torch.float16, requires_grad=True)
+    indices = torch.tensor([[0, 1], [1, 0], [1, 1], [0, 0], [1, 0], [0, 1]], device=npu)
+    probs = torch.softmax(torch.randn(6, 2, device=npu), -1).half()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with DumpSession(tmp_path / "dump", level="api", mode="tensor"):
+        model(tokens, indices, probs).float().sum().backward()
+        optimizer.step()
+    result = run_precheck(tmp_path / "dump", workers=1)
+    verdicts = {op.name: (op.status, op.reason) for op in result.ops if op.name.startswith("NPU.")}
+    assert verdicts == {"NPU.npu_moe_token_permute.0.forward": (PASS, ""),
+                        "NPU.npu_grouped_matmul.0.forward": (PASS, ""),
+                        "NPU.npu_moe_token_unpermute.0.forward": (PASS, "")}
+    assert result.skipped() == [] and result.exit_code() == 0
+
+
+def test_an_op_whose_reference_run_raises_is_skipped_saying_it_was_the_reference_run(tmp_path, npu, monkeypatch):
+    """A kernel that runs on the NPU but refuses the float64 reference run is skipped, and the reason
+    names that run rather than reading as if the op refused its recorded arguments."""
+    import json
+
+    from npukit.accuracy import precheck
+
+    entries = {"Torch.mul.0.forward": {"input_args": [_leaf([64, 8], 3.0, -2.0, 0.1), {"type": "float", "value": 0.5}],
+                                       "input_kwargs": {}, "output": [_leaf([64, 8], 1.5, -1.0, 0.05)]}}
+    (tmp_path / "rank0").mkdir()
+    (tmp_path / "rank0" / "dump.json").write_text(json.dumps({"task": "statistics", "level": "L1", "data": entries}))
+    call = precheck._call
+
+    def refusing_float64(op, tensors, device, side):
+        if side == "truth":
+            raise ValueError("mul: float64 is not supported")
+        return call(op, tensors, device, side)
+
+    monkeypatch.setattr(precheck, "_call", refusing_float64)
+    result = run_precheck(tmp_path, workers=1)
+    assert [(op.name, op.status, op.reason) for op in result.ops] == [
+        ("Torch.mul.0.forward", SKIP, "could not re-run it: the float64 reference run on the CPU raised ValueError: "
+                                      "mul: float64 is not supported")]

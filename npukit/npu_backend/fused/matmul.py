@@ -30,13 +30,16 @@ from npukit.npu_backend.fused import (
 # torch_npu's `int` dtype arguments take c10 ScalarType numbers (torch_npu's TORCH_DTYPE_MAP).
 _SCALAR_TYPE_BY_NUMBER = {5: torch.float16, 6: torch.float32, 15: torch.bfloat16}
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# A CPU tensor may also be float64: the pre-check's float64 reference run (npu tensors keep the kernel's dtypes).
+_REFERENCE_FLOAT_DTYPES = (*_FLOAT_DTYPES, torch.float64)
 # torch._grouped_mm wants every stride of its operands and result a multiple of 16 bytes.
 _ALIGNMENT_BYTES = 16
 
 
 def _fp32(tensor: torch.Tensor) -> torch.Tensor:
-    """An operand as the kernel computes it: fp16/bf16 (and mixed autocast inputs) in fp32."""
-    return tensor if tensor.dtype == torch.float32 else tensor.float()
+    """An operand as the kernel computes it: fp16/bf16 (and mixed autocast inputs) in fp32; float64
+    (the CPU reference run) stays float64."""
+    return tensor if tensor.dtype in (torch.float32, torch.float64) else tensor.float()
 
 
 def _compute_operand(tensor: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
@@ -46,7 +49,7 @@ def _compute_operand(tensor: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
 
 
 def _check_float(op: str, name: str, tensor: torch.Tensor) -> None:
-    if tensor.dtype not in _FLOAT_DTYPES:
+    if tensor.dtype not in (_FLOAT_DTYPES if tensor.device.type == "npu" else _REFERENCE_FLOAT_DTYPES):
         raise ValueError(f"{op}: {name} must be float16, bfloat16 or float32 on the emulator, got {tensor.dtype}")
 
 
@@ -103,6 +106,11 @@ def grouped_rows_matmul(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Te
     if _is_fake(x):
         return x.new_empty(rows, n)
     grouped_rows = _check_offsets(offsets, rows, "x.size(0)")
+    if x.dtype == torch.float64:  # torch._grouped_mm takes no float64: the CPU reference, group by group
+        out = x.new_zeros(rows, n)
+        for group, (start, end) in enumerate(_group_bounds(offsets)):
+            out[start:end] = x[start:end] @ weight[group]
+        return out
     out = torch._grouped_mm(_aligned(x, (1,)), _aligned(weight, (1, 2)), offs=offsets)
     if out.shape[1] != n:
         out = out[:, :n]
@@ -118,6 +126,8 @@ def grouped_reduce_matmul(a32: torch.Tensor, b32: torch.Tensor, offsets: torch.T
     if _is_fake(a32):
         return a32.new_empty(offsets.shape[0], m, n)
     _check_offsets(offsets, a32.shape[1], "the K of x")
+    if a32.dtype == torch.float64:  # torch._grouped_mm takes no float64: the CPU reference, group by group
+        return torch.stack([a32[:, start:end] @ b32[start:end] for start, end in _group_bounds(offsets)])
     return torch._grouped_mm(_aligned(a32, (0, 1)), _aligned(b32, (0, 1)), offs=offsets)[:, :m, :n]
 
 
@@ -243,8 +253,13 @@ def _per_group(out: torch.Tensor, offsets: torch.Tensor, counts) -> list[torch.T
 
 
 def _group_sizes(offsets: torch.Tensor) -> list[int]:
+    return [end - start for start, end in _group_bounds(offsets)]
+
+
+def _group_bounds(offsets: torch.Tensor) -> list[tuple[int, int]]:
+    """(start, end) of each group along the split dim."""
     ends = offsets.tolist()
-    return [end - start for start, end in zip([0] + ends[:-1], ends)]
+    return list(zip([0] + ends[:-1], ends))
 
 
 def _split_k(x, weight, bias, offsets, split_item, out_dtype):

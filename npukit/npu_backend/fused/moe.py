@@ -25,12 +25,23 @@ from npukit.npu_backend.fused import fused_op, register_autograd, register_no_de
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
+# A CPU tensor may also be float64: the pre-check's float64 reference run (npu tensors keep the kernel's dtypes).
+_REFERENCE_FLOAT_DTYPES = (*_FLOAT_DTYPES, torch.float64)
 
 
 def _check_dtype(op: str, name: str, tensor: torch.Tensor, allowed) -> None:
     if tensor.dtype not in allowed:
         names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
         raise ValueError(f"{op}: {name} must be {names}, got {tensor.dtype}")
+
+
+def _check_float(op: str, name: str, tensor: torch.Tensor) -> None:
+    _check_dtype(op, name, tensor, _FLOAT_DTYPES if tensor.device.type == "npu" else _REFERENCE_FLOAT_DTYPES)
+
+
+def _accumulation_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """fp32, the kernel's; float64 for the float64 reference run."""
+    return torch.float64 if tensor.dtype == torch.float64 else torch.float32
 
 
 def _check_dims(op: str, name: str, tensor: torch.Tensor, dims) -> None:
@@ -58,8 +69,9 @@ def _weighted_sum_of_rows(rows: torch.Tensor, index: torch.Tensor, weights: torc
     fp16/bf16 values are exact in fp32, so this is the kernel's fp32 arithmetic, without an fp32
     copy of the [N, K, H] gathered rows. (A loop over the K slots, K <= 8 in practice: the batched
     [1, K] @ [K, H] matmul runs one small matmul per token on the device and measured 2-3x slower.)"""
-    out = torch.zeros(index.shape[0], rows.shape[-1], device=rows.device, dtype=torch.float32)
-    weights32 = weights.float()
+    accumulation = _accumulation_dtype(rows)
+    out = torch.zeros(index.shape[0], rows.shape[-1], device=rows.device, dtype=accumulation)
+    weights32 = weights.to(accumulation)
     for slot in range(index.shape[1]):
         out.addcmul_(rows.index_select(0, index[:, slot]), weights32[:, slot:slot + 1])
     return out.to(out_dtype)
@@ -67,8 +79,9 @@ def _weighted_sum_of_rows(rows: torch.Tensor, index: torch.Tensor, weights: torc
 
 def _row_dots(rows: torch.Tensor, index: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:
     """dots[i, k] = <rows[index[i, k]], vectors[i]> in fp32 (one slot at a time, as above)."""
-    vectors32 = upcast(vectors)
-    return torch.stack([rows.index_select(0, index[:, slot]).float().mul_(vectors32).sum(-1)
+    accumulation = _accumulation_dtype(rows)
+    vectors32 = vectors.to(accumulation)
+    return torch.stack([rows.index_select(0, index[:, slot]).to(accumulation).mul_(vectors32).sum(-1)
                         for slot in range(index.shape[1])], dim=1)
 
 
@@ -412,7 +425,7 @@ def npu_moe_token_permute(tokens, indices, num_out_tokens=None, padded_mode=Fals
     _refuse_padded_mode(_PERMUTE, padded_mode)
     _check_dims(_PERMUTE, "tokens", tokens, (2,))
     _check_dims(_PERMUTE, "indices", indices, (1, 2))
-    _check_dtype(_PERMUTE, "tokens", tokens, _FLOAT_DTYPES)
+    _check_float(_PERMUTE, "tokens", tokens)
     _check_dtype(_PERMUTE, "indices", indices, _INDEX_DTYPES)
     if indices.shape[0] != tokens.shape[0]:
         raise ValueError(f"{_PERMUTE}: indices {tuple(indices.shape)} must have one row per token ({tokens.shape[0]})")
@@ -476,12 +489,12 @@ def npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_
     _refuse_padded_mode(_UNPERMUTE, padded_mode, restore_shape)
     _check_dims(_UNPERMUTE, "permuted_tokens", permuted_tokens, (2,))
     _check_dims(_UNPERMUTE, "sorted_indices", sorted_indices, (1,))
-    _check_dtype(_UNPERMUTE, "permuted_tokens", permuted_tokens, _FLOAT_DTYPES)
+    _check_float(_UNPERMUTE, "permuted_tokens", permuted_tokens)
     _check_dtype(_UNPERMUTE, "sorted_indices", sorted_indices, _INDEX_DTYPES)
     top_k = 1
     if probs is not None:
         _check_dims(_UNPERMUTE, "probs", probs, (2,))
-        _check_dtype(_UNPERMUTE, "probs", probs, _FLOAT_DTYPES)
+        _check_float(_UNPERMUTE, "probs", probs)
         top_k = probs.shape[1]
         if probs.numel() != sorted_indices.numel():
             raise ValueError(f"{_UNPERMUTE}: probs {tuple(probs.shape)} must hold one value per sorted index "

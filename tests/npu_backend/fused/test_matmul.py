@@ -292,6 +292,27 @@ def test_grouped_matmul_refuses_what_torch_npu_refuses(kwargs, error):
                                      group_list=torch.tensor([1, 3]).npu(), split_item=3, group_type=0)
 
 
+def test_grouped_matmul_computes_cpu_float64_in_float64_and_refuses_npu_float64():
+    """The pre-check's reference run calls the op on float64 CPU tensors: it must compute in float64
+    (values 1 + 2**-40 are not fp32's), while npu float64 is refused as the device refuses it."""
+    x, w = torch.full((10, 4), 1 + 2**-40, dtype=torch.float64), torch.randn(4, 4, 3, dtype=torch.float64)
+    b = torch.randn(4, 3, dtype=torch.float64)
+    group_list = torch.tensor(COUNTS)
+    (y,) = torch_npu.npu_grouped_matmul([x], [w], bias=[b], group_list=group_list, split_item=3, group_type=0,
+                                        group_list_type=1)
+    assert y.dtype == torch.float64 and torch.equal(y, grouped_fp64(x, w, COUNTS, b))
+    # group_type 2 (split K): group e sums k over its rows, as the weight gradient does
+    dy = torch.randn(10, 3, dtype=torch.float64)
+    (dw,) = torch_npu.npu_grouped_matmul([x.t()], [dy], group_list=group_list, split_item=3, group_type=2,
+                                         group_list_type=1)
+    bounds = [0, *torch.tensor(COUNTS).cumsum(0).tolist()]
+    assert dw.dtype == torch.float64
+    assert torch.equal(dw, torch.stack([x[a:e].t() @ dy[a:e] for a, e in zip(bounds, bounds[1:])]))
+    with pytest.raises(ValueError, match="npu_grouped_matmul: x must be float16, bfloat16 or float32"):
+        torch_npu.npu_grouped_matmul([x.npu()], [w.float().npu()], group_list=group_list.npu(), split_item=3,
+                                     group_type=0, group_list_type=1)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_bmm_v2_broadcasts_and_differentiates_against_fp64(dtype):
     torch.manual_seed(8)

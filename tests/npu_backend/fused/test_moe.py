@@ -303,6 +303,32 @@ def test_permute_unpermute_forward_and_backward_against_fp64(dtype, num_out_toke
     assert_close_to_reference(d_probs, d_probs_ref, dtype, "dprobs", factor=2)
 
 
+def test_permute_unpermute_compute_cpu_float64_in_float64_and_refuse_npu_float64():
+    """The pre-check's reference run calls the ops on float64 CPU tensors: they compute in float64
+    (1 + 2**-40 is not an fp32 value), forward and backward; npu float64 is refused as the device does."""
+    torch.manual_seed(12)
+    n, k, hidden = 6, 2, 4
+    tokens = (torch.randn(n, hidden, dtype=torch.float64) + 2**-40).requires_grad_()
+    probs = torch.rand(n, k, dtype=torch.float64).requires_grad_()
+    indices = distinct_experts(n, k, 3, seed=13).long()
+    permuted, sorted_indices = torch_npu.npu_moe_token_permute(tokens, indices)
+    out = torch_npu.npu_moe_token_unpermute(permuted, sorted_indices, probs=probs)
+    assert out.dtype == torch.float64
+    grad_out = torch.randn(n, hidden, dtype=torch.float64)
+    d_tokens, d_probs = torch.autograd.grad(out, [tokens, probs], grad_out)
+
+    tokens_ref, probs_ref = tokens.detach().requires_grad_(), probs.detach().requires_grad_()
+    out_ref = unpermute_fp64(permute_fp64(tokens_ref, indices, n * k), sorted_indices, probs_ref)
+    d_tokens_ref, d_probs_ref = torch.autograd.grad(out_ref, [tokens_ref, probs_ref], grad_out)
+    for value, reference in ((out, out_ref), (d_tokens, d_tokens_ref), (d_probs, d_probs_ref)):
+        assert value.dtype == torch.float64
+        torch.testing.assert_close(value, reference, rtol=1e-15, atol=1e-15)
+    with pytest.raises(ValueError, match="npu_moe_token_permute: tokens must be float16, bfloat16, float32"):
+        torch_npu.npu_moe_token_permute(tokens.detach().npu(), indices.npu())
+    with pytest.raises(ValueError, match="npu_moe_token_unpermute: permuted_tokens must be float16"):
+        torch_npu.npu_moe_token_unpermute(permuted.detach().npu(), sorted_indices.npu(), probs=probs.detach().float().npu())
+
+
 def test_permute_and_unpermute_grad_ops_agree_with_autograd():
     torch.manual_seed(9)
     tokens, indices = torch.randn(4, 3).npu(), distinct_experts(4, 2, 3, seed=10).npu()
