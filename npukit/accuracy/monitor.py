@@ -439,10 +439,12 @@ class MonitorSession:
             groups.setdefault(id(group), (group, []))[1].append((name, state, root_c2, scale))
         for group, members in groups.values():
             with torch.no_grad():
-                denominator = torch._foreach_sqrt([state["exp_avg_sq"] for _, state, _, _ in members])
+                # in fp32: in fp16 state's own dtype eps / sqrt(c2) (1e-8 and less) rounds to 0, and an
+                # element with m = v = 0 (a zero gradient) gives 0 / 0 = nan where the update is 0
+                denominator = torch._foreach_sqrt([_in_fp32(state["exp_avg_sq"]) for _, state, _, _ in members])
                 torch._foreach_add_(denominator, [group["eps"] / root for _, _, root, _ in members])
-                norms = torch._foreach_norm(torch._foreach_div([state["exp_avg"] for _, state, _, _ in members],
-                                                               denominator))
+                norms = torch._foreach_norm(torch._foreach_div(
+                    [_in_fp32(state["exp_avg"]) for _, state, _, _ in members], denominator))
             for (name, _, _, scale), norm in zip(members, norms):
                 self._step.update_norms.append((name, self._buffer.add(norm), scale))
 
@@ -523,7 +525,9 @@ class MonitorSession:
             norm = values[slot][2] if isinstance(slot, int) and values[slot] is not None else slot
             if weight_norm and isinstance(norm, float):
                 ratio = scale * norm / weight_norm
-                records.append(Record("update_ratio", name, torch.float32, [ratio, ratio, ratio, abs(ratio), 0.0, 0.0]))
+                records.append(Record("update_ratio", name, torch.float32, [ratio, ratio, ratio, abs(ratio),
+                                                                            float(math.isnan(ratio)),
+                                                                            float(math.isinf(ratio))]))
         grad_norm = math.sqrt(squares) if any(r.kind == "grad" for r in records) else None
         loss = None
         loss_values = values[loss_slot] if isinstance(loss_slot, int) else loss_slot
@@ -668,6 +672,11 @@ class _StepRecord:
         if isinstance(self.loss_slot, int):
             self.loss_slot = values[self.loss_slot]
         self.measured = {}
+
+
+def _in_fp32(tensor: torch.Tensor) -> torch.Tensor:
+    """fp16/bf16 as fp32; fp32 and fp64 as they are."""
+    return tensor.float() if tensor.dtype in (torch.float16, torch.bfloat16) else tensor
 
 
 def _adam_state_in_one_read(m: torch.Tensor, v: torch.Tensor, eps: float):

@@ -676,6 +676,51 @@ def test_adam_state_the_one_pass_kernel_does_not_read_is_measured_by_torch(tmp_p
         assert ratio == pytest.approx(_adam_ratio(optimizer, parameter, weights[name]), rel=0.03), name
 
 
+def test_fp16_adam_states_update_ratio_is_finite_where_the_update_is(tmp_path):
+    """fp16 Adam state takes torch's ops, which computed m / (sqrt(v) + eps / sqrt(c2)) in fp16: eps
+    rounded to 0 and a weight whose gradient is 0 (m = v = 0) gave 0 / 0, so the update_ratio was nan
+    while fused Adam's update (computed in fp32) is finite (MindSpeed-LLM's GPT-OSS, fp16)."""
+    torch.manual_seed(14)
+    model = TwoLayers().to("npu", torch.float16)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+    x = torch.randn(5, 4, device="npu", dtype=torch.float16) * 3
+    x[:, 0] = 0  # fc1.weight's first column gets no gradient
+    with MonitorSession(tmp_path / "mon", rank=0):
+        for _ in range(2):
+            model(x).float().square().sum().backward()
+            weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+            optimizer.step()
+            optimizer.zero_grad()
+            assert all(p.isfinite().all() for p in model.parameters())
+    rows = {(r["kind"], r["name"]): r for r in _rows(tmp_path / "mon" / "rank0" / "monitor.csv") if r["step"] == "1"}
+    for name, parameter in model.named_parameters():
+        row = rows[("update_ratio", name)]
+        assert (row["nan"], row["inf"]) == ("0.0", "0.0"), name
+        assert float(row["mean"]) == pytest.approx(_adam_ratio(optimizer, parameter, weights[name]), rel=0.03), name
+
+
+def test_a_nan_update_ratio_counts_one_nan(tmp_path):
+    """The update_ratio record is one value: a nan ratio has max nan and counts 1 nan (it counted 0,
+    the record contradicting itself)."""
+    torch.manual_seed(15)
+    model = TwoLayers().to("npu")
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x = torch.randn(5, 4, device="npu")
+    with MonitorSession(tmp_path / "mon", rank=0):
+        for step in range(2):
+            model(x).square().mean().backward()
+            if step == 1:
+                with torch.no_grad():
+                    model.fc2.weight[0, 0] = float("nan")  # its norm, and so its ratio, is nan
+            optimizer.step()
+            optimizer.zero_grad()
+    rows = {(r["kind"], r["name"]): r for r in _rows(tmp_path / "mon" / "rank0" / "monitor.csv") if r["step"] == "1"}
+    nan_ratio = rows[("update_ratio", "fc2.weight")]
+    assert math.isnan(float(nan_ratio["max"])) and (nan_ratio["nan"], nan_ratio["inf"]) == ("1.0", "0.0")
+    finite_ratio = rows[("update_ratio", "fc1.bias")]
+    assert math.isfinite(float(finite_ratio["max"])) and (finite_ratio["nan"], finite_ratio["inf"]) == ("0.0", "0.0")
+
+
 def test_fsdp2s_adam_state_is_measured_on_this_ranks_shard(tmp_path):
     """FSDP2 (fully_shard) keeps the parameters and Adam's state as DTensors, wrappers without data of
     their own: the one-pass Adam kernel was handed a null address ("adam_stats: no data"), the
