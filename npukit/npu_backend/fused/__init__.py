@@ -205,6 +205,13 @@ def _raising_autograd_kernel(op: torch._ops.OpOverload, message: str, backend_ke
 # ---- numerics ------------------------------------------------------------------------------------
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
+KERNEL_FLOATS = (*LOW_PRECISION, torch.float32)
+
+
+def allowed_floats(tensor: torch.Tensor) -> tuple[torch.dtype, ...]:
+    """The float dtypes a matrix kernel's argument may have: the kernel's on npu; also float64 on the
+    CPU, the pre-check's float64 reference run."""
+    return KERNEL_FLOATS if tensor.device.type == "npu" else (*KERNEL_FLOATS, torch.float64)
 
 
 def npu_numerics(tensor: torch.Tensor) -> bool:

@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import is_fake
 from npukit.npu_backend.fused import (
     _LIBRARY,
     NAMESPACE,
+    allowed_floats,
     fused_op,
     register_autograd,
     register_no_derivative,
@@ -30,26 +31,20 @@ from npukit.npu_backend.fused import (
 # torch_npu's `int` dtype arguments take c10 ScalarType numbers (torch_npu's TORCH_DTYPE_MAP).
 _SCALAR_TYPE_BY_NUMBER = {5: torch.float16, 6: torch.float32, 15: torch.bfloat16}
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# A CPU tensor may also be float64: the pre-check's float64 reference run (npu tensors keep the kernel's dtypes).
-_REFERENCE_FLOAT_DTYPES = (*_FLOAT_DTYPES, torch.float64)
 # torch._grouped_mm wants every stride of its operands and result a multiple of 16 bytes.
 _ALIGNMENT_BYTES = 16
-
-
-def _fp32(tensor: torch.Tensor) -> torch.Tensor:
-    """An operand as the kernel computes it: fp16/bf16 (and mixed autocast inputs) in fp32; float64
-    (the CPU reference run) stays float64."""
-    return tensor if tensor.dtype in (torch.float32, torch.float64) else tensor.float()
 
 
 def _compute_operand(tensor: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     """A matmul operand in the kernel's compute dtype: floats in fp32 (mixed fp16/fp32 included),
     integer operands (npu_bmmV2 takes int32) as they are."""
-    return _fp32(tensor) if tensor.is_floating_point() or other.is_floating_point() else tensor
+    if tensor.is_floating_point():
+        return upcast(tensor)
+    return tensor.float() if other.is_floating_point() else tensor
 
 
 def _check_float(op: str, name: str, tensor: torch.Tensor) -> None:
-    if tensor.dtype not in (_FLOAT_DTYPES if tensor.device.type == "npu" else _REFERENCE_FLOAT_DTYPES):
+    if tensor.dtype not in allowed_floats(tensor):
         raise ValueError(f"{op}: {name} must be float16, bfloat16 or float32 on the emulator, got {tensor.dtype}")
 
 
@@ -231,10 +226,10 @@ def _split_m(x, weight, bias, offsets, split_item, out_dtype, counts):
         # fp32 copies of x and the weights (fp16 goes through fp32: its cast applies saturation)
         out = grouped_rows_matmul(x[0], stacked, offsets)
         return [out] if split_item in (2, 3) else _per_group(out, offsets, counts)
-    out = grouped_rows_matmul(_fp32(x[0]), _fp32(stacked), offsets)
+    out = grouped_rows_matmul(upcast(x[0]), upcast(stacked), offsets)
     if stacked_bias is not None:
         group, in_a_group = group_of_rows(offsets, out.shape[0])
-        out = out + _fp32(stacked_bias)[group] * in_a_group.unsqueeze(1)
+        out = out + upcast(stacked_bias)[group] * in_a_group.unsqueeze(1)
     out = out.to(out_dtype)
     if split_item in (2, 3):
         return [out]
@@ -268,7 +263,7 @@ def _split_k(x, weight, bias, offsets, split_item, out_dtype):
         raise ValueError(f"{_GMM}: group_type=2 (split K) takes no bias")
     if len(x) != 1 or len(weight) != 1 or x[0].dim() != 2 or weight[0].dim() != 2:
         raise ValueError(f"{_GMM}: group_type=2 takes one 2-D x [M, K] and one 2-D weight [K, N]")
-    out = grouped_reduce_matmul(_fp32(x[0]), _fp32(weight[0]), offsets).to(out_dtype)
+    out = grouped_reduce_matmul(upcast(x[0]), upcast(weight[0]), offsets).to(out_dtype)
     return [out] if split_item in (2, 3) else [part.clone() for part in out.unbind(0)]
 
 
@@ -283,9 +278,9 @@ def _per_list(x, weight, bias, split_item, out_dtype):
     for i, (x_i, weight_i) in enumerate(zip(x, weight)):
         if weight_i.dim() != 2:
             raise ValueError(f"{_GMM}: weight[{i}] must be 2-D [K, N] here, got {tuple(weight_i.shape)}")
-        y = torch.matmul(_fp32(x_i), _fp32(weight_i))
+        y = torch.matmul(upcast(x_i), upcast(weight_i))
         if bias:
-            y = y + _fp32(bias[i])
+            y = y + upcast(bias[i])
         outs.append(y.to(out_dtype))
     if split_item in (2, 3):
         if any(y.dim() != 2 for y in outs):

@@ -21,12 +21,17 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from npukit.npu_backend import _C
-from npukit.npu_backend.fused import fused_op, register_autograd, register_no_derivative, upcast
+from npukit.npu_backend.fused import (
+    allowed_floats,
+    compute_dtype,
+    fused_op,
+    register_autograd,
+    register_no_derivative,
+    upcast,
+)
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
-# A CPU tensor may also be float64: the pre-check's float64 reference run (npu tensors keep the kernel's dtypes).
-_REFERENCE_FLOAT_DTYPES = (*_FLOAT_DTYPES, torch.float64)
 
 
 def _check_dtype(op: str, name: str, tensor: torch.Tensor, allowed) -> None:
@@ -36,12 +41,7 @@ def _check_dtype(op: str, name: str, tensor: torch.Tensor, allowed) -> None:
 
 
 def _check_float(op: str, name: str, tensor: torch.Tensor) -> None:
-    _check_dtype(op, name, tensor, _FLOAT_DTYPES if tensor.device.type == "npu" else _REFERENCE_FLOAT_DTYPES)
-
-
-def _accumulation_dtype(tensor: torch.Tensor) -> torch.dtype:
-    """fp32, the kernel's; float64 for the float64 reference run."""
-    return torch.float64 if tensor.dtype == torch.float64 else torch.float32
+    _check_dtype(op, name, tensor, allowed_floats(tensor))
 
 
 def _check_dims(op: str, name: str, tensor: torch.Tensor, dims) -> None:
@@ -69,7 +69,7 @@ def _weighted_sum_of_rows(rows: torch.Tensor, index: torch.Tensor, weights: torc
     fp16/bf16 values are exact in fp32, so this is the kernel's fp32 arithmetic, without an fp32
     copy of the [N, K, H] gathered rows. (A loop over the K slots, K <= 8 in practice: the batched
     [1, K] @ [K, H] matmul runs one small matmul per token on the device and measured 2-3x slower.)"""
-    accumulation = _accumulation_dtype(rows)
+    accumulation = compute_dtype(rows.dtype)
     out = torch.zeros(index.shape[0], rows.shape[-1], device=rows.device, dtype=accumulation)
     weights32 = weights.to(accumulation)
     for slot in range(index.shape[1]):
@@ -79,9 +79,8 @@ def _weighted_sum_of_rows(rows: torch.Tensor, index: torch.Tensor, weights: torc
 
 def _row_dots(rows: torch.Tensor, index: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:
     """dots[i, k] = <rows[index[i, k]], vectors[i]> in fp32 (one slot at a time, as above)."""
-    accumulation = _accumulation_dtype(rows)
-    vectors32 = vectors.to(accumulation)
-    return torch.stack([rows.index_select(0, index[:, slot]).to(accumulation).mul_(vectors32).sum(-1)
+    vectors32 = upcast(vectors)
+    return torch.stack([rows.index_select(0, index[:, slot]).to(vectors32.dtype).mul_(vectors32).sum(-1)
                         for slot in range(index.shape[1])], dim=1)
 
 
