@@ -94,6 +94,8 @@ def run(
     monitor_every: int = typer.Option(1, "--monitor-every", help="With --monitor: every N steps (msprobe's step_interval)."),
     monitor_modules: Optional[str] = typer.Option(None, "--monitor-modules", metavar="PATTERN", help="With --monitor: only modules whose dotted path matches this regular expression."),
     monitor_config: Optional[Path] = typer.Option(None, "--monitor-config", help="With --monitor: msprobe monitor's config.json (step_interval, start_step, targets, format, AnomalyTurbulence)."),
+    monitor_checkpoint_every: Optional[int] = typer.Option(None, "--monitor-checkpoint-every", metavar="K", help="With --monitor: every K steps record the state at the step's start (weights, optimizer state, random generators; as --replay-step records it) into DIR/checkpoints/step-N, where npu-compare --trend --localize starts its golden re-run. Every checkpoint is kept."),
+    fast_forward: Optional[Path] = typer.Option(None, "--fast-forward", metavar="DIR", help="DIR is a recorded --replay folder or a monitor checkpoint of step N's start: steps 0 to N-1 run the script's loop with the model's matrix products, convolutions, attention and optimizer updates skipped (zero-filled), and step N's start loads DIR's state, so the run is exact from step N on."),
 ) -> None:
     from npukit.run import RunOptions, main
 
@@ -108,6 +110,7 @@ def run(
         overflow_underflow=overflow_underflow,
         profile=profile, profile_steps=profile_steps,
         monitor=monitor, monitor_every=monitor_every, monitor_modules=monitor_modules, monitor_config=monitor_config,
+        monitor_checkpoint_every=monitor_checkpoint_every, fast_forward=fast_forward,
     )
     raise typer.Exit(main(options))
 

@@ -69,6 +69,8 @@ class RunOptions:
     monitor_every: int = 1
     monitor_modules: str | None = None  # a regular expression module paths must contain
     monitor_config: Path | None = None  # msprobe monitor's config.json
+    monitor_checkpoint_every: int | None = None  # record the state at every K-th step's start (step_checkpoints.py)
+    fast_forward: Path | None = None  # a recorded step's state: skip the heavy compute until it, load it (fast_forward.py)
 
 
 def real_torch_npu_installed() -> bool:
@@ -299,6 +301,10 @@ def _enter_sessions(options: RunOptions, stack: contextlib.ExitStack, sessions: 
         from npukit.accuracy.perturb import PerturbSession
 
         sessions.append(stack.enter_context(PerturbSession(options.golden_perturb, seed=options.perturb_seed)))
+    if options.fast_forward is not None:  # before --replay: the state it loads at step N is there when --replay records
+        from npukit.accuracy.fast_forward import FastForwardSession
+
+        sessions.append(stack.enter_context(FastForwardSession(options.fast_forward)))
     if options.replay is not None:
         from npukit.accuracy.replay import ReplaySession
 
@@ -333,6 +339,12 @@ def _enter_sessions(options: RunOptions, stack: contextlib.ExitStack, sessions: 
         from npukit.accuracy.monitor import MonitorSession
 
         sessions.append(stack.enter_context(MonitorSession(**_monitor_options(options))))
+    if options.monitor_checkpoint_every is not None:
+        if options.monitor is None:
+            raise UserError("--monitor-checkpoint-every goes with --monitor DIR (the checkpoints go into DIR/checkpoints)")
+        from npukit.accuracy.step_checkpoints import StepCheckpoints
+
+        sessions.append(stack.enter_context(StepCheckpoints(options.monitor, options.monitor_checkpoint_every)))
     if options.profile is not None:
         from npukit.profiler.record import ProfileSession
 

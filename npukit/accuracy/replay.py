@@ -95,10 +95,11 @@ def _rank() -> int | None:
 class ReplaySession:
     """Record (first run) or replay (second run) initial weights and first batches in `directory`."""
 
-    def __init__(self, directory: Path, batches: int = 4, start_step: int = 0) -> None:
+    def __init__(self, directory: Path, batches: int = 4, start_step: int | None = 0) -> None:
+        """start_step None: replay `directory` at the step it was recorded at (a monitor's checkpoint)."""
         if batches < 0:
             raise UserError("--replay: the number of batches must be >= 0")
-        if start_step < 0:
+        if start_step is not None and start_step < 0:
             raise UserError(f"--replay-step: a step number is >= 0, not {start_step}")
         root = Path(directory)
         if root.exists() and not root.is_dir():
@@ -112,9 +113,12 @@ class ReplaySession:
         if not self.replaying:
             check_output_location(root, "--replay")
             self._check_layout(root)
-        self._manifest = self._load_manifest() if self.replaying else {
-            "version": _FORMAT_VERSION, "modules": [], "forward_inputs": [], "batches": [],
-        }
+        if start_step is None and not self.replaying:
+            raise UserError(f"{self.directory / MANIFEST}: no such file (a recorded replay folder or monitor "
+                            "checkpoint holds one)")
+        self._manifest = self._load_manifest() if self.replaying else _new_manifest(start_step)
+        if start_step is None:
+            start_step = self._manifest.get("start_step", 0)
         self.replayed_generators = False
         self._roots: dict[int, int] = {}  # id(module) -> index in manifest["modules"]
         self._root_refs: list = []  # keep ids stable while the session runs
@@ -139,18 +143,13 @@ class ReplaySession:
             if recorded != start_step:
                 raise UserError(f"--replay: {self.directory} was recorded at the start of step {recorded}; "
                                 f"replay it with --replay-step {recorded}, or record another directory")
-        else:
-            self._manifest["start_step"] = start_step
-            self._manifest["optimizers"] = []
 
     # ---------------------------------------------------------------- lifecycle
     def __enter__(self) -> ReplaySession:
         from torch.nn.modules import module as module_hooks
 
         if not self.replaying:
-            refuse_links_inside(self.root_directory, "--replay", depth=2)
-            rank = () if self.rank is None else (f"rank{self.rank}",)
-            output_folder(self.root_directory, *rank, "tensors")
+            self._prepare_output()
         if self.start_step:
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -168,7 +167,12 @@ class ReplaySession:
         self._patch_dataloader()
         return self
 
-    def __exit__(self, exc_type, *exc_info) -> None:
+    def _prepare_output(self) -> None:
+        refuse_links_inside(self.root_directory, "--replay", depth=2)
+        rank = () if self.rank is None else (f"rank{self.rank}",)
+        output_folder(self.root_directory, *rank, "tensors")
+
+    def _remove_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -178,6 +182,9 @@ class ReplaySession:
             self._step_watch.remove()
             self._optimizer_hook.remove()
             self._step_watch = self._optimizer_hook = None
+
+    def __exit__(self, exc_type, *exc_info) -> None:
+        self._remove_hooks()
         if not self._active and exc_type is None:
             raise UserError(f"--replay-step {self.start_step}: the run ended after {self._steps_ended} training "
                             f"step(s), before step {self.start_step} started: nothing was "
@@ -197,6 +204,11 @@ class ReplaySession:
         if self._active or self._steps_ended != self.start_step:
             return
         self._active = True
+        self._step_state()
+
+    def _step_state(self) -> None:
+        """Record (into the manifest) or load the state a step starts from: every root module's,
+        every optimizer's and the global generators'."""
         with torch._C.DisableTorchFunction(), torch.no_grad():
             for index, module in enumerate(self._root_refs):  # (in the order _roots numbered them)
                 if self.replaying:
@@ -333,15 +345,8 @@ class ReplaySession:
             )
 
     def _load_manifest(self) -> dict:
-        # Every file the manifest names must lie inside the replay folder (no .., absolute names or
-        # symlinks leading out): weights are never loaded from elsewhere.
         self._contained = ContainedPaths(self.root_directory)
-        path = self._contained.resolve(self.directory / MANIFEST, self.directory / MANIFEST)
-        manifest = load_json(path)
-        if not isinstance(manifest, dict) or manifest.get("version") != _FORMAT_VERSION:
-            raise UserError(f"{path}: not a replay manifest of format version {_FORMAT_VERSION}")
-        _check_manifest(manifest, path)
-        return manifest
+        return load_manifest(self._contained, self.directory / MANIFEST)
 
     # ---------------------------------------------------------------- module hooks
     def _on_pre_forward(self, module, args):
@@ -557,6 +562,23 @@ class ReplaySession:
                 raise UserError(f"replay: {what} has different keys than recorded in {self.directory}")
             return type(live)((key, self._replace(item, items[str(key)], what, inputs)) for key, item in live.items())
         return live
+
+
+def load_manifest(contained: ContainedPaths, path: Path) -> dict:
+    """A recorded replay.json, checked field by field (a UserError names the file). Every file the
+    manifest names must lie inside the replay folder (no .., absolute names or symlinks leading
+    out): weights are never loaded from elsewhere."""
+    path = contained.resolve(path, path)
+    manifest = load_json(path)
+    if not isinstance(manifest, dict) or manifest.get("version") != _FORMAT_VERSION:
+        raise UserError(f"{path}: not a replay manifest of format version {_FORMAT_VERSION}")
+    _check_manifest(manifest, path)
+    return manifest
+
+
+def _new_manifest(start_step: int) -> dict:
+    return {"version": _FORMAT_VERSION, "modules": [], "forward_inputs": [], "batches": [], "start_step": start_step,
+            "optimizers": []}
 
 
 def _distributed_tensor(tensor):
