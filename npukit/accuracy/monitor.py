@@ -223,15 +223,20 @@ class MonitorSession:
 
     # ------------------------------------------------------------------ recording
     def _new_step(self) -> None:
+        self._npu_in_host_memory = npu_in_host_memory()  # asked once a step, not in each hook
         self._buffer = StatsBuffer()
         self._step = _StepRecord(self.step_index)
 
     def _monitored(self) -> bool:
         """The step being recorded is monitored (or, with several optimizers, the one whose end waits
         for the other optimizers' steps)."""
+        if not self._active:
+            return False
+        step = self.step_index - self.start_step  # _is_monitored, inline: asked in every hook
+        if step >= 0 and step % self.every == 0:
+            return True
         ending = self._ending
-        return self._active and (self._is_monitored(self.step_index)
-                                 or (ending is not None and self._is_monitored(ending[0].step)))
+        return ending is not None and self._is_monitored(ending[0].step)
 
     def _is_monitored(self, step: int) -> bool:
         step -= self.start_step
@@ -256,7 +261,7 @@ class MonitorSession:
             # hooks run cache-cold: a plain float host tensor is measured in one call (host_stats),
             # its fields read in C++, and its statistics are the slot themselves (nothing to fetch);
             # any other tensor is asked what it is first
-            slot = host_stats(tensor, npu_in_host_memory())
+            slot = host_stats(tensor, self._npu_in_host_memory)
             if slot is None:
                 if not tensor.is_floating_point() or tensor.numel() == 0:
                     return
@@ -285,14 +290,18 @@ class MonitorSession:
         _, path, kept = named
         if not kept:
             return
-        calls = self._step.calls.get(path, 0)
-        self._step.calls[path] = calls + 1
+        record = self._step
+        calls = record.calls.get(path, 0)
+        record.calls[path] = calls + 1
         if self._many_ranks:
             self._watch_local_gradients(module, path)
-        outputs = [t for t in tensors_in(output) if t.is_floating_point()]
+        if type(output) is torch.Tensor:  # most modules: one plain tensor, no nested walk
+            outputs = [output] if output.is_floating_point() else []
+        else:
+            outputs = [t for t in tensors_in(output) if t.is_floating_point()]
         for index, tensor in enumerate(outputs):
             leaf = _Leaf(path, calls, "" if len(outputs) == 1 else f".{index}")
-            self._step.leaves.append(leaf)
+            record.leaves.append(leaf)
             self._add("activation", leaf, tensor)
             if tensor.requires_grad:  # grad mode is on: checked above
                 self._watch_activation_grad(tensor, leaf)
@@ -344,7 +353,9 @@ class MonitorSession:
     def _on_backward(self, tensor) -> None:
         record = self._step
         if record.loss_slot is None and self._monitored() and tensor.numel() == 1 and tensor.is_floating_point():
-            record.loss_slot = self._buffer.add(tensor.detach().reshape(()))
+            # one element: its statistics are its value's, whatever its shape (host_stats reads it in place)
+            stats = host_stats(tensor, self._npu_in_host_memory)
+            record.loss_slot = stats if stats is not None else self._buffer.add(tensor.detach().reshape(()))
             record.used = True
 
     def _parameter_name(self, parameter, group: int, index: int) -> tuple[str, str]:
