@@ -194,7 +194,7 @@ def run_trend_command(golden: Path, npu: Path, perturbed: list[Path] | None, csv
         from npukit.accuracy.localize import localize as localize_departure
 
         code = localize_departure(result.first(), localize.command, localize.work, console, localize.max_runs, top,
-                                  workers)
+                                  workers, golden)  # the golden monitor: its checkpoints
         if code == 0:  # (exit 0 would tell a script the NPU run trains as the golden one does)
             console.print(f"localize: step {result.first().first_step}, computed from the golden state, shows no "
                           "divergence of its own; the trend divergence above stands (exit 1): it built up over "

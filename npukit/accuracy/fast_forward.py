@@ -94,6 +94,9 @@ class FastForwardSession:
         finally:
             self._replay.__exit__(exc_type, exc, tb)  # a run that ended before step N: says so
 
+    def mark_run_failed(self) -> None:
+        self._replay.mark_run_failed()
+
     def skips(self, func) -> bool:
         return self.skipping and (self._in_optimizer > 0 or func.overloadpacket.__name__ in SKIPPED_OPS)
 

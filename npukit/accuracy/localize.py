@@ -16,10 +16,18 @@ changed outside the dumped ops. Both stop once step S ended (`--stop-after-step 
 the run is not needed. The compare of the two dumps names the op; the fix finder re-runs the NPU
 command (with the same replay and step) with each candidate, so the fix it proves is proved on
 step S from the golden state.
+
+The steps before S are fast-forwarded (`--fast-forward`, fast_forward.py: the script's loop runs, its
+heavy ops skipped): the NPU re-run to S, where it loads the golden state anyway; the golden re-run to
+the golden monitor's latest checkpoint at or before S (`--monitor-checkpoint-every`,
+step_checkpoints.py), from which it computes to S; without one it computes from the beginning. A
+fast-forwarded re-run that fails (the script failed on the zeros, or ended before the step) is said
+once and made again from the beginning, every step computed.
 """
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -30,13 +38,17 @@ from npukit.launch_options import option_spans
 _REPLACED = ("--dump", "--dump-mode", "--dump-level", "--dump-steps", "--dump-scope", "--dump-list", "--dump-config",
              "--dump-tensor-format", "--replay", "--replay-step", "--stop-after-step", "--precision-fix",
              "--monitor", "--monitor-dir", "--monitor-every", "--monitor-modules", "--monitor-config",
+             "--monitor-checkpoint-every", "--fast-forward",
              "--golden", "--golden-perturb", "--perturb-seed", "--profile", "--profile-steps", "--detect-overflow", "--overflow-action",
              "--overflow-max", "--overflow-dir", "--overflow-level", "--overflow-underflow")
 
 
-def rerun_commands(command: list[str], step: int, work: Path) -> tuple[list[str], list[str]]:
+def rerun_commands(command: list[str], step: int, work: Path, golden_from: Path | None = None,
+                   npu_fast_forward: bool = False) -> tuple[list[str], list[str]]:
     """(the golden re-run, the NPU re-run) of the user's npu-run command to `step`, dumping that step
-    into work/golden and work/npu."""
+    into work/golden and work/npu. golden_from: a golden monitor's checkpoint the golden re-run
+    fast-forwards to and starts computing from; npu_fast_forward: the NPU re-run fast-forwards to
+    `step` (where it loads the golden state anyway)."""
     from npukit.accuracy.fix_finder import npu_run_launcher
 
     launcher, arguments = npu_run_launcher(command, "--localize")
@@ -46,35 +58,86 @@ def rerun_commands(command: list[str], step: int, work: Path) -> tuple[list[str]
     kept = [token for option in options if option[0].split("=", 1)[0] not in _REPLACED for token in option]
     common = ["--replay", str(work / "replay"), "--replay-step", str(step), "--dump-mode", "tensor",
               "--dump-steps", str(step), "--stop-after-step", str(step)]
-    golden = [*launcher, *kept, "--golden", *common, "--dump", str(work / "golden"), *script]
-    npu = [*launcher, *kept, *common, "--dump", str(work / "npu"), *script]
+    golden_start = ["--fast-forward", str(golden_from)] if golden_from is not None else []
+    npu_start = ["--fast-forward", str(work / "replay")] if npu_fast_forward else []
+    golden = [*launcher, *kept, "--golden", *golden_start, *common, "--dump", str(work / "golden"), *script]
+    npu = [*launcher, *kept, *npu_start, *common, "--dump", str(work / "npu"), *script]
     return golden, npu
 
 
 def run_rerun(command: list[str], what: str) -> None:
+    failure = try_rerun(command)
+    if failure is not None:
+        raise UserError(f"--localize: the {what} re-run failed {failure}")
+
+
+def try_rerun(command: list[str]) -> str | None:
+    """None when the re-run succeeded, else what failed: its exit code, command and last lines."""
     completed = subprocess.run(command, capture_output=True, text=True)
-    if completed.returncode != 0:
-        tail = "\n".join(completed.stderr.strip().splitlines()[-6:]) or "(no output)"
-        raise UserError(f"--localize: the {what} re-run failed (exit {completed.returncode}):\n  "
-                        f"{' '.join(command)}\n{tail}")
+    if completed.returncode == 0:
+        return None
+    tail = "\n".join(completed.stderr.strip().splitlines()[-6:]) or "(no output)"
+    return f"(exit {completed.returncode}):\n  {' '.join(command)}\n{tail}"
+
+
+def fast_forwarded_rerun(fast: list[str], full: list[str], what: str, console, outputs: list[Path],
+                         checkpoint: Path | None = None) -> list[str]:
+    """Run `fast` (a fast-forwarding re-run); when it fails (the script failed on the skipped steps'
+    zeros, or ended before the step), say so once, remove what it wrote and run `full` instead.
+    A failure that names `checkpoint` is the checkpoint's (another script's, unreadable): an error.
+    Returns the command that ran."""
+    failure = try_rerun(fast)
+    if failure is None:
+        return fast
+    if checkpoint is not None and str(checkpoint) in failure:
+        raise UserError(f"--localize: the golden monitor's checkpoint {checkpoint} does not fit this run "
+                        f"{failure}")
+    exit_code, *lines = failure.splitlines()
+    # the script's error (a traceback's last line, npu-run's error), not the notes npukit's readers add after it
+    reason = next((line.strip() for line in reversed(lines) if line.strip() and not line.startswith("npukit")), "")
+    console.print(f"localize: the fast-forwarded {what} re-run failed {exit_code.rstrip(':')} ({reason}): "
+                  "re-running it from the script's beginning, every step computed")
+    for output in outputs:
+        shutil.rmtree(output, ignore_errors=True)
+    run_rerun(full, what)
+    return full
 
 
 def localize(departure, command: list[str], work: Path, console, find_fix_runs: int, top: int,
-             workers: int | None) -> int:
-    """Re-run both sides at the departure's step, compare, find the fix. The compare's exit code."""
+             workers: int | None, golden_monitor: Path | None = None) -> int:
+    """Re-run both sides at the departure's step, compare, find the fix. The compare's exit code.
+    golden_monitor: the golden run's monitor folder, whose checkpoints (--monitor-checkpoint-every)
+    the golden re-run starts from."""
     from npukit.accuracy.cli_compare import FindFixOptions, run_compare
+    from npukit.accuracy.step_checkpoints import latest_checkpoint
 
     if work.exists() and any(work.iterdir()):
         raise UserError(f"--localize-dir: {work} is not empty (it holds an earlier localization): "
                         "remove it or name another")
-    work.mkdir(parents=True, exist_ok=True)
     step = departure.first_step
-    golden, npu = rerun_commands(command, step, work)
+    checkpoint = latest_checkpoint(golden_monitor, step) if golden_monitor is not None else None
+    work.mkdir(parents=True, exist_ok=True)
+    golden_full, npu_full = rerun_commands(command, step, work)
+    golden_fast, npu_fast = rerun_commands(command, step, work, checkpoint[1] if checkpoint else None, True)
     where = f"step {step} (where {departure.module()} departs)"
-    console.print(f"localize: re-running the golden run to {where} (its state at the step's start recorded)")
-    run_rerun(golden, "golden")
-    console.print(f"localize: re-running the NPU run to {where}, from the golden state at the step's start")
-    run_rerun(npu, "NPU")
+    if checkpoint is None:
+        console.print(f"localize: re-running the golden run to {where}, steps 0-{step} computed (its monitor "
+                      "wrote no checkpoint at or before the step: npu-run --monitor-checkpoint-every); its state "
+                      "at the step's start recorded")
+        run_rerun(golden_full, "golden")
+    else:
+        start, folder = checkpoint
+        console.print(f"localize: re-running the golden run to {where} from its monitor's checkpoint {folder}: "
+                      f"steps {_steps(0, start - 1)} fast-forwarded, steps {start}-{step} computed; its state at "
+                      "the step's start recorded")
+        fast_forwarded_rerun(golden_fast, golden_full, "golden", console, [work / "golden", work / "replay"], folder)
+    console.print(f"localize: re-running the NPU run to {where}: steps {_steps(0, step - 1)} fast-forwarded, "
+                  f"step {step} computed from the golden state at its start")
+    npu = fast_forwarded_rerun(npu_fast, npu_full, "NPU", console, [work / "npu"])
     fix = FindFixOptions(npu, max_runs=find_fix_runs, work=work / "find-fix", json_path=work / "find-fix.json")
     return run_compare(work / "golden", work / "npu", None, work / "compare.json", work / "compare.html", top, [],
                        workers, console, find_fix=fix)
+
+
+def _steps(first: int, last: int) -> str:
+    return "none" if last < first else f"{first}-{last}"

@@ -138,6 +138,7 @@ class ReplaySession:
         self._optimizers: list = []  # weak references, in the order they first stepped
         self._step_watch = None
         self._optimizer_hook = None
+        self._run_failed = False
         if self.replaying:
             recorded = self._manifest.get("start_step", 0)
             if recorded != start_step:
@@ -172,7 +173,7 @@ class ReplaySession:
         rank = () if self.rank is None else (f"rank{self.rank}",)
         output_folder(self.root_directory, *rank, "tensors")
 
-    def _remove_hooks(self) -> None:
+    def remove_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -183,8 +184,15 @@ class ReplaySession:
             self._optimizer_hook.remove()
             self._step_watch = self._optimizer_hook = None
 
+    def mark_run_failed(self) -> None:
+        """The script failed (npu-run calls it before the sessions exit): its own error says why, not
+        that step N never started, and a recording that never started is not written."""
+        self._run_failed = True
+
     def __exit__(self, exc_type, *exc_info) -> None:
-        self._remove_hooks()
+        self.remove_hooks()
+        if not self._active and self._run_failed:
+            return
         if not self._active and exc_type is None:
             raise UserError(f"--replay-step {self.start_step}: the run ended after {self._steps_ended} training "
                             f"step(s), before step {self.start_step} started: nothing was "

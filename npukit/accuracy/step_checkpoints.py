@@ -95,7 +95,7 @@ class StepCheckpoints(ReplaySession):
         self.bytes_written += sum(path.stat().st_size for path in self.directory.rglob("*") if path.is_file())
 
     def __exit__(self, exc_type, *exc_info) -> None:
-        self._remove_hooks()
+        self.remove_hooks()
         if self.written:
             size = self.bytes_written / len(self.written)
             size = f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 2**10:.0f} KiB"

@@ -328,3 +328,115 @@ def test_localize_a_script_without_an_optimizer(tmp_path):
     assert (named["entry"], named["module_path"]) == ("Functional.linear.0.forward", "embed")
     fix = json.loads((tmp_path / "loc" / "find-fix.json").read_text())["fix"]
     assert [(change["kind"], change["api"], change["module"]) for change in fix] == [("fp32", "Functional.linear", "embed")]
+
+
+def test_the_reruns_fast_forward_from_the_checkpoint_and_the_golden_state(tmp_path):
+    command = ["npu-run", "--monitor", "mon/npu", "--monitor-checkpoint-every", "5", "--fast-forward", "old",
+               "train.py"]
+    golden, npu = rerun_commands(command, 40, tmp_path, tmp_path / "mon" / "checkpoints" / "step-35", True)
+    for rerun in (golden, npu):
+        options = rerun[rerun.index("npukit.run") + 1:rerun.index("train.py")]
+        assert "--monitor-checkpoint-every" not in options and "old" not in options
+        assert options.count("--fast-forward") == 1
+    assert golden[golden.index("--fast-forward") + 1] == str(tmp_path / "mon" / "checkpoints" / "step-35")
+    assert npu[npu.index("--fast-forward") + 1] == npu[npu.index("--replay") + 1] == str(tmp_path / "replay")
+    full_golden, full_npu = rerun_commands(command, 40, tmp_path)
+    assert "--fast-forward" not in full_golden + full_npu
+
+
+class Printed:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def print(self, text: str) -> None:
+        self.lines.append(text)
+
+
+def same_dumps(first: Path, second: Path) -> list[str]:
+    """The tensor files two dumps do not share with equal values (NaN equal to NaN)."""
+    import torch
+
+    names = sorted(str(path.relative_to(first)) for path in first.rglob("*.pt"))
+    assert names and names == sorted(str(path.relative_to(second)) for path in second.rglob("*.pt"))
+    differ = []
+    for name in names:
+        one, other = torch.load(first / name), torch.load(second / name)
+        if not (one.dtype == other.dtype and one.shape == other.shape
+                and torch.equal(one.isnan(), other.isnan()) and torch.equal(one.nan_to_num(), other.nan_to_num())):
+            differ.append(name)
+    return differ
+
+
+@pytest.mark.slow  # (a script that asserts on its loss: three re-runs, ~30 s)
+def test_a_script_failing_on_the_fast_forwards_zeros_is_re_run_from_its_beginning(tmp_path, monkeypatch):
+    from npukit.accuracy.localize import fast_forwarded_rerun, run_rerun
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(TRAIN.replace("    loss.backward()\n",
+                                                     "    assert loss.item() > 0, 'a zero loss'\n    loss.backward()\n"))
+    command = [sys.executable, "-m", "npukit.run", "train.py", "0"]
+    golden, npu_full = rerun_commands(command, 3, tmp_path / "loc")
+    _, npu_fast = rerun_commands(command, 3, tmp_path / "loc", None, True)
+    run_rerun(golden, "golden")
+    console = Printed()
+    assert fast_forwarded_rerun(npu_fast, npu_full, "NPU", console, [tmp_path / "loc" / "npu"]) == npu_full
+    assert console.lines == ["localize: the fast-forwarded NPU re-run failed (exit 1) (AssertionError: a zero "
+                             "loss): re-running it from the script's beginning, every step computed"]
+    assert [path.name for path in (tmp_path / "loc" / "npu").iterdir()] == ["step3"]
+    assert same_dumps(tmp_path / "loc" / "golden", tmp_path / "loc" / "npu") == []  # fp32: the NPU computes as golden
+
+
+@pytest.mark.slow  # (two runs, ~20 s)
+def test_a_checkpoint_of_another_script_is_an_error_naming_it(tmp_path, monkeypatch):
+    from npukit.accuracy.localize import fast_forwarded_rerun
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "other.py").write_text(TRAIN.replace("nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))",
+                                                     "nn.Sequential(nn.Linear(8, 1))"))
+    run = npu_run("--golden", "--monitor", "mon", "--monitor-checkpoint-every", "2", "other.py", "0", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    (tmp_path / "train.py").write_text(TRAIN)
+    checkpoint = Path("mon") / "checkpoints" / "step-2"
+    golden_fast, golden_full = (rerun_commands([sys.executable, "-m", "npukit.run", "train.py", "0"], 3, Path("loc"),
+                                               *start)[0] for start in ((checkpoint,), ()))
+    with pytest.raises(UserError, match=r"checkpoint mon/checkpoints/step-2 does not fit this run(.|\n)*replay: "
+                                        r"mon/checkpoints/step-2 has no saved value for Sequential.2.bias"):
+        fast_forwarded_rerun(golden_fast, golden_full, "golden", Printed(), [Path("loc")], checkpoint)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # three monitored runs, the re-runs from the checkpoint and the full ones (~70 s quiet)
+def test_localize_from_the_golden_monitors_checkpoint_dumps_what_the_full_reruns_dump(tmp_path):
+    """The golden monitor wrote checkpoints every 5 steps: --localize of the departure at step 19 starts
+    the golden re-run from step 15's (steps 0-14 fast-forwarded) and fast-forwards the NPU re-run to
+    step 19; both dump step 19 tensor for tensor as the re-runs from the script's beginning do, and
+    the compare names embed's linear as it does from those."""
+    import json
+
+    (tmp_path / "train.py").write_text(ELAPSED_TIME)
+    script = ["train.py", "25", "3500"]
+    for options in (["--golden", "--monitor", "golden", "--monitor-checkpoint-every", "5"],
+                    ["--golden-perturb", "fp16", "--monitor", "perturbed"], ["--monitor", "npu"]):
+        run = npu_run(*options, *script, cwd=tmp_path)
+        assert run.returncode == 0, run.stderr
+        if "golden" in options:  # steps 5, 10, 15, 20 and 25 (the trained weights)
+            assert "5 checkpoint(s) of the state at a step's start" in run.stderr
+    command = [sys.executable, "-m", "npukit.run", "--monitor", "npu", *script]
+    localized = subprocess.run([sys.executable, "-c", "from npukit.cli import compare_main; compare_main()",
+                                "--trend", "golden", "npu", "--perturbed", "perturbed", "--localize", "--localize-dir",
+                                "loc", "--", *command], cwd=tmp_path, capture_output=True, text=True, timeout=900,
+                               env={**os.environ, "COLUMNS": "400"})
+    assert localized.returncode == 1, localized.stdout + localized.stderr
+    said = " ".join(localized.stdout.split())
+    assert ("re-running the golden run to step 19 (where embed departs) from its monitor's checkpoint "
+            "golden/checkpoints/step-15: steps 0-14 fast-forwarded, steps 15-19 computed") in said
+    assert "re-running the NPU run to step 19 (where embed departs): steps 0-18 fast-forwarded" in said
+    assert "could not fast-forward" not in said and "failed" not in said
+    named = json.loads((tmp_path / "loc" / "compare.json").read_text())["pairs"][0]["first_divergence"]
+    assert (named["entry"], named["module_path"]) == ("Functional.linear.0.forward", "embed")
+
+    for rerun in rerun_commands(command, 19, tmp_path / "full"):  # from the script's beginning, every step computed
+        completed = subprocess.run(rerun, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert completed.returncode == 0, completed.stderr
+    for side in ("golden", "npu"):
+        assert same_dumps(tmp_path / "loc" / side, tmp_path / "full" / side) == []

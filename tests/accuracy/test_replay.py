@@ -195,6 +195,17 @@ def test_replay_step_mismatch_and_a_run_too_short_are_clear_errors(tmp_path):
     assert not (tmp_path / "short" / "replay.json").exists()
 
 
+def test_a_run_whose_script_failed_before_the_step_keeps_the_scripts_error(tmp_path):
+    """npu-run tells the sessions the script failed (its traceback printed): the replay adds no error of
+    its own that the step never started, and records nothing."""
+    with ReplaySession(tmp_path, start_step=9) as session:
+        session.mark_run_failed()
+    assert not (tmp_path / "replay.json").exists()
+    with pytest.raises(UserError, match="--replay-step 9: the run ended after 0 training step"):
+        with ReplaySession(tmp_path, start_step=9):
+            pass
+
+
 def training_by_hand(seed, replay_dir, start_step, steps=5):
     """No optimizer: SGD written out (p -= lr * p.grad), a BatchNorm (its running statistics are
     buffers), a shuffled DataLoader and an evaluation forward (no gradients) after each update:
