@@ -44,7 +44,7 @@ from npukit.accuracy.event_file import ScalarEventFile, SummaryLayout
 from npukit.accuracy.monitor_alerts import Alert, AlertRules, Alerts, Record
 from npukit.errors import UserError
 from npukit.files import check_output_location, output_folder, refuse_links_inside
-from npukit.watch._tensor_stats import adam_host_stats, csv_rows, host_stats
+from npukit.watch._tensor_stats import adam_host_stats, csv_rows, host_stats, record_host_stats
 from npukit.watch.hook_guard import hook_failed
 from npukit.watch.module_hooks import ModuleHooks
 from npukit.watch.process import npu_in_host_memory, rank_from_env
@@ -253,19 +253,20 @@ class MonitorSession:
         # add hands one gradient to both branches) is measured once, unless changed in place since.
         # By identity, not by address: a freed tensor's memory is reused within the step.
         record = self._step
+        # hooks run cache-cold: a plain float host tensor is looked up, measured and recorded in one
+        # C++ call, its fields read there, its statistics the slot themselves (nothing to fetch); any
+        # other tensor (another device or dtype, nan/inf) is asked what it is first, below
+        if record_host_stats(record.measured, record.slots, kind, name, tensor, self._npu_in_host_memory):
+            record.used = True
+            return
         key, version = id(tensor), tensor._version
         seen = record.measured.get(key)
         if seen is not None and seen[0]() is tensor and seen[1] == version:
             slot = seen[2]
         else:
-            # hooks run cache-cold: a plain float host tensor is measured in one call (host_stats),
-            # its fields read in C++, and its statistics are the slot themselves (nothing to fetch);
-            # any other tensor is asked what it is first
-            slot = host_stats(tensor, self._npu_in_host_memory)
-            if slot is None:
-                if not tensor.is_floating_point() or tensor.numel() == 0:
-                    return
-                slot = self._buffer.add(tensor)
+            if not tensor.is_floating_point() or tensor.numel() == 0:
+                return
+            slot = self._buffer.add(tensor)
             record.measured[key] = (weakref.ref(tensor), version, slot)
         record.used = True
         record.slots.append((kind, name, tensor.dtype, slot))

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from npukit.watch._tensor_stats import host_stats
+from npukit.watch._tensor_stats import host_stats, record_host_stats
 from npukit.watch.tensor_stats import tensor_stats
 
 pytestmark = pytest.mark.usefixtures("npu")
@@ -58,3 +58,37 @@ def test_it_steps_aside_for_what_it_does_not_measure():
     assert host_stats(npu, True) == tensor_stats(plain)
     # the general path still counts the nan
     assert tensor_stats(with_nan)[4] == 1.0
+
+
+def test_record_host_stats_measures_a_tensor_once_per_version_and_steps_aside_like_host_stats():
+    """The monitor's _add in one C++ call: the slot it appends is (kind, name, dtype, host_stats' values);
+    the same tensor at the same version takes the values found in `measured` (not measured again), a
+    write that bumps its version is measured anew; what host_stats steps aside for changes nothing."""
+    measured, slots = {}, []
+    tensor = torch.randn(4, 6, device="npu")
+    first = host_stats(tensor, True)
+    assert record_host_stats(measured, slots, "activation", "fc1", tensor, True) is True
+    assert slots == [("activation", "fc1", torch.float32, first)]
+    reference, version, values = measured[id(tensor)]
+    assert reference() is tensor and version == tensor._version and values == first
+
+    tensor.data.mul_(2)  # through .data: the tensor's version stays, so its recorded values are taken
+    assert record_host_stats(measured, slots, "activation_grad", "fc2", tensor, True) is True
+    assert slots[-1] == ("activation_grad", "fc2", torch.float32, first) and slots[-1][3] is values
+
+    with torch.no_grad():
+        tensor.mul_(2)  # a write the version counter sees: measured again
+    assert record_host_stats(measured, slots, "grad", "w", tensor, True) is True
+    assert slots[-1][3] == host_stats(tensor, True) and slots[-1][3][0] == pytest.approx(4 * first[0])
+
+    with_nan = torch.tensor([1.0, math.nan], device="npu")
+    with torch.inference_mode():
+        inference = torch.randn(3, device="npu")  # no version counter
+    for what, other in {"nan": with_nan, "integer": torch.arange(3, device="npu"), "inference": inference,
+                        "half": tensor.half()}.items():
+        before = (dict(measured), list(slots))
+        recorded = record_host_stats(measured, slots, "activation", what, other, True)
+        if what == "half":  # fp16 is measured too, under its own dtype
+            assert recorded is True and slots[-1][2] == torch.float16
+            continue
+        assert recorded is False and (measured, slots) == before, what

@@ -6,9 +6,10 @@
  * data_ptr, shape, stride, numel: each a different getter) cost ~30 us there, more than the
  * statistics of a small tensor. The kernels are stats.cpp's (stats_kernels.h).
  *
- * Also here: adam_host_stats, the monitor's statistics of Adam's state, and csv_rows, its monitor.csv
- * rows of a step with each float's Python repr.
+ * Also here: record_host_stats, the monitor's _add in one call; adam_host_stats, the monitor's statistics
+ * of Adam's state; and csv_rows, its monitor.csv rows of a step with each float's Python repr.
  */
+#include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <charconv>
@@ -27,10 +28,7 @@ static bool strided_in_host_memory(const at::Tensor &tensor, int npu_in_host_mem
 /* [max, min, mean, norm, 0.0, 0.0] (tensor_stats' values), or None when the fast path does not
  * apply: a subclass, a sparse, nested or empty tensor, another device or dtype, a layout the
  * strided walk cannot take, or a nan/inf (whose counts torch's reductions give). */
-static PyObject *py_host_stats(PyObject *self, PyObject *args) {
-    PyObject *object;
-    int npu_in_host_memory;
-    if (!PyArg_ParseTuple(args, "Op", &object, &npu_in_host_memory)) return NULL;
+static PyObject *host_stats_of(PyObject *object, int npu_in_host_memory) {
     if (!THPVariable_CheckExact(object)) Py_RETURN_NONE;  // torch.Tensor or Parameter, no subclass
     const at::Tensor &tensor = THPVariable_Unpack(object);
     if (!strided_in_host_memory(tensor, npu_in_host_memory)) Py_RETURN_NONE;
@@ -54,6 +52,79 @@ static PyObject *py_host_stats(PyObject *self, PyObject *args) {
     if (!walked || !isfinite(result.sum) || !isfinite(result.sumsq)) Py_RETURN_NONE;
     return Py_BuildValue("[dddddd]", result.max, result.min, result.sum / (double)count, sqrt(result.sumsq), 0.0,
                          0.0);
+}
+
+static PyObject *py_host_stats(PyObject *self, PyObject *args) {
+    PyObject *object;
+    int npu_in_host_memory;
+    if (!PyArg_ParseTuple(args, "Op", &object, &npu_in_host_memory)) return NULL;
+    return host_stats_of(object, npu_in_host_memory);
+}
+
+/* record_host_stats(measured, slots, kind, name, tensor, npu_in_host_memory) -> True when the tensor's
+ * statistics were appended to slots as (kind, name, dtype, statistics): the monitor's _add in one call
+ * for a plain float host tensor, the fields it reads (version, dtype) read here. A tensor already in
+ * measured ({id: (weak reference, version, statistics)}) as the same object at the same version takes
+ * the statistics found there; one measured now (host_stats_of) is put there. False, nothing changed:
+ * the caller's general path (another device or dtype, nan/inf, an inference tensor's missing version
+ * counter, which that path reports). A hook runs cache-cold: each field read and call made from Python
+ * there cost microseconds. */
+static PyObject *py_record_host_stats(PyObject *self, PyObject *args) {
+    PyObject *measured, *slots, *kind, *name, *object;
+    int npu_in_host_memory;
+    if (!PyArg_ParseTuple(args, "O!O!OOOp", &PyDict_Type, &measured, &PyList_Type, &slots, &kind, &name, &object,
+                          &npu_in_host_memory))
+        return NULL;
+    if (!THPVariable_CheckExact(object)) Py_RETURN_FALSE;
+    const at::Tensor &tensor = THPVariable_Unpack(object);
+    int64_t version;
+    try {
+        version = tensor._version();
+    } catch (const c10::Error &) {  // an inference tensor: no version counter
+        Py_RETURN_FALSE;
+    }
+    PyObject *key = PyLong_FromVoidPtr(object);  // id(tensor)
+    if (key == NULL) return NULL;
+    PyObject *statistics = NULL;  // new reference
+    PyObject *seen = PyDict_GetItemWithError(measured, key);  // borrowed
+    if (seen == NULL && PyErr_Occurred()) {
+        Py_DECREF(key);
+        return NULL;
+    }
+    if (seen != NULL && PyTuple_Check(seen) && PyTuple_GET_SIZE(seen) == 3 &&
+        PyWeakref_GetObject(PyTuple_GET_ITEM(seen, 0)) == object &&
+        PyLong_AsLongLong(PyTuple_GET_ITEM(seen, 1)) == version) {
+        statistics = Py_NewRef(PyTuple_GET_ITEM(seen, 2));
+    } else {
+        if (PyErr_Occurred()) {  // a version that is no integer: not ours to judge
+            Py_DECREF(key);
+            return NULL;
+        }
+        statistics = host_stats_of(object, npu_in_host_memory);
+        if (statistics == NULL || statistics == Py_None) {
+            Py_DECREF(key);
+            if (statistics == NULL) return NULL;
+            Py_DECREF(statistics);
+            Py_RETURN_FALSE;
+        }
+        PyObject *reference = PyWeakref_NewRef(object, NULL);
+        PyObject *entry = reference == NULL ? NULL : Py_BuildValue("(NLO)", reference, (long long)version, statistics);
+        if (entry == NULL || PyDict_SetItem(measured, key, entry) < 0) {
+            Py_XDECREF(entry);
+            Py_DECREF(statistics);
+            Py_DECREF(key);
+            return NULL;
+        }
+        Py_DECREF(entry);
+    }
+    Py_DECREF(key);
+    PyObject *slot = Py_BuildValue("(OOON)", kind, name, (PyObject *)torch::getTHPDtype(tensor.scalar_type()),
+                                   statistics);
+    if (slot == NULL) return NULL;
+    int appended = PyList_Append(slots, slot);
+    Py_DECREF(slot);
+    if (appended < 0) return NULL;
+    Py_RETURN_TRUE;
 }
 
 /* A contiguous float32 tensor with data in host memory (no subclass), or nullptr. */
@@ -190,6 +261,9 @@ static PyMethodDef methods[] = {
      "csv_rows(step, prefixes, values, per_row) -> the rows 'step,prefix,v1,...' csv.writer writes, floats as repr."},
     {"adam_host_stats", py_adam_host_stats, METH_VARARGS,
      "(m's statistics, v's, the norm of m / (sqrt(v) + eps)) of Adam's fp32 host state in one read, or None."},
+    {"record_host_stats", py_record_host_stats, METH_VARARGS,
+     "record_host_stats(measured, slots, kind, name, tensor, npu_in_host_memory) -> True when recorded (the "
+     "monitor's _add for a plain float host tensor), False: take the general path."},
     {"host_stats", py_host_stats, METH_VARARGS,
      "[max, min, mean, norm, 0, 0] of a plain float tensor in host memory, or None (take the general path)."},
     {NULL, NULL, 0, NULL},
