@@ -609,10 +609,13 @@ def _gradient_scale_keys(rows: list[Row]) -> dict[int, tuple]:
     for row in rows:
         if row.role == "input" and row.target is not None and row.target.producer is None:
             sources.add((row.pair, row.target_entry, row.target.suffix))
-    first_backward: dict[str, int] = {}  # pair -> order of its first backward entry
+    # pair -> order of its last backward entry: the apis dumped before it ran in a forward (a
+    # micro-batch's) or inside the backward (a custom autograd Function's backward, a tensor hook, a
+    # checkpoint's recompute): values the next ops compute with, judged as forward values
+    last_backward: dict[str, int] = {}
     for row in rows:
         if naming.split_entry_name(row.target_entry or row.golden_entry)[1] == naming.BACKWARD:
-            first_backward[row.pair] = min(first_backward.get(row.pair, row.order), row.order)
+            last_backward[row.pair] = max(last_backward.get(row.pair, row.order), row.order)
     keys = {}
     for row in rows:
         entry = row.target_entry or row.golden_entry
@@ -620,7 +623,7 @@ def _gradient_scale_keys(rows: list[Row]) -> dict[int, tuple]:
         weights = (row.pair, naming.PARAMETERS_GRAD)
         if direction == naming.PARAMETERS_GRAD:
             keys[id(row)] = weights
-        elif direction == naming.FORWARD and row.order > first_backward.get(row.pair, math.inf):
+        elif direction == naming.FORWARD and row.order > last_backward.get(row.pair, math.inf):
             # User code on the gradients between backward and the update (clip_grad_norm_'s
             # per-parameter norms): judged against the largest of those values, like gradients.
             keys[id(row)] = (row.pair, "after-backward")

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 import torch
+import torch.autograd.graph
 from torch.overrides import TorchFunctionMode
 
 from npukit.watch import hook_guard
@@ -42,6 +44,51 @@ def _called_by_torch_distributed() -> bool:
     return False
 
 
+# The calls that run autograd's engine. Inside a mode's __torch_function__ the mode is off the stack,
+# and the engine runs the backward with the stack it finds: the Python of a custom autograd
+# Function's backward (MindSpeed's grouped matmul), a tensor hook or a checkpoint's recompute would
+# run unseen, though a real NPU run's msprobe records them.
+_BACKWARD_CALLS = frozenset({torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad})
+_waiting_for_engine = threading.local()
+_engine_entry_wrapped = False
+
+
+def _modes_waiting() -> list:
+    modes = getattr(_waiting_for_engine, "modes", None)
+    if modes is None:
+        modes = _waiting_for_engine.modes = []
+    return modes
+
+
+def _install_engine_entry() -> None:
+    """Wrap autograd's engine entry (once): a backward started by a call an ApiMode is handling runs
+    with that mode back on the stack."""
+    global _engine_entry_wrapped
+    if _engine_entry_wrapped:
+        return
+    _engine_entry_wrapped = True
+    original = torch.autograd.graph._engine_run_backward
+
+    def _engine_run_backward(*args, **kwargs):
+        waiting = _modes_waiting()
+        if not waiting:
+            return original(*args, **kwargs)
+        pushed = []
+        for mode in waiting:  # the outermost call's mode first: it was the top of the stack
+            if not any(torch._C._get_function_stack_at(i) is mode for i in range(torch._C._len_torch_function_stack())):
+                pushed.append(mode)
+        for mode in reversed(pushed):
+            torch._C._push_on_torch_function_stack(mode)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            for _ in pushed:
+                torch._C._pop_torch_function_stack()
+
+    torch.autograd.graph._engine_run_backward = _engine_run_backward
+    torch.autograd._engine_run_backward = _engine_run_backward
+
+
 class ApiMode(TorchFunctionMode):
     """Hands each torch / functional / Tensor api call to `handle(api, run_op, args, kwargs)` while
     `wanted()` is true; the handler runs the op itself, through run_op (between measuring its
@@ -69,12 +116,23 @@ class ApiMode(TorchFunctionMode):
         self._names_operators = False
 
     def __enter__(self):
+        _install_engine_entry()
         self._operators.install()
         self._names_operators = True
         return super().__enter__()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _BACKWARD_CALLS:
+            waiting = _modes_waiting()
+            waiting.append(self)
+            try:
+                return self._handle_call(func, args, kwargs)
+            finally:
+                waiting.pop()
+        return self._handle_call(func, args, kwargs)
+
+    def _handle_call(self, func, args, kwargs):
         api = self._table.get(func) or self._unlisted(func)
         if api is None or self._kind in hook_guard.broken_hooks or not self._wanted() \
                 or _called_by_torch_distributed():

@@ -108,21 +108,47 @@ class _Offset(torch.autograd.Function):
         return ((grad + 64) - 64) * 2
 
 
+class _UnseenOffset(_Offset):
+    """The same backward as a kernel no watcher sees (a C++ extension's, called below Python)."""
+
+    @staticmethod
+    def backward(ctx, grad):
+        with torch._C.DisableTorchFunction():
+            return _Offset.backward(ctx, grad)
+
+
 class _WithOffset(nn.Module):
-    def __init__(self):
+    def __init__(self, offset=_Offset):
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 4)
+        self.offset = offset
 
     def forward(self, x):
-        return self.fc2(_Offset.apply(torch.tanh(self.fc1(x))))
+        return self.fc2(self.offset.apply(torch.tanh(self.fc1(x))))
 
 
-def test_a_custom_function_whose_fp16_backward_is_imprecise_is_found_between_the_dumped_ops(tmp_path, npu):
+def test_a_custom_function_whose_fp16_backward_cancels_is_named_at_the_op_in_its_backward(tmp_path, npu):
+    """The Python of a custom Function's backward is dumped (as msprobe dumps it on an NPU: MindSpeed's
+    grouped matmul calls npu_grouped_matmul there) and judged as forward values: the addition of 64
+    whose fp16 rounding the subtraction reveals is named, with the fix. It read 'made between the
+    dumped ops' at tanh's backward while the ops ran unseen, and with them seen, the subtraction's
+    output 100% off passed as 'negligible' beside the addition's 64."""
+    result = _compare(tmp_path, _WithOffset, (64, 16))
+    divergence = result.pairs[0].divergence
+    assert divergence is not None and result.failed()
+    assert divergence.entry == "Tensor.__add__.0.forward"
+    assert "Tensor.__sub__.0.forward subtracts nearly equal values" in divergence.reason
+    assert "Compute this op and the cancellation in fp32" in divergence.reason
+    row = next(row for row in result.pairs[0].rows if row.name == "Tensor.__sub__.0.forward.output.0")
+    assert row.verdict == ERROR and row.error > 0.5
+
+
+def test_a_custom_function_whose_fp16_backward_is_unseen_is_found_between_the_dumped_ops(tmp_path, npu):
     """Its backward's ops are not dumped: the first dumped op after it (tanh's backward) gets a gradient
     100% off. Re-run on the golden inputs, tanh's own error is fp16's rounding and its error inherited:
     named where the gradient arrives, as made between the dumped ops, with the figures (it read
     'from the one  computed for it (error 0)', no op named, no figures)."""
-    result = _compare(tmp_path, _WithOffset, (64, 16))
+    result = _compare(tmp_path, lambda: _WithOffset(_UnseenOffset), (64, 16))
     divergence = result.pairs[0].divergence
     assert divergence is not None and result.failed()
     assert divergence.entry == "Torch.tanh.0.backward"

@@ -149,6 +149,32 @@ def test_an_api_backward_holds_the_gradient_of_each_argument_whatever_kernel_ran
 
 
 
+def test_the_ops_a_custom_functions_backward_calls_are_dumped_once_and_fused_ops_backward_internals_not(tmp_path):
+    """msprobe on an NPU records the apis Python code calls in a custom autograd Function's backward
+    (MindSpeed's grouped matmul); autograd ran that code with the dump off the stack. A torch_npu fused
+    op's backward is one kernel there: its emulation's ops stay unseen, its backward entry is dumped."""
+    from npukit.npu_backend.torch_npu_shim import install_torch_npu
+    from tests.accuracy.test_overflow import CustomBackwardOverflow
+
+    torch_npu = install_torch_npu()
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gmm = CustomBackwardOverflow()
+
+        def forward(self, x):
+            return torch_npu.npu_swiglu(self.gmm(x))
+
+    model = Model().npu()
+    with DumpSession(tmp_path, level="api", mode="stats"):
+        model(torch.randn(8, 16, device="npu")).sum().backward()
+    entries = list(json.loads(next(tmp_path.rglob("dump.json")).read_text())["data"])
+    assert entries == ["Torch.matmul.0.forward", "NPU.npu_swiglu.0.forward", "Tensor.sum.0.forward",
+                       "Tensor.sum.0.backward", "NPU.npu_swiglu.0.backward",
+                       "Tensor.t.0.forward", "Torch.matmul.1.forward", "Tensor.t.1.forward", "Torch.matmul.2.forward"]
+
+
 def test_each_call_of_a_layer_autocast_casts_once_gets_its_own_weight_gradient(tmp_path):
     """Autocast casts a weight once per region and every call reuses the cast, whose autograd
     node sums all the calls' gradients. Each call's backward holds its own gradient, in the

@@ -114,6 +114,43 @@ def test_backward_overflow_names_linear_backward_in_its_module(tmp_path, npu, mo
     assert not [e for e in session.events if e["direction"] == "forward"]
 
 
+class _GroupedMatmul(torch.autograd.Function):
+    """A matmul whose backward calls the matmuls itself, as MindSpeed's GmmFunction calls
+    npu_grouped_matmul in its backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return torch.matmul(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        return torch.matmul(grad, weight.t()), torch.matmul(x.t(), grad)
+
+
+class CustomBackwardOverflow(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(16, 4) * 0.1)
+
+    def forward(self, x):
+        return _GroupedMatmul.apply(x, self.weight)
+
+
+def test_an_overflow_in_a_custom_functions_backward_is_named_there(tmp_path, npu):
+    """The weight gradient overflows fp16 in the matmul the Function's backward calls: it read "no
+    overflow" at api level while autograd ran that Python with the detector off the stack."""
+    session = _train(CustomBackwardOverflow(), 3, npu, torch.float16, OverflowSession(tmp_path, console=False),
+                     batch=lambda step: torch.rand(64, 16) * 5 + 5,
+                     loss_scale=lambda step: 30000.0 if step == 1 else 1.0)
+    first = session.first_event
+    assert first is not None, "the overflowing weight gradient was not found"
+    assert (first["name"], first["step"]) == ("Torch.matmul.2.forward", 1)
+    assert any("torch.matmul(x.t(), grad)" in line for line in first["stack"]), first["stack"]
+    assert all(leaf["finite"] for leaf in first["inputs"]) and not first["outputs"][0]["finite"]
+
+
 def test_module_level_names_the_module(tmp_path, npu):
     session = _forward_case(tmp_path, "inf_nan", npu, level="module")
     first = session.first_event

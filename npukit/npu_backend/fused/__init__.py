@@ -90,8 +90,22 @@ def fused_op(schema: str, *, unfused: str, fake: Callable | bool = True, public:
 
 
 def register_autograd(name: str, backward: Callable, setup_context: Callable) -> None:
-    torch.library.register_autograd(f"{NAMESPACE}::{name}", backward, setup_context=setup_context,
-                                    lib=_LIBRARY)
+    torch.library.register_autograd(f"{NAMESPACE}::{name}", unwatched_backward(backward),
+                                    setup_context=setup_context, lib=_LIBRARY)
+
+
+def unwatched_backward(backward: Callable) -> Callable:
+    """A fused op's backward as torch-function watchers (the dump, the overflow detector, a user's
+    mode) see it on Ascend: one kernel its libtorch_npu autograd node calls below Python, not the
+    torch ops (or the npu::*_backward op) this emulation computes it with, as for its forward.
+    The watchers do see a backward Python code calls itself (a custom autograd Function's)."""
+
+    def run(ctx, *grads):
+        with torch._C.DisableTorchFunction():
+            return backward(ctx, *grads)
+
+    run.__name__ = run.__qualname__ = getattr(backward, "__name__", "backward")
+    return run
 
 
 # Ops torch_npu gives no backward (`register_no_derivative`).

@@ -75,6 +75,7 @@ from npukit.npu_backend.fused import (
     npu_numerics,
     register_autograd,
     round_intermediate,
+    unwatched_backward,
     upcast,
 )
 
@@ -1401,6 +1402,25 @@ def npu_fusion_attention_grad_v2(query, key, value, dy, head_num, input_layout, 
 _V2_TENSORS = ("query", "key", "value", "pse", "atten_mask", "query_rope", "key_rope", "sink")
 
 
+def _fusion_attention_v2_backward(ctx, d_out, *_rest):
+    saved = dict(zip(_V2_TENSORS + ("out", "softmax_max", "softmax_sum"), ctx.saved_tensors))
+    a = ctx.args
+    if d_out is None:
+        d_out = torch.zeros_like(saved["out"])
+    dq, dk, dv, dpse, dq_rope, dk_rope, dsink = torch.ops.npu.npu_fusion_attention_grad_v2(
+        saved["query"], saved["key"], saved["value"], d_out, a["head_num"], a["input_layout"], pse=saved["pse"],
+        atten_mask=saved["atten_mask"], softmax_max=saved["softmax_max"], softmax_sum=saved["softmax_sum"],
+        attention_in=saved["out"], query_rope=saved["query_rope"], key_rope=saved["key_rope"],
+        scale_value=a["scale"], keep_prob=a["keep_prob"], pre_tokens=a["pre_tokens"],
+        next_tokens=a["next_tokens"], inner_precise=a["inner_precise"], seed=a["seed"], offset=a["offset"],
+        numels=a["numels"], prefix=a["prefix"], actual_seq_qlen=a["actual_seq_qlen"],
+        actual_seq_kvlen=a["actual_seq_kvlen"], sparse_mode=a["sparse_mode"], pse_type=a["pse_type"],
+        softmax_layout=a["softmax_layout"], sink=saved["sink"])
+    grads = {"query": dq, "key": dk, "value": dv, "pse": dpse, "query_rope": dq_rope, "key_rope": dk_rope,
+             "sink": dsink}
+    return (None, *(grads.get(name) if present else None for name, present in zip(_V2_TENSORS, ctx.present)))
+
+
 class _FusionAttentionV2Function(torch.autograd.Function):
     """Autograd of npu_fusion_attention_v2 through npu_fusion_attention_grad_v2 (its tensors are
     keyword-only, which torch.library.register_autograd does not take)."""
@@ -1416,24 +1436,7 @@ class _FusionAttentionV2Function(torch.autograd.Function):
         ctx.mark_non_differentiable(outputs[1], outputs[2], outputs[3])
         return outputs
 
-    @staticmethod
-    def backward(ctx, d_out, *_rest):
-        saved = dict(zip(_V2_TENSORS + ("out", "softmax_max", "softmax_sum"), ctx.saved_tensors))
-        a = ctx.args
-        if d_out is None:
-            d_out = torch.zeros_like(saved["out"])
-        dq, dk, dv, dpse, dq_rope, dk_rope, dsink = torch.ops.npu.npu_fusion_attention_grad_v2(
-            saved["query"], saved["key"], saved["value"], d_out, a["head_num"], a["input_layout"], pse=saved["pse"],
-            atten_mask=saved["atten_mask"], softmax_max=saved["softmax_max"], softmax_sum=saved["softmax_sum"],
-            attention_in=saved["out"], query_rope=saved["query_rope"], key_rope=saved["key_rope"],
-            scale_value=a["scale"], keep_prob=a["keep_prob"], pre_tokens=a["pre_tokens"],
-            next_tokens=a["next_tokens"], inner_precise=a["inner_precise"], seed=a["seed"], offset=a["offset"],
-            numels=a["numels"], prefix=a["prefix"], actual_seq_qlen=a["actual_seq_qlen"],
-            actual_seq_kvlen=a["actual_seq_kvlen"], sparse_mode=a["sparse_mode"], pse_type=a["pse_type"],
-            softmax_layout=a["softmax_layout"], sink=saved["sink"])
-        grads = {"query": dq, "key": dk, "value": dv, "pse": dpse, "query_rope": dq_rope, "key_rope": dk_rope,
-                 "sink": dsink}
-        return (None, *(grads.get(name) if present else None for name, present in zip(_V2_TENSORS, ctx.present)))
+    backward = staticmethod(unwatched_backward(_fusion_attention_v2_backward))
 
 
 _V2_SIGNATURE = inspect.signature(npu_fusion_attention_v2)
