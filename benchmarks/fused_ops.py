@@ -122,14 +122,14 @@ def _attention_costs() -> dict:
     if not torch.cpu._is_amx_tile_supported():
         return {}
     return {torch.bfloat16: "both sides' bf16 products run on this CPU's AMX tiles (the emulator's through oneDNN's "
-                            "brgemm, fp32 sums), but the emulator keeps the kernel's fp32 intermediates: the scores "
-                            "and exp(S - max), recomputed P and dS are [B*N, S, S] fp32 tensors written and read "
-                            "several times a step (the kernel's softmax in fp32), where the bf16 decomposition's "
-                            "are bf16",
-            torch.float16: "the probabilities P, and dS, are rounded to fp16 in one pass each, as the same-numerics "
-                           "decomposition rounds them, for fp32 matmuls on fp32 copies (exact fp16 products, fp32 "
-                           "sums: no CPU fp16 GEMM returns fp32), while this CPU (AVX512-FP16) multiplies fp16 "
-                           "directly in the fp16 decomposition"}
+                            "brgemm, fp32 sums, the forward and the backward one C++ kernel each that keeps a block "
+                            "of 32 query rows' fp32 scores, P and dS in its own buffer), but the emulator's softmax "
+                            "and its gradient run in fp32 where the bf16 decomposition's run in bf16, and its "
+                            "backward computes P again from the softmax statistics (the flash kernel's recompute)",
+            torch.float16: "the forward and the backward are one C++ kernel each, but their matmuls run in fp32 "
+                           "(oneDNN's brgemm on fp32 copies: exact fp16 products, fp32 sums, which no CPU fp16 GEMM "
+                           "returns) with P and dS rounded to fp16 between, while this CPU (AVX512-FP16) multiplies "
+                           "fp16 directly in the fp16 decomposition"}
 
 
 def attention_case(device, dtype=torch.float32):

@@ -302,6 +302,107 @@ at::Tensor bf16_matmul(const at::Tensor& a, const at::Tensor& b, double alpha, c
   return out;
 }
 
+// The bf16 operands of the attention kernels as their CPU aliases, contiguous in the last dim (they read rows
+// at the tensors' own batch and row strides).
+at::Tensor attention_operand(const char* op, const char* name, const at::Tensor& t, const at::Tensor& q,
+                             int64_t batches) {
+  TORCH_CHECK(t.dim() == 3 && t.size(0) == batches && t.scalar_type() == q.scalar_type() && t.device() == q.device(),
+              op, ": ", name, " must be ", q.scalar_type(), " [", batches, ", rows, dim] on ", q.device(), ", got ",
+              t.scalar_type(), " ", t.sizes(), " on ", t.device());
+  TORCH_CHECK(t.scalar_type() != at::kBFloat16 || t.size(2) % 2 == 0, op, ": ", name,
+              "'s last dim must be even (bf16 pairs), got ", t.size(2));
+  at::Tensor cpu = cpu_alias(t);
+  return cpu.stride(2) == 1 ? cpu : cpu.contiguous();
+}
+
+at::Tensor attention_bias(const char* op, const std::optional<at::Tensor>& bias, const at::Tensor& q, int64_t N) {
+  if (!bias) return at::Tensor();
+  const int64_t batches = q.size(0), M = q.size(1);
+  TORCH_CHECK(bias->dim() == 3 && (bias->size(0) == 1 || bias->size(0) == batches) && bias->size(1) == M &&
+                  bias->size(2) == N && bias->device() == q.device(),
+              op, ": the bias must be [1 or ", batches, ", ", M, ", ", N, "] on ", q.device(), ", got ", bias->sizes(),
+              " on ", bias->device());
+  at::Tensor cpu = cpu_alias(*bias).to(at::kFloat);
+  return cpu.stride(2) == 1 ? cpu : cpu.contiguous();
+}
+
+at::Tensor row_values(const char* op, const char* name, const at::Tensor& t, const at::Tensor& q) {
+  TORCH_CHECK(t.numel() == q.size(0) * q.size(1) && t.device() == q.device(), op, ": ", name, " must hold [",
+              q.size(0), ", ", q.size(1), "] values on ", q.device(), ", got ", t.sizes(), " on ", t.device());
+  return cpu_alias(t).to(at::kFloat).contiguous();
+}
+
+// npu_fusion_attention's bf16 or fp16 forward in one kernel (AVX512BF16::attention_forward, half_attention_forward):
+// q [batches, M, D], k [batches, N, D], v [batches, N, Dv] (bf16 with D and Dv even, or fp16), the bias and masked
+// score as bf16_matmul's. Returns the output [batches, M, Dv] (fp32, not yet rounded) and the rows' max and sum
+// [batches, M, 1].
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& bias,
+    std::optional<double> masked, double scale) {
+  constexpr const char* op = "attention_forward";
+  TORCH_CHECK(has_amx_bf16(), op, ": this CPU has no AMX for bf16 (see has_amx_bf16)");
+  TORCH_CHECK(q.dim() == 3 && (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf), op,
+              ": q must be bf16 or fp16 [batches, M, D], got ", q.scalar_type(), " ", q.sizes());
+  const int64_t batches = q.size(0), M = q.size(1);
+  const at::Tensor q_cpu = attention_operand(op, "q", q, q, batches), k_cpu = attention_operand(op, "k", k, q, batches);
+  const at::Tensor v_cpu = attention_operand(op, "v", v, q, batches);
+  TORCH_CHECK(k.size(2) == q.size(2) && v.size(1) == k.size(1), op, ": k [batches, N, ", q.size(2),
+              "] and v [batches, N, Dv], got ", k.sizes(), " and ", v.sizes());
+  const at::Tensor bias_cpu = attention_bias(op, bias, q, k.size(1));
+  at::Tensor out = at::empty({batches, M, v.size(2)}, q.options().dtype(at::kFloat));
+  at::Tensor row_max = at::empty({batches, M, 1}, out.options()), row_sum = at::empty({batches, M, 1}, out.options());
+#if defined(__x86_64__)
+  {
+    pybind11::gil_scoped_release no_gil;
+    const auto kernel = q.scalar_type() == at::kHalf ? &AVX512BF16::half_attention_forward : &AVX512BF16::attention_forward;
+    kernel(q_cpu, k_cpu, v_cpu, bias_cpu, masked, scale, cpu_alias(out), cpu_alias(row_max), cpu_alias(row_sum));
+  }
+#endif
+  return {out, row_max, row_sum};
+}
+
+// Its gradients (AVX512BF16::attention_backward, half_attention_backward) from dy [batches, M, Dv] (q's dtype), the
+// rows' log-sum-exp of the forward's softmax and rowsum(dy * out) ([batches, M] values): dq, dk, dv (bf16: rounded
+// once; fp16: fp32, dS rounded to fp16 between, saturated in the device's saturation mode as round_to_half does).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& dy,
+    const std::optional<at::Tensor>& bias, std::optional<double> masked, const at::Tensor& log_sum_exp,
+    const at::Tensor& row_dot, double scale) {
+  constexpr const char* op = "attention_backward";
+  TORCH_CHECK(has_amx_bf16(), op, ": this CPU has no AMX for bf16 (see has_amx_bf16)");
+  TORCH_CHECK(q.dim() == 3 && (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf), op,
+              ": q must be bf16 or fp16 [batches, M, D], got ", q.scalar_type(), " ", q.sizes());
+  const int64_t batches = q.size(0);
+  const at::Tensor q_cpu = attention_operand(op, "q", q, q, batches), k_cpu = attention_operand(op, "k", k, q, batches);
+  const at::Tensor v_cpu = attention_operand(op, "v", v, q, batches);
+  const at::Tensor dy_cpu = attention_operand(op, "dy", dy, q, batches);
+  TORCH_CHECK(k.size(2) == q.size(2) && v.size(1) == k.size(1) && dy.size(1) == q.size(1) && dy.size(2) == v.size(2),
+              op, ": k [batches, N, ", q.size(2), "], v [batches, N, Dv] and dy [batches, ", q.size(1),
+              ", Dv], got ", k.sizes(), ", ", v.sizes(), " and ", dy.sizes());
+  const at::Tensor bias_cpu = attention_bias(op, bias, q, k.size(1));
+  const at::Tensor lse_cpu = row_values(op, "log_sum_exp", log_sum_exp, q);
+  const at::Tensor dot_cpu = row_values(op, "row_dot", row_dot, q);
+  const bool half = q.scalar_type() == at::kHalf;
+  const auto options = q.options().dtype(half ? at::kFloat : at::kBFloat16);
+  at::Tensor dq = at::empty(q.sizes(), options), dk = at::empty(k.sizes(), options), dv = at::empty(v.sizes(), options);
+#if defined(__x86_64__)
+  const bool saturate = q.is_privateuseone() && g_saturation.load(std::memory_order_relaxed);
+  bool not_finite = false;
+  {
+    pybind11::gil_scoped_release no_gil;
+    if (half) {
+      not_finite = AVX512BF16::half_attention_backward(q_cpu, k_cpu, v_cpu, dy_cpu, bias_cpu, masked, lse_cpu, dot_cpu,
+                                                       scale, saturate, cpu_alias(dq), cpu_alias(dk), cpu_alias(dv));
+    } else {
+      AVX512BF16::attention_backward(q_cpu, k_cpu, v_cpu, dy_cpu, bias_cpu, masked, lse_cpu, dot_cpu, scale,
+                                     cpu_alias(dq), cpu_alias(dk), cpu_alias(dv));
+    }
+  }
+  if (not_finite && saturate) g_overflow_flag = true;
+#endif
+  return {dq, dk, dv};
+}
+
 }  // namespace
 
 void bind(pybind11::module& m) {
@@ -333,6 +434,13 @@ void bind(pybind11::module& m) {
         pybind11::arg("probabilities") = pybind11::none(), pybind11::arg("out_dtype") = pybind11::none(),
         pybind11::arg("on_amx") = pybind11::none(),
         "alpha * a @ b (+ bias) of bf16 (or fp32) a and bf16 b, products exact and summed in fp32 (fused/attention.py)");
+  m.def("attention_forward", &attention_forward, pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"),
+        pybind11::arg("bias") = pybind11::none(), pybind11::arg("masked") = pybind11::none(), pybind11::arg("scale") = 1.0,
+        "npu_fusion_attention's bf16/fp16 forward in one kernel: output, rows' max and sum (fused/attention.py)");
+  m.def("attention_backward", &attention_backward, pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"),
+        pybind11::arg("dy"), pybind11::arg("bias"), pybind11::arg("masked"), pybind11::arg("log_sum_exp"),
+        pybind11::arg("row_dot"), pybind11::arg("scale") = 1.0,
+        "npu_fusion_attention's bf16/fp16 gradients in one kernel (fused/attention.py)");
   m.def("rotary_mul", [](const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleave,
                          const pybind11::object& out_dtype) {
     TORCH_CHECK(THPDtype_Check(out_dtype.ptr()), "rotary_mul: out_dtype must be a torch.dtype");

@@ -71,6 +71,30 @@ namespace AVX512BF16 {
 void bf16_matmul(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias, std::optional<double> masked,
                  const at::Tensor& row_offset, const at::Tensor& probabilities, const at::Tensor& out, double alpha,
                  bool on_amx);
+// npu_fusion_attention's bf16 forward on AMX, the scores never leaving a block's buffer: q [batches, M, D],
+// k [batches, N, D], v [batches, N, Dv] (bf16, contiguous in the last dim, D and Dv even), bias and masked
+// as bf16_matmul's; out [batches, M, Dv] = exp(S - max) (rounded to bf16) @ v / sum, the rows' max and sum
+// [batches, M] (fp32, contiguous). Call it only where the CPU has AMX (cpublas::could_pack(bf16)).
+void attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
+                       std::optional<double> masked, double scale, const at::Tensor& out, const at::Tensor& row_max,
+                       const at::Tensor& row_sum);
+// Its gradients from dy [batches, M, Dv] (bf16) and the rows' log-sum-exp and rowsum(dO * O) [batches, M]
+// (fp32): P recomputed per block, dq [batches, M, D], dk [batches, N, D], dv [batches, N, Dv] (bf16,
+// contiguous), each rounded once.
+void attention_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& dy,
+                        const at::Tensor& bias, std::optional<double> masked, const at::Tensor& log_sum_exp,
+                        const at::Tensor& row_dot, double scale, const at::Tensor& dq, const at::Tensor& dk,
+                        const at::Tensor& dv);
+// The same for fp16 q, k, v, dy: fp32 matmuls (brgemm) of the fp16 values, exp(S - max) and dS rounded to fp16
+// as the fp16 path of fused/attention.py rounds them, out, dq, dk, dv fp32 (not yet rounded). A dS that rounds
+// to inf or nan is saturated (nan 0, inf +-65504) when `saturate`; returns whether one did.
+void half_attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
+                            std::optional<double> masked, double scale, const at::Tensor& out,
+                            const at::Tensor& row_max, const at::Tensor& row_sum);
+bool half_attention_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& dy,
+                             const at::Tensor& bias, std::optional<double> masked, const at::Tensor& log_sum_exp,
+                             const at::Tensor& row_dot, double scale, bool saturate, const at::Tensor& dq,
+                             const at::Tensor& dk, const at::Tensor& dv);
 }
 #endif
 

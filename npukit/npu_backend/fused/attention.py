@@ -14,9 +14,11 @@ probabilities rounded to the input dtype before the P @ V matmul, and one roundi
 to the input dtype (bf16 on a CPU with AVX512-BF16: every matmul multiplies the bf16 values exactly
 and sums in fp32 in C++, _cube_matmul, on the AMX tiles where the CPU has them, skipping masked blocks
 as the flash kernel does; elsewhere the fp32 results come from fp32 matmuls of upcast copies, the fp16
-intermediates rounded in one pass). softmax_max and softmax_sum are the row max and
-the row sum of exp(scores - max), each repeated 8 times (the kernel's 32-byte blocks); the grad op
-recomputes P from them instead of keeping the probability matrix, as the flash-attention backward does.
+intermediates rounded in one pass; on a CPU with AMX the bf16 and fp16 forward and gradients are one C++
+kernel each, _C.attention_forward / _backward, which keep a block of 32 query rows' fp32 scores, P and dS in
+a buffer of their own, as the flash kernel keeps them on chip: see _Problem.one_kernel). softmax_max and
+softmax_sum are the row max and the row sum of exp(scores - max), each repeated 8 times (the kernel's 32-byte
+blocks); the grad op recomputes P from them instead of keeping the probability matrix, as the flash-attention backward does.
 Where the mask hides whole stretches of keys (causal, band), the fp16/fp32 path computes blocks of 64
 query rows, each over the keys from its first to its last visible one, as the flash kernel skips masked
 blocks (_query_blocks; the bf16 matmul skips masked tiles itself). Each block holds all its rows' keys,
@@ -731,6 +733,21 @@ class _Problem:
         return self.npu and self.in_dtype == torch.bfloat16
 
     @property
+    def one_kernel(self) -> bool:
+        """Can the forward and the gradients each run as one C++ kernel (_C.attention_forward and _backward: a
+        block of query rows' scores, probabilities and dS never leave its buffer, as in the flash kernel)? bf16
+        with bf16_dot's numerics (even head dims: bf16 pairs), fp16 with the fp16 path's (fp32 sums of the exact
+        fp16 products, P and dS rounded to fp16); on the npu of a CPU with AMX, with a bias the kernels
+        broadcast (or none), keys, and every row seeing one; the callers check for dropout and dpse."""
+        masking = self.masking
+        if self.in_dtype == torch.bfloat16:
+            fits = self.bf16_dot and self.q_in.shape[-1] % 2 == 0 and self.v_in.shape[-1] % 2 == 0
+        else:
+            fits = self.npu and self.in_dtype == torch.float16
+        return (fits and BF16_AMX and masking.row_valid is None and (masking.bias is None or self.bias3 is not None)
+                and self.k_in.shape[1] > 0 and not _is_fake(self.q_in))
+
+    @property
     def bf16_dot(self) -> bool:
         """Can every matmul run as _cube_matmul (exact products of bf16 values summed in fp32, rounded
         once to fp32 or bf16: the cube unit's numerics), the scores and dP included, whose fp32 results
@@ -820,6 +837,8 @@ def _is_power_of_two(value: float) -> bool:
 
 # Whether this CPU multiplies bf16 pairs into fp32 (AVX512-BF16), which _cube_matmul needs.
 BF16_DOT_PRODUCT = _C.has_bf16_dot_product()
+# Whether it has AMX tiles for bf16 too, where the one-kernel forward and backward run (_Problem.one_kernel).
+BF16_AMX = BF16_DOT_PRODUCT and _C.has_amx_bf16()
 
 
 def _cube_matmul(a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0, bias: torch.Tensor | None = None,
@@ -837,6 +856,11 @@ def _cube_matmul(a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0, bias: tor
         return a.new_empty((a.shape[0], a.shape[1], b.shape[2]), dtype=out_dtype)
     return _C.bf16_matmul(a, b, alpha, bias, MASKED_SCORE if bias is not None else None, log_sum_exp, probabilities,
                           out_dtype)
+
+
+def _masked_score(problem: _Problem) -> float | None:
+    """What the one-kernel forward and backward make a score whose bias is MASKED_SCORE (None without a bias)."""
+    return MASKED_SCORE if problem.bias3 is not None else None
 
 
 def _bf16_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -882,8 +906,12 @@ def _draw_seed_offset(device) -> tuple[int, int]:
 def _forward(problem: _Problem, keep_prob: float, seed: int, offset: int, sink: torch.Tensor | None):
     """attention_out [B, N, Sq, Dv] (compute dtype) and the softmax's row max and sum [B, N, Sq]."""
     g = problem.geometry
-    blocks = _query_blocks(problem) if keep_prob == 1 else None
-    if blocks is None:
+    one_kernel = keep_prob == 1 and problem.one_kernel
+    blocks = _query_blocks(problem) if keep_prob == 1 and not one_kernel else None
+    if one_kernel:
+        out, row_max, row_sum = _C.attention_forward(problem.q_in, problem.k_in, problem.v_in, problem.bias3,
+                                                     _masked_score(problem), problem.scale)
+    elif blocks is None:
         out, row_max, row_sum = _attend(problem, problem.scores(), keep_prob, seed, offset)
     else:
         rows = problem.q_in.shape[:2]
@@ -958,6 +986,12 @@ def _backward(problem: _Problem, dy4, out4, row_max, row_sum, keep_prob, seed, o
     # A padding row of a TND batch has sum 0: any finite value keeps its (zero) gradient finite.
     log_sum_exp = row_max + torch.log(row_sum.clamp_min(torch.finfo(torch.float32).tiny))
     log_sum_exp = log_sum_exp.to(dtype).reshape(dy3.shape[0], dy3.shape[1], 1)
+    if keep_prob == 1 and not want_dpse and problem.one_kernel and dy4.dtype == problem.in_dtype:
+        row_dot = (dy3 * out3).sum(-1, keepdim=True)
+        dq, dk, dv = _C.attention_backward(problem.q_in, problem.k_in, problem.v_in, dy4.reshape(dy3.shape),
+                                           problem.bias3, _masked_score(problem), log_sum_exp, row_dot, problem.scale)
+        return (problem.heads(dq), dk.view(g.batch, g.kv_heads, g.skv, -1), dv.view(g.batch, g.kv_heads, g.skv, -1),
+                None, _sink_gradient(problem, sink, log_sum_exp, row_dot))
     blocks = _query_blocks(problem) if keep_prob == 1 and not want_dpse else None
     if blocks is not None:
         row_dot = (dy3 * out3).sum(-1, keepdim=True)

@@ -433,6 +433,7 @@ def test_fusion_attention_query_blocks_skip_the_masked_keys_and_keep_the_softmax
         return blocks
     unspied = attention._query_blocks
     monkeypatch.setattr(attention, "_query_blocks", query_blocks)
+    monkeypatch.setattr(attention, "BF16_AMX", False)  # fp16: the Python path, not the one-kernel one
     q, k, v = (t.to(dtype) for t in qkv(b=1, n=2, nkv=1, sq=256, skv=256, seed=11))
     dy = torch.randn(1, 2, 256, 16).to(dtype)
     masked = band_mask(256, 256, pre, nxt, bottom_right=True)
@@ -589,6 +590,7 @@ def test_fusion_attention_bf16_matmuls_on_avx512_bf16_equal_the_cpus_gemms(monke
     calls = []
     kernel = _C.bf16_matmul
     monkeypatch.setattr(_C, "bf16_matmul", lambda *args: calls.append(args[0].shape) or kernel(*args))
+    monkeypatch.setattr(attention, "BF16_AMX", False)  # the matmuls one by one (see the one-kernel test below)
     results = {}
     for bf16_dot in (True, False):
         monkeypatch.setattr(attention, "BF16_DOT_PRODUCT", bf16_dot)
@@ -602,6 +604,74 @@ def test_fusion_attention_bf16_matmuls_on_avx512_bf16_equal_the_cpus_gemms(monke
         assert got.dtype == torch.bfloat16
         assert relative_error(got, cpu_gemms) < relative_error(cpu_gemms, want) * 0.1, name
         assert_close_to_reference(got, want, torch.bfloat16, name, factor=1 if name == "attention_out" else 3)
+
+
+@pytest.mark.skipif(not attention.BF16_AMX, reason="the CPU has no AMX for bf16")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", ["causal", "bottom_right_uneven", "pse_per_head", "no_mask"])
+def test_fusion_attention_one_kernel_on_amx_equals_the_ops_one_by_one(case, dtype, monkeypatch):
+    """On AMX the bf16 and fp16 forward and gradients each run as one kernel (_C.attention_forward and
+    _backward: a block of query rows' scores, probabilities and dS stay in its buffer): the numerics of the ops
+    one by one (bf16: the seven matmuls; fp16: fp32 matmuls, P and dS rounded to fp16) -- the softmax's max
+    value for value in bf16, the rest to the order of fp32 sums -- and within the fp64
+    reference's tolerance. GQA, sequences that are not multiples of the kernel's 32-row and 32-key blocks, a
+    bias per batch and head (pse: the forward only), and no mask."""
+    sq, skv = {"causal": (128, 128), "bottom_right_uneven": (45, 83)}.get(case, (70, 70))
+    q, k, v = (t.to(dtype) for t in qkv(b=2, n=4, nkv=2, sq=sq, skv=skv, d=32, dv=64, seed=3))
+    dy = torch.randn(2, 4, sq, 64).to(dtype)
+    masked = band_mask(sq, skv, INT_MAX, 0, bottom_right=True) if case in ("causal", "bottom_right_uneven") else None
+    pse = torch.randn(2, 4, sq, skv).to(dtype) if case == "pse_per_head" else None
+    kwargs = {"causal": dict(atten_mask=CAUSAL_2048.npu(), sparse_mode=2),
+              "bottom_right_uneven": dict(atten_mask=CAUSAL_2048.npu(), sparse_mode=3),
+              "pse_per_head": dict(pse=pse.npu() if pse is not None else None)}.get(case, {})
+    kernels = {"attention_forward": 0, "attention_backward": 0}
+    for name in kernels:
+        unspied = getattr(_C, name)
+        monkeypatch.setattr(_C, name, lambda *args, name=name, unspied=unspied: kernels.__setitem__(name, kernels[name] + 1)
+                            or unspied(*args))
+    results = {}
+    for amx in (True, False):
+        monkeypatch.setattr(attention, "BF16_AMX", amx)
+        qn, kn, vn = leaves(q, k, v, dtype=dtype)
+        out, softmax_max, softmax_sum = torch_npu.npu_fusion_attention(qn, kn, vn, 4, "BNSD", scale=0.3, **kwargs)[:3]
+        results[amx] = [t.cpu() for t in (softmax_max, softmax_sum, out, *torch.autograd.grad(out, [qn, kn, vn], dy.npu()))]
+    # with pse the grad op returns dpse, i.e. dS, which the one-kernel backward keeps in its buffers
+    assert kernels == {"attention_forward": 1, "attention_backward": 0 if case == "pse_per_head" else 1}
+    (one_kernel_max, one_kernel_sum, *one_kernel), (max_one_by_one, sum_one_by_one, *one_by_one) = results.values()
+    if dtype == torch.bfloat16:  # the same AMX sums of the scores
+        assert torch.equal(one_kernel_max, max_one_by_one)
+    else:  # brgemm's fp32 sums of the scores against the fp32 bmm's: another order
+        torch.testing.assert_close(one_kernel_max, max_one_by_one, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(one_kernel_sum, sum_one_by_one, rtol=1e-5, atol=0)
+    ref, grads_ref = grads_fp64(lambda a, b, c: attention_fp64(a, b, c, 0.3, masked, pse=pse), q, k, v, grad_output=dy)
+    # fp16: a sum in another order can turn dS's rounding to fp16 the other way, which dQ and dK then carry
+    share = 0.1 if dtype == torch.bfloat16 else 0.25
+    for got, want_one_by_one, want, name in zip(one_kernel, one_by_one, [ref, *grads_ref], ("attention_out", "dq", "dk", "dv")):
+        assert got.dtype == dtype
+        assert relative_error(got, want_one_by_one) < relative_error(want_one_by_one, want) * share, name
+        assert_close_to_reference(got, want, dtype, name, factor=1 if name == "attention_out" else 3)
+
+
+@pytest.mark.skipif(not attention.BF16_AMX, reason="the CPU has no AMX for bf16")
+def test_fusion_attention_fp16_one_kernel_saturates_ds_as_the_ops_one_by_one(monkeypatch):
+    """A dS past fp16's range: the one-kernel backward saturates it in the device's saturation mode and raises
+    the overflow flag, as the ops one by one (_C.round_to_half) do: the same gradients."""
+    torch.manual_seed(8)
+    q, k, v = (torch.randn(1, 2, 40, 16).half() for _ in range(3))
+    dy = (torch.randn(1, 2, 40, 16) * 3e4).clamp(-6e4, 6e4).half()  # finite, but dS = P * (dP - rowsum) is not
+    results = []
+    with numerics.policies(fp16_mode="saturation"):
+        for amx in (True, False):
+            monkeypatch.setattr(attention, "BF16_AMX", amx)
+            numerics.clear_overflow_flag()
+            qn, kn, vn = leaves(q, k, v, dtype=torch.float16)
+            out = torch_npu.npu_fusion_attention(qn, kn, vn, 2, "BNSD", atten_mask=CAUSAL_2048[:40, :40].npu(),
+                                                 scale=4.0)[0]
+            results.append([t.cpu() for t in torch.autograd.grad(out, [qn, kn, vn], dy.npu())])
+            assert numerics.overflow_flag(), f"amx={amx}"
+        numerics.clear_overflow_flag()
+    for got, want, name in zip(*results, ("dq", "dk", "dv")):
+        torch.testing.assert_close(got.double(), want.double(), rtol=2e-3, atol=0, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("in_place", [True, False])
@@ -653,6 +723,7 @@ def test_fusion_attention_fp16_intermediates_rounded_in_one_pass_equal_the_round
     q, k, v, dy = (torch.randn(1, 2, 40, 16).half() for _ in range(4))
     pse = torch.randn(1, 2, 40, 40).half()
     mask = torch.ones(40, 40, dtype=torch.bool).triu(1).npu()
+    monkeypatch.setattr(attention, "BF16_AMX", False)  # the Python path, which rounds through _C.round_to_half
     results = []
     for one_pass in (True, False):
         if not one_pass:
