@@ -2031,6 +2031,20 @@ def _changed_before_the_reduce(results: list[PairResult]) -> None:
         if len(pairs) < 2 or any(pair.divergence for pair in pairs) or None in shares \
                 or len({share.entry for share in shares}) != 1:
             continue
+        # A hook's Python is dumped where it runs: the ranks that alone ran apis the golden run did not,
+        # in the backward before the gradient they changed, are where it was changed
+        extra = [_target_only_calls_in_backward(pair, share.entry) for pair, share in zip(pairs, shares)]
+        if any(extra) and not all(extra):
+            for pair, share, calls in zip(pairs, shares, extra):
+                if calls:
+                    share.reason += (
+                        f", on every one of the {len(pairs)} ranks, while each rank's backward computed its share as"
+                        f" the golden run did; this rank alone ran {', '.join(calls[:3])} (not in the golden run) in"
+                        " its backward before this gradient: its share was changed there (a hook on the parameter"
+                        " (register_hook) or code that runs on this rank only), and the reduction carried the change"
+                        " to every rank")
+                    pair.divergence = share
+            continue
         for pair, share in zip(pairs, shares):
             share.reason += (
                 f", on every one of the {len(pairs)} ranks, while each rank's backward computed its share as the"
@@ -2039,6 +2053,22 @@ def _changed_before_the_reduce(results: list[PairResult]) -> None:
                 " communication hook), or the reduction itself differs. The dumps hold the reduced gradient, the"
                 " same on every rank, so they cannot say which rank")
             pair.divergence = share
+
+
+def _target_only_calls_in_backward(pair: PairResult, before_entry: str) -> list[str]:
+    """The apis this pair's target ran and its golden run did not, after its first backward entry and
+    before `before_entry`'s first row, in order."""
+    started, calls = False, []
+    for row in sorted(pair.rows, key=lambda row: row.order):
+        entry = row.target_entry or row.golden_entry
+        if entry == before_entry:
+            break
+        direction = naming.split_entry_name(entry)[1]
+        started = started or direction == naming.BACKWARD
+        if started and row.golden_entry is None and direction == naming.FORWARD and not entry.startswith("Module.") \
+                and entry not in calls:
+            calls.append(entry)
+    return calls
 
 
 def _compare_pair_without_gc(task: _PairTask, thresholds: Thresholds, workers: int) -> tuple[PairResult, int, int]:
