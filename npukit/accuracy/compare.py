@@ -1805,12 +1805,21 @@ def _written_argument_rows(rows: list[Row], pairs: list) -> list[Row]:
             and row.target.suffix in _written_by_call(paired[row.target_entry])]
 
 
-def pairing_coverage(pairs: list, golden_entries: list, target_entries: list) -> PairingCoverage:
+def pairing_coverage(pairs: list, golden_entries: list, target_entries: list,
+                     skipped: str | None = None) -> PairingCoverage:
     """How much of each side paired and, when less than most of a side did, what stopped it: one
     dump ending early (the other's later entries have no counterpart), else the kinds of entry
-    only one side has."""
+    only one side has. Where GradScaler skipped one side's step (`skipped`), the other side's
+    optimizer update entries have no counterpart by design: no update ran there. They are not
+    counted (they made a small model's fp16 overflow read "too little paired", and the fix finder
+    then tried nothing)."""
     paired = sum(1 for golden, target in pairs if golden is not None and target is not None)
-    coverage = PairingCoverage(paired, len(golden_entries), paired, len(target_entries))
+    totals = [len(golden_entries), len(target_entries)]
+    if skipped in ("golden", "target"):
+        ran = 0 if skipped == "target" else 1
+        totals[ran] -= sum(1 for pair in pairs if pair[1 - ran] is None and pair[ran] is not None
+                           and pair[ran].parent == OPTIMIZER)
+    coverage = PairingCoverage(paired, totals[0], paired, totals[1])
     if not coverage.too_little():
         return coverage
     # Parameter gradients pair by module after the rest (see align): the stream is the other entries.
@@ -1948,7 +1957,7 @@ def compare_pair(task: _PairTask, thresholds: Thresholds, workers: int | None = 
         skipped_by_grad_scaler=skipped,
         cross_tool=cross_tool,
         noop_casts=sorted(noop_cast_backwards(pairs)),
-        coverage=pairing_coverage(pairs, golden_entries, target_entries),
+        coverage=pairing_coverage(pairs, golden_entries, target_entries, skipped),
         golden_incomplete=golden.incomplete,
         target_incomplete=target.incomplete,
     )
