@@ -297,3 +297,41 @@ def test_a_listed_api_is_recorded_whatever_msprobe_hooks(tmp_path):
     with DumpSession(tmp_path, level="api", names="Tensor.view,sum"):
         Flat()(torch.randn(2, 3))
     assert set(_entries(tmp_path)) == {"Tensor.view.0.forward", "Tensor.sum.0.forward"}
+
+
+# ---------------------------------------------------------------------------- Python run by the backward
+BACKWARD_MODEL = Path(__file__).with_name("msprobe_backward_model.py")
+
+
+def _backward_model_entries(tmp_path: Path, tool: str, checkpoint: str) -> list[str]:
+    out = tmp_path / f"{tool}_{checkpoint}"
+    run = subprocess.run([sys.executable, str(BACKWARD_MODEL), tool, "statistics", "mix", str(out), checkpoint],
+                         capture_output=True, text=True, timeout=600, env=ENV, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    [dump_json] = (out / "step0").glob("*/dump.json")
+    return list(json.loads(dump_json.read_text())["data"])
+
+
+@pytest.mark.parametrize("checkpoint", ["none", "recompute"])
+def test_the_python_a_backward_runs_is_recorded_as_msprobe_records_it(tmp_path, checkpoint):
+    """A custom autograd Function's backward calling torch apis (MindSpeed's grouped matmul), a tensor
+    hook computing on the gradient, a block under torch.utils.checkpoint recomputed in the backward:
+    npukit records the apis they run where msprobe does (before, a backward started by
+    loss.backward() ran them unseen). The same entries; in the same order but for the parameter
+    gradients (msprobe records each as its module's gradients are ready, npukit all at the
+    optimizer step) and, around a recompute, the backward entry of the api whose saved input it
+    recomputes (msprobe places it after the recompute, npukit before: where its backward began)."""
+    theirs = _backward_model_entries(tmp_path, "msprobe", checkpoint)
+    ours = _backward_model_entries(tmp_path, "npukit", checkpoint)
+    assert set(ours) == set(theirs)
+    first_backward = next(i for i, name in enumerate(ours) if name.endswith(".backward"))
+    in_backward = [name for name in ours[first_backward:] if name.endswith(".forward") and not name.startswith("Tensor.add_")]
+    # the custom backward's matmuls (2 a layer), the grad * 0.5 and the transposes, of both layers
+    assert sum(name.startswith("Torch.matmul.") for name in in_backward) == 4 + (checkpoint == "recompute")
+    assert sum(name.startswith("Tensor.t.") for name in in_backward) == 4
+    if checkpoint == "recompute":  # the block's forward again, inside the backward
+        assert {"Module.b.Layer.forward.1", "Module.b.fc.Linear.forward.1", "Functional.linear.3.forward"} <= set(ours)
+
+    def timeline(names):
+        return [name for name in names if ".parameters_grad." not in name and name != "Functional.linear.1.backward"]
+    assert timeline(ours) == timeline(theirs)
