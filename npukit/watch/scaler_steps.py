@@ -5,11 +5,14 @@ a skipped step (inf/nan gradients under loss scaling) into the next one. While i
 watch wraps GradScaler.step (and so every subclass that does not override it) and tells its
 session, around each enabled call, whether the optimizer stepped. It also marks the time spent
 in GradScaler's own bookkeeping (step, unscale_, update): those ops are not the model's, and
-update's, run after the step ended, would otherwise open the next step.
+update's, run after the step ended, would otherwise open the next step. And it keeps the scalers
+it saw step, in the order of their first GradScaler.step (scalers()): the scalers a script uses,
+whose state --replay-step records and loads with the optimizers' (replay.py).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -20,7 +23,8 @@ class GradScalerStepWatch:
     after(skipped, scale): called when it returns; skipped when no optimizer.step ran inside.
     `inside` > 0 while GradScaler.step, unscale_ or update runs: sessions record none of their
     ops, and optimizer hooks leave ending the step to `after`. `optimizer`: the optimizer of the
-    GradScaler.step call in progress. updated(): called when GradScaler.update returns."""
+    GradScaler.step call in progress. updated(): called when GradScaler.update returns.
+    scalers(): the enabled GradScalers whose step ran while active, in the order of their first."""
 
     def __init__(self, is_active: Callable[[], bool], before: Callable[[], None],
                  after: Callable[[bool, float], None], updated: Callable[[], None] | None = None) -> None:
@@ -28,6 +32,7 @@ class GradScalerStepWatch:
         self.inside = 0
         self.optimizer = None
         self._optimizer_steps = 0
+        self._scalers: list[weakref.ref] = []
         self._installed: tuple | None = None
 
     def install(self) -> None:
@@ -49,6 +54,8 @@ class GradScalerStepWatch:
         def step(scaler, optimizer, *args, **kwargs):
             if not watch.is_active() or not scaler.is_enabled():
                 return originals["step"](scaler, optimizer, *args, **kwargs)
+            if not any(ref() is scaler for ref in watch._scalers):
+                watch._scalers.append(weakref.ref(scaler))
             scale = scaler.get_scale()
             watch.optimizer = optimizer
             try:
@@ -74,6 +81,9 @@ class GradScalerStepWatch:
         scaler_cls.unscale_ = bookkeeping(originals["unscale_"])
         scaler_cls.update = update
         self._installed = (scaler_cls, originals, handle)
+
+    def scalers(self) -> list:
+        return [scaler for scaler in (ref() for ref in self._scalers) if scaler is not None]
 
     def remove(self) -> None:
         if self._installed is not None:

@@ -148,7 +148,8 @@ class RunSteps:
     `forward_begun`: a root forward with gradients started in the step running now (under forward
     steps, what follows it in that step, e.g. the DataLoader's next batch, prepares the next step).
     ends_steps(optimizer) / ended_by_another(optimizer): with several optimizers, whether this one's
-    step is the one that ends training steps / a step has ended at another's (TrainingSteps')."""
+    step is the one that ends training steps / a step has ended at another's (TrainingSteps').
+    scalers(): the GradScalers that stepped, in the order of their first step (GradScalerStepWatch's)."""
 
     def __init__(self, on_end: Callable[[object, bool, float | None], None], *, watch_forwards: bool = True) -> None:
         self.on_end = on_end
@@ -161,6 +162,7 @@ class RunSteps:
         # optimizer step: TrainingSteps' own methods, no call in between)
         self.ends_steps = self._training.ends_steps
         self.ended_by_another = self._training.ended_by_another
+        self.scalers = self._training.scaler.scalers
         self._depth = 0  # module forwards running
         self._handles: list = []  # removed once the first training step ended
 
