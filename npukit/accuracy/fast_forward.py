@@ -10,13 +10,16 @@ meta kernel gives, and inside optimizer.step every npu op is skipped (an in-plac
 its argument untouched, aliasing intact). Views, elementwise ops, reductions and ops whose output
 shape depends on values (nonzero, item) run for real, on what the skipped ops left. At step N's
 start (counted as --replay-step counts: watch.steps.RunSteps) the skipping ends and DIR's state is
-loaded (ReplaySession: root modules' weights and buffers, optimizers' state, random generators),
-so from step N on the run is the one DIR was recorded from.
+loaded (ReplaySession: root modules' weights and buffers, optimizers' state, GradScalers' loss
+scale and growth tracker, random generators), so from step N on the run is the one DIR was recorded
+from. The skipped steps' gradients (zeros where a skipped op made them) overflow otherwise than the
+real ones, so until then a GradScaler's scale is not the recorded run's (mostly it grows, never
+backed off); DIR's replaces it at step N (a DIR recorded before npukit recorded scalers leaves it
+so, and the run says so).
 
-What is not in DIR comes from the skipped steps: a GradScaler's loss scale (zero gradients never
-overflow, so it is the scale the script's first steps would grow to), state the script keeps
-outside its modules and optimizers, and decisions the script made on values (an early stop on the
-loss, an assert on it). A script that fails on the zeros, or ends before step N, fails: the run
+What is not in DIR comes from the skipped steps: state the script keeps outside its modules,
+optimizers and scalers, and decisions the script made on values (an early stop on the loss, an
+assert on it). A script that fails on the zeros, or ends before step N, fails: the run
 says so (npu-compare --localize then re-runs from the beginning).
 """
 

@@ -26,14 +26,32 @@ do; a single process uses DIR itself.
 
 From a later step (`start_step=N`, npu-run's `--replay-step N`): the same, at the start of step N
 instead of the run's (when step N-1 ends, as watch.steps.RunSteps ends steps, the monitor's count):
-every root module's state and every optimizer's state (Adam's moments, its step count, SGD's
-momentum) are saved, or loaded in place, and the batches and forward arguments counted from there.
+every root module's state, every optimizer's state (Adam's moments, its step count, SGD's
+momentum) and every GradScaler's (below) are saved, or loaded in place, and the batches and forward
+arguments counted from there.
 Without an optimizer (weights updated by hand) step N starts as the first root module starts its
 forward for step N (with gradients): the state is taken there, after step N-1's update, and the
 DataLoader batches taken after step N-1's forward began (the loop takes step N's before its forward)
 are step N's. So an NPU run whose weights drifted over N steps computes step N from the golden run's
 state: its dump of step N shows what step N's own ops do, not what N steps accumulated (npu-compare
 --trend --localize relies on it).
+
+GradScalers (torch.amp.GradScaler and its subclasses, enabled): those the script stepped before step N,
+as watch.scaler_steps sees their GradScaler.step, in the order of their first step; each one's loss
+scale and growth tracker (tensors on its device, stored as .npy files; its growth and backoff factors
+and interval are the script's and stay live). A replaying run loads them in place into its own
+scalers, matched in that order (a scaler whose first scale() is still to come takes them as its
+initial values). The replaying run takes the recorded run's scale, not its own, for the reason it takes
+the optimizer's state: step N computes from it. The scale multiplies every gradient of step N's
+backward and decides whether step N's update is skipped (an fp16 overflow), and its value is what the
+steps before did (each overflow halved it): an NPU run computing step N from the golden state with its
+own scale would scale, overflow and skip as its own N steps left it, not as step N's ops do. With the
+golden scale both runs start step N alike, and a step only the NPU run skips is one whose fp16
+gradients overflow at the scale the golden run had. (Under --localize the NPU re-run is fast-forwarded:
+its own scale would not even be its real run's, but what the skipped steps' zero gradients grew.) At
+step 0 nothing is recorded: a scaler starts from the script's own init_scale in both runs. A directory
+recorded before scalers were (no "scalers" in replay.json) loads the rest and, when the run uses a
+GradScaler, says so once.
 
 Random number generators: at the same point (the first root forward of the run, or step N's start)
 the states of the global generators are recorded and set back -- torch's CPU generator, each npu
@@ -132,6 +150,7 @@ class ReplaySession:
         self.replayed_modules = 0
         self.replayed_batches = 0
         self.replayed_optimizers = 0
+        self.replayed_scalers = 0
         self.start_step = start_step
         self._steps_ended = 0
         self._active = start_step == 0  # recording or replaying (from the first forward, or step N's start)
@@ -216,7 +235,7 @@ class ReplaySession:
 
     def _step_state(self) -> None:
         """Record (into the manifest) or load the state a step starts from: every root module's,
-        every optimizer's and the global generators'."""
+        every optimizer's, every GradScaler's and the global generators'."""
         with torch._C.DisableTorchFunction(), torch.no_grad():
             for index, module in enumerate(self._root_refs):  # (in the order _roots numbered them)
                 if self.replaying:
@@ -228,6 +247,11 @@ class ReplaySession:
                 self._load_optimizers(optimizers)
             else:
                 self._manifest["optimizers"] = [self._encode_optimizer(optimizer) for optimizer in optimizers]
+            scalers = self._step_watch.scalers()
+            if self.replaying:
+                self._load_scalers(scalers)
+            else:
+                self._manifest["scalers"] = [self._encode_scaler(scaler) for scaler in scalers]
             self._generators()
 
     def _encode_optimizer(self, optimizer) -> dict:
@@ -275,6 +299,43 @@ class ReplaySession:
                         else:
                             live[key] = value
             self.replayed_optimizers += 1
+
+    # ---------------------------------------------------------------- GradScalers
+    def _encode_scaler(self, scaler) -> dict:
+        """Its loss scale and growth tracker, tensors on its device (a scaler that stepped has them: its
+        step() requires them); its growth and backoff factors and interval are the script's and stay live."""
+        return {"class": type(scaler).__name__, "scale": self._encode(scaler._scale),
+                "growth_tracker": self._encode(scaler._growth_tracker)}
+
+    def _load_scalers(self, scalers: list) -> None:
+        """In place, on each scaler's device; one whose first scale() is still to come (no tensors yet)
+        takes the recorded values as its initial ones, as GradScaler.load_state_dict does, and its
+        first scale() creates its tensors from them."""
+        saved = self._manifest.get("scalers")
+        if saved is None:
+            if scalers:
+                print(f"npukit replay: {self.directory / MANIFEST} holds no GradScaler state (recorded by an earlier "
+                      f"npukit): the loss scale and growth tracker from step {self.start_step} on are this run's "
+                      "own; record the directory again to have them replayed", file=sys.stderr)
+            return
+        if len(saved) != len(scalers):
+            raise UserError(f"replay: {self.directory} holds the state of {len(saved)} GradScaler(s) at the start of "
+                            f"step {self.start_step}; this run has stepped {len(scalers)}: was it recorded with the "
+                            "same script?")
+        for scaler, recorded in zip(scalers, saved):
+            if recorded["class"] != type(scaler).__name__:
+                raise UserError(f"replay: the GradScaler recorded in {self.directory} was a {recorded['class']}, "
+                                f"now it is a {type(scaler).__name__}")
+            live = {"scale": scaler._scale, "growth_tracker": scaler._growth_tracker}
+            values = {key: self._decode(recorded[key], tensor if tensor is not None else torch.empty(0))
+                      for key, tensor in live.items()}
+            if any(tensor is None for tensor in live.values()):
+                scaler._init_scale = float(values["scale"])
+                scaler._init_growth_tracker = int(values["growth_tracker"])
+            else:
+                for key, tensor in live.items():
+                    tensor.copy_(values[key].reshape(tensor.shape))
+            self.replayed_scalers += 1
 
     # ---------------------------------------------------------------- random number generators
     def _generators(self) -> None:
@@ -638,7 +699,7 @@ def _check_manifest(manifest: dict, path: Path) -> None:
         elif not isinstance(value.get("other"), str):
             fail(where, "expected one of tensor, list, dict or other")
 
-    for field in ("modules", "forward_inputs", "batches", "optimizers"):
+    for field in ("modules", "forward_inputs", "batches", "optimizers", "scalers"):
         if not isinstance(manifest.get(field, []), list):
             fail(field, "must be a list")
     start = manifest.get("start_step", 0)
@@ -658,6 +719,14 @@ def _check_manifest(manifest: dict, path: Path) -> None:
                         fail(f"{where}.state[{number}][{key!r}]", "a value is a number, a boolean or null")
                 else:
                     encoded(value, f"{where}.state[{number}][{key!r}]")
+    for index, scaler in enumerate(manifest.get("scalers", [])):
+        where = f"scalers[{index}]"
+        if not isinstance(scaler, dict) or not isinstance(scaler.get("class"), str):
+            fail(where, "expected an object with a class name, scale and growth_tracker")
+        for key in ("scale", "growth_tracker"):
+            encoded(scaler.get(key), f"{where}.{key}")
+            if "tensor" not in scaler[key] or scaler[key]["shape"] not in ([], [1]):
+                fail(f"{where}.{key}", "expected a tensor of one number")
     for index, module in enumerate(manifest.get("modules", [])):
         where = f"modules[{index}]"
         if not isinstance(module, dict) or not isinstance(module.get("class"), str) \

@@ -107,3 +107,44 @@ def test_a_broken_or_foreign_checkpoint_is_named(recorded):
         latest_checkpoint(monitor, 5)
     with pytest.raises(UserError, match=r"step-3/replay.json: no such file"):
         FastForwardSession(monitor / "checkpoints" / "step-3")
+
+
+def amp_training(seed, sessions=(), steps=7):
+    """fp16 autocast on the npu under a GradScaler that starts too high (its first steps' fp16 gradients
+    overflow and it backs off) and grows every 2 steps: the scale and growth tracker each step starts
+    with (and the losses) depend on what the steps before computed."""
+    torch.manual_seed(seed)
+    with contextlib.ExitStack() as stack:
+        entered = [stack.enter_context(session) for session in sessions]
+        # no biases: all gradients come from matrix products, zero-filled while fast-forwarded
+        model = nn.Sequential(nn.Linear(4, 16, bias=False), nn.Tanh(), nn.Linear(16, 2, bias=False)).to("npu")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        scaler = torch.amp.GradScaler("npu", init_scale=2.0**18, growth_interval=2)
+        data = torch.Generator().manual_seed(seed)
+        losses, scales = [], []
+        for _ in range(steps):
+            scales.append((scaler.get_scale(), scaler._get_growth_tracker()))
+            x, y = torch.randn(4, 4, generator=data).to("npu"), torch.randn(4, 2, generator=data).to("npu")
+            with torch.autocast("npu", dtype=torch.float16):
+                loss = F.mse_loss(model(x), y)
+            optimizer.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            losses.append(loss.item())
+    return losses, scales, entered
+
+
+def test_a_run_fast_forwarded_under_a_grad_scaler_starts_the_step_with_the_recorded_scale(tmp_path, npu):
+    """The fast-forwarded steps' zero gradients overflow otherwise than the real ones: the checkpoint's
+    loss scale and growth tracker, loaded at its step, make steps 3 on scale and skip as recorded."""
+    losses, scales, _ = amp_training(1, [StepCheckpoints(tmp_path / "mon", 3)])
+    assert len(set(scales[:4])) == 4  # the state changes step by step (backed off twice, then counting)
+    manifest = json.loads((tmp_path / "mon" / "checkpoints" / "step-3" / "replay.json").read_text())
+    assert len(manifest["scalers"]) == 1
+    fast_losses, fast_scales, (session,) = amp_training(
+        1, [FastForwardSession(tmp_path / "mon" / "checkpoints" / "step-3")])
+    assert session.skipped_ops > 0 and fast_losses[:3] != losses[:3]
+    assert fast_scales[:3] != scales[:3]  # zero gradients never overflow: the scale grew instead
+    assert fast_scales[3:] == scales[3:]
+    assert fast_losses[3:6] == losses[3:6]

@@ -2,8 +2,13 @@
 
 import contextlib
 import gc
+import io
 import json
 import random
+import re
+import runpy
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -435,3 +440,126 @@ def test_a_tensor_file_that_disagrees_with_replay_json_names_replay_json(tmp_pat
     np.save(tmp_path / weight["tensor"], np.zeros((2, 2), dtype=np.float32))
     with pytest.raises(UserError, match=r"holds shape \[2, 2\] but replay.json says \[8, 4\]"):
         script(2, tmp_path)
+
+
+AMP_TRAIN = '''\
+import sys
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+seed, init_scale = int(sys.argv[1]), float(sys.argv[2])
+torch.manual_seed(seed)
+model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 2)).to("npu")
+optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+scaler = torch.amp.GradScaler("npu", init_scale=init_scale, growth_interval=2)
+data = torch.Generator().manual_seed(0)  # the same batches in every run (the targets are not replayed)
+for step in range(6):
+    scale, tracker = scaler.get_scale(), scaler._get_growth_tracker()
+    x, y = torch.randn(4, 4, generator=data).to("npu"), torch.randn(4, 2, generator=data).to("npu")
+    with torch.autocast("npu", dtype=torch.float16):
+        loss = F.mse_loss(model(x), y)
+    optimizer.zero_grad()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    print("step", step, "scale", scale, "tracker", tracker, "loss", repr(loss.item()),
+          "weight", repr(model[0].weight.double().sum().item()), flush=True)
+'''
+
+
+def amp_steps(output: str) -> dict[int, dict[str, str]]:
+    """step -> the scale and growth tracker it started with, its loss, the first weight after its update."""
+    return {int(step): {"scale": scale, "tracker": tracker, "loss": loss, "weight": weight}
+            for step, scale, tracker, loss, weight in
+            re.findall(r"^step (\d+) scale (\S+) tracker (\S+) loss (\S+) weight (\S+)$", output, re.M)}
+
+
+@pytest.mark.slow  # (two npu-run processes: about 20 s)
+def test_replay_from_a_later_step_starts_it_with_the_recorded_grad_scalers_state(tmp_path):
+    """fp16 autocast under a GradScaler: --replay-step 3 records the scaler's loss scale and growth
+    tracker at step 3's start with the weights, and a run with another history of its own (other
+    weights, another initial scale) computes step 3 with them: the same loss scale and update, and from
+    there the same scale history and overflows (step 5's update skipped in both)."""
+    (tmp_path / "train.py").write_text(AMP_TRAIN)
+
+    def npu_run(*args):
+        run = subprocess.run([sys.executable, "-m", "npukit.run", "--replay", "state", "--replay-step", "3",
+                              "train.py", *args], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        return amp_steps(run.stdout)
+
+    recorded = npu_run("0", str(2.0**18))
+    assert len({(recorded[step]["scale"], recorded[step]["tracker"]) for step in range(4)}) == 4  # backs off, grows
+    assert recorded[3]["tracker"] != "0"
+    manifest = json.loads((tmp_path / "state" / "replay.json").read_text())
+    assert [scaler["class"] for scaler in manifest["scalers"]] == ["GradScaler"]
+    replayed = npu_run("1", str(2.0**10))
+    assert replayed[0]["scale"] == str(2.0**10) and replayed[0]["loss"] != recorded[0]["loss"]  # its own steps 0-2
+    assert recorded[5]["weight"] == recorded[4]["weight"]  # step 5's fp16 gradients overflowed: no update
+    for step in (3, 4, 5):
+        assert replayed[step] == recorded[step]  # scale, tracker, loss and update (or its skip)
+
+
+def run_amp_script(folder, seed, init_scale, monkeypatch):
+    """AMP_TRAIN (in tmp_path/train.py) run in this process under a ReplaySession of step 3: (its steps, the session)."""
+    monkeypatch.setattr(sys, "argv", ["train.py", str(seed), str(init_scale)])
+    printed = io.StringIO()
+    with ReplaySession(folder, start_step=3) as session, contextlib.redirect_stdout(printed):
+        runpy.run_path(str(folder.parent / "train.py"), run_name="__main__")
+    return amp_steps(printed.getvalue()), session
+
+
+@pytest.fixture
+def amp_recording(tmp_path, npu, monkeypatch):
+    """The state at step 3's start of AMP_TRAIN, recorded in tmp_path/state, and the recorded run's steps."""
+    (tmp_path / "train.py").write_text(AMP_TRAIN)
+    recorded, _ = run_amp_script(tmp_path / "state", 0, 2.0**18, monkeypatch)
+    return tmp_path / "state", recorded
+
+
+def test_a_recording_without_grad_scaler_state_replays_the_rest_and_says_so_once(amp_recording, monkeypatch,
+                                                                                 capsys):
+    """A folder recorded before GradScalers' states were (an older npukit) replays the rest; the loss scale
+    is the run's own, said once, and only by a run that uses a GradScaler."""
+    folder, recorded = amp_recording
+    manifest = json.loads((folder / "replay.json").read_text())
+    del manifest["scalers"]
+    (folder / "replay.json").write_text(json.dumps(manifest))
+    capsys.readouterr()
+    replayed, session = run_amp_script(folder, 1, 2.0**10, monkeypatch)
+    assert session.replayed_modules == 1 and session.replayed_optimizers == 1 and session.replayed_scalers == 0
+    assert replayed[3]["loss"] == recorded[3]["loss"] and replayed[3]["scale"] != recorded[3]["scale"]
+    err = capsys.readouterr().err
+    assert err.count("holds no GradScaler state") == 1 and "this run's own" in err
+    training(1, folder.parent / "plain", 3)  # Adam, no GradScaler
+    manifest = json.loads((folder.parent / "plain" / "replay.json").read_text())
+    assert manifest["scalers"] == []
+    del manifest["scalers"]
+    (folder.parent / "plain" / "replay.json").write_text(json.dumps(manifest))
+    training(2, folder.parent / "plain", 3)
+    assert "GradScaler" not in capsys.readouterr().err
+
+
+def test_a_grad_scaler_before_its_first_scale_takes_the_recorded_state_there(amp_recording):
+    """A scaler whose tensors its first scale() is still to create starts from the recorded scale and
+    growth tracker; scalers are matched in order, their count and class checked."""
+    folder, recorded = amp_recording
+    session = ReplaySession(folder, start_step=3)
+    scaler = torch.amp.GradScaler("npu", growth_interval=2)
+    session._load_scalers([scaler])
+    assert scaler._scale is None
+    assert scaler.scale(torch.ones((), device="npu")).item() == float(recorded[3]["scale"])
+    assert scaler._scale.device.type == "npu" and scaler._get_growth_tracker() == int(recorded[3]["tracker"])
+    with pytest.raises(UserError, match=r"state of 1 GradScaler\(s\) at the start of step 3; this run has stepped 2"):
+        session._load_scalers([scaler, torch.amp.GradScaler("npu")])
+
+    class OtherScaler(torch.amp.GradScaler):
+        pass
+
+    with pytest.raises(UserError, match="was a GradScaler, now it is a OtherScaler"):
+        session._load_scalers([OtherScaler("npu")])
+    manifest = json.loads((folder / "replay.json").read_text())
+    manifest["scalers"][0]["scale"] = {"other": "float"}
+    (folder / "replay.json").write_text(json.dumps(manifest))
+    with pytest.raises(UserError, match=r"replay.json: scalers\[0\].scale: expected a tensor of one number"):
+        ReplaySession(folder, start_step=3)
