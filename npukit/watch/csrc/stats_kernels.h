@@ -25,6 +25,7 @@ typedef uint16_t v8u16 __attribute__((vector_size(16)));
 typedef uint32_t v8u32 __attribute__((vector_size(32)));
 /* the same vectors read from any address (memcpy into an array of vectors compiled to a byte loop) */
 typedef float v8f_unaligned __attribute__((vector_size(32), aligned(1), may_alias));
+typedef uint32_t v8u32_unaligned __attribute__((vector_size(32), aligned(1), may_alias));
 typedef uint16_t v8u16_unaligned __attribute__((vector_size(16), aligned(1), may_alias));
 
 typedef struct {
@@ -49,17 +50,18 @@ static inline double lane_sum(const v8f &v) {
     return s;
 }
 
-/* LOAD8 turns 8 elements of the buffer's type into floats; UNROLL vectors a step. Each sum has
+/* LOAD_STEP turns a step's LANES * UNROLL elements of the buffer's type into UNROLL float vectors
+ * (in any order: a step's statistics do not depend on it), LOAD8 the 8 elements of the tail's
+ * vectors; ATTRIBUTES: the targets it is compiled for. Each sum has
  * UNROLL accumulators (with one, each vector waits for the previous one's add). Max and min have
  * one accumulator each, fed the step's vectors reduced among themselves first, so a step waits for
  * one dependent max (4 cycles), not one per vector (the previous kernel's limit: two per 128 bytes,
  * ~35 GB/s on data in L2). Each lane of each sum adds BLOCK elements in float; the blocks' sums go
  * to double as vectors (a lane-by-lane chain of double adds per block cost as much as its loads).
  * The fp16 and bf16 loads convert as vectors (an unrolled per-lane conversion was not vectorised,
- * and one vector a step ran at ~9 GB/s). x86-64-v3 adds AVX2 and FMA. */
-#define DEFINE_FLOAT_KERNEL(NAME, TYPE, LOAD8, TO_FLOAT)                                        \
-    __attribute__((target_clones("arch=x86-64-v3", "default"))) static Stats NAME(const TYPE *data, \
-                                                                                  Py_ssize_t n) {     \
+ * and one vector a step ran at ~9 GB/s). */
+#define DEFINE_FLOAT_KERNEL(NAME, ATTRIBUTES, TYPE, LOAD_STEP, LOAD8, TO_FLOAT)                 \
+    ATTRIBUTES static Stats NAME(const TYPE *data, Py_ssize_t n) {                             \
         Stats out;                                                                             \
         float first = TO_FLOAT(data[0]);                                                       \
         v8f vmax = {first, first, first, first, first, first, first, first}, vmin = vmax;      \
@@ -75,7 +77,7 @@ static inline double lane_sum(const v8f &v) {
                 v8f v[UNROLL];                                                                 \
                 __builtin_prefetch((const char *)(data + i) + PREFETCH);                       \
                 __builtin_prefetch((const char *)(data + i) + PREFETCH + 64);                  \
-                for (int u = 0; u < UNROLL; u++) LOAD8(v[u], data + i + u * LANES, TO_FLOAT);  \
+                LOAD_STEP(v, data + i);                                                        \
                 v8f hi = v[0], lo = v[0];                                                      \
                 for (int u = 1; u < UNROLL; u++) {                                             \
                     hi = v[u] > hi ? v[u] : hi;                                                \
@@ -152,24 +154,66 @@ static inline float f16_to_float(uint16_t bits) {
     do {                                                                                       \
         v8u16 half = *(const v8u16_unaligned *)(p);                                            \
         v8u32 bits = __builtin_convertvector(half, v8u32);                                     \
-        v8u32 magnitude = (bits & 0x7fffu) << 13;                                              \
+        F16_BITS_TO_FLOAT(v, bits);                                                            \
+    } while (0)
+
+/* A step's vectors, a vector a load. */
+#define STEP_F32(v, p)                                                                         \
+    for (int u = 0; u < UNROLL; u++) LOAD_F32((v)[u], (p) + u * LANES, F32_TO_FLOAT)
+
+/* A step of 16-bit elements, two vectors a 32-byte load: each 32-bit lane holds two elements, the
+ * low halves make one vector and the high halves another. Widening 8 elements into 32-bit lanes in
+ * order took four shuffle-port instructions a vector, the 16-bit kernels' limit (~6 G elements/s
+ * for bf16, ~3.4 with fp16's conversion, float32's kernel 11); these are a shift and a mask. */
+#define STEP_BF16(v, p)                                                                        \
+    for (int u = 0; u < UNROLL; u += 2) {                                                      \
+        v8u32 pair = *(const v8u32_unaligned *)((p) + u * LANES);                              \
+        (v)[u] = (v8f)(pair << 16);                                                            \
+        (v)[u + 1] = (v8f)(pair & 0xffff0000u);                                                \
+    }
+
+/* IEEE half bits, zero-extended into 32-bit lanes, as floats: f16_to_float on 8 lanes. */
+#define F16_BITS_TO_FLOAT(v, bits)                                                             \
+    do {                                                                                       \
+        v8u32 magnitude = ((bits) & 0x7fffu) << 13;                                            \
         v8f value = (v8f)magnitude * 0x1.0p112f;                                               \
         v8u32 wide = (v8u32)value;                                                             \
         const v8f top = {65536.0f, 65536.0f, 65536.0f, 65536.0f, 65536.0f, 65536.0f, 65536.0f, 65536.0f}; \
         wide |= (v8u32)(value >= top) & (255u << 23);                                          \
-        wide |= (bits & 0x8000u) << 16;                                                        \
+        wide |= ((bits) & 0x8000u) << 16;                                                      \
         (v) = (v8f)wide;                                                                       \
     } while (0)
 
-DEFINE_FLOAT_KERNEL(stats_f32, float, LOAD_F32, F32_TO_FLOAT)
-DEFINE_FLOAT_KERNEL(stats_bf16, uint16_t, LOAD_BF16, bf16_to_float)
-DEFINE_FLOAT_KERNEL(stats_f16, uint16_t, LOAD_F16, f16_to_float)
+#define STEP_F16(v, p)                                                                         \
+    for (int u = 0; u < UNROLL; u += 2) {                                                      \
+        v8u32 pair = *(const v8u32_unaligned *)((p) + u * LANES);                              \
+        F16_BITS_TO_FLOAT((v)[u], pair & 0xffffu);                                             \
+        F16_BITS_TO_FLOAT((v)[u + 1], pair >> 16);                                             \
+    }
+
+/* F16C converts 8 halves in one instruction (exactly, inf and nan included). */
+#define STEP_F16C(v, p)                                                                        \
+    for (int u = 0; u < UNROLL; u++)                                                           \
+        (v)[u] = (v8f)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((p) + u * LANES)))
+
+/* x86-64-v3 adds AVX2 and FMA (and F16C, which the compiler's own half conversion does not use well) */
+#define CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+
+DEFINE_FLOAT_KERNEL(stats_f32, CLONES, float, STEP_F32, LOAD_F32, F32_TO_FLOAT)
+DEFINE_FLOAT_KERNEL(stats_bf16, CLONES, uint16_t, STEP_BF16, LOAD_BF16, bf16_to_float)
+DEFINE_FLOAT_KERNEL(stats_f16, CLONES, uint16_t, STEP_F16, LOAD_F16, f16_to_float)
+DEFINE_FLOAT_KERNEL(stats_f16c, __attribute__((target("avx2,fma,f16c"))), uint16_t, STEP_F16C, LOAD_F16,
+                    f16_to_float)
 
 typedef Stats (*RunKernel)(const void *data, Py_ssize_t n);
 
 static Stats run_f32(const void *data, Py_ssize_t n) { return stats_f32((const float *)data, n); }
 static Stats run_bf16(const void *data, Py_ssize_t n) { return stats_bf16((const uint16_t *)data, n); }
-static Stats run_f16(const void *data, Py_ssize_t n) { return stats_f16((const uint16_t *)data, n); }
+static Stats run_f16(const void *data, Py_ssize_t n) {
+    static const bool f16c =
+        __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    return f16c ? stats_f16c((const uint16_t *)data, n) : stats_f16((const uint16_t *)data, n);
+}
 
 /* Runs shorter than this cost more in per-run overhead than a contiguous copy does. */
 #define MIN_RUN 16
