@@ -391,6 +391,7 @@ class OverflowSession:
         check_output_location(self.out_dir, "--overflow-dir")
         self.action = action
         self.max_events = max_events
+        self._stopped_in_step: int | None = None  # --overflow-max reached there: later steps are not checked
         self.level = level
         self.capture_stack = stack
         self.rank = rank_from_env() if rank is None else rank
@@ -984,6 +985,7 @@ class OverflowSession:
             self._print_event(event)
         if len(self.events) >= self.max_events:
             self._print(f"[yellow]{self.max_events} overflow events recorded (--overflow-max): checking stops[/]")
+            self._stopped_in_step = self.step_index
             self._stop_checking()
         if self.action == "stop":
             self._stop_checking()  # the run ends here: what follows in this step is not another event
@@ -1086,7 +1088,12 @@ class OverflowSession:
             return
         first = self.events[0]
         where = first["name"] or "an op the detector does not see"
-        self._print(f"overflow check: {len(self.events)} event(s) in {steps} step(s); first: {where} "
+        # the steps after --overflow-max's last event ran unchecked: "in N steps" would count them
+        unchecked = self._stopped_in_step is not None and self._stopped_in_step + 1 < steps
+        checked = (f"{len(self.events)} event(s) in {steps} step(s)" if not unchecked else
+                   f"{len(self.events)} event(s) before checking stopped in step {self._stopped_in_step} "
+                   f"(--overflow-max {self.max_events}; the run had {steps} step(s))")
+        self._print(f"overflow check: {checked}; first: {where} "
                     f"(step {first['step']}, {first['direction'] or 'unknown direction'}"
                     f"{', in ' + _module_label(first) if first.get('module_class') else ''}); "
                     f"{len(self.skipped_steps)} step(s) skipped by GradScaler; details in {self._report_path()}"

@@ -282,13 +282,17 @@ def test_dump_action_writes_a_replayable_dump(tmp_path, npu):
     assert torch.isfinite(reference).all() and reference.abs().max() > 65504
 
 
-def test_max_events_stops_checking(tmp_path, npu):
+def test_max_events_stops_checking(tmp_path, npu, capsys):
     x = torch.full((2,), 1e4, dtype=torch.float16, device=npu)
-    with OverflowSession(tmp_path, max_events=2, console=False) as session:
+    with OverflowSession(tmp_path, max_events=2) as session:
         for _ in range(4):
             _ = x * 10.0  # each call is a new overflow
+            session.step()
     assert len(session.events) == 2
     assert json.loads((tmp_path / "overflow.json").read_text())["truncated"] is True
+    # the summary does not count the unchecked steps as checked ("2 event(s) in 4 step(s)")
+    assert "overflow check: 2 event(s) before checking stopped in step 1 (--overflow-max 2; the run had 4 step(s))" \
+        in capsys.readouterr().err
 
 
 def test_explicit_steps_and_per_rank_reports_merge_in_step_order(tmp_path, npu):
