@@ -29,10 +29,11 @@ class FindFixOptions:
 
 def run_compare(golden: Path, target: Path, csv_path: Path | None, json_path: Path | None,
                 html_path: Path | None, top: int, overrides: list[str], workers: int | None, console,
-                find_fix: FindFixOptions | None = None) -> int:
+                find_fix: FindFixOptions | None = None, result=None) -> int:
     """Returns the exit code: 1 when a divergence is found or the compare cannot say there is none (a
     dump an internal error switched off, less than most of either side paired, error rows no search
-    judged: CompareResult.problems()), else 0. The terminal, JSON and HTML reports say the same."""
+    judged: CompareResult.problems()), else 0. The terminal, JSON and HTML reports say the same.
+    result: the compare of the two dumps, when made already (--localize judged it before)."""
     if find_fix is not None and find_fix.max_runs < 1:
         raise UserError("--find-fix-runs: must be >= 1")
     if top < 0:
@@ -44,7 +45,8 @@ def run_compare(golden: Path, target: Path, csv_path: Path | None, json_path: Pa
         if path is not None and not path.parent.exists():
             raise UserError(f"{option}: directory {path.parent} does not exist")
     thresholds = Thresholds().with_overrides(overrides)
-    result = _compare_with_progress(golden, target, thresholds, workers, console)
+    if result is None:
+        result = _compare_with_progress(golden, target, thresholds, workers, console)
     print_terminal(result, console, top)
     fix = _find_fix(golden, target, result, find_fix, thresholds, console) if find_fix is not None else None
     for path, writer in ((csv_path, write_csv), (json_path, write_json)):

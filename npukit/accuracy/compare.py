@@ -177,6 +177,10 @@ class Divergence:
     # what kind of problem, where a fix depends on it: "lost-update" (an in-place update of a weight kept
     # in fp16/bf16 lost the golden run's change: fixes.py's fp32_master); "" otherwise
     kind: str = ""
+    # the difference reached the dumped ops from outside them (an input or weight no dumped op produced, a
+    # gradient changed between dumped ops or made by none): a dump of one module's subtree (--localize)
+    # reads what the modules around it did as such
+    outside: bool = False
 
 
 @dataclass
@@ -1193,7 +1197,8 @@ def find_divergence(pair_label: str, pairs: list, rows: list[Row], golden: RankD
                           f" output error {_fmt(out_err)}. If the runs were not seeded alike (scripts that never"
                           " call manual_seed start from other weights each run), run both with `npu-run --seed N`;"
                           " a data difference: `--replay DIR`")
-            return _make_divergence(pair_label, target_entry, golden_entry, reason, target, in_err, out_err)
+            return _make_divergence(pair_label, target_entry, golden_entry, reason, target, in_err, out_err,
+                                    outside=True)
         # A product whose result is far smaller than its operands (a 128->1 value head near 0) grows
         # their relative error by that ratio: the error it is expected to give.
         explained = in_err * _product_condition(target_entry, inputs, outputs)
@@ -1666,6 +1671,7 @@ def _divergence(pair_label, found, golden, target, out_err) -> Divergence:
         entry=name,
         golden_entry=name if side == "golden-only" else None,
         reason=reason,
+        outside=side not in ("target-only", "golden-only", "parent-code"),
         module_path=entry_module_path(entry, dump) if entry else None,
         stack=entry_stack(entry, dump) if entry else [],
         input_error=0.0,
@@ -1674,12 +1680,14 @@ def _divergence(pair_label, found, golden, target, out_err) -> Divergence:
     )
 
 
-def _make_divergence(pair_label, target_entry, golden_entry, reason, target, in_err, out_err) -> Divergence:
+def _make_divergence(pair_label, target_entry, golden_entry, reason, target, in_err, out_err,
+                     outside: bool = False) -> Divergence:
     return Divergence(
         pair=pair_label,
         entry=target_entry.name,
         golden_entry=golden_entry.name,
         reason=reason,
+        outside=outside,
         module_path=entry_module_path(target_entry, target),
         stack=entry_stack(target_entry, target),
         input_error=in_err,

@@ -178,6 +178,7 @@ class _ParameterTensors:
         """parameters(): each parameter with the other tensors that are its own (its state)."""
         self._parameters = parameters
         self._keys: dict[int, tuple] = {}  # id(tensor) -> (weakref, parameter position)
+        self._owners: list = []  # weakref of the parameter at each position
         self.count = self._scan()
         self._bases: dict[str, int] = {}
         self._calls: dict[tuple[str, int], int] = {}
@@ -214,6 +215,8 @@ class _ParameterTensors:
             if held is not None and held[0]() is parameter and held[1] < count:
                 continue  # a parameter two modules share: its first position
             self.adopt(parameter, count)
+            # (a scan again after the state was loaded: replay's, a checkpoint's, may hold new parameters)
+            self._owners[count:count + 1] = [weakref.ref(parameter)]
             if parameter.grad is not None:
                 self.adopt(parameter.grad, count)
             for tensor in own:
@@ -248,6 +251,9 @@ class _ParameterTensors:
                 return None
             keys.append(found)
         return keys
+
+    def parameter(self, key: int) -> torch.Tensor | None:
+        return self._owners[key]() if key < len(self._owners) else None
 
     def element_name(self, api: str, key: int, counter: naming.CallCounter) -> tuple[str, tuple[int, int]]:
         """The entry name of parameter `key`'s element of this call of `api`, and its place."""
@@ -678,8 +684,14 @@ class DumpSession:
         stack_id = self._stack_id()
         count = len(keys)
         entries: list[_Entry | None] = []
+        # under --dump-scope, the elements of the parameters of the modules in it (an optimizer's step
+        # runs in no module: its per-tensor ops are left out, its foreach ops kept for those parameters)
+        scoped = self._parameter_paths() if self.scope is not None else None
         for k, key in enumerate(keys):
             name, place = tensors.element_name(api, key, record.counter)
+            if scoped is not None and not self._in_scope(scoped.get(id(tensors.parameter(key)), "\0")):
+                entries.append(None)
+                continue
             if not self._name_selected(name):
                 entries.append(None)
                 continue
@@ -700,6 +712,11 @@ class DumpSession:
                 entry.data["output"] = self._describe_output(value, entry.name)
                 record.place(entry)
         return output
+
+    def _parameter_paths(self) -> dict[int, str]:
+        """id(parameter) -> the path of its module, for the modules seen."""
+        return {id(parameter): path for module, path in list(self._paths.items())
+                for parameter in module._parameters.values() if parameter is not None}
 
     def _pass_through(self, api: str, func, args, kwargs):
         """Run an api the op set leaves out. Its outputs carry where its (first) input was recorded:

@@ -272,6 +272,7 @@ class TrialRunner:
         self.golden = golden
         self.launcher, arguments = npu_run_launcher(command)
         self.arguments = _without_dump(arguments)
+        self.scoped = dumps_a_scope(arguments)
         self.work = work
         self.anchor = divergence_entry
         self.thresholds = thresholds
@@ -291,19 +292,22 @@ class TrialRunner:
             tail = (completed.stderr.strip().splitlines() or ["(no output)"])[-1]
             trial = Trial(changes, False, None, None, f"the run failed (exit {completed.returncode}): {tail}")
         else:
-            trial = judge(compare_dirs(self.golden, dump, self.thresholds), changes, self.anchor)
+            trial = judge(compare_dirs(self.golden, dump, self.thresholds), changes, self.anchor, self.scoped)
         self.trials.append(trial)
         if self.on_trial is not None:
             self.on_trial(trial)
         return trial
 
 
-def judge(result: CompareResult, changes: list[FixChange], anchor: str) -> Trial:
+def judge(result: CompareResult, changes: list[FixChange], anchor: str, scoped: bool = False) -> Trial:
     """Fixed: the compare names no divergence and leaves no error row unjudged, and the loss (the
     last step's last forward output) is within the warn limit of the run's loosest dtype class (an
     fp16 run's loss carries its logits' rounding). Error rows the search judged as carried, not
     amplified, do not count: a fill made finite differs from golden's -inf where it is masked, and
-    nothing downstream sees it. Errors shown: the anchor op's output and the loss."""
+    nothing downstream sees it. Errors shown: the anchor op's output and the loss.
+    scoped: the dumps hold one module's subtree (`--dump-scope`, as --localize dumps it): a divergence
+    the compare says came from outside the dumped ops (the gradient the undumped modules after it
+    send into it, carrying their fp16 rounding) is not the subtree's own and does not count."""
     rows = result.rows
     at_anchor = max((row.error or 0.0 for row in rows if row.target_entry == anchor and row.role == "output"),
                     default=None)
@@ -320,10 +324,14 @@ def judge(result: CompareResult, changes: list[FixChange], anchor: str) -> Trial
     loss_error = None if loss is None else (loss.error or 0.0)
     limit = max(result.thresholds.limits(row.dtype_class).warn_rel_l2 for row in rows) if rows else 0.0
     divergences = [pair.divergence for pair in result.pairs if pair.divergence]
+    own = [divergence for divergence in divergences if not (scoped and divergence.outside)]
     errors = result.counts()[ERROR]
     note = f"first divergence {divergences[0].entry}" if divergences else f"no divergence, {errors} error rows"
-    fixed = not result.failed() and (loss_error is None or loss_error <= limit)
-    if not result.failed() and not fixed:
+    if divergences and not own:
+        note += " (from outside the dumped subtree)"
+    failed = bool(own) or bool(result.problems())
+    fixed = not failed and (loss_error is None or loss_error <= limit)
+    if not failed and not fixed:
         note += f", loss error above {limit:g}"
     return Trial(changes, fixed, at_anchor, loss_error, note)
 
@@ -339,6 +347,13 @@ def _without_dump(arguments: list[str]) -> list[str]:
         raise UserError("--find-fix: the command must replay the recorded step (npu-run --replay DIR ...), "
                         "so every trial runs on the same weights and batches as the NPU dump")
     return arguments
+
+
+def dumps_a_scope(arguments: list[str]) -> bool:
+    """npu-run's arguments dump a module subtree (--dump-scope)."""
+    from npukit.launch_options import option_spans
+
+    return any(option[0].split("=", 1)[0] == "--dump-scope" for option in option_spans(arguments)[0])
 
 
 def npu_run_launcher(command: list[str], option: str = "--find-fix") -> tuple[list[str], list[str]]:
@@ -422,7 +437,7 @@ def run_find_fix(golden: Path, target: Path, result: CompareResult, command: lis
     """The fix finder's search, or None when the compare leaves nothing to fix (no divergence,
     no unjudged error row, the loss within tolerance)."""
     anchor = anchor_entry(result)
-    before = judge(result, [], anchor[1]) if anchor is not None else None
+    before = judge(result, [], anchor[1], dumps_a_scope(npu_run_launcher(command)[1])) if anchor is not None else None
     if before is None or before.fixed:
         return None  # nothing to fix
     anchor_name = anchor[1]
