@@ -10,12 +10,25 @@ the user's npu-run command then make step S comparable on its own:
    drifted, and step S would differ from its first op on; from the golden state, what differs is
    what step S's own ops do.
 
-Both dump step S whole, not M's subtree alone: the gradient arriving at M's backward comes from the
-modules after it, and a dump without them reads a difference there (an fp16 head's rounding) as
-changed outside the dumped ops. Both stop once step S ended (`--stop-after-step S`): the rest of
-the run is not needed. The compare of the two dumps names the op; the fix finder re-runs the NPU
-command (with the same replay and step) with each candidate, so the fix it proves is proved on
-step S from the golden state.
+Both dump M's subtree only (`--dump-scope M`: M's and its sub-modules' calls, the ops they run, the
+optimizer's foreach updates of their parameters; the departure's record names M: a parameter's
+module, a module output's, trend.module_scope): a large model's whole step is gigabytes of tensors.
+Both stop once step S ended (`--stop-after-step S`): the rest of the run is not needed. When the
+compare of the two subtree dumps names its first divergence at an op of the subtree, that is the
+answer: the fix finder re-runs the NPU command (with the same replay, step and scope) with each
+candidate, so the fix it proves is proved on step S from the golden state (a trial's divergence
+the compare says came from outside the subtree, the undumped modules' rounding reaching it, is not
+the subtree's: fix_finder.judge). The subtree cannot answer, and both re-runs are made again dumping step S whole (said once, with why), when:
+
+- the compare says the difference came into the subtree from outside the dumped ops
+  (Divergence.outside: M's forward input already differs, or the gradient arriving at M's backward,
+  which the modules after M compute: an fp16 head's rounding);
+- it names no divergence of the subtree's own (the step's may lie outside it: an optimizer that
+  updates weights one by one runs in no module, so its ops are not in a scope);
+- the departure names no module (the loss, the gradient norm, a root module's own parameter), or
+  the dump holds no call of M (a root module's output is named by its class).
+
+The subtree's dumps are then kept in `subtree/` beside the whole step's.
 
 The steps before S are fast-forwarded (`--fast-forward`, fast_forward.py: the script's loop runs, its
 heavy ops skipped): the NPU re-run to S, where it loads the golden state anyway; the golden re-run to
@@ -27,6 +40,7 @@ once and made again from the beginning, every step computed.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -44,11 +58,12 @@ _REPLACED = ("--dump", "--dump-mode", "--dump-level", "--dump-steps", "--dump-sc
 
 
 def rerun_commands(command: list[str], step: int, work: Path, golden_from: Path | None = None,
-                   npu_fast_forward: bool = False) -> tuple[list[str], list[str]]:
+                   npu_fast_forward: bool = False, scope: str | None = None) -> tuple[list[str], list[str]]:
     """(the golden re-run, the NPU re-run) of the user's npu-run command to `step`, dumping that step
     into work/golden and work/npu. golden_from: a golden monitor's checkpoint the golden re-run
     fast-forwards to and starts computing from; npu_fast_forward: the NPU re-run fast-forwards to
-    `step` (where it loads the golden state anyway)."""
+    `step` (where it loads the golden state anyway); scope: dump only that module's subtree
+    (`--dump-scope`), else the whole step."""
     from npukit.accuracy.fix_finder import npu_run_launcher
 
     launcher, arguments = npu_run_launcher(command, "--localize")
@@ -57,7 +72,8 @@ def rerun_commands(command: list[str], step: int, work: Path, golden_from: Path 
         raise UserError(f"--localize: {' '.join(command)!r} names no script to run")
     kept = [token for option in options if option[0].split("=", 1)[0] not in _REPLACED for token in option]
     common = ["--replay", str(work / "replay"), "--replay-step", str(step), "--dump-mode", "tensor",
-              "--dump-steps", str(step), "--stop-after-step", str(step)]
+              "--dump-steps", str(step), "--stop-after-step", str(step),
+              *(["--dump-scope", scope] if scope is not None else [])]
     golden_start = ["--fast-forward", str(golden_from)] if golden_from is not None else []
     npu_start = ["--fast-forward", str(work / "replay")] if npu_fast_forward else []
     golden = [*launcher, *kept, "--golden", *golden_start, *common, "--dump", str(work / "golden"), *script]
@@ -105,20 +121,56 @@ def fast_forwarded_rerun(fast: list[str], full: list[str], what: str, console, o
 
 def localize(departure, command: list[str], work: Path, console, find_fix_runs: int, top: int,
              workers: int | None, golden_monitor: Path | None = None) -> int:
-    """Re-run both sides at the departure's step, compare, find the fix. The compare's exit code.
-    golden_monitor: the golden run's monitor folder, whose checkpoints (--monitor-checkpoint-every)
-    the golden re-run starts from."""
+    """Re-run both sides at the departure's step, dumping its module's subtree (or the whole step:
+    see the module docstring), compare, find the fix. The compare's exit code. golden_monitor: the
+    golden run's monitor folder, whose checkpoints (--monitor-checkpoint-every) the golden re-run
+    starts from."""
     from npukit.accuracy.cli_compare import FindFixOptions, run_compare
-    from npukit.accuracy.step_checkpoints import latest_checkpoint
+    from npukit.accuracy.compare import compare_dirs
 
     if work.exists() and any(work.iterdir()):
         raise UserError(f"--localize-dir: {work} is not empty (it holds an earlier localization): "
                         "remove it or name another")
+    step, scope = departure.first_step, departure.scope
+    work.mkdir(parents=True, exist_ok=True)
+    result = None
+    if scope is None:
+        console.print(f"localize: the departure ({departure.what()}) names no module: dumping step {step} whole")
+    else:
+        console.print(f"localize: dumping step {step}'s {scope} subtree (npu-run --dump-scope {scope})")
+        npu = _reruns(departure, command, work, console, golden_monitor, scope)
+        widen = _why_whole(work, scope, step)
+        if widen is None:
+            result = compare_dirs(work / "golden", work / "npu", workers=workers)
+            widen = _outside(result, scope, step)
+        if widen is None:
+            console.print(f"localize: the first divergence is inside {scope}'s subtree: compared, and the fix "
+                          "found, on its dumps")
+        else:
+            console.print(f"localize: {widen}: dumping step {step} whole")
+            result = None
+            kept = work / "subtree"  # (small: kept for a look at what the subtree showed)
+            kept.mkdir()
+            for side in ("golden", "npu"):
+                (work / side).rename(kept / side)
+            shutil.rmtree(work / "replay")  # the golden re-run records it again
+    if result is None:
+        npu = _reruns(departure, command, work, console, golden_monitor, None)
+    fix = FindFixOptions(npu, max_runs=find_fix_runs, work=work / "find-fix", json_path=work / "find-fix.json")
+    return run_compare(work / "golden", work / "npu", None, work / "compare.json", work / "compare.html", top, [],
+                       workers, console, find_fix=fix, result=result)
+
+
+def _reruns(departure, command: list[str], work: Path, console, golden_monitor: Path | None,
+            scope: str | None) -> list[str]:
+    """The golden and the NPU re-run to the departure's step, each saying which path it took; the NPU
+    command that ran (the fix finder re-runs it)."""
+    from npukit.accuracy.step_checkpoints import latest_checkpoint
+
     step = departure.first_step
     checkpoint = latest_checkpoint(golden_monitor, step) if golden_monitor is not None else None
-    work.mkdir(parents=True, exist_ok=True)
-    golden_full, npu_full = rerun_commands(command, step, work)
-    golden_fast, npu_fast = rerun_commands(command, step, work, checkpoint[1] if checkpoint else None, True)
+    golden_full, npu_full = rerun_commands(command, step, work, scope=scope)
+    golden_fast, npu_fast = rerun_commands(command, step, work, checkpoint[1] if checkpoint else None, True, scope)
     where = f"step {step} (where {departure.module()} departs)"
     if checkpoint is None:
         console.print(f"localize: re-running the golden run to {where}, steps 0-{step} computed (its monitor "
@@ -133,10 +185,36 @@ def localize(departure, command: list[str], work: Path, console, find_fix_runs: 
         fast_forwarded_rerun(golden_fast, golden_full, "golden", console, [work / "golden", work / "replay"], folder)
     console.print(f"localize: re-running the NPU run to {where}: steps {_steps(0, step - 1)} fast-forwarded, "
                   f"step {step} computed from the golden state at its start")
-    npu = fast_forwarded_rerun(npu_fast, npu_full, "NPU", console, [work / "npu"])
-    fix = FindFixOptions(npu, max_runs=find_fix_runs, work=work / "find-fix", json_path=work / "find-fix.json")
-    return run_compare(work / "golden", work / "npu", None, work / "compare.json", work / "compare.html", top, [],
-                       workers, console, find_fix=fix)
+    return fast_forwarded_rerun(npu_fast, npu_full, "NPU", console, [work / "npu"])
+
+
+def _why_whole(work: Path, scope: str, step: int) -> str | None:
+    """Why the subtree dumps cannot be compared for the step: the golden one holds no call of the module
+    (a root module's output is named by its class, which no module path is)."""
+    from npukit.accuracy import naming
+    from npukit.files import load_json
+
+    for found in sorted((work / "golden").glob("*/*/dump.json")):
+        for name in load_json(found).get("data") or {}:
+            path = naming.module_path_of(name)
+            if path is not None and (path == scope or path.startswith(scope + ".")):
+                return None
+    return f"step {step}'s dump holds no call of a module {scope}"
+
+
+def _outside(result, scope: str, step: int) -> str | None:
+    """Why the subtree's compare does not answer, when it does not: it names no divergence of its own (the
+    step's may be outside the subtree: an optimizer updating weights one by one runs in no module), or its
+    first divergence came into the subtree from outside it (its forward input, the gradient arriving at
+    its backward)."""
+    divergences = [pair.divergence for pair in result.pairs if pair.divergence is not None]
+    if not divergences:
+        return f"{scope}'s subtree shows no divergence of its own at step {step} (its cause may lie outside it)"
+    outside = next((divergence for divergence in divergences if divergence.outside), None)
+    if outside is None:
+        return None
+    clause = re.split(r"[;:] |\. ", outside.reason, maxsplit=1)[0]
+    return f"the difference reaches {scope} from outside it ({outside.entry}: {clause})"
 
 
 def _steps(first: int, last: int) -> str:

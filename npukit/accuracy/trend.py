@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import csv
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -107,6 +108,9 @@ class Departure:
     npu: float
     half_width: float  # the band's at first_step
     peak: float = math.nan  # the most it was outside, in half-widths, over first_step .. last_step
+    # the module path `npu-run --dump-scope` takes for the record's module (module_scope); None: no module
+    # (the loss, the gradient norm, a root module's own parameter), so --localize dumps the whole step
+    scope: str | None = None
 
     def record(self) -> str:
         return f"{self.kind} {self.name}" if self.name else self.kind
@@ -136,6 +140,34 @@ class Departure:
             record[key] = value if math.isfinite(value) else str(value)
         record["module"] = self.module()
         return record
+
+
+_CALL = re.compile(r"(?P<path>.+)\.call\d+(?:\.\d+)?")  # a module's later call, and an output of several
+_OUTPUT = re.compile(r"(?P<path>.+)\.\d+")
+
+
+def module_scope(kind: str, name: str, records: list[tuple[str, str]]) -> str | None:
+    """The module path of a record's module, as `npu-run --dump-scope` and the dump name it, or None
+    when the record names no module (the loss, the gradient norm; a parameter of the model's root
+    module, whose subtree is the whole step). A parameter's record is `path.weight`; a module output's
+    `path`, `path.callN` (its N+1-th call in the step) with `.I` after it when the module returns
+    several tensors: `blocks.0` is module blocks.0, or blocks' first output when no record names
+    `blocks` itself (a module with one output would have it) and none names something under
+    `blocks.0.` (a child has its own parameters or children). A root module's output is named by its
+    class (its path is empty): that scope matches no module path, and --localize says so."""
+    if kind in SCALARS or not name:
+        return None
+    if kind in _PARAMETER_KINDS:
+        path = name.rpartition(".")[0]
+        # (a parameter of no module that ran: the monitor's `param_group{G}.{I}`)
+        return path if path and not re.fullmatch(r"param_group\d+", path) else None
+    called = _CALL.fullmatch(name)
+    if called:
+        return called["path"]
+    output = _OUTPUT.fullmatch(name)
+    if output and not any(other == output["path"] or other.startswith(name + ".") for _, other in records):
+        return output["path"]
+    return name
 
 
 @dataclass
@@ -521,7 +553,8 @@ def compare_trend(golden: Path, npu: Path, perturbed: Path | list[Path] | None =
                         rank, kind, name, "value" if kind in SCALARS else statistic, steps[begin], steps[end - 1],
                         *values, float(half[record, begin, stat_index]),
                         _peak(g[record, begin:end, stat_index], n[record, begin:end, stat_index],
-                              half[record, begin:end, stat_index])), record, stat_index))
+                              half[record, begin:end, stat_index]), module_scope(kind, name, records)),
+                        record, stat_index))
         if found:
             first = min(found, key=lambda d: d[:3])
             shown = (first[4], first[5])

@@ -94,6 +94,25 @@ def test_after_an_evaluation_before_training_the_monitor_the_dump_and_the_replay
     assert any(name.endswith(".backward") for name in dumped)  # a training step, not an evaluation forward
 
 
+
+def dumped_modules(rank_dump: Path) -> set[str]:
+    """The module path of every entry of a dump (a module's own, an api's module; "(root)" for an api
+    outside every module), the optimizer's foreach entries left out (foreach_entries)."""
+    from npukit.accuracy.compare import entry_module_path
+    from npukit.accuracy.dumpfile import OPTIMIZER, load_rank_dump
+
+    dump = load_rank_dump(rank_dump, rank_dump.name)
+    return {entry_module_path(entry, dump) for entry in dump.entries if entry.parent != OPTIMIZER}
+
+
+def foreach_entries(rank_dump: Path) -> dict[str, object]:
+    """The optimizer's foreach elements of a dump (`Torch._foreach_add_.2.forward`: parameter 2's) and
+    their tensors' values."""
+    import json
+
+    data = json.loads((rank_dump / "dump.json").read_text())["data"]
+    return {name: record for name, record in data.items() if name.startswith("Torch._foreach_")}
+
 BY_HAND = '''\
 import sys
 import torch
@@ -151,7 +170,7 @@ def test_the_reruns_replace_the_users_watching_options_and_keep_the_rest(tmp_pat
     golden, npu = rerun_commands(command, 40, tmp_path)
     for rerun in (golden, npu):
         options = rerun[rerun.index("npukit.run") + 1:rerun.index("train.py")]
-        for dropped in ("--monitor", "--monitor-every", "old", "--dump-scope"):  # the whole step is dumped
+        for dropped in ("--monitor", "--monitor-every", "old", "--dump-scope"):  # the user's scope is not the step's
             assert dropped not in options
         assert options[:4] == ["--seed", "0", "--devices", "2"]
         assert rerun[rerun.index("train.py"):] == ["train.py", "--epochs", "3", "--dump", "scripts-own"]
@@ -159,6 +178,9 @@ def test_the_reruns_replace_the_users_watching_options_and_keep_the_rest(tmp_pat
                               ("--dump-mode", "tensor")):
             assert options[options.index(option) + 1] == value
     assert "--golden" in golden and "--golden" not in npu
+    for rerun in rerun_commands(command, 40, tmp_path, scope="blocks.1"):  # the departure's module: its subtree
+        options = rerun[rerun.index("npukit.run") + 1:rerun.index("train.py")]
+        assert options.count("--dump-scope") == 1 and options[options.index("--dump-scope") + 1] == "blocks.1"
     assert golden[golden.index("--dump") + 1] == str(tmp_path / "golden")
     assert npu[npu.index("--dump") + 1] == str(tmp_path / "npu")
     with pytest.raises(UserError, match="names no script"):
@@ -320,9 +342,18 @@ def test_localize_a_script_without_an_optimizer(tmp_path):
                         "--", sys.executable, "-m", "npukit.run", "--monitor", "npu", *script)
     assert localized.returncode == 1, localized.stdout + localized.stderr
     assert "leaves the golden band at step 19, in embed" in " ".join(localized.stdout.split())
+    said = " ".join(localized.stdout.split())
+    assert "localize: dumping step 19's embed subtree (npu-run --dump-scope embed)" in said
+    assert "localize: the first divergence is inside embed's subtree" in said and "whole" not in said
     assert json.loads((tmp_path / "loc" / "replay" / "replay.json").read_text())["start_step"] == 19
     for side in ("golden", "npu"):
         assert [path.name for path in (tmp_path / "loc" / side).iterdir()] == ["step19"]
+        # embed's forward and backward and its linear's: nothing of norm, head or the loss
+        assert dumped_modules(tmp_path / "loc" / side / "step19" / "rank0") == {"embed"}
+        dumped = json.loads((tmp_path / "loc" / side / "step19" / "rank0" / "dump.json").read_text())["data"]
+        assert {"Module.embed.Linear.forward.0", "Functional.linear.0.forward", "Functional.linear.0.backward",
+                "Module.embed.Linear.backward.0"} <= set(dumped)
+    assert not (tmp_path / "loc" / "subtree").exists()
     report = json.loads((tmp_path / "loc" / "compare.json").read_text())
     named = report["pairs"][0]["first_divergence"]
     assert (named["entry"], named["module_path"]) == ("Functional.linear.0.forward", "embed")
@@ -410,7 +441,8 @@ def test_localize_from_the_golden_monitors_checkpoint_dumps_what_the_full_reruns
     """The golden monitor wrote checkpoints every 5 steps: --localize of the departure at step 19 starts
     the golden re-run from step 15's (steps 0-14 fast-forwarded) and fast-forwards the NPU re-run to
     step 19; both dump step 19 tensor for tensor as the re-runs from the script's beginning do, and
-    the compare names embed's linear as it does from those."""
+    the compare names embed's linear as it does from those. Both dump embed's subtree: the golden
+    step's SGD foreach update of embed's weight and bias, not of norm's and head's."""
     import json
 
     (tmp_path / "train.py").write_text(ELAPSED_TIME)
@@ -435,8 +467,135 @@ def test_localize_from_the_golden_monitors_checkpoint_dumps_what_the_full_reruns
     named = json.loads((tmp_path / "loc" / "compare.json").read_text())["pairs"][0]["first_divergence"]
     assert (named["entry"], named["module_path"]) == ("Functional.linear.0.forward", "embed")
 
-    for rerun in rerun_commands(command, 19, tmp_path / "full"):  # from the script's beginning, every step computed
+    assert "localize: the first divergence is inside embed's subtree" in said
+    # from the script's beginning, every step computed, dumping embed's subtree as --localize did
+    for rerun in rerun_commands(command, 19, tmp_path / "full", scope="embed"):
         completed = subprocess.run(rerun, cwd=tmp_path, capture_output=True, text=True, timeout=300)
         assert completed.returncode == 0, completed.stderr
     for side in ("golden", "npu"):
         assert same_dumps(tmp_path / "loc" / side, tmp_path / "full" / side) == []
+        assert dumped_modules(tmp_path / "loc" / side / "step19" / "rank0") == {"embed"}
+    # the golden step's momentum and update elements of parameters 0 and 1 (embed's weight and bias) of 6; the
+    # NPU run's GradScaler skipped the step (its gradients inf)
+    updated = foreach_entries(tmp_path / "loc" / "golden" / "step19" / "rank0")
+    assert {int(name.split(".")[2]) % 6 for name in updated} == {0, 1} and len(updated) == 6, updated.keys()
+    assert foreach_entries(tmp_path / "loc" / "npu" / "step19" / "rank0") == {}
+
+
+def test_the_departures_module_is_the_subtree_localize_dumps():
+    """The trend's record names the module --localize gives --dump-scope: a parameter's module, a module
+    output's (a later call, one of several outputs); the loss, the gradient norm and a root module's own
+    parameter name none (the whole step is dumped)."""
+    from npukit.accuracy.trend import module_scope
+
+    records = [("weight", "blocks.0.fc.weight"), ("weight", "attn.weight"), ("weight", "pos"),
+               ("weight", "param_group0.3"), ("activation", "blocks.0.fc"), ("activation", "blocks.0"),
+               ("activation", "blocks.0.call1"), ("activation", "attn.0"), ("activation", "attn.1"),
+               ("activation", "attn.call1.0"), ("loss", ""), ("grad_norm", "")]
+
+    def scope(kind: str, name: str) -> str | None:
+        return module_scope(kind, name, records)
+
+    assert scope("weight", "blocks.0.fc.weight") == scope("exp_avg", "blocks.0.fc.weight") == "blocks.0.fc"
+    assert scope("grad", "attn.weight") == "attn"
+    assert scope("weight", "pos") is None  # the root module's own: its subtree is the whole step
+    assert scope("weight", "param_group0.3") is None  # a tensor of no module
+    assert scope("activation", "blocks.0") == "blocks.0"  # a module: blocks.0.fc's weight is under it
+    assert scope("activation_grad", "blocks.0.call1") == "blocks.0"
+    assert scope("activation", "attn.0") == scope("activation", "attn.call1.0") == "attn"  # attn's first output
+    assert scope("loss", "") is None and scope("grad_norm", "") is None
+
+
+@pytest.mark.slow  # (two runs, ~15 s)
+def test_a_scoped_dump_keeps_the_optimizers_foreach_elements_of_its_modules_parameters_only(tmp_path):
+    """--localize dumps the departure's module's subtree: Adam's foreach update (torch's default on the
+    npu) was recorded for every parameter under any --dump-scope; now for the scope's modules' parameters,
+    named and valued as in the whole step's dump."""
+    (tmp_path / "train.py").write_text(TRAIN)
+    for folder, scope in (("whole", []), ("scoped", ["--dump-scope", "2"])):
+        run = npu_run("--dump", folder, "--dump-mode", "tensor", "--dump-steps", "1", "--stop-after-step", "1",
+                      *scope, "train.py", "0", cwd=tmp_path)
+        assert run.returncode == 0, run.stderr
+    whole, scoped = (foreach_entries(tmp_path / folder / "step1" / "rank0") for folder in ("whole", "scoped"))
+    # Adam's 4 parameters, an element each per call: 0-1 the first Linear's weight and bias, 2-3 the last one's
+    kept = [name for name in whole if int(name.split(".")[2]) % 4 in (2, 3)]
+    assert kept and len(kept) < len(whole)
+    assert sorted(scoped) == sorted(kept)
+    assert all(scoped[name]["output"] == whole[name]["output"] for name in kept)
+    assert dumped_modules(tmp_path / "scoped" / "step1" / "rank0") == {"2"}
+
+
+INHERITED = '''\
+"""A regressor under fp16 autocast whose loss is scaled by argv[2] (1e-5) with no GradScaler: head's
+backward computes the gradient for its input below fp16's normal range (subnormal), and the modules
+before it (norm) receive that gradient."""
+import sys
+import torch
+import torch.nn as nn
+
+torch.manual_seed(0)
+
+
+class Regressor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(8, 32)
+        self.norm = nn.LayerNorm(32)
+        self.head = nn.Linear(32, 1)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.norm(self.embed(x))))
+
+
+model = Regressor().to("npu")
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+data = torch.Generator().manual_seed(1)
+for step in range(int(sys.argv[1])):
+    x = torch.randn(16, 8, generator=data).to("npu")
+    y = x[:, :1].sin()
+    with torch.autocast("npu", dtype=torch.float16):
+        loss = (model(x).float() - y).square().mean() * float(sys.argv[2])
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+print("final loss", loss.item())
+'''
+
+
+@pytest.mark.slow  # (four re-runs and two fix-finder trials: ~60 s)
+def test_a_gradient_reaching_the_module_from_outside_widens_the_dump_to_the_whole_step(tmp_path, monkeypatch):
+    """The departure names norm's output gradient at step 2, made by head's fp16 backward after it: the
+    compare of norm's subtree sees the gradient arriving at norm's backward off with every gradient
+    before it matched (none of them dumped), so --localize says the difference reaches norm from outside
+    it, re-runs both sides dumping step 2 whole, names head's linear's backward and the fix computing it
+    in fp32."""
+    import json
+
+    from rich.console import Console
+
+    from npukit.accuracy.localize import localize
+    from npukit.accuracy.trend import Departure, module_scope
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(INHERITED)
+    records = [("weight", "embed.weight"), ("activation", "embed"), ("activation", "norm"), ("activation", "head"),
+               ("activation_grad", "head"), ("activation_grad", "norm")]
+    departure = Departure(0, "activation_grad", "norm", "norm", 2, 3, 1e-6, 1e-6, 8e-7, 1e-8,
+                          scope=module_scope("activation_grad", "norm", records))
+    console = Console(record=True, width=400)
+    code = localize(departure, [sys.executable, "-m", "npukit.run", "train.py", "4", "1e-5"], tmp_path / "loc",
+                    console, 2, 5, None)
+    assert code == 1
+    said = " ".join(console.export_text().split())
+    assert "localize: dumping step 2's norm subtree (npu-run --dump-scope norm)" in said
+    assert ("localize: the difference reaches norm from outside it (Functional.layer_norm.0.backward: the gradient "
+            "arriving at this backward differs") in said
+    assert "while every gradient before it matched): dumping step 2 whole" in said
+    assert said.count("localize: re-running the NPU run to step 2") == 2
+    # the subtree's dumps, kept: norm's entries alone; the whole step's: every module's
+    assert dumped_modules(tmp_path / "loc" / "subtree" / "npu" / "step2" / "rank0") == {"norm"}
+    assert {"embed", "norm", "head"} <= dumped_modules(tmp_path / "loc" / "npu" / "step2" / "rank0")
+    named = json.loads((tmp_path / "loc" / "compare.json").read_text())["pairs"][0]["first_divergence"]
+    assert (named["entry"], named["module_path"]) == ("Functional.linear.1.backward", "head")
+    fix = json.loads((tmp_path / "loc" / "find-fix.json").read_text())["fix"]
+    assert [(change["kind"], change["api"], change["module"]) for change in fix] == [("fp32", "Functional.linear", "head")]
