@@ -2,7 +2,8 @@
 golden band at step S in module M" to the op and the fix, in one command.
 
 The trend names the first step S and module M the NPU run departs at (trend.py). Two re-runs of
-the user's npu-run command then make step S comparable on its own:
+the user's npu-run command then make step S comparable on its own (a departing weight: step S-1,
+whose update wrote the weight recorded at step S's start; made_in_step):
 
 1. the golden re-run (the command with `--golden`) records the state at step S's start (every root
    module's and optimizer's: `--replay DIR --replay-step S`, replay.py) and dumps step S, tensors;
@@ -131,8 +132,11 @@ def localize(departure, command: list[str], work: Path, console, find_fix_runs: 
     if work.exists() and any(work.iterdir()):
         raise UserError(f"--localize-dir: {work} is not empty (it holds an earlier localization): "
                         "remove it or name another")
-    step, scope = departure.first_step, departure.scope
+    step, scope = made_in_step(departure), departure.scope
     work.mkdir(parents=True, exist_ok=True)
+    if step != departure.first_step:
+        console.print(f"localize: {departure.record()} at step {departure.first_step} is the weight step {step}'s "
+                      f"update wrote: localizing step {step}")
     result = None
     if scope is None:
         console.print(f"localize: the departure ({departure.what()}) names no module: dumping step {step} whole")
@@ -167,7 +171,7 @@ def _reruns(departure, command: list[str], work: Path, console, golden_monitor: 
     command that ran (the fix finder re-runs it)."""
     from npukit.accuracy.step_checkpoints import latest_checkpoint
 
-    step = departure.first_step
+    step = made_in_step(departure)
     checkpoint = latest_checkpoint(golden_monitor, step) if golden_monitor is not None else None
     golden_full, npu_full = rerun_commands(command, step, work, scope=scope)
     golden_fast, npu_fast = rerun_commands(command, step, work, checkpoint[1] if checkpoint else None, True, scope)
@@ -186,6 +190,16 @@ def _reruns(departure, command: list[str], work: Path, console, golden_monitor: 
     console.print(f"localize: re-running the NPU run to {where}: steps {_steps(0, step - 1)} fast-forwarded, "
                   f"step {step} computed from the golden state at its start")
     return fast_forwarded_rerun(npu_fast, npu_full, "NPU", console, [work / "npu"])
+
+
+def made_in_step(departure) -> int:
+    """The step whose ops made the departing record: a weight is recorded as its step's optimizer
+    starts, so a weight departing at step S holds what step S-1's update wrote (re-running step S
+    from the golden state would load that very weight back and find nothing); every other record
+    (activations, gradients, Adam's state and update ratio, the loss) is its own step's."""
+    if departure.kind == "weight" and departure.first_step > 0:
+        return departure.first_step - 1
+    return departure.first_step
 
 
 def _why_whole(work: Path, scope: str, step: int) -> str | None:

@@ -599,3 +599,42 @@ def test_a_gradient_reaching_the_module_from_outside_widens_the_dump_to_the_whol
     assert (named["entry"], named["module_path"]) == ("Functional.linear.1.backward", "head")
     fix = json.loads((tmp_path / "loc" / "find-fix.json").read_text())["fix"]
     assert [(change["kind"], change["api"], change["module"]) for change in fix] == [("fp32", "Functional.linear", "head")]
+
+
+def test_a_departing_weight_is_localized_at_the_step_whose_update_wrote_it(tmp_path, monkeypatch):
+    """A weight is recorded as its step's optimizer starts: a weight departing at step 3 holds what step
+    2's update wrote. --localize re-ran step 3 from the golden state, which loads that very weight back:
+    "no divergence of its own" (karpathy/minGPT, an fp16 run's attention bias). It localizes step 2;
+    every other record is its own step's."""
+    from rich.console import Console
+
+    from npukit.accuracy import localize as localize_module
+    from npukit.accuracy.trend import Departure
+
+    def departure(kind: str, step: int) -> Departure:
+        return Departure(0, kind, "attn.bias" if kind != "activation" else "attn", "norm", step, step + 4,
+                         1.0, 1.0, 1.5, 0.1, scope="attn")
+
+    made = localize_module.made_in_step
+    assert made(departure("weight", 3)) == 2
+    assert made(departure("weight", 0)) == 0  # the initial weight: nothing before it
+    for kind in ("grad", "exp_avg", "exp_avg_sq", "update_ratio", "activation", "activation_grad"):
+        assert made(departure(kind, 3)) == 3, kind
+
+    class Stop(Exception):
+        pass
+
+    rerun_steps = []
+
+    def rerun_commands(command, step, work, *args, **kwargs):
+        rerun_steps.append(step)
+        raise Stop
+
+    monkeypatch.setattr(localize_module, "rerun_commands", rerun_commands)
+    console = Console(record=True, width=400)
+    with pytest.raises(Stop):
+        localize_module.localize(departure("weight", 3), ["npu-run", "train.py"], tmp_path / "loc", console, 2, 5, None)
+    assert rerun_steps == [2]
+    said = " ".join(console.export_text().split())
+    assert "localize: weight attn.bias at step 3 is the weight step 2's update wrote: localizing step 2" in said
+    assert "dumping step 2's attn subtree" in said
