@@ -12,7 +12,7 @@ shape depends on values (nonzero, item) run for real, on what the skipped ops le
 start (counted as --replay-step counts: watch.steps.RunSteps) the skipping ends and DIR's state is
 loaded (ReplaySession: root modules' weights and buffers, optimizers' state, GradScalers' loss
 scale and growth tracker, random generators), so from step N on the run is the one DIR was recorded
-from. The skipped steps' gradients (zeros where a skipped op made them) overflow otherwise than the
+from, its random draws too (past the recorded run's later checkpoints: recording them changed nothing). The skipped steps' gradients (zeros where a skipped op made them) overflow otherwise than the
 real ones, so until then a GradScaler's scale is not the recorded run's (mostly it grows, never
 backed off); DIR's replaces it at step N (a DIR recorded before npukit recorded scalers leaves it
 so, and the run says so).

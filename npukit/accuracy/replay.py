@@ -61,11 +61,14 @@ what the recorded run drew, whatever the run's own seed did before. All four are
 torch's: they are the script's state at that point as much as its weights are (same script, same
 point of it, every other input of the step restored), and npukit itself draws from none of them.
 Generators the script makes itself (torch.Generator, random.Random, np.random.default_rng) and those of
-DataLoader workers already running are not reached. Reading an emulated npu generator's state makes it
-continue from that state (seed and offset), as torch.npu.get_rng_state() in the script would: from the
-recorded point on the recorded run draws, on the npu, what the state stands for and a replay draws
-again. A directory recorded before the states were (no "rng" in replay.json) restores none, and says
-so once.
+DataLoader workers already running are not reached. Recording changes nothing in the recorded run: an
+emulated npu generator is read with npukit's own full state (its seed, offset and the CPU generator it
+draws from: rng.npu_exact), not with torch.npu.get_rng_state(), which makes it continue from (seed,
+offset), and set back with it exactly: a replay draws what the recorded run drew from that point on,
+and that run draws what it draws unrecorded. rng.npu keeps the 16-byte states (seed, offset), which a
+real torch_npu, or an npukit without the full states, sets; a directory of such an npukit (no
+npu_exact) is set back from them, as it recorded them (its recording run continued from them). A
+directory recorded before the states were (no "rng" in replay.json) restores none, and says so once.
 """
 
 from __future__ import annotations
@@ -357,10 +360,20 @@ class ReplaySession:
 
         version, words, gauss_next = random.getstate()
         algorithm, keys, position, has_gauss, cached_gaussian = numpy.random.get_state(legacy=True)
-        npu = _npu_generators()
+        npu, exact = _npu_generators(), _exact_npu_generators()
+        states = {}
+        if exact is not None:
+            # read without changing what the run draws next; "npu" keeps the 16-byte states (seed, offset)
+            # that an npukit without the full states, or a real torch_npu, sets
+            full = [exact._generator_full_state(index) for index in range(npu.device_count())]
+            states["npu_exact"] = [self._encode(state) for state in full]
+            npu_states = [state[8:24].clone() for state in full]
+        else:
+            npu_states = [npu.get_rng_state(index) for index in range(npu.device_count())] if npu else []
         return {
             "torch": self._encode(torch.get_rng_state()),
-            "npu": [self._encode(npu.get_rng_state(index)) for index in range(npu.device_count())] if npu else [],
+            "npu": [self._encode(state) for state in npu_states],
+            **states,
             "python": [version, list(words), gauss_next],
             "numpy": {"algorithm": algorithm, "keys": keys.tolist(), "pos": int(position),
                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
@@ -375,14 +388,22 @@ class ReplaySession:
             torch.set_rng_state(self._decode(states["torch"], byte))
         except RuntimeError as exc:
             raise UserError(f"{where}: rng.torch: not a CPU generator's state ({exc})") from None
-        npu = _npu_generators()
+        npu, exact = _npu_generators(), _exact_npu_generators()
         recorded = states["npu"]
         count = npu.device_count() if npu else 0
+        # the full states continue exactly the recorded run's streams; a folder without them (an earlier
+        # npukit, a real torch_npu) has the 16-byte ones, which continue from (seed, offset)
+        full = states.get("npu_exact") if exact is not None else None
         for index, encoded in enumerate(recorded[:count]):
+            exactly = full is not None and index < len(full)
             try:
-                npu.set_rng_state(self._decode(encoded, byte), index)
+                if exactly:
+                    exact._set_generator_full_state(index, self._decode(full[index], byte))
+                else:
+                    npu.set_rng_state(self._decode(encoded, byte), index)
             except RuntimeError as exc:
-                raise UserError(f"{where}: rng.npu[{index}]: not an npu generator's state ({exc})") from None
+                field = "npu_exact" if exactly else "npu"
+                raise UserError(f"{where}: rng.{field}[{index}]: not an npu generator's state ({exc})") from None
         if len(recorded) > count:
             print(f"npukit replay: {where} holds the generator states of {len(recorded)} npu devices; this run has "
                   f"{count}: those of npu:{count} on are not restored", file=sys.stderr)
@@ -669,6 +690,15 @@ def _npu_generators():
     return npu
 
 
+def _exact_npu_generators():
+    """npukit's _C when torch.npu is npukit's emulated device and its generators' full states can be read
+    without changing them (replay.py's "Random number generators"), else None."""
+    npu = sys.modules.get("npukit.npu_backend.npu")
+    if npu is None or getattr(torch, "npu", None) is not npu or not hasattr(npu._C, "_generator_full_state"):
+        return None
+    return npu._C
+
+
 def _check_manifest(manifest: dict, path: Path) -> None:
     """Every field the replay reads has the type it expects, so that a broken or hand-edited
     replay.json is named here (field by field) instead of failing inside the user's script."""
@@ -755,10 +785,12 @@ def _check_generators(states, fail, encoded) -> None:
     for field in ("torch", "npu", "python", "numpy"):
         if field not in states:
             fail("rng", f"has no {field!r}")
-    if not isinstance(states["npu"], list):
-        fail("rng.npu", "must be a list")
+    for field in ("npu", "npu_exact"):
+        if not isinstance(states.get(field, []), list):
+            fail(f"rng.{field}", "must be a list")
     for where, state in [("rng.torch", states["torch"]),
-                         *((f"rng.npu[{index}]", state) for index, state in enumerate(states["npu"]))]:
+                         *((f"rng.{field}[{index}]", state) for field in ("npu", "npu_exact")
+                           for index, state in enumerate(states.get(field, [])))]:
         encoded(state, where)
         if "tensor" not in state:
             fail(where, "expected a tensor")

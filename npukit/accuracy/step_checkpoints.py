@@ -1,7 +1,8 @@
 """`npu-run --monitor DIR --monitor-checkpoint-every K`: the state at the start of steps K, 2K, 3K ...
 recorded as `--replay DIR --replay-step N` records it (replay.py: every root module's weights and
 buffers, every optimizer's state, every GradScaler's loss scale and growth tracker, the global random
-number generators'; no batches: a re-run's own data loader yields them), each into
+number generators', read without changing what the run draws next, so a run writing checkpoints
+computes what it computes without them; no batches: a re-run's own data loader yields them), each into
 DIR/checkpoints/step-N/ (under torchrun per rank, step-N/rank{R}/, as --replay lays out its folders).
 So each is a folder `npu-run --replay DIR/checkpoints/step-N --replay-step N` loads, and
 `npu-compare --trend --localize` starts its golden re-run from the latest one at or before the step

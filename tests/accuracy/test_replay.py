@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+from npukit.accuracy import replay
 from npukit.accuracy.replay import ReplaySession
 from npukit.errors import UserError
 
@@ -327,11 +328,25 @@ def test_a_recording_without_generator_states_replays_the_rest_and_says_so_once(
     assert err.count("random number generators' states") == 1 and "not restored" in err
 
 
+def test_a_recording_with_an_earlier_npukits_16_byte_npu_states_still_replays_them(tmp_path, npu, monkeypatch):
+    """An earlier npukit recorded each npu generator's 16-byte state (seed, offset), read as
+    torch.npu.get_rng_state() reads it (the recorded run then continued from it): set back as such,
+    it draws what the recorded run drew."""
+    with monkeypatch.context() as patch:
+        patch.setattr(replay, "_exact_npu_generators", lambda: None)  # records as the earlier npukit did
+        first, _ = dropout_training(1, tmp_path, 3, "npu")
+    states = json.loads((tmp_path / "replay.json").read_text())["rng"]
+    assert "npu_exact" not in states and states["npu"][0]["shape"] == [16]
+    second, replayer = dropout_training(2, tmp_path, 3, "npu")
+    assert replayer.replayed_generators and second[3] == first[3]
+
+
 @pytest.mark.parametrize("field,value,message", [
     ("rng", [], "rng: expected an object"),
     ("python", [3, [1, 2], None], r"rng.python: expected \[version, 625 integers, gauss_next\]"),
     ("numpy", {"keys": [1]}, "rng.numpy: expected"),
     ("npu", {"tensor": "x"}, "rng.npu: must be a list"),
+    ("npu_exact", {"tensor": "x"}, "rng.npu_exact: must be a list"),
 ])
 def test_a_broken_generator_state_is_named(tmp_path, field, value, message):
     dropout_training(1, tmp_path, 0)

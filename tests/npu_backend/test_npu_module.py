@@ -139,6 +139,38 @@ def test_rng_state_is_seed_and_philox_offset_as_torch_npus():
         torch.npu.set_rng_state(torch.get_rng_state())
 
 
+def test_npukits_full_generator_state_is_read_without_changing_the_draws_and_set_back_exactly():
+    """npukit's replay and the monitor's checkpoints record the npu generators with it: reading the
+    16-byte state makes the generator continue from (seed, offset), so a run that wrote checkpoints drew
+    other dropout masks than the same run without."""
+    from npukit.npu_backend import _C
+
+    def draws(read):
+        torch.npu.manual_seed_all(0)
+        first = torch.rand(4, device="npu:1")
+        full = _C._generator_full_state(1) if read else None
+        return torch.cat([first, torch.rand(8, device="npu:1")]).cpu(), full
+
+    plain, _ = draws(False)
+    read, full = draws(True)
+    assert torch.equal(read, plain)
+    torch.npu.manual_seed_all(5)
+    torch.rand(3, device="npu")  # npu:0's generator is not touched by npu:1's state
+    state0 = _C._generator_full_state(0)
+    _C._set_generator_full_state(1, full)
+    assert torch.equal(torch.rand(8, device="npu:1").cpu(), plain[4:])  # what the unread generator drew
+    assert torch.equal(_C._generator_full_state(0), state0)
+    # (seed, offset) as the public 16-byte state has them
+    assert torch.equal(full[8:24], torch.tensor([0, 4], dtype=torch.int64).view(torch.uint8))
+    assert torch.equal(torch.npu.get_rng_state(1), torch.tensor([0, 12], dtype=torch.int64).view(torch.uint8))
+    with pytest.raises(RuntimeError, match="more than 24 bytes"):
+        _C._set_generator_full_state(1, torch.npu.get_rng_state(1))
+    other_version = full.clone()
+    other_version[:8] = torch.tensor([2], dtype=torch.int64).view(torch.uint8)
+    with pytest.raises(RuntimeError, match="of version 2; this npukit reads version 1"):
+        _C._set_generator_full_state(1, other_version)
+
+
 def test_memory_accounting_follows_allocations():
     torch.npu.empty_cache()
     before = torch.npu.memory_allocated()

@@ -863,6 +863,41 @@ struct NpuGeneratorImpl final : public c10::GeneratorImpl {
   }
   static c10::DeviceType device_type() { return kNpu; }
 
+  // The full state for npukit's own readers (--replay-step, the monitor's checkpoints), which must
+  // not change the run they record: unlike get_state() it keeps the CPU generator's stream, so the
+  // generator draws on as if unread. Layout (uint8): version, seed, offset (3 x uint64, native
+  // byte order), then the CPU generator's own state.
+  static constexpr uint64_t kFullStateVersion = 1;
+  at::Tensor full_state() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<std::mutex> inner_lock(inner.mutex());
+    at::Tensor cpu = inner.get_state();
+    auto state = at::empty({24 + cpu.numel()}, at::TensorOptions().dtype(at::kByte));
+    auto* bytes = state.data_ptr<uint8_t>();
+    std::memcpy(bytes, &kFullStateVersion, 8);
+    std::memcpy(bytes + 8, &seed_, 8);
+    std::memcpy(bytes + 16, &offset_, 8);
+    std::memcpy(bytes + 24, cpu.data_ptr<uint8_t>(), cpu.numel());
+    return state;
+  }
+  // Sets a full_state() back: the generator then draws exactly what the recorded one drew next.
+  void set_full_state(const at::Tensor& state) {
+    TORCH_CHECK(state.device().is_cpu() && state.scalar_type() == at::kByte && state.dim() == 1 && state.numel() > 24,
+                "an npu generator's full state (npukit's replay) is a 1-d uint8 CPU tensor of more than 24 bytes, got ",
+                state.numel(), " elements of ", state.scalar_type(), " on ", state.device());
+    at::Tensor contiguous = state.contiguous();
+    const auto* bytes = contiguous.data_ptr<uint8_t>();
+    uint64_t version;
+    std::memcpy(&version, bytes, 8);
+    TORCH_CHECK(version == kFullStateVersion, "an npu generator's full state of version ", version,
+                "; this npukit reads version ", kFullStateVersion);
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<std::mutex> inner_lock(inner.mutex());
+    inner.set_state(contiguous.slice(0, 24).clone());  // checks the CPU state's size before anything changes
+    std::memcpy(&seed_, bytes + 8, 8);
+    std::memcpy(&offset_, bytes + 16, 8);
+  }
+
  private:
   void continue_from_state() {
     if (offset_ == 0) {  // freshly seeded: the CPU generator's own stream
@@ -1933,6 +1968,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("default_generator", [](int idx) {
     check_py_index(idx);
     return default_generator(c10::DeviceIndex(idx));
+  });
+  mod.def("_generator_full_state", [](int idx) {
+    check_py_index(idx);
+    return static_cast<NpuGeneratorImpl*>(default_generator(c10::DeviceIndex(idx)).unsafeGetGeneratorImpl())
+        ->full_state();
+  });
+  mod.def("_set_generator_full_state", [](int idx, const at::Tensor& state) {
+    check_py_index(idx);
+    static_cast<NpuGeneratorImpl*>(default_generator(c10::DeviceIndex(idx)).unsafeGetGeneratorImpl())
+        ->set_full_state(state);
   });
   mod.def("is_pinned_ptr", [](uintptr_t p) {
     std::lock_guard<std::mutex> lock(g_pinned_mu);
