@@ -333,46 +333,79 @@ groups_made = 0
 
 
 class _HandedTensors:
-    """Holds every tensor handed to gloo until gloo has let it go, so that a gloo thread never frees one.
+    """Holds every tensor handed to gloo until gloo has let it go, so that a gloo thread never touches Python.
 
-    A gloo thread retiring a finished collective drops its references to the tensors it was given. Where
-    that reference is the last (the caller has dropped its own), the free needs the GIL: the tensor's
-    Python object, and the CPU alias's buffer (a Python object) that its storage was made from. During
-    the interpreter's finalization a thread that asks for the GIL is ended in place (pthread_exit), and
-    where that unwinds through a destructor, the process aborts: "terminate called without an active
-    exception", after the script ended correctly (a 2-rank accelerate script that leaves its group to
-    the interpreter's exit, 1 run in 8 on a loaded machine). Held here, the last reference is dropped by
-    the thread that calls a collective (which holds the GIL); what is still held at exit is never freed
-    (the container itself is made immortal), as the process ends anyway."""
+    A tensor that has a Python object (every one made in Python) ties that object's refcount to its C++
+    one (torch's PyObject preservation): when a C++ reference takes the count from 1 to 2 the Python object
+    is incref'd, and when one takes it from 2 back to 1 it is decref'd, which needs the GIL. A gloo thread
+    retiring a finished collective drops its references to the tensors it was given: where the caller has
+    dropped its own (a collective awaited, its work dropped, before the gloo thread has retired it), that
+    drop is the 2 -> 1 and the gloo thread takes the GIL (gdb: TensorImpl::decref_pyobject from
+    ~AsyncAllgatherWork in ProcessGroupGloo::runLoop). During the interpreter's finalization a thread
+    that asks for the GIL is ended in place (pthread_exit), which aborts the process as it unwinds
+    through that noexcept decref: "terminate called without an active exception", after the script ended
+    correctly (a 2-rank accelerate script that leaves its group to the interpreter's exit: 1 run in 8 on a
+    loaded machine before the tensors were held at all; 1 in 40 while they were held only by their
+    Python objects, which is exactly what makes gloo's drop the 2 -> 1).
+
+    So each tensor is held here twice before gloo takes it: by its Python object (the memory it views,
+    a CPU alias's buffer, stays alive) and by a C++ reference in a TorchScript List[Tensor], which keeps
+    the count at 2 or more whatever gloo drops. An entry is let go by the thread that calls a later
+    collective (holding the GIL) once every tensor's use count is back to what it was before gloo took
+    it; what is still held at exit is never let go (the container itself is made immortal), as the
+    process ends anyway."""
 
     # Entries older than this many later hand-overs are let go even if something else still holds
     # their tensors (a CPU tensor the caller keeps in C++): memory stays bounded in any run.
     _MOST_KEPT = 4096
 
     def __init__(self) -> None:
-        self._entries: collections.deque = collections.deque()  # (serial, tensors, use counts before gloo)
+        # [serial, tensors, use counts before gloo, handed to gloo yet]; oldest first
+        self._entries: collections.deque = collections.deque()
+        # The C++ references: the entries' tensors, in the entries' order (a typed list: no Python objects).
+        self._pinned = torch._C.ScriptList([torch.empty(0)])
+        self._pinned.clear()
         self._serial = 0
         self._scan_at = 64  # a full scan once this many are held (entries retire out of order)
+        # collectives called from several threads keep pins and entries in step (reentrant: letting a
+        # tensor go may run a finalizer that calls a collective)
+        self._lock = threading.RLock()
 
-    def before(self, tensors: list) -> tuple:
-        """What to register once gloo took the tensors: their use counts before it did."""
-        return tensors, [t._use_count() for t in tensors]
+    def before(self, tensors: list) -> list:
+        """Hold `tensors` before gloo takes them; call taken() with the result once the call returned."""
+        with self._lock:
+            self._pinned.extend(tensors)  # first: the counts below include this reference
+            self._serial += 1
+            entry = [self._serial, tensors, [t._use_count() for t in tensors], False]
+            self._entries.append(entry)
+            return entry
 
-    def taken(self, before: tuple) -> None:
-        tensors, counts = before
-        self._serial += 1
-        self._entries.append((self._serial, tensors, counts))
+    def taken(self, entry: list) -> None:
+        """gloo has the tensors (or refused them): from now on the entry may be let go."""
+        with self._lock:
+            entry[3] = True
+            self._let_go()
+
+    def _let_go(self) -> None:
         entries = self._entries
         while entries and self._retired(entries[0]):
-            entries.popleft()
+            for _ in entries.popleft()[1]:
+                del self._pinned[0]
         if len(entries) >= self._scan_at:
             kept = [entry for entry in entries if not self._retired(entry)]
+            # the new list holds the kept tensors before the old one lets them go: never one C++ reference less
+            pinned = torch._C.ScriptList([torch.empty(0)])
+            pinned.clear()
+            pinned.extend([tensor for entry in kept for tensor in entry[1]])
+            self._pinned = pinned
             entries.clear()
             entries.extend(kept)
             self._scan_at = max(64, 2 * len(entries))
 
     def _retired(self, entry) -> bool:
-        serial, tensors, counts = entry
+        serial, tensors, counts, handed = entry
+        if not handed:  # another thread's collective, still handing its tensors to gloo
+            return False
         if self._serial - serial > self._MOST_KEPT:
             return True
         return all(t._use_count() <= count for t, count in zip(tensors, counts, strict=True))
@@ -406,10 +439,11 @@ class _GlooHanding:
             return method
 
         def handing(*args):
-            before = _HANDED.before(_tensors_in(args))
-            work = method(*args)
-            _HANDED.taken(before)
-            return work
+            entry = _HANDED.before(_tensors_in(args))
+            try:
+                return method(*args)
+            finally:
+                _HANDED.taken(entry)
 
         # Kept on the instance: __getattr__ is not called again for this name (one closure per collective
         # kind, not per call).
