@@ -46,7 +46,7 @@ from npukit.errors import UserError
 from npukit.files import check_output_location, output_folder, refuse_links_inside, write_json
 from npukit.watch.hook_guard import add_failure_listener, remove_failure_listener, revive_hooks, unintercepted
 from npukit.watch.module_hooks import ModuleHooks
-from npukit.watch.op_hooks import ApiMode
+from npukit.watch.op_hooks import ApiMode, rewritten_arguments
 from npukit.watch.process import rank_from_env
 from npukit.watch.steps import RecordedSteps
 from npukit.watch.tensor_stats import StatsBuffer
@@ -648,6 +648,7 @@ class DumpSession:
                     and isinstance(entry.data["input_args"][0], dict):
                 entry.data["input_args"][0][naming.UNINITIALIZED] = True
         output = func(*args, **kwargs)
+        ran_with = rewritten_arguments()
         # an in-place foreach op returns None: what it wrote is its first list (`output.k` its k-th tensor)
         written = args[0] if output is None and in_place and args and naming.foreach_op(api) else output
         out_tensors = tensors_in(written)
@@ -657,6 +658,11 @@ class DumpSession:
             written_args, written_kwargs = naming.caller_arguments(api, args, kwargs)
             entry.data["input_args"] = self._describe(written_args, f"{name}.input", False)
             entry.data["input_kwargs"] = self._describe_kwargs(written_kwargs, name)
+        if ran_with is not None:  # a precision fix below ran it with other numbers (finite_fill): those
+            ran_args, ran_kwargs = naming.caller_arguments(api, *ran_with)
+            entry.data["input_args"] = _numbers_as_run(entry.data["input_args"], ran_args)
+            entry.data["input_kwargs"] = {key: _numbers_as_run(value, ran_kwargs.get(key))
+                                          for key, value in entry.data["input_kwargs"].items()}
         if uninitialized_output and not (in_place and out_tensors[0].numel() <= numel_before):
             for tensor in out_tensors:
                 record.uninitialized[id(tensor)] = (weakref.ref(tensor), tensor_version(tensor))
@@ -1052,6 +1058,18 @@ class DumpSession:
 
 
 _FILE_JOBS_PER_TASK = 64
+
+
+def _numbers_as_run(described, value):
+    """An argument's description with its numbers as `value` (the argument the op ran with) has them;
+    its tensors as described (the values the caller passed)."""
+    if isinstance(value, bool | int | float) and isinstance(described, dict) and "value" in described:
+        return describe_value(value)
+    if isinstance(value, list | tuple) and isinstance(described, list) and len(value) == len(described):
+        return [_numbers_as_run(item, other) for item, other in zip(described, value)]
+    if isinstance(value, dict) and isinstance(described, dict) and "type" not in described:
+        return {key: _numbers_as_run(item, value.get(key)) for key, item in described.items()}
+    return described
 
 
 def _run_jobs(jobs: list) -> None:

@@ -53,6 +53,23 @@ _waiting_for_engine = threading.local()
 _engine_entry_wrapped = False
 
 
+# The arguments a mode below the ApiModes (npu-run --precision-fix: its finite_fill) ran the op with in
+# place of its caller's, for the op run_op last ran (it clears them): see op_ran_with().
+_ran_with = threading.local()
+
+
+def op_ran_with(args: tuple, kwargs: dict) -> None:
+    """Said by a mode below the watching ones that ran the op it was handed with other numbers than
+    its caller passed (finite_fill: -inf as finfo(dtype).min), once the op has run: a dump above it
+    then records what the op computed with, not what the script wrote."""
+    _ran_with.value = (args, kwargs)
+
+
+def rewritten_arguments() -> tuple[tuple, dict] | None:
+    """(args, kwargs) the op a handler's run_op just ran was run with by a mode below, or None: as passed."""
+    return getattr(_ran_with, "value", None)
+
+
 def _modes_waiting() -> list:
     modes = getattr(_waiting_for_engine, "modes", None)
     if modes is None:
@@ -144,6 +161,7 @@ class ApiMode(TorchFunctionMode):
         ran: list = []
 
         def run_op(*op_args, **op_kwargs):
+            _ran_with.value = None  # (a rewrite said for an op no handler saw)
             try:
                 result = func(*op_args, **op_kwargs)
             except BaseException as exc:

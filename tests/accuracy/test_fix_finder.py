@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from npukit.accuracy.compare import Thresholds
+from npukit.accuracy.compare import WARN, Thresholds
 from npukit.accuracy.fix_finder import Trial, TrialRunner, find_fix
 from npukit.accuracy.fixes import FixChange, PrecisionFix, PrecisionFixSession, module_matches
 from npukit.errors import UserError
@@ -438,6 +438,74 @@ def test_a_finite_fill_replaces_infinity_by_the_dtypes_extreme(npu):
     with PrecisionFixSession(PrecisionFix([FixChange("finite_fill", "Tensor.masked_fill", "")])):
         filled = scores.masked_fill(mask, float("-inf"))
     assert filled.min().item() == torch.finfo(torch.float16).min and torch.isfinite(filled).all()
+
+
+class MaskedOffset(nn.Module):
+    """Causal attention filled with -inf, then OFFSET_LINEAR's small signal on fc's large bias, which
+    fp16 autocast loses (the centring reveals it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.fc, self.head = nn.Linear(16, 48), nn.Linear(16, 16), nn.Linear(16, 4)
+        with torch.no_grad():
+            self.fc.bias.fill_(3000.0)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).triu(1)
+        att = (q @ k.transpose(-1, -2) / 4).masked_fill(causal, float("-inf"))
+        h = self.fc(att.softmax(-1) @ v)
+        return self.head(h - h.mean(-1, keepdim=True))
+
+
+def _trial_compare(tmp_path, changes: list[FixChange]):
+    """A golden fp32 dump and a fix-finder trial's dump (fp16 autocast, `changes` applied by the fix
+    session below the dump, as npu-run enters them), compared."""
+    from npukit.accuracy.compare import compare_dirs
+    from npukit.accuracy.dump import DumpSession
+    from npukit.npu_backend import numerics
+
+    for side in ("golden", "trial"):
+        golden = side == "golden"
+        torch.manual_seed(0)
+        model = MaskedOffset().npu()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        with numerics.golden() if golden else PrecisionFixSession(PrecisionFix(changes)), \
+                DumpSession(tmp_path / side, mode="tensor"):
+            torch.manual_seed(1)
+            with torch.autocast("npu", dtype=torch.float32 if golden else torch.float16):
+                loss = model(torch.randn(2, 8, 16, device="npu")).float().pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    return compare_dirs(tmp_path / "golden", tmp_path / "trial", workers=1)
+
+
+FINITE_FILL = FixChange("finite_fill", "Tensor.masked_fill", "")
+
+
+@pytest.mark.slow  # (three trials dumped in tensor mode, each with its golden, and compared: 2.5-8 s)
+def test_a_trial_that_made_the_fill_finite_names_the_op_still_off_not_the_fill(tmp_path, npu):
+    """The dump recorded the script's -inf while the op filled finfo(fp16).min: the compare named
+    Tensor.masked_fill.0.forward ('output error inf while its inputs match exactly') in every trial with
+    finite_fill where another op was still off, so the fix finder's all-candidates trial failed and no
+    fix was found (karpathy/minGPT). The trial names the op still off, as it does without finite_fill."""
+    from npukit.accuracy.fix_finder import judge
+
+    without = _trial_compare(tmp_path / "without", []).pairs[0].divergence
+    assert without is not None and without.entry != "Tensor.masked_fill.0.forward"
+    result = _trial_compare(tmp_path / "with", [FINITE_FILL])
+    [pair] = result.pairs
+    assert pair.divergence is not None and pair.divergence.entry == without.entry, pair.divergence.reason
+    dump = json.loads(next((tmp_path / "with" / "trial").rglob("dump.json")).read_text())
+    assert dump["data"]["Tensor.masked_fill.0.forward"]["input_args"][2] == {
+        "type": "float", "value": torch.finfo(torch.float16).min}  # the fill the op ran with
+    filled = next(row for row in pair.rows if row.name == "Tensor.masked_fill.0.forward.output.0")
+    assert filled.verdict == WARN and "a finite fill for an infinite one" in filled.message
+    # with fc in fp32 too (all candidates), the trial fixes it: nothing differs beyond the fill
+    fixed = _trial_compare(tmp_path / "both", [FINITE_FILL, FixChange("fp32", "Functional.linear", "fc")])
+    assert fixed.pairs[0].divergence is None and not fixed.failed()
+    assert judge(fixed, [FINITE_FILL], "Tensor.masked_fill.0.forward").fixed
 
 
 @pytest.mark.parametrize(("content", "message"), [
